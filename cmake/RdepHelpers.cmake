@@ -1,0 +1,47 @@
+# rdep_library(NAME SRCS ... [CUDA_SRCS ...] DEPS ...): one component library, installed and exported.
+# rdep_test(NAME SRCS ... DEPS ...): a GoogleTest binary registered with CTest.
+set(RDEP_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion)
+set(RDEP_EXPORTED_TARGETS "" CACHE INTERNAL "")
+
+function(rdep_set_options target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:${RDEP_WARNINGS}>
+    $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo -Xptxas=-warn-spills,-warn-lmem-usage --expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra>)
+  if(RDEP_DEBUG_SYNC)
+    target_compile_definitions(${target} PRIVATE RDEP_DEBUG_SYNC=1)
+  endif()
+endfunction()
+
+function(rdep_library name)
+  cmake_parse_arguments(A "" "" "SRCS;CUDA_SRCS;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(srcs ${A_SRCS})
+  if(RDEP_HAVE_CUDA)
+    list(APPEND srcs ${A_CUDA_SRCS})
+  endif()
+  add_library(rdep_${name} ${srcs})
+  add_library(rdep::${name} ALIAS rdep_${name})
+  set_target_properties(rdep_${name} PROPERTIES EXPORT_NAME ${name} CUDA_SEPARABLE_COMPILATION OFF)
+  target_include_directories(rdep_${name} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src>
+    $<INSTALL_INTERFACE:include>)
+  target_link_libraries(rdep_${name} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+  if(RDEP_HAVE_CUDA)
+    target_compile_definitions(rdep_${name} PUBLIC RDEP_HAVE_CUDA=1)
+  endif()
+  rdep_set_options(rdep_${name})
+  set(RDEP_EXPORTED_TARGETS ${RDEP_EXPORTED_TARGETS} rdep_${name} CACHE INTERNAL "")
+endfunction()
+
+function(rdep_test name)
+  if(NOT RDEP_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(A "" "" "SRCS;DEPS" ${ARGN})
+  add_executable(${name} ${A_SRCS})
+  target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main Threads::Threads)
+  rdep_set_options(${name})
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 600)
+endfunction()
+
+include(GoogleTest)

@@ -1,0 +1,140 @@
+#include "rdep/core/routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+#include <sstream>
+
+#include "rdep/core/random.h"
+
+namespace rdep {
+
+Status RankRouting::Validate(const LayerShape& shape) const {
+  auto bad = [&](const std::string& what) { return InvalidArgument("routing: " + what); };
+  if (num_tokens < 0 || num_tokens > shape.tokens)
+    return bad("num_tokens " + std::to_string(num_tokens) + " outside [0, T=" + std::to_string(shape.tokens) + "]");
+  if (topk != shape.topk) return bad("topk " + std::to_string(topk) + " != shape K=" + std::to_string(shape.topk));
+  const auto n = static_cast<size_t>(num_tokens * topk);
+  if (experts.size() != n || gates.size() != n)
+    return bad("expected " + std::to_string(n) + " expert ids and gates (num_tokens*K), got " +
+               std::to_string(experts.size()) + " and " + std::to_string(gates.size()));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t k = 0; k < topk; ++k) {
+      const auto i = static_cast<size_t>(t * topk + k);
+      const int32_t e = experts[i];
+      if (e < 0 || e >= shape.experts)
+        return bad("token " + std::to_string(t) + " slot " + std::to_string(k) + " chose expert " + std::to_string(e) +
+                   " outside [0, E=" + std::to_string(shape.experts) + ")");
+      if (!std::isfinite(gates[i]) || gates[i] < 0.f)
+        return bad("token " + std::to_string(t) + " slot " + std::to_string(k) + " has a negative or non-finite gate");
+      for (int64_t k2 = 0; k2 < k; ++k2)
+        if (experts[static_cast<size_t>(t * topk + k2)] == e)
+          return bad("token " + std::to_string(t) + " chose expert " + std::to_string(e) + " twice");
+    }
+  }
+  return Status::Ok();
+}
+
+std::vector<int64_t> ExpertLoads(const Routing& routing, int64_t num_experts) {
+  std::vector<int64_t> load(static_cast<size_t>(num_experts), 0);
+  for (const auto& rr : routing)
+    for (int32_t e : rr.experts) ++load[static_cast<size_t>(e)];
+  return load;
+}
+
+std::vector<int64_t> LoadMatrix(const Routing& routing, int64_t num_experts) {
+  std::vector<int64_t> m(routing.size() * static_cast<size_t>(num_experts), 0);
+  for (size_t r = 0; r < routing.size(); ++r)
+    for (int32_t e : routing[r].experts) ++m[r * static_cast<size_t>(num_experts) + static_cast<size_t>(e)];
+  return m;
+}
+
+StatusOr<RoutingSpec> RoutingSpec::Parse(const std::string& text) {
+  RoutingSpec s;
+  if (text == "uniform") {
+    s.family = Family::kUniform;
+  } else if (text == "one-expert") {
+    s.family = Family::kOneExpert;
+  } else if (text == "sparse") {
+    s.family = Family::kSparse;
+  } else if (text.rfind("zipf:", 0) == 0) {
+    s.family = Family::kZipf;
+    const std::string a = text.substr(5);
+    char* end = nullptr;
+    s.alpha = std::strtod(a.c_str(), &end);
+    if (a.empty() || *end != '\0' || !std::isfinite(s.alpha) || s.alpha < 0)
+      return InvalidArgument("routing: zipf exponent must be a finite number >= 0, got '" + a + "'");
+  } else {
+    return InvalidArgument("routing: unknown family '" + text + "' (expected uniform, zipf:ALPHA, one-expert, sparse)");
+  }
+  return s;
+}
+
+std::string RoutingSpec::name() const {
+  switch (family) {
+    case Family::kUniform: return "uniform";
+    case Family::kOneExpert: return "one-expert";
+    case Family::kSparse: return "sparse";
+    case Family::kZipf: {
+      std::ostringstream os;
+      os << "zipf:" << alpha;
+      return os.str();
+    }
+  }
+  return "?";
+}
+
+StatusOr<Routing> GenerateRouting(const LayerShape& shape, const RoutingSpec& spec) {
+  RDEP_RETURN_IF_ERROR(shape.Validate());
+  const int64_t E = shape.experts, K = shape.topk;
+  // Log-popularity per expert; -inf marks an expert that receives no traffic.
+  std::vector<double> logp(static_cast<size_t>(E), 0.0);
+  if (spec.family == RoutingSpec::Family::kZipf) {
+    std::vector<int64_t> perm(static_cast<size_t>(E));
+    std::iota(perm.begin(), perm.end(), 0);
+    Rng prng(spec.seed, 0xFFFF);
+    for (int64_t i = E - 1; i > 0; --i) std::swap(perm[static_cast<size_t>(i)], perm[prng.below(static_cast<uint64_t>(i + 1))]);
+    for (int64_t i = 0; i < E; ++i) logp[static_cast<size_t>(perm[static_cast<size_t>(i)])] = -spec.alpha * std::log(static_cast<double>(i + 1));
+  } else if (spec.family == RoutingSpec::Family::kSparse) {
+    int64_t active = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const bool on = (e % 2 == 0) || (E - e <= K - active);  // keep at least K experts active
+      logp[static_cast<size_t>(e)] = on ? 0.0 : -INFINITY;
+      active += on;
+    }
+  }
+  Routing routing(static_cast<size_t>(shape.ranks));
+  std::vector<std::pair<double, int32_t>> keys(static_cast<size_t>(E));
+  for (int64_t r = 0; r < shape.ranks; ++r) {
+    RankRouting& rr = routing[static_cast<size_t>(r)];
+    rr.topk = K;
+    rr.num_tokens = (r == spec.empty_rank) ? 0 : shape.tokens;
+    rr.experts.resize(static_cast<size_t>(rr.num_tokens * K));
+    rr.gates.resize(rr.experts.size());
+    Rng rng(spec.seed, static_cast<uint64_t>(r));
+    for (int64_t t = 0; t < rr.num_tokens; ++t) {
+      int32_t* ex = rr.experts.data() + t * K;
+      if (spec.family == RoutingSpec::Family::kOneExpert) {
+        for (int64_t k = 0; k < K; ++k) ex[k] = static_cast<int32_t>(k);
+      } else {
+        // Gumbel top-K: K draws without replacement, proportional to popularity.
+        for (int64_t e = 0; e < E; ++e)
+          keys[static_cast<size_t>(e)] = {logp[static_cast<size_t>(e)] + rng.gumbel(), static_cast<int32_t>(e)};
+        std::partial_sort(keys.begin(), keys.begin() + K, keys.end(),
+                          [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+        for (int64_t k = 0; k < K; ++k) ex[k] = keys[static_cast<size_t>(k)].second;
+      }
+      float* g = rr.gates.data() + t * K;
+      double mx = -INFINITY;
+      std::vector<double> z(static_cast<size_t>(K));
+      for (int64_t k = 0; k < K; ++k) mx = std::max(mx, z[static_cast<size_t>(k)] = rng.normal());
+      double sum = 0;
+      for (auto& v : z) sum += (v = std::exp(v - mx));
+      for (int64_t k = 0; k < K; ++k) g[k] = static_cast<float>(z[static_cast<size_t>(k)] / sum);
+    }
+  }
+  return routing;
+}
+
+}  // namespace rdep
