@@ -1,0 +1,69 @@
+// The SwiGLU expert MLP for one row, host side, in any floating type (double for the reference,
+// float for the host backend):  E(x) = W2 . (silu(x.W1g) * x.W1u)
+// Weight layout of one expert (row-major, the layout the CUDA kernels use too):
+//   w1 [H][2F]: columns [0, F) are the gate projection W1g, columns [F, 2F) the up projection W1u
+//   w2 [F][H]
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace rdep::mlp {
+
+template <typename T>
+inline T sigmoid(T a) { return T(1) / (T(1) + std::exp(-a)); }
+
+// h[2F] = x . w1 (pre-activations), z[F] = silu(h_g) * h_u, out[H] = z . w2.
+// Weights are stored as W (float) and accumulated in Acc.
+template <typename Acc, typename X, typename Wt>
+void Forward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, Acc* h, Acc* z, Acc* out) {
+  for (int64_t c = 0; c < 2 * F; ++c) h[c] = Acc(0);
+  for (int64_t i = 0; i < H; ++i) {
+    const Acc xi = static_cast<Acc>(x[i]);
+    const Wt* row = w1 + i * 2 * F;
+    for (int64_t c = 0; c < 2 * F; ++c) h[c] += xi * static_cast<Acc>(row[c]);
+  }
+  for (int64_t f = 0; f < F; ++f) z[f] = h[f] * sigmoid(h[f]) * h[F + f];
+  for (int64_t o = 0; o < H; ++o) out[o] = Acc(0);
+  for (int64_t f = 0; f < F; ++f) {
+    const Wt* row = w2 + f * H;
+    for (int64_t o = 0; o < H; ++o) out[o] += z[f] * static_cast<Acc>(row[o]);
+  }
+}
+
+// Backward of one row given dout[H] (the gradient at the expert output, gate already applied),
+// the saved pre-activations h[2F] and x. Accumulates dw1 += x^T dh, dw2 += z^T dout, and writes dx.
+// scratch needs 3F entries.
+template <typename Acc, typename X, typename Wt, typename G>
+void Backward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, const Acc* h, const Acc* dout,
+              G* dw1, G* dw2, Acc* dx, Acc* scratch) {
+  Acc* z = scratch;
+  Acc* dh = scratch + F;  // [2F]
+  for (int64_t f = 0; f < F; ++f) z[f] = h[f] * sigmoid(h[f]) * h[F + f];
+  for (int64_t f = 0; f < F; ++f) {
+    const Wt* row = w2 + f * H;
+    G* drow = dw2 + f * H;
+    Acc dz = Acc(0);
+    for (int64_t o = 0; o < H; ++o) {
+      dz += dout[o] * static_cast<Acc>(row[o]);
+      drow[o] += static_cast<G>(z[f] * dout[o]);
+    }
+    const Acc a = h[f], b = h[F + f], s = sigmoid(a);
+    const Acc silu = a * s, dsilu = s * (Acc(1) + a * (Acc(1) - s));
+    dh[f] = dz * b * dsilu;
+    dh[F + f] = dz * silu;
+  }
+  for (int64_t i = 0; i < H; ++i) {
+    const Acc xi = static_cast<Acc>(x[i]);
+    const Wt* row = w1 + i * 2 * F;
+    G* drow = dw1 + i * 2 * F;
+    Acc acc = Acc(0);
+    for (int64_t c = 0; c < 2 * F; ++c) {
+      acc += dh[c] * static_cast<Acc>(row[c]);
+      drow[c] += static_cast<G>(xi * dh[c]);
+    }
+    dx[i] = acc;
+  }
+}
+
+}  // namespace rdep::mlp
