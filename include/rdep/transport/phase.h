@@ -1,0 +1,21 @@
+// Phases of the RDEP protocol, named in barrier errors ("rank 2 did not arrive at dispatch.counts").
+#pragma once
+
+#include <cstdint>
+
+namespace rdep {
+
+enum class Phase : uint16_t {
+  kSmoke = 1,             // bootstrap check: every rank reaches a barrier
+  kDispatchCounts,        // phase 1: sources published per-owner counts
+  kDispatchOffsets,       // phase 2: owners published admitted counts and write bases
+  kDispatchSegment,       // phase 3 (per segment): payload + sideband scattered
+  kReturnDone,            // every returned row has landed at its front-end
+  kBackwardSegment,       // backward, per segment: dy scattered to owners
+  kBackwardDone,          // every dx row has landed at its front-end
+  kTest,                  // used by tests
+};
+
+const char* PhaseName(Phase phase);
+
+}  // namespace rdep
