@@ -1,0 +1,66 @@
+// The UltraEP quota planner (seeds 001 Algorithm 1): from the exact load matrix Lambda it solves a
+// threshold tau by binary search with a greedy feasibility oracle, materializes replicas into the
+// redundant slots with their quotas, then reroutes with locality and deterministic rounding.
+// Everything is integer arithmetic, so the GPU planner (gpu_planner.h) reproduces it bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+#include "rdep/balance/plan.h"
+#include "rdep/core/ownership.h"
+#include "rdep/status.h"
+
+namespace rdep {
+
+struct QuotaConfig {
+  int32_t num_slots = 2;   // N_slot: redundant slots per rank (0 disables replication)
+  int64_t min_quota = 1;   // u_min: a new replica must carry at least this many rows (>= 1)
+  bool locality = true;    // a host's own rows consume its instance's quota first
+
+  // Rejects negative slots, more slots than experts, min_quota < 1.
+  Status Validate(int32_t num_experts) const;
+};
+std::ostream& operator<<(std::ostream& os, const QuotaConfig& c);
+
+// One accepted transfer of the greedy oracle: delta rows of expert e move from its main instance to a
+// new replica on rank t, in redundant slot s of t. Transfers come in creation order.
+struct QuotaTransfer {
+  int32_t expert = 0;
+  int32_t rank = 0;
+  int32_t slot = 0;
+  int64_t amount = 0;
+  friend bool operator==(const QuotaTransfer&, const QuotaTransfer&) = default;
+};
+
+// SolveReplication's result: the threshold and the transfers of the last feasible probe.
+struct ReplicationResult {
+  int64_t threshold = 0;        // tau*: every rank's post-balance load is <= tau*
+  int32_t num_probes = 0;       // oracle calls made by the binary search
+  std::vector<QuotaTransfer> transfers;
+};
+
+// Binary search on tau in [ceil(sum_r l_r / R), max_r l_r] with the greedy oracle. Ties are broken
+// by lower rank / expert id: overloaded ranks by descending (load, -rank); their main experts by
+// descending (load, -expert); the target is the admissible rank with the largest slack (lowest id on
+// ties); admissible = positive slack, a free slot, no instance of the expert yet.
+StatusOr<ReplicationResult> SolveReplication(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                             const QuotaConfig& config);
+
+// Builds the plan's instance tables from transfers (main first, then replicas in transfer order).
+// Leaves route empty.
+StatusOr<BalancePlan> MaterializeReplication(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                             int32_t num_slots, const ReplicationResult& replication);
+
+// SolveReroute: fills plan->route. Per expert: locality first (the host's own rows, up to its quota),
+// then each source (ascending rank) splits its residual demand over the residual quotas in
+// proportion to them, floor plus largest remainder (ties to the lower instance), and the residual
+// quotas shrink by what it took. Preserves per-source demand and per-instance quota exactly.
+Status SolveReroute(const std::vector<int64_t>& load, bool locality, BalancePlan* plan);
+
+// The whole of Algorithm 1 on the host: SolveReplication, MaterializeReplication, SolveReroute.
+StatusOr<BalancePlan> SolveQuotaPlan(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                     const QuotaConfig& config);
+
+}  // namespace rdep
