@@ -166,15 +166,15 @@ StatusOr<int64_t> NodeCapForBudget(CrossNodeArgs args, double budget_s) {
 std::ostream& operator<<(std::ostream& os, const CrossNode& c) {
   const auto flags = os.flags();
   const auto prec = os.precision();
-  os << std::fixed << std::setprecision(2) << "distinct nodes/token " << c.distinct_nodes << " (remote "
+  os << std::fixed << std::setprecision(2) << "  distinct nodes/token " << c.distinct_nodes << " (remote "
      << c.remote_nodes << ")\n"
-     << std::setprecision(0) << "IB rows/dispatch     " << c.ib_rows << "\n"
-     << std::setprecision(1) << "IB bytes/dispatch    " << c.ib_bytes / 1e6 << " MB (round trip "
+     << std::setprecision(0) << "  IB rows/dispatch     " << c.ib_rows << "\n"
+     << std::setprecision(1) << "  IB bytes/dispatch    " << c.ib_bytes / 1e6 << " MB (round trip "
      << c.ib_round_trip_bytes / 1e6 << " MB)\n"
-     << std::setprecision(0) << "NVLink rows/dispatch " << c.nvlink_rows << "\n"
-     << std::setprecision(3) << "IB time              " << c.ib_time_s * 1e3 << " ms (round trip)\n"
-     << "NVLink time          " << c.nvlink_time_s * 1e3 << " ms (round trip)\n"
-     << "wall time            " << c.wall_time_s * 1e3 << " ms (max of the two links)\n";
+     << std::setprecision(0) << "  NVLink rows/dispatch " << c.nvlink_rows << "\n"
+     << std::setprecision(3) << "  IB time              " << c.ib_time_s * 1e3 << " ms (round trip)\n"
+     << "  NVLink time          " << c.nvlink_time_s * 1e3 << " ms (round trip)\n"
+     << "  wall time            " << c.wall_time_s * 1e3 << " ms (max of the two links)\n";
   os.flags(flags);
   os.precision(prec);
   return os;
