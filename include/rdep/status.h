@@ -61,6 +61,7 @@ class [[nodiscard]] StatusOr {
   const T& value() const& { return *value_; }
   T&& value() && { return std::move(*value_); }
   T& operator*() & { return *value_; }
+  T&& operator*() && { return std::move(*value_); }
   const T& operator*() const& { return *value_; }
   T* operator->() { return &*value_; }
   const T* operator->() const { return &*value_; }
@@ -75,11 +76,12 @@ class [[nodiscard]] StatusOr {
 #define RDEP_CONCAT_INNER_(a, b) a##b
 #define RDEP_CONCAT_(a, b) RDEP_CONCAT_INNER_(a, b)
 
-#define RDEP_RETURN_IF_ERROR(expr)                  \
-  do {                                              \
-    ::rdep::Status rdep_status_ = (expr);           \
-    if (!rdep_status_.ok()) return rdep_status_;    \
+#define RDEP_RETURN_IF_ERROR_IMPL_(tmp, expr) \
+  do {                                        \
+    ::rdep::Status tmp = (expr);              \
+    if (!tmp.ok()) return tmp;                \
   } while (0)
+#define RDEP_RETURN_IF_ERROR(expr) RDEP_RETURN_IF_ERROR_IMPL_(RDEP_CONCAT_(rdep_status_, __COUNTER__), expr)
 
 #define RDEP_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                \
@@ -87,4 +89,4 @@ class [[nodiscard]] StatusOr {
   lhs = std::move(tmp).value()
 
 #define RDEP_ASSIGN_OR_RETURN(lhs, expr) \
-  RDEP_ASSIGN_OR_RETURN_IMPL_(RDEP_CONCAT_(rdep_statusor_, __LINE__), lhs, expr)
+  RDEP_ASSIGN_OR_RETURN_IMPL_(RDEP_CONCAT_(rdep_statusor_, __COUNTER__), lhs, expr)

@@ -1,0 +1,87 @@
+// MoE layer on the host backend: the RDEP execution model end to end on a HostDomain, in fp32.
+//
+// Forward (collective; every rank calls it from its thread inside HostDomain::Run):
+//   route rows -> phase 1 counts -> barrier -> phase 2 owner scan + capacity -> barrier ->
+//   per segment: phase 3 scatter (token payload + row sideband) -> barrier -> owner expands tokens
+//   into expert-grouped rows, runs the SwiGLU expert MLP, writes each output row to its front-end at
+//   the slot decoded from row_id -> ... -> barrier -> front-end combine y_t = sum_k g'_k f_k in slot
+//   order with fp32 accumulation.
+// Backward traverses the saved routing context (accepted set, stream positions, gates): dy crosses
+// once per (token, owner), owners compute dgrad and wgrad (fp32, rows in a fixed order, so results
+// are bitwise identical for every segment size), dx rows return by row_id, and the front-end computes
+// dgate (w.r.t. the router's gates, through the capacity renormalization).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "rdep/core/capacity.h"
+#include "rdep/core/ownership.h"
+#include "rdep/core/reference.h"
+#include "rdep/core/routing.h"
+#include "rdep/layer/layer_config.h"
+#include "rdep/status.h"
+#include "rdep/transport/host_domain.h"
+
+namespace rdep {
+
+// What owners compute. kSentinel replaces the MLP by an identity-revealing echo for the dispatch
+// invariants check: out[0] = row_id mod 2^24, out[1] = row_id >> 24, out[2] = owner rank,
+// out[3] = global expert id, out[c] = x[c] for c >= 4 (fields beyond H are dropped).
+enum class ExpertKind { kSwiGLU, kSentinel };
+
+// One row as an owner grouped it (recorded when tracing is on).
+struct OwnerTraceEntry {
+  uint64_t row_id;
+  int32_t local_expert;
+  int32_t segment;
+  int64_t group_position;  // index among the segment's expert-grouped rows
+};
+
+class HostMoELayer {
+ public:
+  // Each rank keeps a copy of its own experts' slices of `weights`.
+  static StatusOr<std::unique_ptr<HostMoELayer>> Create(HostDomain& domain, const LayerConfig& config,
+                                                        const OwnershipMap& ownership, const MoEWeights& weights);
+  ~HostMoELayer();
+
+  // Collective. x and y are [routing.num_tokens][H].
+  Status Forward(int32_t rank, const RankRouting& routing, std::span<const float> x, std::span<float> y);
+  // Collective, after Forward. dy, dx are [n][H]; dgates is [n][K]. Weight gradients of this call
+  // (overwritten, not accumulated) are in dw1(rank), dw2(rank).
+  Status Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);
+
+  const LayerConfig& config() const { return config_; }
+  const OwnershipMap& ownership() const { return ownership_; }
+  const RegionLayout& layout() const { return layout_; }
+  void set_expert_kind(ExpertKind kind) { kind_ = kind; }
+  void set_trace(bool on) { trace_ = on; }
+
+  // Per-rank results of the last call.
+  const RankAcceptance& acceptance(int32_t rank) const;       // front-end: accepted set, g'
+  int64_t segments(int32_t rank) const;                       // segments the last forward used
+  const std::vector<OwnerTraceEntry>& owner_trace(int32_t rank) const;
+  const std::vector<float>& expert_outputs(int32_t rank) const;  // [n*K][H] returned rows f_k(x_t), 0 if dropped
+  const std::vector<int64_t>& owner_rows_per_expert(int32_t rank) const;  // admitted rows per local expert
+  const std::vector<float>& dw1(int32_t rank) const;          // [E_loc][H][2F]
+  const std::vector<float>& dw2(int32_t rank) const;          // [E_loc][F][H]
+
+ private:
+  struct RankState;
+  HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership);
+  Status Exchange(int32_t rank, RankState& st, bool backward, std::span<const float> payload);
+  void OwnerSegment(int32_t rank, RankState& st, int64_t segment, bool backward);
+
+  HostDomain& domain_;
+  LayerConfig config_;
+  OwnershipMap ownership_;
+  RegionLayout layout_;
+  RegionId control_ = -1, payload_ = -1, sideband_ = -1, return_ = -1;
+  ExpertKind kind_ = ExpertKind::kSwiGLU;
+  bool trace_ = false;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+};
+
+}  // namespace rdep

@@ -1,0 +1,101 @@
+// The validation matrix over the paper's shapes and the odd cases: every check must pass.
+#include "rdep/layer/validation.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace rdep {
+namespace {
+
+struct Case {
+  const char* name;
+  LayerShape shape;
+  const char* routing;
+  double capacity;
+  int64_t segment;
+  int64_t empty_rank;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class HostValidation : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HostValidation, AllChecksPass) {
+  const Case& c = GetParam();
+  ValidationOptions o;
+  o.layer.shape = c.shape;
+  o.layer.capacity.capacity_factor = c.capacity;
+  o.layer.segment_tokens = c.segment;
+  auto spec = RoutingSpec::Parse(c.routing);
+  ASSERT_TRUE(spec.ok());
+  o.routing = *spec;
+  o.routing.seed = 11;
+  o.routing.empty_rank = c.empty_rank;
+  o.seed = 5;
+  auto rep = RunHostValidation(o);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << c.name << ": " << check.name << ": " << check.detail;
+  EXPECT_TRUE(rep->passed());
+  EXPECT_EQ(rep->checks.size(), 6u);
+  if (c.capacity > 0 && std::string(c.routing) != "uniform") {
+    EXPECT_GT(rep->dropped_rows, 0) << "capacity case must exercise drops";
+  }
+}
+
+LayerShape S(int64_t W, int64_t T, int64_t H, int64_t F, int64_t E, int64_t K) {
+  return LayerShape{.tokens = T, .hidden = H, .ffn = F, .experts = E, .topk = K, .ranks = W};
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, HostValidation,
+    ::testing::Values(
+        // The paper's invariants shape (T=256, H=256, E_loc=8) at W=4, K in {2,4}.
+        Case{"W4_T256_H256_Eloc8_K2", S(4, 256, 256, 32, 32, 2), "uniform", 0, 0, -1},
+        Case{"W4_T256_H256_Eloc8_K4", S(4, 256, 256, 32, 32, 4), "uniform", 0, 100, -1},
+        // The paper's gradient-parity shape (T=16, H=64, D_ff=128, E_loc=8).
+        Case{"W4_T16_H64_F128_Eloc8_K2", S(4, 16, 64, 128, 32, 2), "uniform", 0, 0, -1},
+        Case{"W4_T16_H64_F128_Eloc8_K4", S(4, 16, 64, 128, 32, 4), "zipf:1", 0, 5, -1},
+        // Odd shapes.
+        Case{"E_not_divisible_by_W", S(3, 24, 16, 8, 10, 3), "uniform", 0, 7, -1},
+        Case{"K1", S(4, 32, 16, 8, 8, 1), "uniform", 0, 0, -1},
+        Case{"K_equals_E", S(2, 16, 16, 8, 4, 4), "uniform", 0, 3, -1},
+        Case{"W1", S(1, 32, 16, 8, 4, 2), "uniform", 0, 0, -1},
+        Case{"W72_E128", S(72, 4, 8, 4, 128, 2), "uniform", 0, 0, -1},
+        Case{"fewer_experts_than_ranks", S(4, 16, 8, 4, 3, 2), "uniform", 0, 0, -1},
+        Case{"zero_tokens_on_a_rank", S(4, 32, 16, 8, 8, 2), "uniform", 0, 0, 2},
+        Case{"all_tokens_to_one_expert", S(4, 32, 16, 8, 8, 2), "one-expert", 0, 16, -1},
+        Case{"empty_experts", S(4, 32, 16, 8, 16, 3), "sparse", 0, 0, -1},
+        Case{"capacity_drops_zipf", S(4, 64, 16, 8, 16, 4), "zipf:1.5", 0.8, 0, -1},
+        Case{"capacity_drops_one_expert", S(4, 32, 16, 8, 8, 2), "one-expert", 1.0, 9, -1},
+        Case{"tiny_segments", S(3, 20, 8, 4, 6, 2), "zipf:1.2", 0, 1, -1}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+TEST(HostValidationErrors, BadConfigurationsAreRejectedWithReasons) {
+  ValidationOptions o;
+  o.layer.shape = S(4, 16, 8, 8, 8, 9);  // K > E
+  auto rep = RunHostValidation(o);
+  ASSERT_FALSE(rep.ok());
+  EXPECT_NE(rep.status().message().find("topk K must be <= experts E"), std::string::npos);
+  o.layer.shape = S(4, 16, 8, 8, 8, 2);
+  o.layer.capacity.capacity_factor = -1;
+  EXPECT_NE(RunHostValidation(o).status().message().find("capacity factor"), std::string::npos);
+  o.layer.capacity.capacity_factor = std::nan("");
+  EXPECT_FALSE(RunHostValidation(o).ok());
+  o.layer.capacity.capacity_factor = 0;
+  o.routing.empty_rank = 4;
+  EXPECT_NE(RunHostValidation(o).status().message().find("empty rank"), std::string::npos);
+  o.routing.empty_rank = -1;
+  o.layer.segment_tokens = -2;
+  EXPECT_NE(RunHostValidation(o).status().message().find("segment"), std::string::npos);
+}
+
+TEST(NormalizedError, ScalesAndCatchesNan) {
+  EXPECT_LE(NormalizedError({1.0f, 2.0f}, {1.0, 2.0}, 1e-3, 1e-4), 0.0);
+  EXPECT_GT(NormalizedError({1.1f}, {1.0}, 1e-3, 1e-4), 1.0);
+  EXPECT_TRUE(std::isinf(NormalizedError({NAN}, {1.0}, 1e-3, 1e-4)));
+  EXPECT_TRUE(std::isinf(NormalizedError({1.0f}, {1.0, 2.0}, 1e-3, 1e-4)));
+}
+
+}  // namespace
+}  // namespace rdep
