@@ -31,7 +31,6 @@ struct QuotaTransfer {
   int32_t rank = 0;
   int32_t slot = 0;
   int64_t amount = 0;
-  friend bool operator==(const QuotaTransfer&, const QuotaTransfer&) = default;
 };
 
 // SolveReplication's result: the threshold and the transfers of the last feasible probe.

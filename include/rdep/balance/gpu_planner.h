@@ -1,0 +1,50 @@
+// The GPU UltraEP quota planner: Algorithm 1 in one thread block with its state in shared memory.
+// Warps evaluate the binary search speculatively (warp w probes node w+1 of the next levels of the
+// search tree, so one round resolves log2(warps+1) levels), each probe runs the greedy oracle with a
+// warp-shuffle argmax over the ranks' slack; then one warp re-runs the solved threshold to record the
+// transfers, and the block builds the instance tables and the locality reroute (one thread per
+// expert). All integer arithmetic with the host planner's tie-breaking: the plan is bitwise the
+// same as SolveQuotaPlan's. Builds without CUDA return Unavailable.
+//   exercise: build-*/src/balance/balance_test --gtest_filter='GpuPlanner*'
+//             build-*/bin/rdep plan bench --device gpu --experts 256 --ranks 64 --slots 2
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rdep/balance/plan.h"
+#include "rdep/balance/quota_planner.h"
+#include "rdep/core/ownership.h"
+#include "rdep/core/stats.h"
+#include "rdep/status.h"
+
+namespace rdep {
+
+// True if this build has CUDA and a device is visible; otherwise false with the reason in *why.
+bool GpuPlannerAvailable(std::string* why);
+
+// Shape limits of the one-block planner: R <= 1024 and the per-probe state must fit shared memory.
+// Returns the dynamic shared memory bytes and the number of probe warps it would use.
+struct GpuPlannerConfig {
+  size_t shared_bytes = 0;
+  int32_t probe_warps = 0;  // 2^d - 1 warps probing d levels of the binary search per round
+};
+StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
+
+// Solves on the current device (copies the load in, the plan out). Same result as SolveQuotaPlan.
+StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                        const QuotaConfig& config);
+
+// Device solve time with the load already resident: `warmup` untimed solves, then `iters` solves each
+// timed with CUDA events (kernel only; the plan stays on the device, as in a layer).
+struct GpuPlannerTiming {
+  Summary solve_us;      // per-solve microseconds: p50, p99, ...
+  GpuPlannerConfig config;
+  std::string device_name;
+};
+StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                             const QuotaConfig& config, int32_t warmup, int32_t iters);
+
+}  // namespace rdep

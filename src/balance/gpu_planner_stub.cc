@@ -1,0 +1,24 @@
+// The GPU planner's entry points in a build without CUDA: they report Unavailable.
+#include "rdep/balance/gpu_planner.h"
+
+namespace rdep {
+
+bool GpuPlannerAvailable(std::string* why) {
+  if (why) *why = "rdep was built without CUDA (RDEP_ENABLE_CUDA=OFF or no nvcc)";
+  return false;
+}
+
+StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t, int32_t, int32_t) {
+  return Unavailable("GPU planner: rdep was built without CUDA");
+}
+
+StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>&, const OwnershipMap&, const QuotaConfig&) {
+  return Unavailable("GPU planner: rdep was built without CUDA");
+}
+
+StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>&, const OwnershipMap&, const QuotaConfig&,
+                                             int32_t, int32_t) {
+  return Unavailable("GPU planner: rdep was built without CUDA");
+}
+
+}  // namespace rdep
