@@ -596,6 +596,7 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
   if (err_flag != 0) return InternalError("GPU planner: reroute found residual demand above residual quota");
   GpuPlannerTiming t;
   t.solve_us = Summarize(us);
+  t.samples_us = us;
   t.config = p.cfg;
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) t.device_name = prop.name;

@@ -40,7 +40,8 @@ StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const 
 // Device solve time with the load already resident: `warmup` untimed solves, then `iters` solves each
 // timed with CUDA events (kernel only; the plan stays on the device, as in a layer).
 struct GpuPlannerTiming {
-  Summary solve_us;      // per-solve microseconds: p50, p99, ...
+  Summary solve_us;                 // per-solve microseconds: p50, p99, ...
+  std::vector<double> samples_us;   // the raw per-solve times
   GpuPlannerConfig config;
   std::string device_name;
 };
