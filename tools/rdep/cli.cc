@@ -21,6 +21,21 @@ bool Register(Command command) {
 
 const std::map<std::string, Command>& Registry() { return MutableRegistry(); }
 
+namespace {
+std::map<std::string, Command>& MutableBenchRegistry() {
+  static std::map<std::string, Command> registry;
+  return registry;
+}
+}  // namespace
+
+bool RegisterBench(Command command) {
+  const std::string name = command.name;
+  MutableBenchRegistry()[name] = std::move(command);
+  return true;
+}
+
+const std::map<std::string, Command>& BenchRegistry() { return MutableBenchRegistry(); }
+
 Flags::Flags(const Args& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];

@@ -26,6 +26,10 @@ struct Command {
 bool Register(Command command);
 const std::map<std::string, Command>& Registry();
 
+// `rdep bench <name>` subcommands register the same way, from tools/rdep/bench_NAME_command.cc.
+bool RegisterBench(Command command);
+const std::map<std::string, Command>& BenchRegistry();
+
 // Parses --name VALUE and --name=VALUE flags (and bare --switch for booleans). Positional arguments
 // are kept in order. Every lookup marks the flag as known; Finish() reports any flag never looked up.
 class Flags {

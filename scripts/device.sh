@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (the device tool): configure, build with every core, run the GPU tests and the
+# benchmarks named, and leave logs under $OUT. Prints a short summary last.
+#   bash scripts/device.sh --tests 'Cuda|Gpu' --bench 'build-dev/bin/rdep bench gemm --json $OUT/gemm.json'
+# Options (repeatable --bench; each runs in order, its output appended to $OUT/bench.log):
+#   --tests REGEX     ctest -R filter (default: every test)
+#   --targets "A B"   build only these targets (default: all)
+#   --bench "CMD"     a shell command to run after the tests
+#   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+TESTS="" TARGETS="" BENCH=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests) TESTS=$2; shift 2 ;;
+    --targets) TARGETS=$2; shift 2 ;;
+    --bench|--mpi) BENCH+=("$2"); shift 2 ;;
+    *) echo "device.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+BUILD=build-dev
+{
+  echo "== $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -12; nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+  python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' 2>&1 | tail -1
+  which mpirun 2>/dev/null && mpirun --version 2>/dev/null | head -1
+} >"$OUT/env.txt" 2>&1
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 || {
+  echo "configure with tests failed; retrying without tests" | tee -a "$OUT/build.log"
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRDEP_BUILD_TESTS=OFF >>"$OUT/build.log" 2>&1
+}
+if [ -n "$TARGETS" ]; then
+  cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS >>"$OUT/build.log" 2>&1; build_rc=$?
+else
+  cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1; build_rc=$?
+fi
+t1=$(date +%s)
+test_rc=-1
+if [ $build_rc -eq 0 ]; then
+  if [ -n "$TESTS" ]; then ctest --test-dir "$BUILD" -R "$TESTS" --output-on-failure >"$OUT/tests.log" 2>&1
+  else ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/tests.log" 2>&1; fi
+  test_rc=$?
+fi
+t2=$(date +%s)
+: >"$OUT/bench.log"
+for cmd in "${BENCH[@]}"; do
+  echo "\$ $cmd" >>"$OUT/bench.log"
+  (eval "$cmd") >>"$OUT/bench.log" 2>&1
+  echo "[rc=$?]" >>"$OUT/bench.log"
+done
+t3=$(date +%s)
+echo "===== summary (build ${build_rc} in $((t1 - t0))s, tests ${test_rc} in $((t2 - t1))s, bench $((t3 - t2))s)"
+head -3 "$OUT/env.txt" | tail -2
+[ $build_rc -ne 0 ] && grep -E "error|FAILED" "$OUT/build.log" | head -30
+[ -f "$OUT/tests.log" ] && { grep -E "Failed|\*\*\*|Skipped|SKIPPED" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log"; }
+tail -c 6000 "$OUT/bench.log"
