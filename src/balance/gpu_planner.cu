@@ -146,7 +146,8 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
           }
         }
         if (best_t == INT_MAX) break;
-        int64_t d = exc < best_s ? exc : static_cast<int64_t>(best_s);
+        int64_t d = exc > umin ? exc : umin;  // shed at least u_min (same as the host oracle)
+        d = d < best_s ? d : static_cast<int64_t>(best_s);
         d = d < cap ? d : cap;
         if (d < umin) break;
         if ((best_t & 31) == lane) {
@@ -161,7 +162,7 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
           dupmask |= 1u << (best_t >> 5);
         }
         ++nrec;
-        exc -= d;
+        exc = exc > d ? exc - d : 0;
         cap -= d;
         __syncwarp();
       }

@@ -73,13 +73,15 @@ bool Probe(const Prepared& p, int64_t tau, int32_t num_slots, int64_t min_quota,
             best = t;
           }
         if (best < 0) break;
-        const int64_t d = std::min({exc, best_slk, cap});
+        // Shed at least u_min (overshooting a smaller residual excess), never more than the
+        // target's slack or the expert's remaining load.
+        const int64_t d = std::min({std::max(exc, min_quota), best_slk, cap});
         if (d < min_quota) break;
         if (out) out->push_back(QuotaTransfer{e, best, used[Z(best)], d});
         used[Z(best)]++;
         dup[Z(best)] = e;
         slk[Z(best)] -= d;
-        exc -= d;
+        exc = exc > d ? exc - d : 0;
         cap -= d;
       }
     }
