@@ -33,8 +33,9 @@ struct Layout {
   size_t lam, ell, slk, node_lo, node_hi, rec_amount, misc64, n64;
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner, rank_order, expert_first, expert_order, used, feas, rec_e, rec_t, rec_s, rep_first, rep_count,
-      inst_off, misc32, n32;
-  __host__ __device__ Layout(int R, int E, int S, int pw) {
+      inst_off, misc32, stage, n32;
+  // staged: the load matrix is copied into shared memory as int32 (entries < 2^31 checked on host).
+  __host__ __device__ Layout(int R, int E, int S, int pw, bool staged) {
     const size_t r = static_cast<size_t>(R), e = static_cast<size_t>(E), rs = r * static_cast<size_t>(S);
     size_t o = 0;
     lam = o; o += e;
@@ -59,6 +60,7 @@ struct Layout {
     rep_count = o; o += e;
     inst_off = o; o += e + 1;
     misc32 = o; o += 4;  // any feasible, num records, num probes, error
+    stage = o; o += staged ? r * e : 0;
     n32 = o;
   }
   __host__ __device__ size_t bytes() const { return n64 * 8 + n32 * 4; }
@@ -67,7 +69,7 @@ struct Layout {
 struct KernelArgs {
   const int64_t* load;   // [R*E]
   const int32_t* owner;  // [E]
-  int R, E, S, pw;
+  int R, E, S, pw, staged;
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
@@ -82,13 +84,13 @@ struct KernelArgs {
   int64_t* inst_quota;      // [I_max]
   int32_t* slot_expert;     // [R*S]
   int64_t* route;           // [R*I] with the plan's I (<= I_max = E + R*S)
-  int64_t* scratch;         // [2*I_max]
+  int64_t* scratch;         // [3*I_max]: residual quota, take, local rows per instance
 };
 
 struct Shared {
   int64_t *lam, *ell, *slk, *node_lo, *node_hi, *rec_amount, *misc64;
   int32_t *owner, *rank_order, *expert_first, *expert_order, *used, *feas, *rec_e, *rec_t, *rec_s, *rep_first,
-      *rep_count, *inst_off, *misc32;
+      *rep_count, *inst_off, *misc32, *stage;
 };
 
 __device__ Shared Carve(char* base, const Layout& L) {
@@ -100,7 +102,7 @@ __device__ Shared Carve(char* base, const Layout& L) {
   s.owner = b32 + L.owner; s.rank_order = b32 + L.rank_order; s.expert_first = b32 + L.expert_first;
   s.expert_order = b32 + L.expert_order; s.used = b32 + L.used; s.feas = b32 + L.feas; s.rec_e = b32 + L.rec_e;
   s.rec_t = b32 + L.rec_t; s.rec_s = b32 + L.rec_s; s.rep_first = b32 + L.rep_first; s.rep_count = b32 + L.rep_count;
-  s.inst_off = b32 + L.inst_off; s.misc32 = b32 + L.misc32;
+  s.inst_off = b32 + L.inst_off; s.misc32 = b32 + L.misc32; s.stage = b32 + L.stage;
   return s;
 }
 
@@ -178,16 +180,25 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
 
 __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   extern __shared__ __align__(16) char smem[];
-  const Layout L(a.R, a.E, a.S, a.pw);
+  const Layout L(a.R, a.E, a.S, a.pw, a.staged != 0);
   const Shared s = Carve(smem, L);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int R = a.R, E = a.E;
+  // Phase 0: stage the load matrix (row-major [R][E]) into shared memory when it fits.
+  if (a.staged) {
+    for (size_t k = tid; k < static_cast<size_t>(R) * E; k += kThreads) s.stage[k] = static_cast<int32_t>(a.load[k]);
+    __syncthreads();
+  }
+  auto ld = [&](int r, int e) -> int64_t {
+    const size_t k = static_cast<size_t>(r) * E + e;
+    return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
+  };
 
   // Phase 1: expert loads, rank loads, the static visiting orders.
   for (int e = tid; e < E; e += kThreads) {
     s.owner[e] = a.owner[e];
     int64_t sum = 0;
-    for (int r = 0; r < R; ++r) sum += a.load[static_cast<size_t>(r) * E + e];
+    for (int r = 0; r < R; ++r) sum += ld(r, e);
     s.lam[e] = sum;
   }
   __syncthreads();
@@ -325,7 +336,9 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   // Phase 4: instance tables and the locality reroute, one thread per expert (same math as
   // SolveReroute: locality, then per source floor + largest remainder over the residual quotas).
   int64_t* ru_all = a.scratch;
-  int64_t* take_all = a.scratch + (static_cast<size_t>(E) + static_cast<size_t>(R) * a.S);
+  const size_t imax = static_cast<size_t>(E) + static_cast<size_t>(R) * a.S;
+  int64_t* take_all = a.scratch + imax;
+  int64_t* local_all = a.scratch + 2 * imax;
   for (int e = tid; e < E; e += kThreads) {
     const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
     int64_t moved = 0;
@@ -342,29 +355,30 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
     }
     if (k == 1) {
-      for (int r = 0; r < R; ++r) a.route[static_cast<size_t>(r) * I + b] = a.load[static_cast<size_t>(r) * E + e];
+      for (int r = 0; r < R; ++r) a.route[static_cast<size_t>(r) * I + b] = ld(r, e);
       continue;
     }
     auto host = [&](int i) { return i == 0 ? s.owner[e] : s.rec_t[f + i - 1]; };
     auto quota = [&](int i) { return i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1]; };
-    auto local = [&](int i) {
-      if (!a.locality) return static_cast<int64_t>(0);
-      const int64_t l = a.load[static_cast<size_t>(host(i)) * E + e], q = quota(i);
-      return l < q ? l : q;
-    };
     int64_t* ru = ru_all + b;
     int64_t* take = take_all + b;
+    int64_t* local = local_all + b;
     int64_t D = 0;
     for (int i = 0; i < k; ++i) {
-      const int64_t l = local(i);
+      int64_t l = 0;
+      if (a.locality) {
+        const int64_t lr = ld(host(i), e), q = quota(i);
+        l = lr < q ? lr : q;
+      }
+      local[i] = l;
       a.route[static_cast<size_t>(host(i)) * I + b + i] = l;
       ru[i] = quota(i) - l;
       D += ru[i];
     }
     for (int r = 0; r < R; ++r) {
-      int64_t d = a.load[static_cast<size_t>(r) * E + e];
+      int64_t d = ld(r, e);
       for (int i = 0; i < k; ++i)
-        if (host(i) == r) d -= local(i);
+        if (host(i) == r) d -= local[i];
       if (d == 0) continue;
       if (D <= 0) {
         a.out_misc[3] = 1;
@@ -418,6 +432,27 @@ Status Alloc(T** p, size_t n) {
   return Status::Ok();
 }
 
+StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, int32_t num_slots, bool stage_ok) {
+  if (num_experts < 1 || num_ranks < 1 || num_slots < 0)
+    return InvalidArgument("GPU planner: need E >= 1, R >= 1, N_slot >= 0");
+  if (num_ranks > kMaxRanks)
+    return InvalidArgument("GPU planner: R=" + std::to_string(num_ranks) + " exceeds the one-block limit of " +
+                           std::to_string(kMaxRanks));
+  int dev = 0, optin = 0;
+  RDEP_CUDA_RETURN(cudaGetDevice(&dev));
+  RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
+    for (bool staged : {true, false}) {
+      if (staged && !stage_ok) continue;
+      const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, staged).bytes();
+      if (bytes <= static_cast<size_t>(optin)) return GpuPlannerConfig{bytes, pw, staged};
+    }
+  }
+  return InvalidArgument("GPU planner: E=" + std::to_string(num_experts) + ", R=" + std::to_string(num_ranks) +
+                         ", N_slot=" + std::to_string(num_slots) + " does not fit one block's shared memory (" +
+                         std::to_string(optin) + " bytes)");
+}
+
 struct Prepared {
   int R = 0, E = 0, S = 0;
   GpuPlannerConfig cfg;
@@ -434,7 +469,9 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   p->R = owners.num_ranks();
   p->E = owners.num_experts();
   p->S = config.num_slots;
-  RDEP_ASSIGN_OR_RETURN(p->cfg, GpuPlannerCanImplement(p->E, p->R, p->S));
+  bool fits32 = true;
+  for (int64_t v : load) fits32 = fits32 && v <= INT32_MAX;
+  RDEP_ASSIGN_OR_RETURN(p->cfg, ChooseConfig(p->E, p->R, p->S, fits32));
   const size_t R = static_cast<size_t>(p->R), E = static_cast<size_t>(p->E), RS = R * static_cast<size_t>(p->S);
   const size_t imax = E + RS;
   DeviceBuffers& b = p->buf;
@@ -452,7 +489,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   RDEP_RETURN_IF_ERROR(Alloc(&b.inst_quota, imax));
   RDEP_RETURN_IF_ERROR(Alloc(&b.slot_expert, RS));
   RDEP_RETURN_IF_ERROR(Alloc(&b.route, R * imax));
-  RDEP_RETURN_IF_ERROR(Alloc(&b.scratch, 2 * imax));
+  RDEP_RETURN_IF_ERROR(Alloc(&b.scratch, 3 * imax));
   RDEP_CUDA_RETURN(cudaMemcpy(b.load, load.data(), R * E * sizeof(int64_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemcpy(b.owner, owners.owners().data(), E * sizeof(int32_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemset(b.misc, 0, 4 * sizeof(int64_t)));
@@ -465,6 +502,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.E = p->E;
   a.S = p->S;
   a.pw = p->cfg.probe_warps;
+  a.staged = p->cfg.staged_load ? 1 : 0;
   a.umin = config.min_quota;
   a.locality = config.locality ? 1 : 0;
   a.out_misc = b.misc;
@@ -510,22 +548,9 @@ bool GpuPlannerAvailable(std::string* why) {
 }
 
 StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots) {
-  if (num_experts < 1 || num_ranks < 1 || num_slots < 0)
-    return InvalidArgument("GPU planner: need E >= 1, R >= 1, N_slot >= 0");
-  if (num_ranks > kMaxRanks)
-    return InvalidArgument("GPU planner: R=" + std::to_string(num_ranks) + " exceeds the one-block limit of " +
-                           std::to_string(kMaxRanks));
-  int dev = 0, optin = 0;
-  RDEP_CUDA_RETURN(cudaGetDevice(&dev));
-  RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
-    const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw).bytes();
-    if (bytes <= static_cast<size_t>(optin)) return GpuPlannerConfig{bytes, pw};
-  }
-  return InvalidArgument("GPU planner: E=" + std::to_string(num_experts) + ", R=" + std::to_string(num_ranks) +
-                         ", N_slot=" + std::to_string(num_slots) + " does not fit one block's shared memory (" +
-                         std::to_string(optin) + " bytes)");
+  return ChooseConfig(num_experts, num_ranks, num_slots, true);
 }
+
 
 StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
                                         const QuotaConfig& config) {

@@ -79,6 +79,9 @@ TEST(GpuPlanner, MatchesHostOnEdgeCases) {
   std::vector<int64_t> one(8 * 32, 0);
   for (int r = 0; r < 8; ++r) one[static_cast<size_t>(r * 32 + 3)] = 1000 + r;
   loads.push_back(one);  // one expert holds all load
+  std::vector<int64_t> big(8 * 32, 1000);
+  big[5] = (int64_t{1} << 31) + 5;  // an entry above int32: the kernel reads the load from global memory
+  loads.push_back(big);
   for (const auto& load : loads) {
     QuotaConfig cfg;
     cfg.num_slots = 2;

@@ -111,6 +111,10 @@ StatusOr<ReplicationResult> SolveReplication(const std::vector<int64_t>& load, c
   RDEP_RETURN_IF_ERROR(ValidateLoad(load, owners));
   RDEP_RETURN_IF_ERROR(config.Validate(owners.num_experts()));
   const Prepared p = Prepare(load, owners);
+  for (int32_t e = 0; e < p.E; ++e)
+    if (p.lam[Z(e)] > kMaxExpertLoad)
+      return InvalidArgument("quota planner: expert " + std::to_string(e) + " has " + std::to_string(p.lam[Z(e)]) +
+                             " rows, above the exact-arithmetic limit " + std::to_string(kMaxExpertLoad));
   int64_t total = 0, hi = 0;
   for (int64_t l : p.ell) {
     total += l;

@@ -26,10 +26,12 @@ namespace rdep {
 bool GpuPlannerAvailable(std::string* why);
 
 // Shape limits of the one-block planner: R <= 1024 and the per-probe state must fit shared memory.
-// Returns the dynamic shared memory bytes and the number of probe warps it would use.
+// Returns the dynamic shared memory bytes and the number of probe warps it would use (staging the
+// load matrix in shared memory when it fits; entries must then be below 2^31).
 struct GpuPlannerConfig {
   size_t shared_bytes = 0;
   int32_t probe_warps = 0;  // 2^d - 1 warps probing d levels of the binary search per round
+  bool staged_load = false; // the load matrix is staged in shared memory (as int32)
 };
 StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
 

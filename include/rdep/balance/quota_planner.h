@@ -14,6 +14,10 @@
 
 namespace rdep {
 
+// Reroute rounding multiplies two row counts of one expert in int64: an expert's load must stay
+// below this (3e9 rows per layer and step; real layers are far below).
+constexpr int64_t kMaxExpertLoad = 3'000'000'000;
+
 struct QuotaConfig {
   int32_t num_slots = 2;   // N_slot: redundant slots per rank (0 disables replication)
   int64_t min_quota = 1;   // u_min: a new replica must carry at least this many rows (>= 1)
