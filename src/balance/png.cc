@@ -222,7 +222,9 @@ Status WriteBoxPlotPng(const std::string& path, const std::string& title, const 
   hi = std::ceil(hi / step) * step;
   if (hi <= lo) hi = lo + step;
   const int32_t col_w = 130, left = 80, right = 30, top = 40, bottom = 50, plot_h = 420;
-  const int32_t W = left + right + col_w * static_cast<int32_t>(series.size()), H = top + plot_h + bottom;
+  const int32_t W = std::max(left + right + col_w * static_cast<int32_t>(series.size()),
+                             left + Canvas::TextWidth(title, 2) + 20);
+  const int32_t H = top + plot_h + bottom;
   Canvas c(W, H);
   const Rgb black{0, 0, 0}, grey{220, 220, 220}, dark{90, 90, 90};
   const Rgb palette[] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40}, {148, 103, 189}, {140, 86, 75}};
