@@ -1,0 +1,346 @@
+// The GPU router (see include/rdep/kernels/router.h): one warp per token, softmax/sigmoid scores,
+// optional group limit, top-K by K rounds of a warp argmax, gates, and a block-local histogram.
+// Any change to the tie-breaking or the arithmetic of the host router (src/router/router.cc) must be
+// mirrored here; router_kernel_test (GpuRouter.*) checks the two against each other.
+// status.h's StatusOr assigns a Status in a constructor, which nvcc's front end flags (#2810) because
+// Status is [[nodiscard]]; the host compilers do not.
+#pragma nv_diag_suppress 2810
+#include "rdep/kernels/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "rdep/cuda/check.h"
+
+namespace rdep::kernels {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+struct Params {
+  const float* logits;          // [n][E]
+  const float* bias;            // [E] or nullptr
+  int32_t* experts;             // [n][K]
+  float* gates;                 // [n][K]
+  int32_t* tokens_per_expert;   // [E] or nullptr (zeroed by the launcher)
+  int64_t num_tokens;
+  int num_experts;
+  int topk;
+  int num_groups;   // 1 = no group limit
+  int group_size;   // E / num_groups
+  int topk_groups;
+  bool softmax;
+  bool normalize;
+  bool logit_keys;  // rank the logits themselves (fp32, no bias, no groups: the same order as the scores)
+  double scaling_factor;
+};
+
+template <typename T>
+__device__ __forceinline__ T Exp(T x);
+template <>
+__device__ __forceinline__ float Exp<float>(float x) { return expf(x); }
+template <>
+__device__ __forceinline__ double Exp<double>(double x) { return exp(x); }
+
+// exp(l - max) in Acc (the difference of two floats is exact in double, as on the host).
+template <typename Acc>
+__device__ __forceinline__ Acc SoftmaxNumerator(float l, float mx) {
+  return Exp<Acc>(static_cast<Acc>(l) - static_cast<Acc>(mx));
+}
+
+// The score of one expert: exp(l - max) / sum (softmax) or 1 / (1 + exp(-l)) (sigmoid). Always the
+// same arithmetic for the same logit, so a recomputed score equals the one that was ranked.
+template <typename Acc>
+__device__ __forceinline__ Acc ScoreOf(bool softmax, float l, float mx, Acc sum) {
+  if (softmax) return SoftmaxNumerator<Acc>(l, mx) / sum;
+  return Acc(1) / (Acc(1) + Exp<Acc>(-static_cast<Acc>(l)));
+}
+
+template <typename T>
+__device__ __forceinline__ T NegInf() { return -static_cast<T>(INFINITY); }
+
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+
+// (v, i) becomes the warp's best pair on every lane: the larger value wins, equal values go to the
+// lower index (indices are distinct across lanes, so this is a total order and the butterfly agrees).
+template <typename T>
+__device__ __forceinline__ void WarpArgMax(T& v, int& i) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    const T ov = __shfl_xor_sync(kFullMask, v, off);
+    const int oi = __shfl_xor_sync(kFullMask, i, off);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// Lane `lane` of a warp holds experts e = lane + 32*j, j < kVpt (coalesced row loads). Padding
+// (e >= E) and masked experts carry key -inf; K <= unmasked experts, so they are never chosen.
+//
+// Dynamic shared memory, in this order:
+//   keys  Acc[kWarpsPerBlock][E]   only with kGrouped: a warp's selection keys, for the group scan
+//   hist  int32[E]                 only with tokens_per_expert: the block's histogram
+template <int kVpt, typename Acc, bool kGrouped>
+__global__ void __launch_bounds__(kThreads) RouterTopKKernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_e = p.num_experts, k = p.topk;
+  Acc* warp_keys = reinterpret_cast<Acc*>(smem) + static_cast<size_t>(warp) * num_e;
+  int32_t* hist = reinterpret_cast<int32_t*>(smem + (kGrouped ? sizeof(Acc) * kWarpsPerBlock * num_e : 0));
+  const bool count = p.tokens_per_expert != nullptr;
+  if (count) {
+    for (int i = static_cast<int>(threadIdx.x); i < num_e; i += kThreads) hist[i] = 0;
+    __syncthreads();
+  }
+
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < p.num_tokens; t += warps_total) {
+    const float* row = p.logits + t * num_e;
+    // l: the logits; key: the selection keys. The scores themselves are not kept: the score of a
+    // chosen expert is recomputed from its logit by the same arithmetic (ScoreOf), which saves registers.
+    float l[kVpt];
+    Acc key[kVpt];
+#pragma unroll
+    for (int j = 0; j < kVpt; ++j) {
+      const int e = lane + kWarpSize * j;
+      l[j] = e < num_e ? __ldg(row + e) : -INFINITY;
+    }
+
+    // Scores, as the host computes them: exp(l - max) / sum, or 1 / (1 + exp(-l)).
+    float mx = 0.0f;
+    Acc sum = 1;
+    if (p.softmax) {
+      mx = l[0];
+#pragma unroll
+      for (int j = 1; j < kVpt; ++j) mx = fmaxf(mx, l[j]);
+      mx = WarpMax(mx);
+      sum = 0;
+#pragma unroll
+      for (int j = 0; j < kVpt; ++j) sum += lane + kWarpSize * j < num_e ? SoftmaxNumerator<Acc>(l[j], mx) : Acc(0);
+      sum = WarpSum(sum);
+    }
+#pragma unroll
+    for (int j = 0; j < kVpt; ++j) {
+      const int e = lane + kWarpSize * j;
+      if (e >= num_e) {
+        key[j] = NegInf<Acc>();
+      } else if (p.logit_keys) {
+        key[j] = static_cast<Acc>(l[j]);
+      } else {
+        const Acc s = ScoreOf<Acc>(p.softmax, l[j], mx, sum);
+        key[j] = p.bias != nullptr ? s + static_cast<Acc>(__ldg(p.bias + e)) : s;
+      }
+    }
+
+    if constexpr (kGrouped) {
+      // Group g = experts [g*gs, (g+1)*gs), scored by the sum of its two largest keys (one when gs = 1);
+      // lane g scores group g. Keep topk_groups groups, best first, ties to the lower group id.
+#pragma unroll
+      for (int j = 0; j < kVpt; ++j) {
+        const int e = lane + kWarpSize * j;
+        if (e < num_e) warp_keys[e] = key[j];
+      }
+      __syncwarp();
+      const int gs = p.group_size;
+      Acc group_score = NegInf<Acc>();
+      if (lane < p.num_groups) {
+        Acc a = NegInf<Acc>(), b = NegInf<Acc>();
+        for (int i = 0; i < gs; ++i) {
+          const Acc v = warp_keys[lane * gs + i];
+          if (v > a) {
+            b = a;
+            a = v;
+          } else if (v > b) {
+            b = v;
+          }
+        }
+        group_score = b == NegInf<Acc>() ? a : a + b;
+      }
+      __syncwarp();  // the next token overwrites warp_keys
+      int keep = 0;
+      for (int r = 0; r < p.topk_groups; ++r) {
+        Acc v = keep ? NegInf<Acc>() : group_score;
+        int g = lane;
+        WarpArgMax(v, g);
+        if (lane == g) keep = 1;
+      }
+#pragma unroll
+      for (int j = 0; j < kVpt; ++j) {
+        const int e = lane + kWarpSize * j;
+        const int g = e < num_e ? e / gs : 0;
+        const int kept = __shfl_sync(kFullMask, keep, g);
+        if (!kept) key[j] = NegInf<Acc>();
+      }
+    }
+
+    // Top-K: K rounds of a warp argmax; lane r keeps the r-th expert and its logit.
+    int my_expert = 0;
+    float my_logit = 0.0f;
+    for (int r = 0; r < k; ++r) {
+      Acc bv = key[0];
+      int bi = lane;
+#pragma unroll
+      for (int j = 1; j < kVpt; ++j) {
+        if (key[j] > bv) {  // strict: within a lane the ids ascend with j, so ties keep the lower id
+          bv = key[j];
+          bi = lane + kWarpSize * j;
+        }
+      }
+      WarpArgMax(bv, bi);
+      const int owner = bi % kWarpSize, slot = bi / kWarpSize;
+      float lv = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kVpt; ++j) {
+        if (j == slot) {
+          lv = l[j];
+          if (lane == owner) key[j] = NegInf<Acc>();
+        }
+      }
+      lv = __shfl_sync(kFullMask, lv, owner);
+      if (lane == r) {
+        my_expert = bi;
+        my_logit = lv;
+      }
+    }
+    const Acc my_score = lane < k ? ScoreOf<Acc>(p.softmax, my_logit, mx, sum) : Acc(0);
+
+    // Gates: c * s / sum over the top-K (fixed butterfly order: deterministic), or c * s.
+    const Acc total = WarpSum(my_score);
+    if (lane < k) {
+      Acc g = my_score;
+      if (p.normalize) g = g / total;
+      g = g * static_cast<Acc>(p.scaling_factor);
+      p.experts[t * k + lane] = my_expert;
+      p.gates[t * k + lane] = static_cast<float>(g);
+      if (count) atomicAdd(&hist[my_expert], 1);
+    }
+  }
+
+  if (count) {
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < num_e; i += kThreads)
+      if (hist[i] != 0) atomicAdd(&p.tokens_per_expert[i], hist[i]);
+  }
+}
+
+template <int kVpt, typename Acc, bool kGrouped>
+Status Launch(const Params& p, cudaStream_t stream) {
+  const auto kernel = RouterTopKKernel<kVpt, Acc, kGrouped>;
+  const size_t e = static_cast<size_t>(p.num_experts);
+  const size_t smem = (kGrouped ? sizeof(Acc) * kWarpsPerBlock * e : 0) +
+                      (p.tokens_per_expert != nullptr ? sizeof(int32_t) * e : 0);
+  int device = 0, sms = 0, per_sm = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int64_t wanted = (p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  const auto blocks = static_cast<unsigned>(std::min(wanted, resident));
+  kernel<<<blocks, kThreads, smem, stream>>>(p);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+// Turns E into the compile-time experts-per-lane count (1, 2, 4, 8 or 16).
+template <typename F>
+Status DispatchExpertsPerLane(int64_t num_experts, F&& f) {
+  if (num_experts <= 32) return f(std::integral_constant<int, 1>{});
+  if (num_experts <= 64) return f(std::integral_constant<int, 2>{});
+  if (num_experts <= 128) return f(std::integral_constant<int, 4>{});
+  if (num_experts <= 256) return f(std::integral_constant<int, 8>{});
+  if (num_experts <= 512) return f(std::integral_constant<int, 16>{});
+  return InvalidArgument("gpu router: no kernel for num_experts = " + std::to_string(num_experts));
+}
+
+}  // namespace
+
+Status GpuRouterDesc::Validate() const {
+  const std::string p = "gpu router: ";
+  if (num_experts < 1 || num_experts > kMaxRouterExperts)
+    return InvalidArgument(p + "num_experts must be in [1, " + std::to_string(kMaxRouterExperts) + "], got " +
+                           std::to_string(num_experts));
+  if (topk < 1 || topk > std::min(num_experts, kMaxRouterTopK))
+    return InvalidArgument(p + "topk must be in [1, min(num_experts, " + std::to_string(kMaxRouterTopK) + ")], got " +
+                           std::to_string(topk) + " with num_experts = " + std::to_string(num_experts));
+  if (!std::isfinite(scaling_factor) || scaling_factor <= 0)
+    return InvalidArgument(p + "scaling_factor must be finite and > 0");
+  if (num_groups < 1 || num_groups > kMaxRouterGroups)
+    return InvalidArgument(p + "num_groups must be in [1, " + std::to_string(kMaxRouterGroups) + "], got " +
+                           std::to_string(num_groups));
+  if (num_experts % num_groups != 0)
+    return InvalidArgument(p + "num_groups (" + std::to_string(num_groups) + ") does not divide num_experts (" +
+                           std::to_string(num_experts) + ")");
+  if (topk_groups < 1 || topk_groups > num_groups)
+    return InvalidArgument(p + "topk_groups must be in [1, num_groups=" + std::to_string(num_groups) + "], got " +
+                           std::to_string(topk_groups));
+  if (num_groups > 1 && topk > topk_groups * (num_experts / num_groups))
+    return InvalidArgument(p + "topk (" + std::to_string(topk) + ") exceeds the experts in topk_groups kept groups (" +
+                           std::to_string(topk_groups * (num_experts / num_groups)) + ")");
+  return Status::Ok();
+}
+
+std::ostream& operator<<(std::ostream& os, const GpuRouterDesc& d) {
+  os << "GpuRouterDesc{E=" << d.num_experts << " K=" << d.topk
+     << " score=" << (d.score == RouterScore::kSoftmax ? "softmax" : "sigmoid")
+     << " normalize_topk=" << (d.normalize_topk ? "yes" : "no") << " scale=" << d.scaling_factor;
+  if (d.num_groups > 1) os << " groups=" << d.topk_groups << "/" << d.num_groups;
+  return os << " precision=" << (d.fp64_scores ? "fp64" : "fp32") << "}";
+}
+
+Status LaunchRouterTopK(const GpuRouterDesc& desc, const float* logits, int64_t num_tokens, const float* bias,
+                        int32_t* experts, float* gates, int32_t* tokens_per_expert, cudaStream_t stream) {
+  RDEP_RETURN_IF_ERROR(desc.Validate());
+  if (num_tokens < 0) return InvalidArgument("gpu router: num_tokens must be >= 0, got " + std::to_string(num_tokens));
+  if (num_tokens > 0 && (logits == nullptr || experts == nullptr || gates == nullptr))
+    return InvalidArgument("gpu router: logits, experts and gates must be non-null when num_tokens > 0");
+  if (tokens_per_expert != nullptr)
+    RDEP_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * static_cast<size_t>(desc.num_experts), stream));
+  if (num_tokens == 0) return Status::Ok();
+
+  Params p{};
+  p.logits = logits;
+  p.bias = bias;
+  p.experts = experts;
+  p.gates = gates;
+  p.tokens_per_expert = tokens_per_expert;
+  p.num_tokens = num_tokens;
+  p.num_experts = static_cast<int>(desc.num_experts);
+  p.topk = static_cast<int>(desc.topk);
+  p.num_groups = static_cast<int>(desc.num_groups);
+  p.group_size = static_cast<int>(desc.num_experts / desc.num_groups);
+  p.topk_groups = static_cast<int>(desc.topk_groups);
+  p.softmax = desc.score == RouterScore::kSoftmax;
+  p.normalize = desc.normalize_topk;
+  const bool grouped = desc.num_groups > 1;
+  p.logit_keys = !desc.fp64_scores && bias == nullptr && !grouped;
+  p.scaling_factor = desc.scaling_factor;
+
+  return DispatchExpertsPerLane(desc.num_experts, [&](auto vpt) -> Status {
+    constexpr int kVpt = decltype(vpt)::value;
+    if (desc.fp64_scores)
+      return grouped ? Launch<kVpt, double, true>(p, stream) : Launch<kVpt, double, false>(p, stream);
+    return grouped ? Launch<kVpt, float, true>(p, stream) : Launch<kVpt, float, false>(p, stream);
+  });
+}
+
+}  // namespace rdep::kernels
