@@ -1,0 +1,112 @@
+// Fused element-wise kernels of the expert MLP: SwiGLU forward, SwiGLU backward (recomputing z for
+// dW2), and the pointer-table fill of the grouped-GEMM path. Each thread handles 8 consecutive
+// features (one 16-byte vector of bf16) of one row; the grid strides over rows x F/8 vectors.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/expert_mlp_kernels.cuh"
+
+namespace rdep::kernels::internal {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;  // bf16 per 16-byte vector
+
+union Vec8 {
+  uint4 raw;
+  __nv_bfloat162 pair[4];
+};
+
+__device__ __forceinline__ float Sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
+
+__global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ z,
+                                    int64_t num_vec, int64_t vec_per_row, int64_t F) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
+    // h row layout: [gate 0..F) [up F..2F)
+    const __nv_bfloat16* hr = h + row * 2 * F + col;
+    Vec8 g, u, out;
+    g.raw = *reinterpret_cast<const uint4*>(hr);
+    u.raw = *reinterpret_cast<const uint4*>(hr + F);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(g.pair[j]);
+      const float2 b = __bfloat1622float2(u.pair[j]);
+      out.pair[j] = __floats2bfloat162_rn(a.x * Sigmoid(a.x) * b.x, a.y * Sigmoid(a.y) * b.y);
+    }
+    *reinterpret_cast<uint4*>(z + row * F + col) = out.raw;
+  }
+}
+
+__global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
+                                     __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, int64_t num_vec,
+                                     int64_t vec_per_row, int64_t F) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
+    const __nv_bfloat16* hr = h + row * 2 * F + col;
+    Vec8 g, u, d, zo, dg, du;
+    g.raw = *reinterpret_cast<const uint4*>(hr);
+    u.raw = *reinterpret_cast<const uint4*>(hr + F);
+    d.raw = *reinterpret_cast<const uint4*>(dz + row * F + col);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(g.pair[j]);
+      const float2 b = __bfloat1622float2(u.pair[j]);
+      const float2 dd = __bfloat1622float2(d.pair[j]);
+      const float sx = Sigmoid(a.x), sy = Sigmoid(a.y);
+      const float silu_x = a.x * sx, silu_y = a.y * sy;
+      const float dsilu_x = sx * (1.0f + a.x * (1.0f - sx)), dsilu_y = sy * (1.0f + a.y * (1.0f - sy));
+      zo.pair[j] = __floats2bfloat162_rn(silu_x * b.x, silu_y * b.y);
+      dg.pair[j] = __floats2bfloat162_rn(dd.x * b.x * dsilu_x, dd.y * b.y * dsilu_y);
+      du.pair[j] = __floats2bfloat162_rn(dd.x * silu_x, dd.y * silu_y);
+    }
+    *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
+    __nv_bfloat16* dhr = dh + row * 2 * F + col;
+    *reinterpret_cast<uint4*>(dhr) = dg.raw;
+    *reinterpret_cast<uint4*>(dhr + F) = du.raw;
+  }
+}
+
+__global__ void FillGroupPointersKernel(const GroupPointerParams p, void** table) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 3 * p.num_groups) return;
+  const int o = i / p.num_groups, g = i - o * p.num_groups;
+  table[i] = const_cast<char*>(p.base[o] + p.expert[g] * p.expert_stride[o] + p.row_offset[g] * p.row_stride[o]);
+}
+
+int GridFor(int64_t num_vec) {
+  // Enough blocks to fill the GPU a few times over; the grid-stride loop covers the rest.
+  const int64_t blocks = (num_vec + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 132 * 16 ? blocks : 132 * 16);
+}
+
+}  // namespace
+
+cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_t rows, int64_t F, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (F % kVec != 0) return cudaErrorInvalidValue;
+  const int64_t vec_per_row = F / kVec, num_vec = rows * vec_per_row;
+  SwigluForwardKernel<<<GridFor(num_vec), kThreads, 0, stream>>>(h, z, num_vec, vec_per_row, F);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
+                            int64_t rows, int64_t F, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (F % kVec != 0) return cudaErrorInvalidValue;
+  const int64_t vec_per_row = F / kVec, num_vec = rows * vec_per_row;
+  SwigluBackwardKernel<<<GridFor(num_vec), kThreads, 0, stream>>>(h, dz, z, dh, num_vec, vec_per_row, F);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFillGroupPointers(const GroupPointerParams& p, void** table, cudaStream_t stream) {
+  if (p.num_groups <= 0) return cudaSuccess;
+  const int n = 3 * p.num_groups;
+  FillGroupPointersKernel<<<(n + 127) / 128, 128, 0, stream>>>(p, table);
+  return cudaGetLastError();
+}
+
+}  // namespace rdep::kernels::internal

@@ -1,0 +1,426 @@
+// `rdep bench gemm`: expert compute alone (the owner's SwiGLU expert MLP over expert-grouped rows), the
+// useful TFLOP/s and padding ratio rho over a sweep of mu (mean rows per local expert), beside the
+// dense-GEMM ceiling measured in the same run.
+//   rdep bench gemm --experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072 --json gemm.json
+// Normalization: forward FLOPs = 2*M*H*2F + 2*M*F*H = 6*M*H*F, forward+backward = 3x that, M = real rows
+// (no padding). Times are CUDA events around each call on one stream (p50/p99 over --iters after
+// --warmup). Per-expert counts are a multinomial draw of M = mu*E rows (rdep::Rng) over the experts,
+// uniform or Zipf(A) (p_e ~ 1/(e+1)^A).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cli.h"
+
+#if defined(RDEP_HAVE_CUDA)
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "rdep/core/json.h"
+#include "rdep/core/random.h"
+#include "rdep/core/stats.h"
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/kernels/expert_mlp.h"
+#endif
+
+namespace {
+
+using rdep::cli::Args;
+using rdep::cli::Flags;
+
+int Fail(const rdep::Status& s) {
+  std::cerr << "rdep bench gemm: " << s << "\n";
+  return s.code() == rdep::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+#if defined(RDEP_HAVE_CUDA)
+
+template <typename T>
+rdep::StatusOr<std::vector<T>> ParseList(const std::string& flag, const std::string& text) {
+  std::vector<T> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::stringstream is(item);
+    T v{};
+    if (!(is >> v) || !is.eof()) return rdep::InvalidArgument("--" + flag + ": '" + item + "' is not a number");
+    out.push_back(v);
+  }
+  if (out.empty()) return rdep::InvalidArgument("--" + flag + ": empty list");
+  return out;
+}
+
+// A device allocation freed on scope exit.
+struct DeviceMem {
+  void* p = nullptr;
+  DeviceMem() = default;
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  ~DeviceMem() {
+    if (p) cudaFree(p);
+  }
+  rdep::Status Alloc(size_t bytes) { RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 256))); return rdep::Status::Ok(); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+// Uniform [-scale, scale) bf16 values, generated on the host from a seeded stream and uploaded.
+rdep::Status FillBf16(void* dst, size_t n, double scale, uint64_t seed) {
+  rdep::Rng rng(seed);
+  std::vector<uint16_t> host(std::min<size_t>(n, size_t{1} << 24));
+  for (auto& b : host) b = rdep::FloatToBf16Bits(static_cast<float>(scale * (2.0 * rng.uniform() - 1.0)));
+  for (size_t done = 0; done < n; done += host.size()) {
+    const size_t k = std::min(host.size(), n - done);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(static_cast<uint16_t*>(dst) + done, host.data(), k * 2, cudaMemcpyHostToDevice));
+  }
+  return rdep::Status::Ok();
+}
+
+// Per-expert counts: a multinomial draw of `rows` over E experts.
+std::vector<int64_t> DrawCounts(int64_t E, int64_t rows, double zipf_alpha, uint64_t seed) {
+  std::vector<double> cdf(static_cast<size_t>(E));
+  double acc = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    acc += zipf_alpha > 0 ? std::pow(static_cast<double>(e + 1), -zipf_alpha) : 1.0;
+    cdf[static_cast<size_t>(e)] = acc;
+  }
+  std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+  rdep::Rng rng(seed, 17);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double u = rng.uniform() * acc;
+    const auto it = std::upper_bound(cdf.begin(), cdf.end(), u);
+    ++counts[static_cast<size_t>(std::min<int64_t>(it - cdf.begin(), E - 1))];
+  }
+  return counts;
+}
+
+std::string GitCommit() {
+  if (const char* env = std::getenv("RDEP_GIT_COMMIT"); env && *env) return env;
+  std::string out;
+  if (FILE* p = popen("git rev-parse HEAD 2>/dev/null", "r")) {
+    char buf[128];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+// Times `fn` (which enqueues work on `stream`) per iteration with CUDA events; microseconds.
+template <typename Fn>
+rdep::StatusOr<std::vector<double>> TimeIters(int warmup, int iters, cudaStream_t stream, Fn fn) {
+  for (int i = 0; i < warmup; ++i) RDEP_RETURN_IF_ERROR(fn());
+  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters));
+  for (auto& e : ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  rdep::Status st;
+  for (int i = 0; i < iters && st.ok(); ++i) {
+    st = rdep::cuda::CudaStatus(cudaEventRecord(ev[2 * static_cast<size_t>(i)], stream), "cudaEventRecord", __FILE__, __LINE__);
+    if (st.ok()) st = fn();
+    if (st.ok()) st = rdep::cuda::CudaStatus(cudaEventRecord(ev[2 * static_cast<size_t>(i) + 1], stream), "cudaEventRecord", __FILE__, __LINE__);
+  }
+  std::vector<double> us;
+  if (st.ok()) st = rdep::cuda::CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  for (int i = 0; i < iters && st.ok(); ++i) {
+    float ms = 0;
+    st = rdep::cuda::CudaStatus(cudaEventElapsedTime(&ms, ev[2 * static_cast<size_t>(i)], ev[2 * static_cast<size_t>(i) + 1]),
+                                "cudaEventElapsedTime", __FILE__, __LINE__);
+    us.push_back(1000.0 * ms);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  if (!st.ok()) return st;
+  return us;
+}
+
+// The ceiling: one dense bf16 GEMM (fp32 accumulate, bf16 out) of n x n x n through cuBLASLt.
+struct DensePeak {
+  int64_t n = 0;
+  std::vector<double> us;
+  double tflops = 0;
+};
+rdep::StatusOr<DensePeak> MeasureDensePeak(int64_t n, int warmup, int iters, cudaStream_t stream) {
+  DensePeak out;
+  out.n = n;
+  DeviceMem a, b, c, ws;
+  const size_t elems = static_cast<size_t>(n * n), ws_bytes = size_t{32} << 20;
+  RDEP_RETURN_IF_ERROR(a.Alloc(elems * 2));
+  RDEP_RETURN_IF_ERROR(b.Alloc(elems * 2));
+  RDEP_RETURN_IF_ERROR(c.Alloc(elems * 2));
+  RDEP_RETURN_IF_ERROR(ws.Alloc(ws_bytes));
+  RDEP_RETURN_IF_ERROR(FillBf16(a.p, elems, 1.0, 101));
+  RDEP_RETURN_IF_ERROR(FillBf16(b.p, elems, 1.0, 102));
+  cublasLtHandle_t lt = nullptr;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  const auto u = static_cast<uint64_t>(n);
+  bool ok = cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                 sizeof ws_bytes) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found) == CUBLAS_STATUS_SUCCESS &&
+            found > 0;
+  rdep::StatusOr<std::vector<double>> us = rdep::InternalError("cuBLASLt setup failed for the dense GEMM");
+  if (ok) {
+    const float alpha = 1.0f, beta = 0.0f;
+    us = TimeIters(warmup, iters, stream, [&]() -> rdep::Status {
+      if (cublasLtMatmul(lt, op, &alpha, a.p, la, b.p, lb, &beta, c.p, lc, c.p, lc, &heur.algo, ws.p, ws_bytes, stream) !=
+          CUBLAS_STATUS_SUCCESS)
+        return rdep::Status(rdep::StatusCode::kCudaError, "dense cublasLtMatmul failed");
+      return rdep::Status::Ok();
+    });
+  }
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+  if (op) cublasLtMatmulDescDestroy(op);
+  if (lt) cublasLtDestroy(lt);
+  if (!us.ok()) return us.status();
+  out.us = *us;
+  out.tflops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) /
+               (rdep::Summarize(out.us).p50 * 1e-6) / 1e12;
+  return out;
+}
+
+struct Row {
+  int64_t mu = 0, M = 0;
+  std::string path;
+  std::vector<int64_t> counts;
+  double rho = 0;
+  std::vector<double> fwd_us, fb_us;
+  double tflops_fwd = 0, tflops_fb = 0;
+  size_t workspace = 0, live = 0, device_used = 0;
+};
+
+void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<double>& us) {
+  const rdep::Summary s = rdep::Summarize(us);
+  j.key(k).begin_object();
+  j.field("p50_us", s.p50).field("p99_us", s.p99).field("min_us", s.min).field("max_us", s.max).field("mean_us", s.mean);
+  j.field("stddev_us", s.stddev).field("count", s.count).field("times_us", us);
+  j.end_object();
+}
+
+int RunGemmBench(const Args& args) {
+  Flags f(args);
+  if (f.get_bool("help")) {
+    std::cout << "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
+                 "         [--routing uniform|zipf:A] [--path lt,grouped] [--streams 4] [--no-backward]\n"
+                 "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
+                 "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
+                 "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
+                 "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM.\n";
+    return 0;
+  }
+  const int64_t E = f.get_int("experts", 16), H = f.get_int("hidden", 2048), F = f.get_int("ffn", 1408);
+  auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
+  const std::string routing = f.get_string("routing", "uniform");
+  const std::string paths_text = f.get_string("path", "lt,grouped");
+  const auto streams = static_cast<int>(f.get_int("streams", 4));
+  const bool no_backward = f.get_bool("no-backward");
+  const auto warmup = static_cast<int>(f.get_int("warmup", 20));
+  const auto iters = static_cast<int>(f.get_int("iters", 200));
+  const int64_t dense_n = f.get_int("dense", 8192);
+  const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
+  const std::string json = f.get_string("json", "");
+  if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!mus.ok()) return Fail(mus.status());
+  if (iters < 1 || warmup < 0) return Fail(rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0"));
+  for (int64_t mu : *mus)
+    if (mu < 0) return Fail(rdep::InvalidArgument("--mu: values must be >= 0"));
+  double alpha = 0;
+  if (routing.rfind("zipf:", 0) == 0) {
+    std::stringstream is(routing.substr(5));
+    if (!(is >> alpha) || !is.eof() || alpha <= 0) return Fail(rdep::InvalidArgument("--routing zipf:A needs A > 0"));
+  } else if (routing != "uniform") {
+    return Fail(rdep::InvalidArgument("--routing must be uniform or zipf:A"));
+  }
+  std::vector<rdep::kernels::GemmPath> paths;
+  {
+    std::stringstream ss(paths_text);
+    std::string p;
+    while (std::getline(ss, p, ',')) {
+      if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
+      else if (p == "grouped") paths.push_back(rdep::kernels::GemmPath::kGrouped);
+      else return Fail(rdep::InvalidArgument("--path: '" + p + "' is not lt or grouped"));
+    }
+    if (paths.empty()) return Fail(rdep::InvalidArgument("--path: empty list"));
+  }
+  if (rdep::cuda::DeviceCount() == 0) return Fail(rdep::Unavailable("no CUDA device"));
+
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return Fail(rdep::Unavailable("cannot query device 0"));
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return Fail(rdep::Unavailable("stream"));
+
+  size_t free0 = 0, total = 0;
+  cudaMemGetInfo(&free0, &total);
+  auto dense = MeasureDensePeak(dense_n, warmup, std::min(iters, 100), stream);
+  if (!dense.ok()) return Fail(dense.status());
+
+  // Shared buffers sized for the largest mu: weights, weight gradients, activations.
+  int64_t max_mu = 0;
+  for (int64_t mu : *mus) max_mu = std::max(max_mu, mu);
+  const int64_t max_rows = max_mu * E;
+  const size_t w1n = static_cast<size_t>(E * H * 2 * F), w2n = static_cast<size_t>(E * F * H);
+  const size_t rows = static_cast<size_t>(max_rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F);
+  DeviceMem w1, w2, dw1, dw2, x, h, y, dout, dx;
+  for (auto [mem, bytes] : {std::pair{&w1, w1n * 2}, {&w2, w2n * 2}, {&dw1, w1n * 4}, {&dw2, w2n * 4},
+                            {&x, rows * Hs * 2}, {&h, rows * 2 * Fs * 2}, {&y, rows * Hs * 2}, {&dout, rows * Hs * 2},
+                            {&dx, rows * Hs * 2}}) {
+    if (auto st = mem->Alloc(bytes); !st.ok()) return Fail(st);
+  }
+  for (auto [mem, n, scale, s] : {std::tuple{&w1, w1n, 1.0 / std::sqrt(static_cast<double>(H)), seed + 1},
+                                  {&w2, w2n, 1.0 / std::sqrt(static_cast<double>(F)), seed + 2},
+                                  {&x, rows * Hs, 1.0, seed + 3}, {&dout, rows * Hs, 1.0, seed + 4}}) {
+    if (auto st = FillBf16(mem->p, n, scale, s); !st.ok()) return Fail(st);
+  }
+  const double weight_bytes = static_cast<double>((w1n + w2n) * 2);
+  const bool l2_exceeded = weight_bytes > 2.0 * prop.l2CacheSize;
+
+  std::cout << "rdep bench gemm: " << prop.name << ", CUDA runtime " << runtime << ", E_loc=" << E << " H=" << H
+            << " F=" << F << ", routing " << routing << ", " << warmup << " warmup + " << iters << " iters\n";
+  std::cout << "dense ceiling: " << dense_n << "^3 bf16 cuBLASLt GEMM p50 " << std::fixed << std::setprecision(1)
+            << rdep::Summarize(dense->us).p50 << " us = " << dense->tflops << " TFLOP/s\n";
+  std::cout << "L2: " << (l2_exceeded ? "no input rotation: the weights alone (" : "WARNING: working set may fit L2 (")
+            << weight_bytes / 1e6 << " MB) exceed 2x L2 (" << prop.l2CacheSize / 1e6 << " MB)\n";
+  std::cout << std::setw(6) << "mu" << std::setw(9) << "path" << std::setw(8) << "M" << std::setw(7) << "rho"
+            << std::setw(11) << "fwd p50" << std::setw(11) << "fwd p99" << std::setw(10) << "TFLOP/s" << std::setw(8)
+            << "%dense" << std::setw(12) << "f+b p50" << std::setw(10) << "TFLOP/s" << std::setw(11) << "peak MiB"
+            << "\n";
+
+  std::vector<Row> results;
+  for (int64_t mu : *mus) {
+    const int64_t M = mu * E;
+    const std::vector<int64_t> counts = DrawCounts(E, M, alpha, seed + static_cast<uint64_t>(mu));
+    for (auto path : paths) {
+      Row r;
+      r.mu = mu;
+      r.M = M;
+      r.path = rdep::kernels::GemmPathName(path);
+      r.counts = counts;
+      r.rho = rdep::PaddingRatio(counts);
+      rdep::kernels::ExpertMlpConfig cfg;
+      cfg.path = path;
+      cfg.num_streams = streams;
+      auto mlp_or = rdep::kernels::ExpertMlp::Create({E, H, F, M}, 0, cfg);
+      if (!mlp_or.ok()) return Fail(mlp_or.status());
+      auto& mlp = **mlp_or;
+      using B = __nv_bfloat16;
+      auto fwd = [&]() { return mlp.Forward(x.as<B>(), counts.data(), w1.as<B>(), w2.as<B>(), h.as<B>(), y.as<B>(), stream); };
+      auto fb = [&]() -> rdep::Status {
+        RDEP_RETURN_IF_ERROR(fwd());
+        return mlp.Backward(x.as<B>(), h.as<B>(), dout.as<B>(), counts.data(), w1.as<B>(), w2.as<B>(), dx.as<B>(),
+                            dw1.as<float>(), dw2.as<float>(), false, stream);
+      };
+      auto t = TimeIters(warmup, iters, stream, fwd);
+      if (!t.ok()) return Fail(t.status());
+      r.fwd_us = *t;
+      if (!no_backward) {
+        auto t2 = TimeIters(warmup, iters, stream, fb);
+        if (!t2.ok()) return Fail(t2.status());
+        r.fb_us = *t2;
+      }
+      size_t free1 = 0;
+      cudaMemGetInfo(&free1, &total);
+      r.device_used = free0 - free1;
+      r.workspace = mlp.workspace_bytes();
+      // What this mu holds live: weights + fp32 grads + x, h, y, dout, dx of M rows + workspace.
+      r.live = (w1n + w2n) * 6 + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;
+      const double flops = 6.0 * static_cast<double>(M) * static_cast<double>(H) * static_cast<double>(F);
+      const double fwd_p50 = rdep::Summarize(r.fwd_us).p50;
+      r.tflops_fwd = M > 0 ? flops / (fwd_p50 * 1e-6) / 1e12 : 0;
+      const double fb_p50 = r.fb_us.empty() ? 0 : rdep::Summarize(r.fb_us).p50;
+      r.tflops_fb = M > 0 && fb_p50 > 0 ? 3 * flops / (fb_p50 * 1e-6) / 1e12 : 0;
+      std::cout << std::setw(6) << mu << std::setw(9) << r.path << std::setw(8) << M << std::setw(7)
+                << std::setprecision(2) << r.rho << std::setprecision(1) << std::setw(11) << fwd_p50 << std::setw(11)
+                << rdep::Summarize(r.fwd_us).p99 << std::setw(10) << r.tflops_fwd << std::setw(8)
+                << 100.0 * r.tflops_fwd / dense->tflops << std::setw(12) << fb_p50 << std::setw(10) << r.tflops_fb
+                << std::setw(11) << static_cast<double>(r.live) / (1 << 20) << "\n";
+      results.push_back(std::move(r));
+    }
+  }
+  std::cout << "(times in us, CUDA events on one stream; TFLOP/s useful: real rows only; peak = live bytes of this mu)\n";
+
+  if (!json.empty()) {
+    rdep::JsonWriter j;
+    j.begin_object();
+    j.key("benchmark").value("rdep bench gemm");
+    j.key("workload").begin_object();
+    j.field("experts_local", E).field("hidden", H).field("ffn", F).field("routing", routing);
+    j.field("seed", static_cast<int64_t>(seed)).field("warmup", warmup).field("iters", iters).field("streams", streams);
+    j.field("paths", paths_text);
+    j.end_object();
+    j.key("hardware").begin_object();
+    j.field("gpu", std::string(prop.name)).field("sm_count", prop.multiProcessorCount);
+    j.field("l2_bytes", static_cast<int64_t>(prop.l2CacheSize)).field("memory_bytes", static_cast<int64_t>(total));
+    j.end_object();
+    j.key("software").begin_object();
+    j.field("cuda_runtime", runtime).field("cuda_driver", driver);
+    j.field("cublaslt", static_cast<int64_t>(cublasLtGetVersion()));
+    j.end_object();
+    j.field("git_commit", GitCommit());
+    j.field("normalization",
+            "useful TFLOP/s = 6*M*H*F (forward) or 18*M*H*F (forward+backward) over the p50 time; M = real rows "
+            "(sum of per-expert counts), no padding; rho = E_loc*max_e m_e / M");
+    j.field("l2_rotation", l2_exceeded ? "none: the weights alone exceed 2x L2" : "none (working set may fit L2)");
+    j.key("dense_peak").begin_object();
+    j.field("n", dense->n).field("tflops", dense->tflops);
+    WriteSummary(j, "time", dense->us);
+    j.end_object();
+    j.key("results").begin_array();
+    for (const Row& r : results) {
+      j.begin_object();
+      j.field("mu", r.mu).field("path", r.path).field("rows", r.M).field("rho", r.rho);
+      j.key("counts").begin_array();
+      for (int64_t c : r.counts) j.value(c);
+      j.end_array();
+      WriteSummary(j, "forward", r.fwd_us);
+      if (!r.fb_us.empty()) WriteSummary(j, "forward_backward", r.fb_us);
+      j.field("tflops_forward", r.tflops_fwd).field("tflops_forward_backward", r.tflops_fb);
+      j.field("fraction_of_dense_forward", r.tflops_fwd / dense->tflops);
+      j.field("workspace_bytes", static_cast<int64_t>(r.workspace)).field("live_bytes", static_cast<int64_t>(r.live));
+      j.field("device_used_bytes", static_cast<int64_t>(r.device_used));
+      j.end_object();
+    }
+    j.end_array();
+    j.end_object();
+    std::ofstream o(json);
+    if (!o) return Fail(rdep::InvalidArgument("cannot open '" + json + "'"));
+    o << j.str() << "\n";
+    std::cout << "wrote " << json << "\n";
+  }
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
+#else  // !RDEP_HAVE_CUDA
+
+int RunGemmBench(const Args&) {
+  Fail(rdep::Unavailable("this rdep was built without CUDA (reconfigure with a CUDA compiler)"));
+  return 2;
+}
+
+#endif
+
+const bool kReg = rdep::cli::RegisterBench({"gemm", "expert compute alone: SwiGLU expert MLP TFLOP/s and rho over mu", &RunGemmBench});
+
+}  // namespace
