@@ -50,9 +50,8 @@ inline Status InternalError(std::string m) { return {StatusCode::kInternal, std:
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:
-  StatusOr(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
-    if (status_.ok()) status_ = InternalError("StatusOr constructed from an OK status without a value");
-  }
+  StatusOr(Status status)  // NOLINT: implicit by design
+      : status_(status.ok() ? InternalError("StatusOr constructed from an OK status without a value") : std::move(status)) {}
   StatusOr(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
 
   bool ok() const { return status_.ok(); }

@@ -47,7 +47,7 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain,
                            ", W=" + std::to_string(s.ranks));
   RDEP_RETURN_IF_ERROR(weights.Validate(s));
   std::unique_ptr<HostMoELayer> layer(new HostMoELayer(domain, config, ownership));
-  layer->layout_ = RegionLayout::For(config, ownership, sizeof(float));
+  layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->control_, domain.AllocateSymmetric(l.control_bytes(), "control"));
   RDEP_ASSIGN_OR_RETURN(layer->payload_, domain.AllocateSymmetric(l.payload_bytes(), "segment.payload"));
@@ -338,9 +338,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool b
     const float* w1 = st.w1.data() + j * n1;
     const float* w2 = st.w2.data() + j * n2;
     if (kind_ == ExpertKind::kSentinel) {
-      const float meta[4] = {static_cast<float>(g.row.row_id & 0xFFFFFF), static_cast<float>(g.row.row_id >> 24),
-                             static_cast<float>(rank), static_cast<float>(ownership_.global_expert(rank, g.row.local_expert))};
-      for (int64_t c = 0; c < H; ++c) dst[c] = c < 4 ? meta[c] : x[c];
+      const int32_t expert = ownership_.global_expert(rank, g.row.local_expert);
+      for (int64_t c = 0; c < H; ++c) dst[c] = c < kSentinelFields ? SentinelField(g.row.row_id, rank, expert, c) : x[c];
     } else if (!backward) {
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), dst);
     } else {

@@ -18,7 +18,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   return os << " S=" << c.segment();
 }
 
-RegionLayout RegionLayout::For(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {
+RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {
   RegionLayout l;
   l.W = c.shape.ranks;
   l.L = std::max<int64_t>(1, m.max_local());
@@ -27,7 +27,7 @@ RegionLayout RegionLayout::For(const LayerConfig& c, const OwnershipMap& m, size
   l.T = c.shape.tokens;
   l.K = c.shape.topk;
   l.slots_per_token = std::max<int64_t>(1, std::min<int64_t>(c.shape.topk, m.max_local()));
-  l.elem_bytes = elem_bytes;
+  l.elem_bytes = static_cast<int64_t>(elem_bytes);
   return l;
 }
 

@@ -1,14 +1,15 @@
 #include "rdep/layer/validation.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "rdep/core/json.h"
-#include "rdep/core/reference.h"
 #include "rdep/core/row_id.h"
-#include "rdep/layer/host_moe_layer.h"
+#include "rdep/cuda/bf16.h"
 #include "rdep/transport/host_domain.h"
 
 namespace rdep {
@@ -32,6 +33,18 @@ double NormalizedError(const std::vector<float>& a, const std::vector<double>& r
   return worst;
 }
 
+double RelativeL2Error(const std::vector<float>& a, const std::vector<double>& r) {
+  if (a.size() != r.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return std::numeric_limits<double>::infinity();
+    num += (a[i] - r[i]) * (a[i] - r[i]);
+    den += r[i] * r[i];
+  }
+  if (den == 0) return num == 0 ? 0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(num / den);
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -43,51 +56,12 @@ std::vector<T> Concat(const std::vector<std::vector<T>>& v) {
   return out;
 }
 
+std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
 bool AllFinite(const std::vector<float>& v) {
   for (float x : v)
     if (!std::isfinite(x)) return false;
   return true;
-}
-
-// Everything one fwd+bwd run of the host layer produces, gathered over ranks.
-struct RunOutputs {
-  std::vector<std::vector<float>> y, dx, dgates;
-  std::vector<float> dw1, dw2;  // global layout [E][...]
-  int64_t segments = 0;
-};
-
-StatusOr<RunOutputs> RunLayer(HostDomain& domain, const LayerConfig& cfg, const OwnershipMap& own, const MoEWeights& w,
-                              const Routing& routing, const std::vector<std::vector<float>>& x,
-                              const std::vector<std::vector<float>>& dy) {
-  RDEP_ASSIGN_OR_RETURN(auto layer, HostMoELayer::Create(domain, cfg, own, w));
-  const int64_t W = cfg.shape.ranks, H = cfg.shape.hidden, K = cfg.shape.topk;
-  const float nan = std::numeric_limits<float>::quiet_NaN();  // poison: unwritten outputs fail
-  RunOutputs out;
-  out.y.resize(static_cast<size_t>(W));
-  out.dx.resize(static_cast<size_t>(W));
-  out.dgates.resize(static_cast<size_t>(W));
-  for (size_t r = 0; r < static_cast<size_t>(W); ++r) {
-    out.y[r].assign(static_cast<size_t>(routing[r].num_tokens * H), nan);
-    out.dx[r].assign(out.y[r].size(), nan);
-    out.dgates[r].assign(static_cast<size_t>(routing[r].num_tokens * K), nan);
-  }
-  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
-    const auto i = static_cast<size_t>(r);
-    RDEP_RETURN_IF_ERROR(layer->Forward(r, routing[i], x[i], out.y[i]));
-    return layer->Backward(r, dy[i], out.dx[i], out.dgates[i]);
-  }));
-  out.dw1.assign(w.w1.size(), nan);
-  out.dw2.assign(w.w2.size(), nan);
-  const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
-  for (int32_t q = 0; q < W; ++q) {
-    out.segments = std::max(out.segments, layer->segments(q));
-    for (int32_t j = 0; j < own.num_local(q); ++j) {
-      const auto e = static_cast<size_t>(own.global_expert(q, j));
-      std::copy_n(layer->dw1(q).data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);
-      std::copy_n(layer->dw2(q).data() + static_cast<size_t>(j) * n2, n2, out.dw2.data() + e * n2);
-    }
-  }
-  return out;
 }
 
 std::string Fmt(double v) {
@@ -97,25 +71,107 @@ std::string Fmt(double v) {
   return os.str();
 }
 
+// ---- the host backend -------------------------------------------------------------------------
+
+class HostBackend final : public ValidationBackend {
+ public:
+  explicit HostBackend(std::unique_ptr<HostDomain> d) : domain_(std::move(d)) {}
+  std::string name() const override { return "host"; }
+  std::string transport() const override { return "threads (one process)"; }
+  bool bf16() const override { return false; }
+
+  Status Smoke(std::string* detail) override {
+    const int32_t W = domain_->num_ranks();
+    RDEP_ASSIGN_OR_RETURN(RegionId region, domain_->AllocateSymmetric(sizeof(int64_t) * static_cast<size_t>(W), "smoke"));
+    std::atomic<int64_t> wrong{0};
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
+      for (int32_t q = 0; q < W; ++q) domain_->region_as<int64_t>(q, region)[r] = 1000 * r + q;
+      RDEP_RETURN_IF_ERROR(domain_->Barrier(r, Phase::kSmoke));
+      for (int32_t p = 0; p < W; ++p)
+        if (domain_->region_as<int64_t>(r, region)[p] != 1000 * p + r) ++wrong;
+      return Status::Ok();
+    }));
+    if (wrong) return InternalError(std::to_string(wrong.load()) + " peer slots wrong after the barrier");
+    *detail = std::to_string(W) + " ranks, peer stores visible after barrier";
+    return Status::Ok();
+  }
+
+  StatusOr<SentinelRun> Sentinel(const LayerConfig& cfg, const OwnershipMap& own, const MoEWeights& w, const Routing& routing,
+                                 const std::vector<std::vector<float>>& x) override {
+    RDEP_ASSIGN_OR_RETURN(auto layer, HostMoELayer::Create(*domain_, cfg, own, w));
+    layer->set_expert_kind(ExpertKind::kSentinel);
+    layer->set_trace(true);
+    const auto W = static_cast<size_t>(cfg.shape.ranks);
+    std::vector<std::vector<float>> y(W);
+    for (size_t r = 0; r < W; ++r) y[r].assign(static_cast<size_t>(routing[r].num_tokens * cfg.shape.hidden), 0.f);
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) {
+      const auto i = static_cast<size_t>(r);
+      return layer->Forward(r, routing[i], x[i], y[i]);
+    }));
+    SentinelRun run;
+    for (int32_t q = 0; q < cfg.shape.ranks; ++q) {
+      run.acceptance.push_back(layer->acceptance(q));
+      run.traces.push_back(layer->owner_trace(q));
+      run.rows_per_expert.push_back(layer->owner_rows_per_expert(q));
+      run.expert_out.push_back(layer->expert_outputs(q));
+      run.segments = std::max(run.segments, layer->segments(q));
+    }
+    run.segment_size = layer->layout().S;
+    run.symmetric_bytes_per_rank = layer->layout().total_bytes();
+    return run;
+  }
+
+  StatusOr<LayerRun> ForwardBackward(const LayerConfig& cfg, const OwnershipMap& own, const MoEWeights& w,
+                                     const Routing& routing, const std::vector<std::vector<float>>& x,
+                                     const std::vector<std::vector<float>>& dy) override {
+    RDEP_ASSIGN_OR_RETURN(auto layer, HostMoELayer::Create(*domain_, cfg, own, w));
+    const int64_t W = cfg.shape.ranks, H = cfg.shape.hidden, K = cfg.shape.topk;
+    const float nan = std::numeric_limits<float>::quiet_NaN();  // poison: unwritten outputs fail
+    LayerRun out;
+    out.y.resize(static_cast<size_t>(W));
+    out.dx.resize(static_cast<size_t>(W));
+    out.dgates.resize(static_cast<size_t>(W));
+    for (size_t r = 0; r < static_cast<size_t>(W); ++r) {
+      out.y[r].assign(static_cast<size_t>(routing[r].num_tokens * H), nan);
+      out.dx[r].assign(out.y[r].size(), nan);
+      out.dgates[r].assign(static_cast<size_t>(routing[r].num_tokens * K), nan);
+    }
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, routing[i], x[i], out.y[i]));
+      return layer->Backward(r, dy[i], out.dx[i], out.dgates[i]);
+    }));
+    out.dw1.assign(w.w1.size(), nan);
+    out.dw2.assign(w.w2.size(), nan);
+    const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+    for (int32_t q = 0; q < W; ++q) {
+      out.segments = std::max(out.segments, layer->segments(q));
+      for (int32_t j = 0; j < own.num_local(q); ++j) {
+        const auto e = static_cast<size_t>(own.global_expert(q, j));
+        std::copy_n(layer->dw1(q).data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);
+        std::copy_n(layer->dw2(q).data() + static_cast<size_t>(j) * n2, n2, out.dw2.data() + e * n2);
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<HostDomain> domain_;
+};
+
+// ---- the checks ---------------------------------------------------------------------------------
+
 // Sentinel dispatch and return: exact checks of placement, identity, acceptance and counts.
-CheckResult DispatchInvariants(HostDomain& domain, const ValidationOptions& o, const OwnershipMap& own,
-                               const MoEWeights& w, const Routing& routing, const std::vector<std::vector<float>>& x,
-                               ValidationReport& report) {
+CheckResult DispatchInvariants(const SentinelRun& run, const ValidationOptions& o, const OwnershipMap& own,
+                               const Routing& routing, const std::vector<std::vector<float>>& x, ValidationReport& report) {
   CheckResult c{"dispatch invariants", false, false, "", 0};
   const LayerShape& s = o.layer.shape;
   const int64_t W = s.ranks, K = s.topk, H = s.hidden;
-  auto layer_or = HostMoELayer::Create(domain, o.layer, own, w);
-  if (!layer_or.ok()) { c.detail = layer_or.status().ToString(); return c; }
-  auto& layer = *layer_or;
-  layer->set_expert_kind(ExpertKind::kSentinel);
-  layer->set_trace(true);
-  std::vector<std::vector<float>> y(static_cast<size_t>(W));
-  for (size_t r = 0; r < y.size(); ++r) y[r].assign(static_cast<size_t>(routing[r].num_tokens * H), 0.f);
-  Status st = domain.Run([&](int32_t r) { return layer->Forward(r, routing[static_cast<size_t>(r)], x[static_cast<size_t>(r)], y[static_cast<size_t>(r)]); });
-  if (!st.ok()) { c.detail = st.ToString(); return c; }
   auto ref = ApplyCapacity(s, routing, o.layer.capacity);
-  if (!ref.ok()) { c.detail = ref.status().ToString(); return c; }
-
+  if (!ref.ok()) {
+    c.detail = ref.status().ToString();
+    return c;
+  }
   const RowIdCodec codec{s.tokens, K};
   int64_t wrong = 0, dropped = 0, accepted = 0, rows_at_owners = 0;
   std::ostringstream first;
@@ -124,23 +180,25 @@ CheckResult DispatchInvariants(HostDomain& domain, const ValidationOptions& o, c
   };
   // Acceptance: the protocol's accepted set and gates equal the reference rule, bit for bit.
   for (int32_t r = 0; r < W; ++r) {
-    const auto& a = layer->acceptance(r);
+    const auto& a = run.acceptance[static_cast<size_t>(r)];
     const auto& b = (*ref)[static_cast<size_t>(r)];
     if (a.accepted != b.accepted) fail("rank " + std::to_string(r) + ": accepted set differs from the reference rule");
     if (a.effective_gates != b.effective_gates) fail("rank " + std::to_string(r) + ": renormalized gates differ");
+    if (a.dropped != b.dropped) fail("rank " + std::to_string(r) + ": dropped count differs");
     dropped += a.dropped;
   }
   // Owner side: every row exactly once, at the right owner and local expert, grouped by expert.
   std::vector<std::vector<uint8_t>> seen(static_cast<size_t>(W));
   for (size_t r = 0; r < seen.size(); ++r) seen[r].assign(static_cast<size_t>(routing[r].num_tokens * K), 0);
   for (int32_t q = 0; q < W; ++q) {
-    const auto& trace = layer->owner_trace(q);
+    const auto& trace = run.traces[static_cast<size_t>(q)];
     std::vector<int64_t> per_expert(static_cast<size_t>(own.num_local(q)), 0);
     for (size_t i = 0; i < trace.size(); ++i) {
       const auto& e = trace[i];
       const RowKey key = codec.decode(e.row_id);
-      if (key.rank < 0 || key.rank >= W || key.token >= routing[static_cast<size_t>(key.rank)].num_tokens) {
-        fail("owner " + std::to_string(q) + ": row_id " + std::to_string(e.row_id) + " decodes outside the domain");
+      if (key.rank < 0 || key.rank >= W || key.token >= routing[static_cast<size_t>(key.rank)].num_tokens ||
+          e.local_expert < 0 || e.local_expert >= own.num_local(q)) {
+        fail("owner " + std::to_string(q) + ": row " + std::to_string(e.row_id) + " decodes outside the domain");
         continue;
       }
       const auto idx = static_cast<size_t>(key.token * K + key.slot);
@@ -155,30 +213,37 @@ CheckResult DispatchInvariants(HostDomain& domain, const ValidationOptions& o, c
       ++per_expert[static_cast<size_t>(e.local_expert)];
       ++rows_at_owners;
     }
-    if (per_expert != layer->owner_rows_per_expert(q)) fail("owner " + std::to_string(q) + ": per-expert counts differ from its admitted counts");
+    if (per_expert != run.rows_per_expert[static_cast<size_t>(q)])
+      fail("owner " + std::to_string(q) + ": per-expert counts differ from its admitted counts");
   }
   // Front-end side: every accepted slot got back its own row (identity, owner, expert, payload).
   for (int32_t r = 0; r < W; ++r) {
     const auto& rr = routing[static_cast<size_t>(r)];
-    const auto& f = layer->expert_outputs(r);
+    const auto& f = run.expert_out[static_cast<size_t>(r)];
+    if (f.size() != static_cast<size_t>(rr.num_tokens * K * H)) {
+      fail("rank " + std::to_string(r) + ": returned rows have the wrong size");
+      continue;
+    }
     for (int64_t t = 0; t < rr.num_tokens; ++t)
       for (int64_t k = 0; k < K; ++k) {
         const auto idx = static_cast<size_t>(t * K + k);
-        const float* row = f.data() + static_cast<int64_t>(idx) * H;
         const bool acc = (*ref)[static_cast<size_t>(r)].accepted[idx];
-        if (acc && !seen[static_cast<size_t>(r)][idx]) fail("accepted row " + std::to_string(codec.encode(r, t, k)) + " never reached its owner");
+        if (acc && !seen[static_cast<size_t>(r)][idx])
+          fail("accepted row " + std::to_string(codec.encode(r, t, k)) + " never reached its owner");
         if (!acc) continue;
         ++accepted;
         const uint64_t id = codec.encode(r, t, k);
         const int32_t e = rr.experts[idx];
-        const float expect[4] = {static_cast<float>(id & 0xFFFFFF), static_cast<float>(id >> 24),
-                                 static_cast<float>(own.owner(e)), static_cast<float>(e)};
+        const float* row = f.data() + static_cast<int64_t>(idx) * H;
         bool ok = true;
         for (int64_t col = 0; col < H; ++col) {
-          const float want = col < 4 ? expect[col] : x[static_cast<size_t>(r)][static_cast<size_t>(t * H + col)];
+          const float want = col < kSentinelFields ? SentinelField(id, own.owner(e), e, col)
+                                                   : x[static_cast<size_t>(r)][static_cast<size_t>(t * H + col)];
           ok &= (row[col] == want);
         }
-        if (!ok) fail("rank " + std::to_string(r) + " token " + std::to_string(t) + " slot " + std::to_string(k) + " got back a foreign or corrupted row");
+        if (!ok)
+          fail("rank " + std::to_string(r) + " token " + std::to_string(t) + " slot " + std::to_string(k) +
+               " got back a foreign or corrupted row");
       }
   }
   int64_t routed = 0;
@@ -189,32 +254,89 @@ CheckResult DispatchInvariants(HostDomain& domain, const ValidationOptions& o, c
   if (accepted != rows_at_owners) fail("returned rows != rows at owners");
   report.dropped_rows = dropped;
   report.accepted_rows = accepted;
-  for (int32_t q = 0; q < W; ++q) report.segments = std::max(report.segments, layer->segments(q));
-  report.symmetric_bytes_per_rank = layer->layout().total_bytes();
+  report.segments = run.segments;
+  report.segment_size = run.segment_size;
+  report.symmetric_bytes_per_rank = run.symmetric_bytes_per_rank;
   c.passed = (wrong == 0);
   c.detail = "rows " + std::to_string(routed) + " = accepted " + std::to_string(accepted) + " + dropped " +
-             std::to_string(dropped) + ", segments " + std::to_string(report.segments);
-  if (H < 5) c.detail += " (H < 5: payload columns beyond the identity fields not checked)";
+             std::to_string(dropped) + ", segments " + std::to_string(run.segments);
+  if (H <= kSentinelFields) c.detail += " (H <= 10: identity fields only)";
   if (wrong) c.detail = std::to_string(wrong) + " violation(s); first: " + first.str();
+  return c;
+}
+
+// A non-host backend's routing context equals the host backend's at the same segment size.
+CheckResult HostAgreement(const SentinelRun& run, const ValidationOptions& o, const OwnershipMap& own, const MoEWeights& w,
+                          const Routing& routing, const std::vector<std::vector<float>>& x) {
+  CheckResult c{"host agreement (bitwise)", false, false, "", 0};
+  auto host = MakeHostBackend(o.layer.shape.ranks, o.barrier_timeout_s);
+  if (!host.ok()) {
+    c.detail = host.status().ToString();
+    return c;
+  }
+  LayerConfig cfg = o.layer;
+  cfg.segment_tokens = run.segment_size;
+  auto ref = (*host)->Sentinel(cfg, own, w, routing, x);
+  if (!ref.ok()) {
+    c.detail = "host run failed: " + ref.status().ToString();
+    return c;
+  }
+  std::string diff;
+  for (size_t r = 0; r < run.acceptance.size() && diff.empty(); ++r) {
+    if (run.acceptance[r].accepted != ref->acceptance[r].accepted) diff = "accepted set of rank " + std::to_string(r);
+    else if (run.acceptance[r].effective_gates != ref->acceptance[r].effective_gates) diff = "gates of rank " + std::to_string(r);
+    else if (run.acceptance[r].dropped != ref->acceptance[r].dropped) diff = "drops of rank " + std::to_string(r);
+    else if (run.rows_per_expert[r] != ref->rows_per_expert[r]) diff = "per-expert counts of owner " + std::to_string(r);
+    else if (run.traces[r].size() != ref->traces[r].size()) diff = "row count at owner " + std::to_string(r);
+    else
+      for (size_t i = 0; i < run.traces[r].size() && diff.empty(); ++i) {
+        const auto &a = run.traces[r][i], &b = ref->traces[r][i];
+        if (a.row_id != b.row_id || a.local_expert != b.local_expert || a.segment != b.segment || a.group_position != b.group_position)
+          diff = "placement at owner " + std::to_string(r) + " grouped row " + std::to_string(i) + " (row_id " +
+                 std::to_string(a.row_id) + " vs host " + std::to_string(b.row_id) + ")";
+      }
+  }
+  (void)own;
+  c.passed = diff.empty();
+  c.detail = c.passed ? "accepted set, gates, drops, per-expert counts and grouped placement equal the host's (S=" +
+                            std::to_string(run.segment_size) + ")"
+                      : "differs from host: " + diff;
   return c;
 }
 
 }  // namespace
 
+StatusOr<std::unique_ptr<ValidationBackend>> MakeHostBackend(int64_t num_ranks, double barrier_timeout_s) {
+  RDEP_ASSIGN_OR_RETURN(auto domain, HostDomain::Create(num_ranks, {.barrier_timeout_s = barrier_timeout_s}));
+  return std::unique_ptr<ValidationBackend>(new HostBackend(std::move(domain)));
+}
+
 StatusOr<ValidationReport> RunHostValidation(const ValidationOptions& o) {
+  RDEP_RETURN_IF_ERROR(o.layer.Validate());
+  RDEP_ASSIGN_OR_RETURN(auto backend, MakeHostBackend(o.layer.shape.ranks, o.barrier_timeout_s));
+  return RunValidation(o, *backend);
+}
+
+StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationBackend& backend) {
   RDEP_RETURN_IF_ERROR(o.layer.Validate());
   const LayerShape& s = o.layer.shape;
   if (o.routing.empty_rank >= s.ranks)
     return InvalidArgument("empty rank " + std::to_string(o.routing.empty_rank) + " is outside [0, W=" + std::to_string(s.ranks) + ")");
   RDEP_ASSIGN_OR_RETURN(auto own, OwnershipMap::Contiguous(s.experts, s.ranks));
   RDEP_ASSIGN_OR_RETURN(auto routing, GenerateRouting(s, o.routing));
-  const MoEWeights w = RandomWeights(s, o.seed);
-  const auto x = RandomActivations(s, routing, o.seed + 1);
-  const auto dy = RandomActivations(s, routing, o.seed + 2);
-  RDEP_ASSIGN_OR_RETURN(auto domain, HostDomain::Create(s.ranks, {.barrier_timeout_s = o.barrier_timeout_s}));
-
+  MoEWeights w = RandomWeights(s, o.seed);
+  auto x = RandomActivations(s, routing, o.seed + 1);
+  auto dy = RandomActivations(s, routing, o.seed + 2);
+  if (backend.bf16()) {  // the reference sees exactly what the device sees
+    for (auto* v : {&w.w1, &w.w2})
+      for (float& f : *v) f = RoundToBf16(f);
+    for (auto* t : {&x, &dy})
+      for (auto& r : *t)
+        for (float& f : r) f = RoundToBf16(f);
+  }
   ValidationReport rep;
-  rep.backend = "host";
+  rep.backend = backend.name();
+  rep.transport = backend.transport();
   auto timed = [&](auto&& fn) {
     const auto t0 = Clock::now();
     CheckResult c = fn();
@@ -224,69 +346,85 @@ StatusOr<ValidationReport> RunHostValidation(const ValidationOptions& o) {
 
   timed([&] {
     CheckResult c{"smoke", false, false, "", 0};
-    auto region = domain->AllocateSymmetric(sizeof(int64_t) * static_cast<size_t>(s.ranks), "smoke");
-    if (!region.ok()) { c.detail = region.status().ToString(); return c; }
-    std::atomic<int64_t> wrong{0};
-    Status st = domain->Run([&](int32_t r) -> Status {
-      for (int32_t q = 0; q < s.ranks; ++q) domain->region_as<int64_t>(q, *region)[r] = 1000 * r + q;
-      RDEP_RETURN_IF_ERROR(domain->Barrier(r, Phase::kSmoke));
-      for (int32_t p = 0; p < s.ranks; ++p)
-        if (domain->region_as<int64_t>(r, *region)[p] != 1000 * p + r) ++wrong;
-      return Status::Ok();
-    });
-    c.passed = st.ok() && wrong == 0;
-    c.detail = st.ok() ? std::to_string(s.ranks) + " ranks, peer stores visible after barrier" : st.ToString();
-    if (wrong) c.detail = std::to_string(wrong.load()) + " peer slots wrong after the barrier";
+    Status st = backend.Smoke(&c.detail);
+    c.passed = st.ok();
+    if (!st.ok()) c.detail = st.ToString();
     return c;
   });
-
-  timed([&] { return DispatchInvariants(*domain, o, own, w, routing, x, rep); });
+  std::optional<SentinelRun> sentinel;
+  timed([&] {
+    auto run = backend.Sentinel(o.layer, own, w, routing, x);
+    if (!run.ok()) return CheckResult{"dispatch invariants", false, false, run.status().ToString(), 0};
+    sentinel = std::move(*run);
+    return DispatchInvariants(*sentinel, o, own, routing, x, rep);
+  });
+  if (backend.name() != "host") {
+    timed([&] {
+      if (!sentinel) return CheckResult{"host agreement (bitwise)", false, false, "no sentinel run to compare", 0};
+      return HostAgreement(*sentinel, o, own, w, routing, x);
+    });
+  }
 
   auto ref_fwd = ReferenceForward(s, w, routing, o.layer.capacity, x);
   auto ref_bwd = ReferenceBackward(s, w, routing, o.layer.capacity, x, dy);
   if (!ref_fwd.ok()) return ref_fwd.status();
   if (!ref_bwd.ok()) return ref_bwd.status();
-
   const auto t0 = Clock::now();
-  auto run = RunLayer(*domain, o.layer, own, w, routing, x, dy);
+  auto run = backend.ForwardBackward(o.layer, own, w, routing, x, dy);
   const double run_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  auto tol = " (tol: atol " + Fmt(o.atol_scale) + "*max|ref| + rtol " + Fmt(o.rtol) + "*|ref|)";
   if (!run.ok()) {
     for (const char* name : {"forward parity", "gradient parity", "finite outputs and gradients", "segment invariance"})
       rep.checks.push_back({name, false, false, run.status().ToString(), 0});
     return rep;
   }
+  // The error metric: max-normalized for fp32 backends, relative L2 for bf16 ones.
+  auto err = [&](const std::vector<float>& a, const std::vector<double>& r) {
+    return backend.bf16() ? RelativeL2Error(a, r) / o.rel_l2 : NormalizedError(a, r, o.rtol, o.atol_scale);
+  };
+  const std::string tol = backend.bf16() ? " (error/tolerance; tol: ||out-ref||/||ref|| <= " + Fmt(o.rel_l2) + ")"
+                                         : " (tol: atol " + Fmt(o.atol_scale) + "*max|ref| + rtol " + Fmt(o.rtol) + "*|ref|)";
   {
-    const double e = NormalizedError(Concat(run->y), Concat(ref_fwd->y), o.rtol, o.atol_scale);
-    rep.checks.push_back({"forward parity", e <= 1.0, false, "y max normalized error " + Fmt(e) + tol, run_s});
+    const double e = err(Concat(run->y), Concat(ref_fwd->y));
+    rep.checks.push_back({"forward parity", e <= 1.0, false, "y error " + Fmt(e) + tol, run_s});
   }
   {
-    const double edx = NormalizedError(Concat(run->dx), Concat(ref_bwd->dx), o.rtol, o.atol_scale);
-    const double edg = NormalizedError(Concat(run->dgates), Concat(ref_bwd->dgates), o.rtol, o.atol_scale);
-    const double ew1 = NormalizedError(run->dw1, ref_bwd->dw1, o.rtol, o.atol_scale);
-    const double ew2 = NormalizedError(run->dw2, ref_bwd->dw2, o.rtol, o.atol_scale);
+    const double edx = err(Concat(run->dx), Concat(ref_bwd->dx));
+    const double edg = err(Concat(run->dgates), Concat(ref_bwd->dgates));
+    const double ew1 = err(run->dw1, ref_bwd->dw1);
+    const double ew2 = err(run->dw2, ref_bwd->dw2);
     const bool ok = edx <= 1 && edg <= 1 && ew1 <= 1 && ew2 <= 1;
     rep.checks.push_back({"gradient parity", ok, false,
-                          "normalized error dx " + Fmt(edx) + ", dgate " + Fmt(edg) + ", dW1 " + Fmt(ew1) + ", dW2 " + Fmt(ew2), 0});
+                          "error dx " + Fmt(edx) + ", dgate " + Fmt(edg) + ", dW1 " + Fmt(ew1) + ", dW2 " + Fmt(ew2), 0});
   }
   {
     const bool ok = AllFinite(Concat(run->y)) && AllFinite(Concat(run->dx)) && AllFinite(Concat(run->dgates)) &&
                     AllFinite(run->dw1) && AllFinite(run->dw2);
-    rep.checks.push_back({"finite outputs and gradients", ok, false, ok ? "y, dx, dgate, dW1, dW2 finite on every rank" : "non-finite values", 0});
+    rep.checks.push_back({"finite outputs and gradients", ok, false,
+                          ok ? "y, dx, dgate, dW1, dW2 finite on every rank" : "non-finite values", 0});
   }
   timed([&] {
     CheckResult c{"segment invariance", false, false, "", 0};
     LayerConfig other = o.layer;
-    const int64_t S = o.layer.segment();
+    const int64_t S = sentinel ? sentinel->segment_size : o.layer.segment();
     other.segment_tokens = S > 1 ? std::max<int64_t>(1, S / 3) : 2;
-    auto run2 = RunLayer(*domain, other, own, w, routing, x, dy);
-    if (!run2.ok()) { c.detail = run2.status().ToString(); return c; }
-    const bool same = run2->y == run->y && run2->dx == run->dx && run2->dgates == run->dgates && run2->dw1 == run->dw1 &&
-                      run2->dw2 == run->dw2;
-    c.passed = same;
+    auto run2 = backend.ForwardBackward(other, own, w, routing, x, dy);
+    if (!run2.ok()) {
+      c.detail = run2.status().ToString();
+      return c;
+    }
+    std::string how;
+    if (!backend.bf16()) {
+      c.passed = run2->y == run->y && run2->dx == run->dx && run2->dgates == run->dgates && run2->dw1 == run->dw1 &&
+                 run2->dw2 == run->dw2;
+      how = c.passed ? "bitwise equal" : "outputs differ";
+    } else {
+      const double e = std::max({err(Concat(run2->y), ToDouble(Concat(run->y))), err(Concat(run2->dx), ToDouble(Concat(run->dx))),
+                                 err(run2->dw1, ToDouble(run->dw1)), err(run2->dw2, ToDouble(run->dw2))});
+      c.passed = e <= 1.0;
+      how = "max error " + Fmt(e) + " of the tolerance";
+    }
     c.detail = "S=" + std::to_string(S) + " (" + std::to_string(run->segments) + " segments) vs S=" +
-               std::to_string(other.segment_tokens) + " (" + std::to_string(run2->segments) + " segments): " +
-               (same ? "bitwise equal" : "outputs differ");
+               std::to_string(other.segment_tokens) + " (" + std::to_string(run2->segments) + " segments): " + how;
     return c;
   });
   return rep;
@@ -296,13 +434,14 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
   JsonWriter j;
   const LayerShape& s = o.layer.shape;
   j.begin_object();
-  j.field("tool", "rdep check").field("backend", backend).field("passed", passed());
+  j.field("tool", "rdep check").field("backend", backend).field("transport", transport).field("passed", passed());
   j.key("config").begin_object();
   j.field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden).field("ffn", s.ffn);
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.routing.name());
   j.field("empty_rank", o.routing.empty_rank).field("capacity_factor", o.layer.capacity.capacity_factor);
-  j.field("segment", o.layer.segment()).field("seed", static_cast<int64_t>(o.seed));
+  j.field("segment", segment_size).field("seed", static_cast<int64_t>(o.seed));
   j.field("routing_seed", static_cast<int64_t>(o.routing.seed)).field("rtol", o.rtol).field("atol_scale", o.atol_scale);
+  j.field("rel_l2", o.rel_l2);
   j.end_object();
   j.field("accepted_rows", accepted_rows).field("dropped_rows", dropped_rows).field("segments", segments);
   j.field("symmetric_bytes_per_rank", static_cast<int64_t>(symmetric_bytes_per_rank));

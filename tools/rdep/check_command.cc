@@ -6,6 +6,8 @@
 #include <iostream>
 
 #include "cli.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/layer/cuda_validation.h"
 #include "rdep/layer/validation.h"
 
 namespace {
@@ -23,7 +25,8 @@ Runs the validation matrix of seeds 000 Table 18 for one configuration and print
   segment invariance     results bitwise equal with a different segment size S
 
 flags (defaults in brackets):
-  --backend host         backend [host]; the CUDA backend is not built yet
+  --backend B            host | cuda | auto: cuda when this build has CUDA and the machine has W GPUs,
+                         else host [auto]
   --ranks W              ranks in the domain [4]
   --tokens T             tokens per rank [64]
   --hidden H             hidden size [64]
@@ -46,7 +49,7 @@ int RunCheck(const rdep::cli::Args& args) {
     return 0;
   }
   rdep::ValidationOptions o;
-  const std::string backend = f.get_string("backend", "host");
+  std::string backend = f.get_string("backend", "auto");
   auto& s = o.layer.shape;
   s.ranks = f.get_int("ranks", 4);
   s.tokens = f.get_int("tokens", 64);
@@ -69,8 +72,9 @@ int RunCheck(const rdep::cli::Args& args) {
     std::cerr << "rdep check: unexpected argument '" << f.positional().front() << "'\n";
     return 2;
   }
-  if (backend != "host") {
-    std::cerr << "rdep check: backend '" << backend << "' is not available in this build (available: host)\n";
+  if (backend == "auto") backend = rdep::CudaDeviceCount() >= s.ranks ? "cuda" : "host";
+  if (backend != "host" && backend != "cuda") {
+    std::cerr << "rdep check: unknown backend '" << backend << "' (host, cuda, auto)\n";
     return 2;
   }
   auto spec = rdep::RoutingSpec::Parse(routing);
@@ -90,18 +94,25 @@ int RunCheck(const rdep::cli::Args& args) {
   std::cout << "rdep check: backend " << backend << ", " << o.layer << ", routing " << o.routing.name();
   if (empty_rank >= 0) std::cout << " (rank " << empty_rank << " empty)";
   std::cout << ", seed " << seed << "\n";
-  auto rep = rdep::RunHostValidation(o);
+  rdep::StatusOr<std::unique_ptr<rdep::ValidationBackend>> be =
+      backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s);
+  if (!be.ok()) {
+    std::cerr << "rdep check: backend " << backend << ": " << be.status().message() << "\n";
+    return 2;
+  }
+  auto rep = rdep::RunValidation(o, **be);
   if (!rep.ok()) {
     std::cerr << "rdep check: " << rep.status().message() << "\n";
     return 2;
   }
+  std::printf("  transport: %s\n", rep->transport.c_str());
   std::printf("  %-30s %-6s %9s  %s\n", "check", "result", "seconds", "detail");
   for (const auto& c : rep->checks)
     std::printf("  %-30s %-6s %9.3f  %s\n", c.name.c_str(), c.skipped ? "skip" : (c.passed ? "PASS" : "FAIL"), c.seconds,
                 c.detail.c_str());
   std::printf("  symmetric buffers per rank: %.3f MiB (S=%lld)\n",
               static_cast<double>(rep->symmetric_bytes_per_rank) / (1024.0 * 1024.0),
-              static_cast<long long>(o.layer.segment()));
+              static_cast<long long>(rep->segment_size));
   int passed = 0, failed = 0;
   for (const auto& c : rep->checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
   std::printf("%d passed, %d failed\n", passed, failed);

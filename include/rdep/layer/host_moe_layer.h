@@ -27,9 +27,8 @@
 
 namespace rdep {
 
-// What owners compute. kSentinel replaces the MLP by an identity-revealing echo for the dispatch
-// invariants check: out[0] = row_id mod 2^24, out[1] = row_id >> 24, out[2] = owner rank,
-// out[3] = global expert id, out[c] = x[c] for c >= 4 (fields beyond H are dropped).
+// What owners compute. kSentinel replaces the MLP by the identity-revealing echo of
+// rdep/transport/region_layout.h (SentinelField) for the dispatch invariants check.
 enum class ExpertKind { kSwiGLU, kSentinel };
 
 // One row as an owner grouped it (recorded when tracing is on).

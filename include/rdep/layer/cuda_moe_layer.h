@@ -1,0 +1,78 @@
+// MoE layer on the CUDA backend: the same protocol, contracts and capacity rule as HostMoELayer,
+// with bf16 activations and expert weights, fp32 gates, combine accumulation and weight gradients.
+//
+// Per rank, every call is enqueued on CudaDomain::stream(rank) (inputs/outputs are device pointers
+// on the rank's GPU):
+//   Forward:  count+publish -> barrier -> owner scan (capacity, bases) -> barrier -> accept ->
+//             per segment: scatter (token payload + row sideband) -> barrier -> expand into
+//             expert-grouped rows -> [host sync: per-expert row counts for cuBLASLt] -> expert MLP ->
+//             return rows to their front-ends by row_id -> ... -> barrier -> combine.
+//   Backward: dgate -> per segment: scatter dy -> barrier -> gate-scaled gather -> dgrad + wgrad ->
+//             return dx rows -> ... -> barrier -> sum dx rows.
+// Host synchronization inside a call: once per forward segment, because the grouped GEMMs take the
+// per-expert row counts on the host (cuBLASLt); and once after phase 2 only when the segment size is
+// smaller than the worst case W*T (to learn the number of segments). The default segment size on
+// this backend is W*T (worst case), so a forward syncs once and backward never.
+// Buffers are allocated at Create (a warm cache); the saved owner activations grow only when a call
+// needs more rows than any before it.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "rdep/core/capacity.h"
+#include "rdep/core/ownership.h"
+#include "rdep/core/reference.h"
+#include "rdep/layer/host_moe_layer.h"  // ExpertKind, OwnerTraceEntry
+#include "rdep/layer/layer_config.h"
+#include "rdep/status.h"
+#include "rdep/transport/cuda_domain.h"
+
+namespace rdep {
+
+class CudaMoELayer {
+ public:
+  // Copies each rank's experts' slices of `weights` to its GPU as bf16.
+  static StatusOr<std::unique_ptr<CudaMoELayer>> Create(CudaDomain& domain, const LayerConfig& config,
+                                                        const OwnershipMap& ownership, const MoEWeights& weights);
+  ~CudaMoELayer();
+
+  // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:
+  // experts [n][K] int32, gates [n][K] fp32, x and y [n][H] bf16. n <= T.
+  Status Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
+                 const __nv_bfloat16* x, __nv_bfloat16* y);
+  // Collective, after Forward: dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates).
+  // Weight gradients of this call (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
+  Status Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
+
+  const LayerConfig& config() const { return config_; }
+  const RegionLayout& layout() const { return layout_; }
+  void set_expert_kind(ExpertKind kind) { kind_ = kind; }
+  float* dw1(int32_t rank) const;
+  float* dw2(int32_t rank) const;
+
+  // Host copies of the last forward's routing context, for checks (synchronize the rank's stream).
+  StatusOr<RankAcceptance> CopyAcceptance(int32_t rank) const;
+  StatusOr<std::vector<OwnerTraceEntry>> CopyOwnerTrace(int32_t rank) const;
+  std::vector<int64_t> owner_rows_per_expert(int32_t rank) const;
+  StatusOr<std::vector<float>> CopyExpertOutputs(int32_t rank) const;  // [n*K][H]
+  int64_t segments(int32_t rank) const;
+
+ private:
+  struct RankState;
+  CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership);
+  Status Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload);
+
+  CudaDomain& domain_;
+  LayerConfig config_;
+  OwnershipMap ownership_;
+  RegionLayout layout_;
+  RegionId control_ = -1, payload_ = -1, sideband_ = -1, return_ = -1;
+  ExpertKind kind_ = ExpertKind::kSwiGLU;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+};
+
+}  // namespace rdep

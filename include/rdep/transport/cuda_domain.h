@@ -1,0 +1,107 @@
+// The CUDA backend's Domain: W ranks on W GPUs. Mode "peer" is one process driving all local GPUs
+// (one host thread per rank, peer access between every pair, symmetric regions opened through UVA).
+// Each rank has its own stream; phase barriers are device kernels with bounded waits, so a layer call
+// enqueues work without host round trips. A barrier that times out records {phase, missing rank}
+// in host-mapped memory and lets the stream drain; the next Synchronize() (or CheckErrors) reports
+// it as a Timeout naming the rank and the phase. After such an error, recreate the domain.
+//
+//   auto d = CudaDomain::CreateSingleProcess(4);
+//   RegionId r = d->AllocateSymmetric(bytes, "payload");        // before Run
+//   d->Run([&](int32_t rank) -> Status {                         // device already set
+//     kernel<<<..., d->stream(rank)>>>(d->peer_table(rank, r), ...);   // stores into peers' copies
+//     RDEP_RETURN_IF_ERROR(d->Barrier(rank, Phase::kDispatchCounts));
+//     return d->Synchronize(rank);
+//   });
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rdep/status.h"
+#include "rdep/transport/host_domain.h"  // RegionId, DomainOptions
+#include "rdep/transport/phase.h"
+
+namespace rdep {
+
+struct CudaDomainOptions {
+  double barrier_timeout_s = 10.0;  // bound on every device-side wait for a peer
+  std::vector<int> devices;         // device of each rank; empty = 0..W-1
+};
+
+// What a barrier that failed recorded (host-mapped, written by the device).
+struct DeviceErrorRecord {
+  int32_t code;          // 0 none, 1 timeout, 2 phase mismatch
+  int32_t phase;         // Phase
+  int32_t peer;          // the missing (or mismatching) rank
+  int32_t peer_phase;    // mismatch: the phase the peer announced
+  uint64_t epoch;        // the barrier's sequence number on this rank
+};
+
+class CudaDomain {
+ public:
+  static StatusOr<std::unique_ptr<CudaDomain>> CreateSingleProcess(int64_t num_ranks, CudaDomainOptions options = {});
+  ~CudaDomain();
+  CudaDomain(const CudaDomain&) = delete;
+  CudaDomain& operator=(const CudaDomain&) = delete;
+
+  int32_t num_ranks() const { return num_ranks_; }
+  int device(int32_t rank) const { return devices_[static_cast<size_t>(rank)]; }
+  cudaStream_t stream(int32_t rank) const { return streams_[static_cast<size_t>(rank)]; }
+  const char* backend_name() const { return "cuda"; }
+  // How peers' memory is opened: "peer-access" (one process), later "ipc" or "fabric".
+  const std::string& transport_name() const { return transport_; }
+  const CudaDomainOptions& options() const { return options_; }
+
+  // cudaMalloc of `bytes` on every rank's device, zero-filled. Not callable during Run.
+  StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name);
+  // Base of region `id` on `rank`, as a pointer usable from any rank's device.
+  void* region(int32_t rank, RegionId id) const;
+  // A device array (on `viewer`'s device) of the W ranks' base pointers of region `id`.
+  void* const* peer_table(int32_t viewer, RegionId id) const;
+  size_t symmetric_bytes_per_rank() const;
+
+  // Runs fn(rank) on W host threads, each with its rank's device current. Same error contract as
+  // HostDomain::Run: the first failing rank's error, prefixed with its rank.
+  Status Run(const std::function<Status(int32_t rank)>& fn);
+
+  // Enqueues a phase barrier on rank's stream (a one-block kernel; waits are bounded in-kernel).
+  Status Barrier(int32_t rank, Phase phase);
+  // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
+  Status Synchronize(int32_t rank);
+  Status CheckErrors(int32_t rank);
+
+ private:
+  struct Region {
+    std::string name;
+    size_t bytes = 0;
+    std::vector<void*> base;          // [W]
+    std::vector<void**> tables;       // [W] device arrays of W pointers, one per viewer
+  };
+  CudaDomain() = default;
+
+  int32_t num_ranks_ = 0;
+  CudaDomainOptions options_;
+  std::string transport_ = "peer-access";
+  std::vector<int> devices_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<Region> regions_;
+  RegionId barrier_region_ = -1;               // per rank: uint64 slots[W]
+  std::vector<uint64_t> epoch_;                // per rank, monotonically increasing across calls
+  DeviceErrorRecord* errors_ = nullptr;        // host-mapped [W]
+  std::vector<DeviceErrorRecord*> errors_dev_; // device views of errors_ + rank
+  bool running_ = false;
+};
+
+// Launches the barrier kernel (cuda_barrier.cu).
+Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch, Phase phase,
+                          double timeout_s, DeviceErrorRecord* error, cudaStream_t stream);
+
+// Smoke test store: rank writes 1000*rank + q into slot `rank` of every peer q's int64 region.
+Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream);
+
+}  // namespace rdep

@@ -1,0 +1,77 @@
+// Launchers of the RDEP protocol kernels on one rank (raw device pointers + stream; return Status).
+// Layout of every peer-visible region: rdep/transport/region_layout.h. "control_of", "payload_of",
+// "sideband_of", "return_of" are device arrays of the W ranks' region bases (CudaDomain::peer_table).
+// Activations are bf16 (passed as uint16_t bits so this header needs no CUDA types).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "rdep/status.h"
+#include "rdep/transport/region_layout.h"
+
+namespace rdep::dispatch {
+
+using bf16_bits = uint16_t;
+
+// An owner's grouped row: rows of local expert j are contiguous, in token-stream order.
+struct GroupedRow {
+  uint64_t row_id;
+  int32_t token;         // index of its token in the owner's segment
+  int32_t local_expert;
+  float gate;            // effective gate g'
+  int32_t pad;
+};
+static_assert(sizeof(GroupedRow) == 24);
+
+struct OwnerMapView {
+  const int32_t* owner;  // [E]
+  const int32_t* local;  // [E]
+};
+
+// Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
+// that chose an expert of q (tok_index[q*n + t], -1 if none), the rows per q-local expert, published
+// into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank].
+Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, OwnerMapView own,
+                             int32_t rank, int32_t* tok_index, int64_t* const* control_of, cudaStream_t s);
+// rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
+Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
+                        cudaStream_t s);
+// Phase 2 at an owner: admitted counts per (source, local expert) in source order under `capacity`,
+// token-stream bases, all published to the sources; rows_per_expert[j] = admitted rows (device).
+Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity,
+                       int64_t* const* control_of, int64_t* rows_per_expert, cudaStream_t s);
+// At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local), effective
+// gates renormalized exactly as rdep::RenormalizeGates, dropped rows added to *dropped.
+Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
+                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
+                    float* effective_gates, int64_t* dropped, cudaStream_t s);
+// Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
+// this rank's tokens that falls in the window, into the owner's segment buffer `buf`.
+Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
+                     const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,
+                     OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                     void* const* payload_of, void* const* sideband_of, cudaStream_t s);
+// Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
+// then the grouped rows (written at grouped + 0). counts is [num_local] int64.
+Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s);
+// out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M.
+Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
+                        bool scale_by_gate, bf16_bits* out, cudaStream_t s);
+// Sentinel echo instead of the MLP: out[g] = SentinelField(row_id, rank, global expert) | x row.
+Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
+                          const int32_t* local_to_global, bf16_bits* out, cudaStream_t s);
+// Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id.
+Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
+                        void* const* return_of, cudaStream_t s);
+// Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
+// slots (w = effective gate, or 1 when weights is null). save (nullable) receives the accepted rows.
+Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
+                     int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
+// dgate: dL/dg'_k = <dy_t, f_k>, then the chain rule through the capacity renormalization.
+Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted,
+                   int64_t n, int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s);
+
+}  // namespace rdep::dispatch

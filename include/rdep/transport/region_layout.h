@@ -1,0 +1,69 @@
+// Byte layout of the peer-visible regions of the RDEP protocol, shared by the host and CUDA
+// backends (usable in device code). Token deduplication: a token that chose several experts on one
+// owner crosses once; its sideband lists its rows on that owner (at most slots_per_token =
+// min(K, max E_loc)) and the owner expands it into expert-grouped rows.
+//
+// control (int64 words, per rank; "this rank" = q):
+//   recv_counts_by_src   [W][L]  rows source s has for q's local expert j (phase 1, written by s)
+//   recv_tokens_by_src   [W]     tokens source s sends to q, before capacity (phase 1, written by s)
+//   recv_offsets_by_src  [W]     q's exclusive scan of recv_tokens_by_src: s's base in q's token stream
+//   send_admitted_by_dst [W][L]  rows owner d admits from q for d's local expert j (phase 2, written by d)
+//   send_offsets_by_dst  [W]     base of q's tokens in owner d's token stream (phase 2, written by d)
+//   owner_stream_tokens  [W]     tokens owner d receives in total (phase 2, written by d to every rank)
+// segment payload  [2][S][H] activations (double-buffered; the backend's element type)
+// segment sideband [2][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
+// return           [T*K][H] returned rows, placed at (t*K+k) decoded from row_id
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define RDEP_HD __host__ __device__
+#else
+#define RDEP_HD
+#endif
+
+namespace rdep {
+
+// Sideband of one route row as it travels to its owner (seeds 000 A.1 metadata region).
+struct RowSideband {
+  uint64_t row_id;       // ((r*T)+t)*K+k
+  int32_t local_expert;  // lambda(e) at the owner
+  float gate;            // effective (capacity-renormalized) gate g'
+};
+static_assert(sizeof(RowSideband) == 16);
+
+struct RegionLayout {
+  int64_t W = 0, L = 0, S = 0, H = 0, T = 0, K = 0, slots_per_token = 0;
+  int64_t elem_bytes = 0;
+
+  // control offsets, in int64 words
+  RDEP_HD int64_t recv_counts(int64_t src, int64_t j) const { return src * L + j; }
+  RDEP_HD int64_t recv_tokens(int64_t src) const { return W * L + src; }
+  RDEP_HD int64_t recv_offsets(int64_t src) const { return W * L + W + src; }
+  RDEP_HD int64_t send_admitted(int64_t dst, int64_t j) const { return W * L + 2 * W + dst * L + j; }
+  RDEP_HD int64_t send_offsets(int64_t dst) const { return 2 * W * L + 2 * W + dst; }
+  RDEP_HD int64_t owner_tokens(int64_t owner) const { return 2 * W * L + 3 * W + owner; }
+  RDEP_HD size_t control_bytes() const { return static_cast<size_t>(2 * W * L + 4 * W) * sizeof(int64_t); }
+  RDEP_HD size_t token_sideband_bytes() const {
+    return sizeof(int64_t) + static_cast<size_t>(slots_per_token) * sizeof(RowSideband);
+  }
+  RDEP_HD size_t payload_bytes() const { return 2 * static_cast<size_t>(S * H * elem_bytes); }
+  RDEP_HD size_t sideband_bytes() const { return 2 * static_cast<size_t>(S) * token_sideband_bytes(); }
+  RDEP_HD size_t return_bytes() const { return static_cast<size_t>(T * K * H * elem_bytes); }
+  RDEP_HD size_t total_bytes() const { return control_bytes() + payload_bytes() + sideband_bytes() + return_bytes(); }
+};
+
+// The identity-revealing echo an owner returns instead of the MLP output in the dispatch invariants
+// check (every field exact in bf16 as in fp32): out[0..5] = bytes 0..5 of row_id, out[6..7] = owner
+// rank (low, high byte), out[8..9] = global expert id (low, high byte), out[c] = x[c] for c >= 10.
+// Columns beyond H are dropped.
+constexpr int64_t kSentinelFields = 10;
+RDEP_HD inline float SentinelField(uint64_t row_id, int32_t owner, int32_t expert, int64_t c) {
+  if (c < 6) return static_cast<float>((row_id >> (8 * c)) & 0xFF);
+  if (c < 8) return static_cast<float>((static_cast<uint32_t>(owner) >> (8 * (c - 6))) & 0xFF);
+  return static_cast<float>((static_cast<uint32_t>(expert) >> (8 * (c - 8))) & 0xFF);
+}
+
+}  // namespace rdep

@@ -1,0 +1,178 @@
+#include "rdep/layer/cuda_validation.h"
+
+#include <cuda_bf16.h>
+
+#include <limits>
+
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/cuda_moe_layer.h"
+#include "rdep/transport/cuda_domain.h"
+
+namespace rdep {
+namespace {
+
+// Host data of one rank on its device, freed at scope exit.
+struct RankInputs {
+  int32_t* experts = nullptr;
+  float* gates = nullptr;
+  __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  float* dgates = nullptr;
+  ~RankInputs() {
+    for (void* p : {static_cast<void*>(experts), static_cast<void*>(gates), static_cast<void*>(x), static_cast<void*>(y),
+                    static_cast<void*>(dy), static_cast<void*>(dx), static_cast<void*>(dgates)})
+      if (p) cudaFree(p);
+  }
+};
+
+Status UploadBf16(const std::vector<float>& v, __nv_bfloat16** out) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = FloatToBf16Bits(v[i]);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(out, std::max<size_t>(bits.size(), 1) * 2));
+  if (!bits.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(*out, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+  return Status::Ok();
+}
+
+Status PoisonedBf16(size_t n, __nv_bfloat16** out) {
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(out, std::max<size_t>(n, 1) * 2));
+  return cuda::CudaStatus(cudaMemset(*out, 0xFF, std::max<size_t>(n, 1) * 2), "poison", __FILE__, __LINE__);  // NaN
+}
+
+StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
+  std::vector<uint16_t> bits(n);
+  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
+  return out;
+}
+
+Status Upload(RankInputs& in, const RankRouting& rr, const std::vector<float>& x, int64_t H) {
+  const size_t nk = rr.experts.size();
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&in.experts, std::max<size_t>(nk, 1) * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&in.gates, std::max<size_t>(nk, 1) * 4));
+  if (nk) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(in.experts, rr.experts.data(), nk * 4, cudaMemcpyHostToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(in.gates, rr.gates.data(), nk * 4, cudaMemcpyHostToDevice));
+  }
+  RDEP_RETURN_IF_ERROR(UploadBf16(x, &in.x));
+  return PoisonedBf16(static_cast<size_t>(rr.num_tokens * H), &in.y);
+}
+
+class CudaBackend final : public ValidationBackend {
+ public:
+  explicit CudaBackend(std::unique_ptr<CudaDomain> d) : domain_(std::move(d)) {}
+  std::string name() const override { return "cuda"; }
+  std::string transport() const override {
+    return domain_->transport_name() + " (one process, " + std::to_string(domain_->num_ranks()) + " GPUs)";
+  }
+  bool bf16() const override { return true; }
+
+  Status Smoke(std::string* detail) override {
+    const int32_t W = domain_->num_ranks();
+    RDEP_ASSIGN_OR_RETURN(RegionId region, domain_->AllocateSymmetric(sizeof(int64_t) * static_cast<size_t>(W), "smoke"));
+    int64_t wrong = 0;
+    std::vector<int64_t> wrong_by_rank(static_cast<size_t>(W), 0);
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
+      RDEP_RETURN_IF_ERROR(LaunchSmokeStore(domain_->peer_table(r, region), r, W, domain_->stream(r)));
+      RDEP_RETURN_IF_ERROR(domain_->Barrier(r, Phase::kSmoke));
+      RDEP_RETURN_IF_ERROR(domain_->Synchronize(r));
+      std::vector<int64_t> got(static_cast<size_t>(W));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(got.data(), domain_->region(r, region), got.size() * 8, cudaMemcpyDeviceToHost));
+      for (int32_t p = 0; p < W; ++p)
+        if (got[static_cast<size_t>(p)] != 1000 * p + r) ++wrong_by_rank[static_cast<size_t>(r)];
+      return Status::Ok();
+    }));
+    for (auto v : wrong_by_rank) wrong += v;
+    if (wrong) return InternalError(std::to_string(wrong) + " peer slots wrong after the device barrier");
+    *detail = std::to_string(W) + " GPUs, " + domain_->transport_name() + ", kernel peer stores visible after device barrier";
+    return Status::Ok();
+  }
+
+  StatusOr<SentinelRun> Sentinel(const LayerConfig& cfg, const OwnershipMap& own, const MoEWeights& w, const Routing& routing,
+                                 const std::vector<std::vector<float>>& x) override {
+    RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(*domain_, cfg, own, w));
+    layer->set_expert_kind(ExpertKind::kSentinel);
+    const int32_t W = domain_->num_ranks();
+    SentinelRun run;
+    run.acceptance.resize(static_cast<size_t>(W));
+    run.traces.resize(static_cast<size_t>(W));
+    run.rows_per_expert.resize(static_cast<size_t>(W));
+    run.expert_out.resize(static_cast<size_t>(W));
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      RankInputs in;
+      RDEP_RETURN_IF_ERROR(Upload(in, routing[i], x[i], cfg.shape.hidden));
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, in.experts, in.gates, routing[i].num_tokens, in.x, in.y));
+      RDEP_RETURN_IF_ERROR(domain_->Synchronize(r));
+      RDEP_ASSIGN_OR_RETURN(run.acceptance[i], layer->CopyAcceptance(r));
+      RDEP_ASSIGN_OR_RETURN(run.traces[i], layer->CopyOwnerTrace(r));
+      run.rows_per_expert[i] = layer->owner_rows_per_expert(r);
+      RDEP_ASSIGN_OR_RETURN(run.expert_out[i], layer->CopyExpertOutputs(r));
+      return Status::Ok();
+    }));
+    for (int32_t q = 0; q < W; ++q) run.segments = std::max(run.segments, layer->segments(q));
+    run.segment_size = layer->layout().S;
+    run.symmetric_bytes_per_rank = layer->layout().total_bytes();
+    return run;
+  }
+
+  StatusOr<LayerRun> ForwardBackward(const LayerConfig& cfg, const OwnershipMap& own, const MoEWeights& w,
+                                     const Routing& routing, const std::vector<std::vector<float>>& x,
+                                     const std::vector<std::vector<float>>& dy) override {
+    RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(*domain_, cfg, own, w));
+    const int32_t W = domain_->num_ranks();
+    const int64_t H = cfg.shape.hidden, K = cfg.shape.topk;
+    LayerRun out;
+    out.y.resize(static_cast<size_t>(W));
+    out.dx.resize(static_cast<size_t>(W));
+    out.dgates.resize(static_cast<size_t>(W));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    out.dw1.assign(w.w1.size(), nan);
+    out.dw2.assign(w.w2.size(), nan);
+    const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+    RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      const auto n = static_cast<size_t>(routing[i].num_tokens);
+      RankInputs in;
+      RDEP_RETURN_IF_ERROR(Upload(in, routing[i], x[i], H));
+      RDEP_RETURN_IF_ERROR(UploadBf16(dy[i], &in.dy));
+      RDEP_RETURN_IF_ERROR(PoisonedBf16(n * static_cast<size_t>(H), &in.dx));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&in.dgates, std::max<size_t>(n * static_cast<size_t>(K), 1) * 4));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(in.dgates, 0xFF, std::max<size_t>(n * static_cast<size_t>(K), 1) * 4));
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, in.experts, in.gates, routing[i].num_tokens, in.x, in.y));
+      RDEP_RETURN_IF_ERROR(layer->Backward(r, in.dy, in.dx, in.dgates));
+      RDEP_RETURN_IF_ERROR(domain_->Synchronize(r));
+      RDEP_ASSIGN_OR_RETURN(out.y[i], DownloadBf16(in.y, n * static_cast<size_t>(H)));
+      RDEP_ASSIGN_OR_RETURN(out.dx[i], DownloadBf16(in.dx, n * static_cast<size_t>(H)));
+      out.dgates[i].resize(n * static_cast<size_t>(K));
+      if (!out.dgates[i].empty())
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.dgates[i].data(), in.dgates, out.dgates[i].size() * 4, cudaMemcpyDeviceToHost));
+      const int32_t L = own.num_local(r);
+      std::vector<float> d1(static_cast<size_t>(L) * n1), d2(static_cast<size_t>(L) * n2);
+      if (L > 0) {
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d1.data(), layer->dw1(r), d1.size() * 4, cudaMemcpyDeviceToHost));
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d2.data(), layer->dw2(r), d2.size() * 4, cudaMemcpyDeviceToHost));
+      }
+      for (int32_t j = 0; j < L; ++j) {  // distinct experts per rank: no two threads write the same range
+        const auto e = static_cast<size_t>(own.global_expert(r, j));
+        std::copy_n(d1.data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);
+        std::copy_n(d2.data() + static_cast<size_t>(j) * n2, n2, out.dw2.data() + e * n2);
+      }
+      return Status::Ok();
+    }));
+    for (int32_t q = 0; q < W; ++q) out.segments = std::max(out.segments, layer->segments(q));
+    return out;
+  }
+
+ private:
+  std::unique_ptr<CudaDomain> domain_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t num_ranks, double barrier_timeout_s) {
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(num_ranks, {.barrier_timeout_s = barrier_timeout_s, .devices = {}}));
+  return std::unique_ptr<ValidationBackend>(new CudaBackend(std::move(domain)));
+}
+
+}  // namespace rdep

@@ -1,0 +1,10 @@
+// Builds without the CUDA toolkit: the CUDA backend is reported as unavailable.
+#include "rdep/layer/cuda_validation.h"
+
+namespace rdep {
+
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t, double) {
+  return Unavailable("this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+
+}  // namespace rdep

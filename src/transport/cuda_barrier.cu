@@ -1,0 +1,84 @@
+// Device-side phase barrier over peer-visible slots (seeds 000 A.1 barrier[W]).
+// Rank r announces barrier `epoch` by a system-scope release store of (epoch << 16 | phase) into slot
+// r of every peer, then thread p waits (acquire) until its own slot p reaches the epoch, bounded by
+// %globaltimer. Prior kernels on the stream have completed, so their peer stores are visible first.
+#include <cuda/atomic>
+
+#include "rdep/cuda/check.h"
+#include "rdep/transport/cuda_domain.h"
+
+namespace rdep {
+namespace {
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch,
+                                   uint32_t phase, uint64_t timeout_ns, DeviceErrorRecord* error) {
+  const int p = static_cast<int>(threadIdx.x);
+  if (p >= num_ranks) return;
+  const uint64_t tag = (epoch << 16) | phase;
+  __threadfence_system();
+  {
+    auto* peer_slots = static_cast<uint64_t*>(slot_table[p]);
+    ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system> slot(peer_slots[rank]);
+    slot.store(tag, ::cuda::memory_order_release);
+  }
+  auto* mine = static_cast<uint64_t*>(slot_table[rank]);
+  ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system> wait(mine[p]);
+  const uint64_t start = GlobalTimerNs();
+  uint64_t v = wait.load(::cuda::memory_order_acquire);
+  while ((v >> 16) < epoch) {
+    if (GlobalTimerNs() - start > timeout_ns) {
+      if (atomicCAS(&error->code, 0, 1) == 0) {
+        error->phase = static_cast<int32_t>(phase);
+        error->peer = p;
+        error->epoch = epoch;
+        __threadfence_system();
+      }
+      return;
+    }
+    __nanosleep(64);
+    v = wait.load(::cuda::memory_order_acquire);
+  }
+  if ((v >> 16) == epoch && (v & 0xFFFF) != phase) {
+    if (atomicCAS(&error->code, 0, 2) == 0) {
+      error->phase = static_cast<int32_t>(phase);
+      error->peer = p;
+      error->peer_phase = static_cast<int32_t>(v & 0xFFFF);
+      error->epoch = epoch;
+      __threadfence_system();
+    }
+  }
+}
+
+}  // namespace
+
+Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch, Phase phase,
+                          double timeout_s, DeviceErrorRecord* error, cudaStream_t stream) {
+  const int threads = ((num_ranks + 31) / 32) * 32;
+  PhaseBarrierKernel<<<1, threads, 0, stream>>>(slot_table, rank, num_ranks, epoch, static_cast<uint32_t>(phase),
+                                                static_cast<uint64_t>(timeout_s * 1e9), error);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace rdep
+
+namespace rdep {
+namespace {
+__global__ void SmokeStoreKernel(void* const* table, int32_t rank, int32_t num_ranks) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q < num_ranks) static_cast<int64_t*>(table[q])[rank] = 1000 * static_cast<int64_t>(rank) + q;
+}
+}  // namespace
+
+Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream) {
+  SmokeStoreKernel<<<1, ((num_ranks + 31) / 32) * 32, 0, stream>>>(table, rank, num_ranks);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+}  // namespace rdep

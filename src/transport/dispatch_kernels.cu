@@ -1,0 +1,438 @@
+// The RDEP protocol kernels (see rdep/transport/dispatch_kernels.h). Placement is computed by scans
+// in token order, never by atomics on positions, so every layout is deterministic and identical to
+// the host backend's.
+#include <cuda_bf16.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "rdep/cuda/check.h"
+#include "rdep/transport/dispatch_kernels.h"
+
+namespace rdep::dispatch {
+namespace {
+
+constexpr int kScanThreads = 512;
+using BlockScan = cub::BlockScan<int, kScanThreads>;
+
+__device__ __forceinline__ float Bf(bf16_bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+__device__ __forceinline__ bf16_bits ToBf(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
+
+// Copies one row of H bf16 by a warp: 16-byte vectors when aligned, else 2-byte elements.
+__device__ __forceinline__ void WarpCopyRow(const bf16_bits* src, bf16_bits* dst, int64_t H) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if ((H % 8) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < H / 8; i += 32) d[i] = s[i];
+  } else {
+    for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
+  }
+}
+
+__global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, OwnerMapView own, int32_t rank,
+                                      int32_t* tok_index, int64_t* const* control_of) {
+  extern __shared__ int rows_shared[];  // [L]
+  __shared__ typename BlockScan::TempStorage scan;
+  __shared__ int running_shared;
+  const int q = static_cast<int>(blockIdx.x);
+  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) rows_shared[j] = 0;
+  if (threadIdx.x == 0) running_shared = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < n; base += kScanThreads) {
+    const int64_t t = base + threadIdx.x;
+    int flag = 0;
+    if (t < n)
+      for (int64_t k = 0; k < l.K; ++k) {
+        const int32_t e = experts[t * l.K + k];
+        if (own.owner[e] == q) {
+          flag = 1;
+          atomicAdd(&rows_shared[own.local[e]], 1);
+        }
+      }
+    int pos, total;
+    BlockScan(scan).ExclusiveSum(flag, pos, total);
+    if (t < n) tok_index[static_cast<int64_t>(q) * n + t] = flag ? running_shared + pos : -1;
+    __syncthreads();
+    if (threadIdx.x == 0) running_shared += total;
+    __syncthreads();
+  }
+  int64_t* c = control_of[q];
+  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) c[l.recv_counts(rank, j)] = rows_shared[j];
+  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = running_shared;
+}
+
+__global__ void ExpertRankKernel(const int32_t* experts, int64_t n, int64_t K, int32_t* rank_in_expert) {
+  __shared__ typename BlockScan::TempStorage scan;
+  __shared__ int running_shared;
+  const int e = static_cast<int>(blockIdx.x);
+  if (threadIdx.x == 0) running_shared = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < n; base += kScanThreads) {
+    const int64_t t = base + threadIdx.x;
+    int64_t slot = -1;
+    if (t < n)
+      for (int64_t k = 0; k < K; ++k)
+        if (experts[t * K + k] == e) slot = k;
+    int pos, total;
+    BlockScan(scan).ExclusiveSum(slot >= 0 ? 1 : 0, pos, total);
+    if (slot >= 0) rank_in_expert[t * K + slot] = running_shared + pos;
+    __syncthreads();
+    if (threadIdx.x == 0) running_shared += total;
+    __syncthreads();
+  }
+}
+
+__global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local, int64_t capacity,
+                                int64_t* const* control_of, int64_t* rows_per_expert) {
+  const int64_t* mine = control_of[rank];
+  for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) {
+    int64_t left = capacity, sum = 0;
+    for (int64_t s = 0; s < l.W; ++s) {
+      const int64_t count = mine[l.recv_counts(s, j)];
+      const int64_t admitted = left < 0 ? 0 : (left < count ? left : count);
+      left -= admitted;
+      sum += admitted;
+      control_of[s][l.send_admitted(rank, j)] = admitted;
+    }
+    rows_per_expert[j] = sum;
+  }
+  if (threadIdx.x == 0) {
+    int64_t base = 0;
+    for (int64_t s = 0; s < l.W; ++s) {
+      control_of[rank][l.recv_offsets(s)] = base;
+      control_of[s][l.send_offsets(rank)] = base;
+      base += mine[l.recv_tokens(s)];
+    }
+    for (int64_t p = 0; p < l.W; ++p) control_of[p][l.owner_tokens(rank)] = base;
+  }
+}
+
+__global__ void AcceptKernel(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
+                             RegionLayout l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
+                             float* effective, int64_t* dropped) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  const int64_t K = l.K;
+  double S = 0, A = 0;
+  int64_t drops = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t i = t * K + k;
+    const int32_t e = experts[i];
+    const int64_t admitted = my_control[l.send_admitted(own.owner[e], own.local[e])];
+    const bool acc = rank_in_expert[i] < admitted;
+    accepted[i] = acc ? 1 : 0;
+    S += gates[i];
+    if (acc) A += gates[i];
+    else ++drops;
+  }
+  for (int64_t k = 0; k < K; ++k) {  // exactly rdep::RenormalizeGates
+    const int64_t i = t * K + k;
+    if (!accepted[i] || A == 0) effective[i] = 0.f;
+    else effective[i] = (S == A) ? gates[i] : static_cast<float>(static_cast<double>(gates[i]) * S / A);
+  }
+  if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
+}
+
+__global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
+                              const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
+                              OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                              void* const* payload_of, void* const* sideband_of) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const size_t tsb = l.token_sideband_bytes();
+  for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
+    for (int64_t q = 0; q < l.W; ++q) {
+      const int32_t idx = tok_index[q * n + t];
+      if (idx < 0) continue;
+      const int64_t slot = my_control[l.send_offsets(q)] + idx - lo;
+      if (slot < 0 || slot >= l.S) continue;
+      char* sb = static_cast<char*>(sideband_of[q]) + (static_cast<size_t>(buf) * l.S + slot) * tsb;
+      auto* rows = reinterpret_cast<RowSideband*>(sb + sizeof(int64_t));
+      int num_rows = 0;
+      for (int64_t k0 = 0; k0 < l.K; k0 += 32) {
+        const int64_t k = k0 + lane;
+        bool take = false;
+        int32_t e = 0;
+        if (k < l.K) {
+          e = experts[t * l.K + k];
+          take = own.owner[e] == q && accepted[t * l.K + k];
+        }
+        const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
+        if (take) {
+          const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
+          rows[pos] = RowSideband{static_cast<uint64_t>((rank * l.T + t) * l.K + k), own.local[e], effective[t * l.K + k]};
+        }
+        num_rows += __popc(mask);
+      }
+      if (lane == 0) *reinterpret_cast<int64_t*>(sb) = num_rows;
+      if (num_rows > 0)
+        WarpCopyRow(payload + t * l.H, static_cast<bf16_bits*>(payload_of[q]) + (static_cast<int64_t>(buf) * l.S + slot) * l.H, l.H);
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t SegmentTokens(const RegionLayout& l, const int64_t* my_control, int64_t lo) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < l.W; ++s) total += my_control[l.recv_tokens(s)];
+  const int64_t rest = total - lo;
+  return rest < 0 ? 0 : (rest < l.S ? rest : l.S);
+}
+
+__global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
+                                  int32_t num_local, int64_t* counts) {
+  extern __shared__ int hist[];
+  for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) hist[j] = 0;
+  __syncthreads();
+  const int64_t n_seg = SegmentTokens(l, my_control, lo);
+  const size_t tsb = l.token_sideband_bytes();
+  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
+  for (int64_t p = threadIdx.x; p < n_seg; p += blockDim.x) {
+    const char* sb = base + static_cast<size_t>(p) * tsb;
+    const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
+    const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
+    for (int64_t r = 0; r < num_rows; ++r) atomicAdd(&hist[rows[r].local_expert], 1);
+  }
+  __syncthreads();
+  for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) counts[j] = hist[j];
+}
+
+__global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
+                                  const int64_t* counts, GroupedRow* grouped) {
+  __shared__ typename BlockScan::TempStorage scan;
+  __shared__ int64_t running_shared;
+  const int j = static_cast<int>(blockIdx.x);
+  if (threadIdx.x == 0) {
+    int64_t off = 0;
+    for (int jj = 0; jj < j; ++jj) off += counts[jj];
+    running_shared = off;
+  }
+  __syncthreads();
+  const int64_t n_seg = SegmentTokens(l, my_control, lo);
+  const size_t tsb = l.token_sideband_bytes();
+  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
+  for (int64_t b = 0; b < n_seg; b += kScanThreads) {
+    const int64_t p = b + threadIdx.x;
+    int64_t hit = -1;
+    if (p < n_seg) {
+      const char* sb = base + static_cast<size_t>(p) * tsb;
+      const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
+      const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
+      for (int64_t r = 0; r < num_rows; ++r)
+        if (rows[r].local_expert == j) hit = r;
+      if (hit >= 0) {
+        // keep the row; written after the scan
+      }
+    }
+    int pos, total;
+    BlockScan(scan).ExclusiveSum(hit >= 0 ? 1 : 0, pos, total);
+    if (hit >= 0) {
+      const auto* rows = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t));
+      const RowSideband rs = rows[hit];
+      grouped[running_shared + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) running_shared += total;
+    __syncthreads();
+  }
+}
+
+__global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped, int64_t M, int64_t H, bool scale,
+                                 bf16_bits* out) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
+    const GroupedRow gr = grouped[g];
+    const bf16_bits* s = src + static_cast<int64_t>(gr.token) * H;
+    bf16_bits* d = out + g * H;
+    if (!scale) {
+      WarpCopyRow(s, d, H);
+    } else {
+      for (int64_t c = lane; c < H; c += 32) d[c] = ToBf(gr.gate * Bf(s[c]));
+    }
+  }
+}
+
+__global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
+                                   const int32_t* local_to_global, bf16_bits* out) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
+    const GroupedRow gr = grouped[g];
+    const int32_t expert = local_to_global[gr.local_expert];
+    for (int64_t c = lane; c < H; c += 32)
+      out[g * H + c] = c < kSentinelFields ? ToBf(SentinelField(gr.row_id, rank, expert, c)) : x[g * H + c];
+  }
+}
+
+__global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, RegionLayout l,
+                                 void* const* return_of) {
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
+    const uint64_t id = grouped[g].row_id;
+    const int64_t slot = static_cast<int64_t>(id % static_cast<uint64_t>(l.K));
+    const int64_t rt = static_cast<int64_t>(id / static_cast<uint64_t>(l.K));
+    const int64_t src = rt / l.T, t = rt % l.T;
+    WarpCopyRow(rows + g * l.H, static_cast<bf16_bits*>(return_of[src]) + (t * l.K + slot) * l.H, l.H);
+  }
+}
+
+__global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H,
+                              bf16_bits* y, bf16_bits* save) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = t * K + k;
+      if (!accepted[i]) {
+        if (save) save[i * H + c] = 0;
+        continue;
+      }
+      const bf16_bits v = ret[i * H + c];
+      if (save) save[i * H + c] = v;
+      acc += (weights ? weights[i] : 1.f) * Bf(v);
+    }
+    y[t * H + c] = ToBf(acc);
+  }
+}
+
+__global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float* gates, const uint8_t* accepted, int64_t n,
+                            int64_t K, int64_t H, float* scratch, float* dgates) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = t * K + k;
+      float dot = 0.f;
+      if (accepted[i])
+        for (int64_t c = lane; c < H; c += 32) dot += Bf(dy[t * H + c]) * Bf(f[i * H + c]);
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+      if (lane == 0) scratch[i] = dot;
+    }
+    __syncwarp();
+    if (lane == 0) {  // exactly rdep::RenormalizeGatesBackward
+      double S = 0, A = 0, P = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = t * K + k;
+        S += gates[i];
+        if (accepted[i]) {
+          A += gates[i];
+          P += static_cast<double>(scratch[i]) * gates[i];
+        }
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = t * K + k;
+        double d;
+        if (A == 0) d = 0;
+        else if (S == A) d = accepted[i] ? scratch[i] : 0.0;
+        else d = (accepted[i] ? scratch[i] * S / A - P * S / (A * A) : 0.0) + P / A;
+        dgates[i] = static_cast<float>(d);
+      }
+    }
+  }
+}
+
+int WarpBlocks(int64_t items) {
+  const int64_t blocks = (items * 32 + 255) / 256;
+  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
+}
+
+}  // namespace
+
+Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, OwnerMapView own, int32_t rank,
+                             int32_t* tok_index, int64_t* const* control_of, cudaStream_t s) {
+  CountAndPublishKernel<<<static_cast<unsigned>(l.W), kScanThreads, static_cast<size_t>(l.L) * sizeof(int), s>>>(
+      experts, n, l, own, rank, tok_index, control_of);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
+                        cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  ExpertRankKernel<<<static_cast<unsigned>(num_experts), kScanThreads, 0, s>>>(experts, n, K, rank_in_expert);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity, int64_t* const* control_of,
+                       int64_t* rows_per_expert, cudaStream_t s) {
+  OwnerScanKernel<<<1, 256, 0, s>>>(l, rank, num_local, capacity, control_of, rows_per_expert);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
+                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
+                    float* effective_gates, int64_t* dropped, cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  AcceptKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
+                                                                       accepted, effective_gates, dropped);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted, const float* effective_gates,
+                     const int32_t* tok_index, int64_t n, const RegionLayout& l, OwnerMapView own, int32_t rank,
+                     const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
+                     cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  ScatterKernel<<<WarpBlocks(n), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, own, rank,
+                                              my_control, lo, buf, payload_of, sideband_of);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s) {
+  if (num_local == 0) return Status::Ok();
+  ExpandCountKernel<<<1, 1024, static_cast<size_t>(num_local) * sizeof(int), s>>>(my_sideband, buf, lo, l, my_control,
+                                                                                   num_local, counts);
+  RDEP_CUDA_CHECK_LAUNCH();
+  ExpandPlaceKernel<<<static_cast<unsigned>(num_local), kScanThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, counts,
+                                                                             grouped);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
+                        bool scale_by_gate, bf16_bits* out, cudaStream_t s) {
+  if (M == 0) return Status::Ok();
+  GatherRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_payload, grouped, M, H, scale_by_gate, out);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
+                          const int32_t* local_to_global, bf16_bits* out, cudaStream_t s) {
+  if (M == 0) return Status::Ok();
+  SentinelEchoKernel<<<WarpBlocks(M), 256, 0, s>>>(x_rows, grouped, M, H, rank, local_to_global, out);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
+                        void* const* return_of, cudaStream_t s) {
+  if (M == 0) return Status::Ok();
+  ReturnRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(rows, grouped, M, l, return_of);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K, int64_t H,
+                     bf16_bits* y, bf16_bits* save, cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  const int threads = H >= 256 ? 256 : static_cast<int>(((H + 31) / 32) * 32);
+  CombineKernel<<<static_cast<unsigned>(n), threads, 0, s>>>(ret, accepted, weights, K, H, y, save);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted, int64_t n,
+                   int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  DgateKernel<<<WarpBlocks(n), 256, 0, s>>>(dy, saved_f, gates, accepted, n, K, H, scratch, dgates);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace rdep::dispatch
