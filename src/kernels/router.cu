@@ -77,29 +77,46 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
-// (v, i) becomes the warp's best pair on every lane: the larger value wins, equal values go to the
-// lower index (indices are distinct across lanes, so this is a total order and the butterfly agrees).
-template <typename T>
-__device__ __forceinline__ void WarpArgMax(T& v, int& i) {
-#pragma unroll
-  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
-    const T ov = __shfl_xor_sync(kFullMask, v, off);
-    const int oi = __shfl_xor_sync(kFullMask, i, off);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
+// Order-preserving maps of keys to unsigned integers: a > b  <=>  Bits(a) > Bits(b), and -0 == +0
+// (x + 0 turns -0 into +0). Every finite key maps above 0, so 0 marks a taken, masked or padding expert.
+__device__ __forceinline__ uint32_t OrderedBits(float f) {
+  const uint32_t u = __float_as_uint(f + 0.0f);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ uint64_t OrderedBits(double f) {
+  const auto u = static_cast<uint64_t>(__double_as_longlong(f + 0.0));
+  return (u >> 63) != 0 ? ~u : (u | (1ull << 63));
 }
 
-// Lane `lane` of a warp holds experts e = lane + 32*j, j < kVpt (coalesced row loads). Padding
-// (e >= E) and masked experts carry key -inf; K <= unmasked experts, so they are never chosen.
+template <typename Acc>
+using KeyBits = std::conditional_t<std::is_same_v<Acc, double>, uint64_t, uint32_t>;
+
+// Warp maximum with the sm_80+ redux instruction (32 bits at a time).
+__device__ __forceinline__ uint32_t WarpMaxBits(uint32_t v) { return __reduce_max_sync(kFullMask, v); }
+__device__ __forceinline__ uint64_t WarpMaxBits(uint64_t v) {
+  const auto v_hi = static_cast<uint32_t>(v >> 32);
+  const uint32_t hi = __reduce_max_sync(kFullMask, v_hi);
+  const uint32_t lo = __reduce_max_sync(kFullMask, v_hi == hi ? static_cast<uint32_t>(v) : 0u);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+// Every lane offers (bits, idx) with distinct idx; returns, on every lane, the idx of the largest bits,
+// the lowest idx among equal bits (the host's tie rule).
+template <typename Bits>
+__device__ __forceinline__ int WarpArgMax(Bits bits, int idx) {
+  const Bits best = WarpMaxBits(bits);
+  return static_cast<int>(__reduce_min_sync(kFullMask, bits == best ? static_cast<uint32_t>(idx) : 0xFFFFFFFFu));
+}
+
+// Lane `lane` of a warp holds experts e = lane + 32*j, j < kVpt (coalesced row loads). Keys are kept
+// as OrderedBits; padding (e >= E), masked and taken experts carry 0, and K <= unmasked experts, so
+// they are never chosen.
 //
 // Dynamic shared memory, in this order:
 //   keys  Acc[kWarpsPerBlock][E]   only with kGrouped: a warp's selection keys, for the group scan
 //   hist  int32[E]                 only with tokens_per_expert: the block's histogram
 template <int kVpt, typename Acc, bool kGrouped>
-__global__ void __launch_bounds__(kThreads) RouterTopKKernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -117,8 +134,9 @@ __global__ void __launch_bounds__(kThreads) RouterTopKKernel(const Params p) {
     const float* row = p.logits + t * num_e;
     // l: the logits; key: the selection keys. The scores themselves are not kept: the score of a
     // chosen expert is recomputed from its logit by the same arithmetic (ScoreOf), which saves registers.
+    using Bits = KeyBits<Acc>;
     float l[kVpt];
-    Acc key[kVpt];
+    Bits key[kVpt];
 #pragma unroll
     for (int j = 0; j < kVpt; ++j) {
       const int e = lane + kWarpSize * j;
@@ -142,26 +160,23 @@ __global__ void __launch_bounds__(kThreads) RouterTopKKernel(const Params p) {
     for (int j = 0; j < kVpt; ++j) {
       const int e = lane + kWarpSize * j;
       if (e >= num_e) {
-        key[j] = NegInf<Acc>();
+        key[j] = 0;
       } else if (p.logit_keys) {
-        key[j] = static_cast<Acc>(l[j]);
+        key[j] = OrderedBits(static_cast<Acc>(l[j]));
       } else {
         const Acc s = ScoreOf<Acc>(p.softmax, l[j], mx, sum);
-        key[j] = p.bias != nullptr ? s + static_cast<Acc>(__ldg(p.bias + e)) : s;
+        const Acc sel = p.bias != nullptr ? s + static_cast<Acc>(__ldg(p.bias + e)) : s;
+        key[j] = OrderedBits(sel);
+        if constexpr (kGrouped) warp_keys[e] = sel;
       }
     }
 
     if constexpr (kGrouped) {
       // Group g = experts [g*gs, (g+1)*gs), scored by the sum of its two largest keys (one when gs = 1);
       // lane g scores group g. Keep topk_groups groups, best first, ties to the lower group id.
-#pragma unroll
-      for (int j = 0; j < kVpt; ++j) {
-        const int e = lane + kWarpSize * j;
-        if (e < num_e) warp_keys[e] = key[j];
-      }
       __syncwarp();
       const int gs = p.group_size;
-      Acc group_score = NegInf<Acc>();
+      Acc group_score = 0;
       if (lane < p.num_groups) {
         Acc a = NegInf<Acc>(), b = NegInf<Acc>();
         for (int i = 0; i < gs; ++i) {
@@ -176,52 +191,39 @@ __global__ void __launch_bounds__(kThreads) RouterTopKKernel(const Params p) {
         group_score = b == NegInf<Acc>() ? a : a + b;
       }
       __syncwarp();  // the next token overwrites warp_keys
-      int keep = 0;
+      bool keep = false;
       for (int r = 0; r < p.topk_groups; ++r) {
-        Acc v = keep ? NegInf<Acc>() : group_score;
-        int g = lane;
-        WarpArgMax(v, g);
-        if (lane == g) keep = 1;
+        const Bits bits = lane < p.num_groups && !keep ? OrderedBits(group_score) : Bits(0);
+        if (lane == WarpArgMax(bits, lane)) keep = true;
       }
 #pragma unroll
       for (int j = 0; j < kVpt; ++j) {
         const int e = lane + kWarpSize * j;
-        const int g = e < num_e ? e / gs : 0;
-        const int kept = __shfl_sync(kFullMask, keep, g);
-        if (!kept) key[j] = NegInf<Acc>();
+        const int kept = __shfl_sync(kFullMask, keep ? 1 : 0, e < num_e ? e / gs : 0);
+        if (!kept) key[j] = 0;
       }
     }
 
-    // Top-K: K rounds of a warp argmax; lane r keeps the r-th expert and its logit.
+    // Top-K: K rounds of a warp argmax; lane r keeps the r-th expert.
     int my_expert = 0;
-    float my_logit = 0.0f;
     for (int r = 0; r < k; ++r) {
-      Acc bv = key[0];
-      int bi = lane;
+      Bits bv = key[0];
+      int bj = 0;
 #pragma unroll
       for (int j = 1; j < kVpt; ++j) {
         if (key[j] > bv) {  // strict: within a lane the ids ascend with j, so ties keep the lower id
           bv = key[j];
-          bi = lane + kWarpSize * j;
+          bj = j;
         }
       }
-      WarpArgMax(bv, bi);
-      const int owner = bi % kWarpSize, slot = bi / kWarpSize;
-      float lv = 0.0f;
+      const int w = WarpArgMax(bv, lane + kWarpSize * bj);
+      // Take w out (written as a compare per slot, not key[w / 32], so the keys stay in registers).
 #pragma unroll
-      for (int j = 0; j < kVpt; ++j) {
-        if (j == slot) {
-          lv = l[j];
-          if (lane == owner) key[j] = NegInf<Acc>();
-        }
-      }
-      lv = __shfl_sync(kFullMask, lv, owner);
-      if (lane == r) {
-        my_expert = bi;
-        my_logit = lv;
-      }
+      for (int j = 0; j < kVpt; ++j) key[j] = lane + kWarpSize * j == w ? Bits(0) : key[j];
+      if (lane == r) my_expert = w;
     }
-    const Acc my_score = lane < k ? ScoreOf<Acc>(p.softmax, my_logit, mx, sum) : Acc(0);
+    // The chosen logit is re-read (an L1 hit) and its score recomputed with the ranked arithmetic.
+    const Acc my_score = lane < k ? ScoreOf<Acc>(p.softmax, __ldg(row + my_expert), mx, sum) : Acc(0);
 
     // Gates: c * s / sum over the top-K (fixed butterfly order: deterministic), or c * s.
     const Acc total = WarpSum(my_score);

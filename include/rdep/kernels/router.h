@@ -16,7 +16,8 @@
 // as the scores, immune to fp32 saturation), with a bias it ranks fp32 s + b, which can order
 // near-ties (relative gap ~1e-7) differently from the host.
 //
-// One warp per token (a persistent grid-stride loop); a lane holds experts lane + 32*j. Logits must
+// One warp per token (a persistent grid-stride loop); a lane holds experts lane + 32*j; top-K is K
+// rounds of a warp argmax on order-preserving integer keys (redux.sync max/min, sm_80+). Logits must
 // be finite (the host Route rejects others; here the result for a non-finite row is unspecified).
 // The launch is asynchronous, never synchronizes, allocates nothing, and is CUDA-graph safe.
 //
