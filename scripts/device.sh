@@ -42,7 +42,7 @@ fi
 t1=$(date +%s)
 test_rc=-1
 if [ $build_rc -eq 0 ]; then
-  if [ -n "$TESTS" ]; then ctest --test-dir "$BUILD" -R "$TESTS" --output-on-failure >"$OUT/tests.log" 2>&1
+  if [ -n "$TESTS" ]; then ctest --test-dir "$BUILD" -R "$TESTS" --timeout 240 --output-on-failure >"$OUT/tests.log" 2>&1
   else ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/tests.log" 2>&1; fi
   test_rc=$?
 fi

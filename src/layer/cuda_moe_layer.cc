@@ -81,7 +81,70 @@ struct CudaMoELayer::RankState {
   DeviceBuffer<GroupedRow> grouped;
   DeviceBuffer<__nv_bfloat16> x_rows, h_rows, out_rows;
   int64_t* host_counts = nullptr;  // pinned [num_local + W]
+  // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
+  std::vector<cudaEvent_t> events;
+  std::vector<std::pair<int, cudaEvent_t>> marks[2];
 };
+
+namespace {
+enum MarkPhase { kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine };
+constexpr size_t kEventsPerCall = 256;
+}  // namespace
+
+Status CudaMoELayer::Mark(int32_t rank, RankState& st, bool backward, int phase) {
+  if (!profiling_) return Status::Ok();
+  auto& marks = st.marks[backward ? 1 : 0];
+  if (phase == kMarkStart) marks.clear();
+  const size_t slot = (backward ? kEventsPerCall : 0) + marks.size();
+  if (marks.size() >= kEventsPerCall) return Status::Ok();  // too many segments to profile: keep the first
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.events[slot], domain_.stream(rank)));
+  marks.emplace_back(phase, st.events[slot]);
+  return Status::Ok();
+}
+
+Status CudaMoELayer::EnableProfiling(bool on) {
+  profiling_ = on;
+  if (!on) return Status::Ok();
+  for (auto& st : ranks_) {
+    if (!st->events.empty()) continue;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st->device));
+    st->events.resize(2 * kEventsPerCall);
+    for (auto& e : st->events) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  }
+  return Status::Ok();
+}
+
+StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) const {
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  const auto& marks = st.marks[backward ? 1 : 0];
+  if (marks.size() < 2) return FailedPrecondition("no profiled call on rank " + std::to_string(rank) + " (EnableProfiling first)");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(marks.back().second));
+  PhaseTimes t;
+  for (size_t i = 1; i < marks.size(); ++i) {
+    float ms = 0;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, marks[i - 1].second, marks[i].second));
+    switch (marks[i].first) {
+      case kMarkRouting: t.routing_ms += ms; break;
+      case kMarkDispatch: t.dispatch_ms += ms; break;
+      case kMarkExpert: t.expert_ms += ms; break;
+      case kMarkReturn: t.return_ms += ms; break;
+      default: t.combine_ms += ms; break;
+    }
+  }
+  return t;
+}
+
+size_t CudaMoELayer::device_bytes(int32_t rank) const {
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  size_t b = layout_.total_bytes();
+  b += (st.w1.count + st.w2.count + st.saved_f.count + st.x_rows.count + st.h_rows.count + st.out_rows.count) * 2;
+  b += (st.dw1.count + st.dw2.count + st.gates.count + st.effective.count + st.scratch.count) * 4;
+  b += (st.experts.count + st.tok_index.count + st.rank_in_expert.count) * 4 + st.accepted.count;
+  b += st.grouped.count * sizeof(GroupedRow);
+  if (st.mlp) b += st.mlp->workspace_bytes();
+  return b;
+}
 
 CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership)
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
@@ -98,6 +161,7 @@ CudaMoELayer::~CudaMoELayer() {
     st.accepted.Free();
     st.grouped.Free();
     if (st.host_counts) cudaFreeHost(st.host_counts);
+    for (auto e : st.events) cudaEventDestroy(e);
   }
 }
 
@@ -206,6 +270,7 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(st.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   // Phase 1: counts into every owner's recv tables.
@@ -227,9 +292,11 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
     for (int64_t p = 0; p < W; ++p) mx = std::max(mx, st.host_counts[p]);
     st.num_segments = (mx + layout_.S - 1) / layout_.S;
   }
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, return_)), st.accepted.ptr,
                                                st.effective.ptr, n, K, s.hidden, Bits(y), Bits(st.saved_f.ptr), stream));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   st.have_forward = true;
   return Status::Ok();
 }
@@ -241,13 +308,16 @@ Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(st.saved_f.ptr), st.gates.ptr, st.accepted.ptr, st.num_tokens, s.topk,
                                              s.hidden, st.scratch.ptr, dgates, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw1.ptr, 0, st.dw1.count * sizeof(float), stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw2.ptr, 0, st.dw2.count * sizeof(float), stream));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
-  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, return_)), st.accepted.ptr, nullptr,
-                                 st.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream);
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, return_)), st.accepted.ptr,
+                                               nullptr, st.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+  return Mark(rank, st, true, kMarkCombine);
 }
 
 Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload) {
@@ -268,6 +338,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
                                                  st.num_tokens, layout_, own, rank, my_control, lo, buf,
                                                  domain_.peer_table(rank, payload_), domain_.peer_table(rank, sideband_), stream));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
+    RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, payload_)) + static_cast<int64_t>(buf) * S * H;
     if (!backward) {
       // Expand into expert-grouped rows; the GEMMs need the per-expert counts on the host.
@@ -296,8 +367,10 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
         RDEP_RETURN_IF_ERROR(st.mlp->Forward(xr, counts.data(), st.w1.ptr, st.w2.ptr, st.h_rows.ptr + base * 2 * s.ffn,
                                              st.out_rows.ptr, stream));
       }
+      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
       RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), st.grouped.ptr + base, m, layout_,
                                                       domain_.peer_table(rank, return_), stream));
+      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
     } else {
       const int64_t base = st.seg_base[static_cast<size_t>(seg)];
       const auto& counts = st.seg_rows[static_cast<size_t>(seg)];
@@ -310,11 +383,14 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
                                               counts.data(), st.w1.ptr, st.w2.ptr, st.out_rows.ptr + m * H, st.dw1.ptr,
                                               st.dw2.ptr, /*accumulate=*/true, stream));
       }
+      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
       RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), st.grouped.ptr + base, m, layout_,
                                                       domain_.peer_table(rank, return_), stream));
+      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
     }
   }
-  return domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone);
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
+  return Mark(rank, st, backward, kMarkReturn);
 }
 
 StatusOr<RankAcceptance> CudaMoELayer::CopyAcceptance(int32_t rank) const {

@@ -22,7 +22,7 @@ class CudaValidation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaValidation, AllChecksPass) {
   const Case& c = GetParam();
-  auto backend = MakeCudaBackend(c.shape.ranks, 20.0);
+  auto backend = MakeCudaBackend(c.shape.ranks, 5.0);
   if (!backend.ok()) GTEST_SKIP() << backend.status().message();
   ValidationOptions o;
   o.layer.shape = c.shape;

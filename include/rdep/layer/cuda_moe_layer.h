@@ -33,6 +33,16 @@
 
 namespace rdep {
 
+// Where a layer call's time goes (CUDA events at phase boundaries, summed over segments).
+struct PhaseTimes {
+  double routing_ms = 0;   // forward: counts, owner scan, acceptance (2 barriers); backward: dgate
+  double dispatch_ms = 0;  // scatter of payload + sideband, segment barrier
+  double expert_ms = 0;    // expansion, gather and the expert MLP (forward) / dgrad + wgrad (backward)
+  double return_ms = 0;    // rows back to their front-ends, final barrier
+  double combine_ms = 0;   // gate-weighted combine (forward) / dx sum (backward)
+  double total_ms() const { return routing_ms + dispatch_ms + expert_ms + return_ms + combine_ms; }
+};
+
 class CudaMoELayer {
  public:
   // Copies each rank's experts' slices of `weights` to its GPU as bf16.
@@ -61,10 +71,18 @@ class CudaMoELayer {
   StatusOr<std::vector<float>> CopyExpertOutputs(int32_t rank) const;  // [n*K][H]
   int64_t segments(int32_t rank) const;
 
+  // Records CUDA events at phase boundaries of every later call (cheap; off by default).
+  Status EnableProfiling(bool on);
+  // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
+  StatusOr<PhaseTimes> LastPhaseTimes(int32_t rank, bool backward) const;
+  // Device bytes this layer holds on the rank (symmetric regions, weights, saved context, workspaces).
+  size_t device_bytes(int32_t rank) const;
+
  private:
   struct RankState;
   CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership);
   Status Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload);
+  Status Mark(int32_t rank, RankState& st, bool backward, int phase);
 
   CudaDomain& domain_;
   LayerConfig config_;
@@ -72,6 +90,7 @@ class CudaMoELayer {
   RegionLayout layout_;
   RegionId control_ = -1, payload_ = -1, sideband_ = -1, return_ = -1;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
+  bool profiling_ = false;
   std::vector<std::unique_ptr<RankState>> ranks_;
 };
 

@@ -1,0 +1,58 @@
+// Shared pieces of the `rdep bench` commands: the receipt header (hardware, software, commit) and
+// small helpers. CUDA builds only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rdep/core/json.h"
+#include "rdep/core/stats.h"
+
+#ifndef RDEP_GIT_COMMIT
+#define RDEP_GIT_COMMIT "unknown"
+#endif
+
+namespace rdep::bench {
+
+inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, 0);
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  j.key("hardware").begin_object().field("gpu", std::string(p.name)).field("gpus", num_gpus);
+  j.field("sms", p.multiProcessorCount).field("memory_gib", static_cast<double>(p.totalGlobalMem) / (1 << 30)).end_object();
+  j.key("software").begin_object().field("cuda_runtime", runtime).field("cuda_driver", driver);
+  j.field("rdep_commit", RDEP_GIT_COMMIT).end_object();
+}
+
+inline void WriteSummary(JsonWriter& j, const std::string& name, const std::vector<double>& ms) {
+  const Summary s = Summarize(ms);
+  j.key(name).begin_object().field("p50_ms", s.p50).field("p99_ms", s.p99).field("min_ms", s.min).field("max_ms", s.max);
+  j.field("mean_ms", s.mean).field("count", s.count).key("per_iteration_ms").value(ms).end_object();
+}
+
+// Reads a number field `"key": value` from a small JSON file (the baselines' receipts); NaN if absent.
+inline double ReadJsonNumber(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  const auto at = text.find("\"" + key + "\"");
+  if (at == std::string::npos) return NAN;
+  const auto colon = text.find(':', at);
+  return colon == std::string::npos ? NAN : std::strtod(text.c_str() + colon + 1, nullptr);
+}
+
+inline bool WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text << "\n";
+  return static_cast<bool>(out);
+}
+
+}  // namespace rdep::bench
