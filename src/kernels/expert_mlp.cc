@@ -122,6 +122,7 @@ std::ostream& operator<<(std::ostream& os, const ExpertMlpDesc& d) {
 
 const char* GemmPathName(GemmPath p) {
   switch (p) {
+    case GemmPath::kAuto: return "auto";
     case GemmPath::kLtPerExpert: return "lt";
     case GemmPath::kGrouped: return "grouped";
   }
@@ -171,7 +172,15 @@ struct ExpertMlp::Impl {
     if (blas) cublasDestroy(blas);
   }
 
-  int num_slots() const { return config.path == GemmPath::kLtPerExpert ? std::max(1, config.num_streams) : 1; }
+  int num_slots() const { return std::max(1, config.num_streams); }
+  bool has_grouped() const { return config.path != GemmPath::kLtPerExpert; }
+  // The path of this call (offsets filled by CheckCall).
+  bool UseGrouped(const int64_t* rows) const {
+    if (config.path != GemmPath::kAuto) return config.path == GemmPath::kGrouped;
+    int64_t nonempty = 0;
+    for (int64_t e = 0; e < desc.num_experts; ++e) nonempty += rows[e] > 0;
+    return offsets.back() < kAutoGroupedMaxMeanRows * nonempty;
+  }
 
   StatusOr<const LtPlan*> Plan(GemmKind kind, int64_t m) {
     const uint64_t key = (static_cast<uint64_t>(kind) << 40) | static_cast<uint64_t>(m);
@@ -356,7 +365,7 @@ StatusOr<std::unique_ptr<ExpertMlp>> ExpertMlp::Create(const ExpertMlpDesc& desc
     return InvalidArgument("ExpertMlpConfig: num_streams must be in [1, 16]");
   if (config.lt_workspace_bytes % 256 != 0)
     return InvalidArgument("ExpertMlpConfig: lt_workspace_bytes must be a multiple of 256");
-  if (config.path == GemmPath::kGrouped && desc.num_experts > internal::kMaxGroups)
+  if (config.path != GemmPath::kLtPerExpert && desc.num_experts > internal::kMaxGroups)
     return InvalidArgument("ExpertMlp: the grouped path supports at most " + std::to_string(internal::kMaxGroups) +
                            " local experts");
   if (device < 0 || device >= cuda::DeviceCount()) return Unavailable("ExpertMlp: no CUDA device " + std::to_string(device));
@@ -366,7 +375,7 @@ StatusOr<std::unique_ptr<ExpertMlp>> ExpertMlp::Create(const ExpertMlpDesc& desc
   impl->config = config;
   impl->device = device;
   RDEP_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&impl->lt));
-  if (config.path == GemmPath::kGrouped) RDEP_CUBLAS_RETURN_IF_ERROR(cublasCreate(&impl->blas));
+  if (impl->has_grouped()) RDEP_CUBLAS_RETURN_IF_ERROR(cublasCreate(&impl->blas));
   const int S = impl->num_slots();
   for (int s = 1; s < S; ++s) {
     cudaStream_t st = nullptr;
@@ -381,7 +390,7 @@ StatusOr<std::unique_ptr<ExpertMlp>> ExpertMlp::Create(const ExpertMlpDesc& desc
   const size_t rows = static_cast<size_t>(desc.max_rows), F = static_cast<size_t>(desc.ffn);
   const size_t z_bytes = align(rows * F * 2), dz_bytes = z_bytes, dh_bytes = align(rows * 2 * F * 2);
   const size_t ws_bytes = static_cast<size_t>(S) * config.lt_workspace_bytes;
-  const size_t table_bytes = config.path == GemmPath::kGrouped ? align(sizeof(void*) * kNumKinds * 3 * internal::kMaxGroups) : 0;
+  const size_t table_bytes = impl->has_grouped() ? align(sizeof(void*) * kNumKinds * 3 * internal::kMaxGroups) : 0;
   impl->mem_bytes = z_bytes + dz_bytes + dh_bytes + ws_bytes + table_bytes;
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->mem, std::max<size_t>(impl->mem_bytes, 256)));
   char* p = impl->mem;
@@ -411,7 +420,7 @@ Status ExpertMlp::Forward(const __nv_bfloat16* x, const int64_t* rows_per_expert
   if (M == 0) return Status::Ok();
   DeviceGuard guard(I.device);
   const int64_t kB = 2;  // bytes per bf16
-  if (I.config.path == GemmPath::kGrouped) {
+  if (I.UseGrouped(rows_per_expert)) {
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kFwd1, rows_per_expert, {x, 0, H * kB}, {w1, H * 2 * F * kB, 0}, {h, 0, 2 * F * kB}, stream));
     RDEP_LAUNCH(internal::LaunchSwigluForward(h, I.z, M, F, stream));
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kFwd2, rows_per_expert, {I.z, 0, F * kB}, {w2, F * H * kB, 0}, {y, 0, H * kB}, stream));
@@ -461,18 +470,24 @@ Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const
   }
   if (M == 0) return Status::Ok();
   const int64_t kB = 2;
-  if (I.config.path == GemmPath::kGrouped) {
+  if (I.UseGrouped(rows_per_expert)) {
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kDz, rows_per_expert, {dout, 0, H * kB}, {w2, F * H * kB, 0}, {I.dz, 0, F * kB}, stream));
     RDEP_LAUNCH(internal::LaunchSwigluBackward(h, I.dz, I.z, I.dh, M, F, stream));
+    // dx grouped on the caller's stream, concurrently with the weight gradients (fp32 out, per expert on
+    // the fanned-out streams; slot 0 is the caller's stream, so its workspace use stays ordered).
+    int used = 0;
+    RDEP_RETURN_IF_ERROR(I.Fork(rows_per_expert, stream, &used));
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kDx, rows_per_expert, {I.dh, 0, 2 * F * kB}, {w1, H * 2 * F * kB, 0}, {dx, 0, H * kB}, stream));
     for (int64_t e = 0; e < E; ++e) {
       const int64_t m = rows_per_expert[e];
       if (m == 0) continue;
+      const int slot = I.slot_of[static_cast<size_t>(e)];
+      cudaStream_t s = I.SlotStream(slot, stream);
       const int64_t off = I.offsets[static_cast<size_t>(e)];
-      RDEP_RETURN_IF_ERROR(I.RunLt(kDw2, m, I.z + off * F, dout + off * H, dw2 + e * F * H, beta, 0, stream));
-      RDEP_RETURN_IF_ERROR(I.RunLt(kDw1, m, x + off * H, I.dh + off * 2 * F, dw1 + e * H * 2 * F, beta, 0, stream));
+      RDEP_RETURN_IF_ERROR(I.RunLt(kDw2, m, I.z + off * F, dout + off * H, dw2 + e * F * H, beta, slot, s));
+      RDEP_RETURN_IF_ERROR(I.RunLt(kDw1, m, x + off * H, I.dh + off * 2 * F, dw1 + e * H * 2 * F, beta, slot, s));
     }
-    return Status::Ok();
+    return I.Join(used, stream);
   }
   int used = 0;
   RDEP_RETURN_IF_ERROR(I.Fork(rows_per_expert, stream, &used));

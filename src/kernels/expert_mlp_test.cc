@@ -262,6 +262,8 @@ TEST(ExpertMlp_Cuda_bf16, E8_H512_F256_Random) {
   rows[3] = 0;
   RunCase({512, 256, rows, Lt(3)});
 }
+TEST(ExpertMlp_Cuda_bf16, E5_H256_F128_Uneven_Auto) { RunCase({256, 128, {0, 1, 300, 0, 17}, ExpertMlpConfig{}}); }
+TEST(ExpertMlp_Cuda_bf16, E2_H256_F128_Large_Auto) { RunCase({256, 128, {300, 600}, ExpertMlpConfig{}}); }
 TEST(ExpertMlp_Cuda_bf16, E2_H2048_F1408_Moonlight) { RunCase({2048, 1408, {37, 96}, Lt(4)}); }
 TEST(ExpertMlp_Cuda_bf16, E2_H2048_F1408_Moonlight_Grouped) { RunCase({2048, 1408, {37, 96}, Grouped()}); }
 

@@ -220,7 +220,8 @@ int RunGemmBench(const Args& args) {
   Flags f(args);
   if (f.get_bool("help")) {
     std::cout << "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
-                 "         [--routing uniform|zipf:A] [--path lt,grouped] [--streams 4] [--no-backward]\n"
+                 "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
+                 "         [--no-backward]\n"
                  "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
                  "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
                  "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
@@ -230,8 +231,10 @@ int RunGemmBench(const Args& args) {
   const int64_t E = f.get_int("experts", 16), H = f.get_int("hidden", 2048), F = f.get_int("ffn", 1408);
   auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
   const std::string routing = f.get_string("routing", "uniform");
-  const std::string paths_text = f.get_string("path", "lt,grouped");
-  const auto streams = static_cast<int>(f.get_int("streams", 4));
+  const std::string paths_text = f.get_string("path", "auto");
+  const rdep::kernels::ExpertMlpConfig defaults;
+  const auto streams = static_cast<int>(f.get_int("streams", defaults.num_streams));
+  const int64_t workspace_mib = f.get_int("workspace-mib", static_cast<int64_t>(defaults.lt_workspace_bytes >> 20));
   const bool no_backward = f.get_bool("no-backward");
   const auto warmup = static_cast<int>(f.get_int("warmup", 20));
   const auto iters = static_cast<int>(f.get_int("iters", 200));
@@ -255,9 +258,10 @@ int RunGemmBench(const Args& args) {
     std::stringstream ss(paths_text);
     std::string p;
     while (std::getline(ss, p, ',')) {
-      if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
+      if (p == "auto") paths.push_back(rdep::kernels::GemmPath::kAuto);
+      else if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
       else if (p == "grouped") paths.push_back(rdep::kernels::GemmPath::kGrouped);
-      else return Fail(rdep::InvalidArgument("--path: '" + p + "' is not lt or grouped"));
+      else return Fail(rdep::InvalidArgument("--path: '" + p + "' is not auto, lt or grouped"));
     }
     if (paths.empty()) return Fail(rdep::InvalidArgument("--path: empty list"));
   }
@@ -321,6 +325,7 @@ int RunGemmBench(const Args& args) {
       rdep::kernels::ExpertMlpConfig cfg;
       cfg.path = path;
       cfg.num_streams = streams;
+      cfg.lt_workspace_bytes = static_cast<size_t>(workspace_mib) << 20;
       auto mlp_or = rdep::kernels::ExpertMlp::Create({E, H, F, M}, 0, cfg);
       if (!mlp_or.ok()) return Fail(mlp_or.status());
       auto& mlp = **mlp_or;

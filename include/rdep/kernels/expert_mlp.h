@@ -53,15 +53,20 @@ std::ostream& operator<<(std::ostream& os, const ExpertMlpDesc& d);
 
 // How it is computed.
 enum class GemmPath {
-  kLtPerExpert,  // one cuBLASLt matmul per non-empty expert (plans cached per row count)
-  kGrouped,      // cublasGemmGroupedBatchedEx for the bf16-output GEMMs; wgrad stays on cuBLASLt
+  kAuto,         // per call: kGrouped when the mean rows per non-empty expert < kAutoGroupedMaxMeanRows,
+                 // else kLtPerExpert (measured crossover on H100 at the Moonlight shape: docs/perf-notes.md)
+  kLtPerExpert,  // one cuBLASLt matmul per non-empty expert (plans cached per row count); host-bound
+                 // at small row counts (~7 us of host time per Hopper cuBLASLt call)
+  kGrouped,      // cublasGemmGroupedBatchedEx for the bf16-output GEMMs (one call per GEMM for all
+                 // experts: low host cost, but its kernels plateau near 280 TFLOP/s); wgrad on cuBLASLt
 };
+inline constexpr int64_t kAutoGroupedMaxMeanRows = 256;
 const char* GemmPathName(GemmPath p);
 
 struct ExpertMlpConfig {
-  GemmPath path = GemmPath::kLtPerExpert;
-  int num_streams = 4;  // kLtPerExpert: experts round-robin over this many streams (1 = caller's only)
-  size_t lt_workspace_bytes = size_t{32} << 20;  // cuBLASLt workspace per stream
+  GemmPath path = GemmPath::kAuto;
+  int num_streams = 8;  // per-expert cuBLASLt work is spread over this many streams (1 = caller's only)
+  size_t lt_workspace_bytes = size_t{8} << 20;  // cuBLASLt workspace per stream
 };
 std::ostream& operator<<(std::ostream& os, const ExpertMlpConfig& c);
 
