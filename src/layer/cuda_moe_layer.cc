@@ -10,6 +10,7 @@
 #include "rdep/cuda/check.h"
 #include "rdep/kernels/expert_mlp.h"
 #include "rdep/transport/dispatch_kernels.h"
+#include "layer/sgd_kernel.h"
 
 namespace rdep {
 
@@ -245,6 +246,25 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     layer->ranks_.push_back(std::move(st));
   }
   return layer;
+}
+
+Status CudaMoELayer::ApplySgd(int32_t rank, float lr) {
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_RETURN_IF_ERROR(LaunchSgdBf16(st.w1.ptr, st.dw1.ptr, st.w1.count, lr, domain_.stream(rank)));
+  return LaunchSgdBf16(st.w2.ptr, st.dw2.ptr, st.w2.count, lr, domain_.stream(rank));
+}
+
+StatusOr<std::vector<float>> CudaMoELayer::CopyWeights(int32_t rank, bool second) const {
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
+  const auto& b = second ? st.w2 : st.w1;
+  const size_t n = st.num_local > 0 ? b.count : 0;
+  std::vector<uint16_t> bits(n);
+  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), b.ptr, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
+  return out;
 }
 
 float* CudaMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1.ptr; }

@@ -66,3 +66,75 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace rdep
+
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+// ApplySgd updates exactly w <- bf16(w - lr * dw) on every rank's experts.
+TEST(CudaMoELayer_Sgd, W2_UpdatesWeightsFromLastBackward) {
+  if (cuda::DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  LayerConfig cfg;
+  cfg.shape = {.tokens = 32, .hidden = 64, .ffn = 32, .experts = 4, .topk = 2, .ranks = 2};
+  auto domain = CudaDomain::CreateSingleProcess(2);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto own = *OwnershipMap::Contiguous(4, 2);
+  auto routing = *GenerateRouting(cfg.shape, RoutingSpec{});
+  auto layer = CudaMoELayer::Create(**domain, cfg, own, RandomWeights(cfg.shape, 3));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const float lr = 0.25f;
+  std::vector<std::vector<float>> before1(2), before2(2), g1(2), g2(2), after1(2), after2(2);
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const size_t nk = 32 * 2, nh = 32 * 64;
+    int32_t* e;
+    float *g, *dg;
+    __nv_bfloat16 *x, *y, *dy, *dx;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&e, nk * 4));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g, nk * 4));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dg, nk * 4));
+    for (auto** p : {&x, &y, &dy, &dx}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(e, routing[i].experts.data(), nk * 4, cudaMemcpyHostToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(g, routing[i].gates.data(), nk * 4, cudaMemcpyHostToDevice));
+    std::vector<uint16_t> ones(nh, FloatToBf16Bits(0.5f));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(x, ones.data(), nh * 2, cudaMemcpyHostToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(dy, ones.data(), nh * 2, cudaMemcpyHostToDevice));
+    RDEP_RETURN_IF_ERROR((*layer)->Forward(r, e, g, 32, x, y));
+    RDEP_RETURN_IF_ERROR((*layer)->Backward(r, dy, dx, dg));
+    RDEP_ASSIGN_OR_RETURN(before1[i], (*layer)->CopyWeights(r, false));
+    RDEP_ASSIGN_OR_RETURN(before2[i], (*layer)->CopyWeights(r, true));
+    g1[i].resize(before1[i].size());
+    g2[i].resize(before2[i].size());
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(g1[i].data(), (*layer)->dw1(r), g1[i].size() * 4, cudaMemcpyDeviceToHost));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(g2[i].data(), (*layer)->dw2(r), g2[i].size() * 4, cudaMemcpyDeviceToHost));
+    RDEP_RETURN_IF_ERROR((*layer)->ApplySgd(r, lr));
+    RDEP_ASSIGN_OR_RETURN(after1[i], (*layer)->CopyWeights(r, false));
+    RDEP_ASSIGN_OR_RETURN(after2[i], (*layer)->CopyWeights(r, true));
+    for (void* p : {static_cast<void*>(e), static_cast<void*>(g), static_cast<void*>(dg), static_cast<void*>(x),
+                    static_cast<void*>(y), static_cast<void*>(dy), static_cast<void*>(dx)})
+      cudaFree(p);
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  int64_t changed = 0;
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_FALSE(before1[r].empty());
+    for (size_t k = 0; k < before1[r].size(); ++k) {
+      EXPECT_EQ(after1[r][k], RoundToBf16(before1[r][k] - lr * g1[r][k])) << "w1 rank " << r << " [" << k << "]";
+      changed += after1[r][k] != before1[r][k];
+    }
+    for (size_t k = 0; k < before2[r].size(); ++k)
+      EXPECT_EQ(after2[r][k], RoundToBf16(before2[r][k] - lr * g2[r][k])) << "w2 rank " << r << " [" << k << "]";
+  }
+  EXPECT_GT(changed, 0);
+}
+
+}  // namespace
+}  // namespace rdep
+#endif

@@ -63,6 +63,11 @@ class CudaMoELayer {
   void set_expert_kind(ExpertKind kind) { kind_ = kind; }
   float* dw1(int32_t rank) const;
   float* dw2(int32_t rank) const;
+  // Plain SGD on the rank's experts from the last backward's dw1/dw2 (enqueued on its stream):
+  // w <- bf16(w - lr * dw). Call after Backward on every rank that should step.
+  Status ApplySgd(int32_t rank, float lr);
+  // The rank's expert weights as fp32 on the host (synchronizes), layout of MoEWeights per local expert.
+  StatusOr<std::vector<float>> CopyWeights(int32_t rank, bool w2) const;
 
   // Host copies of the last forward's routing context, for checks (synchronize the rank's stream).
   StatusOr<RankAcceptance> CopyAcceptance(int32_t rank) const;
