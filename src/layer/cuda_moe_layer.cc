@@ -107,7 +107,7 @@ Status CudaMoELayer::EnableProfiling(bool on) {
   profiling_ = on;
   if (!on) return Status::Ok();
   for (auto& st : ranks_) {
-    if (!st->events.empty()) continue;
+    if (!st || !st->events.empty()) continue;
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st->device));
     st->events.resize(2 * kEventsPerCall);
     for (auto& e : st->events) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
@@ -152,6 +152,7 @@ CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap 
 
 CudaMoELayer::~CudaMoELayer() {
   for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (!ranks_[r]) continue;  // driven by another process
     RankState& st = *ranks_[r];
     cudaSetDevice(st.device);
     st.mlp.reset();
@@ -179,6 +180,26 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
   RDEP_RETURN_IF_ERROR(weights.Validate(s));
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
+  {
+    // Every process must build the same layer: shape, capacity, segment and ownership map.
+    std::vector<int64_t> fp = {s.tokens, s.hidden, s.ffn, s.experts, s.topk, s.ranks, config.segment_tokens};
+    int64_t cf;
+    std::memcpy(&cf, &config.capacity.capacity_factor, sizeof cf);
+    fp.push_back(cf);
+    for (int32_t o : ownership.owners()) fp.push_back(o);
+    std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
+    std::memcpy(bytes.data(), fp.data(), bytes.size());
+    RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
+      std::vector<int64_t> v(b.size() / sizeof(int64_t));
+      std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
+      if (v.size() < 8) return std::string("a malformed config");
+      double c;
+      std::memcpy(&c, &v[7], sizeof c);
+      return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
+             std::to_string(v[3]) + " K=" + std::to_string(v[4]) + " W=" + std::to_string(v[5]) + " S=" + std::to_string(v[6]) +
+             " capacity=" + std::to_string(c) + (v.size() > 8 ? " (+ownership map)" : "");
+    }));
+  }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
   const RegionLayout& l = layer->layout_;
@@ -190,6 +211,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
   const int64_t T = s.tokens, K = s.topk, H = s.hidden, F = s.ffn, W = s.ranks;
   const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
   for (int32_t q = 0; q < W; ++q) {
+    if (!domain.is_local(q)) {
+      layer->ranks_.push_back(nullptr);  // another process drives rank q
+      continue;
+    }
     auto st = std::make_unique<RankState>();
     st->device = domain.device(q);
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st->device));

@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cstring>
 #include <limits>
 
 #include "rdep/cuda/bf16.h"
@@ -46,6 +47,57 @@ StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
   return out;
 }
 
+// Byte (de)serialization of per-rank results, to gather them across processes.
+struct Blob {
+  std::vector<uint8_t> bytes;
+  size_t at = 0;
+  template <typename T>
+  void put(const std::vector<T>& v) {
+    const uint64_t n = v.size();
+    put_raw(&n, sizeof n);
+    put_raw(v.data(), n * sizeof(T));
+  }
+  template <typename T>
+  void put_value(const T& v) { put_raw(&v, sizeof v); }
+  void put_raw(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    bytes.insert(bytes.end(), b, b + n);
+  }
+  template <typename T>
+  std::vector<T> get() {
+    uint64_t n = 0;
+    get_raw(&n, sizeof n);
+    std::vector<T> v(n);
+    get_raw(v.data(), n * sizeof(T));
+    return v;
+  }
+  template <typename T>
+  T get_value() {
+    T v;
+    get_raw(&v, sizeof v);
+    return v;
+  }
+  void get_raw(void* p, size_t n) {
+    if (n) std::memcpy(p, bytes.data() + at, n);
+    at += n;
+  }
+};
+
+// In multi-process mode each process filled only its own rank's slot: exchange the slots so every
+// process holds all W (the checks then run identically everywhere).
+template <typename T, typename Put, typename Get>
+Status GatherSlots(CudaDomain& d, std::vector<T>& slots, Put put, Get get) {
+  if (!d.bootstrap()) return Status::Ok();
+  Blob mine;
+  put(mine, slots[static_cast<size_t>(d.bootstrap()->rank())]);
+  RDEP_ASSIGN_OR_RETURN(auto all, AllGatherBytes(*d.bootstrap(), mine.bytes));
+  for (size_t r = 0; r < all.size(); ++r) {
+    Blob b{std::move(all[r]), 0};
+    get(b, slots[r]);
+  }
+  return Status::Ok();
+}
+
 Status Upload(RankInputs& in, const RankRouting& rr, const std::vector<float>& x, int64_t H) {
   const size_t nk = rr.experts.size();
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&in.experts, std::max<size_t>(nk, 1) * 4));
@@ -63,7 +115,8 @@ class CudaBackend final : public ValidationBackend {
   explicit CudaBackend(std::unique_ptr<CudaDomain> d) : domain_(std::move(d)) {}
   std::string name() const override { return "cuda"; }
   std::string transport() const override {
-    return domain_->transport_name() + " (one process, " + std::to_string(domain_->num_ranks()) + " GPUs)";
+    return domain_->transport_name() + (domain_->bootstrap() ? " (one process per GPU, " : " (one process, ") +
+           std::to_string(domain_->num_ranks()) + " GPUs)";
   }
   bool bf16() const override { return true; }
 
@@ -83,6 +136,12 @@ class CudaBackend final : public ValidationBackend {
       return Status::Ok();
     }));
     for (auto v : wrong_by_rank) wrong += v;
+    if (domain_->bootstrap()) {  // every process checked its own slots: sum the counts
+      std::vector<int64_t> all(static_cast<size_t>(W));
+      RDEP_RETURN_IF_ERROR(domain_->bootstrap()->AllGather(&wrong, sizeof wrong, all.data()));
+      wrong = 0;
+      for (auto v : all) wrong += v;
+    }
     if (wrong) return InternalError(std::to_string(wrong) + " peer slots wrong after the device barrier");
     *detail = std::to_string(W) + " GPUs, " + domain_->transport_name() + ", kernel peer stores visible after device barrier";
     return Status::Ok();
@@ -98,19 +157,55 @@ class CudaBackend final : public ValidationBackend {
     run.traces.resize(static_cast<size_t>(W));
     run.rows_per_expert.resize(static_cast<size_t>(W));
     run.expert_out.resize(static_cast<size_t>(W));
+    struct Slot {
+      RankAcceptance acc;
+      std::vector<OwnerTraceEntry> trace;
+      std::vector<int64_t> rows;
+      std::vector<float> out;
+      int64_t segments = 0;
+    };
+    std::vector<Slot> slots(static_cast<size_t>(W));
     RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
       const auto i = static_cast<size_t>(r);
       RankInputs in;
       RDEP_RETURN_IF_ERROR(Upload(in, routing[i], x[i], cfg.shape.hidden));
       RDEP_RETURN_IF_ERROR(layer->Forward(r, in.experts, in.gates, routing[i].num_tokens, in.x, in.y));
       RDEP_RETURN_IF_ERROR(domain_->Synchronize(r));
-      RDEP_ASSIGN_OR_RETURN(run.acceptance[i], layer->CopyAcceptance(r));
-      RDEP_ASSIGN_OR_RETURN(run.traces[i], layer->CopyOwnerTrace(r));
-      run.rows_per_expert[i] = layer->owner_rows_per_expert(r);
-      RDEP_ASSIGN_OR_RETURN(run.expert_out[i], layer->CopyExpertOutputs(r));
+      Slot& sl = slots[i];
+      RDEP_ASSIGN_OR_RETURN(sl.acc, layer->CopyAcceptance(r));
+      RDEP_ASSIGN_OR_RETURN(sl.trace, layer->CopyOwnerTrace(r));
+      sl.rows = layer->owner_rows_per_expert(r);
+      RDEP_ASSIGN_OR_RETURN(sl.out, layer->CopyExpertOutputs(r));
+      sl.segments = layer->segments(r);
       return Status::Ok();
     }));
-    for (int32_t q = 0; q < W; ++q) run.segments = std::max(run.segments, layer->segments(q));
+    RDEP_RETURN_IF_ERROR(GatherSlots(
+        *domain_, slots,
+        [](Blob& b, const Slot& sl) {
+          b.put(sl.acc.accepted);
+          b.put(sl.acc.effective_gates);
+          b.put_value(sl.acc.dropped);
+          b.put(sl.trace);
+          b.put(sl.rows);
+          b.put(sl.out);
+          b.put_value(sl.segments);
+        },
+        [](Blob& b, Slot& sl) {
+          sl.acc.accepted = b.get<uint8_t>();
+          sl.acc.effective_gates = b.get<float>();
+          sl.acc.dropped = b.get_value<int64_t>();
+          sl.trace = b.get<OwnerTraceEntry>();
+          sl.rows = b.get<int64_t>();
+          sl.out = b.get<float>();
+          sl.segments = b.get_value<int64_t>();
+        }));
+    for (size_t q = 0; q < slots.size(); ++q) {
+      run.acceptance[q] = std::move(slots[q].acc);
+      run.traces[q] = std::move(slots[q].trace);
+      run.rows_per_expert[q] = std::move(slots[q].rows);
+      run.expert_out[q] = std::move(slots[q].out);
+      run.segments = std::max(run.segments, slots[q].segments);
+    }
     run.segment_size = layer->layout().S;
     run.symmetric_bytes_per_rank = layer->layout().total_bytes();
     return run;
@@ -130,6 +225,8 @@ class CudaBackend final : public ValidationBackend {
     out.dw1.assign(w.w1.size(), nan);
     out.dw2.assign(w.w2.size(), nan);
     const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+    std::vector<std::vector<float>> d1s(static_cast<size_t>(W)), d2s(static_cast<size_t>(W));
+    std::vector<int64_t> segs(static_cast<size_t>(W), 0);
     RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
       const auto i = static_cast<size_t>(r);
       const auto n = static_cast<size_t>(routing[i].num_tokens);
@@ -148,19 +245,44 @@ class CudaBackend final : public ValidationBackend {
       if (!out.dgates[i].empty())
         RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.dgates[i].data(), in.dgates, out.dgates[i].size() * 4, cudaMemcpyDeviceToHost));
       const int32_t L = own.num_local(r);
-      std::vector<float> d1(static_cast<size_t>(L) * n1), d2(static_cast<size_t>(L) * n2);
+      d1s[i].resize(static_cast<size_t>(L) * n1);
+      d2s[i].resize(static_cast<size_t>(L) * n2);
       if (L > 0) {
-        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d1.data(), layer->dw1(r), d1.size() * 4, cudaMemcpyDeviceToHost));
-        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d2.data(), layer->dw2(r), d2.size() * 4, cudaMemcpyDeviceToHost));
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d1s[i].data(), layer->dw1(r), d1s[i].size() * 4, cudaMemcpyDeviceToHost));
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d2s[i].data(), layer->dw2(r), d2s[i].size() * 4, cudaMemcpyDeviceToHost));
       }
-      for (int32_t j = 0; j < L; ++j) {  // distinct experts per rank: no two threads write the same range
-        const auto e = static_cast<size_t>(own.global_expert(r, j));
-        std::copy_n(d1.data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);
-        std::copy_n(d2.data() + static_cast<size_t>(j) * n2, n2, out.dw2.data() + e * n2);
-      }
+      segs[i] = layer->segments(r);
       return Status::Ok();
     }));
-    for (int32_t q = 0; q < W; ++q) out.segments = std::max(out.segments, layer->segments(q));
+    struct Slot {
+      std::vector<float> y, dx, dg, d1, d2;
+      int64_t segments = 0;
+    };
+    std::vector<Slot> slots(static_cast<size_t>(W));
+    for (size_t q = 0; q < slots.size(); ++q)
+      slots[q] = {std::move(out.y[q]), std::move(out.dx[q]), std::move(out.dgates[q]), std::move(d1s[q]), std::move(d2s[q]), segs[q]};
+    RDEP_RETURN_IF_ERROR(GatherSlots(
+        *domain_, slots,
+        [](Blob& b, const Slot& sl) {
+          for (const auto* v : {&sl.y, &sl.dx, &sl.dg, &sl.d1, &sl.d2}) b.put(*v);
+          b.put_value(sl.segments);
+        },
+        [](Blob& b, Slot& sl) {
+          for (auto* v : {&sl.y, &sl.dx, &sl.dg, &sl.d1, &sl.d2}) *v = b.get<float>();
+          sl.segments = b.get_value<int64_t>();
+        }));
+    for (int32_t q = 0; q < W; ++q) {
+      Slot& sl = slots[static_cast<size_t>(q)];
+      out.y[static_cast<size_t>(q)] = std::move(sl.y);
+      out.dx[static_cast<size_t>(q)] = std::move(sl.dx);
+      out.dgates[static_cast<size_t>(q)] = std::move(sl.dg);
+      out.segments = std::max(out.segments, sl.segments);
+      for (int32_t j = 0; j < own.num_local(q); ++j) {
+        const auto e = static_cast<size_t>(own.global_expert(q, j));
+        std::copy_n(sl.d1.data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);
+        std::copy_n(sl.d2.data() + static_cast<size_t>(j) * n2, n2, out.dw2.data() + e * n2);
+      }
+    }
     return out;
   }
 
@@ -169,6 +291,11 @@ class CudaBackend final : public ValidationBackend {
 };
 
 }  // namespace
+
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaMultiProcessBackend(Bootstrap& bootstrap, double barrier_timeout_s) {
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateMultiProcess(bootstrap, {.barrier_timeout_s = barrier_timeout_s, .devices = {}}));
+  return std::unique_ptr<ValidationBackend>(new CudaBackend(std::move(domain)));
+}
 
 StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t num_ranks, double barrier_timeout_s) {
   RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(num_ranks, {.barrier_timeout_s = barrier_timeout_s, .devices = {}}));

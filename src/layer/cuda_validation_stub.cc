@@ -7,4 +7,8 @@ StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t, double) {
   return Unavailable("this build of rdep has no CUDA backend (configured without a CUDA compiler)");
 }
 
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaMultiProcessBackend(Bootstrap&, double) {
+  return Unavailable("this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+
 }  // namespace rdep

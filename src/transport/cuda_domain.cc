@@ -1,12 +1,119 @@
 #include "rdep/transport/cuda_domain.h"
 
+#include <cuda.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 #include "rdep/cuda/check.h"
+#include "rdep/transport/region_layout.h"
 
 namespace rdep {
+
+namespace {
+
+// The driver (cuMem) entry points, resolved through the runtime so that nothing links libcuda: a
+// binary built here still loads on a machine without a driver (CI) and reports "no device".
+struct DriverApi {
+  decltype(&::cuGetErrorName) cuGetErrorName = nullptr;
+  decltype(&::cuDeviceGet) cuDeviceGet = nullptr;
+  decltype(&::cuDeviceGetAttribute) cuDeviceGetAttribute = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) cuMemGetAllocationGranularity = nullptr;
+  decltype(&::cuMemCreate) cuMemCreate = nullptr;
+  decltype(&::cuMemRelease) cuMemRelease = nullptr;
+  decltype(&::cuMemExportToShareableHandle) cuMemExportToShareableHandle = nullptr;
+  decltype(&::cuMemImportFromShareableHandle) cuMemImportFromShareableHandle = nullptr;
+  decltype(&::cuMemAddressReserve) cuMemAddressReserve = nullptr;
+  decltype(&::cuMemAddressFree) cuMemAddressFree = nullptr;
+  decltype(&::cuMemMap) cuMemMap = nullptr;
+  decltype(&::cuMemUnmap) cuMemUnmap = nullptr;
+  decltype(&::cuMemSetAccess) cuMemSetAccess = nullptr;
+  bool ok = false;
+};
+
+const DriverApi& Driver() {
+  static const DriverApi api = [] {
+    DriverApi a;
+    bool all = true;
+    auto get = [&](const char* name, auto& fn) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult q;
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+          q != cudaDriverEntryPointSuccess || !p) {
+        cudaGetLastError();
+        all = false;
+        return;
+      }
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    };
+    get("cuGetErrorName", a.cuGetErrorName);
+    get("cuDeviceGet", a.cuDeviceGet);
+    get("cuDeviceGetAttribute", a.cuDeviceGetAttribute);
+    get("cuMemGetAllocationGranularity", a.cuMemGetAllocationGranularity);
+    get("cuMemCreate", a.cuMemCreate);
+    get("cuMemRelease", a.cuMemRelease);
+    get("cuMemExportToShareableHandle", a.cuMemExportToShareableHandle);
+    get("cuMemImportFromShareableHandle", a.cuMemImportFromShareableHandle);
+    get("cuMemAddressReserve", a.cuMemAddressReserve);
+    get("cuMemAddressFree", a.cuMemAddressFree);
+    get("cuMemMap", a.cuMemMap);
+    get("cuMemUnmap", a.cuMemUnmap);
+    get("cuMemSetAccess", a.cuMemSetAccess);
+    a.ok = all;
+    return a;
+  }();
+  return api;
+}
+
+Status DriverStatus(CUresult r, const char* expr, const char* file, int line) {
+  if (r == CUDA_SUCCESS) return Status::Ok();
+  const char* name = nullptr;
+  if (Driver().cuGetErrorName) Driver().cuGetErrorName(r, &name);
+  return Status(StatusCode::kCudaError, std::string(expr) + " failed at " + file + ":" + std::to_string(line) + ": " +
+                                            (name ? name : "unknown"));
+}
+#define RDEP_CU_RETURN_IF_ERROR(expr) RDEP_RETURN_IF_ERROR(DriverStatus((expr), #expr, __FILE__, __LINE__))
+
+// What ranks exchange at bootstrap: a mismatch in any field is an error naming the ranks.
+struct Hello {
+  uint64_t magic;
+  uint32_t protocol;
+  int32_t world;
+  int32_t rank;
+  int32_t device;
+  char bus_id[32];
+  uint64_t build;  // layout of the protocol's shared structs and this translation unit's build stamp
+};
+constexpr uint64_t kMagic = 0x5244455044304D31ull;  // "RDEPD0M1"
+constexpr uint32_t kProtocol = 1;
+
+uint64_t BuildStamp() {
+  const std::string s = std::string(__DATE__ " " __TIME__) + "/" + std::to_string(sizeof(RowSideband)) + "/" +
+                        std::to_string(sizeof(RegionLayout)) + "/" + std::to_string(sizeof(DeviceErrorRecord));
+  return std::hash<std::string>{}(s);
+}
+
+// One region's entry in the exchange at allocation.
+struct RegionHello {
+  uint64_t bytes;
+  uint64_t name_hash;
+  unsigned char handle[64];  // cudaIpcMemHandle_t or CUmemFabricHandle
+};
+static_assert(sizeof(cudaIpcMemHandle_t) <= 64);
+static_assert(sizeof(CUmemFabricHandle) <= 64);
+
+}  // namespace
+
+std::vector<int32_t> CudaDomain::local_ranks() const {
+  if (bootstrap_) return {bootstrap_->rank()};
+  std::vector<int32_t> r;
+  for (int32_t q = 0; q < num_ranks_; ++q) r.push_back(q);
+  return r;
+}
 
 StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t num_ranks, CudaDomainOptions options) {
   const int available = cuda::DeviceCount();
@@ -63,18 +170,146 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t nu
   return d;
 }
 
+StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateMultiProcess(Bootstrap& boot, CudaDomainOptions options) {
+  const int available = cuda::DeviceCount();
+  if (available == 0) return Unavailable("cuda domain: no CUDA device is present on rank " + std::to_string(boot.rank()));
+  if (!(options.barrier_timeout_s > 0)) return InvalidArgument("cuda domain: barrier timeout must be > 0 seconds");
+  const int32_t W = boot.size(), me = boot.rank();
+  const int dev = options.devices.empty() ? boot.local_rank() % available : options.devices.front();
+  if (dev < 0 || dev >= available) return InvalidArgument("cuda domain: device " + std::to_string(dev) + " does not exist");
+  std::unique_ptr<CudaDomain> d(new CudaDomain());
+  d->num_ranks_ = W;
+  d->options_ = options;
+  d->bootstrap_ = &boot;
+  d->devices_.assign(static_cast<size_t>(W), -1);
+  d->devices_[static_cast<size_t>(me)] = dev;
+  d->streams_.assign(static_cast<size_t>(W), nullptr);
+  d->epoch_.assign(static_cast<size_t>(W), 0);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev));
+
+  // Fingerprints: same world, same build, every rank on its own GPU.
+  Hello hello{};
+  hello.magic = kMagic;
+  hello.protocol = kProtocol;
+  hello.world = W;
+  hello.rank = me;
+  hello.device = dev;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(hello.bus_id, sizeof hello.bus_id, dev));
+  hello.build = BuildStamp();
+  std::vector<Hello> all(static_cast<size_t>(W));
+  RDEP_RETURN_IF_ERROR(boot.AllGather(&hello, sizeof hello, all.data()));
+  for (int32_t r = 0; r < W; ++r) {
+    const Hello& h = all[static_cast<size_t>(r)];
+    const std::string who = "rank " + std::to_string(r);
+    if (h.magic != kMagic || h.protocol != kProtocol) return InvalidArgument("cuda domain bootstrap: " + who + " is not an rdep process of this protocol version");
+    if (h.world != W || h.rank != r)
+      return InvalidArgument("cuda domain bootstrap: " + who + " believes it is rank " + std::to_string(h.rank) + " of " +
+                             std::to_string(h.world) + ", this rank sees W=" + std::to_string(W));
+    if (h.build != hello.build)
+      return InvalidArgument("cuda domain bootstrap: rank " + std::to_string(me) + " and " + who +
+                             " run different rdep builds (mismatched binaries)");
+    for (int32_t p = 0; p < r; ++p)
+      if (std::strncmp(all[static_cast<size_t>(p)].bus_id, h.bus_id, sizeof h.bus_id) == 0)
+        return InvalidArgument("cuda domain bootstrap: ranks " + std::to_string(p) + " and " + std::to_string(r) +
+                               " share GPU " + std::string(h.bus_id) + "; give every rank its own GPU");
+  }
+
+  // Transport: fabric handles when every rank's driver supports and permits them, else IPC.
+  std::string why_not;
+  const char* force = std::getenv("RDEP_TRANSPORT");
+  bool fabric_ok = false;
+  if (force && std::string(force) == "ipc") why_not = "RDEP_TRANSPORT=ipc";
+  else fabric_ok = d->ProbeFabric(&why_not).ok() && why_not.empty();
+  const uint8_t mine = fabric_ok ? 1 : 0;
+  std::vector<uint8_t> votes(static_cast<size_t>(W));
+  RDEP_RETURN_IF_ERROR(boot.AllGather(&mine, 1, votes.data()));
+  d->fabric_ = true;
+  for (auto v : votes) d->fabric_ &= (v == 1);
+  d->transport_ = d->fabric_ ? "fabric" : "ipc";
+  if (!d->fabric_) d->transport_ += " (fabric: " + (why_not.empty() ? std::string("not on every rank") : why_not) + ")";
+
+  cudaStream_t s;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  d->streams_[static_cast<size_t>(me)] = s;
+  void* host = nullptr;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host, sizeof(DeviceErrorRecord) * static_cast<size_t>(W), cudaHostAllocMapped));
+  d->errors_ = static_cast<DeviceErrorRecord*>(host);
+  std::memset(d->errors_, 0, sizeof(DeviceErrorRecord) * static_cast<size_t>(W));
+  d->errors_dev_.assign(static_cast<size_t>(W), nullptr);
+  void* dev_ptr = nullptr;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, d->errors_ + me, 0));
+  d->errors_dev_[static_cast<size_t>(me)] = static_cast<DeviceErrorRecord*>(dev_ptr);
+  RDEP_ASSIGN_OR_RETURN(d->barrier_region_, d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(W), "barrier"));
+  return d;
+}
+
+Status CudaDomain::ProbeFabric(std::string* why_not) {
+  if (!Driver().ok) {
+    *why_not = "the driver's cuMem entry points are not available";
+    return Status::Ok();
+  }
+  const int dev = devices_[static_cast<size_t>(bootstrap_->rank())];
+  CUdevice cu_dev;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuDeviceGet(&cu_dev, dev));
+  int supported = 0;
+  if (Driver().cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, cu_dev) != CUDA_SUCCESS || !supported) {
+    *why_not = "the driver reports no fabric handle support";
+    return Status::Ok();
+  }
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  size_t gran = 0;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemGenericAllocationHandle h;
+  if (Driver().cuMemCreate(&h, gran, &prop, 0) != CUDA_SUCCESS) {
+    *why_not = "cuMemCreate with a fabric handle type failed (no IMEX channel?)";
+    return Status::Ok();
+  }
+  CUmemFabricHandle fh;
+  const CUresult r = Driver().cuMemExportToShareableHandle(&fh, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+  Driver().cuMemRelease(h);
+  if (r != CUDA_SUCCESS) *why_not = "exporting a fabric handle failed";
+  return Status::Ok();
+}
+
 CudaDomain::~CudaDomain() {
-  for (auto& r : regions_)
+  for (auto& r : regions_) FreeRegion(r);
+  for (size_t q = 0; q < streams_.size(); ++q)
+    if (streams_[q]) {
+      cudaSetDevice(devices_[q]);
+      cudaStreamDestroy(streams_[q]);
+    }
+  if (errors_) cudaFreeHost(errors_);
+}
+
+void CudaDomain::FreeRegion(Region& r) {
+  for (int32_t q : local_ranks()) {
+    cudaSetDevice(devices_[static_cast<size_t>(q)]);
+    if (r.tables[static_cast<size_t>(q)]) cudaFree(r.tables[static_cast<size_t>(q)]);
+  }
+  if (!bootstrap_) {
     for (size_t q = 0; q < r.base.size(); ++q) {
       cudaSetDevice(devices_[q]);
       cudaFree(r.base[q]);
-      cudaFree(r.tables[q]);
     }
-  for (size_t q = 0; q < streams_.size(); ++q) {
-    cudaSetDevice(devices_[q]);
-    cudaStreamDestroy(streams_[q]);
+    return;
   }
-  if (errors_) cudaFreeHost(errors_);
+  const auto me = static_cast<size_t>(bootstrap_->rank());
+  for (size_t q = 0; q < r.base.size(); ++q) {
+    if (!r.base[q]) continue;
+    if (fabric_) {
+      Driver().cuMemUnmap(reinterpret_cast<CUdeviceptr>(r.base[q]), r.mapped_bytes);
+      Driver().cuMemAddressFree(reinterpret_cast<CUdeviceptr>(r.base[q]), r.mapped_bytes);
+    } else if (q == me) {
+      cudaFree(r.base[q]);
+    } else {
+      cudaIpcCloseMemHandle(r.base[q]);
+    }
+  }
+  if (fabric_ && r.fabric_handle) Driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(r.fabric_handle));
 }
 
 StatusOr<RegionId> CudaDomain::AllocateSymmetric(size_t bytes, const std::string& name) {
@@ -83,29 +318,124 @@ StatusOr<RegionId> CudaDomain::AllocateSymmetric(size_t bytes, const std::string
   r.name = name;
   r.bytes = bytes;
   const size_t W = static_cast<size_t>(num_ranks_);
-  for (size_t q = 0; q < W; ++q) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[q]));
-    void* p = nullptr;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
-    if (e != cudaSuccess)
-      return Status(StatusCode::kCudaError, "cuda domain: allocating " + std::to_string(bytes) + " bytes for region '" +
-                                                name + "' on GPU " + std::to_string(devices_[q]) + ": " + cudaGetErrorString(e));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes ? bytes : 1));
-    r.base.push_back(p);
+  r.base.assign(W, nullptr);
+  r.tables.assign(W, nullptr);
+  if (!bootstrap_) {
+    for (size_t q = 0; q < W; ++q) {
+      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[q]));
+      void* p = nullptr;
+      cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+      if (e != cudaSuccess)
+        return Status(StatusCode::kCudaError, "cuda domain: allocating " + std::to_string(bytes) + " bytes for region '" +
+                                                  name + "' on GPU " + std::to_string(devices_[q]) + ": " + cudaGetErrorString(e));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes ? bytes : 1));
+      r.base[q] = p;
+    }
+  } else {
+    RDEP_RETURN_IF_ERROR(AllocateLocal(r, bytes));
+    RDEP_RETURN_IF_ERROR(OpenPeers(r));
   }
-  for (size_t q = 0; q < W; ++q) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[q]));
+  for (int32_t q : local_ranks()) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[static_cast<size_t>(q)]));
     void** table = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&table, sizeof(void*) * W));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(table, r.base.data(), sizeof(void*) * W, cudaMemcpyHostToDevice));
-    r.tables.push_back(table);
+    r.tables[static_cast<size_t>(q)] = table;
   }
-  for (size_t q = 0; q < W; ++q) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[q]));
+  for (int32_t q : local_ranks()) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[static_cast<size_t>(q)]));
     RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   }
   regions_.push_back(std::move(r));
   return static_cast<RegionId>(regions_.size() - 1);
+}
+
+// Multi-process: allocate this rank's copy and remember its exportable handle in base[me].
+Status CudaDomain::AllocateLocal(Region& r, size_t bytes) {
+  const auto me = static_cast<size_t>(bootstrap_->rank());
+  const int dev = devices_[me];
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev));
+  if (!fabric_) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&r.base[me], bytes ? bytes : 1));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(r.base[me], 0, bytes ? bytes : 1));
+    return Status::Ok();
+  }
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  size_t gran = 0;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  r.mapped_bytes = ((std::max<size_t>(bytes, 1) + gran - 1) / gran) * gran;
+  CUmemGenericAllocationHandle h;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemCreate(&h, r.mapped_bytes, &prop, 0));
+  r.fabric_handle = static_cast<uint64_t>(h);
+  CUdeviceptr va;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemAddressReserve(&va, r.mapped_bytes, gran, 0, 0));
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemMap(va, r.mapped_bytes, 0, h, 0));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  RDEP_CU_RETURN_IF_ERROR(Driver().cuMemSetAccess(va, r.mapped_bytes, &access, 1));
+  r.base[me] = reinterpret_cast<void*>(va);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(r.base[me], 0, r.mapped_bytes));
+  return Status::Ok();
+}
+
+// Multi-process: exchange handles (and sizes: a mismatch means the ranks' configurations differ),
+// then open every peer's copy.
+Status CudaDomain::OpenPeers(Region& r) {
+  const auto me = static_cast<size_t>(bootstrap_->rank());
+  const int dev = devices_[me];
+  RegionHello mine{};
+  mine.bytes = r.bytes;
+  mine.name_hash = std::hash<std::string>{}(r.name);
+  if (fabric_) {
+    CUmemFabricHandle fh;
+    RDEP_CU_RETURN_IF_ERROR(Driver().cuMemExportToShareableHandle(&fh, static_cast<CUmemGenericAllocationHandle>(r.fabric_handle),
+                                                         CU_MEM_HANDLE_TYPE_FABRIC, 0));
+    std::memcpy(mine.handle, &fh, sizeof fh);
+  } else {
+    cudaIpcMemHandle_t ih;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&ih, r.base[me]));
+    std::memcpy(mine.handle, &ih, sizeof ih);
+  }
+  std::vector<RegionHello> all(static_cast<size_t>(num_ranks_));
+  RDEP_RETURN_IF_ERROR(bootstrap_->AllGather(&mine, sizeof mine, all.data()));
+  for (size_t q = 0; q < all.size(); ++q)
+    if (all[q].bytes != mine.bytes || all[q].name_hash != mine.name_hash)
+      return InvalidArgument("cuda domain: symmetric region '" + r.name + "' is " + std::to_string(mine.bytes) +
+                             " bytes on rank " + std::to_string(me) + " but rank " + std::to_string(q) + " allocates " +
+                             std::to_string(all[q].bytes) + " bytes" +
+                             (all[q].name_hash != mine.name_hash ? " for a different region" : "") +
+                             ": the ranks' layer configurations differ");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev));
+  for (size_t q = 0; q < all.size(); ++q) {
+    if (q == me) continue;
+    if (!fabric_) {
+      cudaIpcMemHandle_t ih;
+      std::memcpy(&ih, all[q].handle, sizeof ih);
+      RDEP_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&r.base[q], ih, cudaIpcMemLazyEnablePeerAccess));
+      continue;
+    }
+    CUmemFabricHandle fh;
+    std::memcpy(&fh, all[q].handle, sizeof fh);
+    CUmemGenericAllocationHandle h;
+    RDEP_CU_RETURN_IF_ERROR(Driver().cuMemImportFromShareableHandle(&h, &fh, CU_MEM_HANDLE_TYPE_FABRIC));
+    CUdeviceptr va;
+    RDEP_CU_RETURN_IF_ERROR(Driver().cuMemAddressReserve(&va, r.mapped_bytes, 0, 0, 0));
+    RDEP_CU_RETURN_IF_ERROR(Driver().cuMemMap(va, r.mapped_bytes, 0, h, 0));
+    Driver().cuMemRelease(h);  // the mapping keeps the memory alive
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = dev;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    RDEP_CU_RETURN_IF_ERROR(Driver().cuMemSetAccess(va, r.mapped_bytes, &access, 1));
+    r.base[q] = reinterpret_cast<void*>(va);
+  }
+  return Status::Ok();
 }
 
 void* CudaDomain::region(int32_t rank, RegionId id) const {
@@ -122,31 +452,38 @@ size_t CudaDomain::symmetric_bytes_per_rank() const {
   return total;
 }
 
+Status CudaDomain::AgreeAcrossRanks(const std::vector<uint8_t>& mine, const std::string& what,
+                                    const std::function<std::string(const std::vector<uint8_t>&)>& describe) {
+  if (!bootstrap_) return Status::Ok();
+  return ::rdep::AgreeAcrossRanks(*bootstrap_, mine, what, describe);
+}
+
 Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
   running_ = true;
-  std::vector<Status> status(static_cast<size_t>(num_ranks_));
+  const std::vector<int32_t> local = local_ranks();
+  std::vector<Status> status(local.size());
   std::vector<std::thread> threads;
-  for (int32_t r = 0; r < num_ranks_; ++r)
-    threads.emplace_back([&, r] {
+  for (size_t i = 0; i < local.size(); ++i)
+    threads.emplace_back([&, i] {
+      const int32_t r = local[i];
       Status s = cuda::CudaStatus(cudaSetDevice(device(r)), "cudaSetDevice", __FILE__, __LINE__);
       if (s.ok()) s = fn(r);
-      status[static_cast<size_t>(r)] = std::move(s);
+      status[i] = std::move(s);
     });
   for (auto& t : threads) t.join();
   running_ = false;
   int first = -1, failed = 0;
-  for (int32_t r = 0; r < num_ranks_; ++r)
-    if (!status[static_cast<size_t>(r)].ok()) {
+  for (size_t i = 0; i < local.size(); ++i)
+    if (!status[i].ok()) {
       ++failed;
       // A timeout on a waiting rank is a consequence; prefer a rank that failed for another reason.
-      if (first < 0 || (status[static_cast<size_t>(first)].code() == StatusCode::kTimeout &&
-                        status[static_cast<size_t>(r)].code() != StatusCode::kTimeout))
-        first = r;
+      if (first < 0 || (status[static_cast<size_t>(first)].code() == StatusCode::kTimeout && status[i].code() != StatusCode::kTimeout))
+        first = static_cast<int>(i);
     }
   if (first < 0) return Status::Ok();
   const Status& s = status[static_cast<size_t>(first)];
   std::ostringstream os;
-  os << "rank " << first << ": " << s.message();
+  os << "rank " << local[static_cast<size_t>(first)] << ": " << s.message();
   if (failed > 1) os << " (and " << failed - 1 << " other rank(s) failed)";
   return Status(s.code(), os.str());
 }

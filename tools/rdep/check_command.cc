@@ -9,6 +9,7 @@
 #include "rdep/cuda/device_count.h"
 #include "rdep/layer/cuda_validation.h"
 #include "rdep/layer/validation.h"
+#include "rdep/transport/bootstrap.h"
 
 namespace {
 
@@ -27,6 +28,9 @@ Runs the validation matrix of seeds 000 Table 18 for one configuration and print
 flags (defaults in brackets):
   --backend B            host | cuda | auto: cuda when this build has CUDA and the machine has W GPUs,
                          else host [auto]
+  --bootstrap B          cuda backend: process (one process drives all W GPUs) or mpi (one process per
+                         GPU under mpirun: W = the MPI world size; CUDA IPC or fabric handles)
+                         [mpi when launched by mpirun, else process]
   --ranks W              ranks in the domain [4]
   --tokens T             tokens per rank [64]
   --hidden H             hidden size [64]
@@ -50,6 +54,8 @@ int RunCheck(const rdep::cli::Args& args) {
   }
   rdep::ValidationOptions o;
   std::string backend = f.get_string("backend", "auto");
+  std::string bootstrap = f.get_string("bootstrap", rdep::LaunchedUnderMpi() ? "mpi" : "process");
+  const bool ranks_given = f.has("ranks");
   auto& s = o.layer.shape;
   s.ranks = f.get_int("ranks", 4);
   s.tokens = f.get_int("tokens", 64);
@@ -72,7 +78,30 @@ int RunCheck(const rdep::cli::Args& args) {
     std::cerr << "rdep check: unexpected argument '" << f.positional().front() << "'\n";
     return 2;
   }
+  std::unique_ptr<rdep::Bootstrap> boot;
+  if (bootstrap == "mpi") {
+    auto b = rdep::MakeMpiBootstrap();
+    if (!b.ok()) {
+      std::cerr << "rdep check: --bootstrap mpi: " << b.status().message() << "\n";
+      return 2;
+    }
+    boot = std::move(*b);
+    if (ranks_given && s.ranks != boot->size()) {
+      std::cerr << "rdep check: --ranks " << s.ranks << " but the MPI world has " << boot->size() << " processes\n";
+      return 2;
+    }
+    s.ranks = boot->size();
+    if (backend == "auto") backend = "cuda";
+  } else if (bootstrap != "process") {
+    std::cerr << "rdep check: unknown bootstrap '" << bootstrap << "' (process, mpi)\n";
+    return 2;
+  }
   if (backend == "auto") backend = rdep::CudaDeviceCount() >= s.ranks ? "cuda" : "host";
+  if (boot && backend != "cuda") {
+    std::cerr << "rdep check: --bootstrap mpi needs --backend cuda\n";
+    return 2;
+  }
+  const bool leader = !boot || boot->rank() == 0;  // prints the table and writes the receipt
   if (backend != "host" && backend != "cuda") {
     std::cerr << "rdep check: unknown backend '" << backend << "' (host, cuda, auto)\n";
     return 2;
@@ -91,11 +120,14 @@ int RunCheck(const rdep::cli::Args& args) {
     return 2;
   }
 
-  std::cout << "rdep check: backend " << backend << ", " << o.layer << ", routing " << o.routing.name();
-  if (empty_rank >= 0) std::cout << " (rank " << empty_rank << " empty)";
-  std::cout << ", seed " << seed << "\n";
+  if (leader) {
+    std::cout << "rdep check: backend " << backend << ", " << o.layer << ", routing " << o.routing.name();
+    if (empty_rank >= 0) std::cout << " (rank " << empty_rank << " empty)";
+    std::cout << ", seed " << seed << std::endl;
+  }
   rdep::StatusOr<std::unique_ptr<rdep::ValidationBackend>> be =
-      backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s);
+      boot ? rdep::MakeCudaMultiProcessBackend(*boot, o.barrier_timeout_s)
+           : (backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s));
   if (!be.ok()) {
     std::cerr << "rdep check: backend " << backend << ": " << be.status().message() << "\n";
     return 2;
@@ -105,6 +137,7 @@ int RunCheck(const rdep::cli::Args& args) {
     std::cerr << "rdep check: " << rep.status().message() << "\n";
     return 2;
   }
+  if (!leader) return rep->passed() ? 0 : 1;  // every process evaluated the same gathered results
   std::printf("  transport: %s\n", rep->transport.c_str());
   std::printf("  %-30s %-6s %9s  %s\n", "check", "result", "seconds", "detail");
   for (const auto& c : rep->checks)

@@ -1,5 +1,11 @@
-// The CUDA backend's Domain: W ranks on W GPUs. Mode "peer" is one process driving all local GPUs
-// (one host thread per rank, peer access between every pair, symmetric regions opened through UVA).
+// The CUDA backend's Domain: W ranks on W GPUs, in one of two modes, same kernels, same results:
+//   one process driving all local GPUs (one host thread per rank, peer access between every pair,
+//   symmetric regions opened through UVA): transport "peer-access";
+//   one process per GPU (under mpirun, or any launcher with a Bootstrap): every symmetric region is
+//   exported and opened by each peer, through cuMem fabric handles where the driver reports support
+//   ("fabric") and CUDA IPC handles otherwise ("ipc"), chosen at construction. Ranks exchange a
+//   fingerprint at bootstrap (W, rank, GPU, build) and every region's size, so a mismatch is an
+//   error naming the ranks, not a hang.
 // Each rank has its own stream; phase barriers are device kernels with bounded waits, so a layer call
 // enqueues work without host round trips. A barrier that times out records {phase, missing rank}
 // in host-mapped memory and lets the stream drain; the next Synchronize() (or CheckErrors) reports
@@ -23,6 +29,7 @@
 #include <vector>
 
 #include "rdep/status.h"
+#include "rdep/transport/bootstrap.h"
 #include "rdep/transport/host_domain.h"  // RegionId, DomainOptions
 #include "rdep/transport/phase.h"
 
@@ -45,13 +52,25 @@ struct DeviceErrorRecord {
 class CudaDomain {
  public:
   static StatusOr<std::unique_ptr<CudaDomain>> CreateSingleProcess(int64_t num_ranks, CudaDomainOptions options = {});
+  // This process is rank bootstrap.rank() of bootstrap.size(); its GPU is options.devices[0] if given,
+  // else local_rank mod the visible device count. The bootstrap must outlive the domain.
+  static StatusOr<std::unique_ptr<CudaDomain>> CreateMultiProcess(Bootstrap& bootstrap, CudaDomainOptions options = {});
   ~CudaDomain();
   CudaDomain(const CudaDomain&) = delete;
   CudaDomain& operator=(const CudaDomain&) = delete;
 
   int32_t num_ranks() const { return num_ranks_; }
-  int device(int32_t rank) const { return devices_[static_cast<size_t>(rank)]; }
-  cudaStream_t stream(int32_t rank) const { return streams_[static_cast<size_t>(rank)]; }
+  // Whether `rank` is driven by this process (all ranks in one-process mode, one otherwise).
+  bool is_local(int32_t rank) const { return bootstrap_ == nullptr || rank == bootstrap_->rank(); }
+  // The ranks this process drives, ascending.
+  std::vector<int32_t> local_ranks() const;
+  int device(int32_t rank) const { return devices_[static_cast<size_t>(rank)]; }  // local ranks only
+  cudaStream_t stream(int32_t rank) const { return streams_[static_cast<size_t>(rank)]; }  // local ranks only
+  // The multi-process bootstrap, or null in one-process mode.
+  Bootstrap* bootstrap() const { return bootstrap_; }
+  // Fails unless every process passed the same bytes (no-op in one-process mode). Collective.
+  Status AgreeAcrossRanks(const std::vector<uint8_t>& mine, const std::string& what,
+                          const std::function<std::string(const std::vector<uint8_t>&)>& describe);
   const char* backend_name() const { return "cuda"; }
   // How peers' memory is opened: "peer-access" (one process), later "ipc" or "fabric".
   const std::string& transport_name() const { return transport_; }
@@ -65,8 +84,8 @@ class CudaDomain {
   void* const* peer_table(int32_t viewer, RegionId id) const;
   size_t symmetric_bytes_per_rank() const;
 
-  // Runs fn(rank) on W host threads, each with its rank's device current. Same error contract as
-  // HostDomain::Run: the first failing rank's error, prefixed with its rank.
+  // Runs fn(rank) for every local rank, each on its own host thread with its device current. Same
+  // error contract as HostDomain::Run: the first failing rank's error, prefixed with its rank.
   Status Run(const std::function<Status(int32_t rank)>& fn);
 
   // Enqueues a phase barrier on rank's stream (a one-block kernel; waits are bounded in-kernel).
@@ -79,14 +98,23 @@ class CudaDomain {
   struct Region {
     std::string name;
     size_t bytes = 0;
-    std::vector<void*> base;          // [W]
-    std::vector<void**> tables;       // [W] device arrays of W pointers, one per viewer
+    std::vector<void*> base;          // [W] pointers usable in this process (peers' opened handles)
+    std::vector<void**> tables;       // [W] device arrays of W pointers, one per local viewer
+    // multi-process bookkeeping
+    uint64_t fabric_handle = 0;       // CUmemGenericAllocationHandle of the local allocation (fabric)
+    size_t mapped_bytes = 0;          // granularity-rounded size of each mapping (fabric)
   };
   CudaDomain() = default;
+  Status AllocateLocal(Region& r, size_t bytes);
+  Status OpenPeers(Region& r);
+  Status ProbeFabric(std::string* why_not);
+  void FreeRegion(Region& r);
 
   int32_t num_ranks_ = 0;
   CudaDomainOptions options_;
   std::string transport_ = "peer-access";
+  Bootstrap* bootstrap_ = nullptr;             // multi-process mode
+  bool fabric_ = false;                        // multi-process: cuMem fabric handles instead of IPC
   std::vector<int> devices_;
   std::vector<cudaStream_t> streams_;
   std::vector<Region> regions_;
