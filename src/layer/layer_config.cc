@@ -15,7 +15,8 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   os << c.shape << " capacity=";
   if (c.capacity.dropless()) os << "dropless";
   else os << c.capacity.capacity_factor;
-  return os << " S=" << c.segment();
+  if (c.segment_tokens > 0) return os << " S=" << c.segment_tokens;
+  return os << " S=auto";  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {

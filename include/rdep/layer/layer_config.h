@@ -17,7 +17,8 @@ namespace rdep {
 struct LayerConfig {
   LayerShape shape;
   CapacityPolicy capacity;         // dropless by default
-  int64_t segment_tokens = 0;      // S: token rows an owner receives per segment; 0 = T (at least 1)
+  int64_t segment_tokens = 0;      // S: token rows an owner receives per segment; 0 = the backend's
+                                   // default (host: T; CUDA: W*T, so one segment and no host sync)
 
   Status Validate() const;
   int64_t segment() const { return segment_tokens > 0 ? segment_tokens : (shape.tokens > 0 ? shape.tokens : 1); }
