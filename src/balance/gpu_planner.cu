@@ -27,44 +27,62 @@ constexpr int kMaxRanks = 1024;  // a lane owns ranks lane + 32*j, j < 32: one b
   } while (0)
 
 // Shared-memory layout, computed identically on host (for the size) and device (for the pointers).
-// int64 arrays first (8-byte aligned), then int32 arrays.
+// int64 arrays first (8-byte aligned), then int32 arrays. "Visit order" = the order in which every
+// probe walks the experts: ranks by descending load, each rank's main experts by descending load.
 struct Layout {
   // int64 offsets (in elements of int64)
-  size_t lam, ell, slk, node_lo, node_hi, rec_amount, misc64, n64;
+  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0, misc64 = 0,
+         n64 = 0;
   // int32 offsets (in elements of int32, after the int64 block)
-  size_t owner, rank_order, expert_first, expert_order, used, feas, rec_e, rec_t, rec_s, rep_first, rep_count,
-      inst_off, misc32, stage, n32;
+  size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
+         used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, rep_first = 0, rep_count = 0, inst_off = 0, multi = 0,
+         misc32 = 0, stage = 0, n32 = 0;
+  Layout() = default;
   // staged: the load matrix is copied into shared memory as int32 (entries < 2^31 checked on host).
   __host__ __device__ Layout(int R, int E, int S, int pw, bool staged) {
     const size_t r = static_cast<size_t>(R), e = static_cast<size_t>(E), rs = r * static_cast<size_t>(S);
     size_t o = 0;
-    lam = o; o += e;
-    ell = o; o += r;
-    slk = o; o += static_cast<size_t>(pw) * r;
-    node_lo = o; o += kWarps + 1;
+    lam = o; o += e;                                 // [E] expert loads
+    ell = o; o += r;                                 // [R] rank loads
+    ell_sorted = o; o += r;                          // [R] rank loads in visit order
+    vlam = o; o += e;                                // [E] expert loads in visit order
+    slk = o; o += static_cast<size_t>(pw) * r;       // [pw][R] generic probe: per-warp slack
+    node_lo = o; o += kWarps + 1;                    // search-tree node intervals (1-based heap order)
     node_hi = o; o += kWarps + 1;
-    rec_amount = o; o += rs;
-    misc64 = o; o += 4;  // lo, hi, initial hi, unused
+    rec_amount = o; o += rs;                         // recorded transfers of the solved threshold
+    misc64 = o; o += 4;                              // lo, hi
     n64 = o;
     o = 0;
-    owner = o; o += e;
-    rank_order = o; o += r;
-    expert_first = o; o += r + 1;
-    expert_order = o; o += e;
-    used = o; o += static_cast<size_t>(pw) * r;
-    feas = o; o += kWarps + 1;
+    owner = o; o += e;                               // [E] owner rank
+    cnt = o; o += r;                                 // [R] main experts per rank
+    expert_first = o; o += r + 1;                    // [R+1] owner groups in grp
+    grp = o; o += e;                                 // [E] experts grouped by owner (unordered in a group)
+    gidx = o; o += e;                                // [E] slot in the group, then position in the sorted group
+    rank_order = o; o += r;                          // [R] ranks by descending load, ascending id
+    rank_pos = o; o += r;                            // [R] inverse of rank_order
+    vfirst = o; o += r + 1;                          // [R+1] visit position ri -> its experts in vexp
+    vexp = o; o += e;                                // [E] experts in visit order
+    used = o; o += static_cast<size_t>(pw) * r;      // [pw][R] generic probe: per-warp used slots
+    feas = o; o += kWarps + 1;                       // probe result per search-tree node
     rec_e = o; o += rs;
     rec_t = o; o += rs;
     rec_s = o; o += rs;
-    rep_first = o; o += e;
-    rep_count = o; o += e;
-    inst_off = o; o += e + 1;
-    misc32 = o; o += 4;  // any feasible, num records, num probes, error
+    rep_first = o; o += e;                           // [E] first transfer of the expert
+    rep_count = o; o += e;                           // [E] number of replicas
+    inst_off = o; o += e + 1;                        // [E+1] plan instance offsets
+    multi = o; o += e;                               // experts with replicas (any order)
+    misc32 = o; o += 8;                              // see kAnyFeasible...
     stage = o; o += staged ? r * e : 0;
     n32 = o;
   }
   __host__ __device__ size_t bytes() const { return n64 * 8 + n32 * 4; }
 };
+
+// Thread 0's clock64 at: start, after setup, after the search, after recording, at the end.
+constexpr int kNumPhaseStamps = 5;
+
+// misc32 slots.
+constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5;
 
 struct KernelArgs {
   const int64_t* load;   // [R*E]
@@ -73,6 +91,7 @@ struct KernelArgs {
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
+  int64_t* out_phase;       // [8] clock64 at phase boundaries (thread 0), or null
   int32_t* tr_expert;       // [R*S]
   int32_t* tr_rank;         // [R*S]
   int32_t* tr_slot;         // [R*S]
@@ -84,33 +103,67 @@ struct KernelArgs {
   int64_t* inst_quota;      // [I_max]
   int32_t* slot_expert;     // [R*S]
   int64_t* route;           // [R*I] with the plan's I (<= I_max = E + R*S)
-  int64_t* scratch;         // [3*I_max]: residual quota, take, local rows per instance
+  int64_t* scratch;         // [3*I_max]: residual quota, take, local rows per instance (fallback reroute)
+  Layout layout;            // shared-memory offsets, computed on the host (kernel parameters stay in the
+                            // constant bank, so the compiler rematerializes pointers instead of spilling)
 };
 
 struct Shared {
-  int64_t *lam, *ell, *slk, *node_lo, *node_hi, *rec_amount, *misc64;
-  int32_t *owner, *rank_order, *expert_first, *expert_order, *used, *feas, *rec_e, *rec_t, *rec_s, *rep_first,
-      *rep_count, *inst_off, *misc32, *stage;
+  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *misc64;
+  int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
+      *rec_t, *rec_s, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
 };
 
 __device__ Shared Carve(char* base, const Layout& L) {
   Shared s;
   int64_t* b64 = reinterpret_cast<int64_t*>(base);
   int32_t* b32 = reinterpret_cast<int32_t*>(b64 + L.n64);
-  s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo;
-  s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount; s.misc64 = b64 + L.misc64;
-  s.owner = b32 + L.owner; s.rank_order = b32 + L.rank_order; s.expert_first = b32 + L.expert_first;
-  s.expert_order = b32 + L.expert_order; s.used = b32 + L.used; s.feas = b32 + L.feas; s.rec_e = b32 + L.rec_e;
+  s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
+  s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo; s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount;
+  s.misc64 = b64 + L.misc64;
+  s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
+  s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
+  s.vexp = b32 + L.vexp; s.used = b32 + L.used; s.feas = b32 + L.feas; s.rec_e = b32 + L.rec_e;
   s.rec_t = b32 + L.rec_t; s.rec_s = b32 + L.rec_s; s.rep_first = b32 + L.rep_first; s.rep_count = b32 + L.rep_count;
-  s.inst_off = b32 + L.inst_off; s.misc32 = b32 + L.misc32; s.stage = b32 + L.stage;
+  s.inst_off = b32 + L.inst_off; s.multi = b32 + L.multi; s.misc32 = b32 + L.misc32; s.stage = b32 + L.stage;
   return s;
 }
 
-// The greedy oracle for one threshold, run by one warp. slk/used are this warp's [R] arrays; lane l
-// owns ranks l, l+32, ... (reads and writes only those, so no intra-warp sync is needed for them).
-// When record is set, transfers go to the shared record arrays and their count to *num_rec.
+// Exclusive scan by one whole warp: out[i] = sum of get(0..i-1) for i < n, out[n] = the total. Lane l
+// scans a contiguous chunk; out may alias the array get reads (each element is read before written).
+template <typename Get>
+__device__ void WarpExclusiveScan(int n, Get get, int32_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int per = (n + 31) / 32, begin = lane * per, end = begin + per < n ? begin + per : n;
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += get(i);
+  int inc = sum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += v;
+  }
+  int run = inc - sum;
+  for (int i = begin; i < end; ++i) {
+    const int v = get(i);
+    out[i] = run;
+    run += v;
+  }
+  if (lane == 31) out[n] = inc;
+}
+
+// Whether the probe of this warp's search-tree node is no longer on any possible path (a finished
+// ancestor decided the other way); its result would be discarded, so it stops.
+__device__ __forceinline__ bool Dead(const Shared& s, uint32_t ancestors) {
+  return (*reinterpret_cast<volatile int32_t*>(s.misc32 + kDeadMask) & static_cast<int32_t>(ancestors)) != 0;
+}
+
+// The greedy oracle for one threshold, run by one warp, in the generic form (any R <= 1024, int64
+// loads). slk/used are this warp's [R] arrays; lane l owns ranks l, l+32, ... (reads and writes only
+// those, so no intra-warp sync is needed for them). When record is set, transfers go to the shared
+// record arrays and their count to *num_rec. Returns false when infeasible or aborted.
 __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t umin, int64_t* slk, int32_t* used,
-                          bool record, int* num_rec) {
+                          uint32_t ancestors, bool record, int* num_rec) {
   const int lane = threadIdx.x & 31;
   for (int t = lane; t < R; t += 32) {
     const int64_t v = tau - s.ell[t];
@@ -121,12 +174,14 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
   int nrec = 0;
   bool feasible = true;
   for (int ri = 0; ri < R; ++ri) {
+    const int64_t l = s.ell_sorted[ri];
+    if (l <= tau) break;
+    if (Dead(s, ancestors)) return false;
     const int r = s.rank_order[ri];
-    if (s.ell[r] <= tau) break;
-    int64_t exc = s.ell[r] - tau;
-    for (int k = s.expert_first[r]; k < s.expert_first[r + 1] && exc > 0; ++k) {
-      const int e = s.expert_order[k];
-      int64_t cap = s.lam[e];
+    int64_t exc = l - tau;
+    for (int k = s.vfirst[ri]; k < s.vfirst[ri + 1] && exc > 0; ++k) {
+      const int e = s.vexp[k];
+      int64_t cap = s.vlam[k];
       unsigned dupmask = 0;  // bit j: rank lane + 32*j already hosts e
       while (exc > 0 && cap > 0) {
         long long best_s = 0;
@@ -178,71 +233,267 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
   return feasible;
 }
 
+// The same oracle for R <= 64 and rank loads below 2^26 (checked in the kernel): every rank's state
+// lives in registers of the lane that owns it (ranks lane and lane+32), loads and slacks are int32,
+// and the target search is one redux.sync over packed keys (slack << 6 | 63 - rank): the max key is
+// the largest slack, lowest rank on ties, exactly the host's rule; key 0 = not admissible. The
+// overloaded rank itself has slack 0, so "t != r" holds without a test.
+constexpr int kFastRankBits = 6;
+constexpr int64_t kFastLoadLimit = int64_t{1} << (32 - kFastRankBits);
+
+__device__ __forceinline__ uint32_t FastKey(int slk, int used, int S, int t) {
+  return slk > 0 && used < S ? (static_cast<uint32_t>(slk) << kFastRankBits) | static_cast<uint32_t>(63 - t) : 0u;
+}
+
+__device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, uint32_t ancestors, bool record,
+                              int* num_rec) {
+  const int lane = threadIdx.x & 31;
+  const int t0 = lane, t1 = lane + 32;
+  int slk0 = t0 < R ? max(tau - static_cast<int>(s.ell[t0]), 0) : 0;
+  int slk1 = t1 < R ? max(tau - static_cast<int>(s.ell[t1]), 0) : 0;
+  int used0 = 0, used1 = 0;
+  uint32_t key0 = FastKey(slk0, used0, S, t0), key1 = FastKey(slk1, used1, S, t1);
+  int nrec = 0;
+  bool feasible = true;
+  for (int ri = 0; ri < R; ++ri) {
+    const int l = static_cast<int>(s.ell_sorted[ri]);
+    if (l <= tau) break;
+    if (Dead(s, ancestors)) return false;
+    int exc = l - tau;
+    const int kend = s.vfirst[ri + 1];
+    for (int k = s.vfirst[ri]; k < kend && exc > 0; ++k) {
+      int cap = static_cast<int>(s.vlam[k]);
+      bool dup0 = false, dup1 = false;  // rank t0 / t1 already hosts this expert
+      while (exc > 0 && cap > 0) {
+        const uint32_t c0 = dup0 ? 0u : key0, c1 = dup1 ? 0u : key1;
+        const uint32_t best = __reduce_max_sync(0xffffffffu, c0 > c1 ? c0 : c1);
+        if (best == 0) break;
+        const int best_s = static_cast<int>(best >> kFastRankBits);
+        const int best_t = 63 - static_cast<int>(best & 63u);
+        int d = exc > umin ? exc : umin;  // shed at least u_min (same as the host oracle)
+        d = d < best_s ? d : best_s;
+        d = d < cap ? d : cap;
+        if (d < umin) break;
+        if (best_t == t0) {
+          if (record) {
+            s.rec_e[nrec] = s.vexp[k];
+            s.rec_t[nrec] = best_t;
+            s.rec_s[nrec] = used0;
+            s.rec_amount[nrec] = d;
+          }
+          slk0 -= d;
+          ++used0;
+          key0 = FastKey(slk0, used0, S, t0);
+          dup0 = true;
+        } else if (best_t == t1) {
+          if (record) {
+            s.rec_e[nrec] = s.vexp[k];
+            s.rec_t[nrec] = best_t;
+            s.rec_s[nrec] = used1;
+            s.rec_amount[nrec] = d;
+          }
+          slk1 -= d;
+          ++used1;
+          key1 = FastKey(slk1, used1, S, t1);
+          dup1 = true;
+        }
+        ++nrec;
+        exc = exc > d ? exc - d : 0;
+        cap -= d;
+      }
+    }
+    if (exc > 0) {
+      feasible = false;
+      break;
+    }
+  }
+  if (record) *num_rec = nrec;
+  return feasible;
+}
+
+// floor(a / D) and a mod D for 0 <= a < 2^51, 1 <= D, from a double reciprocal: the estimate is within
+// one of the quotient (relative error ~2^-52 on a value below 2^51), one correction step makes it exact.
+__device__ __forceinline__ int64_t DivModFast(int64_t a, int64_t D, double inv_d, int64_t* rem) {
+  int64_t q = static_cast<int64_t>(static_cast<double>(a) * inv_d);
+  int64_t r = a - q * D;
+  if (r < 0) {
+    --q;
+    r += D;
+  } else if (r >= D) {
+    ++q;
+    r -= D;
+  }
+  *rem = r;
+  return q;
+}
+
+// Experts with a replica: loads below this and at most 32 instances use the one-warp reroute.
+constexpr int64_t kFastRerouteLoadLimit = int64_t{1} << 25;
+
+// Reroute of one expert by one thread (the direct form of SolveReroute's loop), for experts the
+// warp path cannot take. Route entries of the expert are zeroed first.
+__device__ void RerouteOneThread(const KernelArgs& a, const Shared& s, int e, int I) {
+  const int R = a.R, E = a.E;
+  auto ld = [&](int r, int x) -> int64_t {
+    const size_t k = static_cast<size_t>(r) * E + x;
+    return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
+  };
+  const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < k; ++i) a.route[static_cast<size_t>(r) * I + b + i] = 0;
+  int64_t moved = 0;
+  for (int c = 0; c < k - 1; ++c) moved += s.rec_amount[f + c];
+  auto host = [&](int i) { return i == 0 ? s.owner[e] : s.rec_t[f + i - 1]; };
+  auto quota = [&](int i) { return i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1]; };
+  const size_t imax = static_cast<size_t>(E) + static_cast<size_t>(R) * a.S;
+  int64_t* ru = a.scratch + b;
+  int64_t* take = a.scratch + imax + b;
+  int64_t* local = a.scratch + 2 * imax + b;
+  int64_t D = 0;
+  for (int i = 0; i < k; ++i) {
+    int64_t l = 0;
+    if (a.locality) {
+      const int64_t lr = ld(host(i), e), q = quota(i);
+      l = lr < q ? lr : q;
+    }
+    local[i] = l;
+    a.route[static_cast<size_t>(host(i)) * I + b + i] = l;
+    ru[i] = quota(i) - l;
+    D += ru[i];
+  }
+#pragma unroll 1
+  for (int r = 0; r < R; ++r) {
+    int64_t d = ld(r, e);
+    for (int i = 0; i < k; ++i)
+      if (host(i) == r) d -= local[i];
+    if (d == 0) continue;
+    if (D <= 0) {
+      a.out_misc[3] = 1;
+      break;
+    }
+    int64_t sum = 0;
+    for (int i = 0; i < k; ++i) sum += d * ru[i] / D;
+    const int64_t left = d - sum;
+#pragma unroll 1
+    for (int i = 0; i < k; ++i) {
+      const int64_t ri = d * ru[i] % D;
+      int64_t ahead = 0;
+      for (int j2 = 0; j2 < k; ++j2) {
+        const int64_t rj = d * ru[j2] % D;
+        if (rj > ri || (rj == ri && j2 < i)) ++ahead;
+      }
+      take[i] = d * ru[i] / D + (ahead < left ? 1 : 0);
+    }
+#pragma unroll 1
+    for (int i = 0; i < k; ++i) {
+      a.route[static_cast<size_t>(r) * I + b + i] += take[i];
+      ru[i] -= take[i];
+    }
+    D -= d;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   extern __shared__ __align__(16) char smem[];
-  const Layout L(a.R, a.E, a.S, a.pw, a.staged != 0);
-  const Shared s = Carve(smem, L);
+  const Shared s = Carve(smem, a.layout);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int R = a.R, E = a.E;
+  auto stamp = [&](int i) {
+    if (a.out_phase != nullptr && tid == 0) a.out_phase[i] = clock64();
+  };
+  stamp(0);
   // Phase 0: stage the load matrix (row-major [R][E]) into shared memory when it fits.
   if (a.staged) {
     for (size_t k = tid; k < static_cast<size_t>(R) * E; k += kThreads) s.stage[k] = static_cast<int32_t>(a.load[k]);
-    __syncthreads();
   }
+  for (int r = tid; r < R; r += kThreads) {
+    s.ell[r] = 0;
+    s.cnt[r] = 0;
+  }
+  if (tid < 8) s.misc32[tid] = 0;
+  if (tid == 0) a.out_misc[3] = 0;
+  __syncthreads();
   auto ld = [&](int r, int e) -> int64_t {
     const size_t k = static_cast<size_t>(r) * E + e;
     return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
   };
 
-  // Phase 1: expert loads, rank loads, the static visiting orders.
+  // Phase 1: expert loads, rank loads, the visiting order.
   for (int e = tid; e < E; e += kThreads) {
-    s.owner[e] = a.owner[e];
+    const int o = a.owner[e];
+    s.owner[e] = o;
     int64_t sum = 0;
     for (int r = 0; r < R; ++r) sum += ld(r, e);
     s.lam[e] = sum;
+    atomicAdd(reinterpret_cast<unsigned long long*>(s.ell + o), static_cast<unsigned long long>(sum));
+    s.gidx[e] = atomicAdd(s.cnt + o, 1);
   }
   __syncthreads();
-  for (int r = tid; r <= R; r += kThreads) {
-    int64_t sum = 0;
-    int before = 0;
-    for (int e = 0; e < E; ++e) {
-      if (s.owner[e] == r) sum += s.lam[e];
-      if (s.owner[e] < r) ++before;
-    }
-    if (r < R) s.ell[r] = sum;
-    s.expert_first[r] = before;
-  }
-  __syncthreads();
-  for (int r = tid; r < R; r += kThreads) {
-    int pos = 0;
-    for (int q = 0; q < R; ++q) pos += (s.ell[q] > s.ell[r] || (s.ell[q] == s.ell[r] && q < r)) ? 1 : 0;
-    s.rank_order[pos] = r;
-  }
-  for (int e = tid; e < E; e += kThreads) {
-    const int o = s.owner[e];
-    int pos = s.expert_first[o];
-    for (int f = 0; f < E; ++f)
-      if (s.owner[f] == o && (s.lam[f] > s.lam[e] || (s.lam[f] == s.lam[e] && f < e))) ++pos;
-    s.expert_order[pos] = e;
-  }
-  if (tid == 0) {
+  if (warp == 0) {
+    WarpExclusiveScan(R, [&](int r) { return s.cnt[r]; }, s.expert_first);
     int64_t total = 0, hi = 0;
-    for (int r = 0; r < R; ++r) {
+    for (int r = lane; r < R; r += 32) {
       total += s.ell[r];
       hi = s.ell[r] > hi ? s.ell[r] : hi;
     }
-    s.misc64[0] = (total + R - 1) / R;  // lo
-    s.misc64[1] = hi;
-    s.misc64[2] = hi;
-    s.misc32[0] = 0;  // any feasible
-    s.misc32[1] = 0;  // records
-    s.misc32[2] = 0;  // probes
-    s.misc32[3] = 0;  // error
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      total += __shfl_xor_sync(0xffffffffu, total, off);
+      const int64_t oh = __shfl_xor_sync(0xffffffffu, hi, off);
+      hi = oh > hi ? oh : hi;
+    }
+    if (lane == 0) {
+      s.misc64[0] = (total + R - 1) / R;  // lo
+      s.misc64[1] = hi;
+      s.misc32[kFastProbe] = (R <= 64 && hi < kFastLoadLimit) ? 1 : 0;
+    }
+  } else {
+    // Rank order: one warp per rank counts the ranks ahead of it.
+    for (int r = warp - 1; r < R; r += kWarps - 1) {
+      const int64_t lr = s.ell[r];
+      unsigned ahead = 0;
+      for (int q = lane; q < R; q += 32) ahead += (s.ell[q] > lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
+      ahead = __reduce_add_sync(0xffffffffu, ahead);
+      if (lane == 0) {
+        s.rank_order[ahead] = r;
+        s.rank_pos[r] = static_cast<int>(ahead);
+      }
+    }
   }
   __syncthreads();
+  for (int e = tid; e < E; e += kThreads) s.grp[s.expert_first[s.owner[e]] + s.gidx[e]] = e;
+  for (int ri = tid; ri < R; ri += kThreads) s.ell_sorted[ri] = s.ell[s.rank_order[ri]];
+  __syncthreads();
+  if (warp == 0) WarpExclusiveScan(R, [&](int ri) { return s.cnt[s.rank_order[ri]]; }, s.vfirst);
+  for (int e = tid; e < E; e += kThreads) {
+    // Position in the owner's group: descending load, ascending id.
+    const int o = s.owner[e];
+    const int64_t le = s.lam[e];
+    int pos = 0;
+    for (int g = s.expert_first[o]; g < s.expert_first[o + 1]; ++g) {
+      const int f = s.grp[g];
+      pos += (s.lam[f] > le || (s.lam[f] == le && f < e)) ? 1 : 0;
+    }
+    s.gidx[e] = pos;
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kThreads) {
+    const int k = s.vfirst[s.rank_pos[s.owner[e]]] + s.gidx[e];
+    s.vexp[k] = e;
+    s.vlam[k] = s.lam[e];
+  }
+  __syncthreads();
+  stamp(1);
+  const bool fast = s.misc32[kFastProbe] != 0;
+  const int umin32 = static_cast<int>(a.umin < (int64_t{1} << 30) ? a.umin : (int64_t{1} << 30));
 
   // Phase 2: speculative binary search. Node n (1-based heap order) holds the interval the host's
   // binary search would have after the decisions on its path; left child = feasible (hi = tau).
+  // Warp w probes node w+1; a finished probe marks the child it rules out as dead, and probes below
+  // a dead node stop early (their results are never read).
+  uint32_t ancestors = 0;  // dead-mask bits of this warp's node and its ancestors below the root
+  if (warp < a.pw)
+    for (int n = warp + 1; n > 1; n >>= 1) ancestors |= 1u << n;
   while (true) {
     if (tid == 0) {
       s.node_lo[1] = s.misc64[0];
@@ -258,6 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
           s.node_hi[n] = phi;
         }
       }
+      s.misc32[kDeadMask] = 0;
     }
     __syncthreads();
     if (s.misc64[0] >= s.misc64[1]) break;
@@ -265,9 +517,15 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       const int n = warp + 1;
       const int64_t lo = s.node_lo[n], hi = s.node_hi[n];
       if (lo < hi) {
-        const bool f = WarpProbe(s, lo + (hi - lo) / 2, R, a.S, a.umin, s.slk + static_cast<size_t>(warp) * R,
-                                 s.used + static_cast<size_t>(warp) * R, false, nullptr);
-        if (lane == 0) s.feas[n] = f ? 1 : 0;
+        const int64_t tau = lo + (hi - lo) / 2;
+        const bool f = fast ? WarpProbeFast(s, static_cast<int>(tau), R, a.S, umin32, ancestors, false, nullptr)
+                            : WarpProbe(s, tau, R, a.S, a.umin, s.slk + static_cast<size_t>(warp) * R,
+                                        s.used + static_cast<size_t>(warp) * R, ancestors, false, nullptr);
+        if (lane == 0) {
+          s.feas[n] = f ? 1 : 0;
+          const int ruled_out = 2 * n + (f ? 1 : 0);
+          if (ruled_out <= a.pw) atomicOr(s.misc32 + kDeadMask, static_cast<int>(1u << ruled_out));
+        }
       }
     }
     __syncthreads();
@@ -276,10 +534,10 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       int n = 1;
       while (n <= a.pw && lo < hi) {
         const int64_t tau = lo + (hi - lo) / 2;
-        s.misc32[2] += 1;
+        s.misc32[kNumProbes] += 1;
         if (s.feas[n]) {
           hi = tau;
-          s.misc32[0] = 1;
+          s.misc32[kAnyFeasible] = 1;
           n = 2 * n;
         } else {
           lo = tau + 1;
@@ -291,54 +549,47 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     }
     __syncthreads();
   }
+  stamp(2);
 
   // Phase 3: warp 0 re-runs the solved threshold and records its transfers.
-  if (warp == 0 && s.misc32[0]) {
+  if (warp == 0 && s.misc32[kAnyFeasible]) {
     int nrec = 0;
-    WarpProbe(s, s.misc64[1], R, a.S, a.umin, s.slk, s.used, true, &nrec);
-    if (lane == 0) s.misc32[1] = nrec;
+    if (fast)
+      WarpProbeFast(s, static_cast<int>(s.misc64[1]), R, a.S, umin32, 0u, true, &nrec);
+    else
+      WarpProbe(s, s.misc64[1], R, a.S, a.umin, s.slk, s.used, 0u, true, &nrec);
+    if (lane == 0) s.misc32[kNumRec] = nrec;
   }
+  for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   __syncthreads();
-  const int nrec = s.misc32[1];
+  stamp(3);
+  const int nrec = s.misc32[kNumRec];
   if (tid == 0) {
     a.out_misc[0] = s.misc64[1];
     a.out_misc[1] = nrec;
-    a.out_misc[2] = s.misc32[2];
+    a.out_misc[2] = s.misc32[kNumProbes];
   }
+  // Transfers of one expert are contiguous (each expert is visited once per probe).
   for (int k = tid; k < nrec; k += kThreads) {
-    a.tr_expert[k] = s.rec_e[k];
+    const int e = s.rec_e[k];
+    a.tr_expert[k] = e;
     a.tr_rank[k] = s.rec_t[k];
     a.tr_slot[k] = s.rec_s[k];
     a.tr_amount[k] = s.rec_amount[k];
+    if (k == 0 || s.rec_e[k - 1] != e) s.rep_first[e] = k;
+    atomicAdd(s.rep_count + e, 1);
   }
   for (int k = tid; k < R * a.S; k += kThreads) a.slot_expert[k] = -1;
-  for (int e = tid; e < E; e += kThreads) {
-    int first = -1, count = 0;
-    for (int k = 0; k < nrec; ++k)
-      if (s.rec_e[k] == e) {
-        if (first < 0) first = k;
-        ++count;
-      }
-    s.rep_first[e] = first;
-    s.rep_count[e] = count;
-  }
   __syncthreads();
-  if (tid == 0) {
-    s.inst_off[0] = 0;
-    for (int e = 0; e < E; ++e) s.inst_off[e + 1] = s.inst_off[e] + 1 + s.rep_count[e];
-  }
+  if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
+  for (int e = tid; e < E; e += kThreads)
+    if (s.rep_count[e] > 0) s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
   __syncthreads();
   const int I = s.inst_off[E];
-  for (size_t k = tid; k < static_cast<size_t>(R) * I; k += kThreads) a.route[k] = 0;
-  for (int e = tid; e <= E; e += kThreads) a.inst_offsets[e] = s.inst_off[e];
-  __syncthreads();
+  const int num_multi = s.misc32[kNumMulti];
 
-  // Phase 4: instance tables and the locality reroute, one thread per expert (same math as
-  // SolveReroute: locality, then per source floor + largest remainder over the residual quotas).
-  int64_t* ru_all = a.scratch;
-  const size_t imax = static_cast<size_t>(E) + static_cast<size_t>(R) * a.S;
-  int64_t* take_all = a.scratch + imax;
-  int64_t* local_all = a.scratch + 2 * imax;
+  // Phase 4: instance tables (one thread per expert) and the reroute, same math as SolveReroute.
+  for (int e = tid; e <= E; e += kThreads) a.inst_offsets[e] = s.inst_off[e];
   for (int e = tid; e < E; e += kThreads) {
     const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
     int64_t moved = 0;
@@ -354,54 +605,61 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       a.inst_quota[b + 1 + c] = s.rec_amount[f + c];
       a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
     }
-    if (k == 1) {
-      for (int r = 0; r < R; ++r) a.route[static_cast<size_t>(r) * I + b] = ld(r, e);
-      continue;
-    }
-    auto host = [&](int i) { return i == 0 ? s.owner[e] : s.rec_t[f + i - 1]; };
-    auto quota = [&](int i) { return i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1]; };
-    int64_t* ru = ru_all + b;
-    int64_t* take = take_all + b;
-    int64_t* local = local_all + b;
-    int64_t D = 0;
-    for (int i = 0; i < k; ++i) {
-      int64_t l = 0;
-      if (a.locality) {
-        const int64_t lr = ld(host(i), e), q = quota(i);
-        l = lr < q ? lr : q;
+  }
+  // Experts without replicas: every source's rows go to the main instance.
+  for (int r = warp; r < R; r += kWarps)
+    for (int e = lane; e < E; e += 32)
+      if (s.rep_count[e] == 0) a.route[static_cast<size_t>(r) * I + s.inst_off[e]] = ld(r, e);
+  // Experts with replicas: one warp each. Lane i owns instance i (registers); per source (ascending)
+  // the floors come from DivModFast, the largest remainders from packed keys (rem << 5 | 31 - i):
+  // a larger key = larger remainder, lower instance on ties, exactly the host's order.
+  for (int m = warp; m < num_multi; m += kWarps) {
+    const int e = s.multi[m];
+    const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
+    if (k <= 32 && s.lam[e] < kFastRerouteLoadLimit) {
+      const bool valid = lane < k;
+      const int host = !valid ? -1 : lane == 0 ? s.owner[e] : s.rec_t[f + lane - 1];
+      const int64_t rq = valid && lane > 0 ? s.rec_amount[f + lane - 1] : 0;
+      const int64_t moved = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(rq));
+      const int64_t quota = lane == 0 ? s.lam[e] - moved : rq;
+      int64_t local = 0;
+      if (valid && a.locality) {
+        const int64_t lr = ld(host, e);
+        local = lr < quota ? lr : quota;
       }
-      local[i] = l;
-      a.route[static_cast<size_t>(host(i)) * I + b + i] = l;
-      ru[i] = quota(i) - l;
-      D += ru[i];
-    }
-    for (int r = 0; r < R; ++r) {
-      int64_t d = ld(r, e);
-      for (int i = 0; i < k; ++i)
-        if (host(i) == r) d -= local[i];
-      if (d == 0) continue;
-      if (D <= 0) {
-        a.out_misc[3] = 1;
-        break;
-      }
-      int64_t sum = 0;
-      for (int i = 0; i < k; ++i) sum += d * ru[i] / D;
-      const int64_t left = d - sum;
-      for (int i = 0; i < k; ++i) {
-        const int64_t ri = d * ru[i] % D;
-        int64_t ahead = 0;
-        for (int j2 = 0; j2 < k; ++j2) {
-          const int64_t rj = d * ru[j2] % D;
-          if (rj > ri || (rj == ri && j2 < i)) ++ahead;
+      int64_t ru = quota - local;
+      int64_t D = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(ru));
+      for (int r = 0; r < R; ++r) {
+        const int64_t mine = host == r ? local : 0;
+        const int64_t d = ld(r, e) - __reduce_add_sync(0xffffffffu, static_cast<unsigned>(mine));
+        int64_t take = 0;
+        if (d != 0) {
+          if (D <= 0) {
+            if (lane == 0) a.out_misc[3] = 1;
+            break;
+          }
+          int64_t rem = 0;
+          const int64_t base = valid ? DivModFast(d * ru, D, __drcp_rn(static_cast<double>(D)), &rem) : 0;
+          const int64_t left = d - __reduce_add_sync(0xffffffffu, static_cast<unsigned>(base));
+          const uint32_t key = (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane);
+          int64_t ahead = 0;
+          for (int j = 0; j < k; ++j) ahead += __shfl_sync(0xffffffffu, key, j) > key ? 1 : 0;
+          take = valid ? base + (ahead < left ? 1 : 0) : 0;
+          ru -= take;
+          D -= d;
         }
-        take[i] = d * ru[i] / D + (ahead < left ? 1 : 0);
+        if (valid) a.route[static_cast<size_t>(r) * I + b + lane] = take + mine;
       }
-      for (int i = 0; i < k; ++i) {
-        a.route[static_cast<size_t>(r) * I + b + i] += take[i];
-        ru[i] -= take[i];
-      }
-      D -= d;
     }
+  }
+  // Fallback (more than 32 instances or a load too large for the fast division): one thread each.
+  for (int m = tid; m < num_multi; m += kThreads) {
+    const int e = s.multi[m];
+    if (s.rep_count[e] + 1 > 32 || s.lam[e] >= kFastRerouteLoadLimit) RerouteOneThread(a, s, e, I);
+  }
+  if (a.out_phase != nullptr) {
+    __syncthreads();
+    stamp(4);
   }
 }
 
@@ -415,13 +673,14 @@ struct DeviceBuffers {
   int32_t *inst_offsets = nullptr, *inst_expert = nullptr, *inst_rank = nullptr, *inst_slot = nullptr;
   int64_t* inst_quota = nullptr;
   int32_t* slot_expert = nullptr;
-  int64_t *route = nullptr, *scratch = nullptr;
+  int64_t *route = nullptr, *scratch = nullptr, *phase = nullptr;
   ~DeviceBuffers() {
     for (void* p : {static_cast<void*>(load), static_cast<void*>(owner), static_cast<void*>(misc),
                     static_cast<void*>(tr_expert), static_cast<void*>(tr_rank), static_cast<void*>(tr_slot),
                     static_cast<void*>(tr_amount), static_cast<void*>(inst_offsets), static_cast<void*>(inst_expert),
                     static_cast<void*>(inst_rank), static_cast<void*>(inst_slot), static_cast<void*>(inst_quota),
-                    static_cast<void*>(slot_expert), static_cast<void*>(route), static_cast<void*>(scratch)})
+                    static_cast<void*>(slot_expert), static_cast<void*>(route), static_cast<void*>(scratch),
+                    static_cast<void*>(phase)})
       if (p) cudaFree(p);
   }
 };
@@ -518,6 +777,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.slot_expert = b.slot_expert;
   a.route = b.route;
   a.scratch = b.scratch;
+  a.layout = Layout(a.R, a.E, a.S, a.pw, a.staged != 0);
   return Status::Ok();
 }
 
@@ -607,6 +867,10 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
   RDEP_CUDA_RETURN(cudaEventCreate(&res.stop));
   for (int32_t i = 0; i < warmup; ++i) RDEP_RETURN_IF_ERROR(Launch(p, res.stream));
   RDEP_CUDA_RETURN(cudaStreamSynchronize(res.stream));
+  // Phase boundaries (clock64 of thread 0) of every timed solve, averaged.
+  RDEP_RETURN_IF_ERROR(Alloc(&p.buf.phase, kNumPhaseStamps));
+  p.args.out_phase = p.buf.phase;
+  std::vector<double> phase_sum(kNumPhaseStamps - 1, 0.0);
   std::vector<double> us;
   for (int32_t i = 0; i < iters; ++i) {
     RDEP_CUDA_RETURN(cudaEventRecord(res.start, res.stream));
@@ -616,6 +880,9 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
     float ms = 0;
     RDEP_CUDA_RETURN(cudaEventElapsedTime(&ms, res.start, res.stop));
     us.push_back(static_cast<double>(ms) * 1000.0);
+    int64_t stamps[kNumPhaseStamps] = {};
+    RDEP_CUDA_RETURN(cudaMemcpy(stamps, p.buf.phase, sizeof(stamps), cudaMemcpyDeviceToHost));
+    for (int k = 0; k + 1 < kNumPhaseStamps; ++k) phase_sum[static_cast<size_t>(k)] += static_cast<double>(stamps[k + 1] - stamps[k]);
   }
   int64_t err_flag = 0;
   RDEP_CUDA_RETURN(cudaMemcpy(&err_flag, p.buf.misc + 3, sizeof(err_flag), cudaMemcpyDeviceToHost));
@@ -624,6 +891,11 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
   t.solve_us = Summarize(us);
   t.samples_us = us;
   t.config = p.cfg;
+  for (double& c : phase_sum) c /= iters;
+  t.phase_cycles = phase_sum;
+  int dev = 0, khz = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) == cudaSuccess)
+    t.clock_mhz = khz / 1000.0;
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) t.device_name = prop.name;
   return t;

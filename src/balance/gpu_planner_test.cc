@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+
 #include "rdep/balance/load_trace.h"
 
 namespace rdep {
@@ -89,6 +92,64 @@ TEST(GpuPlanner, MatchesHostOnEdgeCases) {
     auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
     ASSERT_TRUE(host.ok() && gpu.ok()) << gpu.status();
     ExpectSamePlan(*gpu, *host, "edge");
+  }
+}
+
+// One expert hot on every rank of 64 gets more than 32 instances: the reroute's one-thread fallback
+// (the warp path takes at most 32), with the register-resident probe (R <= 64).
+TEST(GpuPlanner, MatchesHostWithMoreThan32Instances) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  auto own = OwnershipMap::Contiguous(32, 64);
+  ASSERT_TRUE(own.ok());
+  std::vector<int64_t> load(64 * 32, 0);
+  for (int r = 0; r < 64; ++r) {
+    load[static_cast<size_t>(r * 32 + 3)] = 5000 + 7 * r;
+    load[static_cast<size_t>(r * 32 + (r % 32))] += 10 + r;
+  }
+  for (int64_t umin : {int64_t{1}, int64_t{50}}) {
+    QuotaConfig cfg;
+    cfg.num_slots = 2;
+    cfg.min_quota = umin;
+    auto host = SolveQuotaPlan(load, *own, cfg);
+    auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
+    ASSERT_TRUE(host.ok() && gpu.ok()) << gpu.status();
+    EXPECT_GT(host->instance_offsets[4] - host->instance_offsets[3], 32);
+    ExpectSamePlan(*gpu, *host, "hot expert, u_min=" + std::to_string(umin));
+  }
+}
+
+// The benchmark's shape (rdep plan bench defaults: E=256, R=64, N_slot=2, alpha=1, T=4096, K=8,
+// u_min = 1% of the mean rank load): equal plans, and the per-phase cycle split of the kernel.
+TEST(GpuPlanner, MatchesHostAtBenchShapeAndReportsPhases) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  SyntheticLoadSpec spec;
+  spec.experts = 256;
+  spec.ranks = 64;
+  spec.alpha = 1.0;
+  spec.tokens = 4096;
+  spec.topk = 8;
+  spec.seed = 1;
+  auto trace = GenerateSyntheticLoads(spec, 4);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  auto own = OwnershipMap::Contiguous(256, 64);
+  ASSERT_TRUE(own.ok());
+  QuotaConfig cfg;
+  cfg.num_slots = 2;
+  cfg.min_quota = static_cast<int64_t>(std::floor(0.01 * 4096 * 8));
+  for (size_t step = 0; step < trace->steps.size(); ++step) {
+    const auto& load = trace->steps[step];
+    auto host = SolveQuotaPlan(load, *own, cfg);
+    auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
+    ASSERT_TRUE(host.ok() && gpu.ok()) << gpu.status();
+    ExpectSamePlan(*gpu, *host, "bench shape, step " + std::to_string(step));
+    auto t = BenchQuotaPlanGpu(load, *own, cfg, 5, 50);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->phase_cycles.size(), 4u);
+    std::printf("step %zu: p50 %.1f us; cycles setup %.0f, search %.0f, record %.0f, tables+reroute %.0f (clock %.0f MHz)\n",
+                step, t->solve_us.p50, t->phase_cycles[0], t->phase_cycles[1], t->phase_cycles[2], t->phase_cycles[3],
+                t->clock_mhz);
   }
 }
 

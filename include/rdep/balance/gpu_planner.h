@@ -46,6 +46,10 @@ struct GpuPlannerTiming {
   std::vector<double> samples_us;   // the raw per-solve times
   GpuPlannerConfig config;
   std::string device_name;
+  // Mean SM clock cycles (clock64 of thread 0) per phase over the timed solves: setup (staging, loads,
+  // visiting order), threshold search, recording the solved threshold, tables + reroute.
+  std::vector<double> phase_cycles;
+  double clock_mhz = 0;  // the device's reported SM clock, to turn cycles into rough microseconds
 };
 StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
                                              const QuotaConfig& config, int32_t warmup, int32_t iters);
