@@ -31,12 +31,12 @@ constexpr int kMaxRanks = 1024;  // a lane owns ranks lane + 32*j, j < 32: one b
 // probe walks the experts: ranks by descending load, each rank's main experts by descending load.
 struct Layout {
   // int64 offsets (in elements of int64)
-  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0, misc64 = 0,
-         n64 = 0;
+  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
+         wrec_amount = 0, misc64 = 0, n64 = 0;
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
-         used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, rep_first = 0, rep_count = 0, inst_off = 0, multi = 0,
-         misc32 = 0, stage = 0, n32 = 0;
+         used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, wrec_e = 0, wrec_t = 0, wrec_s = 0, wnrec = 0,
+         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, misc32 = 0, stage = 0, n32 = 0;
   Layout() = default;
   // staged: the load matrix is copied into shared memory as int32 (entries < 2^31 checked on host).
   __host__ __device__ Layout(int R, int E, int S, int pw, bool staged) {
@@ -50,6 +50,7 @@ struct Layout {
     node_lo = o; o += kWarps + 1;                    // search-tree node intervals (1-based heap order)
     node_hi = o; o += kWarps + 1;
     rec_amount = o; o += rs;                         // recorded transfers of the solved threshold
+    wrec_amount = o; o += static_cast<size_t>(pw) * rs;  // [pw][R*S] transfers of each probe warp
     misc64 = o; o += 4;                              // lo, hi
     n64 = o;
     o = 0;
@@ -67,6 +68,10 @@ struct Layout {
     rec_e = o; o += rs;
     rec_t = o; o += rs;
     rec_s = o; o += rs;
+    wrec_e = o; o += static_cast<size_t>(pw) * rs;   // [pw][R*S] per probe warp (expert, rank, slot)
+    wrec_t = o; o += static_cast<size_t>(pw) * rs;
+    wrec_s = o; o += static_cast<size_t>(pw) * rs;
+    wnrec = o; o += kWarps + 1;                      // transfers recorded by each probe warp
     rep_first = o; o += e;                           // [E] first transfer of the expert
     rep_count = o; o += e;                           // [E] number of replicas
     inst_off = o; o += e + 1;                        // [E+1] plan instance offsets
@@ -82,7 +87,8 @@ struct Layout {
 constexpr int kNumPhaseStamps = 5;
 
 // misc32 slots.
-constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5;
+constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5,
+              kCopyFrom = 6;  // probe warp + 1 whose records hold the latest feasible threshold, 0 = none
 
 struct KernelArgs {
   const int64_t* load;   // [R*E]
@@ -109,9 +115,9 @@ struct KernelArgs {
 };
 
 struct Shared {
-  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *misc64;
+  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
-      *rec_t, *rec_s, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
+      *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
 };
 
 __device__ Shared Carve(char* base, const Layout& L) {
@@ -120,11 +126,12 @@ __device__ Shared Carve(char* base, const Layout& L) {
   int32_t* b32 = reinterpret_cast<int32_t*>(b64 + L.n64);
   s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
   s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo; s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount;
-  s.misc64 = b64 + L.misc64;
+  s.wrec_amount = b64 + L.wrec_amount; s.misc64 = b64 + L.misc64;
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
   s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
   s.vexp = b32 + L.vexp; s.used = b32 + L.used; s.feas = b32 + L.feas; s.rec_e = b32 + L.rec_e;
   s.rec_t = b32 + L.rec_t; s.rec_s = b32 + L.rec_s; s.rep_first = b32 + L.rep_first; s.rep_count = b32 + L.rep_count;
+  s.wrec_e = b32 + L.wrec_e; s.wrec_t = b32 + L.wrec_t; s.wrec_s = b32 + L.wrec_s; s.wnrec = b32 + L.wnrec;
   s.inst_off = b32 + L.inst_off; s.multi = b32 + L.multi; s.misc32 = b32 + L.misc32; s.stage = b32 + L.stage;
   return s;
 }
@@ -163,7 +170,7 @@ __device__ __forceinline__ bool Dead(const Shared& s, uint32_t ancestors) {
 // those, so no intra-warp sync is needed for them). When record is set, transfers go to the shared
 // record arrays and their count to *num_rec. Returns false when infeasible or aborted.
 __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t umin, int64_t* slk, int32_t* used,
-                          uint32_t ancestors, bool record, int* num_rec) {
+                          uint32_t ancestors, size_t rec_base, int* num_rec) {
   const int lane = threadIdx.x & 31;
   for (int t = lane; t < R; t += 32) {
     const int64_t v = tau - s.ell[t];
@@ -208,12 +215,10 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
         d = d < cap ? d : cap;
         if (d < umin) break;
         if ((best_t & 31) == lane) {
-          if (record) {
-            s.rec_e[nrec] = e;
-            s.rec_t[nrec] = best_t;
-            s.rec_s[nrec] = used[best_t];
-            s.rec_amount[nrec] = d;
-          }
+          s.wrec_e[rec_base + nrec] = e;
+          s.wrec_t[rec_base + nrec] = best_t;
+          s.wrec_s[rec_base + nrec] = used[best_t];
+          s.wrec_amount[rec_base + nrec] = d;
           slk[best_t] -= d;
           used[best_t] += 1;
           dupmask |= 1u << (best_t >> 5);
@@ -229,7 +234,7 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
       break;
     }
   }
-  if (record) *num_rec = nrec;
+  *num_rec = nrec;
   return feasible;
 }
 
@@ -245,7 +250,7 @@ __device__ __forceinline__ uint32_t FastKey(int slk, int used, int S, int t) {
   return slk > 0 && used < S ? (static_cast<uint32_t>(slk) << kFastRankBits) | static_cast<uint32_t>(63 - t) : 0u;
 }
 
-__device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, uint32_t ancestors, bool record,
+__device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, uint32_t ancestors, size_t rec_base,
                               int* num_rec) {
   const int lane = threadIdx.x & 31;
   const int t0 = lane, t1 = lane + 32;
@@ -253,16 +258,30 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
   int slk1 = t1 < R ? max(tau - static_cast<int>(s.ell[t1]), 0) : 0;
   int used0 = 0, used1 = 0;
   uint32_t key0 = FastKey(slk0, used0, S, t0), key1 = FastKey(slk1, used1, S, t1);
+  int32_t* rec_e = s.wrec_e + rec_base;
+  int32_t* rec_t = s.wrec_t + rec_base;
+  int32_t* rec_s = s.wrec_s + rec_base;
+  int64_t* rec_a = s.wrec_amount + rec_base;
   int nrec = 0;
   bool feasible = true;
+  int l_next = R > 0 ? static_cast<int>(s.ell_sorted[0]) : 0;
+  int k_next = s.vfirst[0];
   for (int ri = 0; ri < R; ++ri) {
-    const int l = static_cast<int>(s.ell_sorted[ri]);
+    const int l = l_next;
     if (l <= tau) break;
+    const int kbegin = k_next, kend = s.vfirst[ri + 1];
+    // Prefetch the next rank's load; the dead flag is read once per rank.
+    l_next = ri + 1 < R ? static_cast<int>(s.ell_sorted[ri + 1]) : 0;
+    k_next = kend;
     if (Dead(s, ancestors)) return false;
     int exc = l - tau;
-    const int kend = s.vfirst[ri + 1];
-    for (int k = s.vfirst[ri]; k < kend && exc > 0; ++k) {
-      int cap = static_cast<int>(s.vlam[k]);
+    int cap_next = kbegin < kend ? static_cast<int>(s.vlam[kbegin]) : 0;
+    int e_next = kbegin < kend ? s.vexp[kbegin] : 0;
+    for (int k = kbegin; k < kend && exc > 0; ++k) {
+      int cap = cap_next;
+      const int e = e_next;  // expert and load come from registers: no shared load on the step path
+      cap_next = k + 1 < kend ? static_cast<int>(s.vlam[k + 1]) : 0;
+      e_next = k + 1 < kend ? s.vexp[k + 1] : 0;
       bool dup0 = false, dup1 = false;  // rank t0 / t1 already hosts this expert
       while (exc > 0 && cap > 0) {
         const uint32_t c0 = dup0 ? 0u : key0, c1 = dup1 ? 0u : key1;
@@ -274,24 +293,20 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
         d = d < best_s ? d : best_s;
         d = d < cap ? d : cap;
         if (d < umin) break;
-        if (best_t == t0) {
-          if (record) {
-            s.rec_e[nrec] = s.vexp[k];
-            s.rec_t[nrec] = best_t;
-            s.rec_s[nrec] = used0;
-            s.rec_amount[nrec] = d;
-          }
+        if (best_t == t0) {  // the target's lane records the transfer and updates its rank
+          rec_e[nrec] = e;
+          rec_t[nrec] = best_t;
+          rec_s[nrec] = used0;
+          rec_a[nrec] = d;
           slk0 -= d;
           ++used0;
           key0 = FastKey(slk0, used0, S, t0);
           dup0 = true;
         } else if (best_t == t1) {
-          if (record) {
-            s.rec_e[nrec] = s.vexp[k];
-            s.rec_t[nrec] = best_t;
-            s.rec_s[nrec] = used1;
-            s.rec_amount[nrec] = d;
-          }
+          rec_e[nrec] = e;
+          rec_t[nrec] = best_t;
+          rec_s[nrec] = used1;
+          rec_a[nrec] = d;
           slk1 -= d;
           ++used1;
           key1 = FastKey(slk1, used1, S, t1);
@@ -307,7 +322,7 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
       break;
     }
   }
-  if (record) *num_rec = nrec;
+  *num_rec = nrec;
   return feasible;
 }
 
@@ -316,13 +331,9 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
 __device__ __forceinline__ int64_t DivModFast(int64_t a, int64_t D, double inv_d, int64_t* rem) {
   int64_t q = static_cast<int64_t>(static_cast<double>(a) * inv_d);
   int64_t r = a - q * D;
-  if (r < 0) {
-    --q;
-    r += D;
-  } else if (r >= D) {
-    ++q;
-    r -= D;
-  }
+  const bool under = r < 0, over = r >= D;  // branch-free correction
+  q += over ? 1 : (under ? -1 : 0);
+  r += under ? D : (over ? -D : 0);
   *rem = r;
   return q;
 }
@@ -490,11 +501,23 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   // Phase 2: speculative binary search. Node n (1-based heap order) holds the interval the host's
   // binary search would have after the decisions on its path; left child = feasible (hi = tau).
   // Warp w probes node w+1; a finished probe marks the child it rules out as dead, and probes below
-  // a dead node stop early (their results are never read).
+  // a dead node stop early (their results are never read). Every probe records its transfers in its
+  // warp's buffer; after each round the buffer of the round's last feasible node on the path (the
+  // threshold the search holds as hi) is copied out, so the solved threshold needs no re-run.
+  const size_t rs_total = static_cast<size_t>(R) * a.S;
   uint32_t ancestors = 0;  // dead-mask bits of this warp's node and its ancestors below the root
   if (warp < a.pw)
     for (int n = warp + 1; n > 1; n >>= 1) ancestors |= 1u << n;
   while (true) {
+    if (const int from = s.misc32[kCopyFrom]; from != 0) {
+      const size_t base = static_cast<size_t>(from - 1) * rs_total;
+      for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
+        s.rec_e[k] = s.wrec_e[base + k];
+        s.rec_t[k] = s.wrec_t[base + k];
+        s.rec_s[k] = s.wrec_s[base + k];
+        s.rec_amount[k] = s.wrec_amount[base + k];
+      }
+    }
     if (tid == 0) {
       s.node_lo[1] = s.misc64[0];
       s.node_hi[1] = s.misc64[1];
@@ -518,11 +541,14 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       const int64_t lo = s.node_lo[n], hi = s.node_hi[n];
       if (lo < hi) {
         const int64_t tau = lo + (hi - lo) / 2;
-        const bool f = fast ? WarpProbeFast(s, static_cast<int>(tau), R, a.S, umin32, ancestors, false, nullptr)
+        const size_t rec_base = static_cast<size_t>(warp) * rs_total;
+        int nrec = 0;
+        const bool f = fast ? WarpProbeFast(s, static_cast<int>(tau), R, a.S, umin32, ancestors, rec_base, &nrec)
                             : WarpProbe(s, tau, R, a.S, a.umin, s.slk + static_cast<size_t>(warp) * R,
-                                        s.used + static_cast<size_t>(warp) * R, ancestors, false, nullptr);
+                                        s.used + static_cast<size_t>(warp) * R, ancestors, rec_base, &nrec);
         if (lane == 0) {
           s.feas[n] = f ? 1 : 0;
+          s.wnrec[warp] = nrec;
           const int ruled_out = 2 * n + (f ? 1 : 0);
           if (ruled_out <= a.pw) atomicOr(s.misc32 + kDeadMask, static_cast<int>(1u << ruled_out));
         }
@@ -532,12 +558,15 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (tid == 0) {
       int64_t lo = s.misc64[0], hi = s.misc64[1];
       int n = 1;
+      s.misc32[kCopyFrom] = 0;
       while (n <= a.pw && lo < hi) {
         const int64_t tau = lo + (hi - lo) / 2;
         s.misc32[kNumProbes] += 1;
         if (s.feas[n]) {
           hi = tau;
           s.misc32[kAnyFeasible] = 1;
+          s.misc32[kCopyFrom] = n;  // warp n-1 probed node n
+          s.misc32[kNumRec] = s.wnrec[n - 1];
           n = 2 * n;
         } else {
           lo = tau + 1;
@@ -551,15 +580,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   }
   stamp(2);
 
-  // Phase 3: warp 0 re-runs the solved threshold and records its transfers.
-  if (warp == 0 && s.misc32[kAnyFeasible]) {
-    int nrec = 0;
-    if (fast)
-      WarpProbeFast(s, static_cast<int>(s.misc64[1]), R, a.S, umin32, 0u, true, &nrec);
-    else
-      WarpProbe(s, s.misc64[1], R, a.S, a.umin, s.slk, s.used, 0u, true, &nrec);
-    if (lane == 0) s.misc32[kNumRec] = nrec;
-  }
+  // Phase 3: the solved threshold's transfers are in rec_* (copied at the top of the last round).
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   __syncthreads();
   stamp(3);
@@ -612,43 +633,77 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       if (s.rep_count[e] == 0) a.route[static_cast<size_t>(r) * I + s.inst_off[e]] = ld(r, e);
   // Experts with replicas: one warp each. Lane i owns instance i (registers); per source (ascending)
   // the floors come from DivModFast, the largest remainders from packed keys (rem << 5 | 31 - i):
-  // a larger key = larger remainder, lower instance on ties, exactly the host's order.
+  // a larger key = larger remainder, lower instance on ties, exactly the host's order. Sources come
+  // in chunks of 32: lane j first computes source r0+j's residual demand (its rows minus the local
+  // rows of an instance it hosts), then the warp walks the chunk reading it by shuffle.
   for (int m = warp; m < num_multi; m += kWarps) {
     const int e = s.multi[m];
     const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
-    if (k <= 32 && s.lam[e] < kFastRerouteLoadLimit) {
-      const bool valid = lane < k;
-      const int host = !valid ? -1 : lane == 0 ? s.owner[e] : s.rec_t[f + lane - 1];
-      const int64_t rq = valid && lane > 0 ? s.rec_amount[f + lane - 1] : 0;
-      const int64_t moved = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(rq));
-      const int64_t quota = lane == 0 ? s.lam[e] - moved : rq;
-      int64_t local = 0;
-      if (valid && a.locality) {
-        const int64_t lr = ld(host, e);
-        local = lr < quota ? lr : quota;
+    if (k > 32 || s.lam[e] >= kFastRerouteLoadLimit) continue;  // fallback below
+    const bool valid = lane < k;
+    const int host = !valid ? -1 : lane == 0 ? s.owner[e] : s.rec_t[f + lane - 1];
+    const int rq = valid && lane > 0 ? static_cast<int>(s.rec_amount[f + lane - 1]) : 0;
+    const int moved = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(rq)));
+    const int quota = lane == 0 ? static_cast<int>(s.lam[e]) - moved : rq;
+    int local = 0;
+    if (valid && a.locality) {
+      const int lr = static_cast<int>(ld(host, e));
+      local = lr < quota ? lr : quota;
+    }
+    int ru = quota - local;
+    int D = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(ru)));
+    bool error = false;
+    for (int r0 = 0; r0 < R && !error; r0 += 32) {
+      const int src = r0 + lane;
+      int dsrc = src < R ? static_cast<int>(ld(src, e)) : 0;
+      for (int i = 0; i < k; ++i) {
+        const int hi_ = __shfl_sync(0xffffffffu, host, i), li = __shfl_sync(0xffffffffu, local, i);
+        dsrc -= hi_ == src ? li : 0;
       }
-      int64_t ru = quota - local;
-      int64_t D = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(ru));
-      for (int r = 0; r < R; ++r) {
-        const int64_t mine = host == r ? local : 0;
-        const int64_t d = ld(r, e) - __reduce_add_sync(0xffffffffu, static_cast<unsigned>(mine));
-        int64_t take = 0;
+      // The residual total before source r0+j does not depend on the takes: D minus the demands of
+      // the chunk's earlier sources (a warp scan), so every lane precomputes its source's reciprocal.
+      int before = dsrc;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, before, off);
+        if (lane >= off) before += v;
+      }
+      before -= dsrc;
+      const int d_at = D - before;
+      const double inv_at = __drcp_rn(static_cast<double>(d_at > 0 ? d_at : 1));
+      const int jend = R - r0 < 32 ? R - r0 : 32;
+      for (int j = 0; j < jend; ++j) {
+        const int r = r0 + j;
+        const int d = __shfl_sync(0xffffffffu, dsrc, j);
+        const double inv = __shfl_sync(0xffffffffu, inv_at, j);
+        int take = 0;
         if (d != 0) {
           if (D <= 0) {
             if (lane == 0) a.out_misc[3] = 1;
+            error = true;
             break;
           }
           int64_t rem = 0;
-          const int64_t base = valid ? DivModFast(d * ru, D, __drcp_rn(static_cast<double>(D)), &rem) : 0;
-          const int64_t left = d - __reduce_add_sync(0xffffffffu, static_cast<unsigned>(base));
-          const uint32_t key = (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane);
-          int64_t ahead = 0;
-          for (int j = 0; j < k; ++j) ahead += __shfl_sync(0xffffffffu, key, j) > key ? 1 : 0;
-          take = valid ? base + (ahead < left ? 1 : 0) : 0;
+          const int base = static_cast<int>(DivModFast(static_cast<int64_t>(d) * ru, D, inv, &rem));
+          const int left = d - static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(base)));
+          int bump = 0;
+          if (left > 0) {
+            const uint32_t key = (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane);
+            int ahead = 0;
+            for (int i0 = 0; i0 < k; i0 += 8) {  // 8 independent shuffles in flight
+#pragma unroll
+              for (int u = 0; u < 8; ++u) {
+                const uint32_t other = __shfl_sync(0xffffffffu, key, (i0 + u) & 31);
+                ahead += (i0 + u < k && other > key) ? 1 : 0;
+              }
+            }
+            bump = ahead < left ? 1 : 0;
+          }
+          take = valid ? base + bump : 0;
           ru -= take;
           D -= d;
         }
-        if (valid) a.route[static_cast<size_t>(r) * I + b + lane] = take + mine;
+        if (valid) a.route[static_cast<size_t>(r) * I + b + lane] = take + (host == r ? local : 0);
       }
     }
   }
