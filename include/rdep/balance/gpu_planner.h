@@ -1,10 +1,11 @@
 // The GPU UltraEP quota planner: Algorithm 1 in one thread block with its state in shared memory.
 // Warps evaluate the binary search speculatively (warp w probes node w+1 of the next levels of the
 // search tree, so one round resolves log2(warps+1) levels), each probe runs the greedy oracle with a
-// warp-shuffle argmax over the ranks' slack; then one warp re-runs the solved threshold to record the
-// transfers, and the block builds the instance tables and the locality reroute (one thread per
-// expert). All integer arithmetic with the host planner's tie-breaking: the plan is bitwise the
-// same as SolveQuotaPlan's. Builds without CUDA return Unavailable.
+// warp-wide argmax over the ranks' slack (one redux.sync for R <= 64) and records its transfers, so
+// the solved threshold needs no re-run; then the block builds the instance tables and the locality
+// reroute (one warp per replicated expert). All integer arithmetic (or exact-by-construction
+// double reciprocals) with the host planner's tie-breaking: the plan is bitwise the same as
+// SolveQuotaPlan's. Builds without CUDA return Unavailable. docs/balance.md describes the phases.
 //   exercise: build-*/src/balance/balance_test --gtest_filter='GpuPlanner*'
 //             build-*/bin/rdep plan bench --device gpu --experts 256 --ranks 64 --slots 2
 #pragma once
