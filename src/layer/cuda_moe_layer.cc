@@ -151,6 +151,7 @@ CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap 
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
 
 CudaMoELayer::~CudaMoELayer() {
+  for (RegionId id : {control_, payload_, sideband_, return_}) domain_.FreeSymmetric(id);
   for (size_t r = 0; r < ranks_.size(); ++r) {
     if (!ranks_[r]) continue;  // driven by another process
     RankState& st = *ranks_[r];

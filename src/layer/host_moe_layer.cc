@@ -32,7 +32,9 @@ struct HostMoELayer::RankState {
 HostMoELayer::HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership)
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
 
-HostMoELayer::~HostMoELayer() = default;
+HostMoELayer::~HostMoELayer() {
+  for (RegionId id : {control_, payload_, sideband_, return_}) domain_.FreeSymmetric(id);
+}
 
 StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
                                                             const OwnershipMap& ownership, const MoEWeights& weights) {

@@ -285,7 +285,14 @@ CudaDomain::~CudaDomain() {
   if (errors_) cudaFreeHost(errors_);
 }
 
+void CudaDomain::FreeSymmetric(RegionId id) {
+  if (id < 0 || static_cast<size_t>(id) >= regions_.size()) return;
+  FreeRegion(regions_[static_cast<size_t>(id)]);
+}
+
 void CudaDomain::FreeRegion(Region& r) {
+  if (r.freed) return;
+  r.freed = true;
   for (int32_t q : local_ranks()) {
     cudaSetDevice(devices_[static_cast<size_t>(q)]);
     if (r.tables[static_cast<size_t>(q)]) cudaFree(r.tables[static_cast<size_t>(q)]);
@@ -448,7 +455,8 @@ void* const* CudaDomain::peer_table(int32_t viewer, RegionId id) const {
 
 size_t CudaDomain::symmetric_bytes_per_rank() const {
   size_t total = 0;
-  for (const auto& r : regions_) total += r.bytes;
+  for (const auto& r : regions_)
+    if (!r.freed) total += r.bytes;
   return total;
 }
 

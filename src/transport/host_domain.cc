@@ -45,7 +45,8 @@ HostDomain::HostDomain(int32_t num_ranks, DomainOptions options)
 
 HostDomain::~HostDomain() {
   for (auto& r : regions_)
-    for (std::byte* p : r.per_rank) ::operator delete[](p, kAlign);
+    for (std::byte* p : r.per_rank)
+      if (p) ::operator delete[](p, kAlign);
 }
 
 void HostDomain::Reset() {
@@ -72,6 +73,16 @@ StatusOr<RegionId> HostDomain::AllocateSymmetric(size_t bytes, const std::string
   }
   regions_.push_back(std::move(r));
   return static_cast<RegionId>(regions_.size() - 1);
+}
+
+void HostDomain::FreeSymmetric(RegionId id) {
+  if (running_ || id < 0 || static_cast<size_t>(id) >= regions_.size()) return;
+  Region& r = regions_[static_cast<size_t>(id)];
+  for (std::byte*& p : r.per_rank) {
+    ::operator delete[](p, kAlign);
+    p = nullptr;
+  }
+  r.bytes = 0;
 }
 
 std::byte* HostDomain::region(int32_t rank, RegionId id) const {

@@ -78,6 +78,9 @@ class CudaDomain {
 
   // cudaMalloc of `bytes` on every rank's device, zero-filled. Not callable during Run.
   StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name);
+  // Releases a region (collective, like its allocation; no rank may use it afterwards). Its id is not
+  // reused. Layers free their regions when destroyed.
+  void FreeSymmetric(RegionId id);
   // Base of region `id` on `rank`, as a pointer usable from any rank's device.
   void* region(int32_t rank, RegionId id) const;
   // A device array (on `viewer`'s device) of the W ranks' base pointers of region `id`.
@@ -103,6 +106,7 @@ class CudaDomain {
     // multi-process bookkeeping
     uint64_t fabric_handle = 0;       // CUmemGenericAllocationHandle of the local allocation (fabric)
     size_t mapped_bytes = 0;          // granularity-rounded size of each mapping (fabric)
+    bool freed = false;
   };
   CudaDomain() = default;
   Status AllocateLocal(Region& r, size_t bytes);

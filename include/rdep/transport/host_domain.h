@@ -48,6 +48,8 @@ class HostDomain {
 
   // Allocates `bytes` (64-byte aligned, zero-filled) on every rank. Not callable during Run.
   StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name);
+  // Releases a region on every rank (not callable during Run). Its id is not reused.
+  void FreeSymmetric(RegionId id);
   // Base of region `id` on `rank`: the rank's own copy or a peer's (peer-visible store/load target).
   std::byte* region(int32_t rank, RegionId id) const;
   template <typename T>
