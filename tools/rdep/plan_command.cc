@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <algorithm>
 #include <iostream>
 #include <sstream>
 
@@ -277,6 +278,10 @@ int RunPlan(const Args& args) {
     return args.empty() ? 2 : 0;
   }
   const Args rest(args.begin() + 1, args.end());
+  if (std::find(rest.begin(), rest.end(), "--help") != rest.end()) {  // the usage lists every subcommand's flags
+    Usage();
+    return 0;
+  }
   if (args[0] == "sim") return RunSim(rest);
   if (args[0] == "record") return RunRecord(rest);
   if (args[0] == "bench") return RunBench(rest);
