@@ -151,7 +151,7 @@ CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap 
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
 
 CudaMoELayer::~CudaMoELayer() {
-  for (RegionId id : {control_, payload_, sideband_, return_}) domain_.FreeSymmetric(id);
+  regions_.Free(domain_);
   for (size_t r = 0; r < ranks_.size(); ++r) {
     if (!ranks_[r]) continue;  // driven by another process
     RankState& st = *ranks_[r];
@@ -171,14 +171,8 @@ CudaMoELayer::~CudaMoELayer() {
 StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain, const LayerConfig& config_in,
                                                             const OwnershipMap& ownership, const MoEWeights& weights) {
   LayerConfig config = config_in;
-  RDEP_RETURN_IF_ERROR(config.Validate());
+  RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership, weights));
   const LayerShape& s = config.shape;
-  if (s.ranks != domain.num_ranks())
-    return InvalidArgument("layer has W=" + std::to_string(s.ranks) + " but the domain has " +
-                           std::to_string(domain.num_ranks()) + " ranks");
-  if (ownership.num_experts() != s.experts || ownership.num_ranks() != s.ranks)
-    return InvalidArgument("ownership map does not match the layer's E and W");
-  RDEP_RETURN_IF_ERROR(weights.Validate(s));
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
   {
@@ -204,10 +198,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
   const RegionLayout& l = layer->layout_;
-  RDEP_ASSIGN_OR_RETURN(layer->control_, domain.AllocateSymmetric(l.control_bytes(), "control"));
-  RDEP_ASSIGN_OR_RETURN(layer->payload_, domain.AllocateSymmetric(l.payload_bytes(), "segment.payload"));
-  RDEP_ASSIGN_OR_RETURN(layer->sideband_, domain.AllocateSymmetric(l.sideband_bytes(), "segment.sideband"));
-  RDEP_ASSIGN_OR_RETURN(layer->return_, domain.AllocateSymmetric(l.return_bytes(), "return"));
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
 
   const int64_t T = s.tokens, K = s.topk, H = s.hidden, F = s.ffn, W = s.ranks;
   const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
@@ -308,8 +299,8 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
                            " outside [0, T=" + std::to_string(s.tokens) + "]");
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   cudaStream_t stream = domain_.stream(rank);
-  auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, control_));
-  auto* my_control = static_cast<int64_t*>(domain_.region(rank, control_));
+  auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, regions_.control));
+  auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   st.num_tokens = n;
   if (n > 0) {
@@ -340,7 +331,7 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, return_)), st.accepted.ptr,
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), st.accepted.ptr,
                                                st.effective.ptr, n, K, s.hidden, Bits(y), Bits(st.saved_f.ptr), stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   st.have_forward = true;
@@ -361,7 +352,7 @@ Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw2.ptr, 0, st.dw2.count * sizeof(float), stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, return_)), st.accepted.ptr,
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), st.accepted.ptr,
                                                nullptr, st.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   return Mark(rank, st, true, kMarkCombine);
 }
@@ -370,7 +361,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
   const LayerShape& s = config_.shape;
   const int64_t H = s.hidden, S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
-  auto* my_control = static_cast<int64_t*>(domain_.region(rank, control_));
+  auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   if (!backward) {
     st.seg_rows.assign(static_cast<size_t>(st.num_segments), {});
@@ -382,15 +373,15 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
     const int64_t lo = seg * S;
     RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), st.experts.ptr, st.accepted.ptr, st.effective.ptr, st.tok_index.ptr,
                                                  st.num_tokens, layout_, own, rank, my_control, lo, buf,
-                                                 domain_.peer_table(rank, payload_), domain_.peer_table(rank, sideband_), stream));
+                                                 domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
-    const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, payload_)) + static_cast<int64_t>(buf) * S * H;
+    const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * H;
     if (!backward) {
       // Expand into expert-grouped rows; the GEMMs need the per-expert counts on the host.
       const int64_t base = st.total_rows;
       RDEP_RETURN_IF_ERROR(st.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, sideband_), buf, lo, layout_, my_control, st.num_local,
+      RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, lo, layout_, my_control, st.num_local,
                                                   st.seg_counts.ptr, st.grouped.ptr + base, stream));
       if (st.num_local > 0)
         RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(st.num_local),
@@ -415,7 +406,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
       }
       RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
       RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), st.grouped.ptr + base, m, layout_,
-                                                      domain_.peer_table(rank, return_), stream));
+                                                      domain_.peer_table(rank, regions_.ret), stream));
       RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
     } else {
       const int64_t base = st.seg_base[static_cast<size_t>(seg)];
@@ -431,7 +422,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const 
       }
       RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
       RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), st.grouped.ptr + base, m, layout_,
-                                                      domain_.peer_table(rank, return_), stream));
+                                                      domain_.peer_table(rank, regions_.ret), stream));
       RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
     }
   }

@@ -33,28 +33,17 @@ HostMoELayer::HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap 
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
 
 HostMoELayer::~HostMoELayer() {
-  for (RegionId id : {control_, payload_, sideband_, return_}) domain_.FreeSymmetric(id);
+  regions_.Free(domain_);
 }
 
 StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
                                                             const OwnershipMap& ownership, const MoEWeights& weights) {
-  RDEP_RETURN_IF_ERROR(config.Validate());
+  RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership, weights));
   const LayerShape& s = config.shape;
-  if (s.ranks != domain.num_ranks())
-    return InvalidArgument("layer has W=" + std::to_string(s.ranks) + " but the domain has " +
-                           std::to_string(domain.num_ranks()) + " ranks");
-  if (ownership.num_experts() != s.experts || ownership.num_ranks() != s.ranks)
-    return InvalidArgument("ownership map is for E=" + std::to_string(ownership.num_experts()) + ", W=" +
-                           std::to_string(ownership.num_ranks()) + "; the layer has E=" + std::to_string(s.experts) +
-                           ", W=" + std::to_string(s.ranks));
-  RDEP_RETURN_IF_ERROR(weights.Validate(s));
   std::unique_ptr<HostMoELayer> layer(new HostMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
-  RDEP_ASSIGN_OR_RETURN(layer->control_, domain.AllocateSymmetric(l.control_bytes(), "control"));
-  RDEP_ASSIGN_OR_RETURN(layer->payload_, domain.AllocateSymmetric(l.payload_bytes(), "segment.payload"));
-  RDEP_ASSIGN_OR_RETURN(layer->sideband_, domain.AllocateSymmetric(l.sideband_bytes(), "segment.sideband"));
-  RDEP_ASSIGN_OR_RETURN(layer->return_, domain.AllocateSymmetric(l.return_bytes(), "return"));
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
   const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
   for (int32_t q = 0; q < s.ranks; ++q) {
     auto st = std::make_unique<RankState>();
@@ -105,7 +94,7 @@ Status HostMoELayer::Forward(int32_t rank, const RankRouting& routing, std::span
   RDEP_RETURN_IF_ERROR(routing.Validate(s));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
-  auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), control_); };
+  auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
 
   // Front-end: rows per (owner, local expert) and the tokens that cross to each owner.
   st.num_tokens = n;
@@ -189,7 +178,7 @@ Status HostMoELayer::Forward(int32_t rank, const RankRouting& routing, std::span
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
 
   // Combine in fixed slot order, fp32 accumulation; keep f_k(x_t) for dgate in backward.
-  const float* ret = domain_.region_as<float>(rank, return_);
+  const float* ret = domain_.region_as<float>(rank, regions_.ret);
   st.expert_out.assign(static_cast<size_t>(n * K * H), 0.f);
   for (int64_t t = 0; t < n; ++t) {
     float* yt = y.data() + t * H;
@@ -239,7 +228,7 @@ Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
 
   // dx_t = sum_k of the returned dgrad rows, slot order, fp32.
-  const float* ret = domain_.region_as<float>(rank, return_);
+  const float* ret = domain_.region_as<float>(rank, regions_.ret);
   for (int64_t t = 0; t < n; ++t) {
     float* dxt = dx.data() + t * H;
     std::fill(dxt, dxt + H, 0.f);
@@ -266,8 +255,8 @@ Status HostMoELayer::Exchange(int32_t rank, RankState& st, bool backward, std::s
       const int64_t base = st.stream_base[static_cast<size_t>(q)];
       const int64_t first = std::max<int64_t>(0, lo - base);
       const int64_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), lo + S - base);
-      float* dst_payload = domain_.region_as<float>(static_cast<int32_t>(q), payload_) + buf * S * H;
-      std::byte* dst_sideband = domain_.region(static_cast<int32_t>(q), sideband_) + static_cast<size_t>(buf * S) * tsb;
+      float* dst_payload = domain_.region_as<float>(static_cast<int32_t>(q), regions_.payload) + buf * S * H;
+      std::byte* dst_sideband = domain_.region(static_cast<int32_t>(q), regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
       for (int64_t i = first; i < end; ++i) {
         const int64_t t = toks[static_cast<size_t>(i)];
         const int64_t slot = base + i - lo;
@@ -298,8 +287,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool b
   const int64_t buf = seg % 2, lo = seg * S;
   const int64_t n_seg = std::clamp<int64_t>(st.stream_tokens - lo, 0, S);
   const size_t tsb = layout_.token_sideband_bytes();
-  const float* payload = domain_.region_as<float>(rank, payload_) + buf * S * H;
-  const std::byte* sideband = domain_.region(rank, sideband_) + static_cast<size_t>(buf * S) * tsb;
+  const float* payload = domain_.region_as<float>(rank, regions_.payload) + buf * S * H;
+  const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
   const int32_t Lq = ownership_.num_local(rank);
   const RowIdCodec codec{s.tokens, K};
 
@@ -334,7 +323,7 @@ void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool b
   std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F));
   for (const Grouped& g : grouped) {
     const RowKey key = codec.decode(g.row.row_id);
-    float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), return_) + (key.token * K + key.slot) * H;
+    float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const auto j = static_cast<size_t>(g.row.local_expert);
     const float* w1 = st.w1.data() + j * n1;

@@ -19,6 +19,18 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   return os << " S=auto";  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
+Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w) {
+  RDEP_RETURN_IF_ERROR(c.Validate());
+  const LayerShape& s = c.shape;
+  if (s.ranks != domain_ranks)
+    return InvalidArgument("layer has W=" + std::to_string(s.ranks) + " but the domain has " + std::to_string(domain_ranks) +
+                           " ranks");
+  if (m.num_experts() != s.experts || m.num_ranks() != s.ranks)
+    return InvalidArgument("ownership map is for E=" + std::to_string(m.num_experts()) + ", W=" + std::to_string(m.num_ranks()) +
+                           "; the layer has E=" + std::to_string(s.experts) + ", W=" + std::to_string(s.ranks));
+  return w.Validate(s);
+}
+
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {
   RegionLayout l;
   l.W = c.shape.ranks;

@@ -106,6 +106,24 @@ struct RegionHello {
 static_assert(sizeof(cudaIpcMemHandle_t) <= 64);
 static_assert(sizeof(CUmemFabricHandle) <= 64);
 
+// The allocation properties of a fabric-exportable allocation on `dev`, and read-write access from it.
+CUmemAllocationProp FabricProp(int dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  return prop;
+}
+
+CUmemAccessDesc ReadWriteFrom(int dev) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return access;
+}
+
 }  // namespace
 
 std::vector<int32_t> CudaDomain::local_ranks() const {
@@ -256,11 +274,7 @@ Status CudaDomain::ProbeFabric(std::string* why_not) {
     *why_not = "the driver reports no fabric handle support";
     return Status::Ok();
   }
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  const CUmemAllocationProp prop = FabricProp(dev);
   size_t gran = 0;
   RDEP_CU_RETURN_IF_ERROR(Driver().cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   CUmemGenericAllocationHandle h;
@@ -367,11 +381,7 @@ Status CudaDomain::AllocateLocal(Region& r, size_t bytes) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(r.base[me], 0, bytes ? bytes : 1));
     return Status::Ok();
   }
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  const CUmemAllocationProp prop = FabricProp(dev);
   size_t gran = 0;
   RDEP_CU_RETURN_IF_ERROR(Driver().cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   r.mapped_bytes = ((std::max<size_t>(bytes, 1) + gran - 1) / gran) * gran;
@@ -381,10 +391,7 @@ Status CudaDomain::AllocateLocal(Region& r, size_t bytes) {
   CUdeviceptr va;
   RDEP_CU_RETURN_IF_ERROR(Driver().cuMemAddressReserve(&va, r.mapped_bytes, gran, 0, 0));
   RDEP_CU_RETURN_IF_ERROR(Driver().cuMemMap(va, r.mapped_bytes, 0, h, 0));
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = dev;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = ReadWriteFrom(dev);
   RDEP_CU_RETURN_IF_ERROR(Driver().cuMemSetAccess(va, r.mapped_bytes, &access, 1));
   r.base[me] = reinterpret_cast<void*>(va);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(r.base[me], 0, r.mapped_bytes));
@@ -435,10 +442,7 @@ Status CudaDomain::OpenPeers(Region& r) {
     RDEP_CU_RETURN_IF_ERROR(Driver().cuMemAddressReserve(&va, r.mapped_bytes, 0, 0, 0));
     RDEP_CU_RETURN_IF_ERROR(Driver().cuMemMap(va, r.mapped_bytes, 0, h, 0));
     Driver().cuMemRelease(h);  // the mapping keeps the memory alive
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = dev;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const CUmemAccessDesc access = ReadWriteFrom(dev);
     RDEP_CU_RETURN_IF_ERROR(Driver().cuMemSetAccess(va, r.mapped_bytes, &access, 1));
     r.base[q] = reinterpret_cast<void*>(va);
   }

@@ -93,7 +93,7 @@ class CudaMoELayer {
   LayerConfig config_;
   OwnershipMap ownership_;
   RegionLayout layout_;
-  RegionId control_ = -1, payload_ = -1, sideband_ = -1, return_ = -1;
+  LayerRegions regions_;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;
   std::vector<std::unique_ptr<RankState>> ranks_;

@@ -8,8 +8,10 @@
 
 #include "rdep/core/capacity.h"
 #include "rdep/core/ownership.h"
+#include "rdep/core/reference.h"
 #include "rdep/core/shape.h"
 #include "rdep/status.h"
+#include "rdep/transport/host_domain.h"  // RegionId
 #include "rdep/transport/region_layout.h"
 
 namespace rdep {
@@ -28,5 +30,28 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c);
 
 // The region layout of this config (rdep/transport/region_layout.h) for elements of elem_bytes.
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes);
+
+// What every backend's layer checks at Create: a valid config, a domain of W ranks, an ownership
+// map and weights of the layer's shape.
+Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w);
+
+// The protocol's four symmetric regions on a domain (host or CUDA), allocated by layout.
+struct LayerRegions {
+  RegionId control = -1, payload = -1, sideband = -1, ret = -1;
+
+  template <typename Domain>
+  static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l) {
+    LayerRegions r;
+    RDEP_ASSIGN_OR_RETURN(r.control, d.AllocateSymmetric(l.control_bytes(), "control"));
+    RDEP_ASSIGN_OR_RETURN(r.payload, d.AllocateSymmetric(l.payload_bytes(), "segment.payload"));
+    RDEP_ASSIGN_OR_RETURN(r.sideband, d.AllocateSymmetric(l.sideband_bytes(), "segment.sideband"));
+    RDEP_ASSIGN_OR_RETURN(r.ret, d.AllocateSymmetric(l.return_bytes(), "return"));
+    return r;
+  }
+  template <typename Domain>
+  void Free(Domain& d) const {
+    for (RegionId id : {control, payload, sideband, ret}) d.FreeSymmetric(id);
+  }
+};
 
 }  // namespace rdep
