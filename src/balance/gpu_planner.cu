@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <string>
 
 namespace rdep {
@@ -14,7 +15,8 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRanks = 1024;  // a lane owns ranks lane + 32*j, j < 32: one bit of a uint32 dup mask
+constexpr int kMaxRanks = 1024;
+constexpr int kDefaultProbeWarps = 31;  // 2^d - 1: d levels of the binary search per round  // a lane owns ranks lane + 32*j, j < 32: one bit of a uint32 dup mask
 
 #define RDEP_CUDA_RETURN(expr)                                                                              \
   do {                                                                                                      \
@@ -31,7 +33,7 @@ constexpr int kMaxRanks = 1024;  // a lane owns ranks lane + 32*j, j < 32: one b
 // probe walks the experts: ranks by descending load, each rank's main experts by descending load.
 struct Layout {
   // int64 offsets (in elements of int64)
-  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
+  size_t rr = 0, lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
          wrec_amount = 0, misc64 = 0, n64 = 0;
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
@@ -42,6 +44,7 @@ struct Layout {
   __host__ __device__ Layout(int R, int E, int S, int pw, bool staged) {
     const size_t r = static_cast<size_t>(R), e = static_cast<size_t>(E), rs = r * static_cast<size_t>(S);
     size_t o = 0;
+    rr = o; o += kWarps * 64;                        // [warp][2][32] reroute exchange (16-byte aligned)
     lam = o; o += e;                                 // [E] expert loads
     ell = o; o += r;                                 // [R] rank loads
     ell_sorted = o; o += r;                          // [R] rank loads in visit order
@@ -83,8 +86,10 @@ struct Layout {
   __host__ __device__ size_t bytes() const { return n64 * 8 + n32 * 4; }
 };
 
-// Thread 0's clock64 at: start, after setup, after the search, after recording, at the end.
-constexpr int kNumPhaseStamps = 5;
+// Thread 0's clock64 at: start, after setup, after the search, after recording, after the tables'
+// preparation, the latest end of a replicated expert's reroute, the latest end of the instance tables
+// and single-instance routes (both from the warps' own clocks), the end.
+constexpr int kNumPhaseStamps = 8;
 
 // misc32 slots.
 constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5,
@@ -115,7 +120,7 @@ struct KernelArgs {
 };
 
 struct Shared {
-  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
+  int64_t *rr, *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
       *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
 };
@@ -124,7 +129,7 @@ __device__ Shared Carve(char* base, const Layout& L) {
   Shared s;
   int64_t* b64 = reinterpret_cast<int64_t*>(base);
   int32_t* b32 = reinterpret_cast<int32_t*>(b64 + L.n64);
-  s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
+  s.rr = b64 + L.rr; s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
   s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo; s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount;
   s.wrec_amount = b64 + L.wrec_amount; s.misc64 = b64 + L.misc64;
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
@@ -246,6 +251,14 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
 constexpr int kFastRankBits = 6;
 constexpr int64_t kFastLoadLimit = int64_t{1} << (32 - kFastRankBits);
 
+// Fast-probe transfer record: amount (< 2^26, below the load limit) | rank << 26 in the low word,
+// expert | slot << 24 in the high word (the fast probe also needs E < 2^24 and N_slot < 2^8).
+constexpr int kFastAmountBits = 32 - kFastRankBits;
+__device__ __forceinline__ uint64_t PackFastRecord(int e, int slot, uint32_t tbits, int d) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(e) | (static_cast<uint32_t>(slot) << 24)) << 32) |
+         (tbits | static_cast<uint32_t>(d));
+}
+
 __device__ __forceinline__ uint32_t FastKey(int slk, int used, int S, int t) {
   return slk > 0 && used < S ? (static_cast<uint32_t>(slk) << kFastRankBits) | static_cast<uint32_t>(63 - t) : 0u;
 }
@@ -258,10 +271,9 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
   int slk1 = t1 < R ? max(tau - static_cast<int>(s.ell[t1]), 0) : 0;
   int used0 = 0, used1 = 0;
   uint32_t key0 = FastKey(slk0, used0, S, t0), key1 = FastKey(slk1, used1, S, t1);
-  int32_t* rec_e = s.wrec_e + rec_base;
-  int32_t* rec_t = s.wrec_t + rec_base;
-  int32_t* rec_s = s.wrec_s + rec_base;
-  int64_t* rec_a = s.wrec_amount + rec_base;
+  // One packed 64-bit record per transfer (see PackFastRecord): one shared store on the step path.
+  uint64_t* rec = reinterpret_cast<uint64_t*>(s.wrec_amount + rec_base);
+  const uint32_t tbits0 = static_cast<uint32_t>(t0) << kFastAmountBits, tbits1 = static_cast<uint32_t>(t1) << kFastAmountBits;
   int nrec = 0;
   bool feasible = true;
   int l_next = R > 0 ? static_cast<int>(s.ell_sorted[0]) : 0;
@@ -294,19 +306,13 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
         d = d < cap ? d : cap;
         if (d < umin) break;
         if (best_t == t0) {  // the target's lane records the transfer and updates its rank
-          rec_e[nrec] = e;
-          rec_t[nrec] = best_t;
-          rec_s[nrec] = used0;
-          rec_a[nrec] = d;
+          rec[nrec] = PackFastRecord(e, used0, tbits0, d);
           slk0 -= d;
           ++used0;
           key0 = FastKey(slk0, used0, S, t0);
           dup0 = true;
         } else if (best_t == t1) {
-          rec_e[nrec] = e;
-          rec_t[nrec] = best_t;
-          rec_s[nrec] = used1;
-          rec_a[nrec] = d;
+          rec[nrec] = PackFastRecord(e, used1, tbits1, d);
           slk1 -= d;
           ++used1;
           key1 = FastKey(slk1, used1, S, t1);
@@ -326,12 +332,15 @@ __device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, 
   return feasible;
 }
 
-// floor(a / D) and a mod D for 0 <= a < 2^51, 1 <= D, from a double reciprocal: the estimate is within
-// one of the quotient (relative error ~2^-52 on a value below 2^51), one correction step makes it exact.
-__device__ __forceinline__ int64_t DivModFast(int64_t a, int64_t D, double inv_d, int64_t* rem) {
-  int64_t q = static_cast<int64_t>(static_cast<double>(a) * inv_d);
-  int64_t r = a - q * D;
-  const bool under = r < 0, over = r >= D;  // branch-free correction
+// floor(a / D) and a mod D for a reroute step, a = d * ru < 2^50 (d, ru < 2^25), 1 <= D < 2^25, from a double
+// reciprocal: the estimate (exact product, relative error ~2^-52) is within one of the quotient and one
+// correction step makes it exact. The quotient is at most d
+// (ru <= D) and the true remainder of the estimate lies in (-D, 2D), so both fit 32 bits and the
+// correction can run in 32-bit arithmetic (the product's low word is all it needs).
+__device__ __forceinline__ int DivModFast32(int64_t a, int D, double inv_d, int* rem) {
+  int q = static_cast<int>(static_cast<double>(a) * inv_d);
+  int r = static_cast<int>(static_cast<uint32_t>(a) - static_cast<uint32_t>(q) * static_cast<uint32_t>(D));
+  const bool under = r < 0, over = r >= D;
   q += over ? 1 : (under ? -1 : 0);
   r += under ? D : (over ? -D : 0);
   *rem = r;
@@ -456,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (lane == 0) {
       s.misc64[0] = (total + R - 1) / R;  // lo
       s.misc64[1] = hi;
-      s.misc32[kFastProbe] = (R <= 64 && hi < kFastLoadLimit) ? 1 : 0;
+      s.misc32[kFastProbe] = (R <= 64 && hi < kFastLoadLimit && E < (1 << 24) && a.S < 256) ? 1 : 0;
     }
   } else {
     // Rank order: one warp per rank counts the ranks ahead of it.
@@ -512,10 +521,19 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (const int from = s.misc32[kCopyFrom]; from != 0) {
       const size_t base = static_cast<size_t>(from - 1) * rs_total;
       for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
-        s.rec_e[k] = s.wrec_e[base + k];
-        s.rec_t[k] = s.wrec_t[base + k];
-        s.rec_s[k] = s.wrec_s[base + k];
-        s.rec_amount[k] = s.wrec_amount[base + k];
+        if (fast) {
+          const uint64_t v = static_cast<uint64_t>(s.wrec_amount[base + k]);
+          const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+          s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
+          s.rec_t[k] = static_cast<int>(lo >> kFastAmountBits);
+          s.rec_s[k] = static_cast<int>(hi >> 24);
+          s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << kFastAmountBits) - 1));
+        } else {
+          s.rec_e[k] = s.wrec_e[base + k];
+          s.rec_t[k] = s.wrec_t[base + k];
+          s.rec_s[k] = s.wrec_s[base + k];
+          s.rec_amount[k] = s.wrec_amount[base + k];
+        }
       }
     }
     if (tid == 0) {
@@ -605,34 +623,23 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
   for (int e = tid; e < E; e += kThreads)
     if (s.rep_count[e] > 0) s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
+  if (tid == 0) s.misc64[2] = s.misc64[3] = 0;  // latest end of the replicated / single-instance work
   __syncthreads();
+  stamp(4);
   const int I = s.inst_off[E];
   const int num_multi = s.misc32[kNumMulti];
+  // Warps 0..busy-1 each reroute a replicated expert (the long sequential part); when at least 4 warps
+  // are left over, they alone write the instance tables and the single-instance routes meanwhile.
+  const int busy = num_multi < kWarps ? num_multi : kWarps;
+  const bool split = kWarps - busy >= 4;
+  auto mark_end = [&](int slot) {
+    if (a.out_phase != nullptr && lane == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(s.misc64 + slot), static_cast<unsigned long long>(clock64()));
+  };
 
-  // Phase 4: instance tables (one thread per expert) and the reroute, same math as SolveReroute.
-  for (int e = tid; e <= E; e += kThreads) a.inst_offsets[e] = s.inst_off[e];
-  for (int e = tid; e < E; e += kThreads) {
-    const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
-    int64_t moved = 0;
-    for (int c = 0; c < k - 1; ++c) moved += s.rec_amount[f + c];
-    a.inst_expert[b] = e;
-    a.inst_rank[b] = s.owner[e];
-    a.inst_slot[b] = -1;
-    a.inst_quota[b] = s.lam[e] - moved;
-    for (int c = 0; c < k - 1; ++c) {
-      a.inst_expert[b + 1 + c] = e;
-      a.inst_rank[b + 1 + c] = s.rec_t[f + c];
-      a.inst_slot[b + 1 + c] = s.rec_s[f + c];
-      a.inst_quota[b + 1 + c] = s.rec_amount[f + c];
-      a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
-    }
-  }
-  // Experts without replicas: every source's rows go to the main instance.
-  for (int r = warp; r < R; r += kWarps)
-    for (int e = lane; e < E; e += 32)
-      if (s.rep_count[e] == 0) a.route[static_cast<size_t>(r) * I + s.inst_off[e]] = ld(r, e);
+  // Phase 4: the reroute (same math as SolveReroute) and the instance tables.
   // Experts with replicas: one warp each. Lane i owns instance i (registers); per source (ascending)
-  // the floors come from DivModFast, the largest remainders from packed keys (rem << 5 | 31 - i):
+  // the floors come from DivModFast32, the largest remainders from packed keys (rem << 5 | 31 - i):
   // a larger key = larger remainder, lower instance on ties, exactly the host's order. Sources come
   // in chunks of 32: lane j first computes source r0+j's residual demand (its rows minus the local
   // rows of an instance it hosts), then the warp walks the chunk reading it by shuffle.
@@ -653,6 +660,8 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     int ru = quota - local;
     int D = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(ru)));
     bool error = false;
+    uint2* xbuf = reinterpret_cast<uint2*>(s.rr) + 64 * warp;  // [2][32] (key, base) exchange buffers
+    int parity = 0;
     for (int r0 = 0; r0 < R && !error; r0 += 32) {
       const int src = r0 + lane;
       int dsrc = src < R ? static_cast<int>(ld(src, e)) : 0;
@@ -683,22 +692,26 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
             error = true;
             break;
           }
-          int64_t rem = 0;
-          const int base = static_cast<int>(DivModFast(static_cast<int64_t>(d) * ru, D, inv, &rem));
-          const int left = d - static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(base)));
-          int bump = 0;
-          if (left > 0) {
-            const uint32_t key = (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane);
-            int ahead = 0;
-            for (int i0 = 0; i0 < k; i0 += 8) {  // 8 independent shuffles in flight
-#pragma unroll
-              for (int u = 0; u < 8; ++u) {
-                const uint32_t other = __shfl_sync(0xffffffffu, key, (i0 + u) & 31);
-                ahead += (i0 + u < k && other > key) ? 1 : 0;
-              }
-            }
-            bump = ahead < left ? 1 : 0;
+          int rem = 0;
+          const int base = DivModFast32(static_cast<int64_t>(d) * ru, D, inv, &rem);
+          // Largest remainders: instance i gets one more row if fewer than `left` = d - sum(base)
+          // instances have a larger key (rem << 5 | 31 - i; distinct, larger = larger remainder, lower
+          // instance on ties, the host's order). Every lane publishes (key, base) in this warp's
+          // exchange buffer (two, alternating, so one __syncwarp per source suffices) and reads all k
+          // back two at a time: no warp reduction on the per-source dependency chain.
+          const uint32_t key = valid ? (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane) : 0u;
+          uint2* buf = xbuf + 32 * parity;
+          parity ^= 1;
+          buf[lane] = make_uint2(key, static_cast<uint32_t>(base));
+          __syncwarp();
+          const uint4* b4 = reinterpret_cast<const uint4*>(buf);
+          int sum = 0, ahead = 0;
+          for (int u = 0; u < (k + 1) / 2; ++u) {  // entry k (k odd) is (0, 0): not above a valid key, no rows
+            const uint4 p = b4[u];
+            sum += static_cast<int>(p.y + p.w);
+            ahead += (p.x > key ? 1 : 0) + (p.z > key ? 1 : 0);
           }
+          const int bump = ahead < d - sum ? 1 : 0;
           take = valid ? base + bump : 0;
           ru -= take;
           D -= d;
@@ -707,6 +720,34 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       }
     }
   }
+  if (warp < busy) mark_end(2);
+  // Instance tables (one thread per expert) and experts without replicas (every source's rows go to
+  // the main instance), on the warps without a replicated expert when there are enough of them.
+  if (!split || warp >= busy) {
+    const int wi = split ? warp - busy : warp, nw = split ? kWarps - busy : kWarps;
+    const int ti = wi * 32 + lane, nt = nw * 32;
+    for (int e = ti; e <= E; e += nt) a.inst_offsets[e] = s.inst_off[e];
+    for (int e = ti; e < E; e += nt) {
+      const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
+      int64_t moved = 0;
+      for (int c = 0; c < k - 1; ++c) moved += s.rec_amount[f + c];
+      a.inst_expert[b] = e;
+      a.inst_rank[b] = s.owner[e];
+      a.inst_slot[b] = -1;
+      a.inst_quota[b] = s.lam[e] - moved;
+      for (int c = 0; c < k - 1; ++c) {
+        a.inst_expert[b + 1 + c] = e;
+        a.inst_rank[b + 1 + c] = s.rec_t[f + c];
+        a.inst_slot[b + 1 + c] = s.rec_s[f + c];
+        a.inst_quota[b + 1 + c] = s.rec_amount[f + c];
+        a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
+      }
+    }
+    for (int r = wi; r < R; r += nw)
+      for (int e = lane; e < E; e += 32)
+        if (s.rep_count[e] == 0) a.route[static_cast<size_t>(r) * I + s.inst_off[e]] = ld(r, e);
+    mark_end(3);
+  }
   // Fallback (more than 32 instances or a load too large for the fast division): one thread each.
   for (int m = tid; m < num_multi; m += kThreads) {
     const int e = s.multi[m];
@@ -714,7 +755,11 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   }
   if (a.out_phase != nullptr) {
     __syncthreads();
-    stamp(4);
+    if (tid == 0) {
+      a.out_phase[5] = s.misc64[2] != 0 ? static_cast<int64_t>(s.misc64[2]) : a.out_phase[4];
+      a.out_phase[6] = s.misc64[3] != 0 ? static_cast<int64_t>(s.misc64[3]) : a.out_phase[4];
+    }
+    stamp(7);
   }
 }
 
@@ -755,7 +800,12 @@ StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, 
   int dev = 0, optin = 0;
   RDEP_CUDA_RETURN(cudaGetDevice(&dev));
   RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  // RDEP_GPU_PLANNER_PROBE_WARPS caps the probe warps (for measuring the levels-per-round trade-off).
+  int max_pw = kDefaultProbeWarps;
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_WARPS"); env != nullptr && std::atoi(env) >= 1)
+    max_pw = std::min(31, std::atoi(env));
   for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
+    if (pw > max_pw) continue;
     for (bool staged : {true, false}) {
       if (staged && !stage_ok) continue;
       const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, staged).bytes();
@@ -925,7 +975,9 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
   // Phase boundaries (clock64 of thread 0) of every timed solve, averaged.
   RDEP_RETURN_IF_ERROR(Alloc(&p.buf.phase, kNumPhaseStamps));
   p.args.out_phase = p.buf.phase;
-  std::vector<double> phase_sum(kNumPhaseStamps - 1, 0.0);
+  // setup, search, record, tables + reroute, and of the last: preparation (instance offsets, transfer
+  // output), the replicated experts' reroute (longest warp), tables + single-instance routes (longest warp).
+  std::vector<double> phase_sum(7, 0.0);
   std::vector<double> us;
   for (int32_t i = 0; i < iters; ++i) {
     RDEP_CUDA_RETURN(cudaEventRecord(res.start, res.stream));
@@ -937,7 +989,9 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, c
     us.push_back(static_cast<double>(ms) * 1000.0);
     int64_t stamps[kNumPhaseStamps] = {};
     RDEP_CUDA_RETURN(cudaMemcpy(stamps, p.buf.phase, sizeof(stamps), cudaMemcpyDeviceToHost));
-    for (int k = 0; k + 1 < kNumPhaseStamps; ++k) phase_sum[static_cast<size_t>(k)] += static_cast<double>(stamps[k + 1] - stamps[k]);
+    const int64_t spans[7] = {stamps[1] - stamps[0], stamps[2] - stamps[1], stamps[3] - stamps[2], stamps[7] - stamps[3],
+                              stamps[4] - stamps[3], stamps[5] - stamps[4], stamps[6] - stamps[4]};
+    for (size_t k = 0; k < 7; ++k) phase_sum[k] += static_cast<double>(spans[k]);
   }
   int64_t err_flag = 0;
   RDEP_CUDA_RETURN(cudaMemcpy(&err_flag, p.buf.misc + 3, sizeof(err_flag), cudaMemcpyDeviceToHost));

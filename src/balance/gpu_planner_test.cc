@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -146,9 +147,17 @@ TEST(GpuPlanner, MatchesHostAtBenchShapeAndReportsPhases) {
     ExpectSamePlan(*gpu, *host, "bench shape, step " + std::to_string(step));
     auto t = BenchQuotaPlanGpu(load, *own, cfg, 5, 50);
     ASSERT_TRUE(t.ok()) << t.status();
-    ASSERT_EQ(t->phase_cycles.size(), 4u);
-    std::printf("step %zu: p50 %.1f us; cycles setup %.0f, search %.0f, record %.0f, tables+reroute %.0f (clock %.0f MHz)\n",
-                step, t->solve_us.p50, t->phase_cycles[0], t->phase_cycles[1], t->phase_cycles[2], t->phase_cycles[3],
+    ASSERT_EQ(t->phase_cycles.size(), 7u);
+    int multi = 0, max_inst = 0;
+    for (int32_t e = 0; e < host->num_experts; ++e) {
+      const int k = host->instance_offsets[static_cast<size_t>(e) + 1] - host->instance_offsets[static_cast<size_t>(e)];
+      multi += k > 1 ? 1 : 0;
+      max_inst = std::max(max_inst, k);
+    }
+    std::printf("step %zu: p50 %.1f us, %d probe warps; cycles setup %.0f, search %.0f, record %.0f, tables+reroute %.0f "
+                "(prep %.0f, replicated %.0f, tables+single %.0f; %d replicated experts, <= %d instances) (clock %.0f MHz)\n",
+                step, t->solve_us.p50, t->config.probe_warps, t->phase_cycles[0], t->phase_cycles[1], t->phase_cycles[2],
+                t->phase_cycles[3], t->phase_cycles[4], t->phase_cycles[5], t->phase_cycles[6], multi, max_inst,
                 t->clock_mhz);
   }
 }

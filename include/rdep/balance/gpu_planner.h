@@ -3,7 +3,8 @@
 // search tree, so one round resolves log2(warps+1) levels), each probe runs the greedy oracle with a
 // warp-wide argmax over the ranks' slack (one redux.sync for R <= 64) and records its transfers, so
 // the solved threshold needs no re-run; then the block builds the instance tables and the locality
-// reroute (one warp per replicated expert). All integer arithmetic (or exact-by-construction
+// reroute (one warp per replicated expert, ranking remainders through a per-warp shared buffer).
+// RDEP_GPU_PLANNER_PROBE_WARPS caps the probe warps (measurement knob; default 31). All integer arithmetic (or exact-by-construction
 // double reciprocals) with the host planner's tie-breaking: the plan is bitwise the same as
 // SolveQuotaPlan's. Builds without CUDA return Unavailable. docs/balance.md describes the phases.
 //   exercise: build-*/src/balance/balance_test --gtest_filter='GpuPlanner*'
@@ -47,8 +48,10 @@ struct GpuPlannerTiming {
   std::vector<double> samples_us;   // the raw per-solve times
   GpuPlannerConfig config;
   std::string device_name;
-  // Mean SM clock cycles (clock64 of thread 0) per phase over the timed solves: setup (staging, loads,
-  // visiting order), threshold search, recording the solved threshold, tables + reroute.
+  // Mean SM clock cycles (clock64) per phase over the timed solves: [0] setup (staging, loads, visiting
+  // order), [1] threshold search, [2] recording the solved threshold, [3] tables + reroute; within [3]:
+  // [4] preparation (transfers out, instance offsets), [5] replicated experts' reroute and [6] instance
+  // tables + single-instance routes (each the longest warp; [5] and [6] run side by side).
   std::vector<double> phase_cycles;
   double clock_mhz = 0;  // the device's reported SM clock, to turn cycles into rough microseconds
 };
