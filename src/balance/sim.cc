@@ -132,6 +132,24 @@ StatusOr<SimReport> RunTraceSim(const LoadTrace& trace, int32_t num_slots, const
   return rep;
 }
 
+namespace {
+// One planner's per-record metrics as series (for the table and the JSON summary).
+struct Series {
+  std::vector<double> imbalance, solve_us, replicas, max_hosts, inflight;
+};
+Series Collect(const std::vector<const SimRecord*>& records) {
+  Series s;
+  for (const SimRecord* r : records) {
+    s.imbalance.push_back(r->imbalance);
+    s.solve_us.push_back(r->solve_us);
+    s.replicas.push_back(r->replicas);
+    s.max_hosts.push_back(r->max_hosts);
+    s.inflight.push_back(r->inflight);
+  }
+  return s;
+}
+}  // namespace
+
 void PrintSimTable(const SimReport& rep, std::ostream& os) {
   const auto by = ByPlanner(rep);
   os << "# " << rep.source << ": " << rep.records.size() / std::max<size_t>(rep.planners.size(), 1)
@@ -143,14 +161,9 @@ void PrintSimTable(const SimReport& rep, std::ostream& os) {
   for (const auto& name : rep.planners) {
     auto it = by.find(name);
     if (it == by.end()) continue;
-    std::vector<double> imb, us, sl, mh, inf;
-    for (const SimRecord* r : it->second) {
-      imb.push_back(r->imbalance);
-      us.push_back(r->solve_us);
-      sl.push_back(r->replicas);
-      mh.push_back(r->max_hosts);
-      inf.push_back(r->inflight);
-    }
+    const Series series = Collect(it->second);
+    const auto &imb = series.imbalance, &us = series.solve_us, &sl = series.replicas, &mh = series.max_hosts,
+               &inf = series.inflight;
     const Summary si = Summarize(imb);
     os << std::left << std::setw(11) << name << std::right << std::setprecision(4) << std::setw(10) << si.mean
        << std::setw(9) << si.p50 << std::setw(9) << si.p99 << std::setw(9) << si.max << std::setprecision(1)
@@ -169,14 +182,9 @@ Status WriteSimJson(const SimReport& rep, const std::string& path) {
   for (const auto& name : rep.planners) {
     auto it = by.find(name);
     if (it == by.end()) continue;
-    std::vector<double> imb, us, sl, mh, inf;
-    for (const SimRecord* r : it->second) {
-      imb.push_back(r->imbalance);
-      us.push_back(r->solve_us);
-      sl.push_back(r->replicas);
-      mh.push_back(r->max_hosts);
-      inf.push_back(r->inflight);
-    }
+    const Series series = Collect(it->second);
+    const auto &imb = series.imbalance, &us = series.solve_us, &sl = series.replicas, &mh = series.max_hosts,
+               &inf = series.inflight;
     const Summary si = Summarize(imb), su = Summarize(us);
     f << (first ? "" : ",\n") << "    \"" << name << "\": {\"count\": " << si.count << ", \"imbalance_mean\": " << si.mean
       << ", \"imbalance_p50\": " << si.p50 << ", \"imbalance_p99\": " << si.p99 << ", \"imbalance_max\": " << si.max

@@ -286,22 +286,19 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     std::cerr << "rdep bench dispatch: " << st.message() << "\n";
     return 2;
   }
-  auto own = rdep::OwnershipMap::Contiguous(s.experts, s.ranks);
-  auto routing = rdep::GenerateRouting(s, *spec);
-  if (!own.ok()) return Fail(own.status());
-  if (!routing.ok()) return Fail(routing.status());
-  const rdep::MoEWeights weights = rdep::RandomWeights(s, seed);
-  const auto x = rdep::RandomActivations(s, *routing, seed + 1);
-  auto domain = rdep::CudaDomain::CreateSingleProcess(s.ranks);
-  if (!domain.ok()) return Fail(domain.status());
-  auto layer = rdep::CudaMoELayer::Create(**domain, cfg, *own, weights);
-  if (!layer.ok()) return Fail(layer.status());
-  (*layer)->set_expert_kind(rdep::ExpertKind::kSentinel);
+  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed);
+  if (!setup.ok()) return Fail(setup.status());
+  const rdep::OwnershipMap& own = setup->ownership;
+  const rdep::Routing& routing = setup->routing;
+  const auto& x = setup->x;
+  auto& domain = setup->domain;
+  auto& layer = setup->layer;
+  layer->set_expert_kind(rdep::ExpertKind::kSentinel);
 
   const auto W = static_cast<size_t>(s.ranks);
   const int32_t Wi = static_cast<int32_t>(s.ranks);
   const int64_t H = s.hidden, K = s.topk;
-  const RowCounts rows = CountRows(*routing, *own, s.ranks);
+  const RowCounts rows = CountRows(routing, own, s.ranks);
   const size_t nk = static_cast<size_t>(s.tokens * K), nh = static_cast<size_t>(s.tokens * H);
   struct Bufs {
     int32_t* experts = nullptr;
@@ -318,9 +315,9 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   int64_t accepted_rows = 0;
 
   // 1. rdep: the whole sentinel forward, unprofiled; 2. the same with phase marks.
-  Status st = (*domain)->Run([&](int32_t r) -> Status {
+  Status st = domain->Run([&](int32_t r) -> Status {
     Bufs& b = bufs[static_cast<size_t>(r)];
-    const auto& rr = (*routing)[static_cast<size_t>(r)];
+    const auto& rr = routing[static_cast<size_t>(r)];
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
     for (auto** p : {&b.x, &b.y}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
@@ -332,22 +329,22 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
     b.ev.resize(static_cast<size_t>(2 * total));
     for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    cudaStream_t stream = (*domain)->stream(r);
+    cudaStream_t stream = domain->stream(r);
     for (int64_t i = 0; i < total; ++i) {
       RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-      RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));  // ranks start together
+      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));  // ranks start together
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i)], stream));
-      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.experts, b.gates, rr.num_tokens, b.x, b.y));
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, rr.num_tokens, b.x, b.y));
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i + 1)], stream));
     }
-    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
     for (int64_t i = warmup; i < total; ++i) {
       float ms = 0;
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(2 * i)], b.ev[static_cast<size_t>(2 * i + 1)]));
       fwd[static_cast<size_t>(r)].push_back(ms);
     }
-    layer_bytes[static_cast<size_t>(r)] = (*layer)->device_bytes(r);
-    RDEP_ASSIGN_OR_RETURN(auto acc, (*layer)->CopyAcceptance(r));
+    layer_bytes[static_cast<size_t>(r)] = layer->device_bytes(r);
+    RDEP_ASSIGN_OR_RETURN(auto acc, layer->CopyAcceptance(r));
     int64_t a = 0;
     for (auto v : acc.accepted) a += v;
     std::lock_guard<std::mutex> lock(mu);
@@ -358,21 +355,21 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   if (accepted_rows != rows.slots_total)
     return Fail(rdep::InternalError("accepted rows " + std::to_string(accepted_rows) + " != W*T*K " +
                                     std::to_string(rows.slots_total) + " (the layer should be dropless)"));
-  if (Status pe = (*layer)->EnableProfiling(true); !pe.ok()) return Fail(pe);
-  st = (*domain)->Run([&](int32_t r) -> Status {
+  if (Status pe = layer->EnableProfiling(true); !pe.ok()) return Fail(pe);
+  st = domain->Run([&](int32_t r) -> Status {
     Bufs& b = bufs[static_cast<size_t>(r)];
-    cudaStream_t stream = (*domain)->stream(r);
+    cudaStream_t stream = domain->stream(r);
     for (int64_t i = 0; i < total; ++i) {
       RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-      RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));
-      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.experts, b.gates, (*routing)[static_cast<size_t>(r)].num_tokens, b.x, b.y));
-      RDEP_ASSIGN_OR_RETURN(auto p, (*layer)->LastPhaseTimes(r, false));  // synchronizes this rank
+      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, routing[static_cast<size_t>(r)].num_tokens, b.x, b.y));
+      RDEP_ASSIGN_OR_RETURN(auto p, layer->LastPhaseTimes(r, false));  // synchronizes this rank
       if (i >= warmup) phases[static_cast<size_t>(r)].push_back(p);
     }
-    return (*domain)->Synchronize(r);
+    return domain->Synchronize(r);
   });
   if (!st.ok()) return Fail(st);
-  if (Status pe = (*layer)->EnableProfiling(false); !pe.ok()) return Fail(pe);
+  if (Status pe = layer->EnableProfiling(false); !pe.ok()) return Fail(pe);
 
   const auto rdep_dispatch = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms + p.dispatch_ms; });
   const auto rdep_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms + p.combine_ms; });
@@ -398,7 +395,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     std::vector<NcclRank> nr(W);
     std::vector<ncclComm_t> comms(W);
     std::vector<int> devs(W);
-    for (size_t r = 0; r < W; ++r) devs[r] = (*domain)->device(static_cast<int32_t>(r));
+    for (size_t r = 0; r < W; ++r) devs[r] = domain->device(static_cast<int32_t>(r));
     if (ncclResult_t res = ncclCommInitAll(comms.data(), Wi, devs.data()); res != ncclSuccess)
       return Fail(rdep::InternalError(std::string("ncclCommInitAll: ") + ncclGetErrorString(res)));
     for (size_t r = 0; r < W; ++r) {
@@ -408,9 +405,9 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     }
     std::vector<std::vector<double>> t_dispatch(W), t_combine(W), t_counts(W);
     std::vector<int> same(W, 0);
-    st = (*domain)->Run([&](int32_t r) -> Status {
+    st = domain->Run([&](int32_t r) -> Status {
       NcclRank& n = nr[static_cast<size_t>(r)];
-      const auto& rr = (*routing)[static_cast<size_t>(r)];
+      const auto& rr = routing[static_cast<size_t>(r)];
       const auto& mine = rows.slot_rows[static_cast<size_t>(r)];
       n.send_off.assign(W, 0);
       n.recv_off.assign(W, 0);
@@ -427,7 +424,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
       const auto& xr = x[static_cast<size_t>(r)];
       for (int64_t t = 0; t < rr.num_tokens; ++t)
         for (int64_t k = 0; k < K; ++k) {
-          const auto q = static_cast<size_t>((*own).owner(rr.experts[static_cast<size_t>(t * K + k)]));
+          const auto q = static_cast<size_t>((own).owner(rr.experts[static_cast<size_t>(t * K + k)]));
           uint16_t* dst = packed.data() + (start[q]++) * H;
           for (int64_t c = 0; c < H; ++c) dst[c] = rdep::FloatToBf16Bits(xr[static_cast<size_t>(t * H + c)]);
         }
@@ -443,7 +440,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.counts, mine.data(), sizeof(int64_t) * W, cudaMemcpyHostToDevice));
       n.ev.resize(static_cast<size_t>(5 * total));
       for (auto& e : n.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-      cudaStream_t stream = (*domain)->stream(r);
+      cudaStream_t stream = domain->stream(r);
       // One untimed round trip (NCCL connects its peers lazily), then the check that it is exact.
       RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, nullptr));
       RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, nullptr));
@@ -455,13 +452,13 @@ int RunDispatchBench(const rdep::cli::Args& args) {
       for (int64_t i = 0; i < total; ++i) {
         const cudaEvent_t* ev = n.ev.data() + 5 * i;
         RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-        RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));
+        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
         RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, ev));
         RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-        RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));
+        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
         RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, ev + 3));
       }
-      RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+      RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
       for (int64_t i = warmup; i < total; ++i) {
         const cudaEvent_t* ev = n.ev.data() + 5 * i;
         float d = 0, c = 0, cnt = 0;
@@ -545,7 +542,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
     j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
     j.field("experts", s.experts).field("topk", s.topk).field("routing", spec->name()).field("capacity", "dropless");
-    j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", (*layer)->layout().S);
+    j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", layer->layout().S);
     j.field("seed", static_cast<int64_t>(seed)).field("warmup", warmup).field("iters", iters);
     j.field("launch_ahead_us", launch_ahead_us).end_object();
     j.field("normalization",
@@ -586,7 +583,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     if (!rdep::bench::WriteFile(json, j.str())) std::cerr << "rdep bench dispatch: could not write " << json << "\n";
   }
   for (size_t r = 0; r < W; ++r) {
-    cudaSetDevice((*domain)->device(static_cast<int32_t>(r)));
+    cudaSetDevice(domain->device(static_cast<int32_t>(r)));
     for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].x),
                     static_cast<void*>(bufs[r].y)})
       cudaFree(p);

@@ -45,20 +45,7 @@ int Fail(const rdep::Status& s) {
 
 #if defined(RDEP_HAVE_CUDA)
 
-template <typename T>
-rdep::StatusOr<std::vector<T>> ParseList(const std::string& flag, const std::string& text) {
-  std::vector<T> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    std::stringstream is(item);
-    T v{};
-    if (!(is >> v) || !is.eof()) return rdep::InvalidArgument("--" + flag + ": '" + item + "' is not a number");
-    out.push_back(v);
-  }
-  if (out.empty()) return rdep::InvalidArgument("--" + flag + ": empty list");
-  return out;
-}
+using rdep::cli::ParseList;
 
 // A device allocation freed on scope exit.
 struct DeviceMem {

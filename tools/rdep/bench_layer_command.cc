@@ -94,16 +94,12 @@ int RunLayerBench(const rdep::cli::Args& args) {
     std::cerr << "rdep bench layer: " << st.message() << "\n";
     return 2;
   }
-  auto own = rdep::OwnershipMap::Contiguous(s.experts, s.ranks);
-  auto routing = rdep::GenerateRouting(s, *spec);
-  if (!own.ok()) return Fail(own.status());
-  if (!routing.ok()) return Fail(routing.status());
-  const rdep::MoEWeights weights = rdep::RandomWeights(s, seed);
-  const auto x = rdep::RandomActivations(s, *routing, seed + 1);
-  auto domain = rdep::CudaDomain::CreateSingleProcess(s.ranks);
-  if (!domain.ok()) return Fail(domain.status());
-  auto layer = rdep::CudaMoELayer::Create(**domain, cfg, *own, weights);
-  if (!layer.ok()) return Fail(layer.status());
+  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed);
+  if (!setup.ok()) return Fail(setup.status());
+  const rdep::Routing& routing = setup->routing;
+  const auto& x = setup->x;
+  auto& domain = setup->domain;
+  auto& layer = setup->layer;
 
   const auto W = static_cast<size_t>(s.ranks);
   const size_t nk = static_cast<size_t>(s.tokens * s.topk), nh = static_cast<size_t>(s.tokens * s.hidden);
@@ -119,9 +115,9 @@ int RunLayerBench(const rdep::cli::Args& args) {
   std::vector<rdep::PhaseTimes> phase_f(W), phase_b(W);
   std::vector<size_t> bytes(W);
   int64_t accepted_rows = 0;
-  Status st = (*domain)->Run([&](int32_t r) -> Status {
+  Status st = domain->Run([&](int32_t r) -> Status {
     Bufs& b = bufs[static_cast<size_t>(r)];
-    const auto& rr = (*routing)[static_cast<size_t>(r)];
+    const auto& rr = routing[static_cast<size_t>(r)];
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dgates, nk * 4));
@@ -135,43 +131,43 @@ int RunLayerBench(const rdep::cli::Args& args) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, bits.data(), nh * 2, cudaMemcpyHostToDevice));
     b.ev.resize(static_cast<size_t>(4 * total));
     for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    cudaStream_t stream = (*domain)->stream(r);
+    cudaStream_t stream = domain->stream(r);
     const int64_t n = rr.num_tokens;
     for (int pass = 0; pass < 2; ++pass) {  // 0: forward only, 1: forward + backward
       for (int64_t i = 0; i < total; ++i) {
-        RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));  // ranks start together
+        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));  // ranks start together
         cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
         RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, stream));
-        RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.experts, b.gates, n, b.x, b.y));
-        if (pass == 1) RDEP_RETURN_IF_ERROR((*layer)->Backward(r, b.dy, b.dx, b.dgates));
+        RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, n, b.x, b.y));
+        if (pass == 1) RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dgates));
         RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
       }
-      RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+      RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
       for (int64_t i = warmup; i < total; ++i) {
         float ms = 0;
         RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
         (pass ? fwdbwd : fwd)[static_cast<size_t>(r)].push_back(ms);
       }
     }
-    bytes[static_cast<size_t>(r)] = (*layer)->device_bytes(r);
+    bytes[static_cast<size_t>(r)] = layer->device_bytes(r);
     return Status::Ok();
   });
   if (!st.ok()) return Fail(st);
   // Phase breakdown: a few profiled iterations after the timed ones (medians per rank, then max).
-  if (Status pe = (*layer)->EnableProfiling(true); !pe.ok()) return Fail(pe);
+  if (Status pe = layer->EnableProfiling(true); !pe.ok()) return Fail(pe);
   std::vector<std::vector<rdep::PhaseTimes>> prof_f(W), prof_b(W);
-  st = (*domain)->Run([&](int32_t r) -> Status {
+  st = domain->Run([&](int32_t r) -> Status {
     Bufs& b = bufs[static_cast<size_t>(r)];
     for (int i = 0; i < 10; ++i) {
-      RDEP_RETURN_IF_ERROR((*domain)->Barrier(r, rdep::Phase::kTest));
-      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.experts, b.gates, (*routing)[static_cast<size_t>(r)].num_tokens, b.x, b.y));
-      RDEP_RETURN_IF_ERROR((*layer)->Backward(r, b.dy, b.dx, b.dgates));
-      RDEP_ASSIGN_OR_RETURN(auto pf, (*layer)->LastPhaseTimes(r, false));
-      RDEP_ASSIGN_OR_RETURN(auto pb, (*layer)->LastPhaseTimes(r, true));
+      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, routing[static_cast<size_t>(r)].num_tokens, b.x, b.y));
+      RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dgates));
+      RDEP_ASSIGN_OR_RETURN(auto pf, layer->LastPhaseTimes(r, false));
+      RDEP_ASSIGN_OR_RETURN(auto pb, layer->LastPhaseTimes(r, true));
       prof_f[static_cast<size_t>(r)].push_back(pf);
       prof_b[static_cast<size_t>(r)].push_back(pb);
     }
-    RDEP_ASSIGN_OR_RETURN(auto acc, (*layer)->CopyAcceptance(r));
+    RDEP_ASSIGN_OR_RETURN(auto acc, layer->CopyAcceptance(r));
     int64_t a = 0;
     for (auto v : acc.accepted) a += v;
     static std::mutex mu;
@@ -219,7 +215,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
   std::printf("rdep bench layer: %s, routing %s, capacity %s, S=%lld, %lld GPUs, warmup %lld, iters %lld\n",
               [&] { std::ostringstream os; os << s; return os.str(); }().c_str(), spec->name().c_str(),
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
-              static_cast<long long>((*layer)->layout().S), static_cast<long long>(s.ranks), static_cast<long long>(warmup),
+              static_cast<long long>(layer->layout().S), static_cast<long long>(s.ranks), static_cast<long long>(warmup),
               static_cast<long long>(iters));
   std::printf("  %-18s %10s %10s %14s %12s %8s\n", "", "p50 ms", "p99 ms", "TFLOP/s/GPU", "baseline ms", "speedup");
   std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward", sf.p50, sf.p99, tflops_f, base_f, base_f / sf.p50);
@@ -235,7 +231,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
     rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
     j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
     j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", spec->name());
-    j.field("capacity_factor", cfg.capacity.capacity_factor).field("segment", (*layer)->layout().S).field("seed", static_cast<int64_t>(seed));
+    j.field("capacity_factor", cfg.capacity.capacity_factor).field("segment", layer->layout().S).field("seed", static_cast<int64_t>(seed));
     j.field("warmup", warmup).field("iters", iters).end_object();
     j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
     j.field("accepted_rows", accepted_rows);
@@ -253,7 +249,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
     if (!rdep::bench::WriteFile(json, j.str())) std::cerr << "rdep bench layer: could not write " << json << "\n";
   }
   for (size_t r = 0; r < W; ++r) {
-    cudaSetDevice((*domain)->device(static_cast<int32_t>(r)));
+    cudaSetDevice(domain->device(static_cast<int32_t>(r)));
     for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].dgates),
                     static_cast<void*>(bufs[r].x), static_cast<void*>(bufs[r].y), static_cast<void*>(bufs[r].dy), static_cast<void*>(bufs[r].dx)})
       cudaFree(p);

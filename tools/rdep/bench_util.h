@@ -11,7 +11,10 @@
 #include <vector>
 
 #include "rdep/core/json.h"
+#include "rdep/core/reference.h"
+#include "rdep/core/routing.h"
 #include "rdep/core/stats.h"
+#include "rdep/layer/cuda_moe_layer.h"
 
 #ifndef RDEP_GIT_COMMIT
 #define RDEP_GIT_COMMIT "unknown"
@@ -47,6 +50,29 @@ inline double ReadJsonNumber(const std::string& path, const std::string& key) {
   if (at == std::string::npos) return NAN;
   const auto colon = text.find(':', at);
   return colon == std::string::npos ? NAN : std::strtod(text.c_str() + colon + 1, nullptr);
+}
+
+// What a layer benchmark runs on: a seeded routing, weights and inputs, a one-process CUDA domain
+// over W GPUs and the layer.
+struct LayerBenchSetup {
+  OwnershipMap ownership;
+  Routing routing;
+  std::vector<std::vector<float>> x;
+  std::unique_ptr<CudaDomain> domain;
+  std::unique_ptr<CudaMoELayer> layer;
+};
+
+inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const RoutingSpec& spec, uint64_t seed) {
+  RDEP_RETURN_IF_ERROR(cfg.Validate());
+  const LayerShape& s = cfg.shape;
+  LayerBenchSetup b{*OwnershipMap::Contiguous(1, 1), {}, {}, nullptr, nullptr};
+  RDEP_ASSIGN_OR_RETURN(b.ownership, OwnershipMap::Contiguous(s.experts, s.ranks));
+  RDEP_ASSIGN_OR_RETURN(b.routing, GenerateRouting(s, spec));
+  const MoEWeights weights = RandomWeights(s, seed);
+  b.x = RandomActivations(s, b.routing, seed + 1);
+  RDEP_ASSIGN_OR_RETURN(b.domain, CudaDomain::CreateSingleProcess(s.ranks));
+  RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership, weights));
+  return b;
 }
 
 inline bool WriteFile(const std::string& path, const std::string& text) {

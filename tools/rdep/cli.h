@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -50,5 +51,21 @@ class Flags {
   std::vector<std::string> positional_;
   Status error_;
 };
+
+// Parses a comma-separated list of numbers given to --flag ("128,384,768").
+template <typename T>
+StatusOr<std::vector<T>> ParseList(const std::string& flag, const std::string& text) {
+  std::vector<T> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::stringstream is(item);
+    T v{};
+    if (!(is >> v) || !is.eof()) return InvalidArgument("--" + flag + ": '" + item + "' is not a number");
+    out.push_back(v);
+  }
+  if (out.empty()) return InvalidArgument("--" + flag + ": empty list");
+  return out;
+}
 
 }  // namespace rdep::cli

@@ -30,20 +30,7 @@ int Fail(const rdep::Status& s) {
   return s.code() == rdep::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
-template <typename T>
-rdep::StatusOr<std::vector<T>> ParseList(const std::string& flag, const std::string& text) {
-  std::vector<T> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    std::stringstream is(item);
-    T v{};
-    if (!(is >> v) || !is.eof()) return rdep::InvalidArgument("--" + flag + ": '" + item + "' is not a number");
-    out.push_back(v);
-  }
-  if (out.empty()) return rdep::InvalidArgument("--" + flag + ": empty list");
-  return out;
-}
+using rdep::cli::ParseList;
 
 void Usage() {
   std::cout << "usage: rdep plan <sim|record|bench|show> [flags]\n"
