@@ -16,7 +16,9 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
-constexpr int kDefaultProbeWarps = 31;  // 2^d - 1: d levels of the binary search per round  // a lane owns ranks lane + 32*j, j < 32: one bit of a uint32 dup mask
+constexpr int kDefaultProbeWarps = 31;  // warp search: 2^d - 1 warps, d levels of the binary search per round
+constexpr int kDefaultProbeLevels = 7;  // thread search: 2^7 - 1 = 127 probes per round
+constexpr int kRecordingProbes = 32;    // thread search: warp 0's probes record their transfers
 
 #define RDEP_CUDA_RETURN(expr)                                                                              \
   do {                                                                                                      \
@@ -33,18 +35,19 @@ constexpr int kDefaultProbeWarps = 31;  // 2^d - 1: d levels of the binary searc
 // probe walks the experts: ranks by descending load, each rank's main experts by descending load.
 struct Layout {
   // int64 offsets (in elements of int64)
-  size_t rr = 0, lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
-         wrec_amount = 0, misc64 = 0, n64 = 0;
+  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
+         wrec_amount = 0, trec = 0, misc64 = 0, n64 = 0;
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
          used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, wrec_e = 0, wrec_t = 0, wrec_s = 0, wnrec = 0,
-         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, misc32 = 0, stage = 0, n32 = 0;
+         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, misc32 = 0, asc = 0, ovf = 0, used8 = 0, stage = 0,
+         n32 = 0;
   Layout() = default;
   // staged: the load matrix is copied into shared memory as int32 (entries < 2^31 checked on host).
-  __host__ __device__ Layout(int R, int E, int S, int pw, bool staged) {
+  // pt: threads of the one-thread-per-threshold search (0 when R > 64: only the warp search exists).
+  __host__ __device__ Layout(int R, int E, int S, int pw, int pt, bool staged) {
     const size_t r = static_cast<size_t>(R), e = static_cast<size_t>(E), rs = r * static_cast<size_t>(S);
     size_t o = 0;
-    rr = o; o += kWarps * 64;                        // [warp][2][32] reroute exchange (16-byte aligned)
     lam = o; o += e;                                 // [E] expert loads
     ell = o; o += r;                                 // [R] rank loads
     ell_sorted = o; o += r;                          // [R] rank loads in visit order
@@ -54,6 +57,7 @@ struct Layout {
     node_hi = o; o += kWarps + 1;
     rec_amount = o; o += rs;                         // recorded transfers of the solved threshold
     wrec_amount = o; o += static_cast<size_t>(pw) * rs;  // [pw][R*S] transfers of each probe warp
+    trec = o; o += static_cast<size_t>(pt < kRecordingProbes ? pt : kRecordingProbes) * rs;  // thread-search records
     misc64 = o; o += 4;                              // lo, hi
     n64 = o;
     o = 0;
@@ -67,7 +71,7 @@ struct Layout {
     vfirst = o; o += r + 1;                          // [R+1] visit position ri -> its experts in vexp
     vexp = o; o += e;                                // [E] experts in visit order
     used = o; o += static_cast<size_t>(pw) * r;      // [pw][R] generic probe: per-warp used slots
-    feas = o; o += kWarps + 1;                       // probe result per search-tree node
+    feas = o; o += (pt > kWarps ? pt : kWarps) + 1;  // probe result per search-tree node
     rec_e = o; o += rs;
     rec_t = o; o += rs;
     rec_s = o; o += rs;
@@ -79,7 +83,11 @@ struct Layout {
     rep_count = o; o += e;                           // [E] number of replicas
     inst_off = o; o += e + 1;                        // [E+1] plan instance offsets
     multi = o; o += e;                               // experts with replicas (any order)
-    misc32 = o; o += 8;                              // see kAnyFeasible...
+    misc32 = o; o += 16;                             // see kAnyFeasible...
+    asc = o; o += pt > 0 ? r + 2 : 0;                // [R+2] load << 6 | 63 - rank, ascending; 2 sentinels
+    ovf = o; o += static_cast<size_t>(pt) * r;       // [pt][R] partial-set overflow of each thread probe
+    used8 = o; o += pt > 0 && S > 2 ? (static_cast<size_t>(pt) * r + 3) / 4 : 0;  // [pt][R] bytes: replicas
+    o += o & 1;                                      // stage: 8-byte aligned (int2 stores)
     stage = o; o += staged ? r * e : 0;
     n32 = o;
   }
@@ -93,12 +101,14 @@ constexpr int kNumPhaseStamps = 8;
 
 // misc32 slots.
 constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5,
-              kCopyFrom = 6;  // probe warp + 1 whose records hold the latest feasible threshold, 0 = none
+              kCopyFrom = 6,  // probe warp + 1 whose records hold the latest feasible threshold, 0 = none
+              kMaxInst = 7,   // most instances of a replicated expert the group reroute takes
+              kNeedRerun = 8;  // thread search: the solved threshold's records must be re-run
 
 struct KernelArgs {
   const int64_t* load;   // [R*E]
   const int32_t* owner;  // [E]
-  int R, E, S, pw, staged;
+  int R, E, S, pw, pt, staged;  // pt: thread-probe search threads (2^d - 1), 0 = warp search only
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
@@ -120,24 +130,30 @@ struct KernelArgs {
 };
 
 struct Shared {
-  int64_t *rr, *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
+  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
+  uint64_t* trec;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
       *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
+  uint32_t *asc, *ovf;
+  uint8_t* used8;
 };
 
 __device__ Shared Carve(char* base, const Layout& L) {
   Shared s;
   int64_t* b64 = reinterpret_cast<int64_t*>(base);
   int32_t* b32 = reinterpret_cast<int32_t*>(b64 + L.n64);
-  s.rr = b64 + L.rr; s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
+  s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
   s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo; s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount;
   s.wrec_amount = b64 + L.wrec_amount; s.misc64 = b64 + L.misc64;
+  s.trec = reinterpret_cast<uint64_t*>(b64 + L.trec);
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
   s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
   s.vexp = b32 + L.vexp; s.used = b32 + L.used; s.feas = b32 + L.feas; s.rec_e = b32 + L.rec_e;
   s.rec_t = b32 + L.rec_t; s.rec_s = b32 + L.rec_s; s.rep_first = b32 + L.rep_first; s.rep_count = b32 + L.rep_count;
   s.wrec_e = b32 + L.wrec_e; s.wrec_t = b32 + L.wrec_t; s.wrec_s = b32 + L.wrec_s; s.wnrec = b32 + L.wnrec;
   s.inst_off = b32 + L.inst_off; s.multi = b32 + L.multi; s.misc32 = b32 + L.misc32; s.stage = b32 + L.stage;
+  s.asc = reinterpret_cast<uint32_t*>(b32 + L.asc); s.ovf = reinterpret_cast<uint32_t*>(b32 + L.ovf);
+  s.used8 = reinterpret_cast<uint8_t*>(b32 + L.used8);
   return s;
 }
 
@@ -243,89 +259,162 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
   return feasible;
 }
 
-// The same oracle for R <= 64 and rank loads below 2^26 (checked in the kernel): every rank's state
-// lives in registers of the lane that owns it (ranks lane and lane+32), loads and slacks are int32,
-// and the target search is one redux.sync over packed keys (slack << 6 | 63 - rank): the max key is
-// the largest slack, lowest rank on ties, exactly the host's rule; key 0 = not admissible. The
-// overloaded rank itself has slack 0, so "t != r" holds without a test.
+// The same oracle for R <= 64 and rank loads below 2^26, run by ONE THREAD per threshold (so a round
+// can probe 2^d - 1 thresholds, d levels of the search tree, with 2^d - 1 threads). It never searches
+// for the target: candidates are keyed (slack << 6 | 63 - rank), larger = the host's choice (largest
+// slack, lowest rank on ties), and they live in two ordered structures:
+//  - the main list: ranks that have received no replica yet, ordered by ascending load (= descending
+//    slack for every tau, the same order for all probes: s.asc, read-only). The greedy only ever takes
+//    its head, so a probe keeps a head index.
+//  - the partial set: ranks that received a replica and still have slack and a free slot. Within one
+//    expert's visit every transfer but the last takes the target's whole slack (the shed amount is
+//    min(max(exc, u_min), slack, cap) and exc or cap reaching zero ends the visit), so only a visit's
+//    last target can stay admissible: the set grows by at most one key per visit. It is kept sorted
+//    in registers (kPartialRegs keys); keys pushed out go to an unsorted per-probe overflow area in
+//    shared memory that is always below every register key, with its maximum cached.
+// The expert of the current visit never needs a no-duplicate test: a target it has taken is either
+// out of both structures (slack 0) or the visit is over. When the best key's slack is below u_min (or
+// there is none), no later search can succeed either (slack only shrinks), so the probe stops as
+// infeasible at once; the host oracle reaches the same answer by failing every remaining expert.
 constexpr int kFastRankBits = 6;
 constexpr int64_t kFastLoadLimit = int64_t{1} << (32 - kFastRankBits);
+// Partial-set keys held in registers. A build with -DRDEP_GPU_PLANNER_PARTIAL_REGS=2 drives the overflow
+// path on almost every probe (configure with -DCMAKE_CUDA_FLAGS=-DRDEP_GPU_PLANNER_PARTIAL_REGS=2 and run the
+// GpuPlanner tests; docs/perf-notes.md has the command).
+#ifndef RDEP_GPU_PLANNER_PARTIAL_REGS
+#define RDEP_GPU_PLANNER_PARTIAL_REGS 8
+#endif
+constexpr int kPartialRegs = RDEP_GPU_PLANNER_PARTIAL_REGS;
+static_assert(kPartialRegs >= 1, "the partial set needs at least one register key");
 
-// Fast-probe transfer record: amount (< 2^26, below the load limit) | rank << 26 in the low word,
-// expert | slot << 24 in the high word (the fast probe also needs E < 2^24 and N_slot < 2^8).
-constexpr int kFastAmountBits = 32 - kFastRankBits;
-__device__ __forceinline__ uint64_t PackFastRecord(int e, int slot, uint32_t tbits, int d) {
+// A thread probe's transfer record: amount (< 2^26) | rank << 26 in the low word, expert | slot << 24
+// in the high word (the thread search requires E < 2^24 and N_slot <= 256).
+__device__ __forceinline__ uint64_t PackRecord(int e, int slot, int t, int d) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(e) | (static_cast<uint32_t>(slot) << 24)) << 32) |
-         (tbits | static_cast<uint32_t>(d));
+         (static_cast<uint32_t>(d) | (static_cast<uint32_t>(t) << 26));
 }
 
-__device__ __forceinline__ uint32_t FastKey(int slk, int used, int S, int t) {
-  return slk > 0 && used < S ? (static_cast<uint32_t>(slk) << kFastRankBits) | static_cast<uint32_t>(63 - t) : 0u;
-}
+// One probe's partial set: keys sorted descending in registers (0 = empty), the overflow unsorted in
+// shared memory (each below every register key) with its largest key cached.
+struct PartialSet {
+  uint32_t p[kPartialRegs];
+  uint32_t* ov;
+  int nov;
+  uint32_t ovmax;
+};
 
-__device__ bool WarpProbeFast(const Shared& s, int tau, int R, int S, int umin, uint32_t ancestors, size_t rec_base,
-                              int* num_rec) {
-  const int lane = threadIdx.x & 31;
-  const int t0 = lane, t1 = lane + 32;
-  int slk0 = t0 < R ? max(tau - static_cast<int>(s.ell[t0]), 0) : 0;
-  int slk1 = t1 < R ? max(tau - static_cast<int>(s.ell[t1]), 0) : 0;
-  int used0 = 0, used1 = 0;
-  uint32_t key0 = FastKey(slk0, used0, S, t0), key1 = FastKey(slk1, used1, S, t1);
-  // One packed 64-bit record per transfer (see PackFastRecord): one shared store on the step path.
-  uint64_t* rec = reinterpret_cast<uint64_t*>(s.wrec_amount + rec_base);
-  const uint32_t tbits0 = static_cast<uint32_t>(t0) << kFastAmountBits, tbits1 = static_cast<uint32_t>(t1) << kFastAmountBits;
+// kSmallS: N_slot <= 2, so a rank in the partial set always has exactly one replica (and a rank taken
+// from it never returns). Otherwise the per-probe used[] bytes in shared memory hold each rank's
+// replica count. kRecord writes the transfers, packed (PackRecord), to rec. The step is branch-free except for the visit/rank transitions and the overflow paths
+// (warps run 32 different thresholds, so branches would serialize), and every shared load is issued
+// at least one step before its value is needed (the SM issues in order: a load consumed at once
+// stalls the whole step).
+template <bool kRecord, bool kSmallS>
+__device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, uint32_t* ov, uint8_t* used, uint64_t* rec,
+                            int* num_rec) {
+  const int E1 = static_cast<int>(s.vfirst[R]) - 1;  // last visit position (E - 1)
+  auto key_of = [&](uint32_t pk) -> uint32_t {     // main-list entry -> key at this tau (0: no slack)
+    const int slack = tau - static_cast<int>(pk >> kFastRankBits);
+    return slack > 0 && S > 0 ? (static_cast<uint32_t>(slack) << kFastRankBits) | (pk & 63u) : 0u;
+  };
+  int head = 0;  // main list: entry head is the candidate (key mk); raw entries head+1, head+2 prefetched
+  uint32_t mk = key_of(s.asc[0]), raw1 = s.asc[1], raw2 = s.asc[2];
+  PartialSet ps;
+#pragma unroll
+  for (int i = 0; i < kPartialRegs; ++i) ps.p[i] = 0;
+  ps.ov = ov;
+  ps.nov = 0;
+  ps.ovmax = 0;
+  if (!kSmallS)
+    for (int t = 0; t < R; ++t) used[t] = 0;
   int nrec = 0;
+  int l = static_cast<int>(s.ell_sorted[0]);
+  if (l <= tau) {
+    *num_rec = 0;
+    return true;
+  }
+  int ri = 0, exc = l - tau, k = s.vfirst[0], kend = s.vfirst[1];
+  int e = s.vexp[k], cap = static_cast<int>(s.vlam[k]);
+  // Prefetched: the next expert of this rank, and the next rank (its load, its first expert, its end).
+  int e_nx = s.vexp[min(k + 1, E1)], cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
+  int l_nr = R > 1 ? static_cast<int>(s.ell_sorted[1]) : 0, e_nr = s.vexp[min(kend, E1)];
+  int cap_nr = static_cast<int>(s.vlam[min(kend, E1)]), kend_nr = R > 1 ? s.vfirst[2] : kend;
   bool feasible = true;
-  int l_next = R > 0 ? static_cast<int>(s.ell_sorted[0]) : 0;
-  int k_next = s.vfirst[0];
-  for (int ri = 0; ri < R; ++ri) {
-    const int l = l_next;
-    if (l <= tau) break;
-    const int kbegin = k_next, kend = s.vfirst[ri + 1];
-    // Prefetch the next rank's load; the dead flag is read once per rank.
-    l_next = ri + 1 < R ? static_cast<int>(s.ell_sorted[ri + 1]) : 0;
-    k_next = kend;
-    if (Dead(s, ancestors)) return false;
-    int exc = l - tau;
-    int cap_next = kbegin < kend ? static_cast<int>(s.vlam[kbegin]) : 0;
-    int e_next = kbegin < kend ? s.vexp[kbegin] : 0;
-    for (int k = kbegin; k < kend && exc > 0; ++k) {
-      int cap = cap_next;
-      const int e = e_next;  // expert and load come from registers: no shared load on the step path
-      cap_next = k + 1 < kend ? static_cast<int>(s.vlam[k + 1]) : 0;
-      e_next = k + 1 < kend ? s.vexp[k + 1] : 0;
-      bool dup0 = false, dup1 = false;  // rank t0 / t1 already hosts this expert
-      while (exc > 0 && cap > 0) {
-        const uint32_t c0 = dup0 ? 0u : key0, c1 = dup1 ? 0u : key1;
-        const uint32_t best = __reduce_max_sync(0xffffffffu, c0 > c1 ? c0 : c1);
-        if (best == 0) break;
-        const int best_s = static_cast<int>(best >> kFastRankBits);
-        const int best_t = 63 - static_cast<int>(best & 63u);
-        int d = exc > umin ? exc : umin;  // shed at least u_min (same as the host oracle)
-        d = d < best_s ? d : best_s;
-        d = d < cap ? d : cap;
-        if (d < umin) break;
-        if (best_t == t0) {  // the target's lane records the transfer and updates its rank
-          rec[nrec] = PackFastRecord(e, used0, tbits0, d);
-          slk0 -= d;
-          ++used0;
-          key0 = FastKey(slk0, used0, S, t0);
-          dup0 = true;
-        } else if (best_t == t1) {
-          rec[nrec] = PackFastRecord(e, used1, tbits1, d);
-          slk1 -= d;
-          ++used1;
-          key1 = FastKey(slk1, used1, S, t1);
-          dup1 = true;
-        }
-        ++nrec;
-        exc = exc > d ? exc - d : 0;
-        cap -= d;
-      }
-    }
-    if (exc > 0) {
+  while (true) {
+    const uint32_t best = max(mk, ps.p[0]);
+    const int bs = static_cast<int>(best >> kFastRankBits);
+    if (bs < umin) {  // no admissible target with u_min of slack, now or later
       feasible = false;
       break;
+    }
+    const int d = min(min(max(exc, umin), bs), cap);
+    const bool ok = d >= umin;  // else this expert's remaining load is below u_min
+    if (ok) {
+      const bool fm = best == mk;
+      const int t = 63 - static_cast<int>(best & 63u);
+      const int ut = fm ? 0 : (kSmallS ? 1 : static_cast<int>(used[t]));
+      if (kRecord) rec[nrec] = PackRecord(e, ut, t, d);
+      ++nrec;
+      if (!kSmallS) used[t] = static_cast<uint8_t>(ut + 1);
+      // Main list: advance on a main pick (the raw entries shift; the new load is needed two picks later).
+      if (fm) {
+        mk = key_of(raw1);
+        raw1 = raw2;
+        raw2 = s.asc[min(head + 3, R + 1)];
+        ++head;
+      }
+      // Partial set: drop the head on a partial pick, then insert the target again if it stays admissible.
+      uint32_t q[kPartialRegs];
+#pragma unroll
+      for (int i = 0; i < kPartialRegs; ++i) q[i] = fm ? ps.p[i] : (i + 1 < kPartialRegs ? ps.p[i + 1] : ps.ovmax);
+      if (!fm && ps.nov > 0) {  // the overflow maximum moved into the registers: remove it, rescan
+        int pos = 0;
+        for (int i = 0; i < ps.nov; ++i) pos = ps.ov[i] == ps.ovmax ? i : pos;
+        ps.ov[pos] = ps.ov[--ps.nov];
+        uint32_t m = 0;
+        for (int i = 0; i < ps.nov; ++i) m = max(m, ps.ov[i]);
+        ps.ovmax = m;
+      }
+      const int s2 = bs - d;
+      const uint32_t nk = s2 > 0 && ut + 1 < S ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
+      bool g[kPartialRegs];
+#pragma unroll
+      for (int i = 0; i < kPartialRegs; ++i) g[i] = nk > q[i];
+#pragma unroll
+      for (int i = kPartialRegs - 1; i > 0; --i) ps.p[i] = g[i - 1] ? q[i - 1] : (g[i] ? nk : q[i]);
+      ps.p[0] = g[0] ? nk : q[0];
+      const uint32_t out = min(nk, q[kPartialRegs - 1]);  // the key that leaves the registers (0: none)
+      if (out != 0) {
+        ps.ov[ps.nov++] = out;
+        ps.ovmax = max(ps.ovmax, out);
+      }
+      exc = max(exc - d, 0);
+      cap -= d;
+      if (exc > 0 && cap > 0) continue;
+    }
+    // The visit is over: the expert is drained (or below u_min), or the rank's excess is shed.
+    if (exc > 0) {
+      if (++k == kend) {
+        feasible = false;
+        break;
+      }
+      e = e_nx;
+      cap = cap_nx;
+      e_nx = s.vexp[min(k + 1, E1)];
+      cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
+    } else {
+      if (++ri == R || l_nr <= tau) break;
+      exc = l_nr - tau;
+      k = kend;
+      kend = kend_nr;
+      e = e_nr;  // a rank above tau has load, hence at least one expert
+      cap = cap_nr;
+      e_nx = s.vexp[min(k + 1, E1)];
+      cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
+      l_nr = ri + 1 < R ? static_cast<int>(s.ell_sorted[ri + 1]) : 0;
+      e_nr = s.vexp[min(kend, E1)];
+      cap_nr = static_cast<int>(s.vlam[min(kend, E1)]);
+      kend_nr = ri + 1 < R ? s.vfirst[ri + 2] : kend;
     }
   }
   *num_rec = nrec;
@@ -413,6 +502,176 @@ __device__ void RerouteOneThread(const KernelArgs& a, const Shared& s, int e, in
   }
 }
 
+// Reroute of the replicated experts, G lanes per expert (G = 4, 8, 16 or 32: the smallest that holds
+// every such expert's instances), 32/G experts per warp. Lane g of a group owns instance g
+// (registers). Sources come in chunks of G: lane j first computes source r0+j's residual demand (its
+// rows minus the local rows of an instance it hosts) and, by a group scan, the residual total D
+// before it and its reciprocal, so nothing but the residual quotas ru is carried from one source to
+// the next. Per source: floors by DivModFast32, then the largest remainders by packed keys
+// (rem << 5 | 31 - g: larger = larger remainder, lower instance on ties, the host's order), every
+// lane reading the group's keys and floors by 2G shuffles, all unrolled. Same math as SolveReroute.
+template <int G>
+__device__ void RerouteGroups(const KernelArgs& a, const Shared& s, int I, int num_multi, int busy) {
+  constexpr int kGroups = 32 / G;
+  constexpr unsigned kFull = 0xffffffffu;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane / G, g = lane % G;
+  const int R = a.R, E = a.E;
+  auto ld = [&](int r, int x) -> int {
+    const size_t k = static_cast<size_t>(r) * E + x;
+    return a.staged ? s.stage[k] : static_cast<int>(a.load[k]);
+  };
+  for (int m0 = warp * kGroups; m0 < num_multi; m0 += busy * kGroups) {
+    const int m = m0 + q;
+    int e = m < num_multi ? s.multi[m] : -1, k = 0, b = 0, f = 0;
+    if (e >= 0) {
+      k = 1 + s.rep_count[e];
+      if (k > G || s.lam[e] >= kFastRerouteLoadLimit) e = -1, k = 0;  // RerouteOneThread's
+      else b = s.inst_off[e], f = s.rep_first[e];
+    }
+    const bool valid = g < k;
+    const int host = !valid ? -1 : g == 0 ? s.owner[e] : s.rec_t[f + g - 1];
+    const int rq = valid && g > 0 ? static_cast<int>(s.rec_amount[f + g - 1]) : 0;
+    int moved = rq;
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) moved += __shfl_xor_sync(kFull, moved, off, G);
+    const int quota = !valid ? 0 : g == 0 ? static_cast<int>(s.lam[e]) - moved : rq;
+    const int local = valid && a.locality ? min(ld(host, e), quota) : 0;
+    int ru = quota - local;
+    int D = ru;
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) D += __shfl_xor_sync(kFull, D, off, G);
+    for (int r0 = 0; r0 < R; r0 += G) {
+      const int src = r0 + g;
+      int dsrc = e >= 0 && src < R ? ld(src, e) : 0;
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const int hi_ = __shfl_sync(kFull, host, i, G), li = __shfl_sync(kFull, local, i, G);
+        dsrc -= hi_ == src ? li : 0;
+      }
+      int inc = dsrc;
+#pragma unroll
+      for (int off = 1; off < G; off <<= 1) {
+        const int v = __shfl_up_sync(kFull, inc, off, G);
+        if (g >= off) inc += v;
+      }
+      const int d_at = D - (inc - dsrc);  // residual total before this lane's source
+      const double inv_at = __drcp_rn(static_cast<double>(d_at > 0 ? d_at : 1));
+      D -= __shfl_sync(kFull, inc, G - 1, G);
+      // Source j's (d, D, 1/D) are shuffled one source ahead: the SM issues in order, so a shuffle
+      // consumed at once would put its latency on the per-source chain.
+      int d_nx = __shfl_sync(kFull, dsrc, 0, G), dj_nx = __shfl_sync(kFull, d_at, 0, G);
+      double inv_nx = __shfl_sync(kFull, inv_at, 0, G);
+#pragma unroll(G < 16 ? G : 16)
+      for (int j = 0; j < G; ++j) {
+        const int r = r0 + j;
+        if (r >= R) break;  // uniform: r0 is the same for every group of the warp
+        const int d = d_nx, dj = dj_nx;
+        const double inv = inv_nx;
+        const int jn = j + 1 < G ? j + 1 : j;
+        d_nx = __shfl_sync(kFull, dsrc, jn, G);
+        dj_nx = __shfl_sync(kFull, d_at, jn, G);
+        inv_nx = __shfl_sync(kFull, inv_at, jn, G);
+        if (d != 0 && dj <= 0 && g == 0) a.out_misc[3] = 1;  // residual demand above residual quota
+        int rem = 0;
+        const int base = d > 0 && dj > 0 ? DivModFast32(static_cast<int64_t>(d) * ru, dj, inv, &rem) : 0;
+        const uint32_t key = valid ? (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - g) : 0u;
+        // Every lane reads the group's G keys and floors by shuffles (independent, so they pipeline),
+        // into four partial counts (one running count would be a serial chain of G selects).
+        int sums[4] = {0, 0, 0, 0}, aheads[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const uint32_t ki = __shfl_sync(kFull, key, i, G);
+          sums[i & 3] += __shfl_sync(kFull, base, i, G);
+          aheads[i & 3] += ki > key ? 1 : 0;
+        }
+        const int sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+        const int ahead = (aheads[0] + aheads[1]) + (aheads[2] + aheads[3]);
+        const int take = valid && d > 0 ? base + (ahead < d - sum ? 1 : 0) : 0;
+        ru -= take;
+        if (valid) a.route[static_cast<size_t>(r) * I + b + g] = take + (host == r ? local : 0);
+      }
+    }
+  }
+}
+
+// The thread-probe search (R <= 64, loads < 2^26): thread i < pt probes node i+1 of the next d levels
+// of the binary-search tree (pt = 2^d - 1), so a round resolves d levels; node n's interval comes from
+// walking its bits from the root (0 = left = feasible: hi = tau). Thread 0 then follows the host's
+// path through the results. The probes of warp 0 (nodes 1..32: the round's first five levels) record
+// their transfers; when the round's last feasible node on the path is one of them, its records are
+// unpacked at the top of the next round (before the buffers are reused). Otherwise (a deeper node
+// set hi) Phase 3 re-runs the solved threshold with recording.
+__device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
+  const int tid = threadIdx.x;
+  const int R = a.R, S = a.S, pt = a.pt;
+  const size_t rs = static_cast<size_t>(R) * S;
+  while (true) {
+    if (const int from = s.misc32[kCopyFrom]; from != 0) {
+      const uint64_t* src = s.trec + static_cast<size_t>(from - 1) * rs;
+      for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
+        const uint64_t v = src[k];
+        const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+        s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
+        s.rec_s[k] = static_cast<int>(hi >> 24);
+        s.rec_t[k] = static_cast<int>(lo >> 26);
+        s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << 26) - 1));
+      }
+    }
+    __syncthreads();
+    const int64_t lo0 = s.misc64[0], hi0 = s.misc64[1];
+    if (lo0 >= hi0) break;
+    if (tid < pt) {
+      const int n = tid + 1;
+      int64_t lo = lo0, hi = hi0;
+      for (int b = 30 - __clz(n); b >= 0 && lo < hi; --b) {
+        const int64_t tau = lo + (hi - lo) / 2;
+        if ((n >> b) & 1) lo = tau + 1;
+        else hi = tau;
+      }
+      if (lo < hi) {
+        const int tau = static_cast<int>(lo + (hi - lo) / 2);
+        uint32_t* ov = s.ovf + static_cast<size_t>(tid) * R;
+        uint8_t* used = s.used8 + static_cast<size_t>(tid) * R;
+        uint64_t* rec = s.trec + static_cast<size_t>(tid) * rs;
+        int nrec = 0;
+        bool f;
+        if (tid < kRecordingProbes)  // warp 0: a whole warp takes the recording form
+          f = S <= 2 ? ThreadProbe<true, true>(s, tau, R, S, umin, ov, used, rec, &nrec)
+                     : ThreadProbe<true, false>(s, tau, R, S, umin, ov, used, rec, &nrec);
+        else
+          f = S <= 2 ? ThreadProbe<false, true>(s, tau, R, S, umin, ov, used, rec, &nrec)
+                     : ThreadProbe<false, false>(s, tau, R, S, umin, ov, used, rec, &nrec);
+        s.feas[n] = f ? 1 : 0;
+        if (tid < kRecordingProbes) s.wnrec[tid] = nrec;
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int64_t lo = lo0, hi = hi0;
+      s.misc32[kCopyFrom] = 0;
+      for (int n = 1; n <= pt && lo < hi;) {
+        const int64_t tau = lo + (hi - lo) / 2;
+        s.misc32[kNumProbes] += 1;
+        if (s.feas[n]) {
+          hi = tau;
+          s.misc32[kAnyFeasible] = 1;
+          const bool recorded = n <= kRecordingProbes;
+          s.misc32[kCopyFrom] = recorded ? n : 0;
+          s.misc32[kNeedRerun] = recorded ? 0 : 1;
+          if (recorded) s.misc32[kNumRec] = s.wnrec[n - 1];
+          n = 2 * n;
+        } else {
+          lo = tau + 1;
+          n = 2 * n + 1;
+        }
+      }
+      s.misc64[0] = lo;
+      s.misc64[1] = hi;
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   extern __shared__ __align__(16) char smem[];
   const Shared s = Carve(smem, a.layout);
@@ -422,15 +681,33 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (a.out_phase != nullptr && tid == 0) a.out_phase[i] = clock64();
   };
   stamp(0);
-  // Phase 0: stage the load matrix (row-major [R][E]) into shared memory when it fits.
+  // Phase 0: stage the load matrix (row-major [R][E]) into shared memory when it fits: 16-byte loads,
+  // kStageUnroll in flight per thread before their stores.
   if (a.staged) {
-    for (size_t k = tid; k < static_cast<size_t>(R) * E; k += kThreads) s.stage[k] = static_cast<int32_t>(a.load[k]);
+    constexpr int kStageUnroll = 8;
+    const size_t n = static_cast<size_t>(R) * E, n2 = n / 2;
+    const longlong2* src = reinterpret_cast<const longlong2*>(a.load);
+    int2* dst = reinterpret_cast<int2*>(s.stage);
+    for (size_t base = tid; base < n2; base += static_cast<size_t>(kThreads) * kStageUnroll) {
+      longlong2 v[kStageUnroll];
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const size_t i = base + static_cast<size_t>(u) * kThreads;
+        if (i < n2) v[u] = src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const size_t i = base + static_cast<size_t>(u) * kThreads;
+        if (i < n2) dst[i] = make_int2(static_cast<int>(v[u].x), static_cast<int>(v[u].y));
+      }
+    }
+    if ((n & 1) != 0 && tid == 0) s.stage[n - 1] = static_cast<int32_t>(a.load[n - 1]);
   }
   for (int r = tid; r < R; r += kThreads) {
     s.ell[r] = 0;
     s.cnt[r] = 0;
   }
-  if (tid < 8) s.misc32[tid] = 0;
+  if (tid < 16) s.misc32[tid] = 0;
   if (tid == 0) a.out_misc[3] = 0;
   __syncthreads();
   auto ld = [&](int r, int e) -> int64_t {
@@ -438,15 +715,25 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
   };
 
-  // Phase 1: expert loads, rank loads, the visiting order.
-  for (int e = tid; e < E; e += kThreads) {
-    const int o = a.owner[e];
-    s.owner[e] = o;
-    int64_t sum = 0;
-    for (int r = 0; r < R; ++r) sum += ld(r, e);
-    s.lam[e] = sum;
-    atomicAdd(reinterpret_cast<unsigned long long*>(s.ell + o), static_cast<unsigned long long>(sum));
-    s.gidx[e] = atomicAdd(s.cnt + o, 1);
+  // Phase 1: expert loads (tpe threads per expert, a power of two <= 32), rank loads, the visiting order.
+  {
+    int tpe = 1;
+    while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
+    const int sub = lane & (tpe - 1), total = E * tpe;
+    for (int base = 0; base < total; base += kThreads) {  // uniform trip count: every lane shuffles
+      const int idx = base + tid, e0 = idx / tpe;
+      int64_t sum = 0;
+      if (idx < total)
+        for (int r = sub; r < R; r += tpe) sum += ld(r, e0);
+      for (int off = tpe / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, tpe);
+      if (idx < total && sub == 0) {
+        const int o = a.owner[e0];
+        s.owner[e0] = o;
+        s.lam[e0] = sum;
+        atomicAdd(reinterpret_cast<unsigned long long*>(s.ell + o), static_cast<unsigned long long>(sum));
+        s.gidx[e0] = atomicAdd(s.cnt + o, 1);
+      }
+    }
   }
   __syncthreads();
   if (warp == 0) {
@@ -465,20 +752,28 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (lane == 0) {
       s.misc64[0] = (total + R - 1) / R;  // lo
       s.misc64[1] = hi;
-      s.misc32[kFastProbe] = (R <= 64 && hi < kFastLoadLimit && E < (1 << 24) && a.S < 256) ? 1 : 0;
+      s.misc32[kFastProbe] = (a.pt > 0 && R <= 64 && hi < kFastLoadLimit && E < (1 << 24) && a.S <= 256) ? 1 : 0;
     }
   } else {
-    // Rank order: one warp per rank counts the ranks ahead of it.
+    // Rank order: one warp per rank counts the ranks ahead of it (descending load, ascending id) and,
+    // for the thread search's main list, behind it (ascending load, ascending id).
     for (int r = warp - 1; r < R; r += kWarps - 1) {
       const int64_t lr = s.ell[r];
-      unsigned ahead = 0;
-      for (int q = lane; q < R; q += 32) ahead += (s.ell[q] > lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
+      unsigned ahead = 0, below = 0;
+      for (int q = lane; q < R; q += 32) {
+        ahead += (s.ell[q] > lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
+        below += (s.ell[q] < lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
+      }
       ahead = __reduce_add_sync(0xffffffffu, ahead);
+      below = __reduce_add_sync(0xffffffffu, below);
       if (lane == 0) {
         s.rank_order[ahead] = r;
         s.rank_pos[r] = static_cast<int>(ahead);
+        if (a.pt > 0 && lr < kFastLoadLimit)
+          s.asc[below] = (static_cast<uint32_t>(lr) << kFastRankBits) | static_cast<uint32_t>(63 - (r & 63));
       }
     }
+    if (a.pt > 0 && tid >= 32 && tid < 34) s.asc[R + tid - 32] = 0xffffffffu;  // sentinels: no slack for any tau
   }
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) s.grp[s.expert_first[s.owner[e]] + s.gidx[e]] = e;
@@ -507,98 +802,115 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   const bool fast = s.misc32[kFastProbe] != 0;
   const int umin32 = static_cast<int>(a.umin < (int64_t{1} << 30) ? a.umin : (int64_t{1} << 30));
 
-  // Phase 2: speculative binary search. Node n (1-based heap order) holds the interval the host's
-  // binary search would have after the decisions on its path; left child = feasible (hi = tau).
-  // Warp w probes node w+1; a finished probe marks the child it rules out as dead, and probes below
-  // a dead node stop early (their results are never read). Every probe records its transfers in its
-  // warp's buffer; after each round the buffer of the round's last feasible node on the path (the
-  // threshold the search holds as hi) is copied out, so the solved threshold needs no re-run.
-  const size_t rs_total = static_cast<size_t>(R) * a.S;
-  uint32_t ancestors = 0;  // dead-mask bits of this warp's node and its ancestors below the root
-  if (warp < a.pw)
-    for (int n = warp + 1; n > 1; n >>= 1) ancestors |= 1u << n;
-  while (true) {
-    if (const int from = s.misc32[kCopyFrom]; from != 0) {
-      const size_t base = static_cast<size_t>(from - 1) * rs_total;
-      for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
-        if (fast) {
-          const uint64_t v = static_cast<uint64_t>(s.wrec_amount[base + k]);
-          const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
-          s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
-          s.rec_t[k] = static_cast<int>(lo >> kFastAmountBits);
-          s.rec_s[k] = static_cast<int>(hi >> 24);
-          s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << kFastAmountBits) - 1));
-        } else {
+  // Phase 2: the binary search on tau, evaluated speculatively.
+  if (fast) {
+    ThreadSearch(a, s, umin32);
+  } else {
+    // Warp search (any R, int64 loads): node n (1-based heap order) holds the interval the host's
+    // binary search would have after the decisions on its path; left child = feasible (hi = tau).
+    // Warp w probes node w+1; a finished probe marks the child it rules out as dead, and probes below
+    // a dead node stop early (their results are never read). Every probe records its transfers in its
+    // warp's buffer; after each round the buffer of the round's last feasible node on the path (the
+    // threshold the search holds as hi) is copied out, so the solved threshold needs no re-run.
+    const size_t rs_total = static_cast<size_t>(R) * a.S;
+    uint32_t ancestors = 0;  // dead-mask bits of this warp's node and its ancestors below the root
+    if (warp < a.pw)
+      for (int n = warp + 1; n > 1; n >>= 1) ancestors |= 1u << n;
+    while (true) {
+      if (const int from = s.misc32[kCopyFrom]; from != 0) {
+        const size_t base = static_cast<size_t>(from - 1) * rs_total;
+        for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
           s.rec_e[k] = s.wrec_e[base + k];
           s.rec_t[k] = s.wrec_t[base + k];
           s.rec_s[k] = s.wrec_s[base + k];
           s.rec_amount[k] = s.wrec_amount[base + k];
         }
       }
-    }
-    if (tid == 0) {
-      s.node_lo[1] = s.misc64[0];
-      s.node_hi[1] = s.misc64[1];
-      for (int n = 2; n <= a.pw; ++n) {
-        const int64_t plo = s.node_lo[n / 2], phi = s.node_hi[n / 2];
-        if (plo < phi) {
-          const int64_t tau = plo + (phi - plo) / 2;
-          s.node_lo[n] = (n & 1) ? tau + 1 : plo;
-          s.node_hi[n] = (n & 1) ? phi : tau;
-        } else {
-          s.node_lo[n] = plo;
-          s.node_hi[n] = phi;
+      if (tid == 0) {
+        s.node_lo[1] = s.misc64[0];
+        s.node_hi[1] = s.misc64[1];
+        for (int n = 2; n <= a.pw; ++n) {
+          const int64_t plo = s.node_lo[n / 2], phi = s.node_hi[n / 2];
+          if (plo < phi) {
+            const int64_t tau = plo + (phi - plo) / 2;
+            s.node_lo[n] = (n & 1) ? tau + 1 : plo;
+            s.node_hi[n] = (n & 1) ? phi : tau;
+          } else {
+            s.node_lo[n] = plo;
+            s.node_hi[n] = phi;
+          }
+        }
+        s.misc32[kDeadMask] = 0;
+      }
+      __syncthreads();
+      if (s.misc64[0] >= s.misc64[1]) break;
+      if (warp < a.pw) {
+        const int n = warp + 1;
+        const int64_t lo = s.node_lo[n], hi = s.node_hi[n];
+        if (lo < hi) {
+          const int64_t tau = lo + (hi - lo) / 2;
+          const size_t rec_base = static_cast<size_t>(warp) * rs_total;
+          int nrec = 0;
+          const bool f = WarpProbe(s, tau, R, a.S, a.umin, s.slk + static_cast<size_t>(warp) * R,
+                                   s.used + static_cast<size_t>(warp) * R, ancestors, rec_base, &nrec);
+          if (lane == 0) {
+            s.feas[n] = f ? 1 : 0;
+            s.wnrec[warp] = nrec;
+            const int ruled_out = 2 * n + (f ? 1 : 0);
+            if (ruled_out <= a.pw) atomicOr(s.misc32 + kDeadMask, static_cast<int>(1u << ruled_out));
+          }
         }
       }
-      s.misc32[kDeadMask] = 0;
-    }
-    __syncthreads();
-    if (s.misc64[0] >= s.misc64[1]) break;
-    if (warp < a.pw) {
-      const int n = warp + 1;
-      const int64_t lo = s.node_lo[n], hi = s.node_hi[n];
-      if (lo < hi) {
-        const int64_t tau = lo + (hi - lo) / 2;
-        const size_t rec_base = static_cast<size_t>(warp) * rs_total;
-        int nrec = 0;
-        const bool f = fast ? WarpProbeFast(s, static_cast<int>(tau), R, a.S, umin32, ancestors, rec_base, &nrec)
-                            : WarpProbe(s, tau, R, a.S, a.umin, s.slk + static_cast<size_t>(warp) * R,
-                                        s.used + static_cast<size_t>(warp) * R, ancestors, rec_base, &nrec);
-        if (lane == 0) {
-          s.feas[n] = f ? 1 : 0;
-          s.wnrec[warp] = nrec;
-          const int ruled_out = 2 * n + (f ? 1 : 0);
-          if (ruled_out <= a.pw) atomicOr(s.misc32 + kDeadMask, static_cast<int>(1u << ruled_out));
+      __syncthreads();
+      if (tid == 0) {
+        int64_t lo = s.misc64[0], hi = s.misc64[1];
+        int n = 1;
+        s.misc32[kCopyFrom] = 0;
+        while (n <= a.pw && lo < hi) {
+          const int64_t tau = lo + (hi - lo) / 2;
+          s.misc32[kNumProbes] += 1;
+          if (s.feas[n]) {
+            hi = tau;
+            s.misc32[kAnyFeasible] = 1;
+            s.misc32[kCopyFrom] = n;  // warp n-1 probed node n
+            s.misc32[kNumRec] = s.wnrec[n - 1];
+            n = 2 * n;
+          } else {
+            lo = tau + 1;
+            n = 2 * n + 1;
+          }
         }
+        s.misc64[0] = lo;
+        s.misc64[1] = hi;
       }
+      __syncthreads();
     }
-    __syncthreads();
-    if (tid == 0) {
-      int64_t lo = s.misc64[0], hi = s.misc64[1];
-      int n = 1;
-      s.misc32[kCopyFrom] = 0;
-      while (n <= a.pw && lo < hi) {
-        const int64_t tau = lo + (hi - lo) / 2;
-        s.misc32[kNumProbes] += 1;
-        if (s.feas[n]) {
-          hi = tau;
-          s.misc32[kAnyFeasible] = 1;
-          s.misc32[kCopyFrom] = n;  // warp n-1 probed node n
-          s.misc32[kNumRec] = s.wnrec[n - 1];
-          n = 2 * n;
-        } else {
-          lo = tau + 1;
-          n = 2 * n + 1;
-        }
-      }
-      s.misc64[0] = lo;
-      s.misc64[1] = hi;
-    }
-    __syncthreads();
   }
   stamp(2);
 
-  // Phase 3: the solved threshold's transfers are in rec_* (copied at the top of the last round).
+  // Phase 3: the solved threshold's transfers. The warp search copied them at the top of its last
+  // round; the thread search re-runs the solved threshold once with recording.
+  if (fast && s.misc32[kAnyFeasible] != 0 && s.misc32[kNeedRerun] != 0) {
+    if (tid == 0) {
+      int nrec = 0;
+      const int tau = static_cast<int>(s.misc64[1]);
+      if (a.S <= 2) ThreadProbe<true, true>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec);
+      else ThreadProbe<true, false>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec);
+      s.misc32[kNumRec] = nrec;
+      s.wnrec[0] = nrec;
+      s.misc32[kCopyFrom] = 1;
+    }
+    __syncthreads();
+    const uint64_t* src = s.trec;
+    for (int k = tid; k < s.wnrec[0]; k += kThreads) {
+      const uint64_t v = src[k];
+      const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+      s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
+      s.rec_s[k] = static_cast<int>(hi >> 24);
+      s.rec_t[k] = static_cast<int>(lo >> 26);
+      s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << 26) - 1));
+    }
+  }
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   __syncthreads();
   stamp(3);
@@ -622,15 +934,21 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   __syncthreads();
   if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
   for (int e = tid; e < E; e += kThreads)
-    if (s.rep_count[e] > 0) s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
+    if (s.rep_count[e] > 0) {
+      s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
+      if (s.rep_count[e] < 32 && s.lam[e] < kFastRerouteLoadLimit) atomicMax(s.misc32 + kMaxInst, s.rep_count[e] + 1);
+    }
   if (tid == 0) s.misc64[2] = s.misc64[3] = 0;  // latest end of the replicated / single-instance work
   __syncthreads();
   stamp(4);
   const int I = s.inst_off[E];
   const int num_multi = s.misc32[kNumMulti];
-  // Warps 0..busy-1 each reroute a replicated expert (the long sequential part); when at least 4 warps
+  // Warps 0..busy-1 reroute the replicated experts (the long sequential part; 32/group per warp); when at least 4 warps
   // are left over, they alone write the instance tables and the single-instance routes meanwhile.
-  const int busy = num_multi < kWarps ? num_multi : kWarps;
+  const int maxk = s.misc32[kMaxInst];
+  const int group = maxk <= 4 ? 4 : maxk <= 8 ? 8 : maxk <= 16 ? 16 : 32;
+  const int need = (num_multi + 32 / group - 1) / (32 / group);
+  const int busy = need < kWarps ? need : kWarps;
   const bool split = kWarps - busy >= 4;
   auto mark_end = [&](int slot) {
     if (a.out_phase != nullptr && lane == 0)
@@ -638,87 +956,11 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   };
 
   // Phase 4: the reroute (same math as SolveReroute) and the instance tables.
-  // Experts with replicas: one warp each. Lane i owns instance i (registers); per source (ascending)
-  // the floors come from DivModFast32, the largest remainders from packed keys (rem << 5 | 31 - i):
-  // a larger key = larger remainder, lower instance on ties, exactly the host's order. Sources come
-  // in chunks of 32: lane j first computes source r0+j's residual demand (its rows minus the local
-  // rows of an instance it hosts), then the warp walks the chunk reading it by shuffle.
-  for (int m = warp; m < num_multi; m += kWarps) {
-    const int e = s.multi[m];
-    const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
-    if (k > 32 || s.lam[e] >= kFastRerouteLoadLimit) continue;  // fallback below
-    const bool valid = lane < k;
-    const int host = !valid ? -1 : lane == 0 ? s.owner[e] : s.rec_t[f + lane - 1];
-    const int rq = valid && lane > 0 ? static_cast<int>(s.rec_amount[f + lane - 1]) : 0;
-    const int moved = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(rq)));
-    const int quota = lane == 0 ? static_cast<int>(s.lam[e]) - moved : rq;
-    int local = 0;
-    if (valid && a.locality) {
-      const int lr = static_cast<int>(ld(host, e));
-      local = lr < quota ? lr : quota;
-    }
-    int ru = quota - local;
-    int D = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(ru)));
-    bool error = false;
-    uint2* xbuf = reinterpret_cast<uint2*>(s.rr) + 64 * warp;  // [2][32] (key, base) exchange buffers
-    int parity = 0;
-    for (int r0 = 0; r0 < R && !error; r0 += 32) {
-      const int src = r0 + lane;
-      int dsrc = src < R ? static_cast<int>(ld(src, e)) : 0;
-      for (int i = 0; i < k; ++i) {
-        const int hi_ = __shfl_sync(0xffffffffu, host, i), li = __shfl_sync(0xffffffffu, local, i);
-        dsrc -= hi_ == src ? li : 0;
-      }
-      // The residual total before source r0+j does not depend on the takes: D minus the demands of
-      // the chunk's earlier sources (a warp scan), so every lane precomputes its source's reciprocal.
-      int before = dsrc;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, before, off);
-        if (lane >= off) before += v;
-      }
-      before -= dsrc;
-      const int d_at = D - before;
-      const double inv_at = __drcp_rn(static_cast<double>(d_at > 0 ? d_at : 1));
-      const int jend = R - r0 < 32 ? R - r0 : 32;
-      for (int j = 0; j < jend; ++j) {
-        const int r = r0 + j;
-        const int d = __shfl_sync(0xffffffffu, dsrc, j);
-        const double inv = __shfl_sync(0xffffffffu, inv_at, j);
-        int take = 0;
-        if (d != 0) {
-          if (D <= 0) {
-            if (lane == 0) a.out_misc[3] = 1;
-            error = true;
-            break;
-          }
-          int rem = 0;
-          const int base = DivModFast32(static_cast<int64_t>(d) * ru, D, inv, &rem);
-          // Largest remainders: instance i gets one more row if fewer than `left` = d - sum(base)
-          // instances have a larger key (rem << 5 | 31 - i; distinct, larger = larger remainder, lower
-          // instance on ties, the host's order). Every lane publishes (key, base) in this warp's
-          // exchange buffer (two, alternating, so one __syncwarp per source suffices) and reads all k
-          // back two at a time: no warp reduction on the per-source dependency chain.
-          const uint32_t key = valid ? (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - lane) : 0u;
-          uint2* buf = xbuf + 32 * parity;
-          parity ^= 1;
-          buf[lane] = make_uint2(key, static_cast<uint32_t>(base));
-          __syncwarp();
-          const uint4* b4 = reinterpret_cast<const uint4*>(buf);
-          int sum = 0, ahead = 0;
-          for (int u = 0; u < (k + 1) / 2; ++u) {  // entry k (k odd) is (0, 0): not above a valid key, no rows
-            const uint4 p = b4[u];
-            sum += static_cast<int>(p.y + p.w);
-            ahead += (p.x > key ? 1 : 0) + (p.z > key ? 1 : 0);
-          }
-          const int bump = ahead < d - sum ? 1 : 0;
-          take = valid ? base + bump : 0;
-          ru -= take;
-          D -= d;
-        }
-        if (valid) a.route[static_cast<size_t>(r) * I + b + lane] = take + (host == r ? local : 0);
-      }
-    }
+  if (warp < busy) {
+    if (group == 4) RerouteGroups<4>(a, s, I, num_multi, busy);
+    else if (group == 8) RerouteGroups<8>(a, s, I, num_multi, busy);
+    else if (group == 16) RerouteGroups<16>(a, s, I, num_multi, busy);
+    else RerouteGroups<32>(a, s, I, num_multi, busy);
   }
   if (warp < busy) mark_end(2);
   // Instance tables (one thread per expert) and experts without replicas (every source's rows go to
@@ -800,17 +1042,25 @@ StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, 
   int dev = 0, optin = 0;
   RDEP_CUDA_RETURN(cudaGetDevice(&dev));
   RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  // RDEP_GPU_PLANNER_PROBE_WARPS caps the probe warps (for measuring the levels-per-round trade-off).
+  // Measurement knobs: RDEP_GPU_PLANNER_PROBE_LEVELS = d levels per round of the thread search (2^d - 1
+  // threads, 1..10, default 7), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
+  int levels = kDefaultProbeLevels;
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_LEVELS"); env != nullptr && std::atoi(env) >= 1)
+    levels = std::min(10, std::atoi(env));
   int max_pw = kDefaultProbeWarps;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_WARPS"); env != nullptr && std::atoi(env) >= 1)
     max_pw = std::min(31, std::atoi(env));
-  for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
-    if (pw > max_pw) continue;
+  // The thread search exists for R <= 64; with it, the warp search only runs for loads >= 2^26.
+  for (int pt = num_ranks <= 64 ? (1 << levels) - 1 : 0;; pt = (pt - 1) / 2) {
     for (bool staged : {true, false}) {
       if (staged && !stage_ok) continue;
-      const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, staged).bytes();
-      if (bytes <= static_cast<size_t>(optin)) return GpuPlannerConfig{bytes, pw, staged};
+      for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
+        if (pw > max_pw) continue;
+        const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, pt, staged).bytes();
+        if (bytes <= static_cast<size_t>(optin)) return GpuPlannerConfig{bytes, pw, pt, staged};
+      }
     }
+    if (pt == 0) break;
   }
   return InvalidArgument("GPU planner: E=" + std::to_string(num_experts) + ", R=" + std::to_string(num_ranks) +
                          ", N_slot=" + std::to_string(num_slots) + " does not fit one block's shared memory (" +
@@ -866,6 +1116,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.E = p->E;
   a.S = p->S;
   a.pw = p->cfg.probe_warps;
+  a.pt = p->cfg.probe_threads;
   a.staged = p->cfg.staged_load ? 1 : 0;
   a.umin = config.min_quota;
   a.locality = config.locality ? 1 : 0;
@@ -882,7 +1133,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.slot_expert = b.slot_expert;
   a.route = b.route;
   a.scratch = b.scratch;
-  a.layout = Layout(a.R, a.E, a.S, a.pw, a.staged != 0);
+  a.layout = Layout(a.R, a.E, a.S, a.pw, a.pt, a.staged != 0);
   return Status::Ok();
 }
 

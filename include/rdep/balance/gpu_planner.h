@@ -1,12 +1,14 @@
 // The GPU UltraEP quota planner: Algorithm 1 in one thread block with its state in shared memory.
-// Warps evaluate the binary search speculatively (warp w probes node w+1 of the next levels of the
-// search tree, so one round resolves log2(warps+1) levels), each probe runs the greedy oracle with a
-// warp-wide argmax over the ranks' slack (one redux.sync for R <= 64) and records its transfers, so
-// the solved threshold needs no re-run; then the block builds the instance tables and the locality
-// reroute (one warp per replicated expert, ranking remainders through a per-warp shared buffer).
-// RDEP_GPU_PLANNER_PROBE_WARPS caps the probe warps (measurement knob; default 31). All integer arithmetic (or exact-by-construction
-// double reciprocals) with the host planner's tie-breaking: the plan is bitwise the same as
-// SolveQuotaPlan's. Builds without CUDA return Unavailable. docs/balance.md describes the phases.
+// The binary search is evaluated speculatively: for R <= 64 (loads < 2^26) each of 2^d - 1 threads
+// probes one node of the next d levels of the search tree (d = 7 by default), running the greedy
+// oracle without any target search: untouched ranks form one list ordered by load (the greedy only
+// takes its head) and ranks that keep slack after a replica form a small sorted set in registers
+// (overflow in shared memory); for larger R, warps probe one node each with a warp-wide argmax. Then
+// the block builds the instance tables and the locality reroute (G lanes per replicated expert, the
+// largest remainders ranked by shuffles). RDEP_GPU_PLANNER_PROBE_LEVELS / _PROBE_WARPS set the
+// speculation width (measurement knobs). All integer arithmetic (or exact-by-construction double
+// reciprocals) with the host planner's tie-breaking: the plan is bitwise the same as SolveQuotaPlan's.
+// Builds without CUDA return Unavailable. docs/balance.md describes the phases.
 //   exercise: build-*/src/balance/balance_test --gtest_filter='GpuPlanner*'
 //             build-*/bin/rdep plan bench --device gpu --experts 256 --ranks 64 --slots 2
 #pragma once
@@ -32,8 +34,9 @@ bool GpuPlannerAvailable(std::string* why);
 // load matrix in shared memory when it fits; entries must then be below 2^31).
 struct GpuPlannerConfig {
   size_t shared_bytes = 0;
-  int32_t probe_warps = 0;  // 2^d - 1 warps probing d levels of the binary search per round
-  bool staged_load = false; // the load matrix is staged in shared memory (as int32)
+  int32_t probe_warps = 0;    // warp search (any R): 2^d - 1 warps probing d levels of the search per round
+  int32_t probe_threads = 0;  // thread search (R <= 64, loads < 2^26): 2^d - 1 threads, one threshold each
+  bool staged_load = false;   // the load matrix is staged in shared memory (as int32)
 };
 StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
 
@@ -49,7 +52,8 @@ struct GpuPlannerTiming {
   GpuPlannerConfig config;
   std::string device_name;
   // Mean SM clock cycles (clock64) per phase over the timed solves: [0] setup (staging, loads, visiting
-  // order), [1] threshold search, [2] recording the solved threshold, [3] tables + reroute; within [3]:
+  // order), [1] threshold search, [2] the solved threshold's transfers (unpacking, or a re-run with
+  // recording when no recording probe held it), [3] tables + reroute; within [3]:
   // [4] preparation (transfers out, instance offsets), [5] replicated experts' reroute and [6] instance
   // tables + single-instance routes (each the longest warp; [5] and [6] run side by side).
   std::vector<double> phase_cycles;
