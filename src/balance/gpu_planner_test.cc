@@ -154,9 +154,9 @@ TEST(GpuPlanner, MatchesHostAtBenchShapeAndReportsPhases) {
       multi += k > 1 ? 1 : 0;
       max_inst = std::max(max_inst, k);
     }
-    std::printf("step %zu: p50 %.1f us, %d probe warps; cycles setup %.0f, search %.0f, record %.0f, tables+reroute %.0f "
+    std::printf("step %zu: p50 %.1f us, %d probe threads (%d probe warps if the warp search runs); cycles setup %.0f, search %.0f, record %.0f, tables+reroute %.0f "
                 "(prep %.0f, replicated %.0f, tables+single %.0f; %d replicated experts, <= %d instances) (clock %.0f MHz)\n",
-                step, t->solve_us.p50, t->config.probe_warps, t->phase_cycles[0], t->phase_cycles[1], t->phase_cycles[2],
+                step, t->solve_us.p50, t->config.probe_threads, t->config.probe_warps, t->phase_cycles[0], t->phase_cycles[1], t->phase_cycles[2],
                 t->phase_cycles[3], t->phase_cycles[4], t->phase_cycles[5], t->phase_cycles[6], multi, max_inst,
                 t->clock_mhz);
   }
