@@ -289,9 +289,22 @@ static_assert(kPartialRegs >= 1, "the partial set needs at least one register ke
 
 // A thread probe's transfer record: amount (< 2^26) | rank << 26 in the low word, expert | slot << 24
 // in the high word (the thread search requires E < 2^24 and N_slot <= 256).
+constexpr int kRecAmountBits = 26, kRecExpertBits = 24;
 __device__ __forceinline__ uint64_t PackRecord(int e, int slot, int t, int d) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(e) | (static_cast<uint32_t>(slot) << 24)) << 32) |
-         (static_cast<uint32_t>(d) | (static_cast<uint32_t>(t) << 26));
+  return (static_cast<uint64_t>(static_cast<uint32_t>(e) | (static_cast<uint32_t>(slot) << kRecExpertBits)) << 32) |
+         (static_cast<uint32_t>(d) | (static_cast<uint32_t>(t) << kRecAmountBits));
+}
+
+// The whole block unpacks n packed records into the shared record arrays.
+__device__ void UnpackRecords(const Shared& s, const uint64_t* src, int n) {
+  for (int k = threadIdx.x; k < n; k += kThreads) {
+    const uint64_t v = src[k];
+    const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+    s.rec_e[k] = static_cast<int>(hi & ((1u << kRecExpertBits) - 1));
+    s.rec_s[k] = static_cast<int>(hi >> kRecExpertBits);
+    s.rec_t[k] = static_cast<int>(lo >> kRecAmountBits);
+    s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << kRecAmountBits) - 1));
+  }
 }
 
 // One probe's partial set: keys sorted descending in registers (0 = empty), the overflow unsorted in
@@ -606,17 +619,8 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
   const int R = a.R, S = a.S, pt = a.pt;
   const size_t rs = static_cast<size_t>(R) * S;
   while (true) {
-    if (const int from = s.misc32[kCopyFrom]; from != 0) {
-      const uint64_t* src = s.trec + static_cast<size_t>(from - 1) * rs;
-      for (int k = tid; k < s.wnrec[from - 1]; k += kThreads) {
-        const uint64_t v = src[k];
-        const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
-        s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
-        s.rec_s[k] = static_cast<int>(hi >> 24);
-        s.rec_t[k] = static_cast<int>(lo >> 26);
-        s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << 26) - 1));
-      }
-    }
+    if (const int from = s.misc32[kCopyFrom]; from != 0)
+      UnpackRecords(s, s.trec + static_cast<size_t>(from - 1) * rs, s.wnrec[from - 1]);
     __syncthreads();
     const int64_t lo0 = s.misc64[0], hi0 = s.misc64[1];
     if (lo0 >= hi0) break;
@@ -888,8 +892,9 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   }
   stamp(2);
 
-  // Phase 3: the solved threshold's transfers. The warp search copied them at the top of its last
-  // round; the thread search re-runs the solved threshold once with recording.
+  // Phase 3: the solved threshold's transfers. Both searches unpacked or copied them at the top of
+  // their last round, except when the thread search's solved threshold came from a probe that did
+  // not record (below warp 0's levels): that one is re-run here with recording.
   if (fast && s.misc32[kAnyFeasible] != 0 && s.misc32[kNeedRerun] != 0) {
     if (tid == 0) {
       int nrec = 0;
@@ -897,19 +902,9 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       if (a.S <= 2) ThreadProbe<true, true>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec);
       else ThreadProbe<true, false>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec);
       s.misc32[kNumRec] = nrec;
-      s.wnrec[0] = nrec;
-      s.misc32[kCopyFrom] = 1;
     }
     __syncthreads();
-    const uint64_t* src = s.trec;
-    for (int k = tid; k < s.wnrec[0]; k += kThreads) {
-      const uint64_t v = src[k];
-      const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
-      s.rec_e[k] = static_cast<int>(hi & 0xffffffu);
-      s.rec_s[k] = static_cast<int>(hi >> 24);
-      s.rec_t[k] = static_cast<int>(lo >> 26);
-      s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << 26) - 1));
-    }
+    UnpackRecords(s, s.trec, s.misc32[kNumRec]);
   }
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   __syncthreads();
