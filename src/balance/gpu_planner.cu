@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -17,7 +18,8 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kDefaultProbeWarps = 31;  // warp search: 2^d - 1 warps, d levels of the binary search per round
-constexpr int kDefaultProbeLevels = 7;  // thread search: 2^7 - 1 = 127 probes per round
+constexpr int kDefaultProbeLevels = 7;  // thread search: 2^7 - 1 = 127 probes per round, the full tree ...
+constexpr int kDefaultProbeExtend = 7;  // ... plus 7 more levels under its leftmost leaf (126 probes)
 constexpr int kRecordingProbes = 32;    // thread search: warp 0's probes record their transfers
 
 #define RDEP_CUDA_RETURN(expr)                                                                              \
@@ -35,12 +37,13 @@ constexpr int kRecordingProbes = 32;    // thread search: warp 0's probes record
 // probe walks the experts: ranks by descending load, each rank's main experts by descending load.
 struct Layout {
   // int64 offsets (in elements of int64)
-  size_t lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
-         wrec_amount = 0, trec = 0, misc64 = 0, n64 = 0;
+  size_t vinfo = 0, lam = 0, ell = 0, ell_sorted = 0, vlam = 0, slk = 0, node_lo = 0, node_hi = 0, rec_amount = 0,
+         wrec_amount = 0, trec = 0, mi_local = 0, mi_w = 0, mi_total = 0, misc64 = 0, n64 = 0;
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
          used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, wrec_e = 0, wrec_t = 0, wrec_s = 0, wnrec = 0,
-         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, misc32 = 0, asc = 0, ovf = 0, used8 = 0, stage = 0,
+         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, mi_e = 0, mi_i = 0, mi_host = 0, misc32 = 0, asc = 0,
+         ovf = 0, used8 = 0, stage = 0,
          n32 = 0;
   Layout() = default;
   // staged: the load matrix is copied into shared memory as int32 (entries < 2^31 checked on host).
@@ -48,6 +51,7 @@ struct Layout {
   __host__ __device__ Layout(int R, int E, int S, int pw, int pt, bool staged) {
     const size_t r = static_cast<size_t>(R), e = static_cast<size_t>(E), rs = r * static_cast<size_t>(S);
     size_t o = 0;
+    vinfo = o; o += pt > 0 ? 2 * (e + 2) : 0;        // [E+2] int4 visit data of the thread search (16-byte aligned)
     lam = o; o += e;                                 // [E] expert loads
     ell = o; o += r;                                 // [R] rank loads
     ell_sorted = o; o += r;                          // [R] rank loads in visit order
@@ -58,6 +62,10 @@ struct Layout {
     rec_amount = o; o += rs;                         // recorded transfers of the solved threshold
     wrec_amount = o; o += static_cast<size_t>(pw) * rs;  // [pw][R*S] transfers of each probe warp
     trec = o; o += static_cast<size_t>(pt < kRecordingProbes ? pt : kRecordingProbes) * rs;  // thread-search records
+    const size_t imax = e + rs;                      // most instances a plan can have
+    mi_local = o; o += imax;                         // replicated experts' instances (reroute): local rows,
+    mi_w = o; o += imax;                             //   residual quota of the expert's instances before it,
+    mi_total = o; o += imax;                         //   the expert's residual total
     misc64 = o; o += 4;                              // lo, hi
     n64 = o;
     o = 0;
@@ -83,6 +91,9 @@ struct Layout {
     rep_count = o; o += e;                           // [E] number of replicas
     inst_off = o; o += e + 1;                        // [E+1] plan instance offsets
     multi = o; o += e;                               // experts with replicas (any order)
+    mi_e = o; o += imax;                             // replicated experts' instances: expert, index, host
+    mi_i = o; o += imax;
+    mi_host = o; o += imax;
     misc32 = o; o += 16;                             // see kAnyFeasible...
     asc = o; o += pt > 0 ? r + 2 : 0;                // [R+2] load << 6 | 63 - rank, ascending; 2 sentinels
     ovf = o; o += static_cast<size_t>(pt) * r;       // [pt][R] partial-set overflow of each thread probe
@@ -102,13 +113,14 @@ constexpr int kNumPhaseStamps = 8;
 // misc32 slots.
 constexpr int kAnyFeasible = 0, kNumRec = 1, kNumProbes = 2, kDeadMask = 3, kNumMulti = 4, kFastProbe = 5,
               kCopyFrom = 6,  // probe warp + 1 whose records hold the latest feasible threshold, 0 = none
-              kMaxInst = 7,   // most instances of a replicated expert the group reroute takes
+              kNumMultiInst = 7,  // instances of replicated experts (the reroute's threads)
               kNeedRerun = 8;  // thread search: the solved threshold's records must be re-run
 
 struct KernelArgs {
   const int64_t* load;   // [R*E]
   const int32_t* owner;  // [E]
-  int R, E, S, pw, pt, staged;  // pt: thread-probe search threads (2^d - 1), 0 = warp search only
+  int R, E, S, pw, pt, staged;  // pt: thread-probe search threads, 0 = warp search only
+  int pa, pb;                   // thread search: full levels per round, extension levels (pt = 2^pa - 1 + 2^pb - 2)
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
@@ -124,17 +136,20 @@ struct KernelArgs {
   int64_t* inst_quota;      // [I_max]
   int32_t* slot_expert;     // [R*S]
   int64_t* route;           // [R*I] with the plan's I (<= I_max = E + R*S)
-  int64_t* scratch;         // [3*I_max]: residual quota, take, local rows per instance (fallback reroute)
+  int64_t* demand;          // [R*E]: replicated experts' residual demand when the load is not staged
   Layout layout;            // shared-memory offsets, computed on the host (kernel parameters stay in the
                             // constant bank, so the compiler rematerializes pointers instead of spilling)
 };
 
 struct Shared {
-  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *misc64;
+  int64_t *lam, *ell, *ell_sorted, *vlam, *slk, *node_lo, *node_hi, *rec_amount, *wrec_amount, *mi_local, *mi_w,
+      *mi_total, *misc64;
   uint64_t* trec;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
-      *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *misc32, *stage;
+      *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *mi_e, *mi_i,
+      *mi_host, *misc32, *stage;
   uint32_t *asc, *ovf;
+  int4* vinfo;
   uint8_t* used8;
 };
 
@@ -145,6 +160,9 @@ __device__ Shared Carve(char* base, const Layout& L) {
   s.lam = b64 + L.lam; s.ell = b64 + L.ell; s.ell_sorted = b64 + L.ell_sorted; s.vlam = b64 + L.vlam;
   s.slk = b64 + L.slk; s.node_lo = b64 + L.node_lo; s.node_hi = b64 + L.node_hi; s.rec_amount = b64 + L.rec_amount;
   s.wrec_amount = b64 + L.wrec_amount; s.misc64 = b64 + L.misc64;
+  s.vinfo = reinterpret_cast<int4*>(b64 + L.vinfo);
+  s.mi_local = b64 + L.mi_local; s.mi_w = b64 + L.mi_w; s.mi_total = b64 + L.mi_total;
+  s.mi_e = b32 + L.mi_e; s.mi_i = b32 + L.mi_i; s.mi_host = b32 + L.mi_host;
   s.trec = reinterpret_cast<uint64_t*>(b64 + L.trec);
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
   s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
@@ -307,54 +325,56 @@ __device__ void UnpackRecords(const Shared& s, const uint64_t* src, int n) {
   }
 }
 
-// One probe's partial set: keys sorted descending in registers (0 = empty), the overflow unsorted in
-// shared memory (each below every register key) with its largest key cached.
-struct PartialSet {
-  uint32_t p[kPartialRegs];
-  uint32_t* ov;
-  int nov;
-  uint32_t ovmax;
-};
 
 // kSmallS: N_slot <= 2, so a rank in the partial set always has exactly one replica (and a rank taken
 // from it never returns). Otherwise the per-probe used[] bytes in shared memory hold each rank's
-// replica count. kRecord writes the transfers, packed (PackRecord), to rec. The step is branch-free except for the visit/rank transitions and the overflow paths
-// (warps run 32 different thresholds, so branches would serialize), and every shared load is issued
-// at least one step before its value is needed (the SM issues in order: a load consumed at once
-// stalls the whole step).
+// replica count. kRecord writes the transfers, packed (PackRecord), to rec.
+// The step is one straight-line block (a warp runs 32 thresholds: branches would serialize, and with
+// one warp per scheduler every instruction's latency is on the clock): the transfer is predicated on
+// ok, and only the visit transition and the overflow paths branch. The visit state is the position
+// k in s.vinfo, whose next entry (k + 1: the rank's next expert) and the next rank's first entry
+// (kend) are prefetched as int4s, so a transition is a few selects; shared loads are issued at least
+// one step before their values are needed.
 template <bool kRecord, bool kSmallS>
 __device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, uint32_t* ov, uint8_t* used, uint64_t* rec,
-                            int* num_rec) {
-  const int E1 = static_cast<int>(s.vfirst[R]) - 1;  // last visit position (E - 1)
-  auto key_of = [&](uint32_t pk) -> uint32_t {     // main-list entry -> key at this tau (0: no slack)
-    const int slack = tau - static_cast<int>(pk >> kFastRankBits);
-    return slack > 0 && S > 0 ? (static_cast<uint32_t>(slack) << kFastRankBits) | (pk & 63u) : 0u;
-  };
-  int head = 0;  // main list: entry head is the candidate (key mk); raw entries head+1, head+2 prefetched
-  uint32_t mk = key_of(s.asc[0]), raw1 = s.asc[1], raw2 = s.asc[2];
-  PartialSet ps;
-#pragma unroll
-  for (int i = 0; i < kPartialRegs; ++i) ps.p[i] = 0;
-  ps.ov = ov;
-  ps.nov = 0;
-  ps.ovmax = 0;
-  if (!kSmallS)
-    for (int t = 0; t < R; ++t) used[t] = 0;
-  int nrec = 0;
-  int l = static_cast<int>(s.ell_sorted[0]);
-  if (l <= tau) {
+                            int* num_rec, uint32_t* stamps = nullptr) {
+  const int4* vi = s.vinfo;
+  const int4 v0 = vi[0];
+  if (v0.w <= tau) {
     *num_rec = 0;
     return true;
   }
-  int ri = 0, exc = l - tau, k = s.vfirst[0], kend = s.vfirst[1];
-  int e = s.vexp[k], cap = static_cast<int>(s.vlam[k]);
-  // Prefetched: the next expert of this rank, and the next rank (its load, its first expert, its end).
-  int e_nx = s.vexp[min(k + 1, E1)], cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
-  int l_nr = R > 1 ? static_cast<int>(s.ell_sorted[1]) : 0, e_nr = s.vexp[min(kend, E1)];
-  int cap_nr = static_cast<int>(s.vlam[min(kend, E1)]), kend_nr = R > 1 ? s.vfirst[2] : kend;
+  const uint32_t* asc = s.asc;
+  const uint32_t utau = static_cast<uint32_t>(tau);
+  auto key_of = [&](uint32_t pk) -> uint32_t {  // main-list entry -> key at this tau (0: no slack)
+    const uint32_t l = pk >> kFastRankBits;
+    return l < utau && S > 0 ? ((utau - l) << kFastRankBits) | (pk & 63u) : 0u;
+  };
+  int head = 0;  // main list: entry head is the candidate (key mk); raw entries head+1, head+2 prefetched
+  uint32_t mk = key_of(asc[0]), raw1 = asc[1], raw2 = asc[2];
+  uint32_t p[kPartialRegs];  // the partial set's largest keys, descending (0 = empty)
+#pragma unroll
+  for (int i = 0; i < kPartialRegs; ++i) p[i] = 0;
+  int nov = 0;          // keys in the overflow (each below every register key)
+  uint32_t ovmax = 0;   // the overflow's largest key
+  if (!kSmallS)
+    for (int t = 0; t < R; ++t) used[t] = 0;
+  int nrec = 0;
+  int exc = v0.w - tau, cap = v0.x, e = v0.y, k = 0, kend = v0.z;
+  int4 nx = vi[1], nr = vi[kend];  // positions k + 1 (the rank's next expert) and kend (the next rank's first)
   bool feasible = true;
+#if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
+  int nst = 0;  // measurement build: the clock and (transfers, visit position, overflow keys) at every step
+#endif
   while (true) {
-    const uint32_t best = max(mk, ps.p[0]);
+#if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
+    if (kRecord && stamps != nullptr && nst < 2 * 255) {
+      stamps[nst++] = static_cast<uint32_t>(clock());
+      stamps[nst++] = (static_cast<uint32_t>(nrec) & 0xffu) | ((static_cast<uint32_t>(k) & 0xfffu) << 8) |
+                      ((static_cast<uint32_t>(min(nov, 15))) << 28);
+    }
+#endif
+    const uint32_t best = max(mk, p[0]);
     const int bs = static_cast<int>(best >> kFastRankBits);
     if (bs < umin) {  // no admissible target with u_min of slack, now or later
       feasible = false;
@@ -362,258 +382,170 @@ __device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, ui
     }
     const int d = min(min(max(exc, umin), bs), cap);
     const bool ok = d >= umin;  // else this expert's remaining load is below u_min
+    const bool fm = ok && best == mk, fp = ok && best != mk;
+    const int t = 63 - static_cast<int>(best & 63u);
+    const int ut = fm ? 0 : (kSmallS ? 1 : static_cast<int>(used[t]));
     if (ok) {
-      const bool fm = best == mk;
-      const int t = 63 - static_cast<int>(best & 63u);
-      const int ut = fm ? 0 : (kSmallS ? 1 : static_cast<int>(used[t]));
       if (kRecord) rec[nrec] = PackRecord(e, ut, t, d);
-      ++nrec;
       if (!kSmallS) used[t] = static_cast<uint8_t>(ut + 1);
-      // Main list: advance on a main pick (the raw entries shift; the new load is needed two picks later).
-      if (fm) {
-        mk = key_of(raw1);
-        raw1 = raw2;
-        raw2 = s.asc[min(head + 3, R + 1)];
-        ++head;
-      }
-      // Partial set: drop the head on a partial pick, then insert the target again if it stays admissible.
-      uint32_t q[kPartialRegs];
+    }
+    nrec += ok ? 1 : 0;
+    // Main list: advance on a main pick (the raw entries shift; the new load is needed two picks later).
+    if (fm) {
+      mk = key_of(raw1);
+      raw1 = raw2;
+      raw2 = asc[min(head + 3, R + 1)];
+      ++head;
+    }
+    // Partial set: drop the head on a partial pick, then insert the target again if it stays admissible.
+    uint32_t q[kPartialRegs];
 #pragma unroll
-      for (int i = 0; i < kPartialRegs; ++i) q[i] = fm ? ps.p[i] : (i + 1 < kPartialRegs ? ps.p[i + 1] : ps.ovmax);
-      if (!fm && ps.nov > 0) {  // the overflow maximum moved into the registers: remove it, rescan
-        int pos = 0;
-        for (int i = 0; i < ps.nov; ++i) pos = ps.ov[i] == ps.ovmax ? i : pos;
-        ps.ov[pos] = ps.ov[--ps.nov];
-        uint32_t m = 0;
-        for (int i = 0; i < ps.nov; ++i) m = max(m, ps.ov[i]);
-        ps.ovmax = m;
-      }
-      const int s2 = bs - d;
-      const uint32_t nk = s2 > 0 && ut + 1 < S ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
-      bool g[kPartialRegs];
+    for (int i = 0; i < kPartialRegs; ++i) q[i] = fp ? (i + 1 < kPartialRegs ? p[i + 1] : ovmax) : p[i];
+    if (fp && nov > 0) {  // the overflow maximum moved into the registers: remove it, rescan
+      int pos = 0;
+      for (int i = 0; i < nov; ++i) pos = ov[i] == ovmax ? i : pos;
+      ov[pos] = ov[--nov];
+      uint32_t m = 0;
+      for (int i = 0; i < nov; ++i) m = max(m, ov[i]);
+      ovmax = m;
+    }
+    const int s2 = bs - d;
+    const uint32_t nk = ok && s2 > 0 && ut + 1 < S ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
+    bool g[kPartialRegs];
 #pragma unroll
-      for (int i = 0; i < kPartialRegs; ++i) g[i] = nk > q[i];
+    for (int i = 0; i < kPartialRegs; ++i) g[i] = nk > q[i];
 #pragma unroll
-      for (int i = kPartialRegs - 1; i > 0; --i) ps.p[i] = g[i - 1] ? q[i - 1] : (g[i] ? nk : q[i]);
-      ps.p[0] = g[0] ? nk : q[0];
-      const uint32_t out = min(nk, q[kPartialRegs - 1]);  // the key that leaves the registers (0: none)
-      if (out != 0) {
-        ps.ov[ps.nov++] = out;
-        ps.ovmax = max(ps.ovmax, out);
-      }
+    for (int i = kPartialRegs - 1; i > 0; --i) p[i] = g[i - 1] ? q[i - 1] : (g[i] ? nk : q[i]);
+    p[0] = g[0] ? nk : q[0];
+    const uint32_t out = min(nk, q[kPartialRegs - 1]);  // the key that leaves the registers (0: none)
+    if (out != 0) {
+      ov[nov++] = out;
+      ovmax = max(ovmax, out);
+    }
+    if (ok) {
       exc = max(exc - d, 0);
       cap -= d;
       if (exc > 0 && cap > 0) continue;
     }
     // The visit is over: the expert is drained (or below u_min), or the rank's excess is shed.
-    if (exc > 0) {
+    if (exc > 0) {  // the rank's next expert
       if (++k == kend) {
         feasible = false;
         break;
       }
-      e = e_nx;
-      cap = cap_nx;
-      e_nx = s.vexp[min(k + 1, E1)];
-      cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
-    } else {
-      if (++ri == R || l_nr <= tau) break;
-      exc = l_nr - tau;
+      cap = nx.x;
+      e = nx.y;
+      nx = vi[k + 1];
+    } else {  // the next rank (the sentinel past the last one has load 0)
+      if (nr.w <= tau) break;
+      exc = nr.w - tau;
+      cap = nr.x;
+      e = nr.y;
       k = kend;
-      kend = kend_nr;
-      e = e_nr;  // a rank above tau has load, hence at least one expert
-      cap = cap_nr;
-      e_nx = s.vexp[min(k + 1, E1)];
-      cap_nx = static_cast<int>(s.vlam[min(k + 1, E1)]);
-      l_nr = ri + 1 < R ? static_cast<int>(s.ell_sorted[ri + 1]) : 0;
-      e_nr = s.vexp[min(kend, E1)];
-      cap_nr = static_cast<int>(s.vlam[min(kend, E1)]);
-      kend_nr = ri + 1 < R ? s.vfirst[ri + 2] : kend;
+      kend = nr.z;
+      nx = vi[k + 1];
+      nr = vi[kend];
     }
   }
   *num_rec = nrec;
+#if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
+  if (kRecord && stamps != nullptr) {
+    stamps[nst++] = static_cast<uint32_t>(clock());
+    stamps[nst++] = 0xffffffffu;
+  }
+#endif
   return feasible;
 }
 
-// floor(a / D) and a mod D for a reroute step, a = d * ru < 2^50 (d, ru < 2^25), 1 <= D < 2^25, from a double
-// reciprocal: the estimate (exact product, relative error ~2^-52) is within one of the quotient and one
-// correction step makes it exact. The quotient is at most d
-// (ru <= D) and the true remainder of the estimate lies in (-D, 2D), so both fit 32 bits and the
-// correction can run in 32-bit arithmetic (the product's low word is all it needs).
-__device__ __forceinline__ int DivModFast32(int64_t a, int D, double inv_d, int* rem) {
-  int q = static_cast<int>(static_cast<double>(a) * inv_d);
-  int r = static_cast<int>(static_cast<uint32_t>(a) - static_cast<uint32_t>(q) * static_cast<uint32_t>(D));
-  const bool under = r < 0, over = r >= D;
-  q += over ? 1 : (under ? -1 : 0);
-  r += under ? D : (over ? -D : 0);
-  *rem = r;
-  return q;
+// floor(a / D) for a reroute step, a = d * W < 2^50 (d, W <= D < 2^25), from a double reciprocal of D: the
+// estimate (exact product, relative error ~2^-52) is within one of the quotient and one correction step
+// makes it exact. The quotient is at most d and the estimate's remainder lies in (-D, 2D), so both fit
+// 32 bits and the correction runs in 32-bit arithmetic (the product's low word is all it needs).
+__device__ __forceinline__ int FloorDivFast32(int64_t a, int D, double inv_d) {
+  const int q = static_cast<int>(static_cast<double>(a) * inv_d);
+  const int r = static_cast<int>(static_cast<uint32_t>(a) - static_cast<uint32_t>(q) * static_cast<uint32_t>(D));
+  return q + (r >= D ? 1 : (r < 0 ? -1 : 0));
 }
 
-// Experts with a replica: loads below this and at most 32 instances use the one-warp reroute.
+// Experts with a load below this take the 32-bit chain (products d * W < 2^50); others the int64 one.
 constexpr int64_t kFastRerouteLoadLimit = int64_t{1} << 25;
 
-// Reroute of one expert by one thread (the direct form of SolveReroute's loop), for experts the
-// warp path cannot take. Route entries of the expert are zeroed first.
-__device__ void RerouteOneThread(const KernelArgs& a, const Shared& s, int e, int I) {
-  const int R = a.R, E = a.E;
-  auto ld = [&](int r, int x) -> int64_t {
-    const size_t k = static_cast<size_t>(r) * E + x;
-    return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
-  };
-  const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < k; ++i) a.route[static_cast<size_t>(r) * I + b + i] = 0;
-  int64_t moved = 0;
-  for (int c = 0; c < k - 1; ++c) moved += s.rec_amount[f + c];
-  auto host = [&](int i) { return i == 0 ? s.owner[e] : s.rec_t[f + i - 1]; };
-  auto quota = [&](int i) { return i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1]; };
-  const size_t imax = static_cast<size_t>(E) + static_cast<size_t>(R) * a.S;
-  int64_t* ru = a.scratch + b;
-  int64_t* take = a.scratch + imax + b;
-  int64_t* local = a.scratch + 2 * imax + b;
-  int64_t D = 0;
-  for (int i = 0; i < k; ++i) {
-    int64_t l = 0;
-    if (a.locality) {
-      const int64_t lr = ld(host(i), e), q = quota(i);
-      l = lr < q ? lr : q;
-    }
-    local[i] = l;
-    a.route[static_cast<size_t>(host(i)) * I + b + i] = l;
-    ru[i] = quota(i) - l;
-    D += ru[i];
-  }
+// The reroute of one instance i of a replicated expert e, by one thread (SolveReroute's math): it
+// carries the two cumulative residual quotas around its instance, W_i and W_{i+1}, through the
+// sources; each evolves on its own (W -= floor(d * W / D)), and the instance's take from source r is
+// the difference of the two floors. d comes from dcol (the residual demand: the locality pass already
+// took the local rows out), D = the residual total, its reciprocal computed a source ahead so that
+// only the W chains are on the critical path. Writes the instance's route column (take, plus the local
+// rows on its host).
+template <bool kWide, typename Demand>
+__device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col, int host, int64_t local,
+                                int64_t wlo, int64_t whi, int64_t D) {
+  const int R = a.R;
+  int64_t* out = a.route + col;
+  if (kWide) {
+    int64_t d = dcol(0), Dc = D;
 #pragma unroll 1
-  for (int r = 0; r < R; ++r) {
-    int64_t d = ld(r, e);
-    for (int i = 0; i < k; ++i)
-      if (host(i) == r) d -= local[i];
-    if (d == 0) continue;
-    if (D <= 0) {
-      a.out_misc[3] = 1;
-      break;
+    for (int r = 0; r < R; ++r) {
+      const int64_t dn = r + 1 < R ? dcol(r + 1) : 0;
+      if (d != 0 && Dc < d) a.out_misc[3] = 1;  // residual demand above residual quota
+      const bool live = d > 0 && Dc >= d;
+      const int64_t qlo = live ? d * wlo / Dc : 0, qhi = live ? d * whi / Dc : 0;
+      *out = (qhi - qlo) + (r == host ? local : 0);
+      out += I;
+      wlo -= qlo;
+      whi -= qhi;
+      Dc -= d;
+      d = dn;
     }
-    int64_t sum = 0;
-    for (int i = 0; i < k; ++i) sum += d * ru[i] / D;
-    const int64_t left = d - sum;
+  } else {
+    int d = static_cast<int>(dcol(0)), Dc = static_cast<int>(D);
+    int wl = static_cast<int>(wlo), wh = static_cast<int>(whi);
+    double inv = __drcp_rn(static_cast<double>(Dc > 0 ? Dc : 1));
 #pragma unroll 1
-    for (int i = 0; i < k; ++i) {
-      const int64_t ri = d * ru[i] % D;
-      int64_t ahead = 0;
-      for (int j2 = 0; j2 < k; ++j2) {
-        const int64_t rj = d * ru[j2] % D;
-        if (rj > ri || (rj == ri && j2 < i)) ++ahead;
-      }
-      take[i] = d * ru[i] / D + (ahead < left ? 1 : 0);
-    }
-#pragma unroll 1
-    for (int i = 0; i < k; ++i) {
-      a.route[static_cast<size_t>(r) * I + b + i] += take[i];
-      ru[i] -= take[i];
-    }
-    D -= d;
-  }
-}
-
-// Reroute of the replicated experts, G lanes per expert (G = 4, 8, 16 or 32: the smallest that holds
-// every such expert's instances), 32/G experts per warp. Lane g of a group owns instance g
-// (registers). Sources come in chunks of G: lane j first computes source r0+j's residual demand (its
-// rows minus the local rows of an instance it hosts) and, by a group scan, the residual total D
-// before it and its reciprocal, so nothing but the residual quotas ru is carried from one source to
-// the next. Per source: floors by DivModFast32, then the largest remainders by packed keys
-// (rem << 5 | 31 - g: larger = larger remainder, lower instance on ties, the host's order), every
-// lane reading the group's keys and floors by 2G shuffles, all unrolled. Same math as SolveReroute.
-template <int G>
-__device__ void RerouteGroups(const KernelArgs& a, const Shared& s, int I, int num_multi, int busy) {
-  constexpr int kGroups = 32 / G;
-  constexpr unsigned kFull = 0xffffffffu;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane / G, g = lane % G;
-  const int R = a.R, E = a.E;
-  auto ld = [&](int r, int x) -> int {
-    const size_t k = static_cast<size_t>(r) * E + x;
-    return a.staged ? s.stage[k] : static_cast<int>(a.load[k]);
-  };
-  for (int m0 = warp * kGroups; m0 < num_multi; m0 += busy * kGroups) {
-    const int m = m0 + q;
-    int e = m < num_multi ? s.multi[m] : -1, k = 0, b = 0, f = 0;
-    if (e >= 0) {
-      k = 1 + s.rep_count[e];
-      if (k > G || s.lam[e] >= kFastRerouteLoadLimit) e = -1, k = 0;  // RerouteOneThread's
-      else b = s.inst_off[e], f = s.rep_first[e];
-    }
-    const bool valid = g < k;
-    const int host = !valid ? -1 : g == 0 ? s.owner[e] : s.rec_t[f + g - 1];
-    const int rq = valid && g > 0 ? static_cast<int>(s.rec_amount[f + g - 1]) : 0;
-    int moved = rq;
-#pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) moved += __shfl_xor_sync(kFull, moved, off, G);
-    const int quota = !valid ? 0 : g == 0 ? static_cast<int>(s.lam[e]) - moved : rq;
-    const int local = valid && a.locality ? min(ld(host, e), quota) : 0;
-    int ru = quota - local;
-    int D = ru;
-#pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) D += __shfl_xor_sync(kFull, D, off, G);
-    for (int r0 = 0; r0 < R; r0 += G) {
-      const int src = r0 + g;
-      int dsrc = e >= 0 && src < R ? ld(src, e) : 0;
-#pragma unroll
-      for (int i = 0; i < G; ++i) {
-        const int hi_ = __shfl_sync(kFull, host, i, G), li = __shfl_sync(kFull, local, i, G);
-        dsrc -= hi_ == src ? li : 0;
-      }
-      int inc = dsrc;
-#pragma unroll
-      for (int off = 1; off < G; off <<= 1) {
-        const int v = __shfl_up_sync(kFull, inc, off, G);
-        if (g >= off) inc += v;
-      }
-      const int d_at = D - (inc - dsrc);  // residual total before this lane's source
-      const double inv_at = __drcp_rn(static_cast<double>(d_at > 0 ? d_at : 1));
-      D -= __shfl_sync(kFull, inc, G - 1, G);
-      // Source j's (d, D, 1/D) are shuffled one source ahead: the SM issues in order, so a shuffle
-      // consumed at once would put its latency on the per-source chain.
-      int d_nx = __shfl_sync(kFull, dsrc, 0, G), dj_nx = __shfl_sync(kFull, d_at, 0, G);
-      double inv_nx = __shfl_sync(kFull, inv_at, 0, G);
-#pragma unroll(G < 16 ? G : 16)
-      for (int j = 0; j < G; ++j) {
-        const int r = r0 + j;
-        if (r >= R) break;  // uniform: r0 is the same for every group of the warp
-        const int d = d_nx, dj = dj_nx;
-        const double inv = inv_nx;
-        const int jn = j + 1 < G ? j + 1 : j;
-        d_nx = __shfl_sync(kFull, dsrc, jn, G);
-        dj_nx = __shfl_sync(kFull, d_at, jn, G);
-        inv_nx = __shfl_sync(kFull, inv_at, jn, G);
-        if (d != 0 && dj <= 0 && g == 0) a.out_misc[3] = 1;  // residual demand above residual quota
-        int rem = 0;
-        const int base = d > 0 && dj > 0 ? DivModFast32(static_cast<int64_t>(d) * ru, dj, inv, &rem) : 0;
-        const uint32_t key = valid ? (static_cast<uint32_t>(rem) << 5) | static_cast<uint32_t>(31 - g) : 0u;
-        // Every lane reads the group's G keys and floors by shuffles (independent, so they pipeline),
-        // into four partial counts (one running count would be a serial chain of G selects).
-        int sums[4] = {0, 0, 0, 0}, aheads[4] = {0, 0, 0, 0};
-#pragma unroll
-        for (int i = 0; i < G; ++i) {
-          const uint32_t ki = __shfl_sync(kFull, key, i, G);
-          sums[i & 3] += __shfl_sync(kFull, base, i, G);
-          aheads[i & 3] += ki > key ? 1 : 0;
-        }
-        const int sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-        const int ahead = (aheads[0] + aheads[1]) + (aheads[2] + aheads[3]);
-        const int take = valid && d > 0 ? base + (ahead < d - sum ? 1 : 0) : 0;
-        ru -= take;
-        if (valid) a.route[static_cast<size_t>(r) * I + b + g] = take + (host == r ? local : 0);
-      }
+    for (int r = 0; r < R; ++r) {
+      const int dn = r + 1 < R ? static_cast<int>(dcol(r + 1)) : 0, Dn = Dc - d;
+      const double invn = __drcp_rn(static_cast<double>(Dn > 0 ? Dn : 1));
+      if (d != 0 && Dc < d) a.out_misc[3] = 1;  // residual demand above residual quota
+      const bool live = d > 0 && Dc >= d;
+      const int ql = live ? FloorDivFast32(static_cast<int64_t>(d) * wl, Dc, inv) : 0;
+      const int qh = live ? FloorDivFast32(static_cast<int64_t>(d) * wh, Dc, inv) : 0;
+      *out = static_cast<int64_t>(qh - ql) + (r == host ? local : 0);
+      out += I;
+      wl -= ql;
+      wh -= qh;
+      d = dn;
+      Dc = Dn;
+      inv = invn;
     }
   }
 }
 
-// The thread-probe search (R <= 64, loads < 2^26): thread i < pt probes node i+1 of the next d levels
-// of the binary-search tree (pt = 2^d - 1), so a round resolves d levels; node n's interval comes from
-// walking its bits from the root (0 = left = feasible: hi = tau). Thread 0 then follows the host's
-// path through the results. The probes of warp 0 (nodes 1..32: the round's first five levels) record
-// their transfers; when the round's last feasible node on the path is one of them, its records are
-// unpacked at the top of the next round (before the buffers are reused). Otherwise (a deeper node
-// set hi) Phase 3 re-runs the solved threshold with recording.
+// The thread-probe search (R <= 64, loads < 2^26). A round probes, one thread each, the nodes of the
+// binary-search tree below the round's root (heap order from 1; node n's interval comes from walking
+// its bits from the root, 0 = left = feasible: hi = tau): the full tree of pa levels (slots
+// 0..2^pa - 2 = nodes 1..2^pa - 1) and, when pb > 1, a tree of pb levels rooted at that tree's
+// leftmost leaf (node 2^(pa-1), already probed; its 2^pb - 2 other nodes take the slots from 2^pa - 1
+// on). The solved threshold sits within ~1% of the mean rank load while the search starts from
+// [mean, max], so the path's first pa - 1 decisions are "feasible" in practice and a round resolves
+// pa + pb - 1 levels; when the path leaves the probed nodes the next round
+// starts where it left. Thread 0 then follows the host's path through the results. The probes in
+// slots 0..31 (the round's first five levels) record their transfers; when the round's last feasible
+// node on the path is one of them, its records are unpacked at the top of the next round (before the
+// buffers are reused). Otherwise Phase 3 re-runs the solved threshold with recording.
+__device__ __forceinline__ int ProbeNodeOfSlot(int t, int pa) {
+  const int full = (1 << pa) - 1;
+  if (t < full) return t + 1;
+  const int u = t - full + 2, du = 31 - __clz(u);  // local heap index (>= 2) under the leftmost leaf
+  return ((1 << (pa - 1)) << du) | (u - (1 << du));
+}
+__device__ __forceinline__ int ProbeSlotOfNode(int n, int pa, int pb) {  // -1: not probed this round
+  const int dn = 31 - __clz(n);
+  if (dn < pa) return n - 1;
+  const int du = dn - (pa - 1);
+  if (du >= pb || (n >> du) != (1 << (pa - 1))) return -1;
+  return (1 << pa) - 1 + ((1 << du) | (n & ((1 << du) - 1))) - 2;
+}
+
 __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
   const int tid = threadIdx.x;
   const int R = a.R, S = a.S, pt = a.pt;
@@ -625,7 +557,7 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
     const int64_t lo0 = s.misc64[0], hi0 = s.misc64[1];
     if (lo0 >= hi0) break;
     if (tid < pt) {
-      const int n = tid + 1;
+      const int n = ProbeNodeOfSlot(tid, a.pa);
       int64_t lo = lo0, hi = hi0;
       for (int b = 30 - __clz(n); b >= 0 && lo < hi; --b) {
         const int64_t tau = lo + (hi - lo) / 2;
@@ -645,7 +577,7 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
         else
           f = S <= 2 ? ThreadProbe<false, true>(s, tau, R, S, umin, ov, used, rec, &nrec)
                      : ThreadProbe<false, false>(s, tau, R, S, umin, ov, used, rec, &nrec);
-        s.feas[n] = f ? 1 : 0;
+        s.feas[tid] = f ? 1 : 0;
         if (tid < kRecordingProbes) s.wnrec[tid] = nrec;
       }
     }
@@ -653,16 +585,18 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
     if (tid == 0) {
       int64_t lo = lo0, hi = hi0;
       s.misc32[kCopyFrom] = 0;
-      for (int n = 1; n <= pt && lo < hi;) {
+      for (int n = 1; lo < hi;) {
+        const int slot = ProbeSlotOfNode(n, a.pa, a.pb);
+        if (slot < 0) break;
         const int64_t tau = lo + (hi - lo) / 2;
         s.misc32[kNumProbes] += 1;
-        if (s.feas[n]) {
+        if (s.feas[slot]) {
           hi = tau;
           s.misc32[kAnyFeasible] = 1;
-          const bool recorded = n <= kRecordingProbes;
-          s.misc32[kCopyFrom] = recorded ? n : 0;
+          const bool recorded = slot < kRecordingProbes;
+          s.misc32[kCopyFrom] = recorded ? slot + 1 : 0;
           s.misc32[kNeedRerun] = recorded ? 0 : 1;
-          if (recorded) s.misc32[kNumRec] = s.wnrec[n - 1];
+          if (recorded) s.misc32[kNumRec] = s.wnrec[slot];
           n = 2 * n;
         } else {
           lo = tau + 1;
@@ -675,6 +609,10 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
     __syncthreads();
   }
 }
+
+#if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
+__device__ int g_stamp_prints = 0;
+#endif
 
 __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   extern __shared__ __align__(16) char smem[];
@@ -797,10 +735,14 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   }
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) {
-    const int k = s.vfirst[s.rank_pos[s.owner[e]]] + s.gidx[e];
+    const int ri = s.rank_pos[s.owner[e]], k = s.vfirst[ri] + s.gidx[e];
     s.vexp[k] = e;
     s.vlam[k] = s.lam[e];
+    // The thread search's visit data: the expert's load, the expert, its rank's end, the rank's load
+    // (both loads below 2^26 whenever the thread search runs).
+    if (a.pt > 0) s.vinfo[k] = make_int4(static_cast<int>(s.lam[e]), e, s.vfirst[ri + 1], static_cast<int>(s.ell[s.owner[e]]));
   }
+  if (a.pt > 0 && tid < 2) s.vinfo[E + tid] = make_int4(0, 0, E, 0);  // sentinels: no rank left
   __syncthreads();
   stamp(1);
   const bool fast = s.misc32[kFastProbe] != 0;
@@ -895,6 +837,26 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   // Phase 3: the solved threshold's transfers. Both searches unpacked or copied them at the top of
   // their last round, except when the thread search's solved threshold came from a probe that did
   // not record (below warp 0's levels): that one is re-run here with recording.
+#if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
+  // Measurement build: always re-run the solved threshold, stamping every step, and print the first two.
+  if (fast && s.misc32[kAnyFeasible] != 0) {
+    if (tid == 0) {
+      int nrec = 0;
+      const int tau = static_cast<int>(s.misc64[1]);
+      uint32_t* st = s.ovf + R;  // the other probes' overflow areas are free now
+      const uint32_t t0 = static_cast<uint32_t>(clock());
+      if (a.S <= 2) ThreadProbe<true, true>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec, st);
+      else ThreadProbe<true, false>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec, st);
+      const uint32_t t1 = static_cast<uint32_t>(clock());
+      s.misc32[kNumRec] = nrec;
+      if (atomicAdd(&g_stamp_prints, 1) < 2) {
+        printf("stamps tau=%d nrec=%d total=%u cycles\n", tau, nrec, t1 - t0);
+        for (int i = 0; i + 3 < 2 * 256 && st[i + 1] != 0xffffffffu; i += 2)
+          printf("step %d dt %u rec %u k %u nov %u\n", i / 2, st[i + 2] - st[i], st[i + 1] & 0xffu,
+                 (st[i + 1] >> 8) & 0xfffu, st[i + 1] >> 28);
+      }
+    }
+#else
   if (fast && s.misc32[kAnyFeasible] != 0 && s.misc32[kNeedRerun] != 0) {
     if (tid == 0) {
       int nrec = 0;
@@ -903,6 +865,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       else ThreadProbe<true, false>(s, tau, R, a.S, umin32, s.ovf, s.used8, s.trec, &nrec);
       s.misc32[kNumRec] = nrec;
     }
+#endif
     __syncthreads();
     UnpackRecords(s, s.trec, s.misc32[kNumRec]);
   }
@@ -928,21 +891,50 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   for (int k = tid; k < R * a.S; k += kThreads) a.slot_expert[k] = -1;
   __syncthreads();
   if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
-  for (int e = tid; e < E; e += kThreads)
-    if (s.rep_count[e] > 0) {
-      s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
-      if (s.rep_count[e] < 32 && s.lam[e] < kFastRerouteLoadLimit) atomicMax(s.misc32 + kMaxInst, s.rep_count[e] + 1);
+  // Each replicated expert (one thread) claims a range of the replicated-instance list and fills it:
+  // instance, host, local rows (locality: the host's own rows up to the quota), the cumulative residual
+  // quota before it (W_i) and the residual total. Then it takes the local rows out of the demand: in
+  // place in the staged load (only this thread touches these entries; single-instance experts' columns
+  // are never changed), or in a copy of its column in the global scratch when the load is not staged.
+  for (int e = tid; e < E; e += kThreads) {
+    const int nr = s.rep_count[e];
+    if (nr == 0) continue;
+    s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
+    const int k = nr + 1, f = s.rep_first[e], j0 = atomicAdd(s.misc32 + kNumMultiInst, k);
+    int64_t moved = 0;
+    for (int c = 0; c < nr; ++c) moved += s.rec_amount[f + c];
+    int64_t w = 0;
+    for (int i = 0; i < k; ++i) {
+      const int host = i == 0 ? s.owner[e] : s.rec_t[f + i - 1];
+      const int64_t quota = i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1];
+      const int64_t l = a.locality ? min(ld(host, e), quota) : 0;
+      s.mi_e[j0 + i] = e;
+      s.mi_i[j0 + i] = i;
+      s.mi_host[j0 + i] = host;
+      s.mi_local[j0 + i] = l;
+      s.mi_w[j0 + i] = w;
+      w += quota - l;
     }
+    for (int i = 0; i < k; ++i) s.mi_total[j0 + i] = w;
+    if (a.staged) {
+      for (int i = 0; i < k; ++i) {
+        const size_t at = static_cast<size_t>(s.mi_host[j0 + i]) * E + e;
+        s.stage[at] -= static_cast<int32_t>(s.mi_local[j0 + i]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) a.demand[static_cast<size_t>(r) * E + e] = a.load[static_cast<size_t>(r) * E + e];
+      for (int i = 0; i < k; ++i) a.demand[static_cast<size_t>(s.mi_host[j0 + i]) * E + e] -= s.mi_local[j0 + i];
+    }
+  }
   if (tid == 0) s.misc64[2] = s.misc64[3] = 0;  // latest end of the replicated / single-instance work
   __syncthreads();
   stamp(4);
   const int I = s.inst_off[E];
-  const int num_multi = s.misc32[kNumMulti];
-  // Warps 0..busy-1 reroute the replicated experts (the long sequential part; 32/group per warp); when at least 4 warps
-  // are left over, they alone write the instance tables and the single-instance routes meanwhile.
-  const int maxk = s.misc32[kMaxInst];
-  const int group = maxk <= 4 ? 4 : maxk <= 8 ? 8 : maxk <= 16 ? 16 : 32;
-  const int need = (num_multi + 32 / group - 1) / (32 / group);
+  const int num_mi = s.misc32[kNumMultiInst];
+  // Warps 0..busy-1 reroute the replicated experts' instances, one thread each (the long sequential
+  // part: R sources); when at least 4 warps are left over, they alone write the instance tables and the
+  // single-instance routes meanwhile.
+  const int need = (num_mi + 31) / 32;
   const int busy = need < kWarps ? need : kWarps;
   const bool split = kWarps - busy >= 4;
   auto mark_end = [&](int slot) {
@@ -952,14 +944,29 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
 
   // Phase 4: the reroute (same math as SolveReroute) and the instance tables.
   if (warp < busy) {
-    if (group == 4) RerouteGroups<4>(a, s, I, num_multi, busy);
-    else if (group == 8) RerouteGroups<8>(a, s, I, num_multi, busy);
-    else if (group == 16) RerouteGroups<16>(a, s, I, num_multi, busy);
-    else RerouteGroups<32>(a, s, I, num_multi, busy);
+    const int nt = split ? busy * 32 : kThreads;
+    for (int j = tid; j < num_mi; j += nt) {
+      const int e = s.mi_e[j], col = s.inst_off[e] + s.mi_i[j];
+      const int64_t wlo = s.mi_w[j];
+      const int64_t whi = j + 1 < num_mi && s.mi_e[j + 1] == e ? s.mi_w[j + 1] : s.mi_total[j];
+      if (a.staged) {
+        auto dcol = [&](int r) -> int64_t { return s.stage[static_cast<size_t>(r) * E + e]; };
+        if (s.lam[e] < kFastRerouteLoadLimit)
+          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+        else
+          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+      } else {
+        auto dcol = [&](int r) -> int64_t { return a.demand[static_cast<size_t>(r) * E + e]; };
+        if (s.lam[e] < kFastRerouteLoadLimit)
+          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+        else
+          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+      }
+    }
+    mark_end(2);
   }
-  if (warp < busy) mark_end(2);
   // Instance tables (one thread per expert) and experts without replicas (every source's rows go to
-  // the main instance), on the warps without a replicated expert when there are enough of them.
+  // the main instance), on the warps without a replicated instance when there are enough of them.
   if (!split || warp >= busy) {
     const int wi = split ? warp - busy : warp, nw = split ? kWarps - busy : kWarps;
     const int ti = wi * 32 + lane, nt = nw * 32;
@@ -980,15 +987,13 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
         a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
       }
     }
-    for (int r = wi; r < R; r += nw)
+    for (int r = wi; r < R; r += nw) {
+      int64_t* row = a.route + static_cast<size_t>(r) * I;
+#pragma unroll 4
       for (int e = lane; e < E; e += 32)
-        if (s.rep_count[e] == 0) a.route[static_cast<size_t>(r) * I + s.inst_off[e]] = ld(r, e);
+        if (s.rep_count[e] == 0) row[s.inst_off[e]] = ld(r, e);
+    }
     mark_end(3);
-  }
-  // Fallback (more than 32 instances or a load too large for the fast division): one thread each.
-  for (int m = tid; m < num_multi; m += kThreads) {
-    const int e = s.multi[m];
-    if (s.rep_count[e] + 1 > 32 || s.lam[e] >= kFastRerouteLoadLimit) RerouteOneThread(a, s, e, I);
   }
   if (a.out_phase != nullptr) {
     __syncthreads();
@@ -1010,13 +1015,13 @@ struct DeviceBuffers {
   int32_t *inst_offsets = nullptr, *inst_expert = nullptr, *inst_rank = nullptr, *inst_slot = nullptr;
   int64_t* inst_quota = nullptr;
   int32_t* slot_expert = nullptr;
-  int64_t *route = nullptr, *scratch = nullptr, *phase = nullptr;
+  int64_t *route = nullptr, *demand = nullptr, *phase = nullptr;
   ~DeviceBuffers() {
     for (void* p : {static_cast<void*>(load), static_cast<void*>(owner), static_cast<void*>(misc),
                     static_cast<void*>(tr_expert), static_cast<void*>(tr_rank), static_cast<void*>(tr_slot),
                     static_cast<void*>(tr_amount), static_cast<void*>(inst_offsets), static_cast<void*>(inst_expert),
                     static_cast<void*>(inst_rank), static_cast<void*>(inst_slot), static_cast<void*>(inst_quota),
-                    static_cast<void*>(slot_expert), static_cast<void*>(route), static_cast<void*>(scratch),
+                    static_cast<void*>(slot_expert), static_cast<void*>(route), static_cast<void*>(demand),
                     static_cast<void*>(phase)})
       if (p) cudaFree(p);
   }
@@ -1039,23 +1044,28 @@ StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, 
   RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   // Measurement knobs: RDEP_GPU_PLANNER_PROBE_LEVELS = d levels per round of the thread search (2^d - 1
   // threads, 1..10, default 7), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
-  int levels = kDefaultProbeLevels;
+  int levels = kDefaultProbeLevels, extend = kDefaultProbeExtend;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_LEVELS"); env != nullptr && std::atoi(env) >= 1)
     levels = std::min(10, std::atoi(env));
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_EXTEND"); env != nullptr && std::atoi(env) >= 0)
+    extend = std::min(8, std::atoi(env));
   int max_pw = kDefaultProbeWarps;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_WARPS"); env != nullptr && std::atoi(env) >= 1)
     max_pw = std::min(31, std::atoi(env));
-  // The thread search exists for R <= 64; with it, the warp search only runs for loads >= 2^26.
-  for (int pt = num_ranks <= 64 ? (1 << levels) - 1 : 0;; pt = (pt - 1) / 2) {
+  // The thread search exists for R <= 64; with it, the warp search only runs for loads >= 2^26. When
+  // shared memory is short, the extension goes first, then levels.
+  for (int pa = num_ranks <= 64 ? levels : 0, pb = extend;; pb > 0 ? pb = 0 : --pa) {
+    const int pt = pa <= 0 ? 0 : (1 << pa) - 1 + (pb > 1 ? (1 << pb) - 2 : 0);
     for (bool staged : {true, false}) {
       if (staged && !stage_ok) continue;
       for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
         if (pw > max_pw) continue;
         const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, pt, staged).bytes();
-        if (bytes <= static_cast<size_t>(optin)) return GpuPlannerConfig{bytes, pw, pt, staged};
+        if (bytes <= static_cast<size_t>(optin))
+          return GpuPlannerConfig{bytes, pw, pt, pt > 0 ? pa : 0, pt > 0 && pb > 1 ? pb : 0, staged};
       }
     }
-    if (pt == 0) break;
+    if (pa <= 0) break;
   }
   return InvalidArgument("GPU planner: E=" + std::to_string(num_experts) + ", R=" + std::to_string(num_ranks) +
                          ", N_slot=" + std::to_string(num_slots) + " does not fit one block's shared memory (" +
@@ -1098,7 +1108,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   RDEP_RETURN_IF_ERROR(Alloc(&b.inst_quota, imax));
   RDEP_RETURN_IF_ERROR(Alloc(&b.slot_expert, RS));
   RDEP_RETURN_IF_ERROR(Alloc(&b.route, R * imax));
-  RDEP_RETURN_IF_ERROR(Alloc(&b.scratch, 3 * imax));
+  RDEP_RETURN_IF_ERROR(Alloc(&b.demand, p->cfg.staged_load ? 0 : R * E));
   RDEP_CUDA_RETURN(cudaMemcpy(b.load, load.data(), R * E * sizeof(int64_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemcpy(b.owner, owners.owners().data(), E * sizeof(int32_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemset(b.misc, 0, 4 * sizeof(int64_t)));
@@ -1112,6 +1122,8 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.S = p->S;
   a.pw = p->cfg.probe_warps;
   a.pt = p->cfg.probe_threads;
+  a.pa = p->cfg.probe_levels;
+  a.pb = p->cfg.probe_extend;
   a.staged = p->cfg.staged_load ? 1 : 0;
   a.umin = config.min_quota;
   a.locality = config.locality ? 1 : 0;
@@ -1127,7 +1139,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.inst_quota = b.inst_quota;
   a.slot_expert = b.slot_expert;
   a.route = b.route;
-  a.scratch = b.scratch;
+  a.demand = b.demand;
   a.layout = Layout(a.R, a.E, a.S, a.pw, a.pt, a.staged != 0);
   return Status::Ok();
 }

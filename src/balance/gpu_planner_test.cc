@@ -86,6 +86,11 @@ TEST(GpuPlanner, MatchesHostOnEdgeCases) {
   std::vector<int64_t> big(8 * 32, 1000);
   big[5] = (int64_t{1} << 31) + 5;  // an entry above int32: the kernel reads the load from global memory
   loads.push_back(big);
+  // Not staged (an entry above int32) with a hot expert below 2^25 rows: its reroute reads the residual
+  // demand from the global copy on the 32-bit chain, next to the int64 chain of the big expert.
+  std::vector<int64_t> big2 = big;
+  for (int r = 0; r < 8; ++r) big2[static_cast<size_t>(r * 32 + 12)] = 50000 + 17 * r;
+  loads.push_back(big2);
   for (const auto& load : loads) {
     QuotaConfig cfg;
     cfg.num_slots = 2;

@@ -194,53 +194,36 @@ Status SolveReroute(const std::vector<int64_t>& load, bool locality, BalancePlan
     return InvalidArgument("reroute: load matrix size does not match the plan");
   p.route.assign(Z(R) * Z(n), 0);
   auto route = [&](int32_t r, int32_t i) -> int64_t& { return p.route[Z(r) * Z(n) + Z(i)]; };
-  std::vector<int64_t> ru, local, base, take;
+  std::vector<int64_t> local, W, q;
   for (int32_t e = 0; e < E; ++e) {
     const int32_t b = p.instance_offsets[Z(e)], k = p.instance_offsets[Z(e) + 1] - b;
     if (k == 1) {
       for (int32_t r = 0; r < R; ++r) route(r, b) = load[Z(r) * Z(E) + Z(e)];
       continue;
     }
-    ru.assign(Z(k), 0);
+    // W[i] = residual quota of instances 0..i-1 (W[k] = D, the residual total).
     local.assign(Z(k), 0);
-    int64_t D = 0;
+    W.assign(Z(k) + 1, 0);
+    q.assign(Z(k) + 1, 0);
     for (int32_t i = 0; i < k; ++i) {
       const int32_t t = p.instance_rank[Z(b + i)];
       local[Z(i)] = locality ? std::min(load[Z(t) * Z(E) + Z(e)], p.instance_quota[Z(b + i)]) : 0;
       route(t, b + i) = local[Z(i)];
-      ru[Z(i)] = p.instance_quota[Z(b + i)] - local[Z(i)];
-      D += ru[Z(i)];
+      W[Z(i) + 1] = W[Z(i)] + p.instance_quota[Z(b + i)] - local[Z(i)];
     }
-    base.assign(Z(k), 0);
-    take.assign(Z(k), 0);
     for (int32_t r = 0; r < R; ++r) {
       int64_t d = load[Z(r) * Z(E) + Z(e)];
       for (int32_t i = 0; i < k; ++i)
         if (p.instance_rank[Z(b + i)] == r) d -= local[Z(i)];
       if (d == 0) continue;
-      if (D <= 0) return InternalError("reroute: residual demand exceeds residual quota");
-      int64_t sum = 0;
-      for (int32_t i = 0; i < k; ++i) {
-        base[Z(i)] = d * ru[Z(i)] / D;
-        sum += base[Z(i)];
-      }
-      const int64_t left = d - sum;
-      // Largest remainder: instance i gets one more row if fewer than `left` instances precede it in
-      // (remainder descending, index ascending).
-      for (int32_t i = 0; i < k; ++i) {
-        const int64_t ri = d * ru[Z(i)] % D;
-        int64_t ahead = 0;
-        for (int32_t j = 0; j < k; ++j) {
-          const int64_t rj = d * ru[Z(j)] % D;
-          if (rj > ri || (rj == ri && j < i)) ++ahead;
-        }
-        take[Z(i)] = base[Z(i)] + (ahead < left ? 1 : 0);
-      }
-      for (int32_t i = 0; i < k; ++i) {
-        route(r, b + i) += take[Z(i)];
-        ru[Z(i)] -= take[Z(i)];
-      }
-      D -= d;
+      const int64_t D = W[Z(k)];
+      if (D < d) return InternalError("reroute: residual demand exceeds residual quota");
+      // Cut the demand at the instances' cumulative residual quotas: instance i takes
+      // floor(d*W[i+1]/D) - floor(d*W[i]/D), i.e. floor or ceil of its proportional share d*ru_i/D;
+      // the takes sum to d, and W stays the prefix sum of the residual quotas.
+      for (int32_t i = 0; i <= k; ++i) q[Z(i)] = d * W[Z(i)] / D;
+      for (int32_t i = 0; i < k; ++i) route(r, b + i) += q[Z(i) + 1] - q[Z(i)];
+      for (int32_t i = 0; i <= k; ++i) W[Z(i)] -= q[Z(i)];
     }
   }
   return Status::Ok();

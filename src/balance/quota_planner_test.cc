@@ -168,6 +168,52 @@ TEST(QuotaPlanner, TokensAssignedExactlyOnce) {
     EXPECT_EQ(received[static_cast<size_t>(i)], plan->instance_quota[static_cast<size_t>(i)]);
 }
 
+// The reroute's rounding: with locality off, each source (ascending rank) gives every instance the
+// floor or the ceiling of its proportional share d * ru_i / D of the residual quotas, the shares sum to
+// its demand, and what is left afterwards is exactly zero.
+TEST(QuotaPlanner, RerouteSharesAreProportionalWithinOneRow) {
+  for (uint64_t seed : {1u, 2u, 3u, 4u}) {
+    const int32_t E = 64, R = 16;
+    auto own = OwnershipMap::Contiguous(E, R);
+    ASSERT_TRUE(own.ok());
+    const auto load = Synthetic(E, R, 1.4, seed, 2048);
+    QuotaConfig cfg;
+    cfg.num_slots = 2;
+    cfg.locality = false;
+    auto plan = SolveQuotaPlan(load, *own, cfg);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const int32_t n = plan->num_instances();
+    int checked = 0;
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t b = plan->instance_offsets[static_cast<size_t>(e)];
+      const int32_t k = plan->instance_offsets[static_cast<size_t>(e) + 1] - b;
+      if (k == 1) continue;
+      std::vector<int64_t> ru(static_cast<size_t>(k));
+      int64_t D = 0;
+      for (int32_t i = 0; i < k; ++i) D += ru[static_cast<size_t>(i)] = plan->instance_quota[static_cast<size_t>(b + i)];
+      for (int32_t r = 0; r < R; ++r) {
+        const int64_t d = load[static_cast<size_t>(r) * E + static_cast<size_t>(e)];
+        int64_t sum = 0;
+        for (int32_t i = 0; i < k; ++i) {
+          const int64_t take = plan->route[static_cast<size_t>(r) * static_cast<size_t>(n) + static_cast<size_t>(b + i)];
+          const int64_t lo = D > 0 ? d * ru[static_cast<size_t>(i)] / D : 0;
+          const bool exact = D > 0 && d * ru[static_cast<size_t>(i)] % D == 0;
+          EXPECT_TRUE(take == lo || (!exact && take == lo + 1))
+              << "seed " << seed << " expert " << e << " source " << r << " instance " << i << ": took " << take
+              << ", proportional share " << d << "*" << ru[static_cast<size_t>(i)] << "/" << D;
+          ru[static_cast<size_t>(i)] -= take;
+          sum += take;
+          ++checked;
+        }
+        EXPECT_EQ(sum, d);
+        D -= d;
+      }
+      for (int64_t left : ru) EXPECT_EQ(left, 0) << "expert " << e;
+    }
+    EXPECT_GT(checked, 100) << "seed " << seed;
+  }
+}
+
 TEST(QuotaPlanner, CumulativeQuotaLookup) {
   // Expert 0 (main on rank 0) with a replica on rank 1; source 1 sends 5 rows split 2 / 3.
   BalancePlan p;

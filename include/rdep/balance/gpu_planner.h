@@ -35,7 +35,9 @@ bool GpuPlannerAvailable(std::string* why);
 struct GpuPlannerConfig {
   size_t shared_bytes = 0;
   int32_t probe_warps = 0;    // warp search (any R): 2^d - 1 warps probing d levels of the search per round
-  int32_t probe_threads = 0;  // thread search (R <= 64, loads < 2^26): 2^d - 1 threads, one threshold each
+  int32_t probe_threads = 0;  // thread search (R <= 64, loads < 2^26): one threshold per thread
+  int32_t probe_levels = 0;   //   the full tree of these levels per round (2^levels - 1 threads) ...
+  int32_t probe_extend = 0;   //   ... plus a tree of these levels rooted at its leftmost leaf (2^extend - 2 threads)
   bool staged_load = false;   // the load matrix is staged in shared memory (as int32)
 };
 StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots);

@@ -57,9 +57,12 @@ StatusOr<BalancePlan> MaterializeReplication(const std::vector<int64_t>& load, c
                                              int32_t num_slots, const ReplicationResult& replication);
 
 // SolveReroute: fills plan->route. Per expert: locality first (the host's own rows, up to its quota),
-// then each source (ascending rank) splits its residual demand over the residual quotas in
-// proportion to them, floor plus largest remainder (ties to the lower instance), and the residual
-// quotas shrink by what it took. Preserves per-source demand and per-instance quota exactly.
+// then each source (ascending rank) splits its residual demand d over the residual quotas ru in
+// proportion to them: with W_i the residual quota of instances 0..i-1 and D the residual total,
+// instance i takes floor(d*W_{i+1}/D) - floor(d*W_i/D) (the floor or the ceiling of d*ru_i/D), and the
+// residual quotas shrink by what it took. Preserves per-source demand and per-instance quota exactly;
+// each W_i evolves on its own (W_i -= floor(d*W_i/D)), which is what lets the GPU run one chain per
+// instance boundary.
 Status SolveReroute(const std::vector<int64_t>& load, bool locality, BalancePlan* plan);
 
 // The whole of Algorithm 1 on the host: SolveReplication, MaterializeReplication, SolveReroute.
