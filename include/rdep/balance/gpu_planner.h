@@ -1,14 +1,15 @@
 // The GPU UltraEP quota planner: Algorithm 1 in one thread block with its state in shared memory.
-// The binary search is evaluated speculatively: for R <= 64 (loads < 2^26) each of 2^d - 1 threads
-// probes one node of the next d levels of the search tree (d = 7 by default), running the greedy
-// oracle without any target search: untouched ranks form one list ordered by load (the greedy only
-// takes its head) and ranks that keep slack after a replica form a small sorted set in registers
-// (overflow in shared memory); for larger R, warps probe one node each with a warp-wide argmax. Then
-// the block builds the instance tables and the locality reroute (G lanes per replicated expert, the
-// largest remainders ranked by shuffles). RDEP_GPU_PLANNER_PROBE_LEVELS / _PROBE_WARPS set the
-// speculation width (measurement knobs). All integer arithmetic (or exact-by-construction double
-// reciprocals) with the host planner's tie-breaking: the plan is bitwise the same as SolveQuotaPlan's.
-// Builds without CUDA return Unavailable. docs/balance.md describes the phases.
+// The binary search is evaluated speculatively: for R <= 64 (loads < 2^26) each thread probes one node
+// of the search tree (the full tree of 7 levels plus 7 levels under its leftmost leaf: 253 threads,
+// 13 levels per round), running the greedy oracle without any target search: untouched ranks form one
+// list ordered by load (the greedy only takes its head) and ranks that keep slack after a replica form
+// a small sorted set in registers (overflow in shared memory); for larger R, warps probe one node each
+// with a warp-wide argmax. Then the block builds the instance tables and the locality reroute (one
+// thread per instance of a replicated expert, carrying the cumulative residual quotas on both sides
+// of its instance through the sources). RDEP_GPU_PLANNER_PROBE_LEVELS / _PROBE_EXTEND / _PROBE_WARPS
+// set the speculation shape (measurement knobs). All integer arithmetic (or exact-by-construction
+// double reciprocals) with the host planner's tie-breaking and rounding: the plan is bitwise the same
+// as SolveQuotaPlan's. Builds without CUDA return Unavailable. docs/balance.md describes the phases.
 //   exercise: build-*/src/balance/balance_test --gtest_filter='GpuPlanner*'
 //             build-*/bin/rdep plan bench --device gpu --experts 256 --ranks 64 --slots 2
 #pragma once
