@@ -278,7 +278,7 @@ __device__ bool WarpProbe(const Shared& s, int64_t tau, int R, int S, int64_t um
 }
 
 // The same oracle for R <= 64 and rank loads below 2^26, run by ONE THREAD per threshold (so a round
-// can probe 2^d - 1 thresholds, d levels of the search tree, with 2^d - 1 threads). It never searches
+// can probe as many search-tree nodes as it has threads; ThreadSearch picks them). It never searches
 // for the target: candidates are keyed (slack << 6 | 63 - rank), larger = the host's choice (largest
 // slack, lowest rank on ties), and they live in two ordered structures:
 //  - the main list: ranks that have received no replica yet, ordered by ascending load (= descending
@@ -1042,8 +1042,9 @@ StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, 
   int dev = 0, optin = 0;
   RDEP_CUDA_RETURN(cudaGetDevice(&dev));
   RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  // Measurement knobs: RDEP_GPU_PLANNER_PROBE_LEVELS = d levels per round of the thread search (2^d - 1
-  // threads, 1..10, default 7), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
+  // Measurement knobs: RDEP_GPU_PLANNER_PROBE_LEVELS = the thread search's full levels per round (pa,
+  // 1..10, default 7), RDEP_GPU_PLANNER_PROBE_EXTEND = the levels of the tree under its leftmost leaf
+  // (pb, 0..8, default 7; 0 or 1 = none), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
   int levels = kDefaultProbeLevels, extend = kDefaultProbeExtend;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_LEVELS"); env != nullptr && std::atoi(env) >= 1)
     levels = std::min(10, std::atoi(env));
