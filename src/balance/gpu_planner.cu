@@ -949,15 +949,19 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       const int e = s.mi_e[j], col = s.inst_off[e] + s.mi_i[j];
       const int64_t wlo = s.mi_w[j];
       const int64_t whi = j + 1 < num_mi && s.mi_e[j + 1] == e ? s.mi_w[j + 1] : s.mi_total[j];
-      // The residual demand column: in the staged load, or in its global copy (uniform branch).
-      auto dcol = [&](int r) -> int64_t {
-        const size_t k = static_cast<size_t>(r) * E + e;
-        return a.staged ? static_cast<int64_t>(s.stage[k]) : a.demand[k];
-      };
-      if (s.lam[e] < kFastRerouteLoadLimit)
-        RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
-      else
-        RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+      if (a.staged) {
+        auto dcol = [&](int r) -> int64_t { return s.stage[static_cast<size_t>(r) * E + e]; };
+        if (s.lam[e] < kFastRerouteLoadLimit)
+          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+        else
+          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+      } else {
+        auto dcol = [&](int r) -> int64_t { return a.demand[static_cast<size_t>(r) * E + e]; };
+        if (s.lam[e] < kFastRerouteLoadLimit)
+          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+        else
+          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+      }
     }
     mark_end(2);
   }
