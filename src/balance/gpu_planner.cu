@@ -949,6 +949,8 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       const int e = s.mi_e[j], col = s.inst_off[e] + s.mi_i[j];
       const int64_t wlo = s.mi_w[j];
       const int64_t whi = j + 1 < num_mi && s.mi_e[j + 1] == e ? s.mi_w[j + 1] : s.mi_total[j];
+      // One typed accessor per home of the demand, not one with a branch inside: that measured 20.5K ->
+      // 26.2K cycles for the replicated reroute (docs/perf-notes.md, round 4).
       if (a.staged) {
         auto dcol = [&](int r) -> int64_t { return s.stage[static_cast<size_t>(r) * E + e]; };
         if (s.lam[e] < kFastRerouteLoadLimit)
