@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 namespace rdep {
 namespace {
@@ -18,9 +19,9 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRanks = 1024;
 constexpr int kDefaultProbeWarps = 31;  // warp search: 2^d - 1 warps, d levels of the binary search per round
-constexpr int kDefaultProbeLevels = 7;  // thread search: 2^7 - 1 = 127 probes per round, the full tree ...
-constexpr int kDefaultProbeExtend = 7;  // ... plus 7 more levels under its leftmost leaf (126 probes)
-constexpr int kRecordingProbes = 32;    // thread search: warp 0's probes record their transfers
+constexpr int kDefaultProbeThreads = 128;  // thread search: one probe per thread, one warp per scheduler
+constexpr int kDefaultChainShift = 5;      // first round: chain of nodes with tau >= lo + lo/2^5 (0 = none)
+constexpr int kRecordingProbes = 64;       // thread search: warps 0-1's probes record their transfers
 
 #define RDEP_CUDA_RETURN(expr)                                                                              \
   do {                                                                                                      \
@@ -42,7 +43,8 @@ struct Layout {
   // int32 offsets (in elements of int32, after the int64 block)
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
          used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, wrec_e = 0, wrec_t = 0, wrec_s = 0, wnrec = 0,
-         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, mi_e = 0, mi_i = 0, mi_host = 0, misc32 = 0, asc = 0,
+         rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, mt_first = 0, mi_e = 0, mi_i = 0, mi_host = 0, mi_m = 0,
+         misc32 = 0, asc = 0,
          ovf = 0, used8 = 0, stage = 0,
          n32 = 0;
   Layout() = default;
@@ -66,8 +68,8 @@ struct Layout {
     mi_local = o; o += imax;                         // replicated experts' instances (reroute): local rows,
     mi_w = o; o += imax;                             //   residual quota of the expert's instances before it,
     mi_total = o; o += imax;                         //   the expert's residual total
-    misc64 = o; o += 4;                              // lo, hi
-    n64 = o;
+    misc64 = o; o += 4;                              // lo, hi, phase ends [2..3]
+    n64 = o + (o & 1);                               // the int32 block starts 16-byte aligned
     o = 0;
     owner = o; o += e;                               // [E] owner rank
     cnt = o; o += r;                                 // [R] main experts per rank
@@ -90,13 +92,17 @@ struct Layout {
     rep_first = o; o += e;                           // [E] first transfer of the expert
     rep_count = o; o += e;                           // [E] number of replicas
     inst_off = o; o += e + 1;                        // [E+1] plan instance offsets
-    multi = o; o += e;                               // experts with replicas (any order)
-    mi_e = o; o += imax;                             // replicated experts' instances: expert, index, host
+    multi = o; o += e;                               // experts with replicas (any order: multi index m)
+    mt_first = o; o += e;                            // [m] first record of multi m
+    mi_e = o; o += imax;                             // replicated experts' instances: expert, index, host, m
     mi_i = o; o += imax;
     mi_host = o; o += imax;
+    mi_m = o; o += imax;
     misc32 = o; o += 16;                             // see kAnyFeasible...
     asc = o; o += pt > 0 ? r + 2 : 0;                // [R+2] load << 6 | 63 - rank, ascending; 2 sentinels
+    o += (4 - (o & 3)) & 3;                          // ovf: 16-byte aligned (after the search it holds the
     ovf = o; o += static_cast<size_t>(pt) * r;       // [pt][R] partial-set overflow of each thread probe
+                                                     // reroute table: RerouteTableCapacity experts x [R] int4)
     used8 = o; o += pt > 0 && S > 2 ? (static_cast<size_t>(pt) * r + 3) / 4 : 0;  // [pt][R] bytes: replicas
     o += o & 1;                                      // stage: 8-byte aligned (int2 stores)
     stage = o; o += staged ? r * e : 0;
@@ -120,7 +126,8 @@ struct KernelArgs {
   const int64_t* load;   // [R*E]
   const int32_t* owner;  // [E]
   int R, E, S, pw, pt, staged;  // pt: thread-probe search threads, 0 = warp search only
-  int pa, pb;                   // thread search: full levels per round, extension levels (pt = 2^pa - 1 + 2^pb - 2)
+  int chain_shift;              // thread search: first round's chain margin lo >> chain_shift (0 = no chain)
+  int rtab_cap;                 // replicated experts whose per-source reroute table fits the ovf area
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
@@ -135,7 +142,7 @@ struct KernelArgs {
   int32_t* inst_slot;       // [I_max]
   int64_t* inst_quota;      // [I_max]
   int32_t* slot_expert;     // [R*S]
-  int64_t* route;           // [R*I] with the plan's I (<= I_max = E + R*S)
+  int32_t* route;           // [R*I] with the plan's I (<= I_max = E + R*S); entries <= a load entry < 2^31
   int64_t* demand;          // [R*E]: replicated experts' residual demand when the load is not staged
   Layout layout;            // shared-memory offsets, computed on the host (kernel parameters stay in the
                             // constant bank, so the compiler rematerializes pointers instead of spilling)
@@ -146,8 +153,8 @@ struct Shared {
       *mi_total, *misc64;
   uint64_t* trec;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
-      *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *mi_e, *mi_i,
-      *mi_host, *misc32, *stage;
+      *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *mt_first, *mi_e,
+      *mi_i, *mi_host, *mi_m, *misc32, *stage;
   uint32_t *asc, *ovf;
   int4* vinfo;
   uint8_t* used8;
@@ -162,7 +169,8 @@ __device__ Shared Carve(char* base, const Layout& L) {
   s.wrec_amount = b64 + L.wrec_amount; s.misc64 = b64 + L.misc64;
   s.vinfo = reinterpret_cast<int4*>(b64 + L.vinfo);
   s.mi_local = b64 + L.mi_local; s.mi_w = b64 + L.mi_w; s.mi_total = b64 + L.mi_total;
-  s.mi_e = b32 + L.mi_e; s.mi_i = b32 + L.mi_i; s.mi_host = b32 + L.mi_host;
+  s.mi_e = b32 + L.mi_e; s.mi_i = b32 + L.mi_i; s.mi_host = b32 + L.mi_host; s.mi_m = b32 + L.mi_m;
+  s.mt_first = b32 + L.mt_first;
   s.trec = reinterpret_cast<uint64_t*>(b64 + L.trec);
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
   s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
@@ -481,7 +489,7 @@ template <bool kWide, typename Demand>
 __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col, int host, int64_t local,
                                 int64_t wlo, int64_t whi, int64_t D) {
   const int R = a.R;
-  int64_t* out = a.route + col;
+  int32_t* out = a.route + col;
   if (kWide) {
     int64_t d = dcol(0), Dc = D;
 #pragma unroll 1
@@ -490,7 +498,7 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
       if (d != 0 && Dc < d) a.out_misc[3] = 1;  // residual demand above residual quota
       const bool live = d > 0 && Dc >= d;
       const int64_t qlo = live ? d * wlo / Dc : 0, qhi = live ? d * whi / Dc : 0;
-      *out = (qhi - qlo) + (r == host ? local : 0);
+      *out = static_cast<int32_t>((qhi - qlo) + (r == host ? local : 0));
       out += I;
       wlo -= qlo;
       whi -= qhi;
@@ -509,7 +517,7 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
       const bool live = d > 0 && Dc >= d;
       const int ql = live ? FloorDivFast32(static_cast<int64_t>(d) * wl, Dc, inv) : 0;
       const int qh = live ? FloorDivFast32(static_cast<int64_t>(d) * wh, Dc, inv) : 0;
-      *out = static_cast<int64_t>(qh - ql) + (r == host ? local : 0);
+      *out = (qh - ql) + (r == host ? static_cast<int32_t>(local) : 0);
       out += I;
       wl -= ql;
       wh -= qh;
@@ -520,44 +528,123 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
   }
 }
 
-// The thread-probe search (R <= 64, loads < 2^26). A round probes, one thread each, the nodes of the
+// The same reroute from the expert's per-source table {d, max(D, 1), f = d * (1 / D)} (built by the block
+// before phase 4; experts below 2^25 rows). floor(d * W / D) is estimated as trunc(W * f): the three
+// roundings put it within 2^-26 of d * W / D < 2^25, while a fractional part is at least 1 / D > 2^-25,
+// so the estimate is the floor or one below it (only when d * W / D is an integer); the remainder
+// d * W - q * D then lies in [0, 2D) < 2^26 and its low 32 bits decide the one upward correction.
+__device__ __forceinline__ void RerouteFromTable(const KernelArgs& a, const int4* tab, int I, int col, int host,
+                                                 int64_t local, int wl, int wh) {
+  const int R = a.R;
+  const int32_t loc = static_cast<int32_t>(local);
+  int32_t* out = a.route + col;
+#pragma unroll 4
+  for (int r = 0; r < R; ++r) {
+    const int4 v = tab[r];
+    const double f = __hiloint2double(v.w, v.z);
+    const uint32_t d = static_cast<uint32_t>(v.x), D = static_cast<uint32_t>(v.y);
+    const int el = static_cast<int>(static_cast<double>(wl) * f), eh = static_cast<int>(static_cast<double>(wh) * f);
+    const uint32_t rl = d * static_cast<uint32_t>(wl) - static_cast<uint32_t>(el) * D;
+    const uint32_t rh = d * static_cast<uint32_t>(wh) - static_cast<uint32_t>(eh) * D;
+    const int ql = el + (rl >= D ? 1 : 0), qh = eh + (rh >= D ? 1 : 0);
+    *out = (qh - ql) + (r == host ? loc : 0);
+    out += I;
+    wl -= ql;
+    wh -= qh;
+  }
+}
+
+// The thread-probe search (R <= 64, loads < 2^26). A round probes, one thread each, nodes of the
 // binary-search tree below the round's root (heap order from 1; node n's interval comes from walking
-// its bits from the root, 0 = left = feasible: hi = tau): the full tree of pa levels (slots
-// 0..2^pa - 2 = nodes 1..2^pa - 1) and, when pb > 1, a tree of pb levels rooted at that tree's
-// leftmost leaf (node 2^(pa-1), already probed; its 2^pb - 2 other nodes take the slots from 2^pa - 1
-// on). The solved threshold sits within ~1% of the mean rank load while the search starts from
-// [mean, max], so the path's first pa - 1 decisions are "feasible" in practice and a round resolves
-// pa + pb - 1 levels; when the path leaves the probed nodes the next round
-// starts where it left. Thread 0 then follows the host's path through the results. The probes in
-// slots 0..31 (the round's first five levels) record their transfers; when the round's last feasible
-// node on the path is one of them, its records are unpacked at the top of the next round (before the
-// buffers are reused). Otherwise Phase 3 re-runs the solved threshold with recording.
-__device__ __forceinline__ int ProbeNodeOfSlot(int t, int pa) {
-  const int full = (1 << pa) - 1;
-  if (t < full) return t + 1;
-  const int u = t - full + 2, du = 31 - __clz(u);  // local heap index (>= 2) under the leftmost leaf
-  return ((1 << (pa - 1)) << du) | (u - (1 << du));
+// its bits from the root, 0 = left = feasible: hi = tau). Its shape is a full tree of pb levels rooted
+// at node 2^c, below a chain of c nodes down the leftmost path (nodes 1, 2, 4, ..., 2^(c-1));
+// c + 2^pb - 1 <= the probe threads. The tree takes slots 0..2^pb - 2 in order of threshold (in-order),
+// so that a warp's 32 probes run neighbouring thresholds, whose greedy runs take nearly the same
+// branches (a warp of scattered thresholds measured ~1.5x slower); the chain takes the slots after it.
+// Only the first round has a chain: the solved threshold sits close above the mean rank load, where
+// the search starts, so its first decisions are "feasible"; the chain holds the leading nodes whose
+// threshold is at least lo + lo / 2^chain_shift (1/32 by default: 3%; the simulation grid's thresholds
+// at N_slot >= 2 and R >= 32 are within 1.7% of the mean). A round resolves c + pb levels when the path
+// follows the chain and fewer when it turns early; the next round (a full tree) starts where the path
+// left the probed nodes, so only the time depends on the guess, never the result. Thread 0 then
+// follows the host's path through the results. The probes in slots 0..63 record their transfers; when
+// the round's last feasible node on the path is one of them, its records are unpacked at the top of
+// the next round (before the buffers are reused). Otherwise Phase 3 re-runs the solved threshold with
+// recording.
+__device__ __forceinline__ int ProbeNodeOfSlot(int t, int c, int pb) {
+  const int tree = (1 << pb) - 1;
+  if (t >= tree) return 1 << (t - tree);                 // the chain: slots after the tree
+  const int j = t + 1, tz = __ffs(j) - 1, du = pb - 1 - tz;  // in-order index t: depth du in the tree
+  return ((1 << c) << du) | (j >> (tz + 1));
 }
-__device__ __forceinline__ int ProbeSlotOfNode(int n, int pa, int pb) {  // -1: not probed this round
+__device__ __forceinline__ int ProbeSlotOfNode(int n, int c, int pb) {  // -1: not probed this round
   const int dn = 31 - __clz(n);
-  if (dn < pa) return n - 1;
-  const int du = dn - (pa - 1);
-  if (du >= pb || (n >> du) != (1 << (pa - 1))) return -1;
-  return (1 << pa) - 1 + ((1 << du) | (n & ((1 << du) - 1))) - 2;
+  if (dn < c) return n == (1 << dn) ? (1 << pb) - 1 + dn : -1;
+  const int du = dn - c;
+  if (du >= pb || (n >> du) != (1 << c)) return -1;
+  const int x = n & ((1 << du) - 1);
+  return ((2 * x + 1) << (pb - 1 - du)) - 1;
 }
+// The round's shape (every thread computes the same): the chain, the leading nodes of the leftmost
+// path whose threshold is at least lo + lo >> shift (0: none), leaving at least half the probe threads
+// to the tree; the tree's levels, as many as the threads allow but no more than a search below the
+// chain can take (so that when they are at most 6, every probe of the last round records).
+__device__ __forceinline__ void RoundShape(int64_t lo, int64_t hi, int shift, int pt, int* c_out, int* pb_out) {
+  int c = 0;
+  if (shift > 0) {
+    const int64_t bar = lo + (lo >> shift);
+    const int cmax = min(pt - (pt + 1) / 2, 24);
+    while (lo < hi && c < cmax) {
+      const int64_t tau = lo + (hi - lo) / 2;
+      if (tau < bar) break;
+      hi = tau;
+      ++c;
+    }
+  }
+  const int depth = lo < hi ? 64 - __clzll(static_cast<unsigned long long>(hi - lo)) : 1;  // probes below
+  *c_out = c;
+  *pb_out = min(min(31 - __clz(pt - c + 1), 30 - c), depth);  // 2^pb - 1 <= pt - c
+}
+
+// Measurement build (-DRDEP_GPU_PLANNER_FINE_STAMPS): thread 0 stamps clock64 at the block's sync points
+// (setup steps, each search round, the preparation), the warps of phase 4 their latest ends; one launch
+// in 56 (the 30th of each Phases-test bench) prints the spans. Slots: see the RDEP_FINE calls.
+#if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
+__device__ long long g_fine[32];
+__device__ int g_fine_launch = 0;
+#define RDEP_FINE(i)                                   \
+  do {                                                 \
+    if (threadIdx.x == 0) g_fine[i] = clock64();       \
+  } while (0)
+#define RDEP_FINE_MAX(i)                                                                              \
+  do {                                                                                                \
+    if ((threadIdx.x & 31) == 0)                                                                      \
+      atomicMax(reinterpret_cast<unsigned long long*>(g_fine + (i)), static_cast<unsigned long long>(clock64())); \
+  } while (0)
+#else
+#define RDEP_FINE(i) \
+  do {               \
+  } while (0)
+#define RDEP_FINE_MAX(i) \
+  do {                   \
+  } while (0)
+#endif
 
 __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
   const int tid = threadIdx.x;
   const int R = a.R, S = a.S, pt = a.pt;
   const size_t rs = static_cast<size_t>(R) * S;
-  while (true) {
+  for (int round = 0;; ++round) {
     if (const int from = s.misc32[kCopyFrom]; from != 0)
       UnpackRecords(s, s.trec + static_cast<size_t>(from - 1) * rs, s.wnrec[from - 1]);
+    if (round < 3) RDEP_FINE_MAX(7 + 3 * round);
     __syncthreads();
     const int64_t lo0 = s.misc64[0], hi0 = s.misc64[1];
     if (lo0 >= hi0) break;
-    if (tid < pt) {
-      const int n = ProbeNodeOfSlot(tid, a.pa);
+    int c = 0, pb = 0;
+    RoundShape(lo0, hi0, round == 0 ? a.chain_shift : 0, pt, &c, &pb);
+    if (tid < c + (1 << pb) - 1) {
+      const int n = ProbeNodeOfSlot(tid, c, pb);
       int64_t lo = lo0, hi = hi0;
       for (int b = 30 - __clz(n); b >= 0 && lo < hi; --b) {
         const int64_t tau = lo + (hi - lo) / 2;
@@ -571,7 +658,7 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
         uint64_t* rec = s.trec + static_cast<size_t>(tid) * rs;
         int nrec = 0;
         bool f;
-        if (tid < kRecordingProbes)  // warp 0: a whole warp takes the recording form
+        if (tid < kRecordingProbes)  // warps 0-1: whole warps take the recording form
           f = S <= 2 ? ThreadProbe<true, true>(s, tau, R, S, umin, ov, used, rec, &nrec)
                      : ThreadProbe<true, false>(s, tau, R, S, umin, ov, used, rec, &nrec);
         else
@@ -581,12 +668,13 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
         if (tid < kRecordingProbes) s.wnrec[tid] = nrec;
       }
     }
+    if (round < 3) RDEP_FINE_MAX(8 + 3 * round);
     __syncthreads();
     if (tid == 0) {
       int64_t lo = lo0, hi = hi0;
       s.misc32[kCopyFrom] = 0;
       for (int n = 1; lo < hi;) {
-        const int slot = ProbeSlotOfNode(n, a.pa, a.pb);
+        const int slot = ProbeSlotOfNode(n, c, pb);
         if (slot < 0) break;
         const int64_t tau = lo + (hi - lo) / 2;
         s.misc32[kNumProbes] += 1;
@@ -606,7 +694,140 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
       s.misc64[0] = lo;
       s.misc64[1] = hi;
     }
+    if (round < 3) RDEP_FINE_MAX(9 + 3 * round);
     __syncthreads();
+  }
+}
+
+// Phase 4's preparation of replicated expert m, by one warp (lanes = its instances, then its sources):
+// instance i (0 = the main one on the owner, i >= 1 = the expert's i-th transfer's replica) at j0 + i
+// in the mi_* arrays, j0 = its first record + m; its local rows (locality: the host's own rows up to
+// the quota); W_i = the residual quota of instances 0..i-1 and the residual total; the local rows taken
+// out of the demand: in place in the staged load (one lane per host; single-instance experts' columns
+// are never changed), or in a copy of the column in the global scratch when the load is not staged.
+// With tab (and an expert below 2^25 rows) it then fills the per-source reroute table (lanes = sources):
+// entry r = {d, max(D, 1), f = d * (1 / D)}, d the residual demand of source r, D the residual total
+// before it, so the instances' loop has no reciprocal and no demand scan on its chain (RerouteFromTable).
+__device__ void PrepareExpert(const KernelArgs& a, const Shared& s, int m, int4* tab) {
+  const int lane = threadIdx.x & 31, R = a.R, E = a.E;
+  const int e = s.multi[m], f = s.mt_first[m], nr = s.rep_count[e], k = nr + 1, j0 = f + m;
+  const size_t col = static_cast<size_t>(e);
+  int64_t moved = 0;
+  for (int c = lane; c < nr; c += 32) moved += s.rec_amount[f + c];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) moved += __shfl_xor_sync(0xffffffffu, moved, off);
+  int64_t carry = 0;
+  for (int b = 0; b < k; b += 32) {  // uniform trip count: every lane shuffles
+    const int i = b + lane;
+    int host = 0;
+    int64_t quota = 0, l = 0;
+    if (i < k) {
+      host = i == 0 ? s.owner[e] : s.rec_t[f + i - 1];
+      quota = i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1];
+      const size_t at = static_cast<size_t>(host) * E + col;
+      l = a.locality ? min(a.staged ? static_cast<int64_t>(s.stage[at]) : a.load[at], quota) : 0;
+    }
+    const int64_t w = quota - l;
+    int64_t inc = w;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int64_t v = __shfl_up_sync(0xffffffffu, inc, off);
+      if (lane >= off) inc += v;
+    }
+    if (i < k) {
+      s.mi_e[j0 + i] = e;
+      s.mi_i[j0 + i] = i;
+      s.mi_host[j0 + i] = host;
+      s.mi_m[j0 + i] = m;
+      s.mi_local[j0 + i] = l;
+      s.mi_w[j0 + i] = carry + inc - w;
+    }
+    carry += __shfl_sync(0xffffffffu, inc, 31);
+  }
+  for (int i = lane; i < k; i += 32) s.mi_total[j0 + i] = carry;
+  if (!a.staged) {
+    for (int r = lane; r < R; r += 32) a.demand[static_cast<size_t>(r) * E + col] = a.load[static_cast<size_t>(r) * E + col];
+    __syncwarp();
+  }
+  for (int i = lane; i < k; i += 32) {
+    const size_t at = static_cast<size_t>(s.mi_host[j0 + i]) * E + col;
+    if (a.staged) s.stage[at] -= static_cast<int32_t>(s.mi_local[j0 + i]);
+    else a.demand[at] -= s.mi_local[j0 + i];
+  }
+  __syncwarp();
+  if (tab == nullptr || s.lam[e] >= kFastRerouteLoadLimit) return;  // the per-thread chains read the demand
+  auto dem = [&](int r) -> int {
+    const size_t at = static_cast<size_t>(r) * E + col;
+    return a.staged ? s.stage[at] : static_cast<int>(a.demand[at]);
+  };
+  const int per = (R + 31) / 32, r0 = min(lane * per, R), r1 = min(r0 + per, R);
+  int sum = 0;
+  for (int r = r0; r < r1; ++r) sum += dem(r);
+  int inc = sum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += v;
+  }
+  int D = static_cast<int>(carry) - (inc - sum);
+  bool bad = false;
+  for (int r = r0; r < r1; ++r) {
+    const int d = dem(r), Dp = max(D, 1);
+    bad = bad || (d > 0 && D < d);  // residual demand above residual quota (the host's error)
+    const double fr = static_cast<double>(d) * __drcp_rn(static_cast<double>(Dp));
+    tab[r] = make_int4(d, Dp, __double2loint(fr), __double2hiint(fr));
+    D -= d;
+  }
+  if (__any_sync(0xffffffffu, bad) && lane == 0) a.out_misc[3] = 1;
+}
+
+// Phase 0's pass over the load matrix: thread idx = g * (E / V) + p reads experts p*V .. p*V + V - 1 (V = 2:
+// 16-byte loads) of the rows r = g (mod groups), 64 bytes in flight; lanes run along the experts, so
+// the loads are coalesced and the int32 stores into the stage conflict-free. Each thread leaves its
+// partial expert sums in part[g][e] (PartialSums: the thread search's overflow area or the reroute
+// arrays, whichever is larger; both are free until the search, at least 3 E int64, so groups * E fits).
+// Also copies the owner map into shared memory.
+__device__ inline int64_t* PartialSums(const KernelArgs& a, const Shared& s, int v, int* groups) {
+  const size_t reroute = 3 * (static_cast<size_t>(a.E) + static_cast<size_t>(a.R) * static_cast<size_t>(a.S));
+  const size_t overflow = static_cast<size_t>(a.pt) * static_cast<size_t>(a.R) / 2;  // int32 words -> int64
+  const size_t scratch = overflow > reroute ? overflow : reroute;
+  const int by_threads = kThreads / (a.E / v), by_scratch = static_cast<int>(scratch / static_cast<size_t>(a.E));
+  *groups = max(1, min(by_threads, by_scratch));
+  return overflow > reroute ? reinterpret_cast<int64_t*>(s.ovf) : s.mi_local;
+}
+template <int V>
+__device__ void StageAndSumExperts(const KernelArgs& a, const Shared& s, int groups, int64_t* part) {
+  using Vec = typename std::conditional<V == 2, longlong2, long long>::type;
+  constexpr int kUnroll = 8 / V;  // 64 bytes in flight per thread
+  const int R = a.R, E = a.E, P = E / V;
+  for (int idx = threadIdx.x; idx < groups * P; idx += kThreads) {
+    const int p = idx % P, g = idx / P, e = p * V;
+    if (g == 0)
+      for (int v = 0; v < V; ++v) s.owner[e + v] = a.owner[e + v];
+    int64_t sum[V] = {};
+    for (int r0 = g; r0 < R; r0 += kUnroll * groups) {
+      Vec x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int r = r0 + u * groups;
+        if (r < R) x[u] = __ldg(reinterpret_cast<const Vec*>(a.load + static_cast<size_t>(r) * E + e));
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int r = r0 + u * groups;
+        if (r >= R) break;
+        int32_t* st = s.stage + static_cast<size_t>(r) * E + e;
+        if constexpr (V == 2) {
+          sum[0] += x[u].x;
+          sum[1] += x[u].y;
+          if (a.staged) *reinterpret_cast<int2*>(st) = make_int2(static_cast<int>(x[u].x), static_cast<int>(x[u].y));
+        } else {
+          sum[0] += x[u];
+          if (a.staged) *st = static_cast<int32_t>(x[u]);
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) part[static_cast<size_t>(g) * E + e + v] = sum[v];
   }
 }
 
@@ -619,64 +840,53 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   const Shared s = Carve(smem, a.layout);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int R = a.R, E = a.E;
+#if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
+  // FINE_PASSES = 2 runs the whole solve twice in one launch (the second with warm instruction caches).
+#ifndef RDEP_GPU_PLANNER_FINE_PASSES
+#define RDEP_GPU_PLANNER_FINE_PASSES 1
+#endif
+#pragma unroll 1
+  for (int pass = 0; pass < RDEP_GPU_PLANNER_FINE_PASSES; ++pass) {
+  __syncthreads();
+#endif
   auto stamp = [&](int i) {
     if (a.out_phase != nullptr && tid == 0) a.out_phase[i] = clock64();
   };
   stamp(0);
-  // Phase 0: stage the load matrix (row-major [R][E]) into shared memory when it fits: 16-byte loads,
-  // kStageUnroll in flight per thread before their stores.
-  if (a.staged) {
-    constexpr int kStageUnroll = 8;
-    const size_t n = static_cast<size_t>(R) * E, n2 = n / 2;
-    const longlong2* src = reinterpret_cast<const longlong2*>(a.load);
-    int2* dst = reinterpret_cast<int2*>(s.stage);
-    for (size_t base = tid; base < n2; base += static_cast<size_t>(kThreads) * kStageUnroll) {
-      longlong2 v[kStageUnroll];
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const size_t i = base + static_cast<size_t>(u) * kThreads;
-        if (i < n2) v[u] = src[i];
-      }
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const size_t i = base + static_cast<size_t>(u) * kThreads;
-        if (i < n2) dst[i] = make_int2(static_cast<int>(v[u].x), static_cast<int>(v[u].y));
-      }
-    }
-    if ((n & 1) != 0 && tid == 0) s.stage[n - 1] = static_cast<int32_t>(a.load[n - 1]);
-  }
+#if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
+  if (tid < 32) g_fine[tid] = 0;
+  __syncthreads();
+#endif
+  RDEP_FINE(0);
+  // Phase 0: expert loads and, when it fits, the load matrix staged into shared memory (int32), in one
+  // pass over global memory (StageAndSumExperts).
+  int sum_groups = 1;
+  int64_t* const part = PartialSums(a, s, E % 2 == 0 ? 2 : 1, &sum_groups);
+  if (E % 2 == 0) StageAndSumExperts<2>(a, s, sum_groups, part);
+  else StageAndSumExperts<1>(a, s, sum_groups, part);
   for (int r = tid; r < R; r += kThreads) {
     s.ell[r] = 0;
     s.cnt[r] = 0;
   }
   if (tid < 16) s.misc32[tid] = 0;
   if (tid == 0) a.out_misc[3] = 0;
+  RDEP_FINE_MAX(1);
   __syncthreads();
   auto ld = [&](int r, int e) -> int64_t {
     const size_t k = static_cast<size_t>(r) * E + e;
     return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
   };
 
-  // Phase 1: expert loads (tpe threads per expert, a power of two <= 32), rank loads, the visiting order.
-  {
-    int tpe = 1;
-    while (tpe < 32 && tpe * 2 * E <= kThreads) tpe *= 2;
-    const int sub = lane & (tpe - 1), total = E * tpe;
-    for (int base = 0; base < total; base += kThreads) {  // uniform trip count: every lane shuffles
-      const int idx = base + tid, e0 = idx / tpe;
-      int64_t sum = 0;
-      if (idx < total)
-        for (int r = sub; r < R; r += tpe) sum += ld(r, e0);
-      for (int off = tpe / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, tpe);
-      if (idx < total && sub == 0) {
-        const int o = a.owner[e0];
-        s.owner[e0] = o;
-        s.lam[e0] = sum;
-        atomicAdd(reinterpret_cast<unsigned long long*>(s.ell + o), static_cast<unsigned long long>(sum));
-        s.gidx[e0] = atomicAdd(s.cnt + o, 1);
-      }
-    }
+  // Phase 1: expert loads from the partial sums, rank loads, the visiting order.
+  for (int e = tid; e < E; e += kThreads) {
+    int64_t sum = 0;
+    for (int g = 0; g < sum_groups; ++g) sum += part[static_cast<size_t>(g) * E + e];
+    const int o = s.owner[e];
+    s.lam[e] = sum;
+    atomicAdd(reinterpret_cast<unsigned long long*>(s.ell + o), static_cast<unsigned long long>(sum));
+    s.gidx[e] = atomicAdd(s.cnt + o, 1);
   }
+  RDEP_FINE_MAX(2);
   __syncthreads();
   if (warp == 0) {
     WarpExclusiveScan(R, [&](int r) { return s.cnt[r]; }, s.expert_first);
@@ -697,18 +907,29 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       s.misc32[kFastProbe] = (a.pt > 0 && R <= 64 && hi < kFastLoadLimit && E < (1 << 24) && a.S <= 256) ? 1 : 0;
     }
   } else {
-    // Rank order: one warp per rank counts the ranks ahead of it (descending load, ascending id) and,
-    // for the thread search's main list, behind it (ascending load, ascending id).
-    for (int r = warp - 1; r < R; r += kWarps - 1) {
-      const int64_t lr = s.ell[r];
+    // Rank order: Q lanes per rank (a power of two, R * Q <= the 992 threads of warps 1..31) count the
+    // ranks ahead of it (descending load, ascending id) and, for the thread search's main list, behind
+    // it (ascending load, ascending id).
+    int Q = 1;
+    while (Q < 32 && 2 * Q * R <= kThreads - 32) Q *= 2;
+    const int t = tid - 32, sub = t & (Q - 1);
+    for (int base = 0; base < R * Q; base += kThreads - 32) {  // uniform trip count: every lane shuffles
+      const int idx = base + t, r = idx / Q;
       unsigned ahead = 0, below = 0;
-      for (int q = lane; q < R; q += 32) {
-        ahead += (s.ell[q] > lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
-        below += (s.ell[q] < lr || (s.ell[q] == lr && q < r)) ? 1u : 0u;
+      int64_t lr = 0;
+      if (r < R) {
+        lr = s.ell[r];
+        for (int q = sub; q < R; q += Q) {
+          const int64_t lq = s.ell[q];
+          ahead += (lq > lr || (lq == lr && q < r)) ? 1u : 0u;
+          below += (lq < lr || (lq == lr && q < r)) ? 1u : 0u;
+        }
       }
-      ahead = __reduce_add_sync(0xffffffffu, ahead);
-      below = __reduce_add_sync(0xffffffffu, below);
-      if (lane == 0) {
+      for (int off = Q / 2; off > 0; off >>= 1) {
+        ahead += __shfl_xor_sync(0xffffffffu, ahead, off, Q);
+        below += __shfl_xor_sync(0xffffffffu, below, off, Q);
+      }
+      if (r < R && sub == 0) {
         s.rank_order[ahead] = r;
         s.rank_pos[r] = static_cast<int>(ahead);
         if (a.pt > 0 && lr < kFastLoadLimit)
@@ -717,9 +938,11 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     }
     if (a.pt > 0 && tid >= 32 && tid < 34) s.asc[R + tid - 32] = 0xffffffffu;  // sentinels: no slack for any tau
   }
+  RDEP_FINE_MAX(3);
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) s.grp[s.expert_first[s.owner[e]] + s.gidx[e]] = e;
   for (int ri = tid; ri < R; ri += kThreads) s.ell_sorted[ri] = s.ell[s.rank_order[ri]];
+  RDEP_FINE_MAX(4);
   __syncthreads();
   if (warp == 0) WarpExclusiveScan(R, [&](int ri) { return s.cnt[s.rank_order[ri]]; }, s.vfirst);
   for (int e = tid; e < E; e += kThreads) {
@@ -733,6 +956,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     }
     s.gidx[e] = pos;
   }
+  RDEP_FINE_MAX(5);
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) {
     const int ri = s.rank_pos[s.owner[e]], k = s.vfirst[ri] + s.gidx[e];
@@ -743,6 +967,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (a.pt > 0) s.vinfo[k] = make_int4(static_cast<int>(s.lam[e]), e, s.vfirst[ri + 1], static_cast<int>(s.ell[s.owner[e]]));
   }
   if (a.pt > 0 && tid < 2) s.vinfo[E + tid] = make_int4(0, 0, E, 0);  // sentinels: no rank left
+  RDEP_FINE_MAX(6);
   __syncthreads();
   stamp(1);
   const bool fast = s.misc32[kFastProbe] != 0;
@@ -833,6 +1058,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     }
   }
   stamp(2);
+  RDEP_FINE(16);
 
   // Phase 3: the solved threshold's transfers. Both searches unpacked or copied them at the top of
   // their last round, except when the thread search's solved threshold came from a probe that did
@@ -870,6 +1096,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     UnpackRecords(s, s.trec, s.misc32[kNumRec]);
   }
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
+  RDEP_FINE_MAX(17);
   __syncthreads();
   stamp(3);
   const int nrec = s.misc32[kNumRec];
@@ -889,48 +1116,44 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     atomicAdd(s.rep_count + e, 1);
   }
   for (int k = tid; k < R * a.S; k += kThreads) a.slot_expert[k] = -1;
-  __syncthreads();
-  if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
-  // Each replicated expert (one thread) claims a range of the replicated-instance list and fills it:
-  // instance, host, local rows (locality: the host's own rows up to the quota), the cumulative residual
-  // quota before it (W_i) and the residual total. Then it takes the local rows out of the demand: in
-  // place in the staged load (only this thread touches these entries; single-instance experts' columns
-  // are never changed), or in a copy of its column in the global scratch when the load is not staged.
-  for (int e = tid; e < E; e += kThreads) {
-    const int nr = s.rep_count[e];
-    if (nr == 0) continue;
-    s.multi[atomicAdd(s.misc32 + kNumMulti, 1)] = e;
-    const int k = nr + 1, f = s.rep_first[e], j0 = atomicAdd(s.misc32 + kNumMultiInst, k);
-    int64_t moved = 0;
-    for (int c = 0; c < nr; ++c) moved += s.rec_amount[f + c];
-    int64_t w = 0;
-    for (int i = 0; i < k; ++i) {
-      const int host = i == 0 ? s.owner[e] : s.rec_t[f + i - 1];
-      const int64_t quota = i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1];
-      const int64_t l = a.locality ? min(ld(host, e), quota) : 0;
-      s.mi_e[j0 + i] = e;
-      s.mi_i[j0 + i] = i;
-      s.mi_host[j0 + i] = host;
-      s.mi_local[j0 + i] = l;
-      s.mi_w[j0 + i] = w;
-      w += quota - l;
-    }
-    for (int i = 0; i < k; ++i) s.mi_total[j0 + i] = w;
-    if (a.staged) {
-      for (int i = 0; i < k; ++i) {
-        const size_t at = static_cast<size_t>(s.mi_host[j0 + i]) * E + e;
-        s.stage[at] -= static_cast<int32_t>(s.mi_local[j0 + i]);
+  if (warp == 1) {
+    // The replicated experts in record order: segment m of the records (one expert each) starts at
+    // mt_first[m]; its instances will sit at f + m in the mi_* arrays (m main instances before it).
+    int base = 0;
+    for (int k0 = 0; k0 < nrec; k0 += 32) {
+      const int k = k0 + lane;
+      const bool start = k < nrec && (k == 0 || s.rec_e[k - 1] != s.rec_e[k]);
+      const unsigned starts = __ballot_sync(0xffffffffu, start);
+      if (start) {
+        const int m = base + __popc(starts & ((1u << lane) - 1u));
+        s.multi[m] = s.rec_e[k];
+        s.mt_first[m] = k;
       }
-    } else {
-      for (int r = 0; r < R; ++r) a.demand[static_cast<size_t>(r) * E + e] = a.load[static_cast<size_t>(r) * E + e];
-      for (int i = 0; i < k; ++i) a.demand[static_cast<size_t>(s.mi_host[j0 + i]) * E + e] -= s.mi_local[j0 + i];
+      base += __popc(starts);
+    }
+    if (lane == 0) {
+      s.misc32[kNumMulti] = base;
+      s.misc32[kNumMultiInst] = nrec + base;
     }
   }
+  RDEP_FINE_MAX(18);
+  __syncthreads();
+  // Warp 0 scans the instance offsets; warps 1..31 prepare one replicated expert each (PrepareExpert):
+  // its instances, their locality, the cumulative residual quotas, the local rows out of the demand and
+  // the per-source reroute table.
+  const int num_multi = s.misc32[kNumMulti], num_mi = s.misc32[kNumMultiInst];
+  int4* const rtab = reinterpret_cast<int4*>(s.ovf);  // the search's overflow area is free now
+  const int tab_stride = R | 1;  // odd: different experts' entries of one source fall in different banks
+  const int num_tab = min(num_multi, a.rtab_cap);
   if (tid == 0) s.misc64[2] = s.misc64[3] = 0;  // latest end of the replicated / single-instance work
+  if (warp == 0) WarpExclusiveScan(E, [&](int e) { return 1 + s.rep_count[e]; }, s.inst_off);
+  else
+    for (int m = warp - 1; m < num_multi; m += kWarps - 1)
+      PrepareExpert(a, s, m, m < num_tab ? rtab + static_cast<size_t>(m) * tab_stride : nullptr);
+  RDEP_FINE_MAX(19);
   __syncthreads();
   stamp(4);
   const int I = s.inst_off[E];
-  const int num_mi = s.misc32[kNumMultiInst];
   // Warps 0..busy-1 reroute the replicated experts' instances, one thread each (the long sequential
   // part: R sources); when at least 4 warps are left over, they alone write the instance tables and the
   // single-instance routes meanwhile.
@@ -949,6 +1172,12 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       const int e = s.mi_e[j], col = s.inst_off[e] + s.mi_i[j];
       const int64_t wlo = s.mi_w[j];
       const int64_t whi = j + 1 < num_mi && s.mi_e[j + 1] == e ? s.mi_w[j + 1] : s.mi_total[j];
+      const int m = s.mi_m[j];
+      if (m < num_tab && s.lam[e] < kFastRerouteLoadLimit) {
+        RerouteFromTable(a, rtab + static_cast<size_t>(m) * tab_stride, I, col, s.mi_host[j], s.mi_local[j],
+                         static_cast<int>(wlo), static_cast<int>(whi));
+        continue;
+      }
       // One typed accessor per home of the demand, not one with a branch inside: that measured 20.5K ->
       // 26.2K cycles for the replicated reroute (docs/perf-notes.md, round 4).
       if (a.staged) {
@@ -966,6 +1195,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       }
     }
     mark_end(2);
+    RDEP_FINE_MAX(20);
   }
   // Instance tables (one thread per expert) and experts without replicas (every source's rows go to
   // the main instance), on the warps without a replicated instance when there are enough of them.
@@ -989,14 +1219,31 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
         a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
       }
     }
+    RDEP_FINE_MAX(21);
     for (int r = wi; r < R; r += nw) {
-      int64_t* row = a.route + static_cast<size_t>(r) * I;
+      int32_t* row = a.route + static_cast<size_t>(r) * I;
 #pragma unroll 4
       for (int e = lane; e < E; e += 32)
-        if (s.rep_count[e] == 0) row[s.inst_off[e]] = ld(r, e);
+        if (s.rep_count[e] == 0) row[s.inst_off[e]] = static_cast<int32_t>(ld(r, e));
     }
     mark_end(3);
+    RDEP_FINE_MAX(22);
   }
+#if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
+  RDEP_FINE_MAX(23);
+  __syncthreads();
+  if (tid == 0 && pass == RDEP_GPU_PLANNER_FINE_PASSES - 1 && atomicAdd(&g_fine_launch, 1) % 56 == 30) {
+    const long long* f = g_fine;
+    printf("fine (barrier = last warp's arrival): setup: stage+sums %lld, expert loads %lld, rank order %lld, groups %lld,"
+           " expert order %lld, visit data %lld | search: round 0 probes %lld decide %lld, round 1 unpack %lld probes %lld"
+           " decide %lld, round 2 unpack %lld probes %lld | search total %lld | record %lld | outputs %lld | prep %lld |"
+           " reroute %lld, tables %lld, rows %lld, end %lld | total %lld\n",
+           f[1] - f[0], f[2] - f[1], f[3] - f[2], f[4] - f[3], f[5] - f[4], f[6] - f[5], f[8] - f[7], f[9] - f[8],
+           f[10] ? f[10] - f[9] : 0, f[11] ? f[11] - f[10] : 0, f[12] ? f[12] - f[11] : 0, f[13] ? f[13] - f[12] : 0,
+           f[14] ? f[14] - f[13] : 0, f[16] - f[6] - (f[7] - f[6]), f[17] - f[16], f[18] - f[17], f[19] - f[18],
+           f[20] ? f[20] - f[19] : 0, f[21] - f[19], f[22] - f[19], f[23] - f[19], f[23] - f[0]);
+  }
+#endif
   if (a.out_phase != nullptr) {
     __syncthreads();
     if (tid == 0) {
@@ -1005,6 +1252,9 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     }
     stamp(7);
   }
+#if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
+  }  // pass
+#endif
 }
 
 // Device buffers of one planner instance.
@@ -1017,7 +1267,8 @@ struct DeviceBuffers {
   int32_t *inst_offsets = nullptr, *inst_expert = nullptr, *inst_rank = nullptr, *inst_slot = nullptr;
   int64_t* inst_quota = nullptr;
   int32_t* slot_expert = nullptr;
-  int64_t *route = nullptr, *demand = nullptr, *phase = nullptr;
+  int32_t* route = nullptr;
+  int64_t *demand = nullptr, *phase = nullptr;
   ~DeviceBuffers() {
     for (void* p : {static_cast<void*>(load), static_cast<void*>(owner), static_cast<void*>(misc),
                     static_cast<void*>(tr_expert), static_cast<void*>(tr_rank), static_cast<void*>(tr_slot),
@@ -1044,31 +1295,30 @@ StatusOr<GpuPlannerConfig> ChooseConfig(int32_t num_experts, int32_t num_ranks, 
   int dev = 0, optin = 0;
   RDEP_CUDA_RETURN(cudaGetDevice(&dev));
   RDEP_CUDA_RETURN(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  // Measurement knobs: RDEP_GPU_PLANNER_PROBE_LEVELS = the thread search's full levels per round (pa,
-  // 1..10, default 7), RDEP_GPU_PLANNER_PROBE_EXTEND = the levels of the tree under its leftmost leaf
-  // (pb, 0..8, default 7; 0 or 1 = none), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
-  int levels = kDefaultProbeLevels, extend = kDefaultProbeExtend;
-  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_LEVELS"); env != nullptr && std::atoi(env) >= 1)
-    levels = std::min(10, std::atoi(env));
-  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_EXTEND"); env != nullptr && std::atoi(env) >= 0)
-    extend = std::min(8, std::atoi(env));
+  // Measurement knobs: RDEP_GPU_PLANNER_PROBE_THREADS = the thread search's probes per round (1..1023,
+  // default 128: one warp per scheduler), RDEP_GPU_PLANNER_CHAIN_SHIFT = its first round's chain margin
+  // lo >> shift (default 5; 0 = no chain), RDEP_GPU_PLANNER_PROBE_WARPS caps the warp search's probe warps.
+  int threads = kDefaultProbeThreads, chain_shift = kDefaultChainShift;
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_THREADS"); env != nullptr && std::atoi(env) >= 1)
+    threads = std::min(kThreads - 1, std::atoi(env));
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_CHAIN_SHIFT"); env != nullptr && std::atoi(env) >= 0)
+    chain_shift = std::min(30, std::atoi(env));
   int max_pw = kDefaultProbeWarps;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_PROBE_WARPS"); env != nullptr && std::atoi(env) >= 1)
     max_pw = std::min(31, std::atoi(env));
   // The thread search exists for R <= 64; with it, the warp search only runs for loads >= 2^26. When
-  // shared memory is short, the extension goes first, then levels.
-  for (int pa = num_ranks <= 64 ? levels : 0, pb = extend;; pb > 0 ? pb = 0 : --pa) {
-    const int pt = pa <= 0 ? 0 : (1 << pa) - 1 + (pb > 1 ? (1 << pb) - 2 : 0);
+  // shared memory is short, the probe threads halve.
+  for (int pt = num_ranks <= 64 ? threads : 0;; pt /= 2) {
     for (bool staged : {true, false}) {
       if (staged && !stage_ok) continue;
       for (int pw = 31; pw >= 1; pw = (pw - 1) / 2) {  // 31, 15, 7, 3, 1 warps: 5..1 levels per round
         if (pw > max_pw) continue;
         const size_t bytes = Layout(num_ranks, num_experts, num_slots, pw, pt, staged).bytes();
         if (bytes <= static_cast<size_t>(optin))
-          return GpuPlannerConfig{bytes, pw, pt, pt > 0 ? pa : 0, pt > 0 && pb > 1 ? pb : 0, staged};
+          return GpuPlannerConfig{bytes, pw, pt, pt > 0 ? chain_shift : 0, staged};
       }
     }
-    if (pa <= 0) break;
+    if (pt <= 0) break;
   }
   return InvalidArgument("GPU planner: E=" + std::to_string(num_experts) + ", R=" + std::to_string(num_ranks) +
                          ", N_slot=" + std::to_string(num_slots) + " does not fit one block's shared memory (" +
@@ -1091,9 +1341,13 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   p->R = owners.num_ranks();
   p->E = owners.num_experts();
   p->S = config.num_slots;
-  bool fits32 = true;
-  for (int64_t v : load) fits32 = fits32 && v <= INT32_MAX;
-  RDEP_ASSIGN_OR_RETURN(p->cfg, ChooseConfig(p->E, p->R, p->S, fits32));
+  // The device plan counts rows in int32 (a route entry is at most a load entry): every entry must fit.
+  for (size_t i = 0; i < load.size(); ++i)
+    if (load[i] > INT32_MAX)
+      return InvalidArgument("GPU planner: load[" + std::to_string(i / static_cast<size_t>(owners.num_experts())) +
+                             "][" + std::to_string(i % static_cast<size_t>(owners.num_experts())) + "] = " +
+                             std::to_string(load[i]) + " rows exceeds 2^31 - 1 (the device plan counts rows in int32)");
+  RDEP_ASSIGN_OR_RETURN(p->cfg, ChooseConfig(p->E, p->R, p->S, true));
   const size_t R = static_cast<size_t>(p->R), E = static_cast<size_t>(p->E), RS = R * static_cast<size_t>(p->S);
   const size_t imax = E + RS;
   DeviceBuffers& b = p->buf;
@@ -1125,8 +1379,12 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   a.S = p->S;
   a.pw = p->cfg.probe_warps;
   a.pt = p->cfg.probe_threads;
-  a.pa = p->cfg.probe_levels;
-  a.pb = p->cfg.probe_extend;
+  a.chain_shift = p->cfg.chain_shift;
+  // The reroute table lives in the overflow area: pt * R int32 words hold (R | 1) int4 entries per expert.
+  // RDEP_GPU_PLANNER_REROUTE_TABLE caps it (0: every expert takes the per-thread reciprocal chain).
+  a.rtab_cap = a.pt * a.R / (4 * (a.R | 1));
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_REROUTE_TABLE"); env != nullptr && std::atoi(env) >= 0)
+    a.rtab_cap = std::min(a.rtab_cap, std::atoi(env));
   a.staged = p->cfg.staged_load ? 1 : 0;
   a.umin = config.min_quota;
   a.locality = config.locality ? 1 : 0;
@@ -1210,7 +1468,9 @@ StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const 
   RDEP_CUDA_RETURN(cudaMemcpy(plan.instance_quota.data(), p.buf.inst_quota, I * 8, cudaMemcpyDeviceToHost));
   if (RS > 0)
     RDEP_CUDA_RETURN(cudaMemcpy(plan.slot_expert.data(), p.buf.slot_expert, RS * 4, cudaMemcpyDeviceToHost));
-  RDEP_CUDA_RETURN(cudaMemcpy(plan.route.data(), p.buf.route, R * I * 8, cudaMemcpyDeviceToHost));
+  std::vector<int32_t> route32(R * I);
+  RDEP_CUDA_RETURN(cudaMemcpy(route32.data(), p.buf.route, R * I * 4, cudaMemcpyDeviceToHost));
+  std::copy(route32.begin(), route32.end(), plan.route.begin());
   return plan;
 }
 

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "rdep/balance/load_trace.h"
 
@@ -83,14 +85,6 @@ TEST(GpuPlanner, MatchesHostOnEdgeCases) {
   std::vector<int64_t> one(8 * 32, 0);
   for (int r = 0; r < 8; ++r) one[static_cast<size_t>(r * 32 + 3)] = 1000 + r;
   loads.push_back(one);  // one expert holds all load
-  std::vector<int64_t> big(8 * 32, 1000);
-  big[5] = (int64_t{1} << 31) + 5;  // an entry above int32: the kernel reads the load from global memory
-  loads.push_back(big);
-  // Not staged (an entry above int32) with a hot expert below 2^25 rows: its reroute reads the residual
-  // demand from the global copy on the 32-bit chain, next to the int64 chain of the big expert.
-  std::vector<int64_t> big2 = big;
-  for (int r = 0; r < 8; ++r) big2[static_cast<size_t>(r * 32 + 12)] = 50000 + 17 * r;
-  loads.push_back(big2);
   for (const auto& load : loads) {
     QuotaConfig cfg;
     cfg.num_slots = 2;
@@ -101,8 +95,51 @@ TEST(GpuPlanner, MatchesHostOnEdgeCases) {
   }
 }
 
-// One expert hot on every rank of 64 gets more than 32 instances: the reroute's one-thread fallback
-// (the warp path takes at most 32), with the register-resident probe (R <= 64).
+// A load matrix too large to stage in shared memory (64 x 1024 int32 = 256 KiB): the kernel reads the
+// load from global memory and the reroute reads the residual demand from its global copy. One hot
+// expert of 2^25 rows or more takes the int64 chain, another below 2^25 the 32-bit one. An entry above
+// int32 is refused by name (the device plan counts rows in int32).
+TEST(GpuPlanner, MatchesHostUnstagedAndRefusesEntriesAboveInt32) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  constexpr int32_t E = 1024, R = 64;
+  auto cap = GpuPlannerCanImplement(E, R, 2);
+  ASSERT_TRUE(cap.ok()) << cap.status();
+  EXPECT_FALSE(cap->staged_load);
+  EXPECT_GT(cap->probe_threads, 0);
+  auto own = OwnershipMap::Contiguous(E, R);
+  ASSERT_TRUE(own.ok());
+  std::vector<int64_t> load(static_cast<size_t>(R) * E);
+  for (size_t i = 0; i < load.size(); ++i) load[i] = 60 + static_cast<int64_t>((i * 2654435761u) % 97);
+  // Expert 5 at 2^19 + 1 rows per source (2^25 + 64 in all: the int64 reroute chain, rank loads below
+  // 2^26: thread search) or 2^21 (a rank load of 2^27: the warp search).
+  for (int64_t hot : {(int64_t{1} << 19) + 1, int64_t{1} << 21}) {
+    for (int r = 0; r < R; ++r) {
+      load[static_cast<size_t>(r) * E + 5] = hot;
+      load[static_cast<size_t>(r) * E + 700] = 50000 + 17 * r;  // expert 700: ~3.2M rows
+    }
+    for (int32_t S : {1, 2}) {
+      QuotaConfig cfg;
+      cfg.num_slots = S;
+      cfg.min_quota = 100;
+      auto host = SolveQuotaPlan(load, *own, cfg);
+      auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
+      ASSERT_TRUE(host.ok() && gpu.ok()) << gpu.status();
+      ASSERT_GT(host->instance_offsets[6] - host->instance_offsets[5], 1);
+      ASSERT_GT(host->instance_offsets[701] - host->instance_offsets[700], 1);
+      ExpectSamePlan(*gpu, *host, "unstaged, hot=" + std::to_string(hot) + " S=" + std::to_string(S));
+    }
+  }
+  load[static_cast<size_t>(3) * E + 9] = (int64_t{1} << 31) + 5;
+  QuotaConfig cfg;
+  auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(gpu.status().message().find("load[3][9]"), std::string::npos) << gpu.status();
+}
+
+// One expert hot on every rank of 64 gets more than 32 instances: its instance threads span warps in
+// the reroute, with the thread-probe search (R <= 64).
 TEST(GpuPlanner, MatchesHostWithMoreThan32Instances) {
   std::string why;
   if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
@@ -123,6 +160,66 @@ TEST(GpuPlanner, MatchesHostWithMoreThan32Instances) {
     EXPECT_GT(host->instance_offsets[4] - host->instance_offsets[3], 32);
     ExpectSamePlan(*gpu, *host, "hot expert, u_min=" + std::to_string(umin));
   }
+}
+
+// The speculation shape and the reroute table are measurement knobs read from the environment at
+// each solve; none may change the plan. Covers: no chain and small rounds (many rounds, records from
+// earlier rounds, re-runs), a wide first round with a long chain, a chain guessed far too low (the
+// path leaves it early), and the reroute with no table or a table too small for every expert (the
+// per-thread reciprocal chain for the rest).
+TEST(GpuPlanner, MatchesHostUnderEverySpeculationKnob) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  struct Knobs {
+    const char* threads;
+    const char* chain;
+    const char* table;
+  };
+  const Knobs knobs[] = {{"31", "0", nullptr}, {"255", "2", nullptr}, {"128", "16", nullptr},
+                         {nullptr, nullptr, "0"}, {nullptr, nullptr, "3"}, {"7", "5", "1"}};
+  auto set = [](const char* name, const char* v) {
+    if (v != nullptr) setenv(name, v, 1);
+    else unsetenv(name);
+  };
+  int cases = 0;
+  for (const Knobs& k : knobs) {
+    set("RDEP_GPU_PLANNER_PROBE_THREADS", k.threads);
+    set("RDEP_GPU_PLANNER_CHAIN_SHIFT", k.chain);
+    set("RDEP_GPU_PLANNER_REROUTE_TABLE", k.table);
+    for (int32_t E : {256, 64}) {
+      const int32_t R = E == 256 ? 64 : 8;
+      auto own = OwnershipMap::Contiguous(E, R);
+      ASSERT_TRUE(own.ok());
+      for (int32_t S : {1, 2}) {
+        for (double alpha : {1.0, 1.4}) {
+          SyntheticLoadSpec spec;
+          spec.experts = E;
+          spec.ranks = R;
+          spec.alpha = alpha;
+          spec.tokens = 4096;
+          spec.topk = 8;
+          spec.seed = 11 + static_cast<uint64_t>(S);
+          auto trace = GenerateSyntheticLoads(spec, 1);
+          ASSERT_TRUE(trace.ok()) << trace.status();
+          QuotaConfig cfg;
+          cfg.num_slots = S;
+          cfg.min_quota = 327;
+          auto host = SolveQuotaPlan(trace->steps[0], *own, cfg);
+          auto gpu = SolveQuotaPlanGpu(trace->steps[0], *own, cfg);
+          ASSERT_TRUE(host.ok() && gpu.ok()) << gpu.status();
+          ExpectSamePlan(*gpu, *host,
+                         std::string("threads=") + (k.threads ? k.threads : "-") + " chain=" + (k.chain ? k.chain : "-") +
+                             " table=" + (k.table ? k.table : "-") + " E=" + std::to_string(E) + " S=" +
+                             std::to_string(S) + " alpha=" + std::to_string(alpha));
+          ++cases;
+        }
+      }
+    }
+  }
+  set("RDEP_GPU_PLANNER_PROBE_THREADS", nullptr);
+  set("RDEP_GPU_PLANNER_CHAIN_SHIFT", nullptr);
+  set("RDEP_GPU_PLANNER_REROUTE_TABLE", nullptr);
+  EXPECT_EQ(cases, 48);
 }
 
 // The benchmark's shape (rdep plan bench defaults: E=256, R=64, N_slot=2, alpha=1, T=4096, K=8,

@@ -1,12 +1,13 @@
 // The GPU UltraEP quota planner: Algorithm 1 in one thread block with its state in shared memory.
 // The binary search is evaluated speculatively: for R <= 64 (loads < 2^26) each thread probes one node
-// of the search tree (the full tree of 7 levels plus 7 levels under its leftmost leaf: 253 threads,
-// 13 levels per round), running the greedy oracle without any target search: untouched ranks form one
+// of the search tree (128 threads a round: in the first, a chain down the leftmost path, where the
+// solved threshold lies close above the mean load, then a tree of 6 levels; later rounds a tree of 7),
+// running the greedy oracle without any target search: untouched ranks form one
 // list ordered by load (the greedy only takes its head) and ranks that keep slack after a replica form
 // a small sorted set in registers (overflow in shared memory); for larger R, warps probe one node each
 // with a warp-wide argmax. Then the block builds the instance tables and the locality reroute (one
 // thread per instance of a replicated expert, carrying the cumulative residual quotas on both sides
-// of its instance through the sources). RDEP_GPU_PLANNER_PROBE_LEVELS / _PROBE_EXTEND / _PROBE_WARPS
+// of its instance through the sources). RDEP_GPU_PLANNER_PROBE_THREADS / _CHAIN_SHIFT / _PROBE_WARPS
 // set the speculation shape (measurement knobs). All integer arithmetic (or exact-by-construction
 // double reciprocals) with the host planner's tie-breaking and rounding: the plan is bitwise the same
 // as SolveQuotaPlan's. Builds without CUDA return Unavailable. docs/balance.md describes the phases.
@@ -32,18 +33,19 @@ bool GpuPlannerAvailable(std::string* why);
 
 // Shape limits of the one-block planner: R <= 1024 and the per-probe state must fit shared memory.
 // Returns the dynamic shared memory bytes and the number of probe warps it would use (staging the
-// load matrix in shared memory when it fits; entries must then be below 2^31).
+// load matrix, as int32, in shared memory when it fits).
 struct GpuPlannerConfig {
   size_t shared_bytes = 0;
   int32_t probe_warps = 0;    // warp search (any R): 2^d - 1 warps probing d levels of the search per round
-  int32_t probe_threads = 0;  // thread search (R <= 64, loads < 2^26): one threshold per thread
-  int32_t probe_levels = 0;   //   the full tree of these levels per round (2^levels - 1 threads) ...
-  int32_t probe_extend = 0;   //   ... plus a tree of these levels rooted at its leftmost leaf (2^extend - 2 threads)
+  int32_t probe_threads = 0;  // thread search (R <= 64, loads < 2^26): one threshold per thread and round
+  int32_t chain_shift = 0;    //   its first round probes a chain of thresholds >= lo + lo >> chain_shift, then a tree
   bool staged_load = false;   // the load matrix is staged in shared memory (as int32)
 };
 StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
 
-// Solves on the current device (copies the load in, the plan out). Same result as SolveQuotaPlan.
+// Solves on the current device (copies the load in, the plan out). Same result as SolveQuotaPlan. On the
+// device the plan counts rows in int32 (route entries are at most a load entry), so every load entry
+// must be below 2^31: a larger one is refused with InvalidArgument naming it.
 StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
                                         const QuotaConfig& config);
 
