@@ -33,6 +33,10 @@ constexpr int kRecordingProbes = 64;       // thread search: warps 0-1's probes 
     }                                                                                                       \
   } while (0)
 
+// Row stride of the staged load matrix in shared memory: a column read (lanes = sources) touches at
+// most two lanes per bank (stride = 2 mod 4, even so that int2 stores stay aligned; odd when E is).
+__host__ __device__ inline int StageStride(int E) { return E % 2 != 0 ? E + 2 : (E % 4 == 0 ? E + 2 : E + 4); }
+
 // Shared-memory layout, computed identically on host (for the size) and device (for the pointers).
 // int64 arrays first (8-byte aligned), then int32 arrays. "Visit order" = the order in which every
 // probe walks the experts: ranks by descending load, each rank's main experts by descending load.
@@ -44,6 +48,7 @@ struct Layout {
   size_t owner = 0, cnt = 0, expert_first = 0, grp = 0, gidx = 0, rank_order = 0, rank_pos = 0, vfirst = 0, vexp = 0,
          used = 0, feas = 0, rec_e = 0, rec_t = 0, rec_s = 0, wrec_e = 0, wrec_t = 0, wrec_s = 0, wnrec = 0,
          rep_first = 0, rep_count = 0, inst_off = 0, multi = 0, mt_first = 0, mi_e = 0, mi_i = 0, mi_host = 0, mi_m = 0,
+         col_src = 0,
          misc32 = 0, asc = 0,
          ovf = 0, used8 = 0, stage = 0,
          n32 = 0;
@@ -98,6 +103,7 @@ struct Layout {
     mi_i = o; o += imax;
     mi_host = o; o += imax;
     mi_m = o; o += imax;
+    col_src = o; o += imax;                          // [I] route column c: expert e >= 0 (its load) or -1 - tile column
     misc32 = o; o += 16;                             // see kAnyFeasible...
     asc = o; o += pt > 0 ? r + 2 : 0;                // [R+2] load << 6 | 63 - rank, ascending; 2 sentinels
     o += (4 - (o & 3)) & 3;                          // ovf: 16-byte aligned (after the search it holds the
@@ -105,7 +111,7 @@ struct Layout {
                                                      // reroute table: RerouteTableCapacity experts x [R] int4)
     used8 = o; o += pt > 0 && S > 2 ? (static_cast<size_t>(pt) * r + 3) / 4 : 0;  // [pt][R] bytes: replicas
     o += o & 1;                                      // stage: 8-byte aligned (int2 stores)
-    stage = o; o += staged ? r * e : 0;
+    stage = o; o += staged ? r * static_cast<size_t>(StageStride(E)) : 0;
     n32 = o;
   }
   __host__ __device__ size_t bytes() const { return n64 * 8 + n32 * 4; }
@@ -128,6 +134,7 @@ struct KernelArgs {
   int R, E, S, pw, pt, staged;  // pt: thread-probe search threads, 0 = warp search only
   int chain_shift;              // thread search: first round's chain margin lo >> chain_shift (0 = no chain)
   int rtab_cap;                 // replicated experts whose per-source reroute table fits the ovf area
+  int route_tile;               // the replicated columns go through a shared tile (whole-row route writes)
   int64_t umin;
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
@@ -154,7 +161,7 @@ struct Shared {
   uint64_t* trec;
   int32_t *owner, *cnt, *expert_first, *grp, *gidx, *rank_order, *rank_pos, *vfirst, *vexp, *used, *feas, *rec_e,
       *rec_t, *rec_s, *wrec_e, *wrec_t, *wrec_s, *wnrec, *rep_first, *rep_count, *inst_off, *multi, *mt_first, *mi_e,
-      *mi_i, *mi_host, *mi_m, *misc32, *stage;
+      *mi_i, *mi_host, *mi_m, *col_src, *misc32, *stage;
   uint32_t *asc, *ovf;
   int4* vinfo;
   uint8_t* used8;
@@ -170,7 +177,7 @@ __device__ Shared Carve(char* base, const Layout& L) {
   s.vinfo = reinterpret_cast<int4*>(b64 + L.vinfo);
   s.mi_local = b64 + L.mi_local; s.mi_w = b64 + L.mi_w; s.mi_total = b64 + L.mi_total;
   s.mi_e = b32 + L.mi_e; s.mi_i = b32 + L.mi_i; s.mi_host = b32 + L.mi_host; s.mi_m = b32 + L.mi_m;
-  s.mt_first = b32 + L.mt_first;
+  s.mt_first = b32 + L.mt_first; s.col_src = b32 + L.col_src;
   s.trec = reinterpret_cast<uint64_t*>(b64 + L.trec);
   s.owner = b32 + L.owner; s.cnt = b32 + L.cnt; s.expert_first = b32 + L.expert_first; s.grp = b32 + L.grp;
   s.gidx = b32 + L.gidx; s.rank_order = b32 + L.rank_order; s.rank_pos = b32 + L.rank_pos; s.vfirst = b32 + L.vfirst;
@@ -321,16 +328,17 @@ __device__ __forceinline__ uint64_t PackRecord(int e, int slot, int t, int d) {
          (static_cast<uint32_t>(d) | (static_cast<uint32_t>(t) << kRecAmountBits));
 }
 
-// The whole block unpacks n packed records into the shared record arrays.
+// Unpacks packed record k into the shared record arrays; UnpackRecords: the whole block, n records.
+__device__ __forceinline__ void UnpackRecord(const Shared& s, const uint64_t* src, int k) {
+  const uint64_t v = src[k];
+  const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+  s.rec_e[k] = static_cast<int>(hi & ((1u << kRecExpertBits) - 1));
+  s.rec_s[k] = static_cast<int>(hi >> kRecExpertBits);
+  s.rec_t[k] = static_cast<int>(lo >> kRecAmountBits);
+  s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << kRecAmountBits) - 1));
+}
 __device__ void UnpackRecords(const Shared& s, const uint64_t* src, int n) {
-  for (int k = threadIdx.x; k < n; k += kThreads) {
-    const uint64_t v = src[k];
-    const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
-    s.rec_e[k] = static_cast<int>(hi & ((1u << kRecExpertBits) - 1));
-    s.rec_s[k] = static_cast<int>(hi >> kRecExpertBits);
-    s.rec_t[k] = static_cast<int>(lo >> kRecAmountBits);
-    s.rec_amount[k] = static_cast<int64_t>(lo & ((1u << kRecAmountBits) - 1));
-  }
+  for (int k = threadIdx.x; k < n; k += kThreads) UnpackRecord(s, src, k);
 }
 
 
@@ -486,10 +494,9 @@ constexpr int64_t kFastRerouteLoadLimit = int64_t{1} << 25;
 // only the W chains are on the critical path. Writes the instance's route column (take, plus the local
 // rows on its host).
 template <bool kWide, typename Demand>
-__device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col, int host, int64_t local,
+__device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int32_t* out, int stride, int host, int64_t local,
                                 int64_t wlo, int64_t whi, int64_t D) {
   const int R = a.R;
-  int32_t* out = a.route + col;
   if (kWide) {
     int64_t d = dcol(0), Dc = D;
 #pragma unroll 1
@@ -499,7 +506,7 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
       const bool live = d > 0 && Dc >= d;
       const int64_t qlo = live ? d * wlo / Dc : 0, qhi = live ? d * whi / Dc : 0;
       *out = static_cast<int32_t>((qhi - qlo) + (r == host ? local : 0));
-      out += I;
+      out += stride;
       wlo -= qlo;
       whi -= qhi;
       Dc -= d;
@@ -518,7 +525,7 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
       const int ql = live ? FloorDivFast32(static_cast<int64_t>(d) * wl, Dc, inv) : 0;
       const int qh = live ? FloorDivFast32(static_cast<int64_t>(d) * wh, Dc, inv) : 0;
       *out = (qh - ql) + (r == host ? static_cast<int32_t>(local) : 0);
-      out += I;
+      out += stride;
       wl -= ql;
       wh -= qh;
       d = dn;
@@ -528,29 +535,29 @@ __device__ void RerouteInstance(const KernelArgs& a, Demand dcol, int I, int col
   }
 }
 
-// The same reroute from the expert's per-source table {d, max(D, 1), f = d * (1 / D)} (built by the block
-// before phase 4; experts below 2^25 rows). floor(d * W / D) is estimated as trunc(W * f): the three
-// roundings put it within 2^-26 of d * W / D < 2^25, while a fractional part is at least 1 / D > 2^-25,
-// so the estimate is the floor or one below it (only when d * W / D is an integer); the remainder
+// The same reroute from the expert's per-source table {d, max(D, 1), F} (built by PrepareExpert;
+// experts below 2^25 rows), all in 32-bit integer arithmetic: F <= d * 2^32 / D < F + 3 is the fraction
+// d / D in 0.32 fixed point (2^32 - 1 when d = D), so the high word of the 64-bit product W * F is
+// within 3 W / 2^32 < 2^-6 below d * W / D, i.e. floor(d * W / D) or one less; the remainder
 // d * W - q * D then lies in [0, 2D) < 2^26 and its low 32 bits decide the one upward correction.
-__device__ __forceinline__ void RerouteFromTable(const KernelArgs& a, const int4* tab, int I, int col, int host,
-                                                 int64_t local, int wl, int wh) {
+// A source step is a wide multiply, a multiply-add, a compare and a subtraction on each W chain.
+__device__ __forceinline__ void RerouteFromTable(const KernelArgs& a, const int4* tab, int32_t* out, int stride,
+                                                 int host, int64_t local, int wl, int wh) {
   const int R = a.R;
   const int32_t loc = static_cast<int32_t>(local);
-  int32_t* out = a.route + col;
+  uint32_t ul = static_cast<uint32_t>(wl), uh = static_cast<uint32_t>(wh);
+  int4 v = tab[0];
 #pragma unroll 4
   for (int r = 0; r < R; ++r) {
-    const int4 v = tab[r];
-    const double f = __hiloint2double(v.w, v.z);
-    const uint32_t d = static_cast<uint32_t>(v.x), D = static_cast<uint32_t>(v.y);
-    const int el = static_cast<int>(static_cast<double>(wl) * f), eh = static_cast<int>(static_cast<double>(wh) * f);
-    const uint32_t rl = d * static_cast<uint32_t>(wl) - static_cast<uint32_t>(el) * D;
-    const uint32_t rh = d * static_cast<uint32_t>(wh) - static_cast<uint32_t>(eh) * D;
-    const int ql = el + (rl >= D ? 1 : 0), qh = eh + (rh >= D ? 1 : 0);
-    *out = (qh - ql) + (r == host ? loc : 0);
-    out += I;
-    wl -= ql;
-    wh -= qh;
+    const int4 vn = tab[r + 1 < R ? r + 1 : r];  // the next source's entry, loaded before this step's store
+    const uint32_t d = static_cast<uint32_t>(v.x), D = static_cast<uint32_t>(v.y), F = static_cast<uint32_t>(v.z);
+    const uint32_t el = __umulhi(ul, F), eh = __umulhi(uh, F);
+    const uint32_t ql = el + (d * ul - el * D >= D ? 1u : 0u), qh = eh + (d * uh - eh * D >= D ? 1u : 0u);
+    *out = static_cast<int32_t>(qh - ql) + (r == host ? loc : 0);
+    out += stride;
+    ul -= ql;
+    uh -= qh;
+    v = vn;
   }
 }
 
@@ -576,14 +583,6 @@ __device__ __forceinline__ int ProbeNodeOfSlot(int t, int c, int pb) {
   if (t >= tree) return 1 << (t - tree);                 // the chain: slots after the tree
   const int j = t + 1, tz = __ffs(j) - 1, du = pb - 1 - tz;  // in-order index t: depth du in the tree
   return ((1 << c) << du) | (j >> (tz + 1));
-}
-__device__ __forceinline__ int ProbeSlotOfNode(int n, int c, int pb) {  // -1: not probed this round
-  const int dn = 31 - __clz(n);
-  if (dn < c) return n == (1 << dn) ? (1 << pb) - 1 + dn : -1;
-  const int du = dn - c;
-  if (du >= pb || (n >> du) != (1 << c)) return -1;
-  const int x = n & ((1 << du) - 1);
-  return ((2 * x + 1) << (pb - 1 - du)) - 1;
 }
 // The round's shape (every thread computes the same): the chain, the leading nodes of the leftmost
 // path whose threshold is at least lo + lo >> shift (0: none), leaving at least half the probe threads
@@ -634,25 +633,23 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
   const int tid = threadIdx.x;
   const int R = a.R, S = a.S, pt = a.pt;
   const size_t rs = static_cast<size_t>(R) * S;
+  // Two barriers a round: after the probes, and after warp 0 has followed the host's path through the
+  // results (in registers: no shared read-modify-write per node) and unpacked the records it lands on.
   for (int round = 0;; ++round) {
-    if (const int from = s.misc32[kCopyFrom]; from != 0)
-      UnpackRecords(s, s.trec + static_cast<size_t>(from - 1) * rs, s.wnrec[from - 1]);
-    if (round < 3) RDEP_FINE_MAX(7 + 3 * round);
-    __syncthreads();
-    const int64_t lo0 = s.misc64[0], hi0 = s.misc64[1];
-    if (lo0 >= hi0) break;
+    int64_t lo = s.misc64[0], hi = s.misc64[1];
+    if (lo >= hi) break;
     int c = 0, pb = 0;
-    RoundShape(lo0, hi0, round == 0 ? a.chain_shift : 0, pt, &c, &pb);
+    RoundShape(lo, hi, round == 0 ? a.chain_shift : 0, pt, &c, &pb);
     if (tid < c + (1 << pb) - 1) {
       const int n = ProbeNodeOfSlot(tid, c, pb);
-      int64_t lo = lo0, hi = hi0;
-      for (int b = 30 - __clz(n); b >= 0 && lo < hi; --b) {
-        const int64_t tau = lo + (hi - lo) / 2;
-        if ((n >> b) & 1) lo = tau + 1;
-        else hi = tau;
+      int64_t l = lo, h = hi;
+      for (int b = 30 - __clz(n); b >= 0 && l < h; --b) {
+        const int64_t tau = l + (h - l) / 2;
+        if ((n >> b) & 1) l = tau + 1;
+        else h = tau;
       }
-      if (lo < hi) {
-        const int tau = static_cast<int>(lo + (hi - lo) / 2);
+      if (l < h) {
+        const int tau = static_cast<int>(l + (h - l) / 2);
         uint32_t* ov = s.ovf + static_cast<size_t>(tid) * R;
         uint8_t* used = s.used8 + static_cast<size_t>(tid) * R;
         uint64_t* rec = s.trec + static_cast<size_t>(tid) * rs;
@@ -670,29 +667,50 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
     }
     if (round < 3) RDEP_FINE_MAX(8 + 3 * round);
     __syncthreads();
-    if (tid == 0) {
-      int64_t lo = lo0, hi = hi0;
-      s.misc32[kCopyFrom] = 0;
-      for (int n = 1; lo < hi;) {
-        const int slot = ProbeSlotOfNode(n, c, pb);
-        if (slot < 0) break;
-        const int64_t tau = lo + (hi - lo) / 2;
-        s.misc32[kNumProbes] += 1;
-        if (s.feas[slot]) {
-          hi = tau;
-          s.misc32[kAnyFeasible] = 1;
-          const bool recorded = slot < kRecordingProbes;
-          s.misc32[kCopyFrom] = recorded ? slot + 1 : 0;
-          s.misc32[kNeedRerun] = recorded ? 0 : 1;
-          if (recorded) s.misc32[kNumRec] = s.wnrec[slot];
-          n = 2 * n;
+    if (tid < 32) {
+      int probes = s.misc32[kNumProbes];
+      bool any = s.misc32[kAnyFeasible] != 0, rerun = s.misc32[kNeedRerun] != 0;
+      int from = 0;  // recording slot + 1 of the round's last feasible node on the path, 0 = none
+      // 32-bit walk (thresholds < 2^26): node (1 << d) | x at depth d; the inverse of ProbeNodeOfSlot.
+      int l = static_cast<int>(lo), h = static_cast<int>(hi);
+      for (int d = 0, x = 0; l < h; ++d) {
+        int slot;
+        if (d < c) {
+          if (x != 0) break;  // the path left the chain: the next round starts here
+          slot = (1 << pb) - 1 + d;
         } else {
-          lo = tau + 1;
-          n = 2 * n + 1;
+          const int du = d - c;
+          if (du >= pb || (x >> du) != 0) break;  // below the tree, or off it
+          slot = ((2 * x + 1) << (pb - 1 - du)) - 1;
+        }
+        const int tau = l + (h - l) / 2;
+        ++probes;
+        if (s.feas[slot]) {
+          h = tau;
+          any = true;
+          rerun = slot >= kRecordingProbes;
+          from = rerun ? 0 : slot + 1;
+          x = 2 * x;
+        } else {
+          l = tau + 1;
+          x = 2 * x + 1;
         }
       }
-      s.misc64[0] = lo;
-      s.misc64[1] = hi;
+      lo = l;
+      hi = h;
+      if (from != 0) {  // warp 0 unpacks the records (the next round's probes may overwrite them)
+        const int n = s.wnrec[from - 1];
+        const uint64_t* src = s.trec + static_cast<size_t>(from - 1) * rs;
+        for (int k = tid; k < n; k += 32) UnpackRecord(s, src, k);
+      }
+      if (tid == 0) {  // the next round's interval and, for phase 3, the search's state
+        s.misc64[0] = lo;
+        s.misc64[1] = hi;
+        s.misc32[kNumProbes] = probes;
+        s.misc32[kAnyFeasible] = any ? 1 : 0;
+        s.misc32[kNeedRerun] = rerun ? 1 : 0;
+        if (from != 0) s.misc32[kNumRec] = s.wnrec[from - 1];
+      }
     }
     if (round < 3) RDEP_FINE_MAX(9 + 3 * round);
     __syncthreads();
@@ -706,10 +724,11 @@ __device__ void ThreadSearch(const KernelArgs& a, const Shared& s, int umin) {
 // out of the demand: in place in the staged load (one lane per host; single-instance experts' columns
 // are never changed), or in a copy of the column in the global scratch when the load is not staged.
 // With tab (and an expert below 2^25 rows) it then fills the per-source reroute table (lanes = sources):
-// entry r = {d, max(D, 1), f = d * (1 / D)}, d the residual demand of source r, D the residual total
-// before it, so the instances' loop has no reciprocal and no demand scan on its chain (RerouteFromTable).
+// entry r = {d, max(D, 1), F, 0}, d the residual demand of source r, D the residual total before it and
+// F the fraction d / D in 0.32 fixed point, rounded down (RerouteFromTable), so the instances' loop has
+// no division and no demand scan on its chain.
 __device__ void PrepareExpert(const KernelArgs& a, const Shared& s, int m, int4* tab) {
-  const int lane = threadIdx.x & 31, R = a.R, E = a.E;
+  const int lane = threadIdx.x & 31, R = a.R, E = a.E, ss = StageStride(E);
   const int e = s.multi[m], f = s.mt_first[m], nr = s.rep_count[e], k = nr + 1, j0 = f + m;
   const size_t col = static_cast<size_t>(e);
   int64_t moved = 0;
@@ -724,8 +743,10 @@ __device__ void PrepareExpert(const KernelArgs& a, const Shared& s, int m, int4*
     if (i < k) {
       host = i == 0 ? s.owner[e] : s.rec_t[f + i - 1];
       quota = i == 0 ? s.lam[e] - moved : s.rec_amount[f + i - 1];
-      const size_t at = static_cast<size_t>(host) * E + col;
-      l = a.locality ? min(a.staged ? static_cast<int64_t>(s.stage[at]) : a.load[at], quota) : 0;
+      l = a.locality ? min(a.staged ? static_cast<int64_t>(s.stage[static_cast<size_t>(host) * ss + col])
+                                    : a.load[static_cast<size_t>(host) * E + col],
+                           quota)
+                     : 0;
     }
     const int64_t w = quota - l;
     int64_t inc = w;
@@ -750,15 +771,14 @@ __device__ void PrepareExpert(const KernelArgs& a, const Shared& s, int m, int4*
     __syncwarp();
   }
   for (int i = lane; i < k; i += 32) {
-    const size_t at = static_cast<size_t>(s.mi_host[j0 + i]) * E + col;
-    if (a.staged) s.stage[at] -= static_cast<int32_t>(s.mi_local[j0 + i]);
-    else a.demand[at] -= s.mi_local[j0 + i];
+    const size_t host = static_cast<size_t>(s.mi_host[j0 + i]);
+    if (a.staged) s.stage[host * ss + col] -= static_cast<int32_t>(s.mi_local[j0 + i]);
+    else a.demand[host * E + col] -= s.mi_local[j0 + i];
   }
   __syncwarp();
   if (tab == nullptr || s.lam[e] >= kFastRerouteLoadLimit) return;  // the per-thread chains read the demand
   auto dem = [&](int r) -> int {
-    const size_t at = static_cast<size_t>(r) * E + col;
-    return a.staged ? s.stage[at] : static_cast<int>(a.demand[at]);
+    return a.staged ? s.stage[static_cast<size_t>(r) * ss + col] : static_cast<int>(a.demand[static_cast<size_t>(r) * E + col]);
   };
   const int per = (R + 31) / 32, r0 = min(lane * per, R), r1 = min(r0 + per, R);
   int sum = 0;
@@ -774,8 +794,11 @@ __device__ void PrepareExpert(const KernelArgs& a, const Shared& s, int m, int4*
   for (int r = r0; r < r1; ++r) {
     const int d = dem(r), Dp = max(D, 1);
     bad = bad || (d > 0 && D < d);  // residual demand above residual quota (the host's error)
-    const double fr = static_cast<double>(d) * __drcp_rn(static_cast<double>(Dp));
-    tab[r] = make_int4(d, Dp, __double2loint(fr), __double2hiint(fr));
+    // q = d * 2^32 / D within two roundings (relative 2^-52, so within 2^-20 of it below 2^32): floor(q) - 1
+    // is at most the exact quotient and more than it - 3.
+    const double q = static_cast<double>(d) * 4294967296.0 * __drcp_rn(static_cast<double>(Dp));
+    const double fq = fmin(fmax(floor(q) - 1.0, 0.0), 4294967295.0);
+    tab[r] = make_int4(d, Dp, static_cast<int>(static_cast<uint32_t>(fq)), 0);
     D -= d;
   }
   if (__any_sync(0xffffffffu, bad) && lane == 0) a.out_misc[3] = 1;
@@ -816,7 +839,7 @@ __device__ void StageAndSumExperts(const KernelArgs& a, const Shared& s, int gro
       for (int u = 0; u < kUnroll; ++u) {
         const int r = r0 + u * groups;
         if (r >= R) break;
-        int32_t* st = s.stage + static_cast<size_t>(r) * E + e;
+        int32_t* st = s.stage + static_cast<size_t>(r) * StageStride(E) + e;
         if constexpr (V == 2) {
           sum[0] += x[u].x;
           sum[1] += x[u].y;
@@ -872,9 +895,9 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   if (tid == 0) a.out_misc[3] = 0;
   RDEP_FINE_MAX(1);
   __syncthreads();
+  const int ss = StageStride(E);
   auto ld = [&](int r, int e) -> int64_t {
-    const size_t k = static_cast<size_t>(r) * E + e;
-    return a.staged ? static_cast<int64_t>(s.stage[k]) : a.load[k];
+    return a.staged ? static_cast<int64_t>(s.stage[static_cast<size_t>(r) * ss + e]) : a.load[static_cast<size_t>(r) * E + e];
   };
 
   // Phase 1: expert loads from the partial sums, rank loads, the visiting order.
@@ -1106,12 +1129,8 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     a.out_misc[2] = s.misc32[kNumProbes];
   }
   // Transfers of one expert are contiguous (each expert is visited once per probe).
-  for (int k = tid; k < nrec; k += kThreads) {
+  for (int k = tid; k < nrec; k += kThreads) {  // (the transfer list goes out in phase 4)
     const int e = s.rec_e[k];
-    a.tr_expert[k] = e;
-    a.tr_rank[k] = s.rec_t[k];
-    a.tr_slot[k] = s.rec_s[k];
-    a.tr_amount[k] = s.rec_amount[k];
     if (k == 0 || s.rec_e[k - 1] != e) s.rep_first[e] = k;
     atomicAdd(s.rep_count + e, 1);
   }
@@ -1165,44 +1184,72 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       atomicMax(reinterpret_cast<unsigned long long*>(s.misc64 + slot), static_cast<unsigned long long>(clock64()));
   };
 
-  // Phase 4: the reroute (same math as SolveReroute) and the instance tables.
+  // Phase 4: the reroute (same math as SolveReroute) and the instance tables. The replicated instances'
+  // route columns go to a tile in the records' area (free now: R rows of num_mi int32) when it holds
+  // them, and the route is then written in whole rows once the reroute is done (partial rows from
+  // different warps at different times measured a third slower); otherwise straight to the route.
+  const size_t tile_cap = (a.layout.mi_local - a.layout.trec) * 2 / static_cast<size_t>(R);
+  const bool use_tile = a.route_tile && num_mi > 0 && static_cast<size_t>(num_mi) <= tile_cap;
+  int32_t* const tile = reinterpret_cast<int32_t*>(s.trec);
   if (warp < busy) {
     const int nt = split ? busy * 32 : kThreads;
     for (int j = tid; j < num_mi; j += nt) {
-      const int e = s.mi_e[j], col = s.inst_off[e] + s.mi_i[j];
+      const int e = s.mi_e[j];
       const int64_t wlo = s.mi_w[j];
       const int64_t whi = j + 1 < num_mi && s.mi_e[j + 1] == e ? s.mi_w[j + 1] : s.mi_total[j];
       const int m = s.mi_m[j];
+      // The output is either the shared tile or the global route, in separate calls: one pointer that
+      // could be either makes every store generic and keeps the next source's load behind it.
       if (m < num_tab && s.lam[e] < kFastRerouteLoadLimit) {
-        RerouteFromTable(a, rtab + static_cast<size_t>(m) * tab_stride, I, col, s.mi_host[j], s.mi_local[j],
-                         static_cast<int>(wlo), static_cast<int>(whi));
+        const int4* tab = rtab + static_cast<size_t>(m) * tab_stride;
+        if (use_tile)
+          RerouteFromTable(a, tab, tile + j, num_mi, s.mi_host[j], s.mi_local[j], static_cast<int>(wlo),
+                           static_cast<int>(whi));
+        else
+          RerouteFromTable(a, tab, a.route + s.inst_off[e] + s.mi_i[j], I, s.mi_host[j], s.mi_local[j],
+                           static_cast<int>(wlo), static_cast<int>(whi));
         continue;
       }
-      // One typed accessor per home of the demand, not one with a branch inside: that measured 20.5K ->
-      // 26.2K cycles for the replicated reroute (docs/perf-notes.md, round 4).
+      // The per-thread chains (no table entry, or 2^25 rows and more: rare; a generic output pointer is
+      // fine here). One typed accessor per home of the demand, not one with a branch inside: that
+      // measured 20.5K -> 26.2K cycles for the replicated reroute (docs/perf-notes.md, round 4).
+      int32_t* const out = use_tile ? tile + j : a.route + s.inst_off[e] + s.mi_i[j];
+      const int stride = use_tile ? num_mi : I;
       if (a.staged) {
-        auto dcol = [&](int r) -> int64_t { return s.stage[static_cast<size_t>(r) * E + e]; };
+        auto dcol = [&](int r) -> int64_t { return s.stage[static_cast<size_t>(r) * ss + e]; };
         if (s.lam[e] < kFastRerouteLoadLimit)
-          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+          RerouteInstance<false>(a, dcol, out, stride, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
         else
-          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+          RerouteInstance<true>(a, dcol, out, stride, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
       } else {
         auto dcol = [&](int r) -> int64_t { return a.demand[static_cast<size_t>(r) * E + e]; };
         if (s.lam[e] < kFastRerouteLoadLimit)
-          RerouteInstance<false>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+          RerouteInstance<false>(a, dcol, out, stride, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
         else
-          RerouteInstance<true>(a, dcol, I, col, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
+          RerouteInstance<true>(a, dcol, out, stride, s.mi_host[j], s.mi_local[j], wlo, whi, s.mi_total[j]);
       }
     }
     mark_end(2);
     RDEP_FINE_MAX(20);
   }
-  // Instance tables (one thread per expert) and experts without replicas (every source's rows go to
-  // the main instance), on the warps without a replicated instance when there are enough of them.
-  if (!split || warp >= busy) {
-    const int wi = split ? warp - busy : warp, nw = split ? kWarps - busy : kWarps;
+  // Instance tables (one thread per expert), the transfer list and the route's column sources (or,
+  // without the tile, the single-instance experts' route entries: every source's rows go to the main
+  // instance), on the warps without a replicated instance when there are enough of them.
+  // With fewer than 4 reroute warps, the others' work goes only to warps on the schedulers (warp % 4)
+  // without one, so that the reroute's latency-bound chains never wait for an issue slot.
+  const int iso = busy < 4 ? 4 - busy : 4;                  // schedulers free of reroute warps (or all)
+  const bool helper = split && (busy >= 4 ? warp >= busy : (warp & 3) >= busy);
+  if (!split || helper) {
+    const int wi = split ? (busy >= 4 ? warp - busy : (warp >> 2) * iso + (warp & 3) - busy) : warp;
+    const int nw = split ? (busy >= 4 ? kWarps - busy : (kWarps / 4) * iso) : kWarps;
     const int ti = wi * 32 + lane, nt = nw * 32;
     for (int e = ti; e <= E; e += nt) a.inst_offsets[e] = s.inst_off[e];
+    for (int k = ti; k < nrec; k += nt) {
+      a.tr_expert[k] = s.rec_e[k];
+      a.tr_rank[k] = s.rec_t[k];
+      a.tr_slot[k] = s.rec_s[k];
+      a.tr_amount[k] = s.rec_amount[k];
+    }
     for (int e = ti; e < E; e += nt) {
       const int b = s.inst_off[e], k = 1 + s.rep_count[e], f = s.rep_first[e];
       int64_t moved = 0;
@@ -1211,6 +1258,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
       a.inst_rank[b] = s.owner[e];
       a.inst_slot[b] = -1;
       a.inst_quota[b] = s.lam[e] - moved;
+      if (k == 1) s.col_src[b] = e;  // column b of every route row: the expert's load entry
       for (int c = 0; c < k - 1; ++c) {
         a.inst_expert[b + 1 + c] = e;
         a.inst_rank[b + 1 + c] = s.rec_t[f + c];
@@ -1219,29 +1267,46 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
         a.slot_expert[s.rec_t[f + c] * a.S + s.rec_s[f + c]] = e;
       }
     }
+    for (int j = ti; j < num_mi; j += nt) s.col_src[s.inst_off[s.mi_e[j]] + s.mi_i[j]] = -1 - j;  // tile column j
     RDEP_FINE_MAX(21);
-    for (int r = wi; r < R; r += nw) {
-      int32_t* row = a.route + static_cast<size_t>(r) * I;
+    if (!use_tile) {
+      for (int r = wi; r < R; r += nw) {
+        int32_t* row = a.route + static_cast<size_t>(r) * I;
 #pragma unroll 4
-      for (int e = lane; e < E; e += 32)
-        if (s.rep_count[e] == 0) row[s.inst_off[e]] = static_cast<int32_t>(ld(r, e));
+        for (int e = lane; e < E; e += 32)
+          if (s.rep_count[e] == 0) row[s.inst_off[e]] = static_cast<int32_t>(ld(r, e));
+      }
+      mark_end(3);
+    }
+  }
+  if (use_tile) {
+    __syncthreads();
+    for (int r = warp; r < R; r += kWarps) {
+      int32_t* row = a.route + static_cast<size_t>(r) * I;
+      const int32_t* trow = tile + static_cast<size_t>(r) * num_mi;
+#pragma unroll 4
+      for (int c = lane; c < I; c += 32) {  // both reads and a select: one store per lane, whole rows
+        const int src = s.col_src[c];
+        const int32_t from_load = static_cast<int32_t>(ld(r, max(src, 0))), from_tile = trow[max(-1 - src, 0)];
+        row[c] = src >= 0 ? from_load : from_tile;
+      }
     }
     mark_end(3);
-    RDEP_FINE_MAX(22);
   }
+  RDEP_FINE_MAX(22);
 #if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
   RDEP_FINE_MAX(23);
   __syncthreads();
   if (tid == 0 && pass == RDEP_GPU_PLANNER_FINE_PASSES - 1 && atomicAdd(&g_fine_launch, 1) % 56 == 30) {
     const long long* f = g_fine;
     printf("fine (barrier = last warp's arrival): setup: stage+sums %lld, expert loads %lld, rank order %lld, groups %lld,"
-           " expert order %lld, visit data %lld | search: round 0 probes %lld decide %lld, round 1 unpack %lld probes %lld"
-           " decide %lld, round 2 unpack %lld probes %lld | search total %lld | record %lld | outputs %lld | prep %lld |"
-           " reroute %lld, tables %lld, rows %lld, end %lld | total %lld\n",
-           f[1] - f[0], f[2] - f[1], f[3] - f[2], f[4] - f[3], f[5] - f[4], f[6] - f[5], f[8] - f[7], f[9] - f[8],
-           f[10] ? f[10] - f[9] : 0, f[11] ? f[11] - f[10] : 0, f[12] ? f[12] - f[11] : 0, f[13] ? f[13] - f[12] : 0,
-           f[14] ? f[14] - f[13] : 0, f[16] - f[6] - (f[7] - f[6]), f[17] - f[16], f[18] - f[17], f[19] - f[18],
-           f[20] ? f[20] - f[19] : 0, f[21] - f[19], f[22] - f[19], f[23] - f[19], f[23] - f[0]);
+           " expert order %lld, visit data %lld | search: round 0 probes %lld walk+unpack %lld, round 1 probes %lld"
+           " walk+unpack %lld, round 2 probes %lld walk+unpack %lld | search total %lld | record %lld | outputs %lld |"
+           " prep %lld | reroute %lld, tables %lld, rows %lld, end %lld | total %lld\n",
+           f[1] - f[0], f[2] - f[1], f[3] - f[2], f[4] - f[3], f[5] - f[4], f[6] - f[5], f[8] - f[6], f[9] - f[8],
+           f[11] ? f[11] - f[9] : 0, f[12] ? f[12] - f[11] : 0, f[14] ? f[14] - f[12] : 0, f[15] ? f[15] - f[14] : 0,
+           f[16] - f[6], f[17] - f[16], f[18] - f[17], f[19] - f[18], f[20] ? f[20] - f[19] : 0, f[21] - f[19],
+           f[22] - f[19], f[23] - f[19], f[23] - f[0]);
   }
 #endif
   if (a.out_phase != nullptr) {
@@ -1383,6 +1448,10 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   // The reroute table lives in the overflow area: pt * R int32 words hold (R | 1) int4 entries per expert.
   // RDEP_GPU_PLANNER_REROUTE_TABLE caps it (0: every expert takes the per-thread reciprocal chain).
   a.rtab_cap = a.pt * a.R / (4 * (a.R | 1));
+  // RDEP_GPU_PLANNER_ROUTE_TILE=0: the reroute writes its columns straight to the route, next to the
+  // single-instance entries written meanwhile (measurement knob).
+  a.route_tile = 1;
+  if (const char* env = std::getenv("RDEP_GPU_PLANNER_ROUTE_TILE"); env != nullptr) a.route_tile = std::atoi(env) != 0;
   if (const char* env = std::getenv("RDEP_GPU_PLANNER_REROUTE_TABLE"); env != nullptr && std::atoi(env) >= 0)
     a.rtab_cap = std::min(a.rtab_cap, std::atoi(env));
   a.staged = p->cfg.staged_load ? 1 : 0;
