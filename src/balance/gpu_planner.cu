@@ -573,10 +573,10 @@ __device__ __forceinline__ void RerouteFromTable(const KernelArgs& a, const int4
 // threshold is at least lo + lo / 2^chain_shift (1/32 by default: 3%; the simulation grid's thresholds
 // at N_slot >= 2 and R >= 32 are within 1.7% of the mean). A round resolves c + pb levels when the path
 // follows the chain and fewer when it turns early; the next round (a full tree) starts where the path
-// left the probed nodes, so only the time depends on the guess, never the result. Thread 0 then
+// left the probed nodes, so only the time depends on the guess, never the result. Warp 0 then
 // follows the host's path through the results. The probes in slots 0..63 record their transfers; when
-// the round's last feasible node on the path is one of them, its records are unpacked at the top of
-// the next round (before the buffers are reused). Otherwise Phase 3 re-runs the solved threshold with
+// the round's last feasible node on the path is one of them, warp 0 unpacks its records before the
+// round's last barrier (the next round's probes reuse the buffers). Otherwise Phase 3 re-runs the solved threshold with
 // recording.
 __device__ __forceinline__ int ProbeNodeOfSlot(int t, int c, int pb) {
   const int tree = (1 << pb) - 1;
@@ -605,7 +605,9 @@ __device__ __forceinline__ void RoundShape(int64_t lo, int64_t hi, int shift, in
   *pb_out = min(min(31 - __clz(pt - c + 1), 30 - c), depth);  // 2^pb - 1 <= pt - c
 }
 
-// Measurement build (-DRDEP_GPU_PLANNER_FINE_STAMPS): thread 0 stamps clock64 at the block's sync points
+// Measurement build (-DRDEP_GPU_PLANNER_FINE_STAMPS): every warp stamps clock64 into a slot (max) right
+// before the block's barriers, so a slot holds the barrier's last arrival (thread 0's clock read after
+// a barrier issues before the barrier releases: BAR.SYNC.DEFER_BLOCKING)
 // (setup steps, each search round, the preparation), the warps of phase 4 their latest ends; one launch
 // in 56 (the 30th of each Phases-test bench) prints the spans. Slots: see the RDEP_FINE calls.
 #if defined(RDEP_GPU_PLANNER_FINE_STAMPS)

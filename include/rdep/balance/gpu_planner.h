@@ -56,7 +56,8 @@ struct GpuPlannerTiming {
   std::vector<double> samples_us;   // the raw per-solve times
   GpuPlannerConfig config;
   std::string device_name;
-  // Mean SM clock cycles (clock64) per phase over the timed solves: [0] setup (staging, loads, visiting
+  // Mean SM clock cycles (clock64 of thread 0 after each phase's barrier, which it reads before the
+  // barrier releases, so the split is approximate) per phase over the timed solves: [0] setup (staging, loads, visiting
   // order), [1] threshold search, [2] the solved threshold's transfers (unpacking, or a re-run with
   // recording when no recording probe held it), [3] tables + reroute; within [3]:
   // [4] preparation (transfers out, instance offsets), [5] replicated experts' reroute and [6] instance
