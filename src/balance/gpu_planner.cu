@@ -607,9 +607,9 @@ __device__ __forceinline__ void RoundShape(int64_t lo, int64_t hi, int shift, in
 
 // Measurement build (-DRDEP_GPU_PLANNER_FINE_STAMPS): every warp stamps clock64 into a slot (max) right
 // before the block's barriers, so a slot holds the barrier's last arrival (thread 0's clock read after
-// a barrier issues before the barrier releases: BAR.SYNC.DEFER_BLOCKING)
-// (setup steps, each search round, the preparation), the warps of phase 4 their latest ends; one launch
-// in 56 (the 30th of each Phases-test bench) prints the spans. Slots: see the RDEP_FINE calls.
+// a barrier issues before the barrier releases: BAR.SYNC.DEFER_BLOCKING): setup steps, each search
+// round, the preparation; phase 4's warps record their latest ends. One launch in 56 (the 30th of each
+// Phases-test bench) prints the spans. Slots: see the RDEP_FINE calls.
 #if defined(RDEP_GPU_PLANNER_FINE_STAMPS)
 __device__ long long g_fine[32];
 __device__ int g_fine_launch = 0;
