@@ -345,12 +345,12 @@ __device__ void UnpackRecords(const Shared& s, const uint64_t* src, int n) {
 // kSmallS: N_slot <= 2, so a rank in the partial set always has exactly one replica (and a rank taken
 // from it never returns). Otherwise the per-probe used[] bytes in shared memory hold each rank's
 // replica count. kRecord writes the transfers, packed (PackRecord), to rec.
-// The step is one straight-line block (a warp runs 32 thresholds: branches would serialize, and with
-// one warp per scheduler every instruction's latency is on the clock): the transfer is predicated on
-// ok, and only the visit transition and the overflow paths branch. The visit state is the position
-// k in s.vinfo, whose next entry (k + 1: the rank's next expert) and the next rank's first entry
-// (kend) are prefetched as int4s, so a transition is a few selects; shared loads are issued at least
-// one step before their values are needed.
+// The step is one straight-line block with a single exit branch at its end (a warp runs 32
+// thresholds: branches would serialize, and with one warp per scheduler every branch's predicate
+// latency is on the clock): the transfer, the main list's advance and the visit transition are all
+// selects, the visit data for the next transition (positions k + 1 and kend as int4s) and the main
+// list's next raw entry are loaded every step, unconditionally, a step before they are needed. Only
+// the partial set's overflow (rare) branches.
 template <bool kRecord, bool kSmallS>
 __device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, uint32_t* ov, uint8_t* used, uint64_t* rec,
                             int* num_rec, uint32_t* stamps = nullptr) {
@@ -362,6 +362,7 @@ __device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, ui
   }
   const uint32_t* asc = s.asc;
   const uint32_t utau = static_cast<uint32_t>(tau);
+  const int last_raw = R + 1;  // the main list's second sentinel
   auto key_of = [&](uint32_t pk) -> uint32_t {  // main-list entry -> key at this tau (0: no slack)
     const uint32_t l = pk >> kFastRankBits;
     return l < utau && S > 0 ? ((utau - l) << kFastRankBits) | (pk & 63u) : 0u;
@@ -378,89 +379,96 @@ __device__ bool ThreadProbe(const Shared& s, int tau, int R, int S, int umin, ui
   int nrec = 0;
   int exc = v0.w - tau, cap = v0.x, e = v0.y, k = 0, kend = v0.z;
   int4 nx = vi[1], nr = vi[kend];  // positions k + 1 (the rank's next expert) and kend (the next rank's first)
-  bool feasible = true;
+  uint32_t best = max(mk, p[0]);   // the best candidate's key (slack << 6 | 63 - rank)
+  bool feasible = false;
 #if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
   int nst = 0;  // measurement build: the clock and (transfers, visit position, overflow keys) at every step
 #endif
-  while (true) {
+  if (static_cast<int>(best >> kFastRankBits) >= umin) {  // else no admissible target with u_min of slack
+    while (true) {
 #if defined(RDEP_GPU_PLANNER_STEP_STAMPS)
-    if (kRecord && stamps != nullptr && nst < 2 * 255) {
-      stamps[nst++] = static_cast<uint32_t>(clock());
-      stamps[nst++] = (static_cast<uint32_t>(nrec) & 0xffu) | ((static_cast<uint32_t>(k) & 0xfffu) << 8) |
-                      ((static_cast<uint32_t>(min(nov, 15))) << 28);
-    }
+      if (kRecord && stamps != nullptr && nst < 2 * 255) {
+        stamps[nst++] = static_cast<uint32_t>(clock());
+        stamps[nst++] = (static_cast<uint32_t>(nrec) & 0xffu) | ((static_cast<uint32_t>(k) & 0xfffu) << 8) |
+                        ((static_cast<uint32_t>(min(nov, 15))) << 28);
+      }
 #endif
-    const uint32_t best = max(mk, p[0]);
-    const int bs = static_cast<int>(best >> kFastRankBits);
-    if (bs < umin) {  // no admissible target with u_min of slack, now or later
-      feasible = false;
-      break;
-    }
-    const int d = min(min(max(exc, umin), bs), cap);
-    const bool ok = d >= umin;  // else this expert's remaining load is below u_min
-    const bool fm = ok && best == mk, fp = ok && best != mk;
-    const int t = 63 - static_cast<int>(best & 63u);
-    const int ut = fm ? 0 : (kSmallS ? 1 : static_cast<int>(used[t]));
-    if (ok) {
-      if (kRecord) rec[nrec] = PackRecord(e, ut, t, d);
-      if (!kSmallS) used[t] = static_cast<uint8_t>(ut + 1);
-    }
-    nrec += ok ? 1 : 0;
-    // Main list: advance on a main pick (the raw entries shift; the new load is needed two picks later).
-    if (fm) {
-      mk = key_of(raw1);
-      raw1 = raw2;
-      raw2 = asc[min(head + 3, R + 1)];
-      ++head;
-    }
-    // Partial set: drop the head on a partial pick, then insert the target again if it stays admissible.
-    uint32_t q[kPartialRegs];
+      const uint32_t raw3 = asc[min(head + 3, last_raw)];  // used at the step's end, if the main list advances
+      const int bs = static_cast<int>(best >> kFastRankBits);
+      const int d = min(min(max(exc, umin), bs), cap);
+      const bool ok = d >= umin;  // else this expert's remaining load is below u_min
+      const bool fm = ok && best == mk, fp = ok && best != mk;
+      const int t = 63 - static_cast<int>(best & 63u);
+      const int ut = fm ? 0 : (kSmallS ? 1 : static_cast<int>(used[t]));
+      if (ok) {
+        if (kRecord) rec[nrec] = PackRecord(e, ut, t, d);
+        if (!kSmallS) used[t] = static_cast<uint8_t>(ut + 1);
+      }
+      nrec += ok ? 1 : 0;
+      // Partial set: drop the head on a partial pick, then insert the target again if it stays admissible
+      // (only a visit's last transfer can leave the target with slack: every other one takes all of it).
+      const int s2 = bs - d;
+      uint32_t out;  // the key that leaves the registers for the overflow (0: none)
+      if (kSmallS) {
+        // N_slot <= 2: a partial pick never re-inserts (its rank has used its slots), a main pick may.
+        // Insertion into a descending array by min/max: slot i takes max(p[i], min(p[i-1], nk)), no
+        // compare-and-select ladder (integer selects and compares issue every other cycle).
+        const uint32_t nk = fm && S == 2 && s2 > 0 ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
+        out = fp ? 0u : min(nk, p[kPartialRegs - 1]);
+        uint32_t np[kPartialRegs];
 #pragma unroll
-    for (int i = 0; i < kPartialRegs; ++i) q[i] = fp ? (i + 1 < kPartialRegs ? p[i + 1] : ovmax) : p[i];
-    if (fp && nov > 0) {  // the overflow maximum moved into the registers: remove it, rescan
-      int pos = 0;
-      for (int i = 0; i < nov; ++i) pos = ov[i] == ovmax ? i : pos;
-      ov[pos] = ov[--nov];
-      uint32_t m = 0;
-      for (int i = 0; i < nov; ++i) m = max(m, ov[i]);
-      ovmax = m;
-    }
-    const int s2 = bs - d;
-    const uint32_t nk = ok && s2 > 0 && ut + 1 < S ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
-    bool g[kPartialRegs];
+        for (int i = 0; i < kPartialRegs; ++i)
+          np[i] = fp ? (i + 1 < kPartialRegs ? p[i + 1] : ovmax) : max(p[i], i == 0 ? nk : min(p[i - 1], nk));
 #pragma unroll
-    for (int i = 0; i < kPartialRegs; ++i) g[i] = nk > q[i];
+        for (int i = 0; i < kPartialRegs; ++i) p[i] = np[i];
+      } else {  // pop, then insert into what is left (a partial pick can re-insert its rank)
+        uint32_t q[kPartialRegs];
 #pragma unroll
-    for (int i = kPartialRegs - 1; i > 0; --i) p[i] = g[i - 1] ? q[i - 1] : (g[i] ? nk : q[i]);
-    p[0] = g[0] ? nk : q[0];
-    const uint32_t out = min(nk, q[kPartialRegs - 1]);  // the key that leaves the registers (0: none)
-    if (out != 0) {
-      ov[nov++] = out;
-      ovmax = max(ovmax, out);
-    }
-    if (ok) {
-      exc = max(exc - d, 0);
-      cap -= d;
-      if (exc > 0 && cap > 0) continue;
-    }
-    // The visit is over: the expert is drained (or below u_min), or the rank's excess is shed.
-    if (exc > 0) {  // the rank's next expert
-      if (++k == kend) {
-        feasible = false;
+        for (int i = 0; i < kPartialRegs; ++i) q[i] = fp ? (i + 1 < kPartialRegs ? p[i + 1] : ovmax) : p[i];
+        const uint32_t nk = ok && s2 > 0 && ut + 1 < S ? (static_cast<uint32_t>(s2) << kFastRankBits) | (best & 63u) : 0u;
+#pragma unroll
+        for (int i = 0; i < kPartialRegs; ++i) p[i] = max(q[i], i == 0 ? nk : min(q[i - 1], nk));
+        out = min(nk, q[kPartialRegs - 1]);
+      }
+      if ((fp && nov > 0) || out != 0) {  // the overflow (rare): its maximum moved up, or a key moved down
+        if (fp && nov > 0) {
+          int pos = 0;
+          for (int i = 0; i < nov; ++i) pos = ov[i] == ovmax ? i : pos;
+          ov[pos] = ov[--nov];
+          uint32_t m = 0;
+          for (int i = 0; i < nov; ++i) m = max(m, ov[i]);
+          ovmax = m;
+        }
+        if (out != 0) {
+          ov[nov++] = out;
+          ovmax = max(ovmax, out);
+        }
+      }
+      // Main list: advance on a main pick (the raw entries shift; the new load is needed two picks later).
+      mk = fm ? key_of(raw1) : mk;
+      raw1 = fm ? raw2 : raw1;
+      raw2 = fm ? raw3 : raw2;
+      head += fm ? 1 : 0;
+      // The visit: go on (the expert has load and the rank excess left), or the rank's next expert, or
+      // the next rank (the sentinel past the last one has load 0: the probe is feasible).
+      const int exc2 = ok ? max(exc - d, 0) : exc, cap2 = ok ? cap - d : cap;
+      const bool cont = ok && exc2 > 0 && cap2 > 0;
+      const bool next_expert = !cont && exc2 > 0, next_rank = !cont && exc2 <= 0;
+      const int kn = next_expert ? k + 1 : kend;
+      const bool fail = next_expert && kn == kend;  // the rank's experts are spent with excess left
+      const bool done = next_rank && nr.w <= tau;
+      exc = next_rank ? nr.w - tau : exc2;
+      cap = cont ? cap2 : (next_expert ? nx.x : nr.x);
+      e = cont ? e : (next_expert ? nx.y : nr.y);
+      kend = next_rank ? nr.z : kend;
+      k = cont ? k : kn;
+      nx = vi[k + 1];  // both within the two sentinels at E, E + 1 even on the exit step
+      nr = vi[kend];
+      best = max(mk, p[0]);
+      if (done || fail || static_cast<int>(best >> kFastRankBits) < umin) {
+        feasible = done;
         break;
       }
-      cap = nx.x;
-      e = nx.y;
-      nx = vi[k + 1];
-    } else {  // the next rank (the sentinel past the last one has load 0)
-      if (nr.w <= tau) break;
-      exc = nr.w - tau;
-      cap = nr.x;
-      e = nr.y;
-      k = kend;
-      kend = nr.z;
-      nx = vi[k + 1];
-      nr = vi[kend];
     }
   }
   *num_rec = nrec;

@@ -20,6 +20,10 @@
 #include "rdep/balance/sim.h"
 #include "rdep/core/stats.h"
 
+#ifndef RDEP_GIT_COMMIT
+#define RDEP_GIT_COMMIT "unknown"  // set by tools/rdep/CMakeLists.txt
+#endif
+
 namespace {
 
 using rdep::cli::Args;
@@ -207,7 +211,8 @@ int RunBench(const Args& args) {
   if (!json.empty()) {
     std::ofstream o(json);
     if (!o) return Fail(rdep::InvalidArgument("bench: cannot open '" + json + "'"));
-    o << "{\"workload\": {\"experts\": " << E << ", \"ranks\": " << R << ", \"slots\": " << qc.num_slots
+    o << "{\"rdep_commit\": \"" << RDEP_GIT_COMMIT << "\",\n \"workload\": {\"experts\": " << E << ", \"ranks\": " << R
+      << ", \"slots\": " << qc.num_slots
       << ", \"alpha\": " << alpha << ", \"tokens\": " << tokens << ", \"topk\": " << topk
       << ", \"min_quota\": " << qc.min_quota << ", \"matrices\": " << matrices << ", \"warmup\": " << warmup
       << ", \"iters\": " << iters << "},\n \"imbalance_mean\": " << rdep::Summarize(imbalance).mean;
