@@ -7,6 +7,7 @@
 #   --targets "A B"   build only these targets (default: all)
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
+# The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,7 +26,7 @@ BUILD=build-dev
 {
   echo "== $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m 2>/dev/null | head -12; nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
-  echo "git: $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files; RDEP_COMMIT=${RDEP_COMMIT:-unset} (names the receipts when set)"
   python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' 2>&1 | tail -1
   which mpirun 2>/dev/null && mpirun --version 2>/dev/null | head -1
 } >"$OUT/env.txt" 2>&1
