@@ -13,6 +13,7 @@
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -24,6 +25,7 @@
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
 #include "rdep/layer/cuda_moe_layer.h"
+#include "rdep/router/telemetry.h"
 #endif
 
 namespace {
@@ -211,12 +213,20 @@ int RunLayerBench(const rdep::cli::Args& args) {
   const double base_f = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwd_p50_ms");
   const double base_fb = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwdbwd_p50_ms");
   const double base_mem = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "peak_alloc_gib");
+  // The load this routing puts on the experts and their owners (what skew the times were taken under).
+  auto tel = rdep::ComputeTelemetry(routing, setup->ownership);
+  if (!tel.ok()) return Fail(tel.status());
+  const double owner_mean = static_cast<double>(tel->total_rows) / static_cast<double>(W);
+  const double owner_max = static_cast<double>(*std::max_element(tel->owner_loads.begin(), tel->owner_loads.end()));
 
   std::printf("rdep bench layer: %s, routing %s, capacity %s, S=%lld, %lld GPUs, warmup %lld, iters %lld\n",
               [&] { std::ostringstream os; os << s; return os.str(); }().c_str(), spec->name().c_str(),
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
               static_cast<long long>(layer->layout().S), static_cast<long long>(s.ranks), static_cast<long long>(warmup),
               static_cast<long long>(iters));
+  std::printf("  load: expert max/mean %.2f (CV %.1f%%, %lld of %lld experts active), owner max/mean %.2f\n",
+              tel->max_over_mean, 100 * tel->cv, static_cast<long long>(tel->active_experts),
+              static_cast<long long>(tel->num_experts), owner_mean > 0 ? owner_max / owner_mean : 0.0);
   std::printf("  %-18s %10s %10s %14s %12s %8s\n", "", "p50 ms", "p99 ms", "TFLOP/s/GPU", "baseline ms", "speedup");
   std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward", sf.p50, sf.p99, tflops_f, base_f, base_f / sf.p50);
   std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward+backward", sfb.p50, sfb.p99, tflops_fb, base_fb, base_fb / sfb.p50);
@@ -235,6 +245,9 @@ int RunLayerBench(const rdep::cli::Args& args) {
     j.field("warmup", warmup).field("iters", iters).end_object();
     j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
     j.field("accepted_rows", accepted_rows);
+    j.key("routing_load").begin_object().field("expert_max_over_mean", tel->max_over_mean).field("expert_cv", tel->cv);
+    j.field("active_experts", tel->active_experts).field("owner_max_over_mean", owner_mean > 0 ? owner_max / owner_mean : 0.0);
+    j.key("owner_rows").value(std::vector<double>(tel->owner_loads.begin(), tel->owner_loads.end())).end_object();
     rdep::bench::WriteSummary(j, "forward", f_max);
     rdep::bench::WriteSummary(j, "forward_backward", fb_max);
     j.field("forward_tflops_per_gpu", tflops_f).field("forward_backward_tflops_per_gpu", tflops_fb);
