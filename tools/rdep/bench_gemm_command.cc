@@ -33,6 +33,10 @@
 #include "rdep/kernels/expert_mlp.h"
 #endif
 
+#ifndef RDEP_GIT_COMMIT
+#define RDEP_GIT_COMMIT "unknown"  // set by tools/rdep/CMakeLists.txt
+#endif
+
 namespace {
 
 using rdep::cli::Args;
@@ -91,17 +95,9 @@ std::vector<int64_t> DrawCounts(int64_t E, int64_t rows, double zipf_alpha, uint
   return counts;
 }
 
-std::string GitCommit() {
-  if (const char* env = std::getenv("RDEP_GIT_COMMIT"); env && *env) return env;
-  std::string out;
-  if (FILE* p = popen("git rev-parse HEAD 2>/dev/null", "r")) {
-    char buf[128];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
+// The commit the build names (tools/rdep/CMakeLists.txt: RDEP_COMMIT from the environment at configure
+// time, else git; the device machine's .git can be older than the tree it builds).
+std::string GitCommit() { return RDEP_GIT_COMMIT; }
 
 // Times `fn` (which enqueues work on `stream`) per iteration with CUDA events; microseconds.
 template <typename Fn>
