@@ -11,7 +11,7 @@
 # most 8 files), plus $OUT/receipts_8gpu.txt with every command and its summary lines.
 # WMAX=4 rehearses the same at W <= 4 on nvidia-h200-x4 (checks and sweeps at W = WMAX).
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored) and name
-# `shared` in the device tool's carry. Builds build-dev (target rdep) if needed.
+# `shared` in the device tool's carry. Builds build-dev (target rdep) first.
 # Note on the Zipf sweep: rdep's zipf:ALPHA draws one popularity permutation for all ranks (seeded),
 # the baseline one per rank (torch generator 1234 + rank); both are Zipf(alpha) over the experts, but
 # a shared permutation concentrates the hot experts, so rdep's owners carry the more skewed load. The
@@ -29,10 +29,9 @@ BASE=shared/baselines/torch_ep_moe.py
 [ -f "$BASE" ] || { echo "receipts_8gpu: $BASE missing (carry shared/)" | tee -a "$LOG"; exit 2; }
 ngpu=$(nvidia-smi -L | wc -l)
 [ "$ngpu" -ge "$WMAX" ] || { echo "receipts_8gpu: $ngpu GPUs, WMAX=$WMAX needs more" | tee -a "$LOG"; exit 2; }
-if [ ! -x build-dev/bin/rdep ]; then
-  cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release >"$R/build.log" 2>&1 &&
-    cmake --build build-dev -j "$(nproc)" --target rdep >>"$R/build.log" 2>&1 || { tail -20 "$R/build.log"; exit 1; }
-fi
+# Configure and build every time (a no-op when build-dev is current; a kept build-dev may be older).
+cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release >"$R/build.log" 2>&1 &&
+  cmake --build build-dev -j "$(nproc)" --target rdep >>"$R/build.log" 2>&1 || { tail -20 "$R/build.log"; exit 1; }
 RDEP=build-dev/bin/rdep
 fails=0
 run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its last lines to $LOG
