@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 WMAX=${WMAX:-8}
 OUT=${OUT:-$PWD/out}
 R=/tmp/receipts_8gpu
-rm -rf "$R" && mkdir -p "$R"
+rm -rf "$R" && mkdir -p "$R" "$OUT"
 LOG=$OUT/receipts_8gpu.txt
 : >"$LOG"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
@@ -31,7 +31,8 @@ ngpu=$(nvidia-smi -L | wc -l)
 [ "$ngpu" -ge "$WMAX" ] || { echo "receipts_8gpu: $ngpu GPUs, WMAX=$WMAX needs more" | tee -a "$LOG"; exit 2; }
 # Configure and build every time (a no-op when build-dev is current; a kept build-dev may be older).
 cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release >"$R/build.log" 2>&1 &&
-  cmake --build build-dev -j "$(nproc)" --target rdep >>"$R/build.log" 2>&1 || { tail -20 "$R/build.log"; exit 1; }
+  cmake --build build-dev -j "$(nproc)" --target rdep >>"$R/build.log" 2>&1 ||
+  { tail -20 "$R/build.log" | tee -a "$LOG"; echo "receipts_8gpu: build failed" >>"$LOG"; exit 1; }
 RDEP=build-dev/bin/rdep
 fails=0
 run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its last lines to $LOG
