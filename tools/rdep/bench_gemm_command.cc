@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "build_commit.h"
 #include "cli.h"
 
 #if defined(RDEP_HAVE_CUDA)
@@ -31,10 +32,6 @@
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
 #include "rdep/kernels/expert_mlp.h"
-#endif
-
-#ifndef RDEP_GIT_COMMIT
-#define RDEP_GIT_COMMIT "unknown"  // set by tools/rdep/CMakeLists.txt
 #endif
 
 namespace {
@@ -94,10 +91,6 @@ std::vector<int64_t> DrawCounts(int64_t E, int64_t rows, double zipf_alpha, uint
   }
   return counts;
 }
-
-// The commit the build names (tools/rdep/CMakeLists.txt: RDEP_COMMIT from the environment at configure
-// time, else git; the device machine's .git can be older than the tree it builds).
-std::string GitCommit() { return RDEP_GIT_COMMIT; }
 
 // Times `fn` (which enqueues work on `stream`) per iteration with CUDA events; microseconds.
 template <typename Fn>
@@ -365,7 +358,7 @@ int RunGemmBench(const Args& args) {
     j.field("cuda_runtime", runtime).field("cuda_driver", driver);
     j.field("cublaslt", static_cast<int64_t>(cublasLtGetVersion()));
     j.end_object();
-    j.field("git_commit", GitCommit());
+    j.field("git_commit", rdep::cli::kBuildCommit);
     j.field("normalization",
             "useful TFLOP/s = 6*M*H*F (forward) or 18*M*H*F (forward+backward) over the p50 time; M = real rows "
             "(sum of per-expert counts), no padding; rho = E_loc*max_e m_e / M");

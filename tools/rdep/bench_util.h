@@ -10,15 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "build_commit.h"
 #include "rdep/core/json.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
 #include "rdep/core/stats.h"
 #include "rdep/layer/cuda_moe_layer.h"
-
-#ifndef RDEP_GIT_COMMIT
-#define RDEP_GIT_COMMIT "unknown"
-#endif
 
 namespace rdep::bench {
 
@@ -31,7 +28,7 @@ inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
   j.key("hardware").begin_object().field("gpu", std::string(p.name)).field("gpus", num_gpus);
   j.field("sms", p.multiProcessorCount).field("memory_gib", static_cast<double>(p.totalGlobalMem) / (1 << 30)).end_object();
   j.key("software").begin_object().field("cuda_runtime", runtime).field("cuda_driver", driver);
-  j.field("rdep_commit", RDEP_GIT_COMMIT).end_object();
+  j.field("rdep_commit", rdep::cli::kBuildCommit).end_object();
 }
 
 inline void WriteSummary(JsonWriter& j, const std::string& name, const std::vector<double>& ms) {

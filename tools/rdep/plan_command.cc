@@ -11,6 +11,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "build_commit.h"
 #include "cli.h"
 #include "rdep/balance/eplb.h"
 #include "rdep/balance/gpu_planner.h"
@@ -19,10 +20,6 @@
 #include "rdep/balance/quota_planner.h"
 #include "rdep/balance/sim.h"
 #include "rdep/core/stats.h"
-
-#ifndef RDEP_GIT_COMMIT
-#define RDEP_GIT_COMMIT "unknown"  // set by tools/rdep/CMakeLists.txt
-#endif
 
 namespace {
 
@@ -211,7 +208,7 @@ int RunBench(const Args& args) {
   if (!json.empty()) {
     std::ofstream o(json);
     if (!o) return Fail(rdep::InvalidArgument("bench: cannot open '" + json + "'"));
-    o << "{\"rdep_commit\": \"" << RDEP_GIT_COMMIT << "\",\n \"workload\": {\"experts\": " << E << ", \"ranks\": " << R
+    o << "{\"rdep_commit\": \"" << rdep::cli::kBuildCommit << "\",\n \"workload\": {\"experts\": " << E << ", \"ranks\": " << R
       << ", \"slots\": " << qc.num_slots
       << ", \"alpha\": " << alpha << ", \"tokens\": " << tokens << ", \"topk\": " << topk
       << ", \"min_quota\": " << qc.min_quota << ", \"matrices\": " << matrices << ", \"warmup\": " << warmup
