@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "rdep/core/random.h"
+#include "rdep/core/route_rules.h"
 
 namespace rdep {
 
@@ -20,20 +21,28 @@ Status RankRouting::Validate(const LayerShape& shape) const {
     return bad("expected " + std::to_string(n) + " expert ids and gates (num_tokens*K), got " +
                std::to_string(experts.size()) + " and " + std::to_string(gates.size()));
   for (int64_t t = 0; t < num_tokens; ++t) {
+    const auto row = static_cast<size_t>(t * topk);
     for (int64_t k = 0; k < topk; ++k) {
-      const auto i = static_cast<size_t>(t * topk + k);
-      const int32_t e = experts[i];
-      if (e < 0 || e >= shape.experts)
-        return bad("token " + std::to_string(t) + " slot " + std::to_string(k) + " chose expert " + std::to_string(e) +
-                   " outside [0, E=" + std::to_string(shape.experts) + ")");
-      if (!std::isfinite(gates[i]) || gates[i] < 0.f)
-        return bad("token " + std::to_string(t) + " slot " + std::to_string(k) + " has a negative or non-finite gate");
-      for (int64_t k2 = 0; k2 < k; ++k2)
-        if (experts[static_cast<size_t>(t * topk + k2)] == e)
-          return bad("token " + std::to_string(t) + " chose expert " + std::to_string(e) + " twice");
+      const RouteSlotFault fault = CheckRouteSlot(experts.data() + row, gates.data() + row, k, shape.experts);
+      if (fault != RouteSlotFault::kNone)
+        return bad(DescribeRouteSlotFault(fault, t, k, experts[row + static_cast<size_t>(k)], gates[row + static_cast<size_t>(k)],
+                                          shape.experts));
     }
   }
   return Status::Ok();
+}
+
+std::string DescribeRouteSlotFault(RouteSlotFault fault, int64_t token, int64_t slot, int32_t expert, float gate,
+                                   int64_t num_experts) {
+  std::ostringstream os;
+  os << "token " << token << " slot " << slot << ": ";
+  switch (fault) {
+    case RouteSlotFault::kNone: os << "valid"; break;
+    case RouteSlotFault::kExpertOutOfRange: os << "expert " << expert << " outside [0, E=" << num_experts << ")"; break;
+    case RouteSlotFault::kBadGate: os << "gate " << gate << " is negative or not finite"; break;
+    case RouteSlotFault::kRepeatedExpert: os << "expert " << expert << " chosen twice (an earlier slot of the token has it)"; break;
+  }
+  return os.str();
 }
 
 std::vector<int64_t> ExpertLoads(const Routing& routing, int64_t num_experts) {

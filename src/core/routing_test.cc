@@ -87,12 +87,12 @@ TEST(Routing, ParseRejectsGarbage) {
 TEST(Routing, ValidateNamesTheProblem) {
   LayerShape s = Shape();
   RankRouting rr{.num_tokens = 1, .topk = 4, .experts = {0, 1, 1, 2}, .gates = {0.25f, 0.25f, 0.25f, 0.25f}};
-  EXPECT_NE(rr.Validate(s).message().find("twice"), std::string::npos);
+  EXPECT_NE(rr.Validate(s).message().find("token 0 slot 2: expert 1 chosen twice"), std::string::npos) << rr.Validate(s);
   rr.experts = {0, 1, 2, 16};
-  EXPECT_NE(rr.Validate(s).message().find("outside"), std::string::npos);
+  EXPECT_NE(rr.Validate(s).message().find("token 0 slot 3: expert 16 outside [0, E=16)"), std::string::npos) << rr.Validate(s);
   rr.experts = {0, 1, 2, 3};
   rr.gates[1] = NAN;
-  EXPECT_NE(rr.Validate(s).message().find("non-finite"), std::string::npos);
+  EXPECT_NE(rr.Validate(s).message().find("token 0 slot 1: gate nan is negative or not finite"), std::string::npos) << rr.Validate(s);
   rr.gates = {1, 1, 1};
   EXPECT_NE(rr.Validate(s).message().find("expected 4"), std::string::npos);
   rr.num_tokens = 201;

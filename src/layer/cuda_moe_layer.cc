@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "rdep/core/route_rules.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
 #include "rdep/kernels/expert_mlp.h"
@@ -82,6 +83,10 @@ struct CudaMoELayer::RankState {
   DeviceBuffer<GroupedRow> grouped;
   DeviceBuffer<__nv_bfloat16> x_rows, h_rows, out_rows;
   int64_t* host_counts = nullptr;  // pinned [num_local + W]
+  // Input validation: the first faulty routing slot of the last forward (device, then pinned copy).
+  DeviceBuffer<unsigned long long> fault;
+  unsigned long long* host_fault = nullptr;
+  cudaEvent_t fault_copied = nullptr;
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
@@ -164,6 +169,9 @@ CudaMoELayer::~CudaMoELayer() {
     st.accepted.Free();
     st.grouped.Free();
     if (st.host_counts) cudaFreeHost(st.host_counts);
+    if (st.host_fault) cudaFreeHost(st.host_fault);
+    if (st.fault_copied) cudaEventDestroy(st.fault_copied);
+    st.fault.Free();
     for (auto e : st.events) cudaEventDestroy(e);
   }
 }
@@ -253,6 +261,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(L + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
+    RDEP_RETURN_IF_ERROR(st->fault.Reserve(1));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(unsigned long long), cudaHostAllocPortable));
+    st->host_fault = static_cast<unsigned long long*>(pinned);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&st->fault_copied, cudaEventDisableTiming));
     // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
     const int64_t seg_rows = l.S * l.slots_per_token;
     if (L > 0) {
@@ -288,15 +300,15 @@ float* CudaMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)
 float* CudaMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2.ptr; }
 int64_t CudaMoELayer::segments(int32_t r) const { return ranks_[static_cast<size_t>(r)]->num_segments; }
 
-Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t n, const __nv_bfloat16* x,
-                             __nv_bfloat16* y) {
+Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
+                             const __nv_bfloat16* x, __nv_bfloat16* y) {
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   st.have_forward = false;
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, W = s.ranks;
-  if (n < 0 || n > s.tokens)
-    return InvalidArgument("forward on rank " + std::to_string(rank) + ": num_tokens " + std::to_string(n) +
-                           " outside [0, T=" + std::to_string(s.tokens) + "]");
+  // A bad token count still takes part in the collective with no tokens (the other ranks finish), then fails.
+  const bool count_ok = num_tokens >= 0 && num_tokens <= s.tokens;
+  const int64_t n = count_ok ? num_tokens : 0;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   cudaStream_t stream = domain_.stream(rank);
   auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, regions_.control));
@@ -307,6 +319,11 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.fault.ptr, 0xFF, sizeof(unsigned long long), stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(st.experts.ptr, st.gates.ptr, n, K, static_cast<int32_t>(s.experts),
+                                                       st.fault.ptr, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_fault, st.fault.ptr, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.fault_copied, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(st.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
@@ -334,8 +351,30 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), st.accepted.ptr,
                                                st.effective.ptr, n, K, s.hidden, Bits(y), Bits(st.saved_f.ptr), stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
+  if (!count_ok)
+    return InvalidArgument("forward on rank " + std::to_string(rank) + ": num_tokens " + std::to_string(num_tokens) +
+                           " outside [0, T=" + std::to_string(s.tokens) + "]; the rank took part with no tokens");
+  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, st, experts, gates));
   st.have_forward = true;
   return Status::Ok();
+}
+
+// The device check of this forward's routing (LaunchValidateRouting) as a Status naming rank, token,
+// slot and value. The forward has synchronized its stream by now (segment counts), so the wait on
+// the copy's event returns at once.
+Status CudaMoELayer::CheckRoutingInput(int32_t rank, RankState& st, const int32_t* experts, const float* gates) {
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(st.fault_copied));
+  const unsigned long long key = *st.host_fault;
+  if (key == ~0ull) return Status::Ok();
+  const auto fault = static_cast<RouteSlotFault>(key & 3);
+  const auto i = static_cast<int64_t>(key >> 2), K = config_.shape.topk;
+  int32_t e = 0;
+  float g = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&e, experts + i, sizeof e, cudaMemcpyDeviceToHost));  // the caller's values
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&g, gates + i, sizeof g, cudaMemcpyDeviceToHost));
+  return InvalidArgument("forward on rank " + std::to_string(rank) + ": routing " +
+                         DescribeRouteSlotFault(fault, i / K, i % K, e, g, config_.shape.experts) +
+                         " (the token ran with zero gates so that every rank finished the call)");
 }
 
 Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates) {

@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -115,8 +116,7 @@ class CudaBackend final : public ValidationBackend {
   explicit CudaBackend(std::unique_ptr<CudaDomain> d) : domain_(std::move(d)) {}
   std::string name() const override { return "cuda"; }
   std::string transport() const override {
-    return domain_->transport_name() + (domain_->bootstrap() ? " (one process per GPU, " : " (one process, ") +
-           std::to_string(domain_->num_ranks()) + " GPUs)";
+    return domain_->transport_name() + (domain_->bootstrap() ? "" : ", one process") + "; " + domain_->placement();
   }
   bool bf16() const override { return true; }
 
@@ -143,7 +143,8 @@ class CudaBackend final : public ValidationBackend {
       for (auto v : all) wrong += v;
     }
     if (wrong) return InternalError(std::to_string(wrong) + " peer slots wrong after the device barrier");
-    *detail = std::to_string(W) + " GPUs, " + domain_->transport_name() + ", kernel peer stores visible after device barrier";
+    *detail = std::to_string(W) + " ranks, " + domain_->transport_name() + ", kernel peer stores visible after " +
+              (domain_->shares_gpus() ? "stream-join barrier (ranks share GPUs)" : "device barrier");
     return Status::Ok();
   }
 
@@ -297,8 +298,15 @@ StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaMultiProcessBackend(Bootstr
   return std::unique_ptr<ValidationBackend>(new CudaBackend(std::move(domain)));
 }
 
-StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t num_ranks, double barrier_timeout_s) {
-  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(num_ranks, {.barrier_timeout_s = barrier_timeout_s, .devices = {}}));
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t num_ranks, double barrier_timeout_s, int num_gpus) {
+  const int present = cuda::DeviceCount();
+  if (present == 0) return Unavailable("cuda backend: no CUDA device is present");
+  if (num_gpus < 0 || num_gpus > present)
+    return InvalidArgument("cuda backend: " + std::to_string(num_gpus) + " GPUs asked for, this machine has " + std::to_string(present));
+  if (num_ranks < 1) return InvalidArgument("cuda backend: ranks W must be >= 1, got " + std::to_string(num_ranks));
+  if (num_gpus == 0) num_gpus = static_cast<int>(std::min<int64_t>(num_ranks, present));
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(num_ranks, {.barrier_timeout_s = barrier_timeout_s,
+                                                                                  .devices = RoundRobinDevices(num_ranks, num_gpus)}));
   return std::unique_ptr<ValidationBackend>(new CudaBackend(std::move(domain)));
 }
 

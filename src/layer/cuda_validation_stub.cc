@@ -3,7 +3,7 @@
 
 namespace rdep {
 
-StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t, double) {
+StatusOr<std::unique_ptr<ValidationBackend>> MakeCudaBackend(int64_t, double, int) {
   return Unavailable("this build of rdep has no CUDA backend (configured without a CUDA compiler)");
 }
 

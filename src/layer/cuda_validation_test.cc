@@ -1,5 +1,7 @@
-// The validation matrix on the CUDA backend at 1, 2 and 4 GPUs: the paper's shapes and the odd
-// cases. Each case skips (saying why) when the build has no CUDA or the machine has too few GPUs.
+// The validation matrix on the CUDA backend at W = 1, 2, 4 and 8: the paper's shapes and the odd
+// cases. Ranks go round-robin over the GPUs present, so on a machine with fewer GPUs than W they
+// share GPUs (stream-join barriers) and still must agree bitwise with the host backend. Each case
+// skips (saying why) only when the build has no CUDA or the machine has no GPU.
 #include <gtest/gtest.h>
 
 #include "rdep/layer/cuda_validation.h"
@@ -61,7 +63,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"W4_all_to_one_expert", S(4, 64, 64, 64, 16, 2), "one-expert", 0, 0, -1},
         Case{"W4_empty_experts", S(4, 64, 64, 64, 16, 3), "sparse", 0, 0, -1},
         Case{"W4_capacity_drops_zipf", S(4, 128, 64, 64, 16, 4), "zipf:1.5", 0.8, 0, -1},
-        Case{"W4_small_segments", S(4, 64, 64, 64, 16, 2), "zipf:1.2", 0, 37, -1}),
+        Case{"W4_small_segments", S(4, 64, 64, 64, 16, 2), "zipf:1.2", 0, 37, -1},
+        // W = 8 (ranks share GPUs on smaller machines): Moonlight's E = 64, K = 6 at small T and H,
+        // E not divisible by W, an empty rank, capacity drops, small segments.
+        Case{"W8_T32_H128_F64_E64_K6_moonlight_small", S(8, 32, 128, 64, 64, 6), "uniform", 0, 0, -1},
+        Case{"W8_E12_not_divisible", S(8, 32, 64, 64, 12, 3), "zipf:1", 0, 0, -1},
+        Case{"W8_zero_tokens_on_rank5", S(8, 32, 64, 64, 16, 2), "uniform", 0, 0, 5},
+        Case{"W8_capacity_drops_zipf", S(8, 64, 64, 64, 32, 4), "zipf:1.5", 0.7, 0, -1},
+        Case{"W8_small_segments", S(8, 48, 64, 64, 16, 2), "zipf:1.2", 0, 13, -1}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace
@@ -69,6 +78,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
@@ -79,10 +90,10 @@ namespace {
 
 // ApplySgd updates exactly w <- bf16(w - lr * dw) on every rank's experts.
 TEST(CudaMoELayer_Sgd, W2_UpdatesWeightsFromLastBackward) {
-  if (cuda::DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   LayerConfig cfg;
   cfg.shape = {.tokens = 32, .hidden = 64, .ffn = 32, .experts = 4, .topk = 2, .ranks = 2};
-  auto domain = CudaDomain::CreateSingleProcess(2);
+  auto domain = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 10, .devices = RoundRobinDevices(2, std::min(2, cuda::DeviceCount()))});
   ASSERT_TRUE(domain.ok()) << domain.status();
   auto own = *OwnershipMap::Contiguous(4, 2);
   auto routing = *GenerateRouting(cfg.shape, RoutingSpec{});

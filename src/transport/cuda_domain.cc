@@ -2,9 +2,14 @@
 
 #include <cuda.h>
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <type_traits>
@@ -126,6 +131,53 @@ CUmemAccessDesc ReadWriteFrom(int dev) {
 
 }  // namespace
 
+// Ranks sharing a GPU: the host rendezvous of the ranks' threads, and each rank's barrier events by
+// epoch parity. A rank re-records its event of parity e&1 only at epoch e+2, which it reaches after
+// every rank arrived at e+1, so after every rank enqueued its waits for epoch e: two events suffice.
+struct CudaDomain::JoinState {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> arrived;                   // [W] the last epoch each rank arrived at
+  std::vector<std::array<Phase, 2>> phase;         // [W][epoch parity] the phase announced
+  std::vector<std::array<cudaEvent_t, 2>> events;  // [W][epoch parity], on the rank's device
+};
+
+CudaDomain::CudaDomain() = default;
+
+std::vector<int> RoundRobinDevices(int64_t num_ranks, int num_gpus) {
+  std::vector<int> d;
+  if (num_gpus <= 0) return d;
+  for (int64_t r = 0; r < num_ranks; ++r) d.push_back(static_cast<int>(r % num_gpus));
+  return d;
+}
+
+std::string CudaDomain::placement() const {
+  std::ostringstream os;
+  if (bootstrap_) {
+    const int32_t me = bootstrap_->rank();
+    os << "rank " << me << " of " << num_ranks_ << " on GPU " << device(me) << ", one process per GPU";
+    return os.str();
+  }
+  std::map<int, std::vector<int32_t>> by_gpu;
+  for (int32_t r = 0; r < num_ranks_; ++r) by_gpu[device(r)].push_back(r);
+  os << num_ranks_ << (num_ranks_ == 1 ? " rank" : " ranks") << " on " << by_gpu.size() << (by_gpu.size() == 1 ? " GPU" : " GPUs") << " (";
+  bool identity = true;
+  for (int32_t r = 0; r < num_ranks_; ++r) identity &= device(r) == r;
+  if (identity) {
+    os << "rank r on GPU r)";
+  } else {
+    const char* sep = "";
+    for (const auto& [gpu, ranks] : by_gpu) {
+      os << sep << "GPU " << gpu << ": rank" << (ranks.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < ranks.size(); ++i) os << (i ? "," : "") << ranks[i];
+      sep = "; ";
+    }
+    os << ")";
+  }
+  if (shared_) os << "; ranks share GPUs: timings do not measure NVLink";
+  return os.str();
+}
+
 std::vector<int32_t> CudaDomain::local_ranks() const {
   if (bootstrap_) return {bootstrap_->rank()};
   std::vector<int32_t> r;
@@ -136,12 +188,14 @@ std::vector<int32_t> CudaDomain::local_ranks() const {
 StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t num_ranks, CudaDomainOptions options) {
   const int available = cuda::DeviceCount();
   if (available == 0) return Unavailable("cuda domain: no CUDA device is present");
-  if (num_ranks < 1) return InvalidArgument("cuda domain: ranks W must be >= 1, got " + std::to_string(num_ranks));
+  if (num_ranks < 1 || num_ranks > kMaxCudaRanks)
+    return InvalidArgument("cuda domain: ranks W must be in [1, " + std::to_string(kMaxCudaRanks) + "], got " + std::to_string(num_ranks));
   if (!(options.barrier_timeout_s > 0)) return InvalidArgument("cuda domain: barrier timeout must be > 0 seconds");
   if (options.devices.empty()) {
     if (num_ranks > available)
       return InvalidArgument("cuda domain: W=" + std::to_string(num_ranks) + " ranks need " + std::to_string(num_ranks) +
-                             " GPUs in one process, this machine has " + std::to_string(available));
+                             " GPUs in one process, this machine has " + std::to_string(available) +
+                             "; to place several ranks on a GPU, give the devices (RoundRobinDevices; rdep: --gpus N)");
     for (int i = 0; i < num_ranks; ++i) options.devices.push_back(i);
   }
   if (static_cast<int64_t>(options.devices.size()) != num_ranks)
@@ -185,7 +239,23 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t nu
   }
   RDEP_ASSIGN_OR_RETURN(d->barrier_region_,
                         d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(num_ranks), "barrier"));
+  for (int32_t r = 0; r < num_ranks && !d->shared_; ++r)
+    for (int32_t p = 0; p < r; ++p) d->shared_ |= d->device(p) == d->device(r);
+  if (d->shared_) RDEP_RETURN_IF_ERROR(d->InitJoin());
   return d;
+}
+
+Status CudaDomain::InitJoin() {
+  join_ = std::make_unique<JoinState>();
+  const auto W = static_cast<size_t>(num_ranks_);
+  join_->arrived.assign(W, 0);
+  join_->phase.assign(W, {Phase::kSmoke, Phase::kSmoke});
+  join_->events.assign(W, {nullptr, nullptr});
+  for (size_t r = 0; r < W; ++r) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[r]));
+    for (auto& e : join_->events[r]) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  return Status::Ok();
 }
 
 StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateMultiProcess(Bootstrap& boot, CudaDomainOptions options) {
@@ -229,7 +299,7 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateMultiProcess(Bootstrap& 
     for (int32_t p = 0; p < r; ++p)
       if (std::strncmp(all[static_cast<size_t>(p)].bus_id, h.bus_id, sizeof h.bus_id) == 0)
         return InvalidArgument("cuda domain bootstrap: ranks " + std::to_string(p) + " and " + std::to_string(r) +
-                               " share GPU " + std::string(h.bus_id) + "; give every rank its own GPU");
+                               " share GPU " + std::string(h.bus_id) + "; give every rank its own GPU, or drive the ranks from one process (rdep check --gpus N)");
   }
 
   // Transport: fabric handles when every rank's driver supports and permits them, else IPC.
@@ -290,6 +360,10 @@ Status CudaDomain::ProbeFabric(std::string* why_not) {
 }
 
 CudaDomain::~CudaDomain() {
+  if (join_)
+    for (auto& pair : join_->events)
+      for (cudaEvent_t e : pair)
+        if (e) cudaEventDestroy(e);
   for (auto& r : regions_) FreeRegion(r);
   for (size_t q = 0; q < streams_.size(); ++q)
     if (streams_[q]) {
@@ -502,8 +576,51 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
 
 Status CudaDomain::Barrier(int32_t rank, Phase phase) {
   const uint64_t epoch = ++epoch_[static_cast<size_t>(rank)];
+  if (shared_) return JoinBarrier(rank, phase, epoch);
   return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, epoch, phase,
                             options_.barrier_timeout_s, errors_dev_[static_cast<size_t>(rank)], stream(rank));
+}
+
+Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {
+  JoinState& j = *join_;
+  const auto me = static_cast<size_t>(rank);
+  const size_t parity = epoch & 1;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(j.events[me][parity], stream(rank)));
+  {
+    std::unique_lock<std::mutex> lock(j.mu);
+    j.arrived[me] = epoch;
+    j.phase[me][parity] = phase;
+    j.cv.notify_all();
+    const auto all_here = [&] {
+      for (uint64_t e : j.arrived)
+        if (e < epoch) return false;
+      return true;
+    };
+    const auto bound = std::chrono::duration<double>(options_.barrier_timeout_s);
+    if (!j.cv.wait_for(lock, bound, all_here)) {
+      std::ostringstream os;
+      os << "barrier '" << PhaseName(phase) << "' (#" << epoch << ") timed out after " << options_.barrier_timeout_s
+         << " s; no arrival from rank(s) ";
+      const char* sep = "";
+      for (size_t p = 0; p < j.arrived.size(); ++p)
+        if (j.arrived[p] < epoch) {
+          os << sep << p;
+          sep = ",";
+        }
+      os << " (host-side join: ranks share a GPU)";
+      return TimeoutError(os.str());
+    }
+    for (size_t p = 0; p < j.arrived.size(); ++p)
+      if (j.phase[p][parity] != phase) {
+        std::ostringstream os;
+        os << "barrier #" << epoch << " phase mismatch: this rank is at '" << PhaseName(phase) << "', rank " << p
+           << " is at '" << PhaseName(j.phase[p][parity]) << "'";
+        return InternalError(os.str());
+      }
+  }
+  for (size_t p = 0; p < j.events.size(); ++p)
+    if (p != me) RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream(rank), j.events[p][parity], 0));
+  return Status::Ok();
 }
 
 Status CudaDomain::CheckErrors(int32_t rank) {

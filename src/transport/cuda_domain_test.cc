@@ -1,20 +1,42 @@
-// The CUDA domain's device barrier: a rank that never arrives makes the waiting rank's barrier kernel
-// give up after the bound and report the missing rank and the phase (no hang). Needs 2 GPUs.
+// The CUDA domain's barriers, with every rank on its own GPU (device barrier kernels) and with ranks
+// sharing a GPU (stream-ordered joins): stores before a barrier are visible after it, a rank that
+// never arrives gives a Timeout naming the rank and the phase (no hang), and ranks sharing a GPU do
+// not deadlock when one rank's thread synchronizes the whole device between barriers.
 #include "rdep/transport/cuda_domain.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <string>
 
 #include "rdep/cuda/check.h"
 
 namespace rdep {
 namespace {
 
-TEST(CudaDomain_Barrier, W2_MissingRankTimesOutNamingRankAndPhase) {
-  if (cuda::DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
-  auto d = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 0.5, .devices = {}});
+// Placements to test: every rank on its own GPU (when the machine has W), and all on GPU 0.
+struct Placement {
+  const char* name;
+  bool shared;
+};
+void PrintTo(const Placement& p, std::ostream* os) { *os << p.name; }
+
+class CudaDomainBarrier : public ::testing::TestWithParam<Placement> {
+ protected:
+  StatusOr<std::unique_ptr<CudaDomain>> Make(int64_t W, double timeout_s) {
+    const int n = cuda::DeviceCount();
+    if (n == 0) return Unavailable("no CUDA device");
+    if (!GetParam().shared && n < W) return Unavailable("needs " + std::to_string(W) + " CUDA devices");
+    return CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = timeout_s,
+                                               .devices = GetParam().shared ? RoundRobinDevices(W, 1) : std::vector<int>{}});
+  }
+};
+
+TEST_P(CudaDomainBarrier, W2_MissingRankTimesOutNamingRankAndPhase) {
+  auto d = Make(2, 0.5);
+  if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
   ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->shares_gpus(), GetParam().shared);
   // One barrier that both ranks reach works.
   ASSERT_TRUE((*d)->Run([&](int32_t r) -> Status {
                      RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
@@ -33,12 +55,75 @@ TEST(CudaDomain_Barrier, W2_MissingRankTimesOutNamingRankAndPhase) {
   EXPECT_NE(s.message().find("no arrival from rank(s) 1"), std::string::npos) << s;
 }
 
-TEST(CudaDomain_Create, RejectsMoreRanksThanGpus) {
+// Every rank stores into every peer, a barrier, every rank reads its slots; repeated so that each
+// of the join's two events per rank is reused. Rank 0's thread synchronizes the whole device and
+// frees memory between barriers (what a layer's buffer growth does), which deadlocks a spinning
+// barrier kernel on a shared GPU.
+TEST_P(CudaDomainBarrier, W4_StoresVisibleAfterBarrierWithDeviceSyncsBetween) {
+  constexpr int32_t W = 4;
+  auto d = Make(W, 5.0);
+  if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto region = (*d)->AllocateSymmetric(sizeof(int64_t) * W, "smoke");
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::vector<int64_t> wrong(W, 0);
+  Status s = (*d)->Run([&](int32_t r) -> Status {
+    for (int round = 0; round < 5; ++round) {
+      int64_t* mine = static_cast<int64_t*>((*d)->region(r, *region));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(mine, 0xFF, sizeof(int64_t) * W, (*d)->stream(r)));  // poison
+      RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));  // every rank poisoned before anyone stores
+      if (r == 0) {
+        void* p = nullptr;
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, 1 << 20));
+        RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+        RDEP_CUDA_RETURN_IF_ERROR(cudaFree(p));
+      }
+      RDEP_RETURN_IF_ERROR(LaunchSmokeStore((*d)->peer_table(r, *region), r, W, (*d)->stream(r)));
+      RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kSmoke));
+      RDEP_RETURN_IF_ERROR((*d)->Synchronize(r));
+      std::vector<int64_t> got(W);
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(got.data(), mine, sizeof(int64_t) * W, cudaMemcpyDeviceToHost));
+      for (int32_t p = 0; p < W; ++p) wrong[static_cast<size_t>(r)] += got[static_cast<size_t>(p)] != 1000 * p + r;
+      RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));  // every rank read before the next poison
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int32_t r = 0; r < W; ++r) EXPECT_EQ(wrong[static_cast<size_t>(r)], 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaDomainBarrier,
+                         ::testing::Values(Placement{"own_gpus", false}, Placement{"shared_gpu", true}),
+                         [](const ::testing::TestParamInfo<Placement>& i) { return std::string(i.param.name); });
+
+TEST(CudaDomain_Create, RejectsMoreRanksThanGpusWithoutAPlacement) {
   const int n = cuda::DeviceCount();
   if (n == 0) GTEST_SKIP() << "no CUDA device";
   auto d = CudaDomain::CreateSingleProcess(n + 1);
   ASSERT_FALSE(d.ok());
   EXPECT_NE(d.status().message().find("this machine has " + std::to_string(n)), std::string::npos) << d.status();
+  EXPECT_NE(d.status().message().find("--gpus"), std::string::npos) << d.status();
+}
+
+TEST(CudaDomain_Create, RejectsBadWidthsAndDevices) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (int64_t W : {int64_t{0}, kMaxCudaRanks + 1}) {
+    auto d = CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 1, .devices = RoundRobinDevices(W, 1)});
+    ASSERT_FALSE(d.ok()) << "W=" << W;
+    EXPECT_NE(d.status().message().find("ranks W must be in"), std::string::npos) << d.status();
+  }
+  auto d = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 1, .devices = {0, cuda::DeviceCount()}});
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("does not exist"), std::string::npos) << d.status();
+}
+
+TEST(CudaDomain_Placement, SaysWhenRanksShareAGpu) {
+  EXPECT_EQ(RoundRobinDevices(5, 2), (std::vector<int>{0, 1, 0, 1, 0}));
+  EXPECT_TRUE(RoundRobinDevices(3, 0).empty());
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto d = CudaDomain::CreateSingleProcess(3, {.barrier_timeout_s = 1, .devices = RoundRobinDevices(3, 1)});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->placement(), "3 ranks on 1 GPU (GPU 0: ranks 0,1,2); ranks share GPUs: timings do not measure NVLink");
 }
 
 }  // namespace

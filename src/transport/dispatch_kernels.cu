@@ -5,6 +5,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "rdep/core/route_rules.h"
 #include "rdep/cuda/check.h"
 #include "rdep/transport/dispatch_kernels.h"
 
@@ -26,6 +27,24 @@ __device__ __forceinline__ void WarpCopyRow(const bf16_bits* src, bf16_bits* dst
     for (int64_t i = lane; i < H / 8; i += 32) d[i] = s[i];
   } else {
     for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
+  }
+}
+
+__global__ void ValidateRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
+                                      unsigned long long* first_fault) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  int32_t* e = experts + t * K;
+  float* g = gates + t * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const RouteSlotFault fault = CheckRouteSlot(e, g, k, num_experts);
+    if (fault == RouteSlotFault::kNone) continue;
+    atomicMin(first_fault, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(fault));
+    for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
+      e[j] = static_cast<int32_t>(j);
+      g[j] = 0.f;
+    }
+    return;
   }
 }
 
@@ -337,6 +356,16 @@ int WarpBlocks(int64_t items) {
 }
 
 }  // namespace
+
+Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
+                             unsigned long long* first_fault, cudaStream_t s) {
+  if (n <= 0) return Status::Ok();
+  constexpr int kThreads = 256;
+  ValidateRoutingKernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(experts, gates, n, K, num_experts,
+                                                                                                 first_fault);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
 
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, OwnerMapView own, int32_t rank,
                              int32_t* tok_index, int64_t* const* control_of, cudaStream_t s) {

@@ -286,7 +286,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     std::cerr << "rdep bench dispatch: " << st.message() << "\n";
     return 2;
   }
-  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed);
+  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed, static_cast<int>(s.ranks));  // one GPU per rank (NCCL baseline)
   if (!setup.ok()) return Fail(setup.status());
   const rdep::OwnershipMap& own = setup->ownership;
   const rdep::Routing& routing = setup->routing;

@@ -38,7 +38,9 @@ GPU (accepted rows only: forward 6*rows*H*D_ff FLOPs, backward twice that), a pe
 the device memory the layer holds, and the ratio to a baseline receipt.
 
 flags [defaults: the Moonlight shape]:
-  --ranks W            GPUs [all, at most 8]     --tokens T   tokens per rank [4096]
+  --ranks W            ranks [all GPUs, at most 8]                --tokens T   tokens per rank [4096]
+  --gpus N             ranks round-robin over N local GPUs [min(W, GPUs)]; N < W: ranks share GPUs
+                       (the placement is printed; such timings do not measure NVLink)
   --hidden H [2048]    --ffn F [1408]            --experts E [64]    --topk K [6]
   --routing R          uniform | zipf:ALPHA [uniform]
   --capacity-factor C  0 = dropless [0]          --segment S  token rows per segment; 0 = W*T [0]
@@ -66,6 +68,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
   rdep::LayerConfig cfg;
   auto& s = cfg.shape;
   s.ranks = f.get_int("ranks", std::min(gpus, 8));
+  const int64_t use_gpus = f.get_int("gpus", std::min<int64_t>(s.ranks, gpus));
   s.tokens = f.get_int("tokens", 4096);
   s.hidden = f.get_int("hidden", 2048);
   s.ffn = f.get_int("ffn", 1408);
@@ -89,6 +92,10 @@ int RunLayerBench(const rdep::cli::Args& args) {
     std::cerr << "rdep bench layer: --warmup must be >= 0 and --iters >= 1\n";
     return 2;
   }
+  if (use_gpus < 1 || use_gpus > gpus) {
+    std::cerr << "rdep bench layer: --gpus must be in [1, " << gpus << "] on this machine, got " << use_gpus << "\n";
+    return 2;
+  }
   auto spec = rdep::RoutingSpec::Parse(routing_name);
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = seed;
@@ -96,7 +103,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
     std::cerr << "rdep bench layer: " << st.message() << "\n";
     return 2;
   }
-  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed);
+  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed, static_cast<int>(use_gpus));
   if (!setup.ok()) return Fail(setup.status());
   const rdep::Routing& routing = setup->routing;
   const auto& x = setup->x;
@@ -219,11 +226,11 @@ int RunLayerBench(const rdep::cli::Args& args) {
   const double owner_mean = static_cast<double>(tel->total_rows) / static_cast<double>(W);
   const double owner_max = static_cast<double>(*std::max_element(tel->owner_loads.begin(), tel->owner_loads.end()));
 
-  std::printf("rdep bench layer: %s, routing %s, capacity %s, S=%lld, %lld GPUs, warmup %lld, iters %lld\n",
+  std::printf("rdep bench layer: %s, routing %s, capacity %s, S=%lld, warmup %lld, iters %lld\n",
               [&] { std::ostringstream os; os << s; return os.str(); }().c_str(), spec->name().c_str(),
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
-              static_cast<long long>(layer->layout().S), static_cast<long long>(s.ranks), static_cast<long long>(warmup),
-              static_cast<long long>(iters));
+              static_cast<long long>(layer->layout().S), static_cast<long long>(warmup), static_cast<long long>(iters));
+  std::printf("  placement: %s\n", domain->placement().c_str());
   std::printf("  load: expert max/mean %.2f (CV %.1f%%, %lld of %lld experts active), owner max/mean %.2f\n",
               tel->max_over_mean, 100 * tel->cv, static_cast<long long>(tel->active_experts),
               static_cast<long long>(tel->num_experts), owner_mean > 0 ? owner_max / owner_mean : 0.0);
@@ -239,7 +246,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
     rdep::JsonWriter j;
     j.begin_object().field("tool", "rdep bench layer");
     rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
-    j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
+    j.key("workload").begin_object().field("ranks", s.ranks).field("placement", domain->placement()).field("ranks_share_gpus", domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
     j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", spec->name());
     j.field("capacity_factor", cfg.capacity.capacity_factor).field("segment", layer->layout().S).field("seed", static_cast<int64_t>(seed));
     j.field("warmup", warmup).field("iters", iters).end_object();

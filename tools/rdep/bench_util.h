@@ -50,7 +50,7 @@ inline double ReadJsonNumber(const std::string& path, const std::string& key) {
 }
 
 // What a layer benchmark runs on: a seeded routing, weights and inputs, a one-process CUDA domain
-// over W GPUs and the layer.
+// of W ranks round-robin over `num_gpus` GPUs (fewer GPUs than ranks: ranks share them) and the layer.
 struct LayerBenchSetup {
   OwnershipMap ownership;
   Routing routing;
@@ -59,7 +59,7 @@ struct LayerBenchSetup {
   std::unique_ptr<CudaMoELayer> layer;
 };
 
-inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const RoutingSpec& spec, uint64_t seed) {
+inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const RoutingSpec& spec, uint64_t seed, int num_gpus) {
   RDEP_RETURN_IF_ERROR(cfg.Validate());
   const LayerShape& s = cfg.shape;
   LayerBenchSetup b{*OwnershipMap::Contiguous(1, 1), {}, {}, nullptr, nullptr};
@@ -67,7 +67,8 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
   RDEP_ASSIGN_OR_RETURN(b.routing, GenerateRouting(s, spec));
   const MoEWeights weights = RandomWeights(s, seed);
   b.x = RandomActivations(s, b.routing, seed + 1);
-  RDEP_ASSIGN_OR_RETURN(b.domain, CudaDomain::CreateSingleProcess(s.ranks));
+  RDEP_ASSIGN_OR_RETURN(b.domain, CudaDomain::CreateSingleProcess(s.ranks, {.barrier_timeout_s = 10.0,
+                                                                            .devices = RoundRobinDevices(s.ranks, num_gpus)}));
   RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership, weights));
   return b;
 }

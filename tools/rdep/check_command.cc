@@ -26,8 +26,10 @@ Runs the validation matrix of seeds 000 Table 18 for one configuration and print
   segment invariance     results bitwise equal with a different segment size S
 
 flags (defaults in brackets):
-  --backend B            host | cuda | auto: cuda when this build has CUDA and the machine has W GPUs,
+  --backend B            host | cuda | auto: cuda when this build has CUDA and the machine has a GPU,
                          else host [auto]
+  --gpus N               cuda, one process: ranks round-robin over N local GPUs [min(W, GPUs)];
+                         N < W: ranks share GPUs (stream-join barriers; the placement is printed)
   --bootstrap B          cuda backend: process (one process drives all W GPUs) or mpi (one process per
                          GPU under mpirun: W = the MPI world size; CUDA IPC or fabric handles)
                          [mpi when launched by mpirun, else process]
@@ -56,6 +58,8 @@ int RunCheck(const rdep::cli::Args& args) {
   std::string backend = f.get_string("backend", "auto");
   std::string bootstrap = f.get_string("bootstrap", rdep::LaunchedUnderMpi() ? "mpi" : "process");
   const bool ranks_given = f.has("ranks");
+  const bool gpus_given = f.has("gpus");
+  const int64_t gpus = f.get_int("gpus", 0);
   auto& s = o.layer.shape;
   s.ranks = f.get_int("ranks", 4);
   s.tokens = f.get_int("tokens", 64);
@@ -96,7 +100,15 @@ int RunCheck(const rdep::cli::Args& args) {
     std::cerr << "rdep check: unknown bootstrap '" << bootstrap << "' (process, mpi)\n";
     return 2;
   }
-  if (backend == "auto") backend = rdep::CudaDeviceCount() >= s.ranks ? "cuda" : "host";
+  if (backend == "auto") backend = rdep::CudaDeviceCount() > 0 ? "cuda" : "host";
+  if (gpus_given && (backend != "cuda" || boot)) {
+    std::cerr << "rdep check: --gpus places the ranks of one process on GPUs: it needs --backend cuda without --bootstrap mpi\n";
+    return 2;
+  }
+  if (gpus_given && (gpus < 1 || gpus > rdep::CudaDeviceCount())) {
+    std::cerr << "rdep check: --gpus must be in [1, " << rdep::CudaDeviceCount() << "] on this machine, got " << gpus << "\n";
+    return 2;
+  }
   if (boot && backend != "cuda") {
     std::cerr << "rdep check: --bootstrap mpi needs --backend cuda\n";
     return 2;
@@ -127,7 +139,7 @@ int RunCheck(const rdep::cli::Args& args) {
   }
   rdep::StatusOr<std::unique_ptr<rdep::ValidationBackend>> be =
       boot ? rdep::MakeCudaMultiProcessBackend(*boot, o.barrier_timeout_s)
-           : (backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s));
+           : (backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s, static_cast<int>(gpus)) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s));
   if (!be.ok()) {
     std::cerr << "rdep check: backend " << backend << ": " << be.status().message() << "\n";
     return 2;

@@ -52,6 +52,10 @@ class CudaMoELayer {
 
   // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:
   // experts [n][K] int32, gates [n][K] fp32, x and y [n][H] bf16. n <= T.
+  // Inputs are checked on the device (expert ids in [0, E), no expert twice in a token, gates finite
+  // and >= 0) and n against T: a bad input is InvalidArgument naming the rank, token and slot, after
+  // the rank has still taken part in the collective (a faulty token with zero gates, a bad n as no
+  // tokens), so the other ranks finish; nothing is written out of bounds.
   Status Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
                  const __nv_bfloat16* x, __nv_bfloat16* y);
   // Collective, after Forward: dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates).
@@ -88,6 +92,7 @@ class CudaMoELayer {
   CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership);
   Status Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload);
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
+  Status CheckRoutingInput(int32_t rank, RankState& st, const int32_t* experts, const float* gates);
 
   CudaDomain& domain_;
   LayerConfig config_;

@@ -10,6 +10,12 @@
 // enqueues work without host round trips. A barrier that times out records {phase, missing rank}
 // in host-mapped memory and lets the stream drain; the next Synchronize() (or CheckErrors) reports
 // it as a Timeout naming the rank and the phase. After such an error, recreate the domain.
+// Ranks sharing a GPU (one process; `devices` repeats a GPU, e.g. RoundRobinDevices(4, 1)): a kernel
+// spinning on a peer whose stream may never be scheduled (a device-wide sync of another rank's thread,
+// a full GPU) can deadlock, so there every barrier is a stream-ordered join instead: each rank records
+// an event on its stream, the ranks' host threads meet (bounded wait: a rank that never arrives is a
+// Timeout naming it and the phase, returned by Barrier itself), then each stream waits on every peer's
+// event. Same protocol, same kernels, same results; timings taken this way do not measure NVLink.
 //
 //   auto d = CudaDomain::CreateSingleProcess(4);
 //   RegionId r = d->AllocateSymmetric(bytes, "payload");        // before Run
@@ -36,9 +42,15 @@
 namespace rdep {
 
 struct CudaDomainOptions {
-  double barrier_timeout_s = 10.0;  // bound on every device-side wait for a peer
-  std::vector<int> devices;         // device of each rank; empty = 0..W-1
+  double barrier_timeout_s = 10.0;  // bound on every wait for a peer (device-side, or host-side when GPUs are shared)
+  std::vector<int> devices;         // device of each rank; empty = 0..W-1; a repeated device = ranks share it
 };
+
+// The widest domain: the device barrier's one block has a thread per rank.
+constexpr int64_t kMaxCudaRanks = 1024;
+
+// Ranks placed round-robin over the first `num_gpus` local GPUs (rank r on GPU r mod num_gpus).
+std::vector<int> RoundRobinDevices(int64_t num_ranks, int num_gpus);
 
 // What a barrier that failed recorded (host-mapped, written by the device).
 struct DeviceErrorRecord {
@@ -75,6 +87,11 @@ class CudaDomain {
   // How peers' memory is opened: "peer-access" (one process), later "ipc" or "fabric".
   const std::string& transport_name() const { return transport_; }
   const CudaDomainOptions& options() const { return options_; }
+  // Whether two ranks of this process share a GPU (barriers are then stream-ordered joins).
+  bool shares_gpus() const { return shared_; }
+  // "4 ranks on 1 GPU (GPU 0: ranks 0-3); ranks share GPUs: timings do not measure NVLink", or
+  // "4 ranks on 4 GPUs (rank r on GPU r)"; multi-process: "rank 2 of 4 on GPU 2".
+  std::string placement() const;
 
   // cudaMalloc of `bytes` on every rank's device, zero-filled. Not callable during Run.
   StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name);
@@ -91,7 +108,8 @@ class CudaDomain {
   // error contract as HostDomain::Run: the first failing rank's error, prefixed with its rank.
   Status Run(const std::function<Status(int32_t rank)>& fn);
 
-  // Enqueues a phase barrier on rank's stream (a one-block kernel; waits are bounded in-kernel).
+  // Enqueues a phase barrier on rank's stream: a one-block kernel with in-kernel bounded waits, or,
+  // where ranks share a GPU, a host rendezvous of the ranks' threads and stream waits on their events.
   Status Barrier(int32_t rank, Phase phase);
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
   Status Synchronize(int32_t rank);
@@ -108,7 +126,10 @@ class CudaDomain {
     size_t mapped_bytes = 0;          // granularity-rounded size of each mapping (fabric)
     bool freed = false;
   };
-  CudaDomain() = default;
+  struct JoinState;  // ranks sharing a GPU: the host rendezvous and each rank's barrier events
+  CudaDomain();
+  Status InitJoin();
+  Status JoinBarrier(int32_t rank, Phase phase, uint64_t epoch);
   Status AllocateLocal(Region& r, size_t bytes);
   Status OpenPeers(Region& r);
   Status ProbeFabric(std::string* why_not);
@@ -127,6 +148,8 @@ class CudaDomain {
   DeviceErrorRecord* errors_ = nullptr;        // host-mapped [W]
   std::vector<DeviceErrorRecord*> errors_dev_; // device views of errors_ + rank
   bool running_ = false;
+  bool shared_ = false;                        // some GPU holds several ranks: barriers are joins
+  std::unique_ptr<JoinState> join_;
 };
 
 // Launches the barrier kernel (cuda_barrier.cu).
