@@ -208,7 +208,12 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t nu
   d->epoch_.assign(static_cast<size_t>(num_ranks), 0);
   for (int32_t r = 0; r < num_ranks; ++r) {
     const int dev = d->devices_[static_cast<size_t>(r)];
-    if (dev < 0 || dev >= available) return InvalidArgument("cuda domain: device " + std::to_string(dev) + " does not exist");
+    if (dev < 0 || dev >= available)
+      return InvalidArgument("cuda domain: rank " + std::to_string(r) + "'s device " + std::to_string(dev) + " does not exist (" +
+                             std::to_string(available) + " present)");
+  }
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    const int dev = d->devices_[static_cast<size_t>(r)];
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev));
     for (int32_t p = 0; p < num_ranks; ++p) {
       const int peer = d->devices_[static_cast<size_t>(p)];
