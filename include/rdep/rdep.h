@@ -11,6 +11,7 @@
 #include "rdep/core/row_id.h"
 #include "rdep/core/shape.h"
 #include "rdep/core/stats.h"
+#include "rdep/layer/forward_context.h"
 #include "rdep/layer/host_moe_layer.h"
 #include "rdep/layer/layer_config.h"
 #include "rdep/layer/validation.h"

@@ -11,6 +11,7 @@
 #include "rdep/cuda/check.h"
 #include "rdep/kernels/expert_mlp.h"
 #include "rdep/transport/dispatch_kernels.h"
+#include "layer/context_access.h"
 #include "layer/sgd_kernel.h"
 
 namespace rdep {
@@ -25,6 +26,10 @@ template <typename T>
 struct DeviceBuffer {
   T* ptr = nullptr;
   size_t count = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Free(); }
   Status Reserve(size_t n) {
     if (n <= count) return Status::Ok();
     if (ptr) RDEP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
@@ -59,6 +64,46 @@ bf16_bits* Bits(__nv_bfloat16* p) { return reinterpret_cast<bf16_bits*>(p); }
 
 }  // namespace
 
+// What a forward saves for its backward on one rank (held by a ForwardContext; device buffers on
+// the rank's GPU, freed with the context).
+struct CudaMoELayer::Saved final : ForwardContext::State {
+  int device = 0;
+  // Front-end: the routing as validated, the accepted set and effective gates, each token's place in
+  // each owner's stream, the returned rows (for dgate), and a copy of this rank's control words after
+  // phase 2 (backward's scatter reads its send offsets from it; the live region belongs to the next forward).
+  int64_t num_tokens = 0;
+  DeviceBuffer<int32_t> experts, tok_index;
+  DeviceBuffer<float> gates, effective;
+  DeviceBuffer<uint8_t> accepted;
+  DeviceBuffer<int64_t> dropped, control;
+  DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate
+  // Owner: every segment's grouped rows, inputs and pre-activations.
+  int64_t num_segments = 0;
+  std::vector<std::vector<int64_t>> seg_rows;  // host: per segment, rows per local expert
+  std::vector<int64_t> seg_base;               // host: first grouped row of each segment
+  int64_t total_rows = 0;
+  DeviceBuffer<GroupedRow> grouped;
+  DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
+  ~Saved() override {
+    int current = 0;
+    cudaGetDevice(&current);
+    cudaSetDevice(device);
+    for (auto* b : {&experts, &tok_index}) b->Free();
+    for (auto* b : {&gates, &effective}) b->Free();
+    for (auto* b : {&dropped, &control}) b->Free();
+    for (auto* b : {&saved_f, &x_rows, &h_rows}) b->Free();
+    accepted.Free();
+    grouped.Free();
+    cudaSetDevice(current);
+  }
+  size_t bytes() const override {
+    return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
+           (dropped.count + control.count) * 8 + (saved_f.count + x_rows.count + h_rows.count) * 2 +
+           grouped.count * sizeof(GroupedRow);
+  }
+};
+
+// The layer's own state per rank: weights, gradients, workspaces reused by every call.
 struct CudaMoELayer::RankState {
   int device = 0;
   int32_t num_local = 0;
@@ -67,21 +112,11 @@ struct CudaMoELayer::RankState {
   DeviceBuffer<__nv_bfloat16> w1, w2;
   DeviceBuffer<float> dw1, dw2;
   DeviceBuffer<int32_t> owner, local, local_to_global;
-  // Front-end context saved by forward (sized for T tokens at Create).
-  int64_t num_tokens = 0;
-  bool have_forward = false;
-  DeviceBuffer<int32_t> experts, tok_index, rank_in_expert;
-  DeviceBuffer<float> gates, effective, scratch;
-  DeviceBuffer<uint8_t> accepted;
-  DeviceBuffer<int64_t> dropped, rows_per_expert, seg_counts;
-  DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate
-  // Owner context: every segment's grouped rows, inputs, pre-activations; outputs of one segment.
-  int64_t num_segments = 0;
-  std::vector<std::vector<int64_t>> seg_rows;  // host: per segment, rows per local expert
-  std::vector<int64_t> seg_base;               // host: first grouped row of each segment
-  int64_t total_rows = 0;
-  DeviceBuffer<GroupedRow> grouped;
-  DeviceBuffer<__nv_bfloat16> x_rows, h_rows, out_rows;
+  // Workspaces of one call (sized for T tokens at Create).
+  DeviceBuffer<int32_t> rank_in_expert;
+  DeviceBuffer<float> scratch;
+  DeviceBuffer<int64_t> rows_per_expert, seg_counts;
+  DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
   int64_t* host_counts = nullptr;  // pinned [num_local + W]
   // Input validation: the first faulty routing slot of the last forward (device, then pinned copy).
   DeviceBuffer<unsigned long long> fault;
@@ -90,6 +125,8 @@ struct CudaMoELayer::RankState {
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
+  // The context of calls made without one.
+  ForwardContext own_context;
 };
 
 namespace {
@@ -144,35 +181,53 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
 size_t CudaMoELayer::device_bytes(int32_t rank) const {
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
   size_t b = layout_.total_bytes();
-  b += (st.w1.count + st.w2.count + st.saved_f.count + st.x_rows.count + st.h_rows.count + st.out_rows.count) * 2;
-  b += (st.dw1.count + st.dw2.count + st.gates.count + st.effective.count + st.scratch.count) * 4;
-  b += (st.experts.count + st.tok_index.count + st.rank_in_expert.count) * 4 + st.accepted.count;
-  b += st.grouped.count * sizeof(GroupedRow);
+  b += (st.w1.count + st.w2.count + st.out_rows.count) * 2;
+  b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
+  b += (st.owner.count + st.local.count + st.local_to_global.count) * 4 + (st.rows_per_expert.count + st.seg_counts.count) * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
-  return b;
+  return b + st.own_context.bytes();
 }
 
 CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership)
-    : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
+    : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)), id_(ContextAccess::NewLayerId()) {}
+
+StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t rank) const {
+  const LayerShape& s = config_.shape;
+  auto saved = std::make_unique<Saved>();
+  saved->device = domain_.device(rank);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(saved->device));
+  const auto nk = static_cast<size_t>(std::max<int64_t>(s.tokens * s.topk, 1));
+  RDEP_RETURN_IF_ERROR(saved->experts.Reserve(nk));
+  RDEP_RETURN_IF_ERROR(saved->gates.Reserve(nk));
+  RDEP_RETURN_IF_ERROR(saved->effective.Reserve(nk));
+  RDEP_RETURN_IF_ERROR(saved->accepted.Reserve(nk));
+  RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
+  RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
+  RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
+  RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
+  return saved;
+}
+
+Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
+  if (rank < 0 || rank >= config_.shape.ranks)
+    return InvalidArgument("rank " + std::to_string(rank) + " outside [0, W=" + std::to_string(config_.shape.ranks) + ")");
+  if (!ranks_[static_cast<size_t>(rank)])
+    return InvalidArgument("rank " + std::to_string(rank) + " is driven by another process");
+  return Status::Ok();
+}
 
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (!ranks_[r]) continue;  // driven by another process
-    RankState& st = *ranks_[r];
+  for (auto& rank_state : ranks_) {
+    if (!rank_state) continue;  // driven by another process
+    RankState& st = *rank_state;
     cudaSetDevice(st.device);
     st.mlp.reset();
-    for (auto* b : {&st.w1, &st.w2, &st.saved_f, &st.x_rows, &st.h_rows, &st.out_rows}) b->Free();
-    for (auto* b : {&st.dw1, &st.dw2, &st.gates, &st.effective, &st.scratch}) b->Free();
-    for (auto* b : {&st.owner, &st.local, &st.local_to_global, &st.experts, &st.tok_index, &st.rank_in_expert}) b->Free();
-    for (auto* b : {&st.dropped, &st.rows_per_expert, &st.seg_counts}) b->Free();
-    st.accepted.Free();
-    st.grouped.Free();
     if (st.host_counts) cudaFreeHost(st.host_counts);
     if (st.host_fault) cudaFreeHost(st.host_fault);
     if (st.fault_copied) cudaEventDestroy(st.fault_copied);
-    st.fault.Free();
     for (auto e : st.events) cudaEventDestroy(e);
+    rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
 }
 
@@ -245,17 +300,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st->owner.ptr, ownership.owners().data(), locals.size() * 4, cudaMemcpyHostToDevice));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st->local.ptr, locals.data(), locals.size() * 4, cudaMemcpyHostToDevice));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st->local_to_global.ptr, l2g.data(), l2g.size() * 4, cudaMemcpyHostToDevice));
-    // Front-end buffers for up to T tokens.
+    // Workspaces for up to T tokens.
     const auto nk = static_cast<size_t>(std::max<int64_t>(T * K, 1));
-    RDEP_RETURN_IF_ERROR(st->experts.Reserve(nk));
-    RDEP_RETURN_IF_ERROR(st->gates.Reserve(nk));
-    RDEP_RETURN_IF_ERROR(st->effective.Reserve(nk));
     RDEP_RETURN_IF_ERROR(st->scratch.Reserve(nk));
-    RDEP_RETURN_IF_ERROR(st->accepted.Reserve(nk));
     RDEP_RETURN_IF_ERROR(st->rank_in_expert.Reserve(nk));
-    RDEP_RETURN_IF_ERROR(st->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(W * T, 1))));
-    RDEP_RETURN_IF_ERROR(st->saved_f.Reserve(nk * static_cast<size_t>(H)));
-    RDEP_RETURN_IF_ERROR(st->dropped.Reserve(1));
     RDEP_RETURN_IF_ERROR(st->rows_per_expert.Reserve(static_cast<size_t>(std::max(L, 1))));
     RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(L, 1))));
     void* pinned = nullptr;
@@ -273,6 +321,9 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     // out_rows: forward outputs of a segment; in backward, dout rows then dx rows behind them.
     RDEP_RETURN_IF_ERROR(st->out_rows.Reserve(static_cast<size_t>(2 * std::max<int64_t>(seg_rows, 1) * H)));
     layer->ranks_.push_back(std::move(st));
+    // The own context's front-end buffers now (a warm cache for calls without a context).
+    RDEP_RETURN_IF_ERROR(ContextAccess::BeginForward<Saved>(layer->ranks_.back()->own_context, layer->id_, q,
+                                                            [&] { return layer->NewSaved(q); }).status());
   }
   return layer;
 }
@@ -298,12 +349,32 @@ StatusOr<std::vector<float>> CudaMoELayer::CopyWeights(int32_t rank, bool second
 
 float* CudaMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1.ptr; }
 float* CudaMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2.ptr; }
-int64_t CudaMoELayer::segments(int32_t r) const { return ranks_[static_cast<size_t>(r)]->num_segments; }
+const CudaMoELayer::Saved* CudaMoELayer::last(int32_t rank) const {
+  return ContextAccess::Peek<Saved>(ranks_[static_cast<size_t>(rank)]->own_context, id_, rank);
+}
+
+int64_t CudaMoELayer::segments(int32_t r) const {
+  const Saved* saved = last(r);
+  return saved ? saved->num_segments : 0;
+}
 
 Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
                              const __nv_bfloat16* x, __nv_bfloat16* y) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  return Forward(rank, ranks_[static_cast<size_t>(rank)]->own_context, experts, gates, num_tokens, x, y);
+}
+
+Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  return Backward(rank, ranks_[static_cast<size_t>(rank)]->own_context, dy, dx, dgates);
+}
+
+Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates,
+                             int64_t num_tokens, const __nv_bfloat16* x, __nv_bfloat16* y) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
-  st.have_forward = false;
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [&] { return NewSaved(rank); }));
+  Saved& sv = *saved;
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, W = s.ranks;
   // A bad token count still takes part in the collective with no tokens (the other ranks finish), then fails.
@@ -314,48 +385,50 @@ Status CudaMoELayer::Forward(int32_t rank, const int32_t* experts, const float* 
   auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, regions_.control));
   auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
-  st.num_tokens = n;
+  sv.num_tokens = n;
   if (n > 0) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.fault.ptr, 0xFF, sizeof(unsigned long long), stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(st.experts.ptr, st.gates.ptr, n, K, static_cast<int32_t>(s.experts),
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        st.fault.ptr, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_fault, st.fault.ptr, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.fault_copied, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dropped.ptr, 0, sizeof(int64_t), stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(st.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   // Phase 1: counts into every owner's recv tables.
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(st.experts.ptr, n, layout_, own, rank, st.tok_index.ptr, control_of, stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
   // Phase 2: owner scan, capacity, bases published back.
   RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
                                                  st.rows_per_expert.ptr, stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(st.experts.ptr, st.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,
-                                              st.accepted.ptr, st.effective.ptr, st.dropped.ptr, stream));
+  // From here on this call reads its own copy of the control words (backward reads the same copy).
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.control.ptr, my_control, layout_.control_bytes(), cudaMemcpyDeviceToDevice, stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, sv.control.ptr,
+                                              sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
   if (layout_.S >= W * s.tokens) {
-    st.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed
+    sv.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed
   } else {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, my_control + layout_.owner_tokens(0), sizeof(int64_t) * static_cast<size_t>(W),
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, sv.control.ptr + layout_.owner_tokens(0), sizeof(int64_t) * static_cast<size_t>(W),
                                               cudaMemcpyDeviceToHost, stream));
     RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
     int64_t mx = 0;
     for (int64_t p = 0; p < W; ++p) mx = std::max(mx, st.host_counts[p]);
-    st.num_segments = (mx + layout_.S - 1) / layout_.S;
+    sv.num_segments = (mx + layout_.S - 1) / layout_.S;
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouting));
-  RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), st.accepted.ptr,
-                                               st.effective.ptr, n, K, s.hidden, Bits(y), Bits(st.saved_f.ptr), stream));
+  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                               sv.effective.ptr, n, K, s.hidden, Bits(y), Bits(sv.saved_f.ptr), stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   if (!count_ok)
     return InvalidArgument("forward on rank " + std::to_string(rank) + ": num_tokens " + std::to_string(num_tokens) +
                            " outside [0, T=" + std::to_string(s.tokens) + "]; the rank took part with no tokens");
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, st, experts, gates));
-  st.have_forward = true;
+  ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
 
@@ -377,126 +450,147 @@ Status CudaMoELayer::CheckRoutingInput(int32_t rank, RankState& st, const int32_
                          " (the token ran with zero gates so that every rank finished the call)");
 }
 
-Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates) {
-  RankState& st = *ranks_[static_cast<size_t>(rank)];
-  if (!st.have_forward) return FailedPrecondition("backward on rank " + std::to_string(rank) + " without a completed forward");
+Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   if (kind_ != ExpertKind::kSwiGLU) return FailedPrecondition("backward needs the SwiGLU expert kind");
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(st.saved_f.ptr), st.gates.ptr, st.accepted.ptr, st.num_tokens, s.topk,
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                              s.hidden, st.scratch.ptr, dgates, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw1.ptr, 0, st.dw1.count * sizeof(float), stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw2.ptr, 0, st.dw2.count * sizeof(float), stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
-  RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), st.accepted.ptr,
-                                               nullptr, st.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                               nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   return Mark(rank, st, true, kMarkCombine);
 }
 
-Status CudaMoELayer::Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload) {
-  const LayerShape& s = config_.shape;
-  const int64_t H = s.hidden, S = layout_.S;
+// Phase 3 per segment: scatter this rank's tokens in each owner's window, barrier, then the owner
+// work on this rank's own segment and the return of its rows; the final barrier after which every
+// returned row has landed. Forward records the owner's grouped rows per segment into the context.
+Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
+  const int64_t S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
-  auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   if (!backward) {
-    st.seg_rows.assign(static_cast<size_t>(st.num_segments), {});
-    st.seg_base.assign(static_cast<size_t>(st.num_segments), 0);
-    st.total_rows = 0;
+    sv.seg_rows.assign(static_cast<size_t>(sv.num_segments), {});
+    sv.seg_base.assign(static_cast<size_t>(sv.num_segments), 0);
+    sv.total_rows = 0;
   }
-  for (int64_t seg = 0; seg < st.num_segments; ++seg) {
+  for (int64_t seg = 0; seg < sv.num_segments; ++seg) {
     const auto buf = static_cast<int32_t>(seg % 2);
     const int64_t lo = seg * S;
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), st.experts.ptr, st.accepted.ptr, st.effective.ptr, st.tok_index.ptr,
-                                                 st.num_tokens, layout_, own, rank, my_control, lo, buf,
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
+                                                 sv.num_tokens, layout_, own, rank, sv.control.ptr, lo, buf,
                                                  domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
-    const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * H;
-    if (!backward) {
-      // Expand into expert-grouped rows; the GEMMs need the per-expert counts on the host.
-      const int64_t base = st.total_rows;
-      RDEP_RETURN_IF_ERROR(st.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, lo, layout_, my_control, st.num_local,
-                                                  st.seg_counts.ptr, st.grouped.ptr + base, stream));
-      if (st.num_local > 0)
-        RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(st.num_local),
-                                                  cudaMemcpyDeviceToHost, stream));
-      RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
-      std::vector<int64_t> counts(st.host_counts, st.host_counts + st.num_local);
-      int64_t m = 0;
-      for (int64_t c : counts) m += c;
-      st.seg_rows[static_cast<size_t>(seg)] = counts;
-      st.seg_base[static_cast<size_t>(seg)] = base;
-      st.total_rows += m;
-      RDEP_RETURN_IF_ERROR(st.x_rows.Grow(static_cast<size_t>(st.total_rows * H), static_cast<size_t>(base * H), stream));
-      RDEP_RETURN_IF_ERROR(st.h_rows.Grow(static_cast<size_t>(st.total_rows * 2 * s.ffn), static_cast<size_t>(base * 2 * s.ffn), stream));
-      __nv_bfloat16* xr = st.x_rows.ptr + base * H;
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, st.grouped.ptr + base, m, H, false, Bits(xr), stream));
-      if (kind_ == ExpertKind::kSentinel) {
-        RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), st.grouped.ptr + base, m, H, rank, st.local_to_global.ptr,
-                                                          Bits(st.out_rows.ptr), stream));
-      } else if (m > 0) {
-        RDEP_RETURN_IF_ERROR(st.mlp->Forward(xr, counts.data(), st.w1.ptr, st.w2.ptr, st.h_rows.ptr + base * 2 * s.ffn,
-                                             st.out_rows.ptr, stream));
-      }
-      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), st.grouped.ptr + base, m, layout_,
-                                                      domain_.peer_table(rank, regions_.ret), stream));
-      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
-    } else {
-      const int64_t base = st.seg_base[static_cast<size_t>(seg)];
-      const auto& counts = st.seg_rows[static_cast<size_t>(seg)];
-      int64_t m = 0;
-      for (int64_t c : counts) m += c;
-      // dout rows = gate * dy of their token, in the forward's grouped order.
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, st.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
-      if (m > 0) {  // dx rows go right behind the dout rows in out_rows
-        RDEP_RETURN_IF_ERROR(st.mlp->Backward(st.x_rows.ptr + base * H, st.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
-                                              counts.data(), st.w1.ptr, st.w2.ptr, st.out_rows.ptr + m * H, st.dw1.ptr,
-                                              st.dw2.ptr, /*accumulate=*/true, stream));
-      }
-      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkExpert));
-      RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), st.grouped.ptr + base, m, layout_,
-                                                      domain_.peer_table(rank, regions_.ret), stream));
-      RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturn));
-    }
+    const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * config_.shape.hidden;
+    if (!backward) RDEP_RETURN_IF_ERROR(OwnerForwardSegment(rank, st, sv, seg, seg_payload));
+    else RDEP_RETURN_IF_ERROR(OwnerBackwardSegment(rank, st, sv, seg, seg_payload));
   }
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
   return Mark(rank, st, backward, kMarkReturn);
 }
 
+// Owner, forward, one segment: expand into expert-grouped rows (the GEMMs need the per-expert counts
+// on the host), gather, expert MLP (or the sentinel echo), return rows to their front-ends.
+Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  const LayerShape& s = config_.shape;
+  const int64_t H = s.hidden, S = layout_.S;
+  cudaStream_t stream = domain_.stream(rank);
+  const auto buf = static_cast<int32_t>(seg % 2);
+  const int64_t base = sv.total_rows;
+  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
+                                              st.num_local, st.seg_counts.ptr, sv.grouped.ptr + base, stream));
+  if (st.num_local > 0)
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(st.num_local),
+                                              cudaMemcpyDeviceToHost, stream));
+  RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
+  std::vector<int64_t> counts(st.host_counts, st.host_counts + st.num_local);
+  int64_t m = 0;
+  for (int64_t c : counts) m += c;
+  sv.seg_rows[static_cast<size_t>(seg)] = counts;
+  sv.seg_base[static_cast<size_t>(seg)] = base;
+  sv.total_rows += m;
+  RDEP_RETURN_IF_ERROR(sv.x_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
+  RDEP_RETURN_IF_ERROR(sv.h_rows.Grow(static_cast<size_t>(sv.total_rows * 2 * s.ffn), static_cast<size_t>(base * 2 * s.ffn), stream));
+  __nv_bfloat16* xr = sv.x_rows.ptr + base * H;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, false, Bits(xr), stream));
+  if (kind_ == ExpertKind::kSentinel) {
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, st.local_to_global.ptr,
+                                                      Bits(st.out_rows.ptr), stream));
+  } else if (m > 0) {
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward(xr, counts.data(), st.w1.ptr, st.w2.ptr, sv.h_rows.ptr + base * 2 * s.ffn,
+                                         st.out_rows.ptr, stream));
+  }
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr + base, m, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream));
+  return Mark(rank, st, false, kMarkReturn);
+}
+
+// Owner, backward, one segment: dout rows = gate * dy in the forward's grouped order, dgrad and
+// wgrad (accumulated over segments), dx rows back to their front-ends.
+Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  const LayerShape& s = config_.shape;
+  const int64_t H = s.hidden;
+  cudaStream_t stream = domain_.stream(rank);
+  const int64_t base = sv.seg_base[static_cast<size_t>(seg)];
+  const auto& counts = sv.seg_rows[static_cast<size_t>(seg)];
+  int64_t m = 0;
+  for (int64_t c : counts) m += c;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
+  if (m > 0) {  // dx rows go right behind the dout rows in out_rows
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward(sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
+                                          counts.data(), st.w1.ptr, st.w2.ptr, st.out_rows.ptr + m * H, st.dw1.ptr,
+                                          st.dw2.ptr, /*accumulate=*/true, stream));
+  }
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), sv.grouped.ptr + base, m, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream));
+  return Mark(rank, st, true, kMarkReturn);
+}
+
 StatusOr<RankAcceptance> CudaMoELayer::CopyAcceptance(int32_t rank) const {
-  const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  const Saved* sv = last(rank);
+  if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  const auto nk = static_cast<size_t>(st.num_tokens * config_.shape.topk);
+  const auto nk = static_cast<size_t>(sv->num_tokens * config_.shape.topk);
   RankAcceptance a;
   a.accepted.resize(nk);
   a.effective_gates.resize(nk);
   if (nk) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(a.accepted.data(), st.accepted.ptr, nk, cudaMemcpyDeviceToHost));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(a.effective_gates.data(), st.effective.ptr, nk * 4, cudaMemcpyDeviceToHost));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(a.accepted.data(), sv->accepted.ptr, nk, cudaMemcpyDeviceToHost));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(a.effective_gates.data(), sv->effective.ptr, nk * 4, cudaMemcpyDeviceToHost));
   }
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&a.dropped, st.dropped.ptr, sizeof(int64_t), cudaMemcpyDeviceToHost));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&a.dropped, sv->dropped.ptr, sizeof(int64_t), cudaMemcpyDeviceToHost));
   return a;
 }
 
 StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank) const {
-  const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  const Saved* sv = last(rank);
+  if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  std::vector<GroupedRow> rows(static_cast<size_t>(st.total_rows));
+  std::vector<GroupedRow> rows(static_cast<size_t>(sv->total_rows));
   if (!rows.empty())
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), st.grouped.ptr, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), sv->grouped.ptr, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
   std::vector<OwnerTraceEntry> trace;
-  for (int64_t seg = 0; seg < st.num_segments; ++seg) {
+  for (int64_t seg = 0; seg < sv->num_segments; ++seg) {
     int64_t m = 0;
-    for (int64_t c : st.seg_rows[static_cast<size_t>(seg)]) m += c;
-    const int64_t base = st.seg_base[static_cast<size_t>(seg)];
+    for (int64_t c : sv->seg_rows[static_cast<size_t>(seg)]) m += c;
+    const int64_t base = sv->seg_base[static_cast<size_t>(seg)];
     for (int64_t g = 0; g < m; ++g) {
       const GroupedRow& r = rows[static_cast<size_t>(base + g)];
       trace.push_back({r.row_id, r.local_expert, static_cast<int32_t>(seg), g});
@@ -506,20 +600,23 @@ StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank
 }
 
 std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
-  const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  std::vector<int64_t> total(static_cast<size_t>(st.num_local), 0);
-  for (const auto& seg : st.seg_rows)
-    for (size_t j = 0; j < seg.size(); ++j) total[j] += seg[j];
+  const Saved* sv = CheckLocalRank(rank).ok() ? last(rank) : nullptr;
+  std::vector<int64_t> total(sv ? static_cast<size_t>(ranks_[static_cast<size_t>(rank)]->num_local) : 0, 0);
+  if (sv)
+    for (const auto& seg : sv->seg_rows)
+      for (size_t j = 0; j < seg.size(); ++j) total[j] += seg[j];
   return total;
 }
 
 StatusOr<std::vector<float>> CudaMoELayer::CopyExpertOutputs(int32_t rank) const {
-  const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  const Saved* sv = last(rank);
+  if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  const auto count = static_cast<size_t>(st.num_tokens * config_.shape.topk * config_.shape.hidden);
+  const auto count = static_cast<size_t>(sv->num_tokens * config_.shape.topk * config_.shape.hidden);
   std::vector<uint16_t> bits(count);
-  if (count) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), st.saved_f.ptr, count * 2, cudaMemcpyDeviceToHost));
+  if (count) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), sv->saved_f.ptr, count * 2, cudaMemcpyDeviceToHost));
   std::vector<float> out(count);
   for (size_t i = 0; i < count; ++i) out[i] = Bf16BitsToFloat(bits[i]);
   return out;

@@ -6,31 +6,49 @@
 
 #include "rdep/core/expert_mlp.h"
 #include "rdep/core/row_id.h"
+#include "layer/context_access.h"
 
 namespace rdep {
 
+// The layer's own state per rank: this rank's experts (owner role), their gradients, and the
+// context of calls made without one.
 struct HostMoELayer::RankState {
-  // This rank's experts (owner role) and their gradients.
   std::vector<float> w1, w2, dw1, dw2;
-  // Front-end context saved by forward for backward (the accepted route set and its placement).
-  bool have_forward = false;
+  ForwardContext own_context;
+};
+
+// What a forward saves for its backward on one rank (held by a ForwardContext).
+struct HostMoELayer::Saved final : ForwardContext::State {
+  // Front-end: the accepted route set and its placement.
   int64_t num_tokens = 0;
-  std::vector<int32_t> experts;
   RankRouting routing;
   RankAcceptance acceptance;
   std::vector<std::vector<int32_t>> tokens_to;  // [W] tokens with a slot on owner q, token order
   std::vector<int64_t> stream_base;             // [W] base of this rank's tokens in q's stream
   int64_t num_segments = 0;
   std::vector<float> expert_out;                // [n*K*H] returned rows f_k(x_t), 0 if dropped
-  // Owner context: the token stream this rank received.
+  // Owner: the token stream this rank received.
   int64_t stream_tokens = 0;
   std::vector<float> saved_x;                   // [stream_tokens][H]
   std::vector<int64_t> rows_per_expert;         // [E_loc] admitted rows
   std::vector<OwnerTraceEntry> trace;
+  size_t bytes() const override {
+    size_t b = routing.experts.size() * 4 + routing.gates.size() * 4 + acceptance.accepted.size() +
+               acceptance.effective_gates.size() * 4 + (expert_out.size() + saved_x.size()) * 4 +
+               (stream_base.size() + rows_per_expert.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);
+    for (const auto& v : tokens_to) b += v.size() * 4;
+    return b;
+  }
 };
 
 HostMoELayer::HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership)
-    : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)) {}
+    : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)), id_(ContextAccess::NewLayerId()) {}
+
+Status HostMoELayer::CheckRank(int32_t rank) const {
+  if (rank < 0 || rank >= config_.shape.ranks)
+    return InvalidArgument("rank " + std::to_string(rank) + " outside [0, W=" + std::to_string(config_.shape.ranks) + ")");
+  return Status::Ok();
+}
 
 HostMoELayer::~HostMoELayer() {
   regions_.Free(domain_);
@@ -57,22 +75,22 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain,
     }
     st->dw1.assign(st->w1.size(), 0.f);
     st->dw2.assign(st->w2.size(), 0.f);
-    st->tokens_to.resize(static_cast<size_t>(s.ranks));
-    st->stream_base.assign(static_cast<size_t>(s.ranks), 0);
     layer->ranks_.push_back(std::move(st));
   }
   return layer;
 }
 
-const RankAcceptance& HostMoELayer::acceptance(int32_t r) const { return ranks_[static_cast<size_t>(r)]->acceptance; }
-int64_t HostMoELayer::segments(int32_t r) const { return ranks_[static_cast<size_t>(r)]->num_segments; }
-const std::vector<OwnerTraceEntry>& HostMoELayer::owner_trace(int32_t r) const { return ranks_[static_cast<size_t>(r)]->trace; }
-const std::vector<int64_t>& HostMoELayer::owner_rows_per_expert(int32_t r) const {
-  return ranks_[static_cast<size_t>(r)]->rows_per_expert;
+const HostMoELayer::Saved& HostMoELayer::last(int32_t r) const {
+  static const Saved kEmpty;
+  const Saved* saved = ContextAccess::Peek<Saved>(ranks_[static_cast<size_t>(r)]->own_context, id_, r);
+  return saved ? *saved : kEmpty;
 }
-const std::vector<float>& HostMoELayer::expert_outputs(int32_t r) const {
-  return ranks_[static_cast<size_t>(r)]->expert_out;
-}
+
+const RankAcceptance& HostMoELayer::acceptance(int32_t r) const { return last(r).acceptance; }
+int64_t HostMoELayer::segments(int32_t r) const { return last(r).num_segments; }
+const std::vector<OwnerTraceEntry>& HostMoELayer::owner_trace(int32_t r) const { return last(r).trace; }
+const std::vector<int64_t>& HostMoELayer::owner_rows_per_expert(int32_t r) const { return last(r).rows_per_expert; }
+const std::vector<float>& HostMoELayer::expert_outputs(int32_t r) const { return last(r).expert_out; }
 const std::vector<float>& HostMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1; }
 const std::vector<float>& HostMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2; }
 
@@ -87,14 +105,26 @@ Status CheckSpan(const char* what, int32_t rank, size_t got, int64_t expect, con
 }  // namespace
 
 Status HostMoELayer::Forward(int32_t rank, const RankRouting& routing, std::span<const float> x, std::span<float> y) {
-  RankState& st = *ranks_[static_cast<size_t>(rank)];
-  st.have_forward = false;
+  return Forward(rank, ranks_[static_cast<size_t>(rank)]->own_context, routing, x, y);
+}
+
+Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates) {
+  return Backward(rank, ranks_[static_cast<size_t>(rank)]->own_context, dy, dx, dgates);
+}
+
+Status HostMoELayer::Forward(int32_t rank, ForwardContext& ctx, const RankRouting& routing, std::span<const float> x,
+                             std::span<float> y) {
+  RDEP_RETURN_IF_ERROR(CheckRank(rank));
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [] { return StatusOr<std::unique_ptr<Saved>>(std::make_unique<Saved>()); }));
+  Saved& st = *saved;
   const LayerShape& s = config_.shape;
   const int64_t W = s.ranks, K = s.topk, H = s.hidden, L = layout_.L, n = routing.num_tokens;
   RDEP_RETURN_IF_ERROR(routing.Validate(s));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
   auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
+  st.tokens_to.resize(static_cast<size_t>(W));
+  st.stream_base.assign(static_cast<size_t>(W), 0);
 
   // Front-end: rows per (owner, local expert) and the tokens that cross to each owner.
   st.num_tokens = n;
@@ -192,19 +222,28 @@ Status HostMoELayer::Forward(int32_t rank, const RankRouting& routing, std::span
       for (int64_t c = 0; c < H; ++c) yt[c] += g * f[c];
     }
   }
-  st.have_forward = true;
+  ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
 
-Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates) {
-  RankState& st = *ranks_[static_cast<size_t>(rank)];
-  if (!st.have_forward)
-    return FailedPrecondition("backward on rank " + std::to_string(rank) + " without a completed forward");
+Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> dx,
+                              std::span<float> dgates) {
+  RDEP_RETURN_IF_ERROR(CheckRank(rank));
   if (kind_ != ExpertKind::kSwiGLU) return FailedPrecondition("backward needs the SwiGLU expert kind");
-  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
-  RDEP_RETURN_IF_ERROR(CheckSpan("backward input dy", rank, dy.size(), n * H, "num_tokens*H"));
-  RDEP_RETURN_IF_ERROR(CheckSpan("backward output dx", rank, dx.size(), n * H, "num_tokens*H"));
-  RDEP_RETURN_IF_ERROR(CheckSpan("backward output dgates", rank, dgates.size(), n * K, "num_tokens*K"));
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden;
+  {
+    const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank);
+    const int64_t n = peek ? peek->num_tokens : 0;
+    if (peek) {
+      RDEP_RETURN_IF_ERROR(CheckSpan("backward input dy", rank, dy.size(), n * H, "num_tokens*H"));
+      RDEP_RETURN_IF_ERROR(CheckSpan("backward output dx", rank, dx.size(), n * H, "num_tokens*H"));
+      RDEP_RETURN_IF_ERROR(CheckSpan("backward output dgates", rank, dgates.size(), n * K, "num_tokens*K"));
+    }
+  }
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
+  Saved& st = *saved;
+  RankState& rs = *ranks_[static_cast<size_t>(rank)];
+  const int64_t n = st.num_tokens;
   const RankAcceptance& acc = st.acceptance;
 
   // dgate at the front-end: dL/dg'_k = <dy_t, f_k(x_t)>, then through the capacity renormalization.
@@ -223,8 +262,8 @@ Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span
     for (int64_t k = 0; k < K; ++k) dgates[static_cast<size_t>(t * K + k)] = static_cast<float>(d_g[static_cast<size_t>(k)]);
   }
 
-  std::fill(st.dw1.begin(), st.dw1.end(), 0.f);
-  std::fill(st.dw2.begin(), st.dw2.end(), 0.f);
+  std::fill(rs.dw1.begin(), rs.dw1.end(), 0.f);
+  std::fill(rs.dw2.begin(), rs.dw2.end(), 0.f);
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
 
   // dx_t = sum_k of the returned dgrad rows, slot order, fp32.
@@ -243,7 +282,7 @@ Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span
 
 // Phase 3 per segment (scatter this rank's tokens that fall in each owner's segment window), then the
 // owner work on this rank's own segment, then the final barrier after which every returned row landed.
-Status HostMoELayer::Exchange(int32_t rank, RankState& st, bool backward, std::span<const float> payload) {
+Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload) {
   const int64_t W = config_.shape.ranks, K = config_.shape.topk, H = config_.shape.hidden, S = layout_.S;
   const size_t tsb = layout_.token_sideband_bytes();
   const RowIdCodec codec{config_.shape.tokens, K};
@@ -281,7 +320,8 @@ Status HostMoELayer::Exchange(int32_t rank, RankState& st, bool backward, std::s
 
 // Owner work on one received segment: expand tokens into rows grouped by local expert (stream order
 // within an expert), compute, and store each output row at its front-end's slot decoded from row_id.
-void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool backward) {
+void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backward) {
+  const RankState& rs = *ranks_[static_cast<size_t>(rank)];
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, H = s.hidden, F = s.ffn, S = layout_.S;
   const int64_t buf = seg % 2, lo = seg * S;
@@ -326,8 +366,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool b
     float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const auto j = static_cast<size_t>(g.row.local_expert);
-    const float* w1 = st.w1.data() + j * n1;
-    const float* w2 = st.w2.data() + j * n2;
+    const float* w1 = rs.w1.data() + j * n1;
+    const float* w2 = rs.w2.data() + j * n2;
     if (kind_ == ExpertKind::kSentinel) {
       const int32_t expert = ownership_.global_expert(rank, g.row.local_expert);
       for (int64_t c = 0; c < H; ++c) dst[c] = c < kSentinelFields ? SentinelField(g.row.row_id, rank, expert, c) : x[c];
@@ -337,7 +377,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, RankState& st, int64_t seg, bool b
       const float* dy = payload + g.token * H;
       for (int64_t c = 0; c < H; ++c) dout[static_cast<size_t>(c)] = g.row.gate * dy[c];
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data());
-      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), st.dw1.data() + j * n1, st.dw2.data() + j * n2, dst,
+      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), ranks_[static_cast<size_t>(rank)]->dw1.data() + j * n1,
+                           ranks_[static_cast<size_t>(rank)]->dw2.data() + j * n2, dst,
                            scratch.data());
     }
   }

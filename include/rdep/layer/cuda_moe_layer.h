@@ -13,8 +13,11 @@
 // per-expert row counts on the host (cuBLASLt); and once after phase 2 only when the segment size is
 // smaller than the worst case W*T (to learn the number of segments). The default segment size on
 // this backend is W*T (worst case), so a forward syncs once and backward never.
-// Buffers are allocated at Create (a warm cache); the saved owner activations grow only when a call
-// needs more rows than any before it.
+// What backward needs (the routing plan of the forward and the saved activations) lives in a
+// ForwardContext the caller owns (rdep/layer/forward_context.h), so several forwards may be in flight
+// before their backwards; calls without a context use the layer's own, one per rank. Weights,
+// gradients and per-call workspaces belong to the layer and are allocated at Create; a context's
+// saved owner activations grow only when a forward needs more rows than any before it in that context.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,6 +30,7 @@
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
 #include "rdep/layer/host_moe_layer.h"  // ExpertKind, OwnerTraceEntry
+#include "rdep/layer/forward_context.h"
 #include "rdep/layer/layer_config.h"
 #include "rdep/status.h"
 #include "rdep/transport/cuda_domain.h"
@@ -56,10 +60,16 @@ class CudaMoELayer {
   // and >= 0) and n against T: a bad input is InvalidArgument naming the rank, token and slot, after
   // the rank has still taken part in the collective (a faulty token with zero gates, a bad n as no
   // tokens), so the other ranks finish; nothing is written out of bounds.
+  // What backward needs is saved in ctx (caller-owned; bound to this layer and rank).
+  Status Forward(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
+                 const __nv_bfloat16* x, __nv_bfloat16* y);
+  // Collective, after the forward that filled ctx (every rank passes its context of the same forward):
+  // dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates). Weight gradients of this call
+  // (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
+  Status Backward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
+  // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
                  const __nv_bfloat16* x, __nv_bfloat16* y);
-  // Collective, after Forward: dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates).
-  // Weight gradients of this call (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
   Status Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
 
   const LayerConfig& config() const { return config_; }
@@ -73,7 +83,8 @@ class CudaMoELayer {
   // The rank's expert weights as fp32 on the host (synchronizes), layout of MoEWeights per local expert.
   StatusOr<std::vector<float>> CopyWeights(int32_t rank, bool w2) const;
 
-  // Host copies of the last forward's routing context, for checks (synchronize the rank's stream).
+  // Host copies of the routing context of the last forward made with the layer's own context, for
+  // checks (synchronize the rank's stream).
   StatusOr<RankAcceptance> CopyAcceptance(int32_t rank) const;
   StatusOr<std::vector<OwnerTraceEntry>> CopyOwnerTrace(int32_t rank) const;
   std::vector<int64_t> owner_rows_per_expert(int32_t rank) const;
@@ -84,13 +95,20 @@ class CudaMoELayer {
   Status EnableProfiling(bool on);
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
   StatusOr<PhaseTimes> LastPhaseTimes(int32_t rank, bool backward) const;
-  // Device bytes this layer holds on the rank (symmetric regions, weights, saved context, workspaces).
+  // Device bytes this layer holds on the rank (symmetric regions, weights, workspaces, its own
+  // context); caller-owned contexts report theirs (ForwardContext::bytes).
   size_t device_bytes(int32_t rank) const;
 
  private:
   struct RankState;
+  struct Saved;
   CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership);
-  Status Exchange(int32_t rank, RankState& st, bool backward, const __nv_bfloat16* payload);
+  Status CheckLocalRank(int32_t rank) const;
+  StatusOr<std::unique_ptr<Saved>> NewSaved(int32_t rank) const;
+  const Saved* last(int32_t rank) const;
+  Status Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
+  Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
+  Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
   Status CheckRoutingInput(int32_t rank, RankState& st, const int32_t* experts, const float* gates);
 
@@ -101,6 +119,7 @@ class CudaMoELayer {
   LayerRegions regions_;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;
+  uint64_t id_ = 0;  // process-unique; contexts remember it
   std::vector<std::unique_ptr<RankState>> ranks_;
 };
 

@@ -21,6 +21,7 @@
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
+#include "rdep/layer/forward_context.h"
 #include "rdep/layer/layer_config.h"
 #include "rdep/status.h"
 #include "rdep/transport/host_domain.h"
@@ -46,10 +47,17 @@ class HostMoELayer {
                                                         const OwnershipMap& ownership, const MoEWeights& weights);
   ~HostMoELayer();
 
-  // Collective. x and y are [routing.num_tokens][H].
+  // Collective. x and y are [routing.num_tokens][H]. What backward needs is saved in `ctx`, which the
+  // caller owns (rdep/layer/forward_context.h): several forwards may be in flight before backwards.
+  Status Forward(int32_t rank, ForwardContext& ctx, const RankRouting& routing, std::span<const float> x,
+                 std::span<float> y);
+  // Collective, after the forward that filled ctx (every rank passes its context of the same forward).
+  // dy, dx are [n][H]; dgates is [n][K]. Weight gradients of this call (overwritten, not accumulated)
+  // are in dw1(rank), dw2(rank).
+  Status Backward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> dx,
+                  std::span<float> dgates);
+  // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const RankRouting& routing, std::span<const float> x, std::span<float> y);
-  // Collective, after Forward. dy, dx are [n][H]; dgates is [n][K]. Weight gradients of this call
-  // (overwritten, not accumulated) are in dw1(rank), dw2(rank).
   Status Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);
 
   const LayerConfig& config() const { return config_; }
@@ -58,7 +66,7 @@ class HostMoELayer {
   void set_expert_kind(ExpertKind kind) { kind_ = kind; }
   void set_trace(bool on) { trace_ = on; }
 
-  // Per-rank results of the last call.
+  // Per-rank results of the last forward made with the layer's own context (empty before one).
   const RankAcceptance& acceptance(int32_t rank) const;       // front-end: accepted set, g'
   int64_t segments(int32_t rank) const;                       // segments the last forward used
   const std::vector<OwnerTraceEntry>& owner_trace(int32_t rank) const;
@@ -69,9 +77,12 @@ class HostMoELayer {
 
  private:
   struct RankState;
+  struct Saved;
   HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership);
-  Status Exchange(int32_t rank, RankState& st, bool backward, std::span<const float> payload);
-  void OwnerSegment(int32_t rank, RankState& st, int64_t segment, bool backward);
+  Status CheckRank(int32_t rank) const;
+  const Saved& last(int32_t rank) const;
+  Status Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload);
+  void OwnerSegment(int32_t rank, Saved& st, int64_t segment, bool backward);
 
   HostDomain& domain_;
   LayerConfig config_;
@@ -80,6 +91,7 @@ class HostMoELayer {
   LayerRegions regions_;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool trace_ = false;
+  uint64_t id_ = 0;  // process-unique; contexts remember it
   std::vector<std::unique_ptr<RankState>> ranks_;
 };
 

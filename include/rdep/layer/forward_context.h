@@ -1,0 +1,61 @@
+// What one layer forward saves for its backward on one rank, owned by the caller.
+//
+// A layer (HostMoELayer, CudaMoELayer) fills a context in Forward and reads it in Backward, so
+// several forwards can be in flight before their backwards (micro-batches, activation recompute,
+// pipeline schedules) and a framework can keep the context in its autograd graph:
+//
+//   ForwardContext a, b;                         // empty; a layer binds each to itself and a rank
+//   layer->Forward(rank, a, ...);                // micro-batch 1
+//   layer->Forward(rank, b, ...);                // micro-batch 2, before either backward
+//   layer->Backward(rank, b, ...);               // backwards in any order, collective like forwards
+//   layer->Backward(rank, a, ...);
+//
+// It holds the routing plan of its forward (accepted set, effective gates, token placement and the
+// control words backward's scatter needs) and the activations backward needs (returned expert rows,
+// the owner's grouped inputs and pre-activations). Its memory is its own: bytes() reports it, and
+// it is freed with the context (or by Release), also after its layer is destroyed. A context belongs
+// to one layer and one rank from its first forward on; handing it to another layer or rank, a
+// backward without a completed forward, or a second backward of the same forward, is an error
+// naming what is wrong. Forward into a context that holds an earlier forward replaces it, reusing
+// its memory. Not thread-safe: one rank's thread uses a context at a time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace rdep {
+
+class ForwardContext {
+ public:
+  ForwardContext();
+  ~ForwardContext();
+  ForwardContext(ForwardContext&&) noexcept;
+  ForwardContext& operator=(ForwardContext&&) noexcept;
+  ForwardContext(const ForwardContext&) = delete;
+  ForwardContext& operator=(const ForwardContext&) = delete;
+
+  // A completed forward whose backward has not run yet.
+  bool ready_for_backward() const { return ready_ && !consumed_; }
+  int32_t rank() const { return rank_; }  // -1 until the first forward
+  // Host or device bytes the context holds (its saved plan and activations).
+  size_t bytes() const;
+  // Frees what the context holds; it stays bound to its layer and rank.
+  void Release();
+
+  // A layer's saved state; each layer defines its own (internal).
+  struct State {
+    virtual ~State() = default;
+    virtual size_t bytes() const = 0;
+  };
+
+ private:
+  friend class ContextAccess;
+  uint64_t layer_id_ = 0;  // 0 = not bound
+  int32_t rank_ = -1;
+  bool ready_ = false;     // a forward completed into it
+  bool consumed_ = false;  // its backward ran
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace rdep

@@ -1,0 +1,69 @@
+// Internal: how a layer binds a caller's ForwardContext to itself and reads its saved state. Both
+// layers (host, CUDA) go through these checks, so misuse gets the same messages on every backend.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "rdep/layer/forward_context.h"
+#include "rdep/status.h"
+
+namespace rdep {
+
+class ContextAccess {
+ public:
+  // A process-unique id for a new layer (contexts remember the layer that filled them).
+  static uint64_t NewLayerId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
+  }
+
+  // Forward: binds ctx to (layer, rank) on first use, checks it on later ones, marks it not ready,
+  // and returns its state, made by make() (a StatusOr<std::unique_ptr<S>>) when it has none.
+  template <typename S, typename Make>
+  static StatusOr<S*> BeginForward(ForwardContext& ctx, uint64_t layer_id, int32_t rank, Make make) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "forward"));
+    ctx.layer_id_ = layer_id;
+    ctx.rank_ = rank;
+    ctx.ready_ = false;
+    ctx.consumed_ = false;
+    if (!ctx.state_) {
+      RDEP_ASSIGN_OR_RETURN(std::unique_ptr<S> made, make());
+      ctx.state_ = std::move(made);
+    }
+    return static_cast<S*>(ctx.state_.get());
+  }
+  static void FinishForward(ForwardContext& ctx) { ctx.ready_ = true; }
+
+  // Backward: the context must hold a completed forward of this layer and rank, not yet consumed.
+  template <typename S>
+  static StatusOr<S*> BeginBackward(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "backward"));
+    const std::string who = "backward on rank " + std::to_string(rank) + ": ";
+    if (!ctx.ready_ || !ctx.state_) return FailedPrecondition(who + "without a completed forward in this context");
+    if (ctx.consumed_) return FailedPrecondition(who + "the context's forward was already used by a backward (run forward again)");
+    ctx.consumed_ = true;
+    return static_cast<S*>(ctx.state_.get());
+  }
+
+  // Read access for checks and telemetry: a context this layer filled on this rank, else null.
+  template <typename S>
+  static const S* Peek(const ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank || !ctx.ready_) return nullptr;
+    return static_cast<const S*>(ctx.state_.get());
+  }
+
+ private:
+  static Status CheckOwner(const ForwardContext& ctx, uint64_t layer_id, int32_t rank, const char* call) {
+    const std::string who = std::string(call) + " on rank " + std::to_string(rank) + ": ";
+    if (ctx.layer_id_ != 0 && ctx.layer_id_ != layer_id)
+      return InvalidArgument(who + "the context belongs to another layer (layer #" + std::to_string(ctx.layer_id_) +
+                             ", this is layer #" + std::to_string(layer_id) + ")");
+    if (ctx.rank_ >= 0 && ctx.rank_ != rank)
+      return InvalidArgument(who + "the context belongs to rank " + std::to_string(ctx.rank_));
+    return Status::Ok();
+  }
+};
+
+}  // namespace rdep

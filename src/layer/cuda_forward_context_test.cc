@@ -1,0 +1,139 @@
+// Caller-owned forward contexts on the CUDA layer (W = 4, ranks sharing the GPUs present): two
+// forwards in flight before their backwards, in either order, give bitwise the results of
+// forward/backward pairs run one after the other, with capacity drops and several segments.
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+constexpr int32_t kW = 4;
+
+struct Fixture {
+  LayerShape shape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 12, .topk = 3, .ranks = kW};
+  OwnershipMap own = *OwnershipMap::Contiguous(12, kW);
+  MoEWeights w = RandomWeights(shape, 1);
+  LayerConfig config{shape, {.capacity_factor = 0.9}, 20};
+  Routing routing[2] = {*GenerateRouting(shape, RoutingSpec{}), *GenerateRouting(shape, *RoutingSpec::Parse("zipf:1.2"))};
+  std::vector<std::vector<float>> x[2] = {RandomActivations(shape, routing[0], 2), RandomActivations(shape, routing[1], 3)};
+  std::vector<std::vector<float>> dy[2] = {RandomActivations(shape, routing[0], 4), RandomActivations(shape, routing[1], 5)};
+};
+
+// One micro-batch's device tensors on one rank.
+struct Batch {
+  int32_t* e = nullptr;
+  float *g = nullptr, *dg = nullptr;
+  __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  int64_t n = 0;
+  ~Batch() {
+    for (void* p : {static_cast<void*>(e), static_cast<void*>(g), static_cast<void*>(dg), static_cast<void*>(x),
+                    static_cast<void*>(y), static_cast<void*>(dy), static_cast<void*>(dx)})
+      if (p) cudaFree(p);
+  }
+};
+
+Status UploadBf16(const std::vector<float>& v, __nv_bfloat16** p) {
+  std::vector<uint16_t> bits(std::max<size_t>(v.size(), 1));
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = FloatToBf16Bits(v[i]);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, bits.size() * 2));
+  return cuda::CudaStatus(cudaMemcpy(*p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "upload", __FILE__, __LINE__);
+}
+
+Status Upload(const RankRouting& rr, const std::vector<float>& x, const std::vector<float>& dy, int64_t H, Batch& b) {
+  b.n = rr.num_tokens;
+  const size_t nk = std::max<size_t>(rr.experts.size(), 1);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.e, nk * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.g, nk * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dg, nk * 4));
+  if (!rr.experts.empty()) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.e, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.g, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
+  }
+  RDEP_RETURN_IF_ERROR(UploadBf16(x, &b.x));
+  RDEP_RETURN_IF_ERROR(UploadBf16(dy, &b.dy));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.y, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2));
+  return cuda::CudaStatus(cudaMalloc(&b.dx, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2), "dx", __FILE__, __LINE__);
+}
+
+template <typename T>
+StatusOr<std::vector<T>> Download(const T* p, size_t n) {
+  std::vector<T> out(n);
+  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+// Per micro-batch, per rank: y, dx (bf16 bits), dgates, dW1, dW2.
+struct Result {
+  std::array<std::vector<uint16_t>, kW> y, dx;
+  std::array<std::vector<float>, kW> dg, dw1, dw2;
+};
+
+void RunSchedule(Fixture& f, CudaDomain& domain, CudaMoELayer& layer, const std::vector<int>& order, Result out[2]) {
+  std::vector<std::array<ForwardContext, 2>> ctx(kW);
+  Status s = domain.Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const int64_t H = f.shape.hidden, K = f.shape.topk;
+    Batch b[2];
+    for (int m = 0; m < 2; ++m) RDEP_RETURN_IF_ERROR(Upload(f.routing[m][i], f.x[m][i], f.dy[m][i], H, b[m]));
+    for (int step : order) {  // step m >= 0: forward of m; step ~m: backward of m
+      const int m = step >= 0 ? step : ~step;
+      Batch& bm = b[m];
+      ForwardContext& c = ctx[i][static_cast<size_t>(m)];
+      if (step >= 0) {
+        RDEP_RETURN_IF_ERROR(layer.Forward(r, c, bm.e, bm.g, bm.n, bm.x, bm.y));
+        continue;
+      }
+      RDEP_RETURN_IF_ERROR(layer.Backward(r, c, bm.dy, bm.dx, bm.dg));
+      RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+      RDEP_ASSIGN_OR_RETURN(out[m].y[i], Download(reinterpret_cast<const uint16_t*>(bm.y), static_cast<size_t>(bm.n * H)));
+      RDEP_ASSIGN_OR_RETURN(out[m].dx[i], Download(reinterpret_cast<const uint16_t*>(bm.dx), static_cast<size_t>(bm.n * H)));
+      RDEP_ASSIGN_OR_RETURN(out[m].dg[i], Download(bm.dg, static_cast<size_t>(bm.n * K)));
+      const size_t L = static_cast<size_t>(f.own.num_local(r));
+      RDEP_ASSIGN_OR_RETURN(out[m].dw1[i], Download(layer.dw1(r), L * static_cast<size_t>(H * 2 * f.shape.ffn)));
+      RDEP_ASSIGN_OR_RETURN(out[m].dw2[i], Download(layer.dw2(r), L * static_cast<size_t>(f.shape.ffn * H)));
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+void ExpectSame(const Result& a, const Result& b, const char* what) {
+  for (size_t i = 0; i < kW; ++i) {
+    EXPECT_EQ(a.y[i], b.y[i]) << what << ": y, rank " << i;
+    EXPECT_EQ(a.dx[i], b.dx[i]) << what << ": dx, rank " << i;
+    EXPECT_EQ(a.dg[i], b.dg[i]) << what << ": dgates, rank " << i;
+    EXPECT_EQ(a.dw1[i], b.dw1[i]) << what << ": dW1, rank " << i;
+    EXPECT_EQ(a.dw2[i], b.dw2[i]) << what << ": dW2, rank " << i;
+  }
+}
+
+TEST(ForwardContext_Cuda, W4_TwoForwardsInFlightEqualSequentialPairs) {
+  const int gpus = cuda::DeviceCount();
+  if (gpus == 0) GTEST_SKIP() << "no CUDA device";
+  Fixture f;
+  auto domain = CudaDomain::CreateSingleProcess(kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, gpus))});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, f.config, f.own, f.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  Result sequential[2], nested[2], interleaved[2];
+  RunSchedule(f, **domain, **layer, {0, ~0, 1, ~1}, sequential);
+  RunSchedule(f, **domain, **layer, {0, 1, ~1, ~0}, nested);
+  RunSchedule(f, **domain, **layer, {0, 1, ~0, ~1}, interleaved);
+  ASSERT_FALSE(sequential[0].y[0].empty());
+  ExpectSame(sequential[0], nested[0], "nested, batch 0");
+  ExpectSame(sequential[1], nested[1], "nested, batch 1");
+  ExpectSame(sequential[0], interleaved[0], "interleaved, batch 0");
+  ExpectSame(sequential[1], interleaved[1], "interleaved, batch 1");
+}
+
+}  // namespace
+}  // namespace rdep
+#endif

@@ -1,0 +1,18 @@
+#include "rdep/layer/forward_context.h"
+
+namespace rdep {
+
+ForwardContext::ForwardContext() = default;
+ForwardContext::~ForwardContext() = default;
+ForwardContext::ForwardContext(ForwardContext&&) noexcept = default;
+ForwardContext& ForwardContext::operator=(ForwardContext&&) noexcept = default;
+
+size_t ForwardContext::bytes() const { return state_ ? state_->bytes() : 0; }
+
+void ForwardContext::Release() {
+  state_.reset();
+  ready_ = false;
+  consumed_ = false;
+}
+
+}  // namespace rdep
