@@ -352,6 +352,31 @@ struct ExpertMlp::Impl {
   }
 };
 
+namespace {
+// The one device allocation of an ExpertMlp, by part (256-byte aligned).
+struct Layout {
+  size_t z = 0, dz = 0, dh = 0, ws = 0, tables = 0;
+  size_t total() const { return z + dz + dh + ws + tables; }
+};
+Layout MemoryLayout(const ExpertMlpDesc& desc, const ExpertMlpConfig& config) {
+  const auto align = [](size_t v) { return (v + 255) & ~size_t{255}; };
+  const size_t rows = static_cast<size_t>(desc.max_rows), F = static_cast<size_t>(desc.ffn);
+  const bool grouped = config.path != GemmPath::kLtPerExpert;
+  const auto slots = static_cast<size_t>(std::max(1, config.num_streams));  // Impl::num_slots
+  Layout l;
+  l.z = align(rows * F * 2);
+  l.dz = l.z;
+  l.dh = align(rows * 2 * F * 2);
+  l.ws = slots * config.lt_workspace_bytes;
+  l.tables = grouped ? align(sizeof(void*) * kNumKinds * 3 * internal::kMaxGroups) : 0;
+  return l;
+}
+}  // namespace
+
+size_t ExpertMlp::WorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config) {
+  return MemoryLayout(desc, config).total();
+}
+
 ExpertMlp::ExpertMlp(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ExpertMlp::~ExpertMlp() = default;
 size_t ExpertMlp::workspace_bytes() const { return impl_->mem_bytes; }
@@ -386,12 +411,9 @@ StatusOr<std::unique_ptr<ExpertMlp>> ExpertMlp::Create(const ExpertMlpDesc& desc
     impl->join.push_back(ev);
   }
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl->fork, cudaEventDisableTiming));
-  const auto align = [](size_t v) { return (v + 255) & ~size_t{255}; };
-  const size_t rows = static_cast<size_t>(desc.max_rows), F = static_cast<size_t>(desc.ffn);
-  const size_t z_bytes = align(rows * F * 2), dz_bytes = z_bytes, dh_bytes = align(rows * 2 * F * 2);
-  const size_t ws_bytes = static_cast<size_t>(S) * config.lt_workspace_bytes;
-  const size_t table_bytes = impl->has_grouped() ? align(sizeof(void*) * kNumKinds * 3 * internal::kMaxGroups) : 0;
-  impl->mem_bytes = z_bytes + dz_bytes + dh_bytes + ws_bytes + table_bytes;
+  const Layout lay = MemoryLayout(desc, config);
+  const size_t z_bytes = lay.z, dz_bytes = lay.dz, dh_bytes = lay.dh, ws_bytes = lay.ws, table_bytes = lay.tables;
+  impl->mem_bytes = lay.total();
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->mem, std::max<size_t>(impl->mem_bytes, 256)));
   char* p = impl->mem;
   impl->z = reinterpret_cast<__nv_bfloat16*>(p);

@@ -9,7 +9,7 @@
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
-#include "rdep/kernels/expert_mlp.h"
+#include "rdep/kernels/expert_compute.h"
 #include "rdep/transport/dispatch_kernels.h"
 #include "layer/context_access.h"
 #include "layer/sgd_kernel.h"
@@ -107,7 +107,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
 struct CudaMoELayer::RankState {
   int device = 0;
   int32_t num_local = 0;
-  std::unique_ptr<kernels::ExpertMlp> mlp;
+  std::unique_ptr<kernels::ExpertCompute> mlp;  // expert compute (cuBLASLt implementation)
   // Weights (bf16) and gradients (fp32) of this rank's experts; ownership map on the device.
   DeviceBuffer<__nv_bfloat16> w1, w2;
   DeviceBuffer<float> dw1, dw2;
@@ -316,7 +316,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
     const int64_t seg_rows = l.S * l.slots_per_token;
     if (L > 0) {
-      RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::ExpertMlp::Create({L, H, F, std::max<int64_t>(seg_rows, 1)}, st->device));
+      RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::MakeCublasLtExpertCompute({L, H, F, std::max<int64_t>(seg_rows, 1)}, st->device));
     }
     // out_rows: forward outputs of a segment; in backward, dout rows then dx rows behind them.
     RDEP_RETURN_IF_ERROR(st->out_rows.Reserve(static_cast<size_t>(2 * std::max<int64_t>(seg_rows, 1) * H)));
@@ -528,8 +528,8 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
     RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, st.local_to_global.ptr,
                                                       Bits(st.out_rows.ptr), stream));
   } else if (m > 0) {
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward(xr, counts.data(), st.w1.ptr, st.w2.ptr, sv.h_rows.ptr + base * 2 * s.ffn,
-                                         st.out_rows.ptr, stream));
+    const kernels::ExpertRows rows{st.seg_counts.ptr, m, counts.data()};  // the counts are on the host already
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward(rows, xr, {st.w1.ptr, st.w2.ptr}, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr + base, m, layout_,
@@ -549,9 +549,10 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   for (int64_t c : counts) m += c;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
   if (m > 0) {  // dx rows go right behind the dout rows in out_rows
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward(sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
-                                          counts.data(), st.w1.ptr, st.w2.ptr, st.out_rows.ptr + m * H, st.dw1.ptr,
-                                          st.dw2.ptr, /*accumulate=*/true, stream));
+    const kernels::ExpertRows rows{nullptr, m, counts.data()};  // saved by forward on the host
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward(rows, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
+                                          {st.w1.ptr, st.w2.ptr}, st.out_rows.ptr + m * H, {st.dw1.ptr, st.dw2.ptr},
+                                          /*accumulate=*/true, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), sv.grouped.ptr + base, m, layout_,

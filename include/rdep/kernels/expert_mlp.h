@@ -91,8 +91,10 @@ class ExpertMlp {
                   const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
                   __nv_bfloat16* dx, float* dw1, float* dw2, bool accumulate, cudaStream_t stream);
 
-  // Device bytes held by this object (activation scratch, cuBLAS workspaces, pointer tables).
+  // Device bytes held by this object (activation scratch, cuBLAS workspaces, pointer tables), and
+  // the same before creating one (what Create will allocate for desc and config).
   size_t workspace_bytes() const;
+  static size_t WorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config = {});
   const ExpertMlpDesc& desc() const;
   const ExpertMlpConfig& config() const;
 

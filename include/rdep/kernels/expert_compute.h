@@ -1,0 +1,75 @@
+// Expert compute behind one interface (DESIGN.md, "Expert compute"): the owner's expert-grouped rows
+// in, expert outputs out (forward), dgrad and wgrad (backward), with the per-expert row counts read
+// from DEVICE memory, so the layer needs no host round trip to call it. Implementations say whether
+// a call may synchronize the host (graph_safe), and how much device memory they hold, which callers
+// can learn before creating one (ExpertComputeWorkspaceBytes).
+//
+//   cuBLASLt (MakeCublasLtExpertCompute): the ExpertMlp of rdep/kernels/expert_mlp.h (cuBLASLt GEMMs
+//   + fused SwiGLU). Its GEMMs need the counts on the host: it copies them and synchronizes the stream,
+//   unless the caller passes a host mirror it already has (ExpertRows::host_counts). Not graph-safe.
+//   The fallback and the A/B reference for the fused sm_90a kernels that will implement this interface.
+//
+// Rows of local expert e are [off_e, off_e + m_e), off_e the exclusive prefix sum of the counts; the
+// math and layouts are those of rdep/kernels/expert_mlp.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "rdep/kernels/expert_mlp.h"
+#include "rdep/status.h"
+
+namespace rdep::kernels {
+
+// One batch of expert-grouped rows.
+struct ExpertRows {
+  const int64_t* counts = nullptr;       // DEVICE [E_loc] rows per local expert
+  int64_t max_rows = 0;                  // host bound on their sum (<= the desc's max_rows)
+  const int64_t* host_counts = nullptr;  // optional: the same counts on the host, if the caller has them
+};
+
+// The local experts' weights. Room for per-block scales (FP8 later); null for bf16 weights.
+struct ExpertWeightsView {
+  const __nv_bfloat16* w1 = nullptr;  // [E_loc][H][2F]
+  const __nv_bfloat16* w2 = nullptr;  // [E_loc][F][H]
+  const float* w1_scales = nullptr;
+  const float* w2_scales = nullptr;
+};
+
+// Weight gradients, fp32, the weights' layout.
+struct ExpertGradsView {
+  float* dw1 = nullptr;
+  float* dw2 = nullptr;
+};
+
+class ExpertCompute {
+ public:
+  virtual ~ExpertCompute() = default;
+  virtual const char* name() const = 0;
+  // True when no call synchronizes the host (a layer using it can be captured in a CUDA graph).
+  virtual bool graph_safe() const = 0;
+  // Device bytes this object holds.
+  virtual size_t workspace_bytes() const = 0;
+  virtual const ExpertMlpDesc& desc() const = 0;
+
+  // x [M][H] bf16 -> h [M][2F] bf16 (pre-activations, kept for Backward), y [M][H] bf16.
+  virtual Status Forward(const ExpertRows& rows, const __nv_bfloat16* x, const ExpertWeightsView& w, __nv_bfloat16* h,
+                         __nv_bfloat16* y, cudaStream_t stream) = 0;
+  // dout [M][H] (gate applied), x and h from Forward -> dx [M][H]; weight gradients overwritten, or
+  // added to when accumulate is true.
+  virtual Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, const __nv_bfloat16* h,
+                          const __nv_bfloat16* dout, const ExpertWeightsView& w, __nv_bfloat16* dx,
+                          const ExpertGradsView& grads, bool accumulate, cudaStream_t stream) = 0;
+};
+
+// What MakeCublasLtExpertCompute(desc, ..., config) will allocate on the device.
+size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config = {});
+
+StatusOr<std::unique_ptr<ExpertCompute>> MakeCublasLtExpertCompute(const ExpertMlpDesc& desc, int device,
+                                                                   const ExpertMlpConfig& config = {});
+
+}  // namespace rdep::kernels
