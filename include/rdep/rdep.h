@@ -16,4 +16,5 @@
 #include "rdep/layer/layer_config.h"
 #include "rdep/layer/validation.h"
 #include "rdep/status.h"
+#include "rdep/transport/domain.h"
 #include "rdep/transport/host_domain.h"

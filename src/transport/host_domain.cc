@@ -85,6 +85,16 @@ void HostDomain::FreeSymmetric(RegionId id) {
   r.bytes = 0;
 }
 
+std::string HostDomain::placement() const {
+  return std::to_string(num_ranks_) + (num_ranks_ == 1 ? " rank" : " ranks") + " as threads of one process";
+}
+
+std::vector<int32_t> HostDomain::local_ranks() const {
+  std::vector<int32_t> r(static_cast<size_t>(num_ranks_));
+  for (int32_t q = 0; q < num_ranks_; ++q) r[static_cast<size_t>(q)] = q;
+  return r;
+}
+
 std::byte* HostDomain::region(int32_t rank, RegionId id) const {
   return regions_[static_cast<size_t>(id)].per_rank[static_cast<size_t>(rank)];
 }

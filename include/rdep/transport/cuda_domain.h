@@ -36,7 +36,8 @@
 
 #include "rdep/status.h"
 #include "rdep/transport/bootstrap.h"
-#include "rdep/transport/host_domain.h"  // RegionId, DomainOptions
+#include "rdep/transport/domain.h"
+#include "rdep/transport/host_domain.h"  // DomainOptions
 #include "rdep/transport/phase.h"
 
 namespace rdep {
@@ -61,7 +62,7 @@ struct DeviceErrorRecord {
   uint64_t epoch;        // the barrier's sequence number on this rank
 };
 
-class CudaDomain {
+class CudaDomain final : public Domain {
  public:
   static StatusOr<std::unique_ptr<CudaDomain>> CreateSingleProcess(int64_t num_ranks, CudaDomainOptions options = {});
   // This process is rank bootstrap.rank() of bootstrap.size(); its GPU is options.devices[0] if given,
@@ -71,11 +72,11 @@ class CudaDomain {
   CudaDomain(const CudaDomain&) = delete;
   CudaDomain& operator=(const CudaDomain&) = delete;
 
-  int32_t num_ranks() const { return num_ranks_; }
+  int32_t num_ranks() const override { return num_ranks_; }
   // Whether `rank` is driven by this process (all ranks in one-process mode, one otherwise).
   bool is_local(int32_t rank) const { return bootstrap_ == nullptr || rank == bootstrap_->rank(); }
   // The ranks this process drives, ascending.
-  std::vector<int32_t> local_ranks() const;
+  std::vector<int32_t> local_ranks() const override;
   int device(int32_t rank) const { return devices_[static_cast<size_t>(rank)]; }  // local ranks only
   cudaStream_t stream(int32_t rank) const { return streams_[static_cast<size_t>(rank)]; }  // local ranks only
   // The multi-process bootstrap, or null in one-process mode.
@@ -83,36 +84,37 @@ class CudaDomain {
   // Fails unless every process passed the same bytes (no-op in one-process mode). Collective.
   Status AgreeAcrossRanks(const std::vector<uint8_t>& mine, const std::string& what,
                           const std::function<std::string(const std::vector<uint8_t>&)>& describe);
-  const char* backend_name() const { return "cuda"; }
-  // How peers' memory is opened: "peer-access" (one process), later "ipc" or "fabric".
-  const std::string& transport_name() const { return transport_; }
+  const char* backend_name() const override { return "cuda"; }
+  // How peers' memory is opened: "peer-access" (one process), "ipc" or "fabric" (one process per GPU).
+  std::string transport_name() const override { return transport_; }
   const CudaDomainOptions& options() const { return options_; }
   // Whether two ranks of this process share a GPU (barriers are then stream-ordered joins).
   bool shares_gpus() const { return shared_; }
   // "4 ranks on 1 GPU (GPU 0: ranks 0-3); ranks share GPUs: timings do not measure NVLink", or
   // "4 ranks on 4 GPUs (rank r on GPU r)"; multi-process: "rank 2 of 4 on GPU 2".
-  std::string placement() const;
+  std::string placement() const override;
 
   // cudaMalloc of `bytes` on every rank's device, zero-filled. Not callable during Run.
-  StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name);
+  StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name) override;
   // Releases a region (collective, like its allocation; no rank may use it afterwards). Its id is not
   // reused. Layers free their regions when destroyed.
-  void FreeSymmetric(RegionId id);
+  void FreeSymmetric(RegionId id) override;
   // Base of region `id` on `rank`, as a pointer usable from any rank's device.
   void* region(int32_t rank, RegionId id) const;
+  void* region_base(int32_t rank, RegionId id) const override { return region(rank, id); }
   // A device array (on `viewer`'s device) of the W ranks' base pointers of region `id`.
   void* const* peer_table(int32_t viewer, RegionId id) const;
-  size_t symmetric_bytes_per_rank() const;
+  size_t symmetric_bytes_per_rank() const override;
 
   // Runs fn(rank) for every local rank, each on its own host thread with its device current. Same
   // error contract as HostDomain::Run: the first failing rank's error, prefixed with its rank.
-  Status Run(const std::function<Status(int32_t rank)>& fn);
+  Status Run(const std::function<Status(int32_t rank)>& fn) override;
 
   // Enqueues a phase barrier on rank's stream: a one-block kernel with in-kernel bounded waits, or,
   // where ranks share a GPU, a host rendezvous of the ranks' threads and stream waits on their events.
-  Status Barrier(int32_t rank, Phase phase);
+  Status Barrier(int32_t rank, Phase phase) override;
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
-  Status Synchronize(int32_t rank);
+  Status Synchronize(int32_t rank) override;
   Status CheckErrors(int32_t rank);
 
  private:

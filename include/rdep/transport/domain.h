@@ -1,0 +1,70 @@
+// A Domain: W ranks with peer-visible symmetric regions and phase barriers, one interface with its
+// implementation chosen at construction (MakeDomain):
+//   host               W threads of one process, regions in host memory (the reference and CI backend;
+//                      HostDomain, rdep/transport/host_domain.h)
+//   cuda, one process  W ranks driven by one process over the local GPUs: every rank on its own GPU
+//                      (peer access, device barriers), or several ranks sharing a GPU (stream-join
+//                      barriers) — CudaDomain::CreateSingleProcess (rdep/transport/cuda_domain.h)
+//   cuda, per process  this process is one rank of a Bootstrap's world, on its own GPU (CUDA IPC or
+//                      fabric handles) — CudaDomain::CreateMultiProcess
+// Layers and kernels use the concrete classes (a CUDA layer needs streams and device peer tables);
+// what every backend shares is here: the ranks this process drives, symmetric regions, Run, Barrier,
+// and a printable placement.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rdep/status.h"
+#include "rdep/transport/phase.h"
+
+namespace rdep {
+
+class Bootstrap;
+using RegionId = int32_t;
+
+class Domain {
+ public:
+  virtual ~Domain() = default;
+  virtual int32_t num_ranks() const = 0;
+  virtual const char* backend_name() const = 0;      // "host" or "cuda"
+  virtual std::string transport_name() const = 0;    // "threads", "peer-access", "ipc", "fabric"
+  virtual std::string placement() const = 0;         // where the ranks run, printable
+  virtual std::vector<int32_t> local_ranks() const = 0;  // the ranks this process drives, ascending
+
+  // Symmetric regions: `bytes` on every rank, zero-filled; not callable during Run.
+  virtual StatusOr<RegionId> AllocateSymmetric(size_t bytes, const std::string& name) = 0;
+  virtual void FreeSymmetric(RegionId id) = 0;
+  // Base of region `id` on `rank`, usable by the backend's own code (host: a host pointer; cuda: a
+  // device pointer valid on every local rank's device).
+  virtual void* region_base(int32_t rank, RegionId id) const = 0;
+  virtual size_t symmetric_bytes_per_rank() const = 0;
+
+  // Runs fn(rank) for every local rank on its own thread; the first failing rank's error.
+  virtual Status Run(const std::function<Status(int32_t rank)>& fn) = 0;
+  // A phase barrier of `rank` inside Run, bounded: a missing rank is a Timeout naming it and the phase.
+  // (A CUDA device barrier reports its timeout at the rank's next Synchronize.)
+  virtual Status Barrier(int32_t rank, Phase phase) = 0;
+  // Waits for the rank's enqueued work and reports a deferred barrier failure (host: nothing to wait for).
+  virtual Status Synchronize(int32_t rank) = 0;
+};
+
+// Which implementation, and its settings.
+struct DomainSpec {
+  enum class Kind { kHost, kCudaOneProcess, kCudaPerProcess };
+  Kind kind = Kind::kHost;
+  int64_t num_ranks = 1;            // host and cuda one-process (per process: the bootstrap's size)
+  double barrier_timeout_s = 30.0;
+  int num_gpus = 0;                 // cuda one-process: ranks round-robin over this many GPUs (0 = min(W, present))
+  Bootstrap* bootstrap = nullptr;   // cuda per-process; must outlive the domain
+};
+
+// InvalidArgument for a bad spec (naming the field); Unavailable when the build or the machine lacks
+// what the kind needs (CUDA, a GPU, MPI).
+StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec);
+
+}  // namespace rdep

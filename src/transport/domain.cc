@@ -1,0 +1,48 @@
+// MakeDomain: the Domain implementation a spec names (rdep/transport/domain.h).
+#include "rdep/transport/domain.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "rdep/cuda/device_count.h"
+#include "rdep/transport/host_domain.h"
+#if defined(RDEP_HAVE_CUDA)
+#include "rdep/transport/cuda_domain.h"
+#endif
+
+namespace rdep {
+
+StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec) {
+  if (!(spec.barrier_timeout_s > 0) || !std::isfinite(spec.barrier_timeout_s))
+    return InvalidArgument("domain: barrier_timeout_s must be a finite number > 0");
+  switch (spec.kind) {
+    case DomainSpec::Kind::kHost: {
+      RDEP_ASSIGN_OR_RETURN(auto d, HostDomain::Create(spec.num_ranks, {.barrier_timeout_s = spec.barrier_timeout_s}));
+      return std::unique_ptr<Domain>(std::move(d));
+    }
+    case DomainSpec::Kind::kCudaOneProcess:
+    case DomainSpec::Kind::kCudaPerProcess: break;
+  }
+#if defined(RDEP_HAVE_CUDA)
+  if (spec.kind == DomainSpec::Kind::kCudaPerProcess) {
+    if (!spec.bootstrap) return InvalidArgument("domain: a per-process CUDA domain needs a bootstrap");
+    RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateMultiProcess(*spec.bootstrap, {.barrier_timeout_s = spec.barrier_timeout_s, .devices = {}}));
+    return std::unique_ptr<Domain>(std::move(d));
+  }
+  const int present = CudaDeviceCount();
+  if (present == 0) return Unavailable("domain: no CUDA device is present");
+  if (spec.num_gpus < 0 || spec.num_gpus > present)
+    return InvalidArgument("domain: num_gpus " + std::to_string(spec.num_gpus) + " outside [0, " + std::to_string(present) +
+                           "] (0 = min(W, GPUs present))");
+  if (spec.num_ranks < 1 || spec.num_ranks > kMaxCudaRanks)
+    return InvalidArgument("domain: ranks W must be in [1, " + std::to_string(kMaxCudaRanks) + "], got " + std::to_string(spec.num_ranks));
+  const int gpus = spec.num_gpus > 0 ? spec.num_gpus : static_cast<int>(std::min<int64_t>(spec.num_ranks, present));
+  RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateSingleProcess(spec.num_ranks, {.barrier_timeout_s = spec.barrier_timeout_s,
+                                                                                 .devices = RoundRobinDevices(spec.num_ranks, gpus)}));
+  return std::unique_ptr<Domain>(std::move(d));
+#else
+  return Unavailable("domain: this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+#endif
+}
+
+}  // namespace rdep
