@@ -19,19 +19,33 @@ class ContextAccess {
     return next.fetch_add(1);
   }
 
-  // Forward: binds ctx to (layer, rank) on first use, checks it on later ones, marks it not ready,
-  // and returns its state, made by make() (a StatusOr<std::unique_ptr<S>>) when it has none.
+  // Plan (the first step of a forward): binds ctx to (layer, rank) on first use, checks it on later
+  // ones, marks it not ready, and returns its state, made by make() (a StatusOr<std::unique_ptr<S>>)
+  // when it has none. FinishPlan marks it runnable.
   template <typename S, typename Make>
   static StatusOr<S*> BeginForward(ForwardContext& ctx, uint64_t layer_id, int32_t rank, Make make) {
-    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "forward"));
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "plan"));
     ctx.layer_id_ = layer_id;
     ctx.rank_ = rank;
+    ctx.planned_ = false;
     ctx.ready_ = false;
     ctx.consumed_ = false;
     if (!ctx.state_) {
       RDEP_ASSIGN_OR_RETURN(std::unique_ptr<S> made, make());
       ctx.state_ = std::move(made);
     }
+    return static_cast<S*>(ctx.state_.get());
+  }
+  static void FinishPlan(ForwardContext& ctx) { ctx.planned_ = true; }
+
+  // Run (the second step): the context must hold a plan of this layer and rank whose run has not
+  // happened. FinishForward marks the forward complete (backward may follow).
+  template <typename S>
+  static StatusOr<S*> BeginRun(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "run"));
+    if (!ctx.planned_ || !ctx.state_)
+      return FailedPrecondition("run on rank " + std::to_string(rank) + ": the context holds no plan (call Plan first)");
+    ctx.planned_ = false;
     return static_cast<S*>(ctx.state_.get());
   }
   static void FinishForward(ForwardContext& ctx) { ctx.ready_ = true; }

@@ -1,6 +1,7 @@
 // Caller-owned forward contexts on the CUDA layer (W = 4, ranks sharing the GPUs present): two
-// forwards in flight before their backwards, in either order, give bitwise the results of
-// forward/backward pairs run one after the other, with capacity drops and several segments.
+// forwards in flight before their backwards, in either order, and two plans made before either run
+// (Plan/Run apart), give bitwise the results of forward/backward pairs run one after the other, with
+// capacity drops and several segments.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@ namespace rdep {
 namespace {
 
 constexpr int32_t kW = 4;
+constexpr int kPlan = 10, kRun = 20;  // schedule steps: Plan or Run of micro-batch m alone
 
 struct Fixture {
   LayerShape shape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 12, .topk = 3, .ranks = kW};
@@ -83,10 +85,18 @@ void RunSchedule(Fixture& f, CudaDomain& domain, CudaMoELayer& layer, const std:
     const int64_t H = f.shape.hidden, K = f.shape.topk;
     Batch b[2];
     for (int m = 0; m < 2; ++m) RDEP_RETURN_IF_ERROR(Upload(f.routing[m][i], f.x[m][i], f.dy[m][i], H, b[m]));
-    for (int step : order) {  // step m >= 0: forward of m; step ~m: backward of m
-      const int m = step >= 0 ? step : ~step;
+    for (int step : order) {  // m: forward of m; ~m: backward of m; kPlan + m, kRun + m: the forward's two steps
+      const int m = step < 0 ? ~step : step % 10;
       Batch& bm = b[m];
       ForwardContext& c = ctx[i][static_cast<size_t>(m)];
+      if (step >= kPlan && step < kRun) {
+        RDEP_RETURN_IF_ERROR(layer.Plan(r, c, bm.e, bm.g, bm.n));
+        continue;
+      }
+      if (step >= kRun) {
+        RDEP_RETURN_IF_ERROR(layer.Run(r, c, bm.x, bm.y));
+        continue;
+      }
       if (step >= 0) {
         RDEP_RETURN_IF_ERROR(layer.Forward(r, c, bm.e, bm.g, bm.n, bm.x, bm.y));
         continue;
@@ -123,15 +133,18 @@ TEST(ForwardContext_Cuda, W4_TwoForwardsInFlightEqualSequentialPairs) {
   ASSERT_TRUE(domain.ok()) << domain.status();
   auto layer = CudaMoELayer::Create(**domain, f.config, f.own, f.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
-  Result sequential[2], nested[2], interleaved[2];
+  Result sequential[2], nested[2], interleaved[2], planned_ahead[2];
   RunSchedule(f, **domain, **layer, {0, ~0, 1, ~1}, sequential);
   RunSchedule(f, **domain, **layer, {0, 1, ~1, ~0}, nested);
   RunSchedule(f, **domain, **layer, {0, 1, ~0, ~1}, interleaved);
+  RunSchedule(f, **domain, **layer, {kPlan + 0, kPlan + 1, kRun + 1, kRun + 0, ~1, ~0}, planned_ahead);
   ASSERT_FALSE(sequential[0].y[0].empty());
   ExpectSame(sequential[0], nested[0], "nested, batch 0");
   ExpectSame(sequential[1], nested[1], "nested, batch 1");
   ExpectSame(sequential[0], interleaved[0], "interleaved, batch 0");
   ExpectSame(sequential[1], interleaved[1], "interleaved, batch 1");
+  ExpectSame(sequential[0], planned_ahead[0], "plans ahead of runs, batch 0");
+  ExpectSame(sequential[1], planned_ahead[1], "plans ahead of runs, batch 1");
 }
 
 }  // namespace

@@ -84,10 +84,17 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   int64_t total_rows = 0;
   DeviceBuffer<GroupedRow> grouped;
   DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
+  // The plan's input check: the first faulty routing slot (device, then a pinned copy and its event).
+  DeviceBuffer<dispatch::RoutingFault> fault;
+  dispatch::RoutingFault* host_fault = nullptr;
+  cudaEvent_t fault_copied = nullptr;
   ~Saved() override {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device);
+    if (host_fault) cudaFreeHost(host_fault);
+    if (fault_copied) cudaEventDestroy(fault_copied);
+    fault.Free();
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
     for (auto* b : {&dropped, &control}) b->Free();
@@ -118,10 +125,6 @@ struct CudaMoELayer::RankState {
   DeviceBuffer<int64_t> rows_per_expert, seg_counts;
   DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
   int64_t* host_counts = nullptr;  // pinned [num_local + W]
-  // Input validation: the first faulty routing slot of the last forward (device, then pinned copy).
-  DeviceBuffer<unsigned long long> fault;
-  unsigned long long* host_fault = nullptr;
-  cudaEvent_t fault_copied = nullptr;
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
@@ -205,6 +208,11 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
+  RDEP_RETURN_IF_ERROR(saved->fault.Reserve(1));
+  void* pinned = nullptr;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(dispatch::RoutingFault), cudaHostAllocPortable));
+  saved->host_fault = static_cast<dispatch::RoutingFault*>(pinned);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&saved->fault_copied, cudaEventDisableTiming));
   return saved;
 }
 
@@ -224,8 +232,6 @@ CudaMoELayer::~CudaMoELayer() {
     cudaSetDevice(st.device);
     st.mlp.reset();
     if (st.host_counts) cudaFreeHost(st.host_counts);
-    if (st.host_fault) cudaFreeHost(st.host_fault);
-    if (st.fault_copied) cudaEventDestroy(st.fault_copied);
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
@@ -309,10 +315,6 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(L + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
-    RDEP_RETURN_IF_ERROR(st->fault.Reserve(1));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(unsigned long long), cudaHostAllocPortable));
-    st->host_fault = static_cast<unsigned long long*>(pinned);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&st->fault_copied, cudaEventDisableTiming));
     // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
     const int64_t seg_rows = l.S * l.slots_per_token;
     if (L > 0) {
@@ -371,6 +373,13 @@ Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat
 
 Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates,
                              int64_t num_tokens, const __nv_bfloat16* x, __nv_bfloat16* y) {
+  const Status planned = Plan(rank, ctx, experts, gates, num_tokens);
+  if (!ctx.planned()) return planned;  // not bound, or a CUDA error: the collective cannot go on
+  const Status ran = Run(rank, ctx, x, y);
+  return planned.ok() ? ran : planned;
+}
+
+Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [&] { return NewSaved(rank); }));
@@ -390,12 +399,11 @@ Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* e
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.fault.ptr, 0xFF, sizeof(unsigned long long), stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
-                                                       st.fault.ptr, stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_fault, st.fault.ptr, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.fault_copied, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
+                                                       sv.fault.ptr, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.host_fault, sv.fault.ptr, sizeof(dispatch::RoutingFault), cudaMemcpyDeviceToHost, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   // Phase 1: counts into every owner's recv tables.
@@ -405,7 +413,7 @@ Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* e
   RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
                                                  st.rows_per_expert.ptr, stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
-  // From here on this call reads its own copy of the control words (backward reads the same copy).
+  // From here on the forward reads its own copy of the control words (backward reads the same copy).
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.control.ptr, my_control, layout_.control_bytes(), cudaMemcpyDeviceToDevice, stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, sv.control.ptr,
                                               sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
@@ -420,33 +428,41 @@ Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* e
     sv.num_segments = (mx + layout_.S - 1) / layout_.S;
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouting));
-  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                               sv.effective.ptr, n, K, s.hidden, Bits(y), Bits(sv.saved_f.ptr), stream));
-  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
+  ContextAccess::FinishPlan(ctx);  // runnable even when the count was bad: the other ranks' run needs this rank
   if (!count_ok)
     return InvalidArgument("forward on rank " + std::to_string(rank) + ": num_tokens " + std::to_string(num_tokens) +
                            " outside [0, T=" + std::to_string(s.tokens) + "]; the rank took part with no tokens");
-  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, st, experts, gates));
+  return Status::Ok();
+}
+
+Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, __nv_bfloat16* y) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  const LayerShape& s = config_.shape;
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                               sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
+                                               domain_.stream(rank)));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
+  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv));
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
 
-// The device check of this forward's routing (LaunchValidateRouting) as a Status naming rank, token,
+// The plan's device check of the routing (LaunchValidateRouting) as a Status naming rank, token,
 // slot and value. The forward has synchronized its stream by now (segment counts), so the wait on
 // the copy's event returns at once.
-Status CudaMoELayer::CheckRoutingInput(int32_t rank, RankState& st, const int32_t* experts, const float* gates) {
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(st.fault_copied));
-  const unsigned long long key = *st.host_fault;
-  if (key == ~0ull) return Status::Ok();
-  const auto fault = static_cast<RouteSlotFault>(key & 3);
-  const auto i = static_cast<int64_t>(key >> 2), K = config_.shape.topk;
-  int32_t e = 0;
-  float g = 0;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&e, experts + i, sizeof e, cudaMemcpyDeviceToHost));  // the caller's values
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&g, gates + i, sizeof g, cudaMemcpyDeviceToHost));
+Status CudaMoELayer::CheckRoutingInput(int32_t rank, const Saved& sv) {
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
+  const dispatch::RoutingFault f = *sv.host_fault;
+  if (f.key == ~0ull) return Status::Ok();
+  const auto i = static_cast<int64_t>(f.key >> 2), K = config_.shape.topk;
   return InvalidArgument("forward on rank " + std::to_string(rank) + ": routing " +
-                         DescribeRouteSlotFault(fault, i / K, i % K, e, g, config_.shape.experts) +
+                         DescribeRouteSlotFault(static_cast<RouteSlotFault>(f.key & 3), i / K, i % K, f.expert, f.gate,
+                                                config_.shape.experts) +
                          " (the token ran with zero gates so that every rank finished the call)");
 }
 

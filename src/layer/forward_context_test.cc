@@ -84,6 +84,36 @@ TEST(ForwardContext_Host, W4_TwoForwardsInFlightEqualSequentialPairs) {
   ExpectSame(sequential[1], interleaved[1], "interleaved, batch 1");
 }
 
+// Plan and Run apart: two plans before either run, runs and backwards in the other order, equal to
+// plain forwards; a run without a plan is refused.
+TEST(ForwardContext_Host, W4_PlansAheadOfRunsEqualForwards) {
+  Fixture f;
+  auto layer = *HostMoELayer::Create(*f.domain, f.config, f.own, f.w);
+  Result plain[2];
+  RunSchedule(f, *layer, {0, ~0, 1, ~1}, plain);
+  std::vector<std::vector<float>> y[2] = {std::vector<std::vector<float>>(kW), std::vector<std::vector<float>>(kW)};
+  std::vector<Status> no_plan(kW);
+  Status s = f.domain->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    std::array<ForwardContext, 2> ctx;
+    for (int b : {0, 1}) RDEP_RETURN_IF_ERROR(layer->Plan(r, ctx[static_cast<size_t>(b)], f.routing[b][i]));
+    for (int b : {1, 0}) {
+      y[b][i].assign(static_cast<size_t>(f.routing[b][i].num_tokens * f.shape.hidden), 0.f);
+      RDEP_RETURN_IF_ERROR(layer->Run(r, ctx[static_cast<size_t>(b)], f.x[b][i], y[b][i]));
+    }
+    ForwardContext fresh;
+    no_plan[i] = layer->Run(r, fresh, f.x[0][i], y[0][i]);
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 0; i < kW; ++i) {
+    EXPECT_EQ(y[0][i], plain[0].y[i]) << "batch 0, rank " << i;
+    EXPECT_EQ(y[1][i], plain[1].y[i]) << "batch 1, rank " << i;
+    EXPECT_EQ(no_plan[i].code(), StatusCode::kFailedPrecondition) << no_plan[i];
+    EXPECT_NE(no_plan[i].message().find("holds no plan"), std::string::npos) << no_plan[i];
+  }
+}
+
 TEST(ForwardContext_Host, MisuseIsAnErrorNamingIt) {
   Fixture f;
   auto layer = *HostMoELayer::Create(*f.domain, f.config, f.own, f.w);

@@ -114,14 +114,21 @@ Status HostMoELayer::Backward(int32_t rank, std::span<const float> dy, std::span
 
 Status HostMoELayer::Forward(int32_t rank, ForwardContext& ctx, const RankRouting& routing, std::span<const float> x,
                              std::span<float> y) {
+  const int64_t n = routing.num_tokens, H = config_.shape.hidden;
+  RDEP_RETURN_IF_ERROR(CheckRank(rank));
+  RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));  // before the collective
+  RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
+  RDEP_RETURN_IF_ERROR(Plan(rank, ctx, routing));
+  return Run(rank, ctx, x, y);
+}
+
+Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& routing) {
   RDEP_RETURN_IF_ERROR(CheckRank(rank));
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [] { return StatusOr<std::unique_ptr<Saved>>(std::make_unique<Saved>()); }));
   Saved& st = *saved;
   const LayerShape& s = config_.shape;
   const int64_t W = s.ranks, K = s.topk, H = s.hidden, L = layout_.L, n = routing.num_tokens;
   RDEP_RETURN_IF_ERROR(routing.Validate(s));
-  RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
-  RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
   auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
   st.tokens_to.resize(static_cast<size_t>(W));
   st.stream_base.assign(static_cast<size_t>(W), 0);
@@ -204,7 +211,18 @@ Status HostMoELayer::Forward(int32_t rank, ForwardContext& ctx, const RankRoutin
   st.num_segments = (max_stream + layout_.S - 1) / layout_.S;
   st.saved_x.resize(static_cast<size_t>(st.stream_tokens * H));
   st.trace.clear();
+  ContextAccess::FinishPlan(ctx);
+  return Status::Ok();
+}
 
+Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> y) {
+  RDEP_RETURN_IF_ERROR(CheckRank(rank));
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
+  Saved& st = *saved;
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
+  RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
+  RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
+  const RankAcceptance& acc = st.acceptance;
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
 
   // Combine in fixed slot order, fp32 accumulation; keep f_k(x_t) for dgate in backward.

@@ -30,21 +30,33 @@ __device__ __forceinline__ void WarpCopyRow(const bf16_bits* src, bf16_bits* dst
   }
 }
 
-__global__ void ValidateRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                                      unsigned long long* first_fault) {
+__global__ void FindRoutingFaultKernel(const int32_t* experts, const float* gates, int64_t n, int64_t K,
+                                       int32_t num_experts, RoutingFault* fault) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
-  int32_t* e = experts + t * K;
-  float* g = gates + t * K;
   for (int64_t k = 0; k < K; ++k) {
-    const RouteSlotFault fault = CheckRouteSlot(e, g, k, num_experts);
-    if (fault == RouteSlotFault::kNone) continue;
-    atomicMin(first_fault, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(fault));
-    for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
-      e[j] = static_cast<int32_t>(j);
-      g[j] = 0.f;
-    }
+    const RouteSlotFault f = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts);
+    if (f == RouteSlotFault::kNone) continue;
+    atomicMin(&fault->key, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(f));
     return;
+  }
+}
+
+__global__ void RewriteFaultyTokensKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
+                                          RoutingFault* fault) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n || fault->key == ~0ull) return;
+  const auto first = static_cast<int64_t>(fault->key >> 2);
+  if (first / K == t) {  // the first faulty slot's values, before the rewrite
+    fault->expert = experts[first];
+    fault->gate = gates[first];
+  }
+  bool bad = false;
+  for (int64_t k = 0; k < K && !bad; ++k) bad = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts) != RouteSlotFault::kNone;
+  if (!bad) return;
+  for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
+    experts[t * K + j] = static_cast<int32_t>(j);
+    gates[t * K + j] = 0.f;
   }
 }
 
@@ -358,11 +370,14 @@ int WarpBlocks(int64_t items) {
 }  // namespace
 
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             unsigned long long* first_fault, cudaStream_t s) {
+                             RoutingFault* fault, cudaStream_t s) {
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fault, 0xFF, sizeof(RoutingFault), s));  // key = none
   if (n <= 0) return Status::Ok();
   constexpr int kThreads = 256;
-  ValidateRoutingKernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(experts, gates, n, K, num_experts,
-                                                                                                 first_fault);
+  const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  FindRoutingFaultKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
+  RDEP_CUDA_CHECK_LAUNCH();
+  RewriteFaultyTokensKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

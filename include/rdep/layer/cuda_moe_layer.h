@@ -67,6 +67,14 @@ class CudaMoELayer {
   // dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates). Weight gradients of this call
   // (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
   Status Backward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
+  // A forward in its two steps (Forward = Plan + Run; both collective, every rank in the same order).
+  // Plan: the routing checked on the device, phases 1-2 of dispatch (counts, the owners' capacity
+  // decision), the accepted set and effective gates, into ctx. Run: phase 3, expert compute, return
+  // and combine of the plan in ctx. A bad num_tokens makes Plan return InvalidArgument after the rank
+  // took part with no tokens; its Run still follows (the other ranks need it). A bad routing slot is
+  // reported by Run (after the collective), naming the rank, token and slot.
+  Status Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens);
+  Status Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, __nv_bfloat16* y);
   // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
                  const __nv_bfloat16* x, __nv_bfloat16* y);
@@ -110,7 +118,7 @@ class CudaMoELayer {
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
-  Status CheckRoutingInput(int32_t rank, RankState& st, const int32_t* experts, const float* gates);
+  Status CheckRoutingInput(int32_t rank, const Saved& sv);
 
   CudaDomain& domain_;
   LayerConfig config_;

@@ -10,8 +10,11 @@
 //   layer->Backward(rank, b, ...);               // backwards in any order, collective like forwards
 //   layer->Backward(rank, a, ...);
 //
-// It holds the routing plan of its forward (accepted set, effective gates, token placement and the
-// control words backward's scatter needs) and the activations backward needs (returned expert rows,
+// A forward is two steps, which a layer also offers apart (Plan, then Run, both collective): the
+// plan (phases 1-2 of dispatch: the routing validated, counts exchanged, the owners' capacity
+// decision, the accepted set and effective gates) and the run (phase 3, expert compute, return,
+// combine). The context holds the routing plan (accepted set, effective gates, token placement and
+// the control words backward's scatter needs) and the activations backward needs (returned expert rows,
 // the owner's grouped inputs and pre-activations). Its memory is its own: bytes() reports it, and
 // it is freed with the context (or by Release), also after its layer is destroyed. A context belongs
 // to one layer and one rank from its first forward on; handing it to another layer or rank, a
@@ -35,6 +38,8 @@ class ForwardContext {
   ForwardContext(const ForwardContext&) = delete;
   ForwardContext& operator=(const ForwardContext&) = delete;
 
+  // A plan whose run step has not happened yet.
+  bool planned() const { return planned_; }
   // A completed forward whose backward has not run yet.
   bool ready_for_backward() const { return ready_ && !consumed_; }
   int32_t rank() const { return rank_; }  // -1 until the first forward
@@ -53,7 +58,8 @@ class ForwardContext {
   friend class ContextAccess;
   uint64_t layer_id_ = 0;  // 0 = not bound
   int32_t rank_ = -1;
-  bool ready_ = false;     // a forward completed into it
+  bool planned_ = false;   // a plan step completed into it (its run step may follow)
+  bool ready_ = false;     // a forward (plan + run) completed into it
   bool consumed_ = false;  // its backward ran
   std::unique_ptr<State> state_;
 };

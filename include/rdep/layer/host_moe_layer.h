@@ -56,6 +56,11 @@ class HostMoELayer {
   // are in dw1(rank), dw2(rank).
   Status Backward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> dx,
                   std::span<float> dgates);
+  // A forward in its two steps (Forward = Plan + Run; both collective): Plan validates the routing
+  // and runs phases 1-2 of dispatch (counts, the owners' capacity decision, accepted set, effective
+  // gates) into ctx; Run scatters, computes, returns and combines the plan in ctx.
+  Status Plan(int32_t rank, ForwardContext& ctx, const RankRouting& routing);
+  Status Run(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> y);
   // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const RankRouting& routing, std::span<const float> x, std::span<float> y);
   Status Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);

@@ -11,7 +11,7 @@
 #include "rdep/core/reference.h"
 #include "rdep/core/shape.h"
 #include "rdep/status.h"
-#include "rdep/transport/host_domain.h"  // RegionId
+#include "rdep/transport/domain.h"
 #include "rdep/transport/region_layout.h"
 
 namespace rdep {
@@ -39,7 +39,6 @@ Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const Own
 struct LayerRegions {
   RegionId control = -1, payload = -1, sideband = -1, ret = -1;
 
-  template <typename Domain>
   static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l) {
     LayerRegions r;
     RDEP_ASSIGN_OR_RETURN(r.control, d.AllocateSymmetric(l.control_bytes(), "control"));
@@ -48,7 +47,6 @@ struct LayerRegions {
     RDEP_ASSIGN_OR_RETURN(r.ret, d.AllocateSymmetric(l.return_bytes(), "return"));
     return r;
   }
-  template <typename Domain>
   void Free(Domain& d) const {
     for (RegionId id : {control, payload, sideband, ret}) d.FreeSymmetric(id);
   }

@@ -31,12 +31,17 @@ struct OwnerMapView {
 };
 
 // Before phase 1 at a source: checks every slot with rdep::CheckRouteSlot (expert in [0, E), gate
-// finite and >= 0, no expert twice in a token). A token with a faulty slot is rewritten in place to
+// finite and >= 0, no expert twice in a token). The first faulty slot (lowest t*K + k) is recorded
+// in *fault with the values it had; every token with a faulty slot is then rewritten in place to
 // experts 0..K-1 with zero gates, so the protocol still completes on every rank with in-bounds
-// writes; the first faulty slot is kept as atomicMin of ((t*K + k) << 2 | RouteSlotFault) in
-// *first_fault, which the caller sets to UINT64_MAX (none) before. Needs K <= E.
+// writes. Two small kernels (find the first fault, then record and rewrite). Needs K <= E.
+struct RoutingFault {
+  unsigned long long key;  // (t*K + k) << 2 | RouteSlotFault; ~0 = none
+  int32_t expert;          // the slot's expert id and gate as given
+  float gate;
+};
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             unsigned long long* first_fault, cudaStream_t s);
+                             RoutingFault* fault, cudaStream_t s);
 // Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
 // that chose an expert of q (tok_index[q*n + t], -1 if none), the rows per q-local expert, published
 // into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank].
