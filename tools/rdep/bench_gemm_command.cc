@@ -39,6 +39,15 @@ namespace {
 using rdep::cli::Args;
 using rdep::cli::Flags;
 
+constexpr const char* kHelp =
+    "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
+    "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
+    "         [--no-backward]\n"
+    "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
+    "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
+    "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
+    "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n";
+
 int Fail(const rdep::Status& s) {
   std::cerr << "rdep bench gemm: " << s << "\n";
   return s.code() == rdep::StatusCode::kInvalidArgument ? 2 : 1;
@@ -193,17 +202,11 @@ void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<d
 }
 
 int RunGemmBench(const Args& args) {
-  Flags f(args);
-  if (f.get_bool("help")) {
-    std::cout << "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
-                 "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
-                 "         [--no-backward]\n"
-                 "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
-                 "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
-                 "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
-                 "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM.\n";
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
     return 0;
   }
+  Flags f(args);
   const int64_t E = f.get_int("experts", 16), H = f.get_int("hidden", 2048), F = f.get_int("ffn", 1408);
   auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
   const std::string routing = f.get_string("routing", "uniform");
@@ -395,7 +398,11 @@ int RunGemmBench(const Args& args) {
 
 #else  // !RDEP_HAVE_CUDA
 
-int RunGemmBench(const Args&) {
+int RunGemmBench(const Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
+  }
   Fail(rdep::Unavailable("this rdep was built without CUDA (reconfigure with a CUDA compiler)"));
   return 2;
 }

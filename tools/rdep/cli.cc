@@ -169,7 +169,9 @@ std::string Factors(const FootprintTerm& t) {
   std::ostringstream os;
   for (size_t i = 0; i < t.factors.size(); ++i) {
     if (i) os << " x ";
-    os << "--" << t.factors[i].first << " " << std::setprecision(12) << t.factors[i].second;
+    // A shape field is a flag ("--experts 16"); a name with a space is not ("trace experts 16").
+    if (t.factors[i].first.find(' ') == std::string::npos) os << "--";
+    os << t.factors[i].first << " " << std::setprecision(12) << t.factors[i].second;
   }
   return os.str();
 }
