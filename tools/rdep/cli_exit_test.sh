@@ -92,6 +92,7 @@ expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1'
 expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan
 expect 2 '--steps must be in \[2, 1000000\], got 4294967298' plan sim --steps 4294967298
 expect 2 '--slots must be in' plan bench --device host --slots -1
+expect 2 'count 0 is above 2\^40 rows' model padding --counts 9223372036854775807,1
 expect 2 "unknown command 'nosuch'" nosuch
 expect 2 "unknown subcommand 'nosuch'" plan nosuch
 

@@ -124,6 +124,9 @@ int Padding(Flags& f) {
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (item.empty() || *end != '\0') return Fail("padding", "--counts: '" + item + "' is not an integer");
     if (v < 0) return Fail("padding", "--counts: count " + std::to_string(counts.size()) + " is negative (" + item + ")");
+    if (v > (int64_t{1} << 40))  // keeps E_loc * max and the sum exact in int64
+      return Fail("padding", "--counts: count " + std::to_string(counts.size()) + " is above 2^40 rows (" + item + ")");
+    if (counts.size() >= (size_t{1} << 20)) return Fail("padding", "--counts: more than 2^20 counts");
     counts.push_back(v);
   }
   auto rho = rdep::model::GroupedLaunchInflation(counts);
