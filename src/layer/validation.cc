@@ -509,12 +509,18 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
   j.field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden).field("ffn", s.ffn);
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.routing.name());
   j.field("empty_rank", o.routing.empty_rank).field("capacity_factor", o.layer.capacity.capacity_factor);
-  j.field("segment", segment_size).field("seed", static_cast<int64_t>(o.seed));
+  // The segment size and buffer bytes come from the dispatch run; null when it did not complete.
+  const bool measured = symmetric_bytes_per_rank > 0;
+  if (measured) j.field("segment", segment_size);
+  else j.field("segment", std::nan(""));
+  j.field("seed", static_cast<int64_t>(o.seed));
   j.field("routing_seed", static_cast<int64_t>(o.routing.seed)).field("rtol", o.rtol).field("atol_scale", o.atol_scale);
   j.field("rel_l2", o.rel_l2);
   j.end_object();
-  j.field("accepted_rows", accepted_rows).field("dropped_rows", dropped_rows).field("segments", segments);
-  j.field("symmetric_bytes_per_rank", static_cast<int64_t>(symmetric_bytes_per_rank));
+  if (measured) j.field("accepted_rows", accepted_rows).field("dropped_rows", dropped_rows).field("segments", segments);
+  else j.field("accepted_rows", std::nan("")).field("dropped_rows", std::nan("")).field("segments", std::nan(""));
+  if (measured) j.field("symmetric_bytes_per_rank", static_cast<int64_t>(symmetric_bytes_per_rank));
+  else j.field("symmetric_bytes_per_rank", std::nan(""));
   j.key("checks").begin_array();
   for (const auto& c : checks) {
     j.begin_object().field("name", c.name).field("passed", c.passed).field("skipped", c.skipped);

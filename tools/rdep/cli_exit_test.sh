@@ -131,6 +131,9 @@ expect 0 'gradient parity .*normalized error dx [0-9.e-]+.*\(passes <= 1\)' chec
 # A run whose barriers all time out fails its checks and prints no made-up summary (no "0.000 MiB (S=0)").
 expect 1 '[1-6] failed' check --backend host --ranks 64 --timeout 1e-9
 expect_not 1 'symmetric buffers per rank: 0.000 MiB' check --backend host --ranks 64 --timeout 1e-9
+expect 1 '[1-6] failed' check --backend host --ranks 64 --timeout 1e-9 --json "$TMP/failed.json"
+grep -Eq '"symmetric_bytes_per_rank": *null' "$TMP/failed.json" || grep -Eq '"segments": *[1-9]' "$TMP/failed.json" ||
+  { failures=$((failures + 1)); echo "FAIL: the receipt of a failed run reports unmeasured sizes as numbers"; }
 
 echo "$cases cases, $failures failed"
 [ "$failures" = 0 ]
