@@ -1,6 +1,7 @@
 // `rdep check`: the validation matrix (smoke, dispatch invariants, forward and gradient parity,
 // finite values, segment invariance) for one configuration. Exits 0 only if every check passes.
 //   rdep check --backend host --ranks 4 --tokens 256 --hidden 256 --experts 32 --topk 4 --json out.json
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -190,9 +191,21 @@ int RunCheck(const rdep::cli::Args& args) {
     std::cerr << "rdep check: --ranks " << s.ranks << ": the host backend runs at most 4096 ranks (threads)\n";
     return 2;
   }
-  // Estimate before allocating: refuse what would exhaust memory or run for hours.
-  limits->device_bytes = backend == "cuda" ? SmallestGpuBytes(s.ranks) : 0;
-  if (rdep::Status st = rdep::cli::CheckFootprint(rdep::EstimateValidationFootprint(o, backend == "cuda"), *limits); !st.ok()) {
+  // Estimate before allocating: refuse what would exhaust memory or run for hours. On the cuda backend
+  // in one process, ranks placed on the same GPU (--gpus N < W) add up on it.
+  rdep::Footprint footprint = rdep::EstimateValidationFootprint(o, backend == "cuda");
+  if (backend == "cuda") {
+    const int64_t used = boot ? s.ranks : (gpus_given ? gpus : std::min<int64_t>(s.ranks, rdep::CudaDeviceCount()));
+    const double per_gpu = boot ? 1.0 : std::ceil(static_cast<double>(s.ranks) / static_cast<double>(std::max<int64_t>(used, 1)));
+    if (per_gpu > 1)
+      for (auto& term : footprint.device) {
+        term.amount *= per_gpu;
+        term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
+        term.factors.push_back({"gpus", static_cast<double>(used)});
+      }
+    limits->device_bytes = SmallestGpuBytes(used);
+  }
+  if (rdep::Status st = rdep::cli::CheckFootprint(footprint, *limits); !st.ok()) {
     std::cerr << "rdep check: " << st.message() << "\n";
     return 2;
   }
