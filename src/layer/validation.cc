@@ -330,9 +330,10 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   fp.host.push_back({"activations (W*T tokens of H values)", {{"ranks", W}, {"tokens", T}, {"hidden", H}}, 64 * W * T * H});
   // Per route row: experts, gates, acceptance (reference, layer, sentinel), owner traces, gradients.
   fp.host.push_back({"routing and acceptance (W*T*K rows)", {{"ranks", W}, {"tokens", T}, {"topk", K}}, 96 * rows});
-  // Per rank pair: control regions [W][2*W*L + 4*W] int64, barrier slots, per-peer token lists.
+  // Per rank pair: control regions [W][2*W*L + 4*W] int64 and the forward context's copy of them,
+  // barrier slots, per-peer token lists.
   fp.host.push_back({"control regions and barrier slots (W*W*L words)", {{"ranks", W}, {"experts", E}},
-                     W * (16 * W * L + 32 * W) + 48 * W * W});
+                     W * (32 * W * L + 64 * W) + 48 * W * W});
   // Segment payload and sideband, double-buffered, on every rank.
   fp.host.push_back({"segment buffers (W ranks x 2 segments of S tokens)", {{"ranks", W}, {"segment", S_host}, {"hidden", H}},
                      W * 2 * S_host * (4 * H + 8 + 16 * slots)});
