@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <sstream>
 
@@ -73,7 +74,42 @@ Status WriteLoadTrace(const LoadTrace& t, const std::string& path) {
   return Status::Ok();
 }
 
-StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
+namespace {
+
+// Reads lines up to and including the header; `ln` is the header's line number.
+StatusOr<LoadTraceHeader> ReadHeader(std::istream& f, const std::string& path, int64_t& ln) {
+  auto bad = [&](const std::string& m) { return InvalidArgument("load trace " + path + ":" + std::to_string(ln) + ": " + m); };
+  std::string line;
+  LoadTraceHeader h;
+  long long steps = -1, experts = 0, ranks = 0;
+  while (std::getline(f, line)) {
+    ++ln;
+    if (line.empty() || line[0] == '#') continue;
+    if (line.rfind("rdep-load-trace v1", 0) != 0) return bad("expected header 'rdep-load-trace v1 ...'");
+    if (std::sscanf(line.c_str(), "rdep-load-trace v1 experts=%lld ranks=%lld steps=%lld", &experts, &ranks, &steps) != 3)
+      return bad("malformed header");
+    break;
+  }
+  if (steps < 0) return InvalidArgument("load trace " + path + ": missing header");
+  const long long kMax = std::numeric_limits<int32_t>::max();
+  if (experts < 1 || ranks < 1) return bad("experts and ranks must be >= 1");
+  if (experts > kMax || ranks > kMax) return bad("experts and ranks must fit in int32");
+  h.num_experts = static_cast<int32_t>(experts);
+  h.num_ranks = static_cast<int32_t>(ranks);
+  h.num_steps = steps;
+  return h;
+}
+
+}  // namespace
+
+StatusOr<LoadTraceHeader> ReadLoadTraceHeader(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return InvalidArgument("load trace: cannot open '" + path + "'");
+  int64_t ln = 0;
+  return ReadHeader(f, path, ln);
+}
+
+StatusOr<LoadTrace> ReadLoadTrace(const std::string& path, double max_bytes) {
   std::ifstream f(path);
   if (!f) return InvalidArgument("load trace: cannot open '" + path + "'");
   auto bad = [&](int64_t line, const std::string& m) {
@@ -81,19 +117,17 @@ StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
   };
   std::string line;
   int64_t ln = 0;
-  LoadTrace t;
-  int64_t steps = -1;
-  while (std::getline(f, line)) {
-    ++ln;
-    if (line.empty() || line[0] == '#') continue;
-    if (line.rfind("rdep-load-trace v1", 0) != 0) return bad(ln, "expected header 'rdep-load-trace v1 ...'");
-    if (std::sscanf(line.c_str(), "rdep-load-trace v1 experts=%d ranks=%d steps=%ld", &t.num_experts, &t.num_ranks,
-                    &steps) != 3)
-      return bad(ln, "malformed header");
-    break;
+  RDEP_ASSIGN_OR_RETURN(LoadTraceHeader h, ReadHeader(f, path, ln));
+  if (!(h.bytes() <= max_bytes)) {
+    std::ostringstream os;
+    os << "header says " << h.num_steps << " steps of " << h.num_ranks << " x " << h.num_experts << " loads: "
+       << h.bytes() << " bytes, more than the limit of " << max_bytes;
+    return bad(ln, os.str());
   }
-  if (steps < 0) return InvalidArgument("load trace " + path + ": missing header");
-  if (t.num_experts < 1 || t.num_ranks < 1) return bad(ln, "experts and ranks must be >= 1");
+  LoadTrace t;
+  t.num_experts = h.num_experts;
+  t.num_ranks = h.num_ranks;
+  const int64_t steps = h.num_steps;
   std::vector<int64_t>* cur = nullptr;
   int32_t rows = 0;
   while (std::getline(f, line)) {
@@ -101,6 +135,8 @@ StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
     if (line.empty() || line[0] == '#') continue;
     if (line.rfind("step", 0) == 0) {
       if (cur && rows != t.num_ranks) return bad(ln, "previous step has " + std::to_string(rows) + " rows");
+      if (static_cast<int64_t>(t.steps.size()) >= steps)
+        return bad(ln, "more steps than the header's " + std::to_string(steps));
       t.steps.emplace_back(Z(t.num_ranks) * Z(t.num_experts), 0);
       cur = &t.steps.back();
       rows = 0;

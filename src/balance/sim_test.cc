@@ -37,6 +37,38 @@ TEST(PlanSim, TraceRoundTrips) {
   std::remove(path.c_str());
 }
 
+TEST(PlanSim, TraceHeaderBoundsWhatIsRead) {
+  const std::string path = ::testing::TempDir() + "/rdep_trace_header_test.txt";
+  {
+    std::ofstream f(path);
+    f << "# a comment\nrdep-load-trace v1 experts=2000000000 ranks=2000000000 steps=2\nstep 0\n1\n";
+  }
+  auto h = ReadLoadTraceHeader(path);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->num_experts, 2000000000);
+  EXPECT_EQ(h->num_ranks, 2000000000);
+  EXPECT_EQ(h->num_steps, 2);
+  EXPECT_DOUBLE_EQ(h->bytes(), 8.0 * 2 * 2e9 * 2e9);
+  auto t = ReadLoadTrace(path, 1e9);  // refused from the header, nothing allocated
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find(":2: header says 2 steps of 2000000000 x 2000000000"), std::string::npos) << t.status();
+  {
+    std::ofstream f(path);
+    f << "rdep-load-trace v1 experts=1 ranks=1 steps=1\nstep 0\n5\nstep 1\n6\n";
+  }
+  auto more = ReadLoadTrace(path);
+  ASSERT_FALSE(more.ok());
+  EXPECT_NE(more.status().message().find("more steps than the header's 1"), std::string::npos) << more.status();
+  {
+    std::ofstream f(path);
+    f << "rdep-load-trace v1 experts=4294967297 ranks=1 steps=1\n";
+  }
+  auto wide = ReadLoadTraceHeader(path);
+  ASSERT_FALSE(wide.ok());
+  EXPECT_NE(wide.status().message().find("int32"), std::string::npos) << wide.status();
+  std::remove(path.c_str());
+}
+
 TEST(PlanSim, SyntheticGridScoresAllPlanners) {
   SimConfig cfg;
   cfg.experts = {32};

@@ -90,6 +90,40 @@ TEST(HostValidationErrors, BadConfigurationsAreRejectedWithReasons) {
   EXPECT_NE(RunHostValidation(o).status().message().find("segment"), std::string::npos);
 }
 
+// The size estimate of `rdep check`: small for the default, huge (not overflowed) for absurd shapes,
+// and the largest term names the shape fields that make it large.
+TEST(ValidationFootprint, GrowsWithTheShapeAndNamesTheLargestTerm) {
+  ValidationOptions o;
+  o.layer.shape = {64, 64, 128, 16, 4, 4};  // T, H, D_ff, E, K, W: rdep check's defaults
+  const Footprint small = EstimateValidationFootprint(o, false);
+  EXPECT_GT(small.host_bytes(), 1e6);
+  EXPECT_LT(small.host_bytes(), 64e6);
+  EXPECT_TRUE(small.device.empty());
+  EXPECT_LT(small.operations(), 1e10);
+  o.layer.shape.ffn = 99999999;
+  const Footprint wide = EstimateValidationFootprint(o, false);
+  EXPECT_GT(wide.host_bytes(), 1e12);
+  const FootprintTerm* big = Footprint::Largest(wide.host);
+  ASSERT_NE(big, nullptr);
+  ASSERT_EQ(big->factors.size(), 3u);
+  EXPECT_EQ(big->factors[2].first, "ffn");
+  o.layer.shape = {int64_t{1} << 40, 1 << 20, 1 << 20, int64_t{1} << 30, 8, 4096};
+  const Footprint absurd = EstimateValidationFootprint(o, true);
+  EXPECT_TRUE(std::isfinite(absurd.host_bytes()));
+  EXPECT_GT(absurd.host_bytes(), 1e20);
+  EXPECT_FALSE(absurd.device.empty());
+  EXPECT_GT(absurd.operations(), 1e20);
+}
+
+// The estimate is not below what a run really holds: the fp32 weights alone (E*3*H*D_ff floats)
+// and the returned rows (W*T*K*H floats) are lower bounds it must exceed.
+TEST(ValidationFootprint, CoversTheRunsOwnArrays) {
+  ValidationOptions o;
+  o.layer.shape = {128, 256, 512, 32, 4, 8};
+  const Footprint fp = EstimateValidationFootprint(o, false);
+  EXPECT_GT(fp.host_bytes(), 4.0 * 32 * 3 * 256 * 512 + 4.0 * 8 * 128 * 4 * 256);
+}
+
 TEST(NormalizedError, ScalesAndCatchesNan) {
   EXPECT_LE(NormalizedError({1.0f, 2.0f}, {1.0, 2.0}, 1e-3, 1e-4), 0.0);
   EXPECT_GT(NormalizedError({1.1f}, {1.0}, 1e-3, 1e-4), 1.0);

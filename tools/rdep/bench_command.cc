@@ -9,10 +9,13 @@ namespace {
 
 int RunBench(const rdep::cli::Args& args) {
   const auto& reg = rdep::cli::BenchRegistry();
-  if (args.empty() || args.front() == "--help" || args.front() == "help") {
-    std::cout << "usage: rdep bench <what> [flags]\n\n";
-    for (const auto& [name, cmd] : reg) std::cout << "  " << name << "\t" << cmd.summary << "\n";
-    if (reg.empty()) std::cout << "  (no benchmarks in this build: they need the CUDA backend)\n";
+  if (args.empty() || args.front() == "--help" || args.front() == "-h" || args.front() == "help") {
+    // `rdep bench help layer` is `rdep bench layer --help`.
+    if (args.size() > 1 && args.front() == "help") return RunBench({args[1], "--help"});
+    std::ostream& os = args.empty() ? std::cerr : std::cout;
+    os << "usage: rdep bench <what> [flags]\n\n";
+    for (const auto& [name, cmd] : reg) os << "  " << name << "\t" << cmd.summary << "\n";
+    os << "\n`rdep bench <what> --help` lists its flags; dispatch, gemm and layer need the CUDA backend.\n";
     return args.empty() ? 2 : 0;
   }
   auto it = reg.find(args.front());

@@ -97,6 +97,9 @@ flags [defaults: the Moonlight shape]:
                        (launch latency out of the timing); 0 = off [100]
   --no-nccl            skip the baseline
   --json FILE          write the receipt (raw per-iteration max-rank times included)
+  --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
+                       layer's estimated device memory must also fit each GPU (checked before allocating)
+  -h, --help           this page
 The layer is built with D_ff = 16 (the sentinel expert never reads the expert weights; --ffn is not
 a flag here).
 )";
@@ -243,11 +246,11 @@ Status NcclCombine(NcclRank& n, int32_t W, int64_t H, cudaStream_t s, const cuda
 #endif  // RDEP_HAVE_NCCL
 
 int RunDispatchBench(const rdep::cli::Args& args) {
-  rdep::cli::Flags f(args);
-  if (f.get_bool("help")) {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }
+  rdep::cli::Flags f(args);
   const int gpus = rdep::cuda::DeviceCount();
   rdep::LayerConfig cfg;
   auto& s = cfg.shape;
@@ -263,8 +266,17 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   const int64_t launch_ahead_us = f.get_int("launch-ahead-us", 100);
   const bool no_nccl = f.get_bool("no-nccl");
   const std::string json = f.get_string("json", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (Status st = f.Finish(); !st.ok()) {
     std::cerr << "rdep bench dispatch: " << st.message() << "\n";
+    return 2;
+  }
+  if (!limits.ok()) {
+    std::cerr << "rdep bench dispatch: " << limits.status().message() << "\n";
+    return 2;
+  }
+  if (warmup > 1000000 || iters > 1000000) {
+    std::cerr << "rdep bench dispatch: --warmup and --iters must be <= 1000000\n";
     return 2;
   }
   if (gpus == 0) {
@@ -283,6 +295,15 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = seed;
   if (Status st = cfg.Validate(); !st.ok()) {
+    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
+    return 2;
+  }
+  // Estimate before allocating; open the receipt before the work.
+  if (Status st = rdep::bench::CheckLayerBenchFootprint(cfg, warmup + iters, static_cast<int>(s.ranks), *limits); !st.ok()) {
+    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
+    return 2;
+  }
+  if (Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
     std::cerr << "rdep bench dispatch: " << st.message() << "\n";
     return 2;
   }
@@ -599,7 +620,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
 #else
 
 int RunDispatchBench(const rdep::cli::Args& args) {
-  if (!args.empty() && args.front() == "--help") {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }

@@ -39,6 +39,17 @@ namespace {
 using rdep::cli::Args;
 using rdep::cli::Flags;
 
+constexpr const char* kHelp =
+    "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
+    "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
+    "         [--no-backward]\n"
+    "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
+    "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
+    "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
+    "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n"
+    "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
+    "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
+
 int Fail(const rdep::Status& s) {
   std::cerr << "rdep bench gemm: " << s << "\n";
   return s.code() == rdep::StatusCode::kInvalidArgument ? 2 : 1;
@@ -193,17 +204,11 @@ void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<d
 }
 
 int RunGemmBench(const Args& args) {
-  Flags f(args);
-  if (f.get_bool("help")) {
-    std::cout << "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
-                 "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
-                 "         [--no-backward]\n"
-                 "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
-                 "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
-                 "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
-                 "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM.\n";
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
     return 0;
   }
+  Flags f(args);
   const int64_t E = f.get_int("experts", 16), H = f.get_int("hidden", 2048), F = f.get_int("ffn", 1408);
   auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
   const std::string routing = f.get_string("routing", "uniform");
@@ -217,8 +222,12 @@ int RunGemmBench(const Args& args) {
   const int64_t dense_n = f.get_int("dense", 8192);
   const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
   const std::string json = f.get_string("json", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!limits.ok()) return Fail(limits.status());
   if (!mus.ok()) return Fail(mus.status());
+  if (E < 1 || H < 1 || F < 1 || dense_n < 1)
+    return Fail(rdep::InvalidArgument("--experts, --hidden, --ffn and --dense must be >= 1"));
   if (iters < 1 || warmup < 0) return Fail(rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0"));
   for (int64_t mu : *mus)
     if (mu < 0) return Fail(rdep::InvalidArgument("--mu: values must be >= 0"));
@@ -245,6 +254,23 @@ int RunGemmBench(const Args& args) {
 
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return Fail(rdep::Unavailable("cannot query device 0"));
+  {  // Estimate before allocating (in double: no size_t overflow), and open the receipt first.
+    int64_t top_mu = 0;
+    for (int64_t mu : *mus) top_mu = std::max(top_mu, mu);
+    const auto Ed = static_cast<double>(E), Hd = static_cast<double>(H), Fd = static_cast<double>(F),
+               N = static_cast<double>(dense_n), Md = static_cast<double>(top_mu) * Ed;
+    rdep::Footprint fp;
+    fp.device.push_back({"expert weights (bf16) and gradients (fp32), E*3*H*D_ff", {{"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}},
+                         18 * Ed * Hd * Fd});
+    fp.device.push_back({"rows (mu*E rows of H and 2*D_ff bf16 values)",
+                         {{"mu", static_cast<double>(top_mu)}, {"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}}, Md * (10 * Hd + 4 * Fd)});
+    fp.device.push_back({"dense ceiling GEMM (three n x n bf16 matrices)", {{"dense", N}}, 6 * N * N});
+    fp.host.push_back({"per-expert counts and per-iteration times", {{"experts", Ed}, {"iters", static_cast<double>(iters)}},
+                       64 * Ed + 64.0 * static_cast<double>(iters + warmup) * static_cast<double>(mus->size() * paths.size())});
+    limits->device_bytes = static_cast<double>(prop.totalGlobalMem);
+    if (auto st = rdep::cli::CheckFootprint(fp, *limits); !st.ok()) return Fail(st);
+    if (auto st = rdep::cli::CheckOutputPath("json", json); !st.ok()) return Fail(st);
+  }
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);
@@ -395,7 +421,11 @@ int RunGemmBench(const Args& args) {
 
 #else  // !RDEP_HAVE_CUDA
 
-int RunGemmBench(const Args&) {
+int RunGemmBench(const Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
+  }
   Fail(rdep::Unavailable("this rdep was built without CUDA (reconfigure with a CUDA compiler)"));
   return 2;
 }

@@ -46,6 +46,9 @@ flags [defaults: the Moonlight shape]:
   --capacity-factor C  0 = dropless [0]          --segment S  token rows per segment; 0 = W*T [0]
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
+  --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
+                       layer's estimated device memory must also fit each GPU (checked before allocating)
+  -h, --help           this page
   --baseline-json FILE a baseline receipt with fwd_p50_ms / fwdbwd_p50_ms (torch_ep_moe.py --json)
 )";
 
@@ -59,11 +62,11 @@ int Fail(const Status& s) {
 }
 
 int RunLayerBench(const rdep::cli::Args& args) {
-  rdep::cli::Flags f(args);
-  if (f.get_bool("help")) {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }
+  rdep::cli::Flags f(args);
   const int gpus = rdep::cuda::DeviceCount();
   rdep::LayerConfig cfg;
   auto& s = cfg.shape;
@@ -80,8 +83,17 @@ int RunLayerBench(const rdep::cli::Args& args) {
   const int64_t warmup = f.get_int("warmup", 20), iters = f.get_int("iters", 200);
   const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
   const std::string json = f.get_string("json", ""), baseline = f.get_string("baseline-json", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (Status st = f.Finish(); !st.ok()) {
     std::cerr << "rdep bench layer: " << st.message() << "\n";
+    return 2;
+  }
+  if (!limits.ok()) {
+    std::cerr << "rdep bench layer: " << limits.status().message() << "\n";
+    return 2;
+  }
+  if (warmup > 1000000 || iters > 1000000) {
+    std::cerr << "rdep bench layer: --warmup and --iters must be <= 1000000\n";
     return 2;
   }
   if (gpus == 0) {
@@ -100,6 +112,15 @@ int RunLayerBench(const rdep::cli::Args& args) {
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = seed;
   if (Status st = cfg.Validate(); !st.ok()) {
+    std::cerr << "rdep bench layer: " << st.message() << "\n";
+    return 2;
+  }
+  // Estimate before allocating; open the receipt before the work.
+  if (Status st = rdep::bench::CheckLayerBenchFootprint(cfg, warmup + iters, static_cast<int>(use_gpus), *limits); !st.ok()) {
+    std::cerr << "rdep bench layer: " << st.message() << "\n";
+    return 2;
+  }
+  if (Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
     std::cerr << "rdep bench layer: " << st.message() << "\n";
     return 2;
   }
@@ -281,7 +302,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
 #else
 
 int RunLayerBench(const rdep::cli::Args& args) {
-  if (!args.empty() && args.front() == "--help") {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }

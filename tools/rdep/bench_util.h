@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -11,11 +13,13 @@
 #include <vector>
 
 #include "build_commit.h"
+#include "cli.h"
 #include "rdep/core/json.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
 #include "rdep/core/stats.h"
 #include "rdep/layer/cuda_moe_layer.h"
+#include "rdep/layer/validation.h"
 
 namespace rdep::bench {
 
@@ -71,6 +75,45 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
                                                                             .devices = RoundRobinDevices(s.ranks, num_gpus)}));
   RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership, weights));
   return b;
+}
+
+// What a layer benchmark allocates, estimated before SetupLayerBench: the host's fp32 weights, routing
+// and inputs, the benchmark's events, and on each GPU the layer (the validation estimate's device
+// terms, times the ranks that share a GPU when W ranks run on num_gpus). Refuses (InvalidArgument
+// naming the flags) what exceeds the limits or the smallest of the GPUs used.
+inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits) {
+  ValidationOptions vo;
+  vo.layer = cfg;
+  const Footprint est = EstimateValidationFootprint(vo, /*device_backend=*/true);
+  const LayerShape& s = cfg.shape;
+  const auto W = static_cast<double>(s.ranks), T = static_cast<double>(s.tokens), H = static_cast<double>(s.hidden),
+             F = static_cast<double>(s.ffn), E = static_cast<double>(s.experts), K = static_cast<double>(s.topk);
+  Footprint fp;
+  fp.device = est.device;
+  const double per_gpu = std::ceil(W / static_cast<double>(std::max(num_gpus, 1)));  // ranks sharing one GPU
+  if (per_gpu > 1)
+    for (auto& term : fp.device) {
+      term.amount *= per_gpu;
+      term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
+      term.factors.push_back({"gpus", static_cast<double>(num_gpus)});
+    }
+  fp.host.push_back({"expert weights (E*3*H*D_ff fp32 and bf16)", {{"experts", E}, {"hidden", H}, {"ffn", F}}, 8 * E * 3 * H * F});
+  fp.host.push_back({"routing and activations (W*T tokens)", {{"ranks", W}, {"tokens", T}, {"hidden", H}, {"topk", K}},
+                     W * T * (8 * H + 16 * K)});
+  fp.host.push_back({"CUDA events (4 per iteration per rank)", {{"ranks", W}, {"warmup+iters", static_cast<double>(iterations)}},
+                     4 * W * static_cast<double>(iterations) * 256});
+  double smallest = 0;
+  for (int d = 0; d < num_gpus; ++d) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    const auto b = static_cast<double>(p.totalGlobalMem);
+    if (smallest == 0 || b < smallest) smallest = b;
+  }
+  limits.device_bytes = smallest;
+  return cli::CheckFootprint(fp, limits);
 }
 
 inline bool WriteFile(const std::string& path, const std::string& text) {

@@ -1,9 +1,17 @@
 // `rdep check`: the validation matrix (smoke, dispatch invariants, forward and gradient parity,
 // finite values, segment invariance) for one configuration. Exits 0 only if every check passes.
 //   rdep check --backend host --ranks 4 --tokens 256 --hidden 256 --experts 32 --topk 4 --json out.json
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
+
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 #include "cli.h"
 #include "rdep/cuda/device_count.h"
@@ -15,7 +23,8 @@ namespace {
 
 constexpr const char* kHelp = R"(usage: rdep check [flags]
 
-Runs the validation matrix of seeds 000 Table 18 for one configuration and prints a table.
+Runs the validation matrix of the RDEP paper (seeds 000), Table 18, for one configuration and prints a
+table; exits 0 if every check passes, 1 if one fails, 2 on bad input (the message names the flag).
   smoke                  domain bootstrap, peer-visible stores, phase barrier
   dispatch invariants    sentinel payloads: each accepted row lands once at its owner's local expert and
                          returns to its own front-end slot; accepted set = the documented capacity rule;
@@ -33,27 +42,61 @@ flags (defaults in brackets):
   --bootstrap B          cuda backend: process (one process drives all W GPUs) or mpi (one process per
                          GPU under mpirun: W = the MPI world size; CUDA IPC or fabric handles)
                          [mpi when launched by mpirun, else process]
-  --ranks W              ranks in the domain [4]
+  --ranks W              ranks in the domain [4]; the host backend runs at most 4096
   --tokens T             tokens per rank [64]
   --hidden H             hidden size [64]
   --ffn F                expert intermediate size D_ff [128]
   --experts E            experts [16]
   --topk K               experts per token [4]
   --routing R            uniform | zipf:ALPHA | one-expert | sparse [uniform]
-  --empty-rank R         give rank R zero tokens [none]
+  --empty-rank R         give rank R (0 <= R < W) zero tokens [none]
   --capacity-factor C    0 = dropless; else each expert admits ceil(C*W*T*K/E) rows [0]
   --segment S            token rows per owner per segment; 0 = T [0]
   --seed N               seed for routing, weights and activations [1]
   --timeout SECONDS      bound on every barrier wait [30]
-  --json FILE            write a JSON receipt (configuration and each check's result)
+  --json FILE            write a JSON receipt (configuration and each check's result); FILE is opened
+                         before the run, so a bad path fails at once
+  --max-memory-gib G     refuse a configuration whose estimated host memory exceeds G GiB
+                         [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  --max-gop N            refuse a configuration whose estimated work exceeds N * 10^9 operations
+                         [$RDEP_MAX_GOP, else 2000]
+  -h, --help             this page
+
+Before allocating anything the command estimates the run's host memory (and, on the cuda backend,
+each GPU's) and its work from the flags, and refuses (exit 2) what exceeds the limits, naming the
+flags of the largest part.
 )";
 
+#if defined(RDEP_HAVE_CUDA)
+// The smallest total memory of the first `ranks` GPUs (0 if none can be queried).
+double SmallestGpuBytes(int64_t ranks) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    return 0;
+  }
+  double smallest = 0;
+  for (int d = 0; d < n && d < ranks; ++d) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    const auto b = static_cast<double>(p.totalGlobalMem);
+    if (smallest == 0 || b < smallest) smallest = b;
+  }
+  return smallest;
+}
+#else
+double SmallestGpuBytes(int64_t) { return 0; }
+#endif
+
 int RunCheck(const rdep::cli::Args& args) {
-  rdep::cli::Flags f(args);
-  if (f.get_bool("help")) {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }
+  rdep::cli::Flags f(args);
   rdep::ValidationOptions o;
   std::string backend = f.get_string("backend", "auto");
   std::string bootstrap = f.get_string("bootstrap", rdep::LaunchedUnderMpi() ? "mpi" : "process");
@@ -74,12 +117,21 @@ int RunCheck(const rdep::cli::Args& args) {
   const int64_t seed = f.get_int("seed", 1);
   o.barrier_timeout_s = f.get_double("timeout", 30.0);
   const std::string json = f.get_string("json", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (rdep::Status st = f.Finish(); !st.ok()) {
     std::cerr << "rdep check: " << st.message() << "\n(see rdep check --help)\n";
     return 2;
   }
   if (!f.positional().empty()) {
-    std::cerr << "rdep check: unexpected argument '" << f.positional().front() << "'\n";
+    std::cerr << "rdep check: unexpected argument '" << f.positional().front() << "'\n(see rdep check --help)\n";
+    return 2;
+  }
+  if (!limits.ok()) {
+    std::cerr << "rdep check: " << limits.status().message() << "\n";
+    return 2;
+  }
+  if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0)) {
+    std::cerr << "rdep check: --timeout must be a finite number of seconds > 0\n";
     return 2;
   }
   std::unique_ptr<rdep::Bootstrap> boot;
@@ -127,9 +179,41 @@ int RunCheck(const rdep::cli::Args& args) {
   o.routing.seed = static_cast<uint64_t>(seed);
   o.routing.empty_rank = empty_rank;
   o.seed = static_cast<uint64_t>(seed);
-  if (!(o.barrier_timeout_s > 0)) {
-    std::cerr << "rdep check: --timeout must be > 0\n";
+  if (rdep::Status st = o.layer.Validate(); !st.ok()) {
+    std::cerr << "rdep check: " << st.message() << "\n";
     return 2;
+  }
+  if (f.has("empty-rank") && (empty_rank < 0 || empty_rank >= s.ranks)) {
+    std::cerr << "rdep check: --empty-rank must be a rank in [0, W=" << s.ranks << "), got " << empty_rank << "\n";
+    return 2;
+  }
+  if (backend == "host" && s.ranks > 4096) {
+    std::cerr << "rdep check: --ranks " << s.ranks << ": the host backend runs at most 4096 ranks (threads)\n";
+    return 2;
+  }
+  // Estimate before allocating: refuse what would exhaust memory or run for hours. On the cuda backend
+  // in one process, ranks placed on the same GPU (--gpus N < W) add up on it.
+  rdep::Footprint footprint = rdep::EstimateValidationFootprint(o, backend == "cuda");
+  if (backend == "cuda") {
+    const int64_t used = boot ? s.ranks : (gpus_given ? gpus : std::min<int64_t>(s.ranks, rdep::CudaDeviceCount()));
+    const double per_gpu = boot ? 1.0 : std::ceil(static_cast<double>(s.ranks) / static_cast<double>(std::max<int64_t>(used, 1)));
+    if (per_gpu > 1)
+      for (auto& term : footprint.device) {
+        term.amount *= per_gpu;
+        term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
+        term.factors.push_back({"gpus", static_cast<double>(used)});
+      }
+    limits->device_bytes = SmallestGpuBytes(used);
+  }
+  if (rdep::Status st = rdep::cli::CheckFootprint(footprint, *limits); !st.ok()) {
+    std::cerr << "rdep check: " << st.message() << "\n";
+    return 2;
+  }
+  if (leader) {
+    if (rdep::Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
+      std::cerr << "rdep check: " << st.message() << "\n";
+      return 2;
+    }
   }
 
   if (leader) {
@@ -155,17 +239,20 @@ int RunCheck(const rdep::cli::Args& args) {
   for (const auto& c : rep->checks)
     std::printf("  %-30s %-6s %9.3f  %s\n", c.name.c_str(), c.skipped ? "skip" : (c.passed ? "PASS" : "FAIL"), c.seconds,
                 c.detail.c_str());
-  std::printf("  symmetric buffers per rank: %.3f MiB (S=%lld)\n",
-              static_cast<double>(rep->symmetric_bytes_per_rank) / (1024.0 * 1024.0),
-              static_cast<long long>(rep->segment_size));
+  if (rep->symmetric_bytes_per_rank > 0)  // only a completed dispatch run measured them
+    std::printf("  symmetric buffers per rank: %.3f MiB (S=%lld)\n",
+                static_cast<double>(rep->symmetric_bytes_per_rank) / (1024.0 * 1024.0),
+                static_cast<long long>(rep->segment_size));
   int passed = 0, failed = 0;
   for (const auto& c : rep->checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
   std::printf("%d passed, %d failed\n", passed, failed);
   if (!json.empty()) {
+    errno = 0;
     std::ofstream out(json);
     out << rep->ToJson(o) << "\n";
+    out.flush();
     if (!out) {
-      std::cerr << "rdep check: could not write " << json << "\n";
+      std::cerr << "rdep check: --json " << json << ": write failed: " << std::strerror(errno) << "\n";
       return 2;
     }
   }

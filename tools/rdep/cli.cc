@@ -1,8 +1,13 @@
 #include "cli.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <iomanip>
 
 namespace rdep::cli {
 
@@ -105,6 +110,138 @@ Status Flags::Finish() const {
   if (!error_.ok()) return error_;
   for (const auto& [name, value] : values_)
     if (!used_.count(name)) return InvalidArgument("unknown flag --" + name);
+  return Status::Ok();
+}
+
+bool WantsHelp(const Args& args) {
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") return true;
+  return false;
+}
+
+double PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+
+std::string FormatBytes(double bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  std::ostringstream os;
+  if (u >= 6 && bytes >= 1024) os << std::setprecision(3) << bytes;  // beyond EiB: 1.2e+06 EiB
+  else os << std::fixed << std::setprecision(bytes < 10 ? 2 : (bytes < 100 ? 1 : 0)) << bytes;
+  os << " " << kUnits[u];
+  return os.str();
+}
+
+namespace {
+
+// A limit from --flag, else $env, else the default; must be a finite number > 0.
+Status ReadLimit(Flags& f, const std::string& flag, const char* env, double def, const std::string& def_source,
+                 double* value, std::string* source) {
+  if (f.has(flag)) {
+    const double v = f.get_double(flag, def);
+    if (!(std::isfinite(v) && v > 0)) return InvalidArgument("--" + flag + " must be a finite number > 0, got '" + f.get_string(flag, "") + "'");
+    *value = v;
+    *source = "--" + flag;
+    return Status::Ok();
+  }
+  f.get_double(flag, def);  // mark as known
+  if (const char* e = std::getenv(env); e && *e) {
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    if (*end != '\0' || !(std::isfinite(v) && v > 0))
+      return InvalidArgument(std::string(env) + "='" + e + "' must be a finite number > 0");
+    *value = v;
+    *source = std::string("$") + env;
+    return Status::Ok();
+  }
+  *value = def;
+  *source = def_source;
+  return Status::Ok();
+}
+
+std::string Factors(const FootprintTerm& t) {
+  std::ostringstream os;
+  for (size_t i = 0; i < t.factors.size(); ++i) {
+    if (i) os << " x ";
+    // A shape field is a flag ("--experts 16"); a name with a space is not ("trace experts 16").
+    if (t.factors[i].first.find(' ') == std::string::npos) os << "--";
+    os << t.factors[i].first << " " << std::setprecision(12) << t.factors[i].second;
+  }
+  return os.str();
+}
+
+std::string Largest(const std::vector<FootprintTerm>& terms, bool bytes) {
+  const FootprintTerm* t = Footprint::Largest(terms);
+  if (!t) return "";
+  std::ostringstream os;
+  os << "; the largest part is " << t->what << ": ";
+  if (bytes) os << FormatBytes(t->amount);
+  else os << std::setprecision(3) << t->amount << " operations";
+  if (!t->factors.empty()) os << ", from " << Factors(*t);
+  return os.str();
+}
+
+}  // namespace
+
+StatusOr<Limits> ReadLimits(Flags& f) {
+  Limits l;
+  const double phys = PhysicalMemoryBytes();
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  double mem_gib = 0, gop = 0;
+  const std::string mem_default =
+      phys > 0 ? "the default, 3/4 of this machine's " + FormatBytes(phys) + " of physical memory" : "the default, 16 GiB (physical memory unknown)";
+  RDEP_RETURN_IF_ERROR(ReadLimit(f, "max-memory-gib", "RDEP_MAX_MEMORY_GIB", phys > 0 ? kDefaultMemoryFraction * phys / gib : 16.0,
+                                 mem_default, &mem_gib, &l.host_source));
+  RDEP_RETURN_IF_ERROR(ReadLimit(f, "max-gop", "RDEP_MAX_GOP", kDefaultMaxGop, "the default, 2*10^12 operations: ten minutes to hours on a CPU", &gop,
+                                 &l.operations_source));
+  l.host_bytes = mem_gib * gib;
+  l.operations = gop * 1e9;
+  return l;
+}
+
+Status CheckFootprint(const Footprint& fp, const Limits& l) {
+  const double host = fp.host_bytes();
+  if (!(host <= l.host_bytes)) {
+    std::ostringstream os;
+    os << "this run needs about " << FormatBytes(host) << " of host memory, more than the limit of " << FormatBytes(l.host_bytes)
+       << " (" << l.host_source << "; raise it with --max-memory-gib G or RDEP_MAX_MEMORY_GIB)" << Largest(fp.host, true);
+    return InvalidArgument(os.str());
+  }
+  const double device = fp.device_bytes();
+  if (l.device_bytes > 0 && !(device <= l.device_bytes)) {
+    std::ostringstream os;
+    os << "this run needs about " << FormatBytes(device) << " of memory on each GPU, more than the GPU's "
+       << FormatBytes(l.device_bytes) << Largest(fp.device, true);
+    return InvalidArgument(os.str());
+  }
+  const double ops = fp.operations();
+  if (!(ops <= l.operations)) {
+    std::ostringstream os;
+    os << std::setprecision(3) << "this run would do about " << ops << " operations, more than the limit of " << l.operations
+       << " (" << l.operations_source << "; raise it with --max-gop N, in 10^9 operations, or RDEP_MAX_GOP)"
+       << Largest(fp.work, false);
+    return InvalidArgument(os.str());
+  }
+  return Status::Ok();
+}
+
+Status CheckOutputPath(const std::string& flag, const std::string& path) {
+  if (path.empty()) return Status::Ok();
+  const bool existed = access(path.c_str(), F_OK) == 0;
+  errno = 0;
+  std::FILE* fp = std::fopen(path.c_str(), "a");
+  if (!fp) {
+    const int err = errno;
+    return InvalidArgument("--" + flag + " " + path + ": cannot open for writing: " + std::strerror(err));
+  }
+  std::fclose(fp);
+  if (!existed) std::remove(path.c_str());
   return Status::Ok();
 }
 

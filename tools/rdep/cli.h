@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "rdep/core/footprint.h"
 #include "rdep/status.h"
 
 namespace rdep::cli {
@@ -51,6 +52,37 @@ class Flags {
   std::vector<std::string> positional_;
   Status error_;
 };
+
+// -h or --help anywhere in the arguments.
+bool WantsHelp(const Args& args);
+
+// The limits every command checks its estimated footprint against before it allocates anything:
+//   host memory  --max-memory-gib G, else $RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory
+//   work         --max-gop N (10^9 operations), else $RDEP_MAX_GOP, else 2000 (2*10^12: ten minutes
+//                to hours on a 2-core CPU, depending on the shape)
+//   device       each GPU's total memory (CUDA runs)
+struct Limits {
+  double host_bytes = 0;
+  std::string host_source;  // how host_bytes was chosen, for messages
+  double operations = 0;
+  std::string operations_source;
+  double device_bytes = 0;  // 0: no device limit known
+};
+constexpr double kDefaultMaxGop = 2000;
+constexpr double kDefaultMemoryFraction = 0.75;
+double PhysicalMemoryBytes();  // sysconf; 0 if unknown
+// Reads --max-memory-gib and --max-gop (a flag wins over the environment); an error names the flag
+// or variable.
+StatusOr<Limits> ReadLimits(Flags& f);
+// OK when the footprint fits the limits; else InvalidArgument with the estimate, the limit, how to
+// raise it, and the largest term with the flags it grows with ("--experts 1024 x --hidden 65536").
+Status CheckFootprint(const Footprint& fp, const Limits& limits);
+// "1.50 GiB", "12.0 TiB".
+std::string FormatBytes(double bytes);
+
+// Opens `path` for writing before the work starts (creating it; existing content is kept, and a file
+// this call created is removed again), so a bad --json/--png/--out fails at once, with the OS's reason.
+Status CheckOutputPath(const std::string& flag, const std::string& path);
 
 // Parses a comma-separated list of numbers given to --flag ("128,384,768").
 template <typename T>

@@ -1,5 +1,5 @@
-// `rdep model <subcommand>`: the closed-form cost models of seeds 000 (section 4, Appendix B) and
-// seeds 004 (cross-node EP), printed with their formulas. Defaults are the seeds' worked examples, so
+// `rdep model <subcommand>`: the closed-form cost models of the RDEP paper (seeds 000: section 4, Appendix B)
+// and the cross-node EP notes (seeds 004), printed with their formulas. Defaults are the seeds' worked examples, so
 // `rdep model context-memory` prints the paper's 42 MB. Try: rdep model cross-node --max-nodes 4
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ int Pooling(Flags& f) {
   if (k > e) return Fail("pooling", "--topk (" + std::to_string(k) + ") exceeds --experts (" + std::to_string(e) + ")");
   auto p = rdep::model::Pooling(dp, t, k, e);
   if (!p.ok()) return Fail("pooling", p.status().message());
-  std::cout << std::fixed << std::setprecision(4) << "pooling law (seeds 000 eq. 14), DP=" << dp << " T=" << t
+  std::cout << std::fixed << std::setprecision(4) << "pooling law (the RDEP paper, eq. 14), DP=" << dp << " T=" << t
             << " K=" << k << " E=" << e << "\n"
             << "  mu = DP*T*K/E            " << std::setprecision(1) << p->mu << " rows per expert\n"
             << "  mu at DP=1 (T*K/E)       " << p->mu_single << "\n"
@@ -98,7 +98,7 @@ int Capacity(Flags& f) {
   }
   if (has_beta && !(std::isfinite(beta) && beta >= 0)) return Fail("capacity", "--beta must be a finite number >= 0");
   if (!(p > 0 && p < 1)) return Fail("capacity", "--overflow-prob must be in (0, 1)");
-  std::cout << std::setprecision(6) << "capacity slack (seeds 000 eq. 16): Pr(max_e M_e > (1+beta)mu) <= E*exp(-mu*beta^2/3)\n"
+  std::cout << std::setprecision(6) << "capacity slack (the RDEP paper, eq. 16): Pr(max_e M_e > (1+beta)mu) <= E*exp(-mu*beta^2/3)\n"
             << "  E = " << e << ", mu = " << mu << (has_mu ? "" : " (= DP*T*K/E)") << "\n";
   auto slack = rdep::model::ChernoffSlack(e, mu, p);
   if (!slack.ok()) return Fail("capacity", slack.status().message());
@@ -124,6 +124,9 @@ int Padding(Flags& f) {
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (item.empty() || *end != '\0') return Fail("padding", "--counts: '" + item + "' is not an integer");
     if (v < 0) return Fail("padding", "--counts: count " + std::to_string(counts.size()) + " is negative (" + item + ")");
+    if (v > (int64_t{1} << 40))  // keeps E_loc * max and the sum exact in int64
+      return Fail("padding", "--counts: count " + std::to_string(counts.size()) + " is above 2^40 rows (" + item + ")");
+    if (counts.size() >= (size_t{1} << 20)) return Fail("padding", "--counts: more than 2^20 counts");
     counts.push_back(v);
   }
   auto rho = rdep::model::GroupedLaunchInflation(counts);
@@ -134,7 +137,7 @@ int Padding(Flags& f) {
     mx = std::max(mx, c);
   }
   std::cout << std::fixed << std::setprecision(4)
-            << "grouped-launch inflation (seeds 000 eq. 19/31): rho = E_loc * max_j m_j / sum_j m_j\n"
+            << "grouped-launch inflation (the RDEP paper, eq. 19/31): rho = E_loc * max_j m_j / sum_j m_j\n"
             << "  E_loc = " << counts.size() << ", max = " << mx << ", sum = " << sum << "\n"
             << "  rho = " << *rho << "  (launched rows " << static_cast<int64_t>(counts.size()) * mx << " for " << sum
             << " useful)\n";
@@ -151,7 +154,7 @@ int ContextMemory(Flags& f) {
     return Fail("context-memory", m);
   auto bytes = rdep::model::RoutingContextBytes(l, dp, t, k, b);
   if (!bytes.ok()) return Fail("context-memory", bytes.status().message());
-  std::cout << "routing-context memory (seeds 000 eq. 20): M_ctx = " << b << " * L_moe * DP * T * K bytes per GPU\n"
+  std::cout << "routing-context memory (the RDEP paper, eq. 20): M_ctx = " << b << " * L_moe * DP * T * K bytes per GPU\n"
             << "  L_moe=" << l << " DP=" << dp << " T=" << t << " K=" << k << "\n"
             << "  M_ctx = " << Bytes(*bytes) << "\n";
   return 0;
@@ -175,7 +178,7 @@ int PayloadMemory(Flags& f) {
     return Fail("payload-memory", m);
   auto r = rdep::model::SymmetricPayloadMemory(a);
   if (!r.ok()) return Fail("payload-memory", r.status().message());
-  std::cout << "symmetric payload memory per GPU (seeds 000 section 4.4, Table 4)\n"
+  std::cout << "symmetric payload memory per GPU (the RDEP paper, section 4.4, Table 4)\n"
             << "  bulk:      tensors * M_cap * H * b           = " << a.tensors << " * " << a.capacity_rows << " * "
             << a.hidden << " * " << a.bytes_per_element << "\n"
             << "  segmented: tensors * buffers * S * H * b     = " << a.tensors << " * " << a.buffers_per_segment
@@ -202,7 +205,7 @@ int DenseBound(Flags& f) {
   if (ld > 0 && d == 0) return Fail("dense-bound", "--dense-ffn must be > 0 when --dense-layers > 0");
   auto p = rdep::model::DenseLowerBound(v, h, l, ld, d);
   if (!p.ok()) return Fail("dense-bound", p.status().message());
-  std::cout << "replicated dense lower bound (seeds 000 eq. 21): P = V*H + 4*L*H^2 + 3*L_dense*H*D_dense\n"
+  std::cout << "replicated dense lower bound (the RDEP paper, eq. 21): P = V*H + 4*L*H^2 + 3*L_dense*H*D_dense\n"
             << "  V=" << v << " H=" << h << " L=" << l << " L_dense=" << ld << " D_dense=" << d << "\n"
             << std::fixed << std::setprecision(3) << "  P >= " << *p / 1e9 << "B parameters ("
             << Bytes(2.0 * *p) << " in bf16)\n";
@@ -221,7 +224,7 @@ int BarrierCmd(Flags& f) {
   auto b = rdep::model::Barrier(w, lo, hi, n);
   if (!b.ok()) return Fail("barrier", b.status().message());
   std::cout << std::fixed << std::setprecision(2)
-            << "barrier budget (seeds 000 section 4.5): one barrier = W * t_peer, one segment = barriers * that\n"
+            << "barrier budget (the RDEP paper, section 4.5): one barrier = W * t_peer, one segment = barriers * that\n"
             << "  W=" << w << ", t_peer = " << lo << "-" << hi << " ns, " << n << " barriers per segment\n"
             << "  one barrier   " << b->barrier_min_s * 1e6 << "-" << b->barrier_max_s * 1e6 << " us\n"
             << "  one segment   " << b->segment_min_s * 1e6 << "-" << b->segment_max_s * 1e6 << " us\n";
@@ -252,7 +255,7 @@ int CrossNodeCmd(Flags& f) {
   if (has_budget && !(std::isfinite(budget_ms) && budget_ms >= 0)) return Fail("cross-node", "--budget-ms must be >= 0");
   auto free_routing = rdep::model::CrossNodeDispatch(a);
   if (!free_routing.ok()) return Fail("cross-node", free_routing.status().message());
-  std::cout << "cross-node dispatch (seeds 004): N=" << a.nodes << " k=" << a.topk << " T=" << a.tokens
+  std::cout << "cross-node dispatch (the cross-node EP notes): N=" << a.nodes << " k=" << a.topk << " T=" << a.tokens
             << " d=" << a.hidden << " b=" << a.bytes_per_element << ", IB " << a.ib_gbps << " GB/s, NVLink "
             << a.nvlink_gbps << " GB/s per GPU\n"
             << "  E[distinct nodes] = N*(1-(1-1/N)^k); R_IB = T*(distinct-1); B_IB = R_IB*d*b; round trip 2*B_IB\n"
@@ -279,51 +282,51 @@ int CrossNodeCmd(Flags& f) {
 const std::map<std::string, Sub>& Subs() {
   static const std::map<std::string, Sub> subs = {
       {"pooling",
-       {"mean rows per expert and its CV (seeds 000 eq. 14)",
+       {"mean rows per expert and its CV (the RDEP paper, eq. 14)",
         "rdep model pooling [--dp 8] [--tokens 4096] [--topk 6] [--experts 64]\n"
         "  mu = DP*T*K/E;  CV(M_e) = sqrt((1 - K/E) / mu) under tokenwise-independent uniform routing\n"
-        "  (M_e ~ Binomial(DP*T, K/E)), seeds 000 section 4.1 eq. 13-14.",
+        "  (M_e ~ Binomial(DP*T, K/E)), the RDEP paper, section 4.1 eq. 13-14.",
         &Pooling}},
       {"capacity",
-       {"Chernoff capacity slack beta for a target overflow probability (seeds 000 eq. 16)",
+       {"Chernoff capacity slack beta for a target overflow probability (the RDEP paper, eq. 16)",
         "rdep model capacity [--experts 64] [--dp 8 --tokens 4096 --topk 6 | --mu M] [--overflow-prob 0.01] [--beta B]\n"
-        "  Pr(max_e M_e > (1+beta)*mu) <= E*exp(-mu*beta^2/3)  (seeds 000 eq. 16, Proposition B.3);\n"
+        "  Pr(max_e M_e > (1+beta)*mu) <= E*exp(-mu*beta^2/3)  (the RDEP paper, eq. 16, Proposition B.3);\n"
         "  beta for probability p: sqrt(3*ln(E/p)/mu). --beta also prints the bound at that slack.",
         &Capacity}},
       {"padding",
-       {"grouped-launch inflation rho for per-expert counts (seeds 000 eq. 31)",
+       {"grouped-launch inflation rho for per-expert counts (the RDEP paper, eq. 31)",
         "rdep model padding --counts m1,m2,...\n"
-        "  rho = E_loc * max_j m_j / sum_j m_j  (seeds 000 eq. 19 / 31); 1 is the equal-load optimum.",
+        "  rho = E_loc * max_j m_j / sum_j m_j  (the RDEP paper, eq. 19 / 31); 1 is the equal-load optimum.",
         &Padding}},
       {"context-memory",
-       {"saved routing-context bytes per GPU (seeds 000 eq. 20)",
+       {"saved routing-context bytes per GPU (the RDEP paper, eq. 20)",
         "rdep model context-memory [--layers 27] [--dp 8] [--tokens 4096] [--topk 6] [--bytes-per-row 8]\n"
-        "  M_ctx = 8 * L_moe * DP * T * K bytes (seeds 000 eq. 20 / 32). Paper: 42 MB at these defaults,\n"
+        "  M_ctx = 8 * L_moe * DP * T * K bytes (the RDEP paper, eq. 20 / 32). Paper: 42 MB at these defaults,\n"
         "  9.1 GB at --layers 60 --dp 72 --tokens 32768 --topk 8.",
         &ContextMemory}},
       {"payload-memory",
-       {"bulk vs segmented symmetric payload memory per GPU (seeds 000 Table 4)",
+       {"bulk vs segmented symmetric payload memory per GPU (the RDEP paper, Table 4)",
         "rdep model payload-memory [--capacity-rows 196608] [--segment-rows 4096] [--hidden 2048]\n"
         "                          [--bytes-per-element 2] [--layers 27] [--tensors 4] [--buffers 2]\n"
         "  bulk = tensors * M_cap * H * b per layer; segmented = tensors * buffers * S * H * b per layer\n"
-        "  (seeds 000 section 4.4 and Table 4: ~84 GiB bulk vs ~3.4 GiB segmented over 27 layers).\n"
+        "  (the RDEP paper, section 4.4 and Table 4: ~84 GiB bulk vs ~3.4 GiB segmented over 27 layers).\n"
         "  tensors: dispatch send/recv and return send/recv; buffers: 2 = double buffering.",
         &PayloadMemory}},
       {"dense-bound",
-       {"replicated dense parameter lower bound (seeds 000 eq. 21)",
+       {"replicated dense parameter lower bound (the RDEP paper, eq. 21)",
         "rdep model dense-bound [--vocab 201088] [--hidden 2880] [--layers 24] [--dense-layers 0] [--dense-ffn 0]\n"
-        "  P = V*H + 4*L*H^2 + 3*L_dense*H*D_dense (seeds 000 eq. 21 / 33): embeddings, attention and\n"
+        "  P = V*H + 4*L*H^2 + 3*L_dense*H*D_dense (the RDEP paper, eq. 21 / 33): embeddings, attention and\n"
         "  dense FFN weights only. Paper: 1.38B (L=24) to 1.77B (L=36) at H=2880; 10.47B at H=7168, L=42,\n"
         "  D_dense=18432 (reproduced with --dense-layers 1 and the same vocabulary).",
         &DenseBound}},
       {"barrier",
-       {"phase-barrier time budget at width W (seeds 000 section 4.5)",
+       {"phase-barrier time budget at width W (the RDEP paper, section 4.5)",
         "rdep model barrier [--width 72] [--ns-per-peer-min 50] [--ns-per-peer-max 100] [--barriers 4]\n"
         "  one barrier = W * t_peer (a Theta(W) publish/acquire sweep); one segment = barriers * that\n"
-        "  (seeds 000 section 4.5, Proposition B.7: 3.6-7.2 us and 14-29 us at W = 72).",
+        "  (the RDEP paper, section 4.5, Proposition B.7: 3.6-7.2 us and 14-29 us at W = 72).",
         &BarrierCmd}},
       {"cross-node",
-       {"IB/NVLink rows, bytes and time per dispatch, with and without a node cap M (seeds 004)",
+       {"IB/NVLink rows, bytes and time per dispatch, with and without a node cap M (the cross-node EP notes)",
         "rdep model cross-node [--nodes 8] [--topk 8] [--tokens 4096] [--hidden 7168] [--bytes-per-element 2]\n"
         "                      [--max-nodes 4] [--ib-gbps 50] [--nvlink-gbps 600] [--budget-ms MS]\n"
         "  E[distinct nodes] = N*(1-(1-1/N)^k); R_IB = T*(distinct - 1); B_IB = R_IB*d*b per dispatch,\n"
@@ -338,7 +341,7 @@ const std::map<std::string, Sub>& Subs() {
 int Usage(std::ostream& os) {
   os << "usage: rdep model <subcommand> [flags]   (rdep model <subcommand> --help for its formula and flags)\n\n";
   for (const auto& [name, sub] : Subs()) os << "  " << std::left << std::setw(16) << name << sub.summary << "\n";
-  os << std::right << "\nDefaults reproduce the worked examples of seeds 000 and 004.\n";
+  os << std::right << "\nDefaults reproduce the worked examples of the RDEP paper and the cross-node EP notes.\n";
   return 0;
 }
 
@@ -350,11 +353,12 @@ int RunModel(const Args& args) {
     Usage(std::cerr);
     return 2;
   }
-  Flags flags(Args(args.begin() + 1, args.end()));
-  if (flags.has("help")) {
-    std::cout << it->second.summary << "\n\n" << it->second.help << "\n";
+  const Args rest(args.begin() + 1, args.end());
+  if (rdep::cli::WantsHelp(rest)) {  // the usage line, then the formula and its source
+    std::cout << "usage: " << it->second.help << "\n\n" << it->second.summary << ".\n";
     return 0;
   }
+  Flags flags(rest);
   if (!flags.positional().empty())
     return Fail(args[0], "unexpected argument '" + flags.positional().front() + "' (flags look like --name VALUE)");
   return it->second.run(flags);

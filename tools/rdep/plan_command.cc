@@ -4,11 +4,14 @@
 //   rdep plan record --routing zipf:1.2 --experts 256 --ranks 64 --tokens 4096 --topk 8 --steps 8 --out FILE
 //   rdep plan bench  --device host|gpu|both --experts 256 --ranks 64 --slots 2 [--json FILE]
 //   rdep plan show   --experts 16 --ranks 4 --slots 1 --alpha 1.2     (prints one plan)
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
-#include <algorithm>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "build_commit.h"
@@ -33,17 +36,101 @@ int Fail(const rdep::Status& s) {
 
 using rdep::cli::ParseList;
 
-void Usage() {
-  std::cout << "usage: rdep plan <sim|record|bench|show> [flags]\n"
-               "  sim     run every planner (none, ultraep, eplb, eplb-hier, eplb++) over a seeded synthetic grid\n"
-               "          --experts 128,256 --ranks 32,64 --slots 1,2,4 --alpha 0.6,1.0,1.4 --steps 8 --tokens 4096\n"
-               "          --topk 8 --umin-frac 0.01 --history 4 --ranks-per-node 8 --seed 1\n"
-               "          or over a recorded trace: --trace FILE --slots 2; outputs: --json FILE --png FILE\n"
-               "  record  write a load trace from generated routings: --routing zipf:1.2 --experts 256 --ranks 64\n"
-               "          --tokens 4096 --topk 8 --steps 8 --seed 1 --out FILE\n"
-               "  bench   planner solve time: --device host|gpu|both --experts 256 --ranks 64 --slots 2 --alpha 1.0\n"
-               "          --tokens 4096 --topk 8 --matrices 8 --warmup 20 --iters 200 --umin-frac 0.01 --json FILE\n"
-               "  show    print one UltraEP plan: --experts 16 --ranks 4 --slots 1 --alpha 1.2 --seed 1\n";
+constexpr const char* kSimHelp = R"(usage: rdep plan sim [flags]
+
+Runs every planner (none, ultraep, eplb, eplb-hier, eplb++) over a seeded synthetic grid of
+(E, R, N_slot, alpha) or over a recorded load trace, and prints the UltraEP paper's Table 4 metrics
+per planner (imbalance, solve time, redundant slots, max replica count, in-flight rows).
+
+flags [defaults]:
+  --experts E,E,...      experts per grid point [128,256]
+  --ranks R,R,...        ranks [32,64]
+  --slots N,N,...        redundant slots N_slot (0 <= N_slot <= E) [1,2,4]
+  --alpha A,A,...        power-law exponents, finite and >= 0 [0.6,1.0,1.4]
+  --steps N [8]          load matrices per grid point (>= 2; the first seeds EPLB's history)
+  --tokens T [4096]      tokens per rank and step      --topk K [8]
+  --umin-frac X [0.01]   u_min = max(1, floor(X * mean rank load)), X in [0, 1]
+  --history N [4]        EPLB's window       --ranks-per-node N [8]       --seed N [1]
+  --no-check             skip verifying every plan
+  --trace FILE           use a recorded trace (rdep plan record) instead of the grid; one --slots value
+  --json FILE            write the records; --png FILE  a box plot (both opened before the run)
+  --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  --max-gop N            work limit in 10^9 operations [$RDEP_MAX_GOP, else 2000]
+  -h, --help             this page
+)";
+
+constexpr const char* kRecordHelp = R"(usage: rdep plan record --out FILE [flags]
+
+Writes a load trace (rdep plan sim --trace) from --steps routings generated with seeds seed, seed+1, ...
+
+flags [defaults]:
+  --routing R            uniform | zipf:ALPHA | one-expert | sparse [zipf:1.2]
+  --experts E [256]      --ranks R [64]      --tokens T [4096]      --topk K [8]
+  --steps N [8]          --seed N [1]
+  --out FILE             the trace to write (required; opened before the run)
+  --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  --max-gop N            work limit in 10^9 operations [$RDEP_MAX_GOP, else 2000]
+  -h, --help             this page
+)";
+
+constexpr const char* kBenchHelp = R"(usage: rdep plan bench [flags]
+
+Times the UltraEP quota planner on the host (one CPU thread) and on the GPU (one block), over
+--matrices synthetic load matrices, and checks that the GPU plan equals the host plan bit for bit.
+
+flags [defaults]:
+  --device D             host | gpu | both [both]
+  --experts E [256]      --ranks R [64]      --slots N [2]      --alpha A [1.0]
+  --tokens T [4096]      --topk K [8]        --umin-frac X [0.01]
+  --matrices N [8]       --warmup N [20]     --iters N [200]    --seed N [1]
+  --json FILE            write the receipt (opened before the run)
+  --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  --max-gop N            work limit in 10^9 operations [$RDEP_MAX_GOP, else 2000]
+  -h, --help             this page
+)";
+
+constexpr const char* kShowHelp = R"(usage: rdep plan show [flags]
+
+Prints one UltraEP plan for a synthetic load matrix, beside no balancing.
+
+flags [defaults]:
+  --experts E [16]       --ranks R [4]       --slots N [1]      --alpha A [1.2]
+  --tokens T [256]       --topk K [2]        --min-quota U [1]  --seed N [1]
+  --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  -h, --help             this page
+)";
+
+void Usage(std::ostream& os) {
+  os << "usage: rdep plan <sim|record|bench|show> [flags]\n\n"
+        "The balancer's command: the UltraEP quota planner against EPLB (the UltraEP paper).\n"
+        "  sim     run every planner over a seeded synthetic grid or a recorded load trace\n"
+        "  record  write a load trace from generated routings\n"
+        "  bench   planner solve time, host and GPU\n"
+        "  show    print one UltraEP plan\n"
+        "\n`rdep plan <subcommand> --help` (or `rdep help plan <subcommand>`) lists its flags.\n";
+}
+
+// An int flag that must lie in [lo, hi] (so a cast to int32 is safe); the error names the flag.
+rdep::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
+  if (v >= lo && v <= hi) return rdep::Status::Ok();
+  return rdep::InvalidArgument(std::string("--") + flag + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                               "], got " + std::to_string(v));
+}
+constexpr int64_t kInt32Max = 2147483647;
+
+// Host memory and work of the planners on R x E load matrices: `matrices` held at once, `solves`
+// plans computed.
+rdep::Footprint PlannerFootprint(double E, double R, double matrices, double solves) {
+  rdep::Footprint fp;
+  fp.host.push_back({"load matrices (R x E int64 each)", {{"ranks", R}, {"experts", E}}, 8 * matrices * R * E});
+  fp.host.push_back({"planner state and plans (R x E)", {{"ranks", R}, {"experts", E}}, 256 * R * E});
+  fp.work.push_back({"planner solves (about 200 operations per R x E entry)", {{"ranks", R}, {"experts", E}}, 200 * solves * R * E});
+  return fp;
+}
+
+rdep::Status CheckOutputs(std::initializer_list<std::pair<const char*, const std::string*>> outs) {
+  for (const auto& [flag, path] : outs) RDEP_RETURN_IF_ERROR(rdep::cli::CheckOutputPath(flag, *path));
+  return rdep::Status::Ok();
 }
 
 int RunSim(const Args& args) {
@@ -53,29 +140,77 @@ int RunSim(const Args& args) {
   auto ranks = ParseList<int32_t>("ranks", f.get_string("ranks", "32,64"));
   auto slots = ParseList<int32_t>("slots", f.get_string("slots", "1,2,4"));
   auto alphas = ParseList<double>("alpha", f.get_string("alpha", "0.6,1.0,1.4"));
-  cfg.steps = static_cast<int32_t>(f.get_int("steps", cfg.steps));
+  const int64_t steps = f.get_int("steps", cfg.steps);
   cfg.tokens = f.get_int("tokens", cfg.tokens);
-  cfg.topk = static_cast<int32_t>(f.get_int("topk", cfg.topk));
+  const int64_t topk = f.get_int("topk", cfg.topk);
   cfg.umin_frac = f.get_double("umin-frac", cfg.umin_frac);
-  cfg.history = static_cast<int32_t>(f.get_int("history", cfg.history));
-  cfg.ranks_per_node = static_cast<int32_t>(f.get_int("ranks-per-node", cfg.ranks_per_node));
+  const int64_t history = f.get_int("history", cfg.history);
+  const int64_t ranks_per_node = f.get_int("ranks-per-node", cfg.ranks_per_node);
   cfg.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   cfg.check = !f.get_bool("no-check");
   const std::string trace = f.get_string("trace", "");
   const std::string json = f.get_string("json", "");
   const std::string png = f.get_string("png", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("sim: unexpected argument '" + f.positional().front() + "'"));
+  if (!limits.ok()) return Fail(limits.status());
   for (const auto* l : {&experts.status(), &ranks.status(), &slots.status(), &alphas.status()})
     if (!l->ok()) return Fail(*l);
+  for (int32_t e : *experts)
+    if (e < 1) return Fail(rdep::InvalidArgument("--experts: each value must be >= 1, got " + std::to_string(e)));
+  for (int32_t r : *ranks)
+    if (r < 1) return Fail(rdep::InvalidArgument("--ranks: each value must be >= 1, got " + std::to_string(r)));
+  for (int32_t n : *slots)
+    if (n < 0) return Fail(rdep::InvalidArgument("--slots: each value must be >= 0, got " + std::to_string(n)));
+  for (double a : *alphas)
+    if (!(std::isfinite(a) && a >= 0)) {
+      std::ostringstream os;
+      os << "--alpha: each power-law exponent must be a finite number >= 0, got " << a;
+      return Fail(rdep::InvalidArgument(os.str()));
+    }
+  for (auto st : {InRange("steps", steps, 2, 1000000), InRange("topk", topk, 1, kInt32Max), InRange("history", history, 1, 1000000),
+                  InRange("ranks-per-node", ranks_per_node, 1, kInt32Max), InRange("tokens", cfg.tokens, 0, int64_t{1} << 40)})
+    if (!st.ok()) return Fail(st);
+  if (!(cfg.umin_frac >= 0 && cfg.umin_frac <= 1)) return Fail(rdep::InvalidArgument("--umin-frac must be in [0, 1]"));
+  cfg.steps = static_cast<int32_t>(steps);
+  cfg.topk = static_cast<int32_t>(topk);
+  cfg.history = static_cast<int32_t>(history);
+  cfg.ranks_per_node = static_cast<int32_t>(ranks_per_node);
   cfg.experts = *experts;
   cfg.ranks = *ranks;
   cfg.slots = *slots;
   cfg.alphas = *alphas;
+  // Estimate before allocating: the largest grid point's matrices, every point's solves.
+  rdep::Footprint fp;
+  std::optional<rdep::LoadTraceHeader> header;
+  if (!trace.empty()) {
+    auto h = rdep::ReadLoadTraceHeader(trace);
+    if (!h.ok()) return Fail(h.status());
+    header = *h;
+    const auto E = static_cast<double>(h->num_experts), R = static_cast<double>(h->num_ranks), N = static_cast<double>(h->num_steps);
+    fp = PlannerFootprint(E, R, N, 5 * N);
+    for (auto* terms : {&fp.host, &fp.work})  // the sizes come from the trace's header, not from flags
+      for (auto& term : *terms) term.factors = {{"trace ranks", R}, {"trace experts", E}};
+    fp.host.front() = {"the trace's load matrices (its header: steps x ranks x experts int64)",
+                       {{"trace steps", N}, {"trace ranks", R}, {"trace experts", E}}, h->bytes()};
+  } else {
+    const double E = *std::max_element(cfg.experts.begin(), cfg.experts.end());
+    const double R = *std::max_element(cfg.ranks.begin(), cfg.ranks.end());
+    const double points = static_cast<double>(cfg.experts.size() * cfg.ranks.size() * cfg.slots.size() * cfg.alphas.size());
+    fp = PlannerFootprint(E, R, static_cast<double>(cfg.steps), 5 * points * cfg.steps);
+    fp.host.push_back({"records (5 planners per step and grid point)", {{"steps", cfg.steps}}, 160 * points * cfg.steps});
+  }
+  if (auto st = rdep::cli::CheckFootprint(fp, *limits); !st.ok()) {
+    if (!trace.empty()) return Fail(rdep::InvalidArgument("--trace " + trace + ": " + st.message()));
+    return Fail(st);
+  }
+  if (auto st = CheckOutputs({{"json", &json}, {"png", &png}}); !st.ok()) return Fail(st);
   rdep::StatusOr<rdep::SimReport> rep = rdep::Status(rdep::StatusCode::kInternal, "unset");
   if (!trace.empty()) {
-    auto t = rdep::ReadLoadTrace(trace);
-    if (!t.ok()) return Fail(t.status());
     if (cfg.slots.size() != 1) return Fail(rdep::InvalidArgument("--trace takes a single --slots value"));
+    auto t = rdep::ReadLoadTrace(trace, header->bytes());
+    if (!t.ok()) return Fail(t.status());
     rep = rdep::RunTraceSim(*t, cfg.slots[0], cfg, trace);
   } else {
     rep = rdep::RunSyntheticSim(cfg);
@@ -105,14 +240,35 @@ int RunRecord(const Args& args) {
   shape.hidden = 1;
   shape.ffn = 1;
   const std::string routing = f.get_string("routing", "zipf:1.2");
-  const auto steps = static_cast<int32_t>(f.get_int("steps", 8));
+  const int64_t steps64 = f.get_int("steps", 8);
   const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
   const std::string out = f.get_string("out", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("record: unexpected argument '" + f.positional().front() + "'"));
+  if (!limits.ok()) return Fail(limits.status());
   if (out.empty()) return Fail(rdep::InvalidArgument("record: --out FILE is required"));
+  if (auto st = InRange("steps", steps64, 1, 1000000); !st.ok()) return Fail(st);
+  const auto steps = static_cast<int32_t>(steps64);
+  if (auto st = shape.Validate(); !st.ok()) return Fail(st);
+  if (auto st = InRange("experts", shape.experts, 1, kInt32Max); !st.ok()) return Fail(st);
+  if (auto st = InRange("ranks", shape.ranks, 1, kInt32Max); !st.ok()) return Fail(st);
   auto spec = rdep::RoutingSpec::Parse(routing);
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = seed;
+  {  // Estimate before allocating: one step's routing and every step's load matrix.
+    const auto W = static_cast<double>(shape.ranks), T = static_cast<double>(shape.tokens), K = static_cast<double>(shape.topk),
+               E = static_cast<double>(shape.experts);
+    rdep::Footprint fp = PlannerFootprint(E, W, steps, 0);
+    fp.host.pop_back();
+    fp.work.clear();
+    fp.host.push_back({"one step's routing (W*T*K rows)", {{"ranks", W}, {"tokens", T}, {"topk", K}}, 16 * W * T * K});
+    fp.host.push_back({"per-expert tables", {{"experts", E}}, 64 * E});
+    fp.work.push_back({"routing draws (one per expert per token and step)", {{"steps", steps}, {"ranks", W}, {"tokens", T}, {"experts", E}},
+                       30.0 * steps * W * T * E});
+    if (auto st = rdep::cli::CheckFootprint(fp, *limits); !st.ok()) return Fail(st);
+  }
+  if (auto st = rdep::cli::CheckOutputPath("out", out); !st.ok()) return Fail(st);
   auto t = rdep::RecordRoutingLoads(shape, *spec, steps);
   if (!t.ok()) return Fail(t.status());
   if (auto st = rdep::WriteLoadTrace(*t, out); !st.ok()) return Fail(st);
@@ -124,23 +280,35 @@ int RunRecord(const Args& args) {
 int RunBench(const Args& args) {
   Flags f(args);
   const std::string device = f.get_string("device", "both");
-  const auto E = static_cast<int32_t>(f.get_int("experts", 256));
-  const auto R = static_cast<int32_t>(f.get_int("ranks", 64));
-  rdep::QuotaConfig qc;
-  qc.num_slots = static_cast<int32_t>(f.get_int("slots", 2));
+  const int64_t E64 = f.get_int("experts", 256), R64 = f.get_int("ranks", 64), slots64 = f.get_int("slots", 2);
   const double alpha = f.get_double("alpha", 1.0);
   const int64_t tokens = f.get_int("tokens", 4096);
-  const auto topk = static_cast<int32_t>(f.get_int("topk", 8));
-  const auto matrices = static_cast<int32_t>(f.get_int("matrices", 8));
-  const auto warmup = static_cast<int32_t>(f.get_int("warmup", 20));
-  const auto iters = static_cast<int32_t>(f.get_int("iters", 200));
+  const int64_t topk64 = f.get_int("topk", 8), matrices64 = f.get_int("matrices", 8), warmup64 = f.get_int("warmup", 20),
+                iters64 = f.get_int("iters", 200);
   const double umin_frac = f.get_double("umin-frac", 0.01);
   const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
   const std::string json = f.get_string("json", "");
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("bench: unexpected argument '" + f.positional().front() + "'"));
+  if (!limits.ok()) return Fail(limits.status());
   if (device != "host" && device != "gpu" && device != "both")
     return Fail(rdep::InvalidArgument("bench: --device must be host, gpu or both"));
-  if (matrices < 1 || iters < 1 || warmup < 0) return Fail(rdep::InvalidArgument("bench: need matrices, iters >= 1"));
+  for (auto st : {InRange("experts", E64, 1, kInt32Max), InRange("ranks", R64, 1, kInt32Max), InRange("slots", slots64, 0, E64),
+                  InRange("topk", topk64, 1, kInt32Max), InRange("matrices", matrices64, 1, 1000000),
+                  InRange("warmup", warmup64, 0, 1000000), InRange("iters", iters64, 1, 1000000),
+                  InRange("tokens", tokens, 0, int64_t{1} << 40)})
+    if (!st.ok()) return Fail(st);
+  if (!(std::isfinite(alpha) && alpha >= 0)) return Fail(rdep::InvalidArgument("--alpha must be a finite number >= 0"));
+  if (!(umin_frac >= 0 && umin_frac <= 1)) return Fail(rdep::InvalidArgument("--umin-frac must be in [0, 1]"));
+  const auto E = static_cast<int32_t>(E64), R = static_cast<int32_t>(R64), topk = static_cast<int32_t>(topk64),
+             matrices = static_cast<int32_t>(matrices64), warmup = static_cast<int32_t>(warmup64), iters = static_cast<int32_t>(iters64);
+  rdep::QuotaConfig qc;
+  qc.num_slots = static_cast<int32_t>(slots64);
+  if (auto st = rdep::cli::CheckFootprint(PlannerFootprint(E, R, matrices, static_cast<double>(matrices) * (2.0 + iters + warmup / 4)), *limits);
+      !st.ok())
+    return Fail(st);
+  if (auto st = rdep::cli::CheckOutputPath("json", json); !st.ok()) return Fail(st);
   rdep::SyntheticLoadSpec spec;
   spec.experts = E;
   spec.ranks = R;
@@ -207,7 +375,7 @@ int RunBench(const Args& args) {
               << "\n";
   if (!json.empty()) {
     std::ofstream o(json);
-    if (!o) return Fail(rdep::InvalidArgument("bench: cannot open '" + json + "'"));
+    if (!o) return Fail(rdep::InvalidArgument("--json " + json + ": cannot open for writing: " + std::strerror(errno)));
     o << "{\"rdep_commit\": \"" << rdep::cli::kBuildCommit << "\",\n \"workload\": {\"experts\": " << E << ", \"ranks\": " << R
       << ", \"slots\": " << qc.num_slots
       << ", \"alpha\": " << alpha << ", \"tokens\": " << tokens << ", \"topk\": " << topk
@@ -238,16 +406,26 @@ int RunBench(const Args& args) {
 int RunShow(const Args& args) {
   Flags f(args);
   rdep::SyntheticLoadSpec spec;
-  spec.experts = static_cast<int32_t>(f.get_int("experts", 16));
-  spec.ranks = static_cast<int32_t>(f.get_int("ranks", 4));
+  const int64_t E64 = f.get_int("experts", 16), R64 = f.get_int("ranks", 4), topk64 = f.get_int("topk", 2),
+                slots64 = f.get_int("slots", 1);
   spec.alpha = f.get_double("alpha", 1.2);
   spec.tokens = f.get_int("tokens", 256);
-  spec.topk = static_cast<int32_t>(f.get_int("topk", 2));
   spec.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   rdep::QuotaConfig qc;
-  qc.num_slots = static_cast<int32_t>(f.get_int("slots", 1));
   qc.min_quota = f.get_int("min-quota", 1);
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
+  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("show: unexpected argument '" + f.positional().front() + "'"));
+  if (!limits.ok()) return Fail(limits.status());
+  for (auto st : {InRange("experts", E64, 1, kInt32Max), InRange("ranks", R64, 1, kInt32Max), InRange("topk", topk64, 1, E64),
+                  InRange("slots", slots64, 0, E64), InRange("tokens", spec.tokens, 0, int64_t{1} << 40)})
+    if (!st.ok()) return Fail(st);
+  if (!(std::isfinite(spec.alpha) && spec.alpha >= 0)) return Fail(rdep::InvalidArgument("--alpha must be a finite number >= 0"));
+  spec.experts = static_cast<int32_t>(E64);
+  spec.ranks = static_cast<int32_t>(R64);
+  spec.topk = static_cast<int32_t>(topk64);
+  qc.num_slots = static_cast<int32_t>(slots64);
+  if (auto st = rdep::cli::CheckFootprint(PlannerFootprint(spec.experts, spec.ranks, 1, 2), *limits); !st.ok()) return Fail(st);
   auto t = rdep::GenerateSyntheticLoads(spec, 1);
   if (!t.ok()) return Fail(t.status());
   auto own = rdep::OwnershipMap::Contiguous(spec.experts, spec.ranks);
@@ -262,21 +440,24 @@ int RunShow(const Args& args) {
 }
 
 int RunPlan(const Args& args) {
-  if (args.empty() || args[0] == "--help" || args[0] == "help") {
-    Usage();
-    return args.empty() ? 2 : 0;
+  if (args.empty()) {
+    Usage(std::cerr);
+    return 2;
   }
-  const Args rest(args.begin() + 1, args.end());
-  if (std::find(rest.begin(), rest.end(), "--help") != rest.end()) {  // the usage lists every subcommand's flags
-    Usage();
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    // `rdep plan help sim` is `rdep plan sim --help`.
+    if (args[0] == "help" && args.size() > 1) return RunPlan({args[1], "--help"});
+    Usage(std::cout);
     return 0;
   }
-  if (args[0] == "sim") return RunSim(rest);
-  if (args[0] == "record") return RunRecord(rest);
-  if (args[0] == "bench") return RunBench(rest);
-  if (args[0] == "show") return RunShow(rest);
+  const Args rest(args.begin() + 1, args.end());
+  const bool help = rdep::cli::WantsHelp(rest);
+  if (args[0] == "sim") return help ? (std::cout << kSimHelp, 0) : RunSim(rest);
+  if (args[0] == "record") return help ? (std::cout << kRecordHelp, 0) : RunRecord(rest);
+  if (args[0] == "bench") return help ? (std::cout << kBenchHelp, 0) : RunBench(rest);
+  if (args[0] == "show") return help ? (std::cout << kShowHelp, 0) : RunShow(rest);
   std::cerr << "rdep plan: unknown subcommand '" << args[0] << "'\n";
-  Usage();
+  Usage(std::cerr);
   return 2;
 }
 

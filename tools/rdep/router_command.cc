@@ -1,6 +1,7 @@
-// `rdep route`: route-health telemetry (seeds 000 Table 17) of a seeded routing, either a synthetic
+// `rdep route`: route-health telemetry (the RDEP paper, Table 17) of a seeded routing, either a synthetic
 // family (--routing uniform|zipf:A|one-expert|sparse) or the reference router run on seeded logits
 // (--routing router). Try: rdep route --routing zipf:1.2   or   rdep route --routing router --node-cap 2
+#include <cmath>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -14,15 +15,27 @@
 
 namespace {
 
-constexpr const char* kHelp =
-    "rdep route [--routing uniform|zipf:A|one-expert|sparse|router] [--tokens 4096] [--experts 64]\n"
-    "           [--topk 6] [--ranks 8] [--seed 1]\n"
-    "  router-only: [--score softmax|sigmoid] [--skew 0] [--groups 1 --topk-groups 1]\n"
-    "               [--node-cap 0 --ranks-per-node 2] [--no-normalize] [--scale 1]\n"
-    "Prints per-expert loads, CV, p10 rows per expert, active experts, load entropy, owner loads and\n"
-    "the worst grouped-launch inflation rho (seeds 000 Table 17, eq. 31). With --routing router the\n"
-    "reference router runs on standard-normal logits (minus skew*e/E for expert e) and the mean\n"
-    "score entropy and distinct nodes per token are printed too.\n";
+constexpr const char* kHelp = R"(usage: rdep route [flags]
+
+Route-health telemetry (the RDEP paper, Table 17) of a seeded routing: per-expert loads, CV, p10 rows
+per expert, active experts, load entropy, owner loads and the worst grouped-launch inflation rho (the
+RDEP paper, eq. 31). With --routing router the reference router runs on standard-normal logits (minus
+skew*e/E for expert e) and the mean score entropy and distinct nodes per token are printed too.
+
+flags [defaults]:
+  --routing R          uniform | zipf:ALPHA | one-expert | sparse | router [uniform]
+  --tokens T [4096]    --experts E [64]    --topk K [6]    --ranks W [8]    --seed N [1]
+router only:
+  --score S            softmax | sigmoid [softmax]
+  --skew X             logit skew across experts, a finite number [0]
+  --groups G [1]       --topk-groups G [1]
+  --node-cap M         at most M nodes per token; 0 = no cap [0]    --ranks-per-node N [2]
+  --no-normalize       do not renormalize the top-k scores          --scale X  scaling factor [1]
+limits (refused before allocating, exit 2):
+  --max-memory-gib G   host memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
+  --max-gop N          work in 10^9 operations [$RDEP_MAX_GOP, else 2000]
+  -h, --help           this page
+)";
 
 int Fail(const std::string& msg) {
   std::cerr << "rdep route: " << msg << "\n";
@@ -30,11 +43,11 @@ int Fail(const std::string& msg) {
 }
 
 int RunRoute(const rdep::cli::Args& args) {
-  rdep::cli::Flags f(args);
-  if (f.has("help")) {
+  if (rdep::cli::WantsHelp(args)) {
     std::cout << kHelp;
     return 0;
   }
+  rdep::cli::Flags f(args);
   const std::string family = f.get_string("routing", "uniform");
   const int64_t t = f.get_int("tokens", 4096), e = f.get_int("experts", 64), k = f.get_int("topk", 6),
                 w = f.get_int("ranks", 8);
@@ -44,10 +57,23 @@ int RunRoute(const rdep::cli::Args& args) {
   const int64_t groups = f.get_int("groups", 1), topk_groups = f.get_int("topk-groups", 1);
   const int64_t node_cap = f.get_int("node-cap", 0), ranks_per_node = f.get_int("ranks-per-node", 2);
   const bool no_normalize = f.get_bool("no-normalize");
+  auto limits = rdep::cli::ReadLimits(f);
   if (auto s = f.Finish(); !s.ok()) return Fail(s.message());
+  if (!limits.ok()) return Fail(limits.status().message());
+  if (!std::isfinite(skew)) return Fail("--skew must be a finite number, got " + f.get_string("skew", ""));
+  if (!std::isfinite(scale) || !(scale > 0)) return Fail("--scale must be a finite number > 0, got " + f.get_string("scale", ""));
   if (!f.positional().empty()) return Fail("unexpected argument '" + f.positional().front() + "'");
   rdep::LayerShape shape{t, 1, 1, e, k, w};
   if (auto s = shape.Validate(); !s.ok()) return Fail("--tokens/--experts/--topk/--ranks: " + s.message());
+  {  // Estimate before allocating: one rank's logits and scores, the routing, per-expert tables.
+    const auto T = static_cast<double>(t), E = static_cast<double>(e), K = static_cast<double>(k), W = static_cast<double>(w);
+    rdep::Footprint fp;
+    if (family == "router") fp.host.push_back({"router logits and scores of one rank (T*E)", {{"tokens", T}, {"experts", E}}, 40 * T * E});
+    fp.host.push_back({"routing (W*T*K rows)", {{"ranks", W}, {"tokens", T}, {"topk", K}}, 16 * W * T * K});
+    fp.host.push_back({"per-expert and per-rank tables", {{"experts", E}, {"ranks", W}}, 96 * E + 64 * W});
+    fp.work.push_back({"routing (one draw per expert per token)", {{"ranks", W}, {"tokens", T}, {"experts", E}}, 30 * W * T * E});
+    if (auto s = rdep::cli::CheckFootprint(fp, *limits); !s.ok()) return Fail(s.message());
+  }
   auto own = rdep::OwnershipMap::Contiguous(e, w);
   if (!own.ok()) return Fail(own.status().message());
 

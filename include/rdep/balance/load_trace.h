@@ -26,8 +26,22 @@ struct LoadTrace {
   std::vector<std::vector<int64_t>> steps;  // each [R*E], row-major [r][e]
 };
 
+// What a trace file's header says, read without reading the steps: what ReadLoadTrace will allocate
+// (steps * R * E int64 entries) is known before it allocates, so a caller can bound it.
+struct LoadTraceHeader {
+  int32_t num_experts = 0;
+  int32_t num_ranks = 0;
+  int64_t num_steps = 0;
+  double bytes() const {  // the load matrices ReadLoadTrace allocates
+    return 8.0 * static_cast<double>(num_steps) * static_cast<double>(num_ranks) * static_cast<double>(num_experts);
+  }
+};
+
 Status WriteLoadTrace(const LoadTrace& trace, const std::string& path);
-StatusOr<LoadTrace> ReadLoadTrace(const std::string& path);
+StatusOr<LoadTraceHeader> ReadLoadTraceHeader(const std::string& path);
+// Reads the whole trace; refuses (before allocating) a header whose matrices exceed max_bytes, and a
+// file with more steps than its header says.
+StatusOr<LoadTrace> ReadLoadTrace(const std::string& path, double max_bytes = 1e300);
 
 // Synthetic power-law loads (seeds 001 Fig. 15): expert popularity ~ 1/(pi(e)+1)^alpha over a seeded
 // permutation pi, capped at 1/K of the rows (a token picks K distinct experts), per-step lognormal

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "rdep/core/capacity.h"
+#include "rdep/core/footprint.h"
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
@@ -99,6 +100,12 @@ StatusOr<std::unique_ptr<ValidationBackend>> MakeHostBackend(int64_t num_ranks, 
 // Status; a check that fails is a failed row of the report.
 StatusOr<ValidationReport> RunValidation(const ValidationOptions& options, ValidationBackend& backend);
 StatusOr<ValidationReport> RunHostValidation(const ValidationOptions& options);
+
+// What RunValidation will allocate (host memory of the process; with device_backend, the memory of
+// one GPU too) and compute, from the options alone: the check command refuses a configuration whose
+// estimate exceeds the machine before anything is allocated. A valid config is assumed (Validate
+// first); the terms are upper-range estimates (dropless, the largest owner), not exact counts.
+Footprint EstimateValidationFootprint(const ValidationOptions& options, bool device_backend);
 
 // Largest normalized error max_i |a_i - r_i| / (atol + rtol*|r_i|) with atol = atol_scale * max|r|;
 // a NaN in `a` gives +inf. <= 1 passes.

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The rdep command as a user meets it: every case below runs the built binary and checks its exit code
+# and a part of its output (stdout and stderr together). Sizes that would exhaust the machine must be
+# refused by the estimate (exit 2, naming the flag) in well under a second; CTest runs this file as
+# rdep_cli.exit_codes_and_messages:   bash tools/rdep/cli_exit_test.sh build/bin/rdep
+set -uo pipefail
+RDEP=${1:?usage: cli_exit_test.sh path/to/rdep}
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+cases=0
+
+# expect CODE REGEX ARGS...: `rdep ARGS` exits CODE and its output matches the extended regex REGEX.
+expect() {
+  local code=$1 regex=$2
+  shift 2
+  cases=$((cases + 1))
+  local out rc
+  out=$(timeout 60 "$RDEP" "$@" 2>&1)
+  rc=$?
+  if [ "$rc" != "$code" ] || ! grep -Eq -- "$regex" <<<"$out"; then
+    failures=$((failures + 1))
+    echo "FAIL: rdep $* -> exit $rc (want $code), output should match /$regex/:"
+    head -c 2000 <<<"$out" | sed 's/^/    /'
+  fi
+}
+# first_line REGEX ARGS...: the first line of `rdep ARGS` (exit 0) matches REGEX.
+first_line() {
+  local regex=$1
+  shift
+  cases=$((cases + 1))
+  local out rc
+  out=$(timeout 60 "$RDEP" "$@" 2>&1)
+  rc=$?
+  if [ "$rc" != 0 ] || ! head -n 1 <<<"$out" | grep -Eq -- "$regex"; then
+    failures=$((failures + 1))
+    echo "FAIL: rdep $* -> exit $rc, first line should match /$regex/:"
+    head -n 3 <<<"$out" | sed 's/^/    /'
+  fi
+}
+
+# expect_not CODE REGEX ARGS...: `rdep ARGS` exits CODE and its output does NOT match REGEX.
+expect_not() {
+  local code=$1 regex=$2
+  shift 2
+  cases=$((cases + 1))
+  local out rc
+  out=$(timeout 60 "$RDEP" "$@" 2>&1)
+  rc=$?
+  if [ "$rc" != "$code" ] || grep -Eq -- "$regex" <<<"$out"; then
+    failures=$((failures + 1))
+    echo "FAIL: rdep $* -> exit $rc (want $code), output should not match /$regex/:"
+    grep -E -m 3 -- "$regex" <<<"$out" | sed 's/^/    /'
+  fi
+}
+
+# --- oversized shapes: refused by the estimate, naming the flags and the estimate -------------------
+expect 2 'host memory.*--experts 1024 x --hidden 65536 x --ffn 65536' \
+  check --backend host --tokens 4096 --hidden 65536 --ffn 65536 --experts 1024 --topk 8
+expect 2 'host memory.*--tokens 2147483648' check --backend host --tokens 2147483648
+expect 2 'host memory.*--ffn 99999999' check --backend host --hidden 64 --ffn 99999999 --tokens 4
+expect 2 'host memory.*--experts 2147483647' check --backend host --experts 2147483647 --topk 1 --tokens 4
+expect 2 'host memory.*--tokens 1000000' check --backend host --tokens 1000000 --hidden 1000000
+expect 2 'host memory.*--tokens 2147483647' check --backend host --tokens 2147483647 --hidden 8 --ranks 1 --experts 1 --topk 1
+expect 2 'more than the limit of 1.00 MiB \(--max-memory-gib' check --backend host --max-memory-gib 0.0009765625
+RDEP_MAX_MEMORY_GIB=0.0009765625 expect 2 'RDEP_MAX_MEMORY_GIB' check --backend host
+expect 2 'operations.*--max-gop' check --backend host --max-gop 0.001
+expect 2 '--max-memory-gib must be a finite number > 0' check --max-memory-gib -1
+expect 2 'the host backend runs at most 4096 ranks' check --backend host --ranks 5000
+
+expect 2 'host memory.*--ranks 8 x --tokens 100000000 x --topk 6' route --tokens 100000000 --experts 1000
+expect 2 'operations.*--max-gop' route --max-gop 0.000001
+expect 2 'host memory.*--ranks 2000000000 x --experts 2000000000' plan sim --experts 2000000000 --ranks 2000000000 --slots 1
+expect 2 'host memory' plan record --experts 100000 --ranks 1000000 --out "$TMP/never.trace"
+expect 2 'host memory' plan show --experts 2000000000 --ranks 2000000000 --slots 0 --topk 1
+expect 2 'host memory' plan bench --device host --experts 2000000000 --ranks 2000000000
+# A trace whose header asks for 2e9 x 2e9 loads is refused from its header, before reading the steps.
+printf 'rdep-load-trace v1 experts=2000000000 ranks=2000000000 steps=2\nstep 0\n1\n' >"$TMP/huge.trace"
+expect 2 "--trace $TMP/huge.trace: .*host memory.*trace ranks 2000000000 x trace experts 2000000000" \
+  plan sim --trace "$TMP/huge.trace" --slots 1
+printf 'rdep-load-trace v1 experts=4 ranks=1 steps=1\nstep 0\n1,2,3,4\nstep 1\n1,2,3,4\n' >"$TMP/long.trace"
+expect 2 "more steps than the header's 1" plan sim --trace "$TMP/long.trace" --slots 1
+printf 'rdep-load-trace v1 experts=4000000000 ranks=1 steps=1\n' >"$TMP/wide.trace"
+expect 2 'must fit in int32' plan sim --trace "$TMP/wide.trace" --slots 1
+
+# --- flags named in the message -------------------------------------------------------------------
+expect 2 '--empty-rank must be a rank in \[0, W=4\), got -1' check --empty-rank -1
+expect 2 '--empty-rank must be a rank in \[0, W=4\), got 4' check --empty-rank 4
+expect 2 '--timeout must be' check --timeout nan
+expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
+expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1
+expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan
+expect 2 '--steps must be in \[2, 1000000\], got 4294967298' plan sim --steps 4294967298
+expect 2 '--slots must be in' plan bench --device host --slots -1
+expect 2 'count 0 is above 2\^40 rows' model padding --counts 9223372036854775807,1
+expect 2 "unknown command 'nosuch'" nosuch
+expect 2 "unknown subcommand 'nosuch'" plan nosuch
+
+# --- output paths are opened before the work, with the OS's reason ---------------------------------
+expect 2 '--json /nonexistent-dir/x.json: cannot open for writing: No such file or directory' \
+  check --json /nonexistent-dir/x.json
+expect 2 "--json $TMP: cannot open for writing: Is a directory" check --json "$TMP"
+expect 2 '--out /nonexistent-dir/t.trace: cannot open for writing: No such file or directory' \
+  plan record --experts 8 --ranks 2 --tokens 4 --out /nonexistent-dir/t.trace
+expect 2 '--json /nonexistent-dir/s.json: cannot open for writing' plan sim --experts 8 --ranks 2 --slots 1 --steps 2 --json /nonexistent-dir/s.json
+expect 2 '--png /nonexistent-dir/s.png: cannot open for writing' plan sim --experts 8 --ranks 2 --slots 1 --steps 2 --png /nonexistent-dir/s.png
+expect 2 '--json /nonexistent-dir/b.json: cannot open for writing' plan bench --device host --iters 1 --json /nonexistent-dir/b.json
+[ ! -e "$TMP/never.trace" ] || { failures=$((failures + 1)); echo "FAIL: a refused plan record left its --out file"; }
+
+# --- help: one convention, every page starts with its usage line, sources named by title ----------
+for args in "-h" "--help" "help" "check -h" "check --help" "help check" "route -h" "route --help" "help route" \
+            "model -h" "model --help" "help model" "model pooling -h" "help model barrier" "model cross-node --help" \
+            "plan -h" "plan --help" "help plan" "plan sim -h" "plan sim --help" "help plan sim" "plan record --help" \
+            "plan bench -h" "plan show --help" "bench -h" "bench --help" "help bench" "bench layer --help" \
+            "bench layer -h" "help bench layer" "bench dispatch --help" "bench gemm -h" "bench barrier --help"; do
+  # shellcheck disable=SC2086
+  first_line '^usage: rdep' $args
+  # shellcheck disable=SC2086
+  expect_not 0 'seeds 00[0-9] (Table|eq|section)' $args
+done
+expect 0 'the RDEP paper \(seeds 000\), Table 18' help check
+expect_not 0 'usage: rdep plan (record|bench|show)' plan sim --help
+expect 0 'usage: rdep plan sim' plan sim --trace x --help
+expect 2 '^usage: rdep plan <sim' plan
+expect 0 'us/barrier' bench barrier --ranks 4,16 --iters 5 --warmup 1
+
+# --- numbers say what they are; a run writes its receipt -------------------------------------------
+expect 0 'y normalized error [0-9.e-]+ \(max \|out-ref\| / .*passes <= 1\)' check --backend host --json "$TMP/c.json"
+[ -s "$TMP/c.json" ] || { failures=$((failures + 1)); echo "FAIL: check --json wrote nothing"; }
+expect 0 'gradient parity .*normalized error dx [0-9.e-]+.*\(passes <= 1\)' check --backend host
+# A run whose barriers all time out fails its checks and prints no made-up summary (no "0.000 MiB (S=0)").
+expect 1 '[1-6] failed' check --backend host --ranks 64 --timeout 1e-9
+expect_not 1 'symmetric buffers per rank: 0.000 MiB' check --backend host --ranks 64 --timeout 1e-9
+expect 1 '[1-6] failed' check --backend host --ranks 64 --timeout 1e-9 --json "$TMP/failed.json"
+grep -Eq '"symmetric_bytes_per_rank": *null' "$TMP/failed.json" || grep -Eq '"segments": *[1-9]' "$TMP/failed.json" ||
+  { failures=$((failures + 1)); echo "FAIL: the receipt of a failed run reports unmeasured sizes as numbers"; }
+
+echo "$cases cases, $failures failed"
+[ "$failures" = 0 ]
