@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "rdep/core/route_rules.h"
+#include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/transport/dispatch_kernels.h"
 
@@ -159,6 +160,7 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const size_t tsb = l.token_sideband_bytes();
+  const RowIdCodec codec{l.T, l.K};
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
     for (int64_t q = 0; q < l.W; ++q) {
       const int32_t idx = tok_index[q * n + t];
@@ -179,7 +181,7 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
         const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
         if (take) {
           const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
-          rows[pos] = RowSideband{static_cast<uint64_t>((rank * l.T + t) * l.K + k), own.local[e], effective[t * l.K + k]};
+          rows[pos] = RowSideband{codec.encode(rank, t, k), own.local[e], effective[t * l.K + k]};
         }
         num_rows += __popc(mask);
       }
@@ -286,12 +288,11 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
 __global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, RegionLayout l,
                                  void* const* return_of) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const RowIdCodec codec{l.T, l.K};
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
-    const uint64_t id = grouped[g].row_id;
-    const int64_t slot = static_cast<int64_t>(id % static_cast<uint64_t>(l.K));
-    const int64_t rt = static_cast<int64_t>(id / static_cast<uint64_t>(l.K));
-    const int64_t src = rt / l.T, t = rt % l.T;
-    WarpCopyRow(rows + g * l.H, static_cast<bf16_bits*>(return_of[src]) + (t * l.K + slot) * l.H, l.H);
+    const RowKey key = codec.decode(grouped[g].row_id);
+    bf16_bits* dst = static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
+    WarpCopyRow(rows + g * l.H, dst, l.H);
   }
 }
 

@@ -55,7 +55,8 @@ Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* r
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
                     float* effective_gates, int64_t* dropped, cudaStream_t s);
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
-// this rank's tokens that falls in the window, into the owner's segment buffer `buf`.
+// this rank's tokens that falls in the window, into the owner's segment buffer `buf`. Row ids by
+// rdep::RowIdCodec.
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                      const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,
                      OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
@@ -70,7 +71,7 @@ Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grou
 // Sentinel echo instead of the MLP: out[g] = SentinelField(row_id, rank, global expert) | x row.
 Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                           const int32_t* local_to_global, bf16_bits* out, cudaStream_t s);
-// Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id.
+// Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id (rdep::RowIdCodec).
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
                         void* const* return_of, cudaStream_t s);
 // Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
