@@ -5,6 +5,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "rdep/core/capacity_rules.h"
 #include "rdep/core/route_rules.h"
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
@@ -106,11 +107,10 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
                                 int64_t* const* control_of, int64_t* rows_per_expert) {
   const int64_t* mine = control_of[rank];
   for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) {
-    int64_t left = capacity, sum = 0;
+    SourceOrderAdmission admission{capacity};
+    int64_t sum = 0;
     for (int64_t s = 0; s < l.W; ++s) {
-      const int64_t count = mine[l.recv_counts(s, j)];
-      const int64_t admitted = left < 0 ? 0 : (left < count ? left : count);
-      left -= admitted;
+      const int64_t admitted = admission.Admit(mine[l.recv_counts(s, j)]);
       sum += admitted;
       control_of[s][l.send_admitted(rank, j)] = admitted;
     }
@@ -133,7 +133,6 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   const int64_t K = l.K;
-  double S = 0, A = 0;
   int64_t drops = 0;
   for (int64_t k = 0; k < K; ++k) {
     const int64_t i = t * K + k;
@@ -141,15 +140,9 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
     const int64_t admitted = my_control[l.send_admitted(own.owner[e], own.local[e])];
     const bool acc = rank_in_expert[i] < admitted;
     accepted[i] = acc ? 1 : 0;
-    S += gates[i];
-    if (acc) A += gates[i];
-    else ++drops;
+    if (!acc) ++drops;
   }
-  for (int64_t k = 0; k < K; ++k) {  // exactly rdep::RenormalizeGates
-    const int64_t i = t * K + k;
-    if (!accepted[i] || A == 0) effective[i] = 0.f;
-    else effective[i] = (S == A) ? gates[i] : static_cast<float>(static_cast<double>(gates[i]) * S / A);
-  }
+  RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
   if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
 }
 
@@ -329,25 +322,8 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
       if (lane == 0) scratch[i] = dot;
     }
     __syncwarp();
-    if (lane == 0) {  // exactly rdep::RenormalizeGatesBackward
-      double S = 0, A = 0, P = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = t * K + k;
-        S += gates[i];
-        if (accepted[i]) {
-          A += gates[i];
-          P += static_cast<double>(scratch[i]) * gates[i];
-        }
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = t * K + k;
-        double d;
-        if (A == 0) d = 0;
-        else if (S == A) d = accepted[i] ? scratch[i] : 0.0;
-        else d = (accepted[i] ? scratch[i] * S / A - P * S / (A * A) : 0.0) + P / A;
-        dgates[i] = static_cast<float>(d);
-      }
-    }
+    if (lane == 0)  // as rdep::RenormalizeGatesBackward (math in double), float in and out
+      RenormalizeTokenGatesBackward(gates + t * K, accepted + t * K, K, scratch + t * K, dgates + t * K);
   }
 }
 

@@ -45,12 +45,13 @@ Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayo
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
-// Phase 2 at an owner: admitted counts per (source, local expert) in source order under `capacity`,
-// token-stream bases, all published to the sources; rows_per_expert[j] = admitted rows (device).
+// Phase 2 at an owner: admitted counts per (source, local expert) in source order under `capacity`
+// (rdep::SourceOrderAdmission, the host's rule: rdep/core/capacity_rules.h), token-stream bases,
+// all published to the sources; rows_per_expert[j] = admitted rows (device).
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity,
                        int64_t* const* control_of, int64_t* rows_per_expert, cudaStream_t s);
 // At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local), effective
-// gates renormalized exactly as rdep::RenormalizeGates, dropped rows added to *dropped.
+// gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped.
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
                     float* effective_gates, int64_t* dropped, cudaStream_t s);
@@ -78,7 +79,8 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
 // slots (w = effective gate, or 1 when weights is null). save (nullable) receives the accepted rows.
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
                      int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
-// dgate: dL/dg'_k = <dy_t, f_k>, then the chain rule through the capacity renormalization.
+// dgate: dL/dg'_k = <dy_t, f_k> (fp32), then the chain rule through the capacity renormalization
+// (rdep::RenormalizeTokenGatesBackward: math in double, float in and out).
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted,
                    int64_t n, int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s);
 
