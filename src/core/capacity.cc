@@ -1,9 +1,10 @@
 #include "rdep/core/capacity.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
+
+#include "rdep/core/capacity_rules.h"
 
 namespace rdep {
 
@@ -23,41 +24,16 @@ int64_t CapacityPolicy::ExpertCapacity(const LayerShape& shape) const {
 }
 
 void AdmitBySourceOrder(const int64_t* counts, int64_t num_src, int64_t capacity, int64_t* admitted) {
-  int64_t left = capacity;
-  for (int64_t s = 0; s < num_src; ++s) {
-    admitted[s] = std::clamp<int64_t>(left, 0, counts[s]);
-    left -= admitted[s];
-  }
+  SourceOrderAdmission admission{capacity};
+  for (int64_t s = 0; s < num_src; ++s) admitted[s] = admission.Admit(counts[s]);
 }
 
 void RenormalizeGates(const float* g, const uint8_t* acc, int64_t K, float* out) {
-  double S = 0, A = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    S += g[k];
-    if (acc[k]) A += g[k];
-  }
-  const bool all = (S == A);
-  for (int64_t k = 0; k < K; ++k) {
-    if (!acc[k] || A == 0) out[k] = 0.f;
-    else out[k] = all ? g[k] : static_cast<float>(static_cast<double>(g[k]) * S / A);
-  }
+  RenormalizeTokenGates(g, acc, K, out);
 }
 
 void RenormalizeGatesBackward(const float* g, const uint8_t* acc, int64_t K, const double* dg_eff, double* dg) {
-  double S = 0, A = 0, P = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    S += g[k];
-    if (acc[k]) {
-      A += g[k];
-      P += dg_eff[k] * g[k];
-    }
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    if (A == 0) { dg[k] = 0; continue; }
-    if (S == A) { dg[k] = acc[k] ? dg_eff[k] : 0.0; continue; }  // nothing dropped: identity
-    // g'_k = g_k S / A  =>  dL/dg_j = [j acc](G_j S/A - P S/A^2) + P/A
-    dg[k] = (acc[k] ? dg_eff[k] * S / A - P * S / (A * A) : 0.0) + P / A;
-  }
+  RenormalizeTokenGatesBackward(g, acc, K, dg_eff, dg);
 }
 
 StatusOr<std::vector<RankAcceptance>> ApplyCapacity(const LayerShape& shape, const Routing& routing,

@@ -44,5 +44,35 @@ TEST(RowId, RoundTripsAcrossThe64BitRange) {
   EXPECT_GT(c.encode(71, 0, 0), uint64_t{1} << 32);
 }
 
+TEST(RowId, RoundTripsAtLargeTKWAsTheKernelsUnsignedDecode) {
+  // Random shapes with W*T*K far above 2^32; decode must agree with the unsigned arithmetic the
+  // CUDA return kernel used before it called RowIdCodec (slot = id % K, rank/token from id / K).
+  Rng rng(11);
+  int above_32_bits = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto T = static_cast<int64_t>(1 + rng.below(uint64_t{1} << 32));
+    const auto K = static_cast<int64_t>(1 + rng.below(64));
+    const auto W = static_cast<int64_t>(1 + rng.below(4096));
+    const RowIdCodec c{.tokens = T, .topk = K};
+    for (int i = 0; i < 50; ++i) {
+      const RowKey key{static_cast<int64_t>(rng.below(static_cast<uint64_t>(W))),
+                       static_cast<int64_t>(rng.below(static_cast<uint64_t>(T))),
+                       static_cast<int64_t>(rng.below(static_cast<uint64_t>(K)))};
+      const uint64_t id = c.encode(key.rank, key.token, key.slot);
+      const uint64_t uT = static_cast<uint64_t>(T), uK = static_cast<uint64_t>(K);
+      EXPECT_EQ(id, (static_cast<uint64_t>(key.rank) * uT + static_cast<uint64_t>(key.token)) * uK +
+                        static_cast<uint64_t>(key.slot));
+      EXPECT_EQ(c.decode(id), key);
+      const uint64_t rt = id / uK;
+      EXPECT_EQ(c.decode(id), (RowKey{static_cast<int64_t>(rt / uT), static_cast<int64_t>(rt % uT),
+                                      static_cast<int64_t>(id % uK)}));
+      above_32_bits += id > (uint64_t{1} << 32);
+    }
+    const RowKey last{W - 1, T - 1, K - 1};  // the largest id of the shape
+    EXPECT_EQ(c.decode(c.encode(last.rank, last.token, last.slot)), last);
+  }
+  EXPECT_GT(above_32_bits, 5000);
+}
+
 }  // namespace
 }  // namespace rdep

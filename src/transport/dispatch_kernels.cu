@@ -5,7 +5,9 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "rdep/core/capacity_rules.h"
 #include "rdep/core/route_rules.h"
+#include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/transport/dispatch_kernels.h"
 
@@ -117,11 +119,10 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
                                 int64_t* const* control_of, int64_t* rows_per_expert) {
   const int64_t* mine = control_of[rank];
   for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) {
-    int64_t left = capacity, sum = 0;
+    SourceOrderAdmission admission{capacity};
+    int64_t sum = 0;
     for (int64_t s = 0; s < l.W; ++s) {
-      const int64_t count = mine[l.recv_counts(s, j)];
-      const int64_t admitted = left < 0 ? 0 : (left < count ? left : count);
-      left -= admitted;
+      const int64_t admitted = admission.Admit(mine[l.recv_counts(s, j)]);
       sum += admitted;
       control_of[s][l.send_admitted(rank, j)] = admitted;
     }
@@ -144,7 +145,6 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   const int64_t K = l.K;
-  double S = 0, A = 0;
   int64_t drops = 0;
   for (int64_t k = 0; k < K; ++k) {
     const int64_t i = t * K + k;
@@ -152,15 +152,9 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
     const int64_t admitted = my_control[l.send_admitted(own.owner[e], own.local[e])];
     const bool acc = rank_in_expert[i] < admitted;
     accepted[i] = acc ? 1 : 0;
-    S += gates[i];
-    if (acc) A += gates[i];
-    else ++drops;
+    if (!acc) ++drops;
   }
-  for (int64_t k = 0; k < K; ++k) {  // exactly rdep::RenormalizeGates
-    const int64_t i = t * K + k;
-    if (!accepted[i] || A == 0) effective[i] = 0.f;
-    else effective[i] = (S == A) ? gates[i] : static_cast<float>(static_cast<double>(gates[i]) * S / A);
-  }
+  RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
   if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
 }
 
@@ -171,6 +165,7 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const size_t tsb = l.token_sideband_bytes();
+  const RowIdCodec codec{l.T, l.K};
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
     for (int64_t q = 0; q < l.W; ++q) {
       const int32_t idx = tok_index[q * n + t];
@@ -191,7 +186,7 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
         const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
         if (take) {
           const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
-          rows[pos] = RowSideband{static_cast<uint64_t>((rank * l.T + t) * l.K + k), own.local[e], effective[t * l.K + k]};
+          rows[pos] = RowSideband{codec.encode(rank, t, k), own.local[e], effective[t * l.K + k]};
         }
         num_rows += __popc(mask);
       }
@@ -298,12 +293,11 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
 __global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, RegionLayout l,
                                  void* const* return_of) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const RowIdCodec codec{l.T, l.K};
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
-    const uint64_t id = grouped[g].row_id;
-    const int64_t slot = static_cast<int64_t>(id % static_cast<uint64_t>(l.K));
-    const int64_t rt = static_cast<int64_t>(id / static_cast<uint64_t>(l.K));
-    const int64_t src = rt / l.T, t = rt % l.T;
-    WarpCopyRow(rows + g * l.H, static_cast<bf16_bits*>(return_of[src]) + (t * l.K + slot) * l.H, l.H);
+    const RowKey key = codec.decode(grouped[g].row_id);
+    bf16_bits* dst = static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
+    WarpCopyRow(rows + g * l.H, dst, l.H);
   }
 }
 
@@ -340,25 +334,8 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
       if (lane == 0) scratch[i] = dot;
     }
     __syncwarp();
-    if (lane == 0) {  // exactly rdep::RenormalizeGatesBackward
-      double S = 0, A = 0, P = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = t * K + k;
-        S += gates[i];
-        if (accepted[i]) {
-          A += gates[i];
-          P += static_cast<double>(scratch[i]) * gates[i];
-        }
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = t * K + k;
-        double d;
-        if (A == 0) d = 0;
-        else if (S == A) d = accepted[i] ? scratch[i] : 0.0;
-        else d = (accepted[i] ? scratch[i] * S / A - P * S / (A * A) : 0.0) + P / A;
-        dgates[i] = static_cast<float>(d);
-      }
-    }
+    if (lane == 0)  // as rdep::RenormalizeGatesBackward (math in double), float in and out
+      RenormalizeTokenGatesBackward(gates + t * K, accepted + t * K, K, scratch + t * K, dgates + t * K);
   }
 }
 

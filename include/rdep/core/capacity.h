@@ -11,6 +11,8 @@
 // Dropped slots get gate 0 and the token's surviving gates are rescaled to keep the token's gate sum:
 //   g'_k = g_k * S / A  for accepted k, with S = sum_k g_k and A = sum_{accepted k} g_k
 // (for gates that sum to 1 this is "renormalize over the accepted slots"); if A = 0 every g' is 0.
+// The admission step, the renormalization and its backward are defined once, for host and device
+// code, in rdep/core/capacity_rules.h; the functions below and the CUDA kernels call those.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +34,8 @@ struct CapacityPolicy {
   int64_t ExpertCapacity(const LayerShape& shape) const;
 };
 
-// admitted[s] for one expert, from the per-source candidate counts, under the rule above.
+// admitted[s] for one expert, from the per-source candidate counts, under the rule above
+// (SourceOrderAdmission).
 void AdmitBySourceOrder(const int64_t* counts_by_src, int64_t num_src, int64_t capacity, int64_t* admitted_by_src);
 
 // The accepted set of one rank: accepted[t*K+k] and the effective (renormalized) gates.
@@ -46,10 +49,12 @@ struct RankAcceptance {
 StatusOr<std::vector<RankAcceptance>> ApplyCapacity(const LayerShape& shape, const Routing& routing,
                                                     const CapacityPolicy& policy);
 
-// g' from g and the accepted mask for one token's K slots (the rule in the header comment).
+// g' from g and the accepted mask for one token's K slots (the rule in the header comment;
+// RenormalizeTokenGates).
 void RenormalizeGates(const float* gates, const uint8_t* accepted, int64_t K, float* effective);
 
-// Chain rule through RenormalizeGates: given dL/dg' for one token, returns dL/dg (double precision).
+// Chain rule through RenormalizeGates: given dL/dg' for one token, returns dL/dg (double precision;
+// RenormalizeTokenGatesBackward).
 void RenormalizeGatesBackward(const float* gates, const uint8_t* accepted, int64_t K, const double* d_effective,
                               double* d_gates);
 

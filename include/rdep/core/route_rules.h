@@ -1,7 +1,8 @@
 // Rules of a valid routing slot, one definition for host and device code: the host backend's and
 // the reference's input validation (RankRouting::Validate) and the CUDA layer's device-side check
 // before phase 1 (dispatch::LaunchValidateRouting) both call CheckRouteSlot, in the same order, so
-// both name the same first fault for the same input.
+// both name the same first fault for the same input. The protocol's other shared rules: route-row
+// identity in rdep/core/row_id.h, admission and gate renormalization in rdep/core/capacity_rules.h.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // Route-row identity (seeds 000 eq. 7): row_id = ((r*T)+t)*K + k, 64-bit and lossless.
 // Every accepted (rank r, token t, slot k) carries it through dispatch, owner compute and return;
-// the front-end places a returned row only by decoding it.
+// the front-end places a returned row only by decoding it. Host and device code (the CUDA scatter
+// and return kernels) both encode and decode through RowIdCodec.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,11 @@ struct RowKey {
   int64_t rank = 0;
   int64_t token = 0;
   int64_t slot = 0;
-  friend bool operator==(const RowKey&, const RowKey&) = default;
+  // Spelled out (not "= default"): CUDA translation units are C++17.
+  friend constexpr bool operator==(const RowKey& a, const RowKey& b) {
+    return a.rank == b.rank && a.token == b.token && a.slot == b.slot;
+  }
+  friend constexpr bool operator!=(const RowKey& a, const RowKey& b) { return !(a == b); }
 };
 
 struct RowIdCodec {

@@ -50,17 +50,19 @@ Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayo
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
-// Phase 2 at an owner: admitted counts per (source, local expert) in source order under `capacity`,
-// token-stream bases, all published to the sources; rows_per_expert[j] = admitted rows (device).
+// Phase 2 at an owner: admitted counts per (source, local expert) in source order under `capacity`
+// (rdep::SourceOrderAdmission, the host's rule: rdep/core/capacity_rules.h), token-stream bases,
+// all published to the sources; rows_per_expert[j] = admitted rows (device).
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity,
                        int64_t* const* control_of, int64_t* rows_per_expert, cudaStream_t s);
 // At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local), effective
-// gates renormalized exactly as rdep::RenormalizeGates, dropped rows added to *dropped.
+// gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped.
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
                     float* effective_gates, int64_t* dropped, cudaStream_t s);
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
-// this rank's tokens that falls in the window, into the owner's segment buffer `buf`.
+// this rank's tokens that falls in the window, into the owner's segment buffer `buf`. Row ids by
+// rdep::RowIdCodec.
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                      const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,
                      OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
@@ -75,14 +77,15 @@ Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grou
 // Sentinel echo instead of the MLP: out[g] = SentinelField(row_id, rank, global expert) | x row.
 Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                           const int32_t* local_to_global, bf16_bits* out, cudaStream_t s);
-// Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id.
+// Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id (rdep::RowIdCodec).
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
                         void* const* return_of, cudaStream_t s);
 // Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
 // slots (w = effective gate, or 1 when weights is null). save (nullable) receives the accepted rows.
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
                      int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
-// dgate: dL/dg'_k = <dy_t, f_k>, then the chain rule through the capacity renormalization.
+// dgate: dL/dg'_k = <dy_t, f_k> (fp32), then the chain rule through the capacity renormalization
+// (rdep::RenormalizeTokenGatesBackward: math in double, float in and out).
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted,
                    int64_t n, int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s);
 
