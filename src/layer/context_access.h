@@ -61,10 +61,11 @@ class ContextAccess {
     return static_cast<S*>(ctx.state_.get());
   }
 
-  // Read access for checks and telemetry: a context this layer filled on this rank, else null.
+  // Read access for checks and telemetry: a plan or a completed forward this layer made on this
+  // rank, else null.
   template <typename S>
   static const S* Peek(const ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
-    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank || !ctx.ready_) return nullptr;
+    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank || !(ctx.ready_ || ctx.planned_)) return nullptr;
     return static_cast<const S*>(ctx.state_.get());
   }
 

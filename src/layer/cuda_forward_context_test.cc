@@ -147,6 +147,33 @@ TEST(ForwardContext_Cuda, W4_TwoForwardsInFlightEqualSequentialPairs) {
   ExpectSame(sequential[1], planned_ahead[1], "plans ahead of runs, batch 1");
 }
 
+// With LayerConfig::load_matrix every rank's plan holds the full load matrix Lambda[W][E], equal to
+// the routing's (read after Plan, before Run).
+TEST(ForwardContext_Cuda, W4_PlanHoldsTheFullLoadMatrix) {
+  const int gpus = cuda::DeviceCount();
+  if (gpus == 0) GTEST_SKIP() << "no CUDA device";
+  Fixture f;
+  f.config.load_matrix = true;
+  auto domain = CudaDomain::CreateSingleProcess(kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, gpus))});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, f.config, f.own, f.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const std::vector<int64_t> want = LoadMatrix(f.routing[1], f.shape.experts);
+  std::vector<std::vector<int64_t>> got(kW);
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(f.routing[1][i], f.x[1][i], f.dy[1][i], f.shape.hidden, b));
+    ForwardContext ctx;
+    RDEP_RETURN_IF_ERROR((*layer)->Plan(r, ctx, b.e, b.g, b.n));
+    RDEP_ASSIGN_OR_RETURN(got[i], (*layer)->CopyLoadMatrix(ctx));
+    RDEP_RETURN_IF_ERROR((*layer)->Run(r, ctx, b.x, b.y));
+    return (*domain)->Synchronize(r);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 0; i < kW; ++i) EXPECT_EQ(got[i], want) << "rank " << i;
+}
+
 }  // namespace
 }  // namespace rdep
 #endif

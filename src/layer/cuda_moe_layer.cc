@@ -408,6 +408,7 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   // Phase 1: counts into every owner's recv tables.
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
   // Phase 2: owner scan, capacity, bases published back.
   RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
@@ -592,6 +593,19 @@ StatusOr<RankAcceptance> CudaMoELayer::CopyAcceptance(int32_t rank) const {
   }
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&a.dropped, sv->dropped.ptr, sizeof(int64_t), cudaMemcpyDeviceToHost));
   return a;
+}
+
+StatusOr<std::vector<int64_t>> CudaMoELayer::CopyLoadMatrix(const ForwardContext& ctx) const {
+  const int32_t rank = ctx.rank();
+  if (!config_.load_matrix) return FailedPrecondition("load matrix: the layer was created without LayerConfig::load_matrix");
+  const Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::Peek<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv) return FailedPrecondition("load matrix: the context holds no plan of this layer");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
+  std::vector<int64_t> lambda(static_cast<size_t>(layout_.W * layout_.E_load));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(lambda.data(), sv->control.ptr + layout_.load(0, 0), lambda.size() * sizeof(int64_t),
+                                       cudaMemcpyDeviceToHost));
+  return lambda;
 }
 
 StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank) const {

@@ -114,6 +114,35 @@ TEST(ForwardContext_Host, W4_PlansAheadOfRunsEqualForwards) {
   }
 }
 
+// With LayerConfig::load_matrix every rank's plan holds the full load matrix Lambda[W][E], equal to
+// the routing's; without it, asking is an error.
+TEST(ForwardContext_Host, W4_PlanHoldsTheFullLoadMatrix) {
+  Fixture f;
+  for (bool on : {true, false}) {
+    LayerConfig cfg = f.config;
+    cfg.load_matrix = on;
+    auto layer = *HostMoELayer::Create(*f.domain, cfg, f.own, f.w);
+    const std::vector<int64_t> want = LoadMatrix(f.routing[1], f.shape.experts);
+    std::vector<StatusOr<std::vector<int64_t>>> got(kW, std::vector<int64_t>{});
+    Status s = f.domain->Run([&](int32_t r) -> Status {
+      ForwardContext ctx;
+      RDEP_RETURN_IF_ERROR(layer->Plan(r, ctx, f.routing[1][static_cast<size_t>(r)]));
+      got[static_cast<size_t>(r)] = layer->load_matrix(ctx);
+      std::vector<float> y(static_cast<size_t>(f.routing[1][static_cast<size_t>(r)].num_tokens * f.shape.hidden));
+      return layer->Run(r, ctx, f.x[1][static_cast<size_t>(r)], y);
+    });
+    ASSERT_TRUE(s.ok()) << s;
+    for (int r = 0; r < kW; ++r) {
+      if (!on) {
+        EXPECT_EQ(got[static_cast<size_t>(r)].status().code(), StatusCode::kFailedPrecondition);
+        continue;
+      }
+      ASSERT_TRUE(got[static_cast<size_t>(r)].ok()) << got[static_cast<size_t>(r)].status();
+      EXPECT_EQ(*got[static_cast<size_t>(r)], want) << "rank " << r;
+    }
+  }
+}
+
 TEST(ForwardContext_Host, MisuseIsAnErrorNamingIt) {
   Fixture f;
   auto layer = *HostMoELayer::Create(*f.domain, f.config, f.own, f.w);

@@ -32,8 +32,9 @@ struct HostMoELayer::Saved final : ForwardContext::State {
   std::vector<float> saved_x;                   // [stream_tokens][H]
   std::vector<int64_t> rows_per_expert;         // [E_loc] admitted rows
   std::vector<OwnerTraceEntry> trace;
+  std::vector<int64_t> load;                    // [W][E] the full load matrix (LayerConfig::load_matrix)
   size_t bytes() const override {
-    size_t b = routing.experts.size() * 4 + routing.gates.size() * 4 + acceptance.accepted.size() +
+    size_t b = load.size() * 8 + routing.experts.size() * 4 + routing.gates.size() * 4 + acceptance.accepted.size() +
                acceptance.effective_gates.size() * 4 + (expert_out.size() + saved_x.size()) * 4 +
                (stream_base.size() + rows_per_expert.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);
     for (const auto& v : tokens_to) b += v.size() * 4;
@@ -91,6 +92,13 @@ int64_t HostMoELayer::segments(int32_t r) const { return last(r).num_segments; }
 const std::vector<OwnerTraceEntry>& HostMoELayer::owner_trace(int32_t r) const { return last(r).trace; }
 const std::vector<int64_t>& HostMoELayer::owner_rows_per_expert(int32_t r) const { return last(r).rows_per_expert; }
 const std::vector<float>& HostMoELayer::expert_outputs(int32_t r) const { return last(r).expert_out; }
+StatusOr<std::vector<int64_t>> HostMoELayer::load_matrix(const ForwardContext& ctx) const {
+  const Saved* saved = ctx.rank() >= 0 && ctx.rank() < config_.shape.ranks ? ContextAccess::Peek<Saved>(ctx, id_, ctx.rank()) : nullptr;
+  if (!saved) return FailedPrecondition("load matrix: the context holds no completed forward of this layer");
+  if (!config_.load_matrix) return FailedPrecondition("load matrix: the layer was created without LayerConfig::load_matrix");
+  return saved->load;
+}
+
 const std::vector<float>& HostMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1; }
 const std::vector<float>& HostMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2; }
 
@@ -156,7 +164,18 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
     for (int64_t j = 0; j < L; ++j) c[layout_.recv_counts(rank, j)] = rows[static_cast<size_t>(q * L + j)];
     c[layout_.recv_tokens(rank)] = static_cast<int64_t>(st.tokens_to[static_cast<size_t>(q)].size());
   }
+  if (layout_.E_load > 0) {  // this rank's row of the load matrix, to every rank
+    std::vector<int64_t> row(static_cast<size_t>(layout_.E_load), 0);
+    for (int32_t e : routing.experts) ++row[static_cast<size_t>(e)];
+    for (int64_t q = 0; q < W; ++q) std::copy(row.begin(), row.end(), ctrl(q) + layout_.load(rank, 0));
+  }
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
+  if (layout_.E_load > 0) {
+    const int64_t* lambda = ctrl(rank) + layout_.load(0, 0);
+    st.load.assign(lambda, lambda + W * layout_.E_load);
+  } else {
+    st.load.clear();
+  }
 
   // Phase 2 (owner): capacity per local expert in source order, token-stream bases, published back.
   int64_t* mine = ctrl(rank);

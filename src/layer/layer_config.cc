@@ -8,6 +8,8 @@ Status LayerConfig::Validate() const {
   RDEP_RETURN_IF_ERROR(shape.Validate());
   RDEP_RETURN_IF_ERROR(capacity.Validate());
   if (segment_tokens < 0) return InvalidArgument("segment size S must be >= 0 (0 = T), got " + std::to_string(segment_tokens));
+  if (load_matrix && shape.experts > kMaxLoadMatrixExperts)
+    return InvalidArgument("load_matrix: E=" + std::to_string(shape.experts) + " exceeds " + std::to_string(kMaxLoadMatrixExperts));
   return Status::Ok();
 }
 
@@ -15,8 +17,9 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   os << c.shape << " capacity=";
   if (c.capacity.dropless()) os << "dropless";
   else os << c.capacity.capacity_factor;
-  if (c.segment_tokens > 0) return os << " S=" << c.segment_tokens;
-  return os << " S=auto";  // the backend's default (host: T; CUDA: W*T, the worst case)
+  if (c.segment_tokens > 0) os << " S=" << c.segment_tokens;
+  else os << " S=auto";
+  return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w) {
@@ -41,6 +44,7 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
   l.K = c.shape.topk;
   l.slots_per_token = std::max<int64_t>(1, std::min<int64_t>(c.shape.topk, m.max_local()));
   l.elem_bytes = static_cast<int64_t>(elem_bytes);
+  l.E_load = c.load_matrix ? c.shape.experts : 0;
   return l;
 }
 

@@ -62,6 +62,17 @@ __global__ void RewriteFaultyTokensKernel(int32_t* experts, float* gates, int64_
   }
 }
 
+__global__ void PublishLoadRowKernel(const int32_t* experts, int64_t n, RegionLayout l, int32_t rank,
+                                     int64_t* const* control_of) {
+  extern __shared__ int load_shared[];  // [E]
+  for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) load_shared[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n * l.K; i += blockDim.x) atomicAdd(&load_shared[experts[i]], 1);
+  __syncthreads();
+  int64_t* dst = control_of[blockIdx.x] + l.load(rank, 0);
+  for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) dst[e] = load_shared[e];
+}
+
 __global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, OwnerMapView own, int32_t rank,
                                       int32_t* tok_index, int64_t* const* control_of) {
   extern __shared__ int rows_shared[];  // [L]
@@ -355,6 +366,15 @@ Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t 
   FindRoutingFaultKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
   RDEP_CUDA_CHECK_LAUNCH();
   RewriteFaultyTokensKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayout& l, int32_t rank,
+                            int64_t* const* control_of, cudaStream_t s) {
+  if (l.E_load <= 0) return Status::Ok();
+  const size_t shared = static_cast<size_t>(l.E_load) * sizeof(int);
+  PublishLoadRowKernel<<<static_cast<unsigned>(l.W), 256, shared, s>>>(experts, n, l, rank, control_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -94,6 +94,9 @@ class CudaMoELayer {
   // Host copies of the routing context of the last forward made with the layer's own context, for
   // checks (synchronize the rank's stream).
   StatusOr<RankAcceptance> CopyAcceptance(int32_t rank) const;
+  // The full load matrix Lambda [W][E] of the plan in ctx, as every rank holds it after phase 1
+  // (synchronizes the rank's stream); needs LayerConfig::load_matrix.
+  StatusOr<std::vector<int64_t>> CopyLoadMatrix(const ForwardContext& ctx) const;
   StatusOr<std::vector<OwnerTraceEntry>> CopyOwnerTrace(int32_t rank) const;
   std::vector<int64_t> owner_rows_per_expert(int32_t rank) const;
   StatusOr<std::vector<float>> CopyExpertOutputs(int32_t rank) const;  // [n*K][H]

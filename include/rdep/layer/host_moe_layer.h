@@ -78,6 +78,9 @@ class HostMoELayer {
   const std::vector<float>& expert_outputs(int32_t rank) const;  // [n*K][H] returned rows f_k(x_t), 0 if dropped
   const std::vector<int64_t>& owner_rows_per_expert(int32_t rank) const;  // admitted rows per local expert
   const std::vector<float>& dw1(int32_t rank) const;          // [E_loc][H][2F]
+  // The full load matrix Lambda [W][E] (rows per source rank and expert) of the forward in ctx, as
+  // every rank holds it after phase 1; needs LayerConfig::load_matrix.
+  StatusOr<std::vector<int64_t>> load_matrix(const ForwardContext& ctx) const;
   const std::vector<float>& dw2(int32_t rank) const;          // [E_loc][F][H]
 
  private:

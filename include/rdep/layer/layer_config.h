@@ -16,11 +16,15 @@
 
 namespace rdep {
 
+inline constexpr int64_t kMaxLoadMatrixExperts = 8192;  // one rank's row is counted in shared memory
+
 struct LayerConfig {
   LayerShape shape;
   CapacityPolicy capacity;         // dropless by default
   int64_t segment_tokens = 0;      // S: token rows an owner receives per segment; 0 = the backend's
                                    // default (host: T; CUDA: W*T, so one segment and no host sync)
+  bool load_matrix = false;        // phase 1 also gives every rank the full load matrix Lambda[W][E]
+                                   // (the balancer needs it; W*E words per rank; E <= kMaxLoadMatrixExperts)
 
   Status Validate() const;
   int64_t segment() const { return segment_tokens > 0 ? segment_tokens : (shape.tokens > 0 ? shape.tokens : 1); }

@@ -42,6 +42,10 @@ struct RoutingFault {
 };
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
                              RoutingFault* fault, cudaStream_t s);
+// Phase 1, with LayerConfig::load_matrix: this rank's row of the load matrix (rows per expert, from
+// its n*K expert ids) into every rank's control words at load(rank, 0..E) (one block per rank).
+Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayout& l, int32_t rank,
+                            int64_t* const* control_of, cudaStream_t s);
 // Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
 // that chose an expert of q (tok_index[q*n + t], -1 if none), the rows per q-local expert, published
 // into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank].

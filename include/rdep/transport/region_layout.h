@@ -10,6 +10,8 @@
 //   send_admitted_by_dst [W][L]  rows owner d admits from q for d's local expert j (phase 2, written by d)
 //   send_offsets_by_dst  [W]     base of q's tokens in owner d's token stream (phase 2, written by d)
 //   owner_stream_tokens  [W]     tokens owner d receives in total (phase 2, written by d to every rank)
+//   load_matrix          [W][E]  rows source s routes to expert e, the full load matrix Lambda (phase 1,
+//                                written by s to every rank); present only when E_load = E > 0
 // segment payload  [2][S][H] activations (double-buffered; the backend's element type)
 // segment sideband [2][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
 // return           [T*K][H] returned rows, placed at (t*K+k) decoded from row_id
@@ -37,6 +39,7 @@ static_assert(sizeof(RowSideband) == 16);
 struct RegionLayout {
   int64_t W = 0, L = 0, S = 0, H = 0, T = 0, K = 0, slots_per_token = 0;
   int64_t elem_bytes = 0;
+  int64_t E_load = 0;  // E when every rank holds the full load matrix (LayerConfig::load_matrix), else 0
 
   // control offsets, in int64 words
   RDEP_HD int64_t recv_counts(int64_t src, int64_t j) const { return src * L + j; }
@@ -45,7 +48,8 @@ struct RegionLayout {
   RDEP_HD int64_t send_admitted(int64_t dst, int64_t j) const { return W * L + 2 * W + dst * L + j; }
   RDEP_HD int64_t send_offsets(int64_t dst) const { return 2 * W * L + 2 * W + dst; }
   RDEP_HD int64_t owner_tokens(int64_t owner) const { return 2 * W * L + 3 * W + owner; }
-  RDEP_HD size_t control_bytes() const { return static_cast<size_t>(2 * W * L + 4 * W) * sizeof(int64_t); }
+  RDEP_HD int64_t load(int64_t src, int64_t e) const { return 2 * W * L + 4 * W + src * E_load + e; }
+  RDEP_HD size_t control_bytes() const { return static_cast<size_t>(2 * W * L + 4 * W + W * E_load) * sizeof(int64_t); }
   RDEP_HD size_t token_sideband_bytes() const {
     return sizeof(int64_t) + static_cast<size_t>(slots_per_token) * sizeof(RowSideband);
   }
