@@ -245,15 +245,31 @@ Status NcclCombine(NcclRank& n, int32_t W, int64_t H, cudaStream_t s, const cuda
 }
 #endif  // RDEP_HAVE_NCCL
 
-int RunDispatchBench(const rdep::cli::Args& args) {
-  if (rdep::cli::WantsHelp(args)) {
-    std::cout << kHelp;
-    return 0;
-  }
+// ---- setup -----------------------------------------------------------------------------------------
+
+// What the flags ask for, checked.
+struct DispatchBenchOptions {
+  rdep::LayerConfig cfg;   // shape.ffn = kLayerFfn; dropless
+  rdep::RoutingSpec spec;  // seeded with `seed`
+  int64_t warmup = 0, iters = 0;
+  uint64_t seed = 0;
+  int64_t launch_ahead_us = 0;  // the timed loops take its address (LaunchAhead): it outlives them
+  bool no_nccl = false;
+  std::string json;
+  rdep::cli::Limits limits;
+};
+
+int Refuse(const std::string& message) {
+  std::cerr << "rdep bench dispatch: " << message << "\n";
+  return 2;
+}
+
+// Reads and checks the flags in the command's fixed order; 0 when `o` is good, else the exit code
+// (2: a refused flag or size, estimate included; 1: an unknown routing).
+int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions& o) {
   rdep::cli::Flags f(args);
   const int gpus = rdep::cuda::DeviceCount();
-  rdep::LayerConfig cfg;
-  auto& s = cfg.shape;
+  auto& s = o.cfg.shape;
   s.ranks = f.get_int("ranks", std::min(gpus, 8));
   s.tokens = f.get_int("tokens", 4096);
   s.hidden = f.get_int("hidden", 2048);
@@ -261,356 +277,466 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   s.experts = f.get_int("experts", 64);
   s.topk = f.get_int("topk", 6);
   const std::string routing_name = f.get_string("routing", "uniform");
-  const int64_t warmup = f.get_int("warmup", 20), iters = f.get_int("iters", 200);
-  const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
-  const int64_t launch_ahead_us = f.get_int("launch-ahead-us", 100);
-  const bool no_nccl = f.get_bool("no-nccl");
-  const std::string json = f.get_string("json", "");
+  o.warmup = f.get_int("warmup", 20);
+  o.iters = f.get_int("iters", 200);
+  o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
+  o.launch_ahead_us = f.get_int("launch-ahead-us", 100);
+  o.no_nccl = f.get_bool("no-nccl");
+  o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
-  if (Status st = f.Finish(); !st.ok()) {
-    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
-    return 2;
-  }
-  if (!limits.ok()) {
-    std::cerr << "rdep bench dispatch: " << limits.status().message() << "\n";
-    return 2;
-  }
-  if (warmup > 1000000 || iters > 1000000) {
-    std::cerr << "rdep bench dispatch: --warmup and --iters must be <= 1000000\n";
-    return 2;
-  }
-  if (gpus == 0) {
-    std::cerr << "rdep bench dispatch: no CUDA device is present\n";
-    return 2;
-  }
-  if (warmup < 0 || iters < 1 || launch_ahead_us < 0) {
-    std::cerr << "rdep bench dispatch: --warmup and --launch-ahead-us must be >= 0, --iters >= 1\n";
-    return 2;
-  }
-  if (s.ranks < 1 || s.ranks > gpus) {
-    std::cerr << "rdep bench dispatch: --ranks must be in [1, " << gpus << "] on this machine\n";
-    return 2;
-  }
+  if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
+  if (o.warmup < 0 || o.iters < 1 || o.launch_ahead_us < 0)
+    return Refuse("--warmup and --launch-ahead-us must be >= 0, --iters >= 1");
+  if (s.ranks < 1 || s.ranks > gpus) return Refuse("--ranks must be in [1, " + std::to_string(gpus) + "] on this machine");
   auto spec = rdep::RoutingSpec::Parse(routing_name);
   if (!spec.ok()) return Fail(spec.status());
-  spec->seed = seed;
-  if (Status st = cfg.Validate(); !st.ok()) {
-    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
-    return 2;
-  }
+  spec->seed = o.seed;
+  o.spec = *spec;
+  o.limits = *limits;
   // Estimate before allocating; open the receipt before the work.
-  if (Status st = rdep::bench::CheckLayerBenchFootprint(cfg, warmup + iters, static_cast<int>(s.ranks), *limits); !st.ok()) {
-    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
-    return 2;
-  }
-  if (Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
-    std::cerr << "rdep bench dispatch: " << st.message() << "\n";
-    return 2;
-  }
-  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed, static_cast<int>(s.ranks));  // one GPU per rank (NCCL baseline)
-  if (!setup.ok()) return Fail(setup.status());
-  const rdep::OwnershipMap& own = setup->ownership;
-  const rdep::Routing& routing = setup->routing;
-  const auto& x = setup->x;
-  auto& domain = setup->domain;
-  auto& layer = setup->layer;
-  layer->set_expert_kind(rdep::ExpertKind::kSentinel);
+  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(s.ranks), o.limits, o.json);
+      !st.ok())
+    return Refuse(st.message());
+  return 0;
+}
 
-  const auto W = static_cast<size_t>(s.ranks);
-  const int32_t Wi = static_cast<int32_t>(s.ranks);
-  const int64_t H = s.hidden, K = s.topk;
-  const RowCounts rows = CountRows(routing, own, s.ranks);
-  const size_t nk = static_cast<size_t>(s.tokens * K), nh = static_cast<size_t>(s.tokens * H);
-  struct Bufs {
-    int32_t* experts = nullptr;
-    float* gates = nullptr;
-    __nv_bfloat16 *x = nullptr, *y = nullptr;
-    std::vector<cudaEvent_t> ev;
-  };
-  std::vector<Bufs> bufs(W);
-  const int64_t total = warmup + iters;
-  std::vector<std::vector<double>> fwd(W);
-  std::vector<std::vector<rdep::PhaseTimes>> phases(W);
-  std::vector<size_t> layer_bytes(W);
-  std::mutex mu;
+// One rank's router output and activations on the device, and its events: 2i / 2i+1 around
+// iteration i's forward.
+struct RankBuffers {
+  int32_t* experts = nullptr;
+  float* gates = nullptr;
+  __nv_bfloat16 *x = nullptr, *y = nullptr;
+  std::vector<cudaEvent_t> ev;
+};
+
+// On rank r's thread: allocates `b`, uploads the routing and the activations (bf16) and creates 2
+// events per iteration (`total` = warmup + iters).
+Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std::vector<float>& xr, const rdep::LayerShape& s,
+                         int64_t total) {
+  const size_t nk = static_cast<size_t>(s.tokens * s.topk), nh = static_cast<size_t>(s.tokens * s.hidden);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
+  for (auto** p : {&b.x, &b.y}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.experts, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.gates, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<uint16_t> bits(nh);
+  for (size_t i = 0; i < bits.size() && i < xr.size(); ++i) bits[i] = rdep::FloatToBf16Bits(xr[i]);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
+  b.ev.resize(static_cast<size_t>(2 * total));
+  for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  return Status::Ok();
+}
+
+void FreeRankBuffers(rdep::CudaDomain& domain, std::vector<RankBuffers>& bufs) {
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    cudaSetDevice(domain.device(static_cast<int32_t>(r)));
+    for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].x),
+                    static_cast<void*>(bufs[r].y)})
+      cudaFree(p);
+    for (auto e : bufs[r].ev) cudaEventDestroy(e);
+  }
+}
+
+// ---- run -------------------------------------------------------------------------------------------
+
+// Raw times per rank and what is derived from them (max over ranks per iteration), rdep and NCCL.
+struct DispatchBenchResults {
+  RowCounts rows;
+  // rdep, raw
+  std::vector<std::vector<double>> fwd;                // [rank][iteration after warmup], ms, unprofiled
+  std::vector<std::vector<rdep::PhaseTimes>> phases;  // [rank][iteration after warmup], profiled
+  std::vector<size_t> layer_bytes;                     // [rank]
   int64_t accepted_rows = 0;
-
-  // 1. rdep: the whole sentinel forward, unprofiled; 2. the same with phase marks.
-  Status st = domain->Run([&](int32_t r) -> Status {
-    Bufs& b = bufs[static_cast<size_t>(r)];
-    const auto& rr = routing[static_cast<size_t>(r)];
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
-    for (auto** p : {&b.x, &b.y}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.experts, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.gates, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
-    std::vector<uint16_t> bits(nh);
-    const auto& xr = x[static_cast<size_t>(r)];
-    for (size_t i = 0; i < bits.size() && i < xr.size(); ++i) bits[i] = rdep::FloatToBf16Bits(xr[i]);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
-    b.ev.resize(static_cast<size_t>(2 * total));
-    for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    cudaStream_t stream = domain->stream(r);
-    for (int64_t i = 0; i < total; ++i) {
-      RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));  // ranks start together
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i)], stream));
-      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, rr.num_tokens, b.x, b.y));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i + 1)], stream));
-    }
-    RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
-    for (int64_t i = warmup; i < total; ++i) {
-      float ms = 0;
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(2 * i)], b.ev[static_cast<size_t>(2 * i + 1)]));
-      fwd[static_cast<size_t>(r)].push_back(ms);
-    }
-    layer_bytes[static_cast<size_t>(r)] = layer->device_bytes(r);
-    RDEP_ASSIGN_OR_RETURN(auto acc, layer->CopyAcceptance(r));
-    int64_t a = 0;
-    for (auto v : acc.accepted) a += v;
-    std::lock_guard<std::mutex> lock(mu);
-    accepted_rows += a;
-    return Status::Ok();
-  });
-  if (!st.ok()) return Fail(st);
-  if (accepted_rows != rows.slots_total)
-    return Fail(rdep::InternalError("accepted rows " + std::to_string(accepted_rows) + " != W*T*K " +
-                                    std::to_string(rows.slots_total) + " (the layer should be dropless)"));
-  if (Status pe = layer->EnableProfiling(true); !pe.ok()) return Fail(pe);
-  st = domain->Run([&](int32_t r) -> Status {
-    Bufs& b = bufs[static_cast<size_t>(r)];
-    cudaStream_t stream = domain->stream(r);
-    for (int64_t i = 0; i < total; ++i) {
-      RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
-      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, routing[static_cast<size_t>(r)].num_tokens, b.x, b.y));
-      RDEP_ASSIGN_OR_RETURN(auto p, layer->LastPhaseTimes(r, false));  // synchronizes this rank
-      if (i >= warmup) phases[static_cast<size_t>(r)].push_back(p);
-    }
-    return domain->Synchronize(r);
-  });
-  if (!st.ok()) return Fail(st);
-  if (Status pe = layer->EnableProfiling(false); !pe.ok()) return Fail(pe);
-
-  const auto rdep_dispatch = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms + p.dispatch_ms; });
-  const auto rdep_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms + p.combine_ms; });
-  const auto rdep_fwd = rdep::MaxOverRanks(fwd);
-  const auto ph_routing = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms; });
-  const auto ph_scatter = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.dispatch_ms; });
-  const auto ph_expert = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.expert_ms; });
-  const auto ph_return = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms; });
-  const auto ph_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.combine_ms; });
-
-  // 3. NCCL baseline.
-  std::string nccl_state = no_nccl ? "skipped (--no-nccl)" : "unavailable (this build has no NCCL)";
-  std::string nccl_version;
+  // rdep, per iteration max over ranks
+  std::vector<double> rdep_dispatch, rdep_combine, rdep_fwd;
+  std::vector<double> ph_routing, ph_scatter, ph_expert, ph_return, ph_combine;
+  // NCCL baseline, per iteration max over ranks
+  std::string nccl_state, nccl_version;
   std::vector<double> nccl_dispatch, nccl_combine, nccl_counts;
   size_t nccl_bytes_max = 0;
   bool round_trip_ok = false;
-#if defined(RDEP_HAVE_NCCL)
-  if (!no_nccl) {
-    setenv("NCCL_NVLS_ENABLE", "0", 1);  // never NVLink multicast (see the device notes)
-    int ver = 0;
-    ncclGetVersion(&ver);
-    nccl_version = std::to_string(ver);
-    std::vector<NcclRank> nr(W);
-    std::vector<ncclComm_t> comms(W);
-    std::vector<int> devs(W);
-    for (size_t r = 0; r < W; ++r) devs[r] = domain->device(static_cast<int32_t>(r));
-    if (ncclResult_t res = ncclCommInitAll(comms.data(), Wi, devs.data()); res != ncclSuccess)
-      return Fail(rdep::InternalError(std::string("ncclCommInitAll: ") + ncclGetErrorString(res)));
-    for (size_t r = 0; r < W; ++r) {
-      cudaSetDevice(devs[r]);
-      cudaGetLastError();  // NCCL may leave a benign peer-access error (already enabled) pending
-      nr[r].comm = comms[r];
-    }
-    std::vector<std::vector<double>> t_dispatch(W), t_combine(W), t_counts(W);
-    std::vector<int> same(W, 0);
-    st = domain->Run([&](int32_t r) -> Status {
-      NcclRank& n = nr[static_cast<size_t>(r)];
-      const auto& rr = routing[static_cast<size_t>(r)];
-      const auto& mine = rows.slot_rows[static_cast<size_t>(r)];
-      n.send_off.assign(W, 0);
-      n.recv_off.assign(W, 0);
-      std::vector<int64_t> start(W, 0);
-      n.send_rows = 0;
-      n.recv_rows = 0;
-      for (size_t q = 0; q < W; ++q) {
-        start[q] = n.send_rows;
-        n.send_rows += mine[q];
-        n.recv_rows += rows.slot_rows[q][static_cast<size_t>(r)];
-      }
-      // Pack on the host (untimed): row (t, k) at its destination's next place.
-      std::vector<uint16_t> packed(static_cast<size_t>(n.send_rows * H));
-      const auto& xr = x[static_cast<size_t>(r)];
-      for (int64_t t = 0; t < rr.num_tokens; ++t)
-        for (int64_t k = 0; k < K; ++k) {
-          const auto q = static_cast<size_t>((own).owner(rr.experts[static_cast<size_t>(t * K + k)]));
-          uint16_t* dst = packed.data() + (start[q]++) * H;
-          for (int64_t c = 0; c < H; ++c) dst[c] = rdep::FloatToBf16Bits(xr[static_cast<size_t>(t * H + c)]);
-        }
-      const auto row_bytes = static_cast<size_t>(H) * 2;
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.send, std::max<size_t>(1, static_cast<size_t>(n.send_rows) * row_bytes)));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.back, std::max<size_t>(1, static_cast<size_t>(n.send_rows) * row_bytes)));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.recv, std::max<size_t>(1, static_cast<size_t>(n.recv_rows) * row_bytes)));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.counts, sizeof(int64_t) * 2 * W));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&n.host_counts, sizeof(int64_t) * 2 * W));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.send, packed.data(), static_cast<size_t>(n.send_rows) * row_bytes, cudaMemcpyHostToDevice));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(n.back, 0xFF, static_cast<size_t>(n.send_rows) * row_bytes));
-      // The send counts, on the device as an EP layer's histogram would leave them.
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.counts, mine.data(), sizeof(int64_t) * W, cudaMemcpyHostToDevice));
-      n.ev.resize(static_cast<size_t>(5 * total));
-      for (auto& e : n.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-      cudaStream_t stream = domain->stream(r);
-      // One untimed round trip (NCCL connects its peers lazily), then the check that it is exact.
-      RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, nullptr));
-      RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, nullptr));
-      std::vector<uint16_t> back(packed.size());
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(back.data(), n.back, back.size() * 2, cudaMemcpyDeviceToHost, stream));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-      cudaGetLastError();  // a benign error NCCL's peer setup may leave pending (peer access already enabled)
-      same[static_cast<size_t>(r)] = back == packed ? 1 : 0;
-      for (int64_t i = 0; i < total; ++i) {
-        const cudaEvent_t* ev = n.ev.data() + 5 * i;
-        RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
-        RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, ev));
-        RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &launch_ahead_us));
-        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
-        RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, ev + 3));
-      }
-      RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
-      for (int64_t i = warmup; i < total; ++i) {
-        const cudaEvent_t* ev = n.ev.data() + 5 * i;
-        float d = 0, c = 0, cnt = 0;
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&d, ev[0], ev[2]));
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&cnt, ev[0], ev[1]));
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&c, ev[3], ev[4]));
-        t_dispatch[static_cast<size_t>(r)].push_back(d);
-        t_counts[static_cast<size_t>(r)].push_back(cnt);
-        t_combine[static_cast<size_t>(r)].push_back(c);
-      }
-      return Status::Ok();
-    });
-    for (size_t r = 0; r < W; ++r) {
-      cudaSetDevice(devs[r]);
-      nccl_bytes_max = std::max(nccl_bytes_max, static_cast<size_t>(2 * nr[r].send_rows + nr[r].recv_rows) * static_cast<size_t>(H) * 2);
-      for (void* p : {static_cast<void*>(nr[r].send), static_cast<void*>(nr[r].recv), static_cast<void*>(nr[r].back),
-                      static_cast<void*>(nr[r].counts)})
-        cudaFree(p);
-      if (nr[r].host_counts) cudaFreeHost(nr[r].host_counts);
-      for (auto e : nr[r].ev) cudaEventDestroy(e);
-    }
-    for (auto c : comms) ncclCommDestroy(c);
-    if (!st.ok()) return Fail(st);
-    nccl_dispatch = rdep::MaxOverRanks(t_dispatch);
-    nccl_combine = rdep::MaxOverRanks(t_combine);
-    nccl_counts = rdep::MaxOverRanks(t_counts);
-    round_trip_ok = std::all_of(same.begin(), same.end(), [](int v) { return v == 1; });
-    nccl_state = round_trip_ok ? "ok" : "ROUND TRIP MISMATCH";
-  }
-#else
-  (void)Wi;
-#endif
-  const bool have_nccl = !nccl_dispatch.empty();
-
-  // Bytes (see the help text) and bandwidths.
-  const double row_b = 2.0 * static_cast<double>(H), Wd = static_cast<double>(W);
-  const double rdep_dispatch_bytes = static_cast<double>(rows.pairs_remote) * (row_b + 8) + static_cast<double>(rows.slots_remote) * 16;
-  const double rdep_combine_bytes = static_cast<double>(rows.slots_remote) * row_b;
-  const double nccl_dispatch_bytes = static_cast<double>(rows.slots_remote) * row_b + Wd * (Wd - 1) * 8;
-  const double nccl_combine_bytes = static_cast<double>(rows.slots_remote) * row_b;
-  auto algbw = [&](double bytes, double ms) { return bytes / Wd / (ms * 1e-3) / 1e9; };
-  const auto s_rd = rdep::Summarize(rdep_dispatch), s_rc = rdep::Summarize(rdep_combine), s_rf = rdep::Summarize(rdep_fwd);
-  const auto s_nd = rdep::Summarize(nccl_dispatch), s_nc = rdep::Summarize(nccl_combine), s_ncnt = rdep::Summarize(nccl_counts);
+  bool have_nccl = false;
+  // summaries
+  rdep::Summary s_rd, s_rc, s_rf, s_nd, s_nc, s_ncnt;
   size_t layer_max = 0;
-  for (auto b : layer_bytes) layer_max = std::max(layer_max, b);
+};
 
+// Rank r's unprofiled loop: each iteration the launch-ahead wait, a device barrier, an event, the
+// sentinel forward, an event; after Synchronize the times past the warmup.
+Status TimeRankForward(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
+                       const DispatchBenchOptions& o, std::vector<double>& fwd) {
+  const int64_t total = o.warmup + o.iters;
+  cudaStream_t stream = domain.stream(r);
+  for (int64_t i = 0; i < total; ++i) {
+    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));  // ranks start together
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i)], stream));
+    RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i + 1)], stream));
+  }
+  RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+  for (int64_t i = o.warmup; i < total; ++i) {
+    float ms = 0;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(2 * i)], b.ev[static_cast<size_t>(2 * i + 1)]));
+    fwd.push_back(ms);
+  }
+  return Status::Ok();
+}
+
+// Rank r's profiled loop (the layer's phase marks on): the same iterations, the phase times past the
+// warmup.
+Status TimeRankPhases(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
+                      const DispatchBenchOptions& o, std::vector<rdep::PhaseTimes>& phases) {
+  const int64_t total = o.warmup + o.iters;
+  cudaStream_t stream = domain.stream(r);
+  for (int64_t i = 0; i < total; ++i) {
+    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
+    RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
+    RDEP_ASSIGN_OR_RETURN(auto p, layer.LastPhaseTimes(r, false));  // synchronizes this rank
+    if (i >= o.warmup) phases.push_back(p);
+  }
+  return domain.Synchronize(r);
+}
+
+// 1. rdep: the whole sentinel forward, unprofiled (dropless: every row must be accepted); 2. the same
+// with phase marks; then the max over ranks per iteration.
+Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetup& setup, std::vector<RankBuffers>& bufs,
+                      DispatchBenchResults& res) {
+  const rdep::Routing& routing = setup.routing;
+  rdep::CudaDomain& domain = *setup.domain;
+  rdep::CudaMoELayer& layer = *setup.layer;
+  const auto W = static_cast<size_t>(o.cfg.shape.ranks);
+  res.fwd.assign(W, {});
+  res.phases.assign(W, {});
+  res.layer_bytes.assign(W, 0);
+  std::mutex mu;
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, o.warmup + o.iters));
+    RDEP_RETURN_IF_ERROR(TimeRankForward(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.fwd[sr]));
+    res.layer_bytes[sr] = layer.device_bytes(r);
+    RDEP_ASSIGN_OR_RETURN(auto acc, layer.CopyAcceptance(r));
+    int64_t a = 0;
+    for (auto v : acc.accepted) a += v;
+    std::lock_guard<std::mutex> lock(mu);
+    res.accepted_rows += a;
+    return Status::Ok();
+  }));
+  if (res.accepted_rows != res.rows.slots_total)
+    return rdep::InternalError("accepted rows " + std::to_string(res.accepted_rows) + " != W*T*K " +
+                               std::to_string(res.rows.slots_total) + " (the layer should be dropless)");
+  RDEP_RETURN_IF_ERROR(layer.EnableProfiling(true));
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    return TimeRankPhases(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.phases[sr]);
+  }));
+  RDEP_RETURN_IF_ERROR(layer.EnableProfiling(false));
+
+  const auto& phases = res.phases;
+  res.rdep_dispatch = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms + p.dispatch_ms; });
+  res.rdep_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms + p.combine_ms; });
+  res.rdep_fwd = rdep::MaxOverRanks(res.fwd);
+  res.ph_routing = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms; });
+  res.ph_scatter = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.dispatch_ms; });
+  res.ph_expert = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.expert_ms; });
+  res.ph_return = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms; });
+  res.ph_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.combine_ms; });
+  return Status::Ok();
+}
+
+#if defined(RDEP_HAVE_NCCL)
+// On rank r's thread: the baseline's buffers (see NcclRank), its rows packed by destination on the host
+// (untimed) into `packed` and uploaded, `back` poisoned, the send counts on the device, 5 events per
+// iteration.
+Status SetupNcclRank(NcclRank& n, int32_t r, const rdep::RankRouting& rr, const std::vector<float>& xr, const RowCounts& rows,
+                     const rdep::OwnershipMap& own, const DispatchBenchOptions& o, std::vector<uint16_t>& packed) {
+  const auto W = static_cast<size_t>(o.cfg.shape.ranks);
+  const int64_t H = o.cfg.shape.hidden, K = o.cfg.shape.topk, total = o.warmup + o.iters;
+  const auto& mine = rows.slot_rows[static_cast<size_t>(r)];
+  n.send_off.assign(W, 0);
+  n.recv_off.assign(W, 0);
+  std::vector<int64_t> start(W, 0);
+  n.send_rows = 0;
+  n.recv_rows = 0;
+  for (size_t q = 0; q < W; ++q) {
+    start[q] = n.send_rows;
+    n.send_rows += mine[q];
+    n.recv_rows += rows.slot_rows[q][static_cast<size_t>(r)];
+  }
+  // Pack on the host (untimed): row (t, k) at its destination's next place.
+  packed.assign(static_cast<size_t>(n.send_rows * H), 0);
+  for (int64_t t = 0; t < rr.num_tokens; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const auto q = static_cast<size_t>((own).owner(rr.experts[static_cast<size_t>(t * K + k)]));
+      uint16_t* dst = packed.data() + (start[q]++) * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] = rdep::FloatToBf16Bits(xr[static_cast<size_t>(t * H + c)]);
+    }
+  const auto row_bytes = static_cast<size_t>(H) * 2;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.send, std::max<size_t>(1, static_cast<size_t>(n.send_rows) * row_bytes)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.back, std::max<size_t>(1, static_cast<size_t>(n.send_rows) * row_bytes)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.recv, std::max<size_t>(1, static_cast<size_t>(n.recv_rows) * row_bytes)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&n.counts, sizeof(int64_t) * 2 * W));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&n.host_counts, sizeof(int64_t) * 2 * W));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.send, packed.data(), static_cast<size_t>(n.send_rows) * row_bytes, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(n.back, 0xFF, static_cast<size_t>(n.send_rows) * row_bytes));
+  // The send counts, on the device as an EP layer's histogram would leave them.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.counts, mine.data(), sizeof(int64_t) * W, cudaMemcpyHostToDevice));
+  n.ev.resize(static_cast<size_t>(5 * total));
+  for (auto& e : n.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  return Status::Ok();
+}
+
+// One untimed round trip (NCCL connects its peers lazily), then the check that it is exact: `same` = 1
+// when `back` holds the rows sent.
+Status NcclRoundTrip(NcclRank& n, int32_t W, int64_t H, cudaStream_t stream, const std::vector<uint16_t>& packed, int& same) {
+  RDEP_RETURN_IF_ERROR(NcclDispatch(n, W, H, stream, nullptr));
+  RDEP_RETURN_IF_ERROR(NcclCombine(n, W, H, stream, nullptr));
+  std::vector<uint16_t> back(packed.size());
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(back.data(), n.back, back.size() * 2, cudaMemcpyDeviceToHost, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  cudaGetLastError();  // a benign error NCCL's peer setup may leave pending (peer access already enabled)
+  same = back == packed ? 1 : 0;
+  return Status::Ok();
+}
+
+// Rank r's timed baseline loop: each iteration the launch-ahead wait, a device barrier, the dispatch
+// (events 5i..5i+2), the launch-ahead wait, a device barrier, the combine (events 5i+3, 5i+4); after
+// Synchronize the times past the warmup.
+Status TimeNcclRank(rdep::CudaDomain& domain, int32_t r, NcclRank& n, const DispatchBenchOptions& o, std::vector<double>& t_dispatch,
+                    std::vector<double>& t_counts, std::vector<double>& t_combine) {
+  const auto Wi = static_cast<int32_t>(o.cfg.shape.ranks);
+  const int64_t H = o.cfg.shape.hidden, total = o.warmup + o.iters;
+  cudaStream_t stream = domain.stream(r);
+  for (int64_t i = 0; i < total; ++i) {
+    const cudaEvent_t* ev = n.ev.data() + 5 * i;
+    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
+    RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, ev));
+    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
+    RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, ev + 3));
+  }
+  RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+  for (int64_t i = o.warmup; i < total; ++i) {
+    const cudaEvent_t* ev = n.ev.data() + 5 * i;
+    float d = 0, c = 0, cnt = 0;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&d, ev[0], ev[2]));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&cnt, ev[0], ev[1]));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&c, ev[3], ev[4]));
+    t_dispatch.push_back(d);
+    t_counts.push_back(cnt);
+    t_combine.push_back(c);
+  }
+  return Status::Ok();
+}
+
+// Frees every rank's baseline buffers and events; returns the largest rank's buffer bytes.
+size_t FreeNcclRanks(std::vector<NcclRank>& nr, const std::vector<int>& devs, int64_t H) {
+  size_t bytes_max = 0;
+  for (size_t r = 0; r < nr.size(); ++r) {
+    cudaSetDevice(devs[r]);
+    bytes_max = std::max(bytes_max, static_cast<size_t>(2 * nr[r].send_rows + nr[r].recv_rows) * static_cast<size_t>(H) * 2);
+    for (void* p : {static_cast<void*>(nr[r].send), static_cast<void*>(nr[r].recv), static_cast<void*>(nr[r].back),
+                    static_cast<void*>(nr[r].counts)})
+      cudaFree(p);
+    if (nr[r].host_counts) cudaFreeHost(nr[r].host_counts);
+    for (auto e : nr[r].ev) cudaEventDestroy(e);
+  }
+  return bytes_max;
+}
+
+// 3. The NCCL baseline: one communicator per GPU, every rank's setup, round trip and timed loop, then
+// the max over ranks per iteration.
+Status RunNcclTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetup& setup, DispatchBenchResults& res) {
+  const auto W = static_cast<size_t>(o.cfg.shape.ranks);
+  const auto Wi = static_cast<int32_t>(o.cfg.shape.ranks);
+  rdep::CudaDomain& domain = *setup.domain;
+  setenv("NCCL_NVLS_ENABLE", "0", 1);  // never NVLink multicast (see the device notes)
+  int ver = 0;
+  ncclGetVersion(&ver);
+  res.nccl_version = std::to_string(ver);
+  std::vector<NcclRank> nr(W);
+  std::vector<ncclComm_t> comms(W);
+  std::vector<int> devs(W);
+  for (size_t r = 0; r < W; ++r) devs[r] = domain.device(static_cast<int32_t>(r));
+  if (ncclResult_t nres = ncclCommInitAll(comms.data(), Wi, devs.data()); nres != ncclSuccess)
+    return rdep::InternalError(std::string("ncclCommInitAll: ") + ncclGetErrorString(nres));
+  for (size_t r = 0; r < W; ++r) {
+    cudaSetDevice(devs[r]);
+    cudaGetLastError();  // NCCL may leave a benign peer-access error (already enabled) pending
+    nr[r].comm = comms[r];
+  }
+  std::vector<std::vector<double>> t_dispatch(W), t_combine(W), t_counts(W);
+  std::vector<int> same(W, 0);
+  Status st = domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    NcclRank& n = nr[sr];
+    std::vector<uint16_t> packed;
+    RDEP_RETURN_IF_ERROR(SetupNcclRank(n, r, setup.routing[sr], setup.x[sr], res.rows, setup.ownership, o, packed));
+    RDEP_RETURN_IF_ERROR(NcclRoundTrip(n, Wi, o.cfg.shape.hidden, domain.stream(r), packed, same[sr]));
+    return TimeNcclRank(domain, r, n, o, t_dispatch[sr], t_counts[sr], t_combine[sr]);
+  });
+  res.nccl_bytes_max = FreeNcclRanks(nr, devs, o.cfg.shape.hidden);
+  for (auto c : comms) ncclCommDestroy(c);
+  RDEP_RETURN_IF_ERROR(st);
+  res.nccl_dispatch = rdep::MaxOverRanks(t_dispatch);
+  res.nccl_combine = rdep::MaxOverRanks(t_combine);
+  res.nccl_counts = rdep::MaxOverRanks(t_counts);
+  res.round_trip_ok = std::all_of(same.begin(), same.end(), [](int v) { return v == 1; });
+  res.nccl_state = res.round_trip_ok ? "ok" : "ROUND TRIP MISMATCH";
+  return Status::Ok();
+}
+#endif  // RDEP_HAVE_NCCL
+
+// ---- report ----------------------------------------------------------------------------------------
+
+// Bytes each side moves (see the help text for the formulas).
+struct TransportBytes {
+  double rdep_dispatch = 0, rdep_combine = 0, nccl_dispatch = 0, nccl_combine = 0;
+};
+
+TransportBytes CountTransportBytes(const RowCounts& rows, int64_t H, int64_t W) {
+  const double row_b = 2.0 * static_cast<double>(H), Wd = static_cast<double>(W);
+  TransportBytes b;
+  b.rdep_dispatch = static_cast<double>(rows.pairs_remote) * (row_b + 8) + static_cast<double>(rows.slots_remote) * 16;
+  b.rdep_combine = static_cast<double>(rows.slots_remote) * row_b;
+  b.nccl_dispatch = static_cast<double>(rows.slots_remote) * row_b + Wd * (Wd - 1) * 8;
+  b.nccl_combine = static_cast<double>(rows.slots_remote) * row_b;
+  return b;
+}
+
+// algbw in GB/s: bytes / W / time (1 GB = 1e9 bytes).
+double AlgBw(double bytes, double ms, int64_t W) { return bytes / static_cast<double>(W) / (ms * 1e-3) / 1e9; }
+
+void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResults& res, const TransportBytes& bytes) {
+  const auto& s = o.cfg.shape;
+  const auto& rows = res.rows;
+  const bool have_nccl = res.have_nccl;
   std::printf("rdep bench dispatch: %s, routing %s, dropless, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
               [&] { std::ostringstream os; os << "W=" << s.ranks << " T=" << s.tokens << " H=" << s.hidden << " E=" << s.experts
                                               << " K=" << s.topk; return os.str(); }().c_str(),
-              spec->name().c_str(), static_cast<long long>(s.ranks), static_cast<long long>(warmup),
-              static_cast<long long>(iters), static_cast<long long>(launch_ahead_us));
+              o.spec.name().c_str(), static_cast<long long>(s.ranks), static_cast<long long>(o.warmup),
+              static_cast<long long>(o.iters), static_cast<long long>(o.launch_ahead_us));
   std::printf("  rows: slot rows R=%lld (remote R_x=%lld), token-owner pairs %lld (remote P_x=%lld): rdep sends %.3fx the "
               "payload rows of one-row-per-slot\n",
               static_cast<long long>(rows.slots_total), static_cast<long long>(rows.slots_remote),
               static_cast<long long>(rows.pairs_total), static_cast<long long>(rows.pairs_remote),
               rows.slots_remote ? static_cast<double>(rows.pairs_remote) / static_cast<double>(rows.slots_remote) : 0.0);
   std::printf("  %-26s %9s %9s %14s %11s %9s\n", "", "p50 us", "p99 us", "MB sent/GPU", "algbw GB/s", "speedup");
-  auto line = [&](const char* name, const rdep::Summary& sm, double bytes, double speedup) {
-    std::printf("  %-26s %9.1f %9.1f %14.2f %11.1f %8.2fx\n", name, sm.p50 * 1e3, sm.p99 * 1e3, bytes / Wd / 1e6,
-                algbw(bytes, sm.p50), speedup);
+  auto line = [&](const char* name, const rdep::Summary& sm, double b, double speedup) {
+    std::printf("  %-26s %9.1f %9.1f %14.2f %11.1f %8.2fx\n", name, sm.p50 * 1e3, sm.p99 * 1e3, b / static_cast<double>(s.ranks) / 1e6,
+                AlgBw(b, sm.p50, s.ranks), speedup);
   };
-  line("rdep dispatch", s_rd, rdep_dispatch_bytes, have_nccl ? s_nd.p50 / s_rd.p50 : NAN);
-  if (have_nccl) line("nccl all-to-allv dispatch", s_nd, nccl_dispatch_bytes, 1.0);
-  line("rdep combine", s_rc, rdep_combine_bytes, have_nccl ? s_nc.p50 / s_rc.p50 : NAN);
-  if (have_nccl) line("nccl all-to-allv combine", s_nc, nccl_combine_bytes, 1.0);
-  std::printf("  %-26s %9.1f %9.1f   (whole sentinel forward, unprofiled)\n", "rdep forward", s_rf.p50 * 1e3, s_rf.p99 * 1e3);
+  line("rdep dispatch", res.s_rd, bytes.rdep_dispatch, have_nccl ? res.s_nd.p50 / res.s_rd.p50 : NAN);
+  if (have_nccl) line("nccl all-to-allv dispatch", res.s_nd, bytes.nccl_dispatch, 1.0);
+  line("rdep combine", res.s_rc, bytes.rdep_combine, have_nccl ? res.s_nc.p50 / res.s_rc.p50 : NAN);
+  if (have_nccl) line("nccl all-to-allv combine", res.s_nc, bytes.nccl_combine, 1.0);
+  std::printf("  %-26s %9.1f %9.1f   (whole sentinel forward, unprofiled)\n", "rdep forward", res.s_rf.p50 * 1e3, res.s_rf.p99 * 1e3);
   std::printf("  rdep phases (p50 of the max-rank time, us): routing %.1f  scatter %.1f  echo %.1f  return %.1f  combine %.1f\n",
-              rdep::Percentile(ph_routing, 50) * 1e3, rdep::Percentile(ph_scatter, 50) * 1e3, rdep::Percentile(ph_expert, 50) * 1e3,
-              rdep::Percentile(ph_return, 50) * 1e3, rdep::Percentile(ph_combine, 50) * 1e3);
+              rdep::Percentile(res.ph_routing, 50) * 1e3, rdep::Percentile(res.ph_scatter, 50) * 1e3,
+              rdep::Percentile(res.ph_expert, 50) * 1e3, rdep::Percentile(res.ph_return, 50) * 1e3,
+              rdep::Percentile(res.ph_combine, 50) * 1e3);
   if (have_nccl)
-    std::printf("  nccl: count exchange p50 %.1f us of the dispatch; round trip %s; NCCL %s\n", s_ncnt.p50 * 1e3,
-                round_trip_ok ? "bitwise exact" : "MISMATCH", nccl_version.c_str());
+    std::printf("  nccl: count exchange p50 %.1f us of the dispatch; round trip %s; NCCL %s\n", res.s_ncnt.p50 * 1e3,
+                res.round_trip_ok ? "bitwise exact" : "MISMATCH", res.nccl_version.c_str());
   else
-    std::printf("  nccl baseline: %s\n", nccl_state.c_str());
-  std::printf("  device memory per rank (max): layer %.3f GiB, nccl buffers %.3f GiB\n", static_cast<double>(layer_max) / (1 << 30),
-              static_cast<double>(nccl_bytes_max) / (1 << 30));
+    std::printf("  nccl baseline: %s\n", res.nccl_state.c_str());
+  std::printf("  device memory per rank (max): layer %.3f GiB, nccl buffers %.3f GiB\n", static_cast<double>(res.layer_max) / (1 << 30),
+              static_cast<double>(res.nccl_bytes_max) / (1 << 30));
+}
 
-  if (!json.empty()) {
-    rdep::JsonWriter j;
-    j.begin_object().field("tool", "rdep bench dispatch");
-    rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
-    j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
-    j.field("experts", s.experts).field("topk", s.topk).field("routing", spec->name()).field("capacity", "dropless");
-    j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", layer->layout().S);
-    j.field("seed", static_cast<int64_t>(seed)).field("warmup", warmup).field("iters", iters);
-    j.field("launch_ahead_us", launch_ahead_us).end_object();
-    j.field("normalization",
-            "max over ranks per iteration (ranks aligned by a device barrier); rdep dispatch = routing+dispatch phases, "
-            "combine = return+combine phases (CUDA events at phase boundaries); algbw = bytes / W / p50 (1 GB = 1e9 B); "
-            "speedup = nccl p50 / rdep p50");
-    j.key("rows").begin_object().field("slot_rows", rows.slots_total).field("slot_rows_remote", rows.slots_remote);
-    j.field("token_owner_pairs", rows.pairs_total).field("token_owner_pairs_remote", rows.pairs_remote).end_object();
-    j.key("bytes").begin_object();
-    j.field("rdep_dispatch", rdep_dispatch_bytes).field("rdep_combine", rdep_combine_bytes);
-    j.field("nccl_dispatch", nccl_dispatch_bytes).field("nccl_combine", nccl_combine_bytes);
-    j.field("formula",
-            "rdep dispatch = P_x*(2H+8) + R_x*16; rdep combine = R_x*2H; nccl dispatch = R_x*2H + W*(W-1)*8; "
-            "nccl combine = R_x*2H (R_x remote (token,slot) rows, P_x remote distinct (token,owner) pairs)");
-    j.end_object();
-    rdep::bench::WriteSummary(j, "rdep_dispatch", rdep_dispatch);
-    rdep::bench::WriteSummary(j, "rdep_combine", rdep_combine);
-    rdep::bench::WriteSummary(j, "rdep_forward", rdep_fwd);
-    j.key("rdep_phases_p50_ms").begin_object().field("routing", rdep::Percentile(ph_routing, 50));
-    j.field("scatter", rdep::Percentile(ph_scatter, 50)).field("echo", rdep::Percentile(ph_expert, 50));
-    j.field("return", rdep::Percentile(ph_return, 50)).field("combine", rdep::Percentile(ph_combine, 50)).end_object();
-    j.field("rdep_dispatch_algbw_gbps", algbw(rdep_dispatch_bytes, s_rd.p50));
-    j.field("rdep_combine_algbw_gbps", algbw(rdep_combine_bytes, s_rc.p50));
-    j.field("layer_device_bytes_max_rank", static_cast<int64_t>(layer_max));
-    j.key("baseline").begin_object().field("name", "nccl grouped send/recv all-to-allv").field("state", nccl_state);
-    j.field("nccl_version", nccl_version).field("nvls", "disabled (NCCL_NVLS_ENABLE=0)");
-    if (have_nccl) {
-      rdep::bench::WriteSummary(j, "dispatch", nccl_dispatch);
-      rdep::bench::WriteSummary(j, "combine", nccl_combine);
-      rdep::bench::WriteSummary(j, "count_exchange", nccl_counts);
-      j.field("dispatch_algbw_gbps", algbw(nccl_dispatch_bytes, s_nd.p50));
-      j.field("combine_algbw_gbps", algbw(nccl_combine_bytes, s_nc.p50));
-      j.field("round_trip_exact", round_trip_ok).field("buffer_bytes_max_rank", static_cast<int64_t>(nccl_bytes_max));
-      j.field("speedup_dispatch", s_nd.p50 / s_rd.p50).field("speedup_combine", s_nc.p50 / s_rc.p50);
-    }
-    j.end_object();
-    j.end_object();
-    if (!rdep::bench::WriteFile(json, j.str())) std::cerr << "rdep bench dispatch: could not write " << json << "\n";
+// The receipt's head: the tool, the environment, the workload, the normalization, rows and bytes.
+void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, int64_t segment, const RowCounts& rows,
+                           const TransportBytes& bytes) {
+  const auto& s = o.cfg.shape;
+  j.begin_object().field("tool", "rdep bench dispatch");
+  rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
+  j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
+  j.field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name()).field("capacity", "dropless");
+  j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", segment);
+  j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters);
+  j.field("launch_ahead_us", o.launch_ahead_us).end_object();
+  j.field("normalization",
+          "max over ranks per iteration (ranks aligned by a device barrier); rdep dispatch = routing+dispatch phases, "
+          "combine = return+combine phases (CUDA events at phase boundaries); algbw = bytes / W / p50 (1 GB = 1e9 B); "
+          "speedup = nccl p50 / rdep p50");
+  j.key("rows").begin_object().field("slot_rows", rows.slots_total).field("slot_rows_remote", rows.slots_remote);
+  j.field("token_owner_pairs", rows.pairs_total).field("token_owner_pairs_remote", rows.pairs_remote).end_object();
+  j.key("bytes").begin_object();
+  j.field("rdep_dispatch", bytes.rdep_dispatch).field("rdep_combine", bytes.rdep_combine);
+  j.field("nccl_dispatch", bytes.nccl_dispatch).field("nccl_combine", bytes.nccl_combine);
+  j.field("formula",
+          "rdep dispatch = P_x*(2H+8) + R_x*16; rdep combine = R_x*2H; nccl dispatch = R_x*2H + W*(W-1)*8; "
+          "nccl combine = R_x*2H (R_x remote (token,slot) rows, P_x remote distinct (token,owner) pairs)");
+  j.end_object();
+}
+
+void WriteDispatchReceipt(const DispatchBenchOptions& o, int64_t segment, const DispatchBenchResults& res,
+                          const TransportBytes& bytes) {
+  const int64_t W = o.cfg.shape.ranks;
+  rdep::JsonWriter j;
+  WriteDispatchWorkload(j, o, segment, res.rows, bytes);
+  rdep::bench::WriteSummary(j, "rdep_dispatch", res.rdep_dispatch);
+  rdep::bench::WriteSummary(j, "rdep_combine", res.rdep_combine);
+  rdep::bench::WriteSummary(j, "rdep_forward", res.rdep_fwd);
+  j.key("rdep_phases_p50_ms").begin_object().field("routing", rdep::Percentile(res.ph_routing, 50));
+  j.field("scatter", rdep::Percentile(res.ph_scatter, 50)).field("echo", rdep::Percentile(res.ph_expert, 50));
+  j.field("return", rdep::Percentile(res.ph_return, 50)).field("combine", rdep::Percentile(res.ph_combine, 50)).end_object();
+  j.field("rdep_dispatch_algbw_gbps", AlgBw(bytes.rdep_dispatch, res.s_rd.p50, W));
+  j.field("rdep_combine_algbw_gbps", AlgBw(bytes.rdep_combine, res.s_rc.p50, W));
+  j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.layer_max));
+  j.key("baseline").begin_object().field("name", "nccl grouped send/recv all-to-allv").field("state", res.nccl_state);
+  j.field("nccl_version", res.nccl_version).field("nvls", "disabled (NCCL_NVLS_ENABLE=0)");
+  if (res.have_nccl) {
+    rdep::bench::WriteSummary(j, "dispatch", res.nccl_dispatch);
+    rdep::bench::WriteSummary(j, "combine", res.nccl_combine);
+    rdep::bench::WriteSummary(j, "count_exchange", res.nccl_counts);
+    j.field("dispatch_algbw_gbps", AlgBw(bytes.nccl_dispatch, res.s_nd.p50, W));
+    j.field("combine_algbw_gbps", AlgBw(bytes.nccl_combine, res.s_nc.p50, W));
+    j.field("round_trip_exact", res.round_trip_ok).field("buffer_bytes_max_rank", static_cast<int64_t>(res.nccl_bytes_max));
+    j.field("speedup_dispatch", res.s_nd.p50 / res.s_rd.p50).field("speedup_combine", res.s_nc.p50 / res.s_rc.p50);
   }
-  for (size_t r = 0; r < W; ++r) {
-    cudaSetDevice(domain->device(static_cast<int32_t>(r)));
-    for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].x),
-                    static_cast<void*>(bufs[r].y)})
-      cudaFree(p);
-    for (auto e : bufs[r].ev) cudaEventDestroy(e);
+  j.end_object();
+  j.end_object();
+  if (!rdep::bench::WriteFile(o.json, j.str())) std::cerr << "rdep bench dispatch: could not write " << o.json << "\n";
+}
+
+// ---- the command -----------------------------------------------------------------------------------
+
+int RunDispatchBench(const rdep::cli::Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
   }
-  if (have_nccl && !round_trip_ok) {
+  DispatchBenchOptions o;
+  if (int rc = ParseDispatchBenchOptions(args, o); rc != 0) return rc;
+  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.cfg.shape.ranks));  // one GPU per rank (NCCL baseline)
+  if (!setup.ok()) return Fail(setup.status());
+  setup->layer->set_expert_kind(rdep::ExpertKind::kSentinel);
+  DispatchBenchResults res;
+  res.rows = CountRows(setup->routing, setup->ownership, o.cfg.shape.ranks);
+  std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
+  if (Status st = RunRdepTimings(o, *setup, bufs, res); !st.ok()) return Fail(st);
+  res.nccl_state = o.no_nccl ? "skipped (--no-nccl)" : "unavailable (this build has no NCCL)";
+#if defined(RDEP_HAVE_NCCL)
+  if (!o.no_nccl)
+    if (Status st = RunNcclTimings(o, *setup, res); !st.ok()) return Fail(st);
+#endif
+  res.have_nccl = !res.nccl_dispatch.empty();
+  res.s_rd = rdep::Summarize(res.rdep_dispatch);
+  res.s_rc = rdep::Summarize(res.rdep_combine);
+  res.s_rf = rdep::Summarize(res.rdep_fwd);
+  res.s_nd = rdep::Summarize(res.nccl_dispatch);
+  res.s_nc = rdep::Summarize(res.nccl_combine);
+  res.s_ncnt = rdep::Summarize(res.nccl_counts);
+  for (auto b : res.layer_bytes) res.layer_max = std::max(res.layer_max, b);
+
+  const TransportBytes bytes = CountTransportBytes(res.rows, o.cfg.shape.hidden, o.cfg.shape.ranks);
+  PrintDispatchTable(o, res, bytes);
+  if (!o.json.empty()) WriteDispatchReceipt(o, setup->layer->layout().S, res, bytes);
+  FreeRankBuffers(*setup->domain, bufs);
+  if (res.have_nccl && !res.round_trip_ok) {
     std::cerr << "rdep bench dispatch: the NCCL baseline's round trip did not return the rows it sent\n";
     return 1;
   }

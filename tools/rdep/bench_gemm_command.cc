@@ -185,16 +185,6 @@ rdep::StatusOr<DensePeak> MeasureDensePeak(int64_t n, int warmup, int iters, cud
   return out;
 }
 
-struct Row {
-  int64_t mu = 0, M = 0;
-  std::string path;
-  std::vector<int64_t> counts;
-  double rho = 0;
-  std::vector<double> fwd_us, fb_us;
-  double tflops_fwd = 0, tflops_fb = 0;
-  size_t workspace = 0, live = 0, device_used = 0;
-};
-
 void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<double>& us) {
   const rdep::Summary s = rdep::Summarize(us);
   j.key(k).begin_object();
@@ -203,218 +193,332 @@ void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<d
   j.end_object();
 }
 
-int RunGemmBench(const Args& args) {
-  if (rdep::cli::WantsHelp(args)) {
-    std::cout << kHelp;
-    return 0;
-  }
-  Flags f(args);
-  const int64_t E = f.get_int("experts", 16), H = f.get_int("hidden", 2048), F = f.get_int("ffn", 1408);
-  auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
-  const std::string routing = f.get_string("routing", "uniform");
-  const std::string paths_text = f.get_string("path", "auto");
-  const rdep::kernels::ExpertMlpConfig defaults;
-  const auto streams = static_cast<int>(f.get_int("streams", defaults.num_streams));
-  const int64_t workspace_mib = f.get_int("workspace-mib", static_cast<int64_t>(defaults.lt_workspace_bytes >> 20));
-  const bool no_backward = f.get_bool("no-backward");
-  const auto warmup = static_cast<int>(f.get_int("warmup", 20));
-  const auto iters = static_cast<int>(f.get_int("iters", 200));
-  const int64_t dense_n = f.get_int("dense", 8192);
-  const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
-  const std::string json = f.get_string("json", "");
-  auto limits = rdep::cli::ReadLimits(f);
-  if (auto st = f.Finish(); !st.ok()) return Fail(st);
-  if (!limits.ok()) return Fail(limits.status());
-  if (!mus.ok()) return Fail(mus.status());
-  if (E < 1 || H < 1 || F < 1 || dense_n < 1)
-    return Fail(rdep::InvalidArgument("--experts, --hidden, --ffn and --dense must be >= 1"));
-  if (iters < 1 || warmup < 0) return Fail(rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0"));
-  for (int64_t mu : *mus)
-    if (mu < 0) return Fail(rdep::InvalidArgument("--mu: values must be >= 0"));
+// ---- setup -----------------------------------------------------------------------------------------
+
+// What the flags ask for, checked.
+struct GemmBenchOptions {
+  int64_t E = 0, H = 0, F = 0;
+  std::vector<int64_t> mus;
+  std::string routing;  // "uniform" or "zipf:A"
+  double alpha = 0;     // A; 0 = uniform
+  std::string paths_text;
+  std::vector<rdep::kernels::GemmPath> paths;
+  int streams = 0;
+  int64_t workspace_mib = 0;
+  bool no_backward = false;
+  int warmup = 0, iters = 0;
+  int64_t dense_n = 0;
+  uint64_t seed = 0;
+  std::string json;
+  rdep::cli::Limits limits;
+};
+
+// --routing: uniform (0) or zipf:A with A > 0 (A).
+rdep::StatusOr<double> ParseZipfAlpha(const std::string& routing) {
   double alpha = 0;
   if (routing.rfind("zipf:", 0) == 0) {
     std::stringstream is(routing.substr(5));
-    if (!(is >> alpha) || !is.eof() || alpha <= 0) return Fail(rdep::InvalidArgument("--routing zipf:A needs A > 0"));
+    if (!(is >> alpha) || !is.eof() || alpha <= 0) return rdep::InvalidArgument("--routing zipf:A needs A > 0");
   } else if (routing != "uniform") {
-    return Fail(rdep::InvalidArgument("--routing must be uniform or zipf:A"));
+    return rdep::InvalidArgument("--routing must be uniform or zipf:A");
   }
+  return alpha;
+}
+
+// --path: a comma list of auto, lt, grouped.
+rdep::StatusOr<std::vector<rdep::kernels::GemmPath>> ParseGemmPaths(const std::string& paths_text) {
   std::vector<rdep::kernels::GemmPath> paths;
-  {
-    std::stringstream ss(paths_text);
-    std::string p;
-    while (std::getline(ss, p, ',')) {
-      if (p == "auto") paths.push_back(rdep::kernels::GemmPath::kAuto);
-      else if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
-      else if (p == "grouped") paths.push_back(rdep::kernels::GemmPath::kGrouped);
-      else return Fail(rdep::InvalidArgument("--path: '" + p + "' is not auto, lt or grouped"));
-    }
-    if (paths.empty()) return Fail(rdep::InvalidArgument("--path: empty list"));
+  std::stringstream ss(paths_text);
+  std::string p;
+  while (std::getline(ss, p, ',')) {
+    if (p == "auto") paths.push_back(rdep::kernels::GemmPath::kAuto);
+    else if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
+    else if (p == "grouped") paths.push_back(rdep::kernels::GemmPath::kGrouped);
+    else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt or grouped");
   }
-  if (rdep::cuda::DeviceCount() == 0) return Fail(rdep::Unavailable("no CUDA device"));
+  if (paths.empty()) return rdep::InvalidArgument("--path: empty list");
+  return paths;
+}
 
+// Reads and checks the flags in the command's fixed order (no device needed).
+rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
+  Flags f(args);
+  o.E = f.get_int("experts", 16);
+  o.H = f.get_int("hidden", 2048);
+  o.F = f.get_int("ffn", 1408);
+  auto mus = ParseList<int64_t>("mu", f.get_string("mu", "128,384,768,1536,3072"));
+  o.routing = f.get_string("routing", "uniform");
+  o.paths_text = f.get_string("path", "auto");
+  const rdep::kernels::ExpertMlpConfig defaults;
+  o.streams = static_cast<int>(f.get_int("streams", defaults.num_streams));
+  o.workspace_mib = f.get_int("workspace-mib", static_cast<int64_t>(defaults.lt_workspace_bytes >> 20));
+  o.no_backward = f.get_bool("no-backward");
+  o.warmup = static_cast<int>(f.get_int("warmup", 20));
+  o.iters = static_cast<int>(f.get_int("iters", 200));
+  o.dense_n = f.get_int("dense", 8192);
+  o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
+  o.json = f.get_string("json", "");
+  auto limits = rdep::cli::ReadLimits(f);
+  RDEP_RETURN_IF_ERROR(f.Finish());
+  if (!limits.ok()) return limits.status();
+  if (!mus.ok()) return mus.status();
+  if (o.E < 1 || o.H < 1 || o.F < 1 || o.dense_n < 1)
+    return rdep::InvalidArgument("--experts, --hidden, --ffn and --dense must be >= 1");
+  if (o.iters < 1 || o.warmup < 0) return rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0");
+  for (int64_t mu : *mus)
+    if (mu < 0) return rdep::InvalidArgument("--mu: values must be >= 0");
+  RDEP_ASSIGN_OR_RETURN(o.alpha, ParseZipfAlpha(o.routing));
+  RDEP_ASSIGN_OR_RETURN(o.paths, ParseGemmPaths(o.paths_text));
+  o.mus = *mus;
+  o.limits = *limits;
+  return rdep::Status::Ok();
+}
+
+int64_t MaxMu(const std::vector<int64_t>& mus) {
+  int64_t top_mu = 0;
+  for (int64_t mu : mus) top_mu = std::max(top_mu, mu);
+  return top_mu;
+}
+
+// Estimate before allocating (in double: no size_t overflow), and open the receipt first.
+rdep::Status CheckGemmBenchFootprint(const GemmBenchOptions& o, const cudaDeviceProp& prop) {
+  const int64_t top_mu = MaxMu(o.mus);
+  const auto Ed = static_cast<double>(o.E), Hd = static_cast<double>(o.H), Fd = static_cast<double>(o.F),
+             N = static_cast<double>(o.dense_n), Md = static_cast<double>(top_mu) * Ed;
+  rdep::Footprint fp;
+  fp.device.push_back({"expert weights (bf16) and gradients (fp32), E*3*H*D_ff", {{"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}},
+                       18 * Ed * Hd * Fd});
+  fp.device.push_back({"rows (mu*E rows of H and 2*D_ff bf16 values)",
+                       {{"mu", static_cast<double>(top_mu)}, {"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}}, Md * (10 * Hd + 4 * Fd)});
+  fp.device.push_back({"dense ceiling GEMM (three n x n bf16 matrices)", {{"dense", N}}, 6 * N * N});
+  fp.host.push_back({"per-expert counts and per-iteration times", {{"experts", Ed}, {"iters", static_cast<double>(o.iters)}},
+                     64 * Ed + 64.0 * static_cast<double>(o.iters + o.warmup) * static_cast<double>(o.mus.size() * o.paths.size())});
+  rdep::cli::Limits limits = o.limits;
+  limits.device_bytes = static_cast<double>(prop.totalGlobalMem);
+  RDEP_RETURN_IF_ERROR(rdep::cli::CheckFootprint(fp, limits));
+  return rdep::cli::CheckOutputPath("json", o.json);
+}
+
+// The GPU the benchmark runs on and what it had free before the benchmark allocated.
+struct GemmBenchEnv {
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return Fail(rdep::Unavailable("cannot query device 0"));
-  {  // Estimate before allocating (in double: no size_t overflow), and open the receipt first.
-    int64_t top_mu = 0;
-    for (int64_t mu : *mus) top_mu = std::max(top_mu, mu);
-    const auto Ed = static_cast<double>(E), Hd = static_cast<double>(H), Fd = static_cast<double>(F),
-               N = static_cast<double>(dense_n), Md = static_cast<double>(top_mu) * Ed;
-    rdep::Footprint fp;
-    fp.device.push_back({"expert weights (bf16) and gradients (fp32), E*3*H*D_ff", {{"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}},
-                         18 * Ed * Hd * Fd});
-    fp.device.push_back({"rows (mu*E rows of H and 2*D_ff bf16 values)",
-                         {{"mu", static_cast<double>(top_mu)}, {"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}}, Md * (10 * Hd + 4 * Fd)});
-    fp.device.push_back({"dense ceiling GEMM (three n x n bf16 matrices)", {{"dense", N}}, 6 * N * N});
-    fp.host.push_back({"per-expert counts and per-iteration times", {{"experts", Ed}, {"iters", static_cast<double>(iters)}},
-                       64 * Ed + 64.0 * static_cast<double>(iters + warmup) * static_cast<double>(mus->size() * paths.size())});
-    limits->device_bytes = static_cast<double>(prop.totalGlobalMem);
-    if (auto st = rdep::cli::CheckFootprint(fp, *limits); !st.ok()) return Fail(st);
-    if (auto st = rdep::cli::CheckOutputPath("json", json); !st.ok()) return Fail(st);
-  }
   int runtime = 0, driver = 0;
-  cudaRuntimeGetVersion(&runtime);
-  cudaDriverGetVersion(&driver);
-  cudaStream_t stream = nullptr;
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return Fail(rdep::Unavailable("stream"));
-
   size_t free0 = 0, total = 0;
-  cudaMemGetInfo(&free0, &total);
-  auto dense = MeasureDensePeak(dense_n, warmup, std::min(iters, 100), stream);
-  if (!dense.ok()) return Fail(dense.status());
+};
 
-  // Shared buffers sized for the largest mu: weights, weight gradients, activations.
-  int64_t max_mu = 0;
-  for (int64_t mu : *mus) max_mu = std::max(max_mu, mu);
-  const int64_t max_rows = max_mu * E;
-  const size_t w1n = static_cast<size_t>(E * H * 2 * F), w2n = static_cast<size_t>(E * F * H);
-  const size_t rows = static_cast<size_t>(max_rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F);
+// The buffers every mu shares, sized for the largest: weights, weight gradients, activations.
+struct GemmBuffers {
+  size_t w1n = 0, w2n = 0;  // elements of W1 [E][H][2F] and W2 [E][F][H]
   DeviceMem w1, w2, dw1, dw2, x, h, y, dout, dx;
-  for (auto [mem, bytes] : {std::pair{&w1, w1n * 2}, {&w2, w2n * 2}, {&dw1, w1n * 4}, {&dw2, w2n * 4},
-                            {&x, rows * Hs * 2}, {&h, rows * 2 * Fs * 2}, {&y, rows * Hs * 2}, {&dout, rows * Hs * 2},
-                            {&dx, rows * Hs * 2}}) {
-    if (auto st = mem->Alloc(bytes); !st.ok()) return Fail(st);
-  }
-  for (auto [mem, n, scale, s] : {std::tuple{&w1, w1n, 1.0 / std::sqrt(static_cast<double>(H)), seed + 1},
-                                  {&w2, w2n, 1.0 / std::sqrt(static_cast<double>(F)), seed + 2},
-                                  {&x, rows * Hs, 1.0, seed + 3}, {&dout, rows * Hs, 1.0, seed + 4}}) {
-    if (auto st = FillBf16(mem->p, n, scale, s); !st.ok()) return Fail(st);
-  }
-  const double weight_bytes = static_cast<double>((w1n + w2n) * 2);
-  const bool l2_exceeded = weight_bytes > 2.0 * prop.l2CacheSize;
+};
 
-  std::cout << "rdep bench gemm: " << prop.name << ", CUDA runtime " << runtime << ", E_loc=" << E << " H=" << H
-            << " F=" << F << ", routing " << routing << ", " << warmup << " warmup + " << iters << " iters\n";
-  std::cout << "dense ceiling: " << dense_n << "^3 bf16 cuBLASLt GEMM p50 " << std::fixed << std::setprecision(1)
-            << rdep::Summarize(dense->us).p50 << " us = " << dense->tflops << " TFLOP/s\n";
+rdep::Status AllocateGemmBuffers(const GemmBenchOptions& o, GemmBuffers& b) {
+  const int64_t E = o.E, H = o.H, F = o.F;
+  const int64_t max_rows = MaxMu(o.mus) * E;
+  b.w1n = static_cast<size_t>(E * H * 2 * F);
+  b.w2n = static_cast<size_t>(E * F * H);
+  const size_t w1n = b.w1n, w2n = b.w2n;
+  const size_t rows = static_cast<size_t>(max_rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F);
+  for (auto [mem, bytes] : {std::pair{&b.w1, w1n * 2}, {&b.w2, w2n * 2}, {&b.dw1, w1n * 4}, {&b.dw2, w2n * 4},
+                            {&b.x, rows * Hs * 2}, {&b.h, rows * 2 * Fs * 2}, {&b.y, rows * Hs * 2}, {&b.dout, rows * Hs * 2},
+                            {&b.dx, rows * Hs * 2}}) {
+    RDEP_RETURN_IF_ERROR(mem->Alloc(bytes));
+  }
+  for (auto [mem, n, scale, s] : {std::tuple{&b.w1, w1n, 1.0 / std::sqrt(static_cast<double>(H)), o.seed + 1},
+                                  {&b.w2, w2n, 1.0 / std::sqrt(static_cast<double>(F)), o.seed + 2},
+                                  {&b.x, rows * Hs, 1.0, o.seed + 3}, {&b.dout, rows * Hs, 1.0, o.seed + 4}}) {
+    RDEP_RETURN_IF_ERROR(FillBf16(mem->p, n, scale, s));
+  }
+  return rdep::Status::Ok();
+}
+
+// ---- run -------------------------------------------------------------------------------------------
+
+// One (mu, path) point of the sweep: raw per-iteration times and what is derived from them.
+struct Row {
+  int64_t mu = 0, M = 0;
+  std::string path;
+  std::vector<int64_t> counts;
+  double rho = 0;
+  std::vector<double> fwd_us, fb_us;
+  double fwd_p50 = 0, fb_p50 = 0;  // fb_p50 = 0 with --no-backward
+  double tflops_fwd = 0, tflops_fb = 0;
+  size_t workspace = 0, live = 0, device_used = 0;
+};
+
+// Times one (mu, path): the forward, then (unless --no-backward) forward+backward, each with
+// TimeIters on `stream`; then the memory it holds and the useful TFLOP/s. Updates env.total.
+rdep::StatusOr<Row> MeasureGemmRow(const GemmBenchOptions& o, int64_t mu, const std::vector<int64_t>& counts,
+                                   rdep::kernels::GemmPath path, const GemmBuffers& b, cudaStream_t stream, GemmBenchEnv& env) {
+  const int64_t M = mu * o.E;
+  Row r;
+  r.mu = mu;
+  r.M = M;
+  r.path = rdep::kernels::GemmPathName(path);
+  r.counts = counts;
+  r.rho = rdep::PaddingRatio(counts);
+  rdep::kernels::ExpertMlpConfig cfg;
+  cfg.path = path;
+  cfg.num_streams = o.streams;
+  cfg.lt_workspace_bytes = static_cast<size_t>(o.workspace_mib) << 20;
+  RDEP_ASSIGN_OR_RETURN(auto mlp_ptr, rdep::kernels::ExpertMlp::Create({o.E, o.H, o.F, M}, 0, cfg));
+  auto& mlp = *mlp_ptr;
+  using B = __nv_bfloat16;
+  auto fwd = [&]() { return mlp.Forward(b.x.as<B>(), counts.data(), b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream); };
+  auto fb = [&]() -> rdep::Status {
+    RDEP_RETURN_IF_ERROR(fwd());
+    return mlp.Backward(b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), counts.data(), b.w1.as<B>(), b.w2.as<B>(), b.dx.as<B>(),
+                        b.dw1.as<float>(), b.dw2.as<float>(), false, stream);
+  };
+  RDEP_ASSIGN_OR_RETURN(r.fwd_us, TimeIters(o.warmup, o.iters, stream, fwd));
+  if (!o.no_backward) {
+    RDEP_ASSIGN_OR_RETURN(r.fb_us, TimeIters(o.warmup, o.iters, stream, fb));
+  }
+  size_t free1 = 0;
+  cudaMemGetInfo(&free1, &env.total);
+  r.device_used = env.free0 - free1;
+  r.workspace = mlp.workspace_bytes();
+  // What this mu holds live: weights + fp32 grads + x, h, y, dout, dx of M rows + workspace.
+  const size_t Hs = static_cast<size_t>(o.H), Fs = static_cast<size_t>(o.F);
+  r.live = (b.w1n + b.w2n) * 6 + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;
+  const double flops = 6.0 * static_cast<double>(M) * static_cast<double>(o.H) * static_cast<double>(o.F);
+  r.fwd_p50 = rdep::Summarize(r.fwd_us).p50;
+  r.tflops_fwd = M > 0 ? flops / (r.fwd_p50 * 1e-6) / 1e12 : 0;
+  r.fb_p50 = r.fb_us.empty() ? 0 : rdep::Summarize(r.fb_us).p50;
+  r.tflops_fb = M > 0 && r.fb_p50 > 0 ? 3 * flops / (r.fb_p50 * 1e-6) / 1e12 : 0;
+  return r;
+}
+
+// ---- report ----------------------------------------------------------------------------------------
+
+void PrintGemmHeader(const GemmBenchOptions& o, const GemmBenchEnv& env, const DensePeak& dense, double weight_bytes,
+                     bool l2_exceeded) {
+  const cudaDeviceProp& prop = env.prop;
+  std::cout << "rdep bench gemm: " << prop.name << ", CUDA runtime " << env.runtime << ", E_loc=" << o.E << " H=" << o.H
+            << " F=" << o.F << ", routing " << o.routing << ", " << o.warmup << " warmup + " << o.iters << " iters\n";
+  std::cout << "dense ceiling: " << o.dense_n << "^3 bf16 cuBLASLt GEMM p50 " << std::fixed << std::setprecision(1)
+            << rdep::Summarize(dense.us).p50 << " us = " << dense.tflops << " TFLOP/s\n";
   std::cout << "L2: " << (l2_exceeded ? "no input rotation: the weights alone (" : "WARNING: working set may fit L2 (")
             << weight_bytes / 1e6 << " MB) exceed 2x L2 (" << prop.l2CacheSize / 1e6 << " MB)\n";
   std::cout << std::setw(6) << "mu" << std::setw(9) << "path" << std::setw(8) << "M" << std::setw(7) << "rho"
             << std::setw(11) << "fwd p50" << std::setw(11) << "fwd p99" << std::setw(10) << "TFLOP/s" << std::setw(8)
             << "%dense" << std::setw(12) << "f+b p50" << std::setw(10) << "TFLOP/s" << std::setw(11) << "peak MiB"
             << "\n";
+}
 
+// One table row, printed as soon as it is measured (std::cout keeps the header's std::fixed).
+void PrintGemmRow(const Row& r, const DensePeak& dense) {
+  std::cout << std::setw(6) << r.mu << std::setw(9) << r.path << std::setw(8) << r.M << std::setw(7)
+            << std::setprecision(2) << r.rho << std::setprecision(1) << std::setw(11) << r.fwd_p50 << std::setw(11)
+            << rdep::Summarize(r.fwd_us).p99 << std::setw(10) << r.tflops_fwd << std::setw(8)
+            << 100.0 * r.tflops_fwd / dense.tflops << std::setw(12) << r.fb_p50 << std::setw(10) << r.tflops_fb
+            << std::setw(11) << static_cast<double>(r.live) / (1 << 20) << "\n";
+}
+
+// The receipt's head: the workload, the hardware and software, the normalization, the dense ceiling.
+void WriteGemmHead(rdep::JsonWriter& j, const GemmBenchOptions& o, const GemmBenchEnv& env, const DensePeak& dense,
+                   bool l2_exceeded) {
+  const cudaDeviceProp& prop = env.prop;
+  j.key("benchmark").value("rdep bench gemm");
+  j.key("workload").begin_object();
+  j.field("experts_local", o.E).field("hidden", o.H).field("ffn", o.F).field("routing", o.routing);
+  j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters).field("streams", o.streams);
+  j.field("paths", o.paths_text);
+  j.end_object();
+  j.key("hardware").begin_object();
+  j.field("gpu", std::string(prop.name)).field("sm_count", prop.multiProcessorCount);
+  j.field("l2_bytes", static_cast<int64_t>(prop.l2CacheSize)).field("memory_bytes", static_cast<int64_t>(env.total));
+  j.end_object();
+  j.key("software").begin_object();
+  j.field("cuda_runtime", env.runtime).field("cuda_driver", env.driver);
+  j.field("cublaslt", static_cast<int64_t>(cublasLtGetVersion()));
+  j.end_object();
+  j.field("git_commit", rdep::cli::kBuildCommit);
+  j.field("normalization",
+          "useful TFLOP/s = 6*M*H*F (forward) or 18*M*H*F (forward+backward) over the p50 time; M = real rows "
+          "(sum of per-expert counts), no padding; rho = E_loc*max_e m_e / M");
+  j.field("l2_rotation", l2_exceeded ? "none: the weights alone exceed 2x L2" : "none (working set may fit L2)");
+  j.key("dense_peak").begin_object();
+  j.field("n", dense.n).field("tflops", dense.tflops);
+  WriteSummary(j, "time", dense.us);
+  j.end_object();
+}
+
+rdep::Status WriteGemmReceipt(const GemmBenchOptions& o, const GemmBenchEnv& env, const DensePeak& dense, bool l2_exceeded,
+                              const std::vector<Row>& results) {
+  rdep::JsonWriter j;
+  j.begin_object();
+  WriteGemmHead(j, o, env, dense, l2_exceeded);
+  j.key("results").begin_array();
+  for (const Row& r : results) {
+    j.begin_object();
+    j.field("mu", r.mu).field("path", r.path).field("rows", r.M).field("rho", r.rho);
+    j.key("counts").begin_array();
+    for (int64_t c : r.counts) j.value(c);
+    j.end_array();
+    WriteSummary(j, "forward", r.fwd_us);
+    if (!r.fb_us.empty()) WriteSummary(j, "forward_backward", r.fb_us);
+    j.field("tflops_forward", r.tflops_fwd).field("tflops_forward_backward", r.tflops_fb);
+    j.field("fraction_of_dense_forward", r.tflops_fwd / dense.tflops);
+    j.field("workspace_bytes", static_cast<int64_t>(r.workspace)).field("live_bytes", static_cast<int64_t>(r.live));
+    j.field("device_used_bytes", static_cast<int64_t>(r.device_used));
+    j.end_object();
+  }
+  j.end_array();
+  j.end_object();
+  std::ofstream out(o.json);
+  if (!out) return rdep::InvalidArgument("cannot open '" + o.json + "'");
+  out << j.str() << "\n";
+  std::cout << "wrote " << o.json << "\n";
+  return rdep::Status::Ok();
+}
+
+// ---- the command -----------------------------------------------------------------------------------
+
+// Setup: the options checked, the device queried, the estimate within the limits.
+rdep::Status SetupGemmBench(const Args& args, GemmBenchOptions& o, GemmBenchEnv& env) {
+  RDEP_RETURN_IF_ERROR(ParseGemmBenchOptions(args, o));
+  if (rdep::cuda::DeviceCount() == 0) return rdep::Unavailable("no CUDA device");
+  if (cudaGetDeviceProperties(&env.prop, 0) != cudaSuccess) return rdep::Unavailable("cannot query device 0");
+  RDEP_RETURN_IF_ERROR(CheckGemmBenchFootprint(o, env.prop));
+  cudaRuntimeGetVersion(&env.runtime);
+  cudaDriverGetVersion(&env.driver);
+  return rdep::Status::Ok();
+}
+
+int RunGemmBench(const Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
+  }
+  GemmBenchOptions o;
+  GemmBenchEnv env;
+  if (auto st = SetupGemmBench(args, o, env); !st.ok()) return Fail(st);
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return Fail(rdep::Unavailable("stream"));
+
+  cudaMemGetInfo(&env.free0, &env.total);
+  auto dense = MeasureDensePeak(o.dense_n, o.warmup, std::min(o.iters, 100), stream);
+  if (!dense.ok()) return Fail(dense.status());
+  GemmBuffers bufs;
+  if (auto st = AllocateGemmBuffers(o, bufs); !st.ok()) return Fail(st);
+  const double weight_bytes = static_cast<double>((bufs.w1n + bufs.w2n) * 2);
+  const bool l2_exceeded = weight_bytes > 2.0 * env.prop.l2CacheSize;
+
+  PrintGemmHeader(o, env, *dense, weight_bytes, l2_exceeded);
   std::vector<Row> results;
-  for (int64_t mu : *mus) {
-    const int64_t M = mu * E;
-    const std::vector<int64_t> counts = DrawCounts(E, M, alpha, seed + static_cast<uint64_t>(mu));
-    for (auto path : paths) {
-      Row r;
-      r.mu = mu;
-      r.M = M;
-      r.path = rdep::kernels::GemmPathName(path);
-      r.counts = counts;
-      r.rho = rdep::PaddingRatio(counts);
-      rdep::kernels::ExpertMlpConfig cfg;
-      cfg.path = path;
-      cfg.num_streams = streams;
-      cfg.lt_workspace_bytes = static_cast<size_t>(workspace_mib) << 20;
-      auto mlp_or = rdep::kernels::ExpertMlp::Create({E, H, F, M}, 0, cfg);
-      if (!mlp_or.ok()) return Fail(mlp_or.status());
-      auto& mlp = **mlp_or;
-      using B = __nv_bfloat16;
-      auto fwd = [&]() { return mlp.Forward(x.as<B>(), counts.data(), w1.as<B>(), w2.as<B>(), h.as<B>(), y.as<B>(), stream); };
-      auto fb = [&]() -> rdep::Status {
-        RDEP_RETURN_IF_ERROR(fwd());
-        return mlp.Backward(x.as<B>(), h.as<B>(), dout.as<B>(), counts.data(), w1.as<B>(), w2.as<B>(), dx.as<B>(),
-                            dw1.as<float>(), dw2.as<float>(), false, stream);
-      };
-      auto t = TimeIters(warmup, iters, stream, fwd);
-      if (!t.ok()) return Fail(t.status());
-      r.fwd_us = *t;
-      if (!no_backward) {
-        auto t2 = TimeIters(warmup, iters, stream, fb);
-        if (!t2.ok()) return Fail(t2.status());
-        r.fb_us = *t2;
-      }
-      size_t free1 = 0;
-      cudaMemGetInfo(&free1, &total);
-      r.device_used = free0 - free1;
-      r.workspace = mlp.workspace_bytes();
-      // What this mu holds live: weights + fp32 grads + x, h, y, dout, dx of M rows + workspace.
-      r.live = (w1n + w2n) * 6 + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;
-      const double flops = 6.0 * static_cast<double>(M) * static_cast<double>(H) * static_cast<double>(F);
-      const double fwd_p50 = rdep::Summarize(r.fwd_us).p50;
-      r.tflops_fwd = M > 0 ? flops / (fwd_p50 * 1e-6) / 1e12 : 0;
-      const double fb_p50 = r.fb_us.empty() ? 0 : rdep::Summarize(r.fb_us).p50;
-      r.tflops_fb = M > 0 && fb_p50 > 0 ? 3 * flops / (fb_p50 * 1e-6) / 1e12 : 0;
-      std::cout << std::setw(6) << mu << std::setw(9) << r.path << std::setw(8) << M << std::setw(7)
-                << std::setprecision(2) << r.rho << std::setprecision(1) << std::setw(11) << fwd_p50 << std::setw(11)
-                << rdep::Summarize(r.fwd_us).p99 << std::setw(10) << r.tflops_fwd << std::setw(8)
-                << 100.0 * r.tflops_fwd / dense->tflops << std::setw(12) << fb_p50 << std::setw(10) << r.tflops_fb
-                << std::setw(11) << static_cast<double>(r.live) / (1 << 20) << "\n";
-      results.push_back(std::move(r));
+  for (int64_t mu : o.mus) {
+    const std::vector<int64_t> counts = DrawCounts(o.E, mu * o.E, o.alpha, o.seed + static_cast<uint64_t>(mu));
+    for (auto path : o.paths) {
+      auto row = MeasureGemmRow(o, mu, counts, path, bufs, stream, env);
+      if (!row.ok()) return Fail(row.status());
+      PrintGemmRow(*row, *dense);
+      results.push_back(std::move(*row));
     }
   }
   std::cout << "(times in us, CUDA events on one stream; TFLOP/s useful: real rows only; peak = live bytes of this mu)\n";
-
-  if (!json.empty()) {
-    rdep::JsonWriter j;
-    j.begin_object();
-    j.key("benchmark").value("rdep bench gemm");
-    j.key("workload").begin_object();
-    j.field("experts_local", E).field("hidden", H).field("ffn", F).field("routing", routing);
-    j.field("seed", static_cast<int64_t>(seed)).field("warmup", warmup).field("iters", iters).field("streams", streams);
-    j.field("paths", paths_text);
-    j.end_object();
-    j.key("hardware").begin_object();
-    j.field("gpu", std::string(prop.name)).field("sm_count", prop.multiProcessorCount);
-    j.field("l2_bytes", static_cast<int64_t>(prop.l2CacheSize)).field("memory_bytes", static_cast<int64_t>(total));
-    j.end_object();
-    j.key("software").begin_object();
-    j.field("cuda_runtime", runtime).field("cuda_driver", driver);
-    j.field("cublaslt", static_cast<int64_t>(cublasLtGetVersion()));
-    j.end_object();
-    j.field("git_commit", rdep::cli::kBuildCommit);
-    j.field("normalization",
-            "useful TFLOP/s = 6*M*H*F (forward) or 18*M*H*F (forward+backward) over the p50 time; M = real rows "
-            "(sum of per-expert counts), no padding; rho = E_loc*max_e m_e / M");
-    j.field("l2_rotation", l2_exceeded ? "none: the weights alone exceed 2x L2" : "none (working set may fit L2)");
-    j.key("dense_peak").begin_object();
-    j.field("n", dense->n).field("tflops", dense->tflops);
-    WriteSummary(j, "time", dense->us);
-    j.end_object();
-    j.key("results").begin_array();
-    for (const Row& r : results) {
-      j.begin_object();
-      j.field("mu", r.mu).field("path", r.path).field("rows", r.M).field("rho", r.rho);
-      j.key("counts").begin_array();
-      for (int64_t c : r.counts) j.value(c);
-      j.end_array();
-      WriteSummary(j, "forward", r.fwd_us);
-      if (!r.fb_us.empty()) WriteSummary(j, "forward_backward", r.fb_us);
-      j.field("tflops_forward", r.tflops_fwd).field("tflops_forward_backward", r.tflops_fb);
-      j.field("fraction_of_dense_forward", r.tflops_fwd / dense->tflops);
-      j.field("workspace_bytes", static_cast<int64_t>(r.workspace)).field("live_bytes", static_cast<int64_t>(r.live));
-      j.field("device_used_bytes", static_cast<int64_t>(r.device_used));
-      j.end_object();
-    }
-    j.end_array();
-    j.end_object();
-    std::ofstream o(json);
-    if (!o) return Fail(rdep::InvalidArgument("cannot open '" + json + "'"));
-    o << j.str() << "\n";
-    std::cout << "wrote " << json << "\n";
-  }
+  if (!o.json.empty())
+    if (auto st = WriteGemmReceipt(o, env, *dense, l2_exceeded, results); !st.ok()) return Fail(st);
   cudaStreamDestroy(stream);
   return 0;
 }

@@ -61,169 +61,182 @@ int Fail(const Status& s) {
   return 1;
 }
 
-int RunLayerBench(const rdep::cli::Args& args) {
-  if (rdep::cli::WantsHelp(args)) {
-    std::cout << kHelp;
-    return 0;
-  }
+// A refused flag or size: the message, exit 2.
+int Refuse(const std::string& message) {
+  std::cerr << "rdep bench layer: " << message << "\n";
+  return 2;
+}
+
+// ---- setup -----------------------------------------------------------------------------------------
+
+// What the flags ask for, checked.
+struct LayerBenchOptions {
+  rdep::LayerConfig cfg;
+  rdep::RoutingSpec spec;  // seeded with `seed`
+  int64_t use_gpus = 0;    // ranks round-robin over this many GPUs
+  int64_t warmup = 0, iters = 0;
+  uint64_t seed = 0;
+  std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
+  rdep::cli::Limits limits;
+};
+
+// Reads and checks the flags in the command's fixed order; 0 when `o` is good, else the exit code
+// (2: a refused flag or size, estimate included; 1: an unknown routing).
+int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   rdep::cli::Flags f(args);
   const int gpus = rdep::cuda::DeviceCount();
-  rdep::LayerConfig cfg;
-  auto& s = cfg.shape;
+  auto& s = o.cfg.shape;
   s.ranks = f.get_int("ranks", std::min(gpus, 8));
-  const int64_t use_gpus = f.get_int("gpus", std::min<int64_t>(s.ranks, gpus));
+  o.use_gpus = f.get_int("gpus", std::min<int64_t>(s.ranks, gpus));
   s.tokens = f.get_int("tokens", 4096);
   s.hidden = f.get_int("hidden", 2048);
   s.ffn = f.get_int("ffn", 1408);
   s.experts = f.get_int("experts", 64);
   s.topk = f.get_int("topk", 6);
   const std::string routing_name = f.get_string("routing", "uniform");
-  cfg.capacity.capacity_factor = f.get_double("capacity-factor", 0);
-  cfg.segment_tokens = f.get_int("segment", 0);
-  const int64_t warmup = f.get_int("warmup", 20), iters = f.get_int("iters", 200);
-  const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
-  const std::string json = f.get_string("json", ""), baseline = f.get_string("baseline-json", "");
+  o.cfg.capacity.capacity_factor = f.get_double("capacity-factor", 0);
+  o.cfg.segment_tokens = f.get_int("segment", 0);
+  o.warmup = f.get_int("warmup", 20);
+  o.iters = f.get_int("iters", 200);
+  o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
+  o.json = f.get_string("json", "");
+  o.baseline = f.get_string("baseline-json", "");
   auto limits = rdep::cli::ReadLimits(f);
-  if (Status st = f.Finish(); !st.ok()) {
-    std::cerr << "rdep bench layer: " << st.message() << "\n";
-    return 2;
-  }
-  if (!limits.ok()) {
-    std::cerr << "rdep bench layer: " << limits.status().message() << "\n";
-    return 2;
-  }
-  if (warmup > 1000000 || iters > 1000000) {
-    std::cerr << "rdep bench layer: --warmup and --iters must be <= 1000000\n";
-    return 2;
-  }
-  if (gpus == 0) {
-    std::cerr << "rdep bench layer: no CUDA device is present\n";
-    return 2;
-  }
-  if (warmup < 0 || iters < 1) {
-    std::cerr << "rdep bench layer: --warmup must be >= 0 and --iters >= 1\n";
-    return 2;
-  }
-  if (use_gpus < 1 || use_gpus > gpus) {
-    std::cerr << "rdep bench layer: --gpus must be in [1, " << gpus << "] on this machine, got " << use_gpus << "\n";
-    return 2;
-  }
+  if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
+  if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
+  if (o.use_gpus < 1 || o.use_gpus > gpus)
+    return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.use_gpus));
   auto spec = rdep::RoutingSpec::Parse(routing_name);
   if (!spec.ok()) return Fail(spec.status());
-  spec->seed = seed;
-  if (Status st = cfg.Validate(); !st.ok()) {
-    std::cerr << "rdep bench layer: " << st.message() << "\n";
-    return 2;
-  }
+  spec->seed = o.seed;
+  o.spec = *spec;
+  o.limits = *limits;
   // Estimate before allocating; open the receipt before the work.
-  if (Status st = rdep::bench::CheckLayerBenchFootprint(cfg, warmup + iters, static_cast<int>(use_gpus), *limits); !st.ok()) {
-    std::cerr << "rdep bench layer: " << st.message() << "\n";
-    return 2;
-  }
-  if (Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
-    std::cerr << "rdep bench layer: " << st.message() << "\n";
-    return 2;
-  }
-  auto setup = rdep::bench::SetupLayerBench(cfg, *spec, seed, static_cast<int>(use_gpus));
-  if (!setup.ok()) return Fail(setup.status());
-  const rdep::Routing& routing = setup->routing;
-  const auto& x = setup->x;
-  auto& domain = setup->domain;
-  auto& layer = setup->layer;
+  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(o.use_gpus), o.limits, o.json);
+      !st.ok())
+    return Refuse(st.message());
+  return 0;
+}
 
-  const auto W = static_cast<size_t>(s.ranks);
+// One rank's device inputs and outputs, and its events: per iteration i, 4i / 4i+1 around the forward
+// pass, 4i+2 / 4i+3 around the forward+backward pass.
+struct RankBuffers {
+  int32_t* experts = nullptr;
+  float *gates = nullptr, *dgates = nullptr;
+  __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  std::vector<cudaEvent_t> ev;
+};
+
+// On rank r's thread: allocates `b`, uploads the routing and the activations (bf16), dy = 0.01 and
+// creates 4 events per iteration (`total` = warmup + iters).
+Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std::vector<float>& x, const rdep::LayerShape& s,
+                         int64_t total) {
   const size_t nk = static_cast<size_t>(s.tokens * s.topk), nh = static_cast<size_t>(s.tokens * s.hidden);
-  struct Bufs {
-    int32_t* experts = nullptr;
-    float *gates = nullptr, *dgates = nullptr;
-    __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
-    std::vector<cudaEvent_t> ev;
-  };
-  std::vector<Bufs> bufs(W);
-  const int64_t total = warmup + iters;
-  std::vector<std::vector<double>> fwd(W), fwdbwd(W);
-  std::vector<rdep::PhaseTimes> phase_f(W), phase_b(W);
-  std::vector<size_t> bytes(W);
-  int64_t accepted_rows = 0;
-  Status st = domain->Run([&](int32_t r) -> Status {
-    Bufs& b = bufs[static_cast<size_t>(r)];
-    const auto& rr = routing[static_cast<size_t>(r)];
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dgates, nk * 4));
-    for (auto** p : {&b.x, &b.y, &b.dy, &b.dx}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.experts, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.gates, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
-    std::vector<uint16_t> bits(nh);
-    for (size_t i = 0; i < bits.size() && i < x[static_cast<size_t>(r)].size(); ++i) bits[i] = rdep::FloatToBf16Bits(x[static_cast<size_t>(r)][i]);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
-    for (auto& v : bits) v = rdep::FloatToBf16Bits(0.01f);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, bits.data(), nh * 2, cudaMemcpyHostToDevice));
-    b.ev.resize(static_cast<size_t>(4 * total));
-    for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    cudaStream_t stream = domain->stream(r);
-    const int64_t n = rr.num_tokens;
-    for (int pass = 0; pass < 2; ++pass) {  // 0: forward only, 1: forward + backward
-      for (int64_t i = 0; i < total; ++i) {
-        RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));  // ranks start together
-        cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, stream));
-        RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, n, b.x, b.y));
-        if (pass == 1) RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dgates));
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
-      }
-      RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
-      for (int64_t i = warmup; i < total; ++i) {
-        float ms = 0;
-        RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
-        (pass ? fwdbwd : fwd)[static_cast<size_t>(r)].push_back(ms);
-      }
-    }
-    bytes[static_cast<size_t>(r)] = layer->device_bytes(r);
-    return Status::Ok();
-  });
-  if (!st.ok()) return Fail(st);
-  // Phase breakdown: a few profiled iterations after the timed ones (medians per rank, then max).
-  if (Status pe = layer->EnableProfiling(true); !pe.ok()) return Fail(pe);
-  std::vector<std::vector<rdep::PhaseTimes>> prof_f(W), prof_b(W);
-  st = domain->Run([&](int32_t r) -> Status {
-    Bufs& b = bufs[static_cast<size_t>(r)];
-    for (int i = 0; i < 10; ++i) {
-      RDEP_RETURN_IF_ERROR(domain->Barrier(r, rdep::Phase::kTest));
-      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.experts, b.gates, routing[static_cast<size_t>(r)].num_tokens, b.x, b.y));
-      RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dgates));
-      RDEP_ASSIGN_OR_RETURN(auto pf, layer->LastPhaseTimes(r, false));
-      RDEP_ASSIGN_OR_RETURN(auto pb, layer->LastPhaseTimes(r, true));
-      prof_f[static_cast<size_t>(r)].push_back(pf);
-      prof_b[static_cast<size_t>(r)].push_back(pb);
-    }
-    RDEP_ASSIGN_OR_RETURN(auto acc, layer->CopyAcceptance(r));
-    int64_t a = 0;
-    for (auto v : acc.accepted) a += v;
-    static std::mutex mu;
-    std::lock_guard<std::mutex> lock(mu);
-    accepted_rows += a;
-    return Status::Ok();
-  });
-  if (!st.ok()) return Fail(st);
-  auto median_phase = [](std::vector<rdep::PhaseTimes> v) {
-    rdep::PhaseTimes m;
-    auto med = [&](double rdep::PhaseTimes::*field) {
-      std::vector<double> xs;
-      for (const auto& p : v) xs.push_back(p.*field);
-      return rdep::Percentile(xs, 50);
-    };
-    m.routing_ms = med(&rdep::PhaseTimes::routing_ms);
-    m.dispatch_ms = med(&rdep::PhaseTimes::dispatch_ms);
-    m.expert_ms = med(&rdep::PhaseTimes::expert_ms);
-    m.return_ms = med(&rdep::PhaseTimes::return_ms);
-    m.combine_ms = med(&rdep::PhaseTimes::combine_ms);
-    return m;
-  };
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.experts, nk * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dgates, nk * 4));
+  for (auto** p : {&b.x, &b.y, &b.dy, &b.dx}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.experts, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.gates, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<uint16_t> bits(nh);
+  for (size_t i = 0; i < bits.size() && i < x.size(); ++i) bits[i] = rdep::FloatToBf16Bits(x[i]);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
+  for (auto& v : bits) v = rdep::FloatToBf16Bits(0.01f);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, bits.data(), nh * 2, cudaMemcpyHostToDevice));
+  b.ev.resize(static_cast<size_t>(4 * total));
+  for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  return Status::Ok();
+}
+
+void FreeRankBuffers(rdep::CudaDomain& domain, std::vector<RankBuffers>& bufs) {
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    cudaSetDevice(domain.device(static_cast<int32_t>(r)));
+    for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].dgates),
+                    static_cast<void*>(bufs[r].x), static_cast<void*>(bufs[r].y), static_cast<void*>(bufs[r].dy), static_cast<void*>(bufs[r].dx)})
+      cudaFree(p);
+    for (auto e : bufs[r].ev) cudaEventDestroy(e);
+  }
+}
+
+// ---- run -------------------------------------------------------------------------------------------
+
+// Raw times per rank and what is derived from them.
+struct LayerBenchResults {
+  std::vector<std::vector<double>> fwd, fwdbwd;                // [rank][iteration after warmup], ms
+  std::vector<std::vector<rdep::PhaseTimes>> prof_f, prof_b;  // [rank][profiled iteration]
+  std::vector<size_t> bytes;                                   // layer device bytes per rank
+  int64_t accepted_rows = 0;                                   // over all ranks
+  std::vector<double> f_max, fb_max;                           // per iteration, max over ranks
+  rdep::Summary sf, sfb;
   rdep::PhaseTimes bf, bb;  // max over ranks of each phase's median
-  for (size_t r = 0; r < W; ++r) {
-    const auto pf = median_phase(prof_f[r]), pb = median_phase(prof_b[r]);
-    for (auto [dst, src] : {std::pair{&bf, &pf}, std::pair{&bb, &pb}}) {
+  double tflops_f = 0, tflops_fb = 0;
+  size_t max_bytes = 0;
+};
+
+// Rank r's timed loop: pass 0 forward only, pass 1 forward + backward; each iteration a device barrier
+// (ranks start together), an event, the layer, an event; after Synchronize the times past the warmup.
+Status TimeRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
+                      int64_t warmup, int64_t total, std::vector<double>& fwd, std::vector<double>& fwdbwd) {
+  cudaStream_t stream = domain.stream(r);
+  for (int pass = 0; pass < 2; ++pass) {  // 0: forward only, 1: forward + backward
+    for (int64_t i = 0; i < total; ++i) {
+      RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));  // ranks start together
+      cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, stream));
+      RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
+      if (pass == 1) RDEP_RETURN_IF_ERROR(layer.Backward(r, b.dy, b.dx, b.dgates));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
+    }
+    RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+    for (int64_t i = warmup; i < total; ++i) {
+      float ms = 0;
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
+      (pass ? fwdbwd : fwd).push_back(ms);
+    }
+  }
+  return Status::Ok();
+}
+
+// Rank r's phase breakdown: 10 profiled forward+backward iterations after the timed ones; returns the
+// rows this rank accepted.
+rdep::StatusOr<int64_t> ProfileRank(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
+                                    std::vector<rdep::PhaseTimes>& prof_f, std::vector<rdep::PhaseTimes>& prof_b) {
+  for (int i = 0; i < 10; ++i) {
+    RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
+    RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
+    RDEP_RETURN_IF_ERROR(layer.Backward(r, b.dy, b.dx, b.dgates));
+    RDEP_ASSIGN_OR_RETURN(auto pf, layer.LastPhaseTimes(r, false));
+    RDEP_ASSIGN_OR_RETURN(auto pb, layer.LastPhaseTimes(r, true));
+    prof_f.push_back(pf);
+    prof_b.push_back(pb);
+  }
+  RDEP_ASSIGN_OR_RETURN(auto acc, layer.CopyAcceptance(r));
+  int64_t a = 0;
+  for (auto v : acc.accepted) a += v;
+  return a;
+}
+
+rdep::PhaseTimes MedianPhaseTimes(const std::vector<rdep::PhaseTimes>& v) {
+  rdep::PhaseTimes m;
+  auto med = [&](double rdep::PhaseTimes::*field) {
+    std::vector<double> xs;
+    for (const auto& p : v) xs.push_back(p.*field);
+    return rdep::Percentile(xs, 50);
+  };
+  m.routing_ms = med(&rdep::PhaseTimes::routing_ms);
+  m.dispatch_ms = med(&rdep::PhaseTimes::dispatch_ms);
+  m.expert_ms = med(&rdep::PhaseTimes::expert_ms);
+  m.return_ms = med(&rdep::PhaseTimes::return_ms);
+  m.combine_ms = med(&rdep::PhaseTimes::combine_ms);
+  return m;
+}
+
+// The statistics of the raw times: max over ranks per iteration, p50/p99, useful TFLOP/s per GPU
+// (6*accepted_rows*H*D_ff forward, 3x that forward+backward), the max-rank phase medians.
+void DeriveLayerStatistics(const rdep::LayerShape& s, LayerBenchResults& res) {
+  for (size_t r = 0; r < res.prof_f.size(); ++r) {
+    const auto pf = MedianPhaseTimes(res.prof_f[r]), pb = MedianPhaseTimes(res.prof_b[r]);
+    for (auto [dst, src] : {std::pair{&res.bf, &pf}, std::pair{&res.bb, &pb}}) {
       dst->routing_ms = std::max(dst->routing_ms, src->routing_ms);
       dst->dispatch_ms = std::max(dst->dispatch_ms, src->dispatch_ms);
       dst->expert_ms = std::max(dst->expert_ms, src->expert_ms);
@@ -231,71 +244,151 @@ int RunLayerBench(const rdep::cli::Args& args) {
       dst->combine_ms = std::max(dst->combine_ms, src->combine_ms);
     }
   }
-  const auto f_max = rdep::MaxOverRanks(fwd), fb_max = rdep::MaxOverRanks(fwdbwd);
-  const auto sf = rdep::Summarize(f_max), sfb = rdep::Summarize(fb_max);
-  const double flops_fwd = 6.0 * static_cast<double>(accepted_rows) * static_cast<double>(s.hidden) * static_cast<double>(s.ffn);
-  const double tflops_f = flops_fwd / static_cast<double>(W) / (sf.p50 * 1e-3) / 1e12;
-  const double tflops_fb = 3 * flops_fwd / static_cast<double>(W) / (sfb.p50 * 1e-3) / 1e12;
-  size_t max_bytes = 0;
-  for (auto b : bytes) max_bytes = std::max(max_bytes, b);
-  const double base_f = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwd_p50_ms");
-  const double base_fb = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwdbwd_p50_ms");
-  const double base_mem = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "peak_alloc_gib");
-  // The load this routing puts on the experts and their owners (what skew the times were taken under).
-  auto tel = rdep::ComputeTelemetry(routing, setup->ownership);
-  if (!tel.ok()) return Fail(tel.status());
-  const double owner_mean = static_cast<double>(tel->total_rows) / static_cast<double>(W);
-  const double owner_max = static_cast<double>(*std::max_element(tel->owner_loads.begin(), tel->owner_loads.end()));
+  const auto W = static_cast<double>(s.ranks);
+  res.f_max = rdep::MaxOverRanks(res.fwd);
+  res.fb_max = rdep::MaxOverRanks(res.fwdbwd);
+  res.sf = rdep::Summarize(res.f_max);
+  res.sfb = rdep::Summarize(res.fb_max);
+  const double flops_fwd = 6.0 * static_cast<double>(res.accepted_rows) * static_cast<double>(s.hidden) * static_cast<double>(s.ffn);
+  res.tflops_f = flops_fwd / W / (res.sf.p50 * 1e-3) / 1e12;
+  res.tflops_fb = 3 * flops_fwd / W / (res.sfb.p50 * 1e-3) / 1e12;
+  for (auto b : res.bytes) res.max_bytes = std::max(res.max_bytes, b);
+}
 
+// The timed passes on every rank, then the profiled iterations, then the statistics.
+Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup& setup, std::vector<RankBuffers>& bufs,
+                       LayerBenchResults& res) {
+  const rdep::Routing& routing = setup.routing;
+  rdep::CudaDomain& domain = *setup.domain;
+  rdep::CudaMoELayer& layer = *setup.layer;
+  const auto W = static_cast<size_t>(o.cfg.shape.ranks);
+  const int64_t total = o.warmup + o.iters;
+  res.fwd.assign(W, {});
+  res.fwdbwd.assign(W, {});
+  res.bytes.assign(W, 0);
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, total));
+    RDEP_RETURN_IF_ERROR(TimeRankPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.fwd[sr],
+                                        res.fwdbwd[sr]));
+    res.bytes[sr] = layer.device_bytes(r);
+    return Status::Ok();
+  }));
+  // Phase breakdown: a few profiled iterations after the timed ones (medians per rank, then max).
+  RDEP_RETURN_IF_ERROR(layer.EnableProfiling(true));
+  res.prof_f.assign(W, {});
+  res.prof_b.assign(W, {});
+  std::mutex mu;
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    RDEP_ASSIGN_OR_RETURN(int64_t a, ProfileRank(domain, layer, r, bufs[sr], routing[sr].num_tokens, res.prof_f[sr], res.prof_b[sr]));
+    std::lock_guard<std::mutex> lock(mu);
+    res.accepted_rows += a;
+    return Status::Ok();
+  }));
+  DeriveLayerStatistics(o.cfg.shape, res);
+  return Status::Ok();
+}
+
+// ---- report ----------------------------------------------------------------------------------------
+
+// The baseline receipt's numbers (NaN where absent or without --baseline-json) and the load this
+// routing puts on the experts and their owners (what skew the times were taken under).
+struct LayerBenchContext {
+  double base_f = NAN, base_fb = NAN, base_mem = NAN;
+  rdep::RoutingTelemetry tel;
+  double owner_max_over_mean = 0;
+};
+
+rdep::StatusOr<LayerBenchContext> ReadLayerBenchContext(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup) {
+  LayerBenchContext c;
+  const std::string& baseline = o.baseline;
+  c.base_f = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwd_p50_ms");
+  c.base_fb = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "fwdbwd_p50_ms");
+  c.base_mem = baseline.empty() ? NAN : rdep::bench::ReadJsonNumber(baseline, "peak_alloc_gib");
+  RDEP_ASSIGN_OR_RETURN(c.tel, rdep::ComputeTelemetry(setup.routing, setup.ownership));
+  const double owner_mean = static_cast<double>(c.tel.total_rows) / static_cast<double>(o.cfg.shape.ranks);
+  const double owner_max = static_cast<double>(*std::max_element(c.tel.owner_loads.begin(), c.tel.owner_loads.end()));
+  c.owner_max_over_mean = owner_mean > 0 ? owner_max / owner_mean : 0.0;
+  return c;
+}
+
+void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
+                     const LayerBenchContext& c) {
+  const auto& s = o.cfg.shape;
+  const auto& cfg = o.cfg;
+  const auto& tel = c.tel;
+  const auto &sf = res.sf, &sfb = res.sfb;
+  const auto &bf = res.bf, &bb = res.bb;
   std::printf("rdep bench layer: %s, routing %s, capacity %s, S=%lld, warmup %lld, iters %lld\n",
-              [&] { std::ostringstream os; os << s; return os.str(); }().c_str(), spec->name().c_str(),
+              [&] { std::ostringstream os; os << s; return os.str(); }().c_str(), o.spec.name().c_str(),
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
-              static_cast<long long>(layer->layout().S), static_cast<long long>(warmup), static_cast<long long>(iters));
-  std::printf("  placement: %s\n", domain->placement().c_str());
+              static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
+  std::printf("  placement: %s\n", setup.domain->placement().c_str());
   std::printf("  load: expert max/mean %.2f (CV %.1f%%, %lld of %lld experts active), owner max/mean %.2f\n",
-              tel->max_over_mean, 100 * tel->cv, static_cast<long long>(tel->active_experts),
-              static_cast<long long>(tel->num_experts), owner_mean > 0 ? owner_max / owner_mean : 0.0);
+              tel.max_over_mean, 100 * tel.cv, static_cast<long long>(tel.active_experts),
+              static_cast<long long>(tel.num_experts), c.owner_max_over_mean);
   std::printf("  %-18s %10s %10s %14s %12s %8s\n", "", "p50 ms", "p99 ms", "TFLOP/s/GPU", "baseline ms", "speedup");
-  std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward", sf.p50, sf.p99, tflops_f, base_f, base_f / sf.p50);
-  std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward+backward", sfb.p50, sfb.p99, tflops_fb, base_fb, base_fb / sfb.p50);
+  std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward", sf.p50, sf.p99, res.tflops_f, c.base_f, c.base_f / sf.p50);
+  std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward+backward", sfb.p50, sfb.p99, res.tflops_fb, c.base_fb,
+              c.base_fb / sfb.p50);
   std::printf("  breakdown (ms, max-rank median)  routing  dispatch  expert  return  combine\n");
   std::printf("    forward                      %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bf.routing_ms, bf.dispatch_ms, bf.expert_ms, bf.return_ms, bf.combine_ms);
   std::printf("    backward (routing = dgate)   %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bb.routing_ms, bb.dispatch_ms, bb.expert_ms, bb.return_ms, bb.combine_ms);
   std::printf("  layer device memory per rank (max): %.3f GiB; baseline peak allocated: %.3f GiB\n",
-              static_cast<double>(max_bytes) / (1 << 30), base_mem);
-  if (!json.empty()) {
-    rdep::JsonWriter j;
-    j.begin_object().field("tool", "rdep bench layer");
-    rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
-    j.key("workload").begin_object().field("ranks", s.ranks).field("placement", domain->placement()).field("ranks_share_gpus", domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
-    j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", spec->name());
-    j.field("capacity_factor", cfg.capacity.capacity_factor).field("segment", layer->layout().S).field("seed", static_cast<int64_t>(seed));
-    j.field("warmup", warmup).field("iters", iters).end_object();
-    j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
-    j.field("accepted_rows", accepted_rows);
-    j.key("routing_load").begin_object().field("expert_max_over_mean", tel->max_over_mean).field("expert_cv", tel->cv);
-    j.field("active_experts", tel->active_experts).field("owner_max_over_mean", owner_mean > 0 ? owner_max / owner_mean : 0.0);
-    j.key("owner_rows").value(std::vector<double>(tel->owner_loads.begin(), tel->owner_loads.end())).end_object();
-    rdep::bench::WriteSummary(j, "forward", f_max);
-    rdep::bench::WriteSummary(j, "forward_backward", fb_max);
-    j.field("forward_tflops_per_gpu", tflops_f).field("forward_backward_tflops_per_gpu", tflops_fb);
-    j.key("breakdown_forward_ms").begin_object().field("routing", bf.routing_ms).field("dispatch", bf.dispatch_ms);
-    j.field("expert", bf.expert_ms).field("return", bf.return_ms).field("combine", bf.combine_ms).end_object();
-    j.key("breakdown_backward_ms").begin_object().field("dgate", bb.routing_ms).field("dispatch", bb.dispatch_ms);
-    j.field("expert", bb.expert_ms).field("return", bb.return_ms).field("combine", bb.combine_ms).end_object();
-    j.field("layer_device_bytes_max_rank", static_cast<int64_t>(max_bytes));
-    j.key("baseline").begin_object().field("receipt", baseline).field("fwd_p50_ms", base_f).field("fwdbwd_p50_ms", base_fb);
-    j.field("peak_alloc_gib", base_mem).field("speedup_fwd", base_f / sf.p50).field("speedup_fwdbwd", base_fb / sfb.p50).end_object();
-    j.end_object();
-    if (!rdep::bench::WriteFile(json, j.str())) std::cerr << "rdep bench layer: could not write " << json << "\n";
+              static_cast<double>(res.max_bytes) / (1 << 30), c.base_mem);
+}
+
+void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
+                       const LayerBenchContext& c) {
+  const auto& s = o.cfg.shape;
+  const auto& tel = c.tel;
+  const auto &bf = res.bf, &bb = res.bb;
+  rdep::JsonWriter j;
+  j.begin_object().field("tool", "rdep bench layer");
+  rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
+  j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
+  j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("seed", static_cast<int64_t>(o.seed));
+  j.field("warmup", o.warmup).field("iters", o.iters).end_object();
+  j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
+  j.field("accepted_rows", res.accepted_rows);
+  j.key("routing_load").begin_object().field("expert_max_over_mean", tel.max_over_mean).field("expert_cv", tel.cv);
+  j.field("active_experts", tel.active_experts).field("owner_max_over_mean", c.owner_max_over_mean);
+  j.key("owner_rows").value(std::vector<double>(tel.owner_loads.begin(), tel.owner_loads.end())).end_object();
+  rdep::bench::WriteSummary(j, "forward", res.f_max);
+  rdep::bench::WriteSummary(j, "forward_backward", res.fb_max);
+  j.field("forward_tflops_per_gpu", res.tflops_f).field("forward_backward_tflops_per_gpu", res.tflops_fb);
+  j.key("breakdown_forward_ms").begin_object().field("routing", bf.routing_ms).field("dispatch", bf.dispatch_ms);
+  j.field("expert", bf.expert_ms).field("return", bf.return_ms).field("combine", bf.combine_ms).end_object();
+  j.key("breakdown_backward_ms").begin_object().field("dgate", bb.routing_ms).field("dispatch", bb.dispatch_ms);
+  j.field("expert", bb.expert_ms).field("return", bb.return_ms).field("combine", bb.combine_ms).end_object();
+  j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.max_bytes));
+  j.key("baseline").begin_object().field("receipt", o.baseline).field("fwd_p50_ms", c.base_f).field("fwdbwd_p50_ms", c.base_fb);
+  j.field("peak_alloc_gib", c.base_mem).field("speedup_fwd", c.base_f / res.sf.p50).field("speedup_fwdbwd", c.base_fb / res.sfb.p50).end_object();
+  j.end_object();
+  if (!rdep::bench::WriteFile(o.json, j.str())) std::cerr << "rdep bench layer: could not write " << o.json << "\n";
+}
+
+// ---- the command -----------------------------------------------------------------------------------
+
+int RunLayerBench(const rdep::cli::Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
   }
-  for (size_t r = 0; r < W; ++r) {
-    cudaSetDevice(domain->device(static_cast<int32_t>(r)));
-    for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].dgates),
-                    static_cast<void*>(bufs[r].x), static_cast<void*>(bufs[r].y), static_cast<void*>(bufs[r].dy), static_cast<void*>(bufs[r].dx)})
-      cudaFree(p);
-    for (auto e : bufs[r].ev) cudaEventDestroy(e);
-  }
+  LayerBenchOptions o;
+  if (int rc = ParseLayerBenchOptions(args, o); rc != 0) return rc;
+  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.use_gpus));
+  if (!setup.ok()) return Fail(setup.status());
+  std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
+  LayerBenchResults res;
+  if (Status st = RunLayerTimings(o, *setup, bufs, res); !st.ok()) return Fail(st);
+  auto context = ReadLayerBenchContext(o, *setup);
+  if (!context.ok()) return Fail(context.status());
+  PrintLayerTable(o, *setup, res, *context);
+  if (!o.json.empty()) WriteLayerReceipt(o, *setup, res, *context);
+  FreeRankBuffers(*setup->domain, bufs);
   return 0;
 }
 

@@ -116,6 +116,26 @@ inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iteration
   return cli::CheckFootprint(fp, limits);
 }
 
+// The first checks of `rdep bench layer` and `rdep bench dispatch`, in their order: the flags parsed
+// (Flags::Finish), the limits read, --warmup and --iters at most 1000000, a CUDA device present. The
+// caller prints the message and exits 2.
+inline Status CheckBenchFlags(const cli::Flags& f, const StatusOr<cli::Limits>& limits, int64_t warmup, int64_t iters, int gpus) {
+  RDEP_RETURN_IF_ERROR(f.Finish());
+  if (!limits.ok()) return limits.status();
+  if (warmup > 1000000 || iters > 1000000) return InvalidArgument("--warmup and --iters must be <= 1000000");
+  if (gpus == 0) return InvalidArgument("no CUDA device is present");
+  return Status::Ok();
+}
+
+// The last checks of a layer benchmark before it allocates: the shape valid, the estimate within the
+// limits (CheckLayerBenchFootprint) and the receipt's path open for writing. The caller exits 2.
+inline Status CheckLayerBenchPlan(const LayerConfig& cfg, int64_t iterations, int num_gpus, const cli::Limits& limits,
+                                  const std::string& json) {
+  RDEP_RETURN_IF_ERROR(cfg.Validate());
+  RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits));
+  return cli::CheckOutputPath("json", json);
+}
+
 inline bool WriteFile(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   out << text << "\n";

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
+#include <string>
 
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -91,18 +93,35 @@ double SmallestGpuBytes(int64_t ranks) {
 double SmallestGpuBytes(int64_t) { return 0; }
 #endif
 
-int RunCheck(const rdep::cli::Args& args) {
-  if (rdep::cli::WantsHelp(args)) {
-    std::cout << kHelp;
-    return 0;
-  }
+int Refuse(const std::string& message) {
+  std::cerr << "rdep check: " << message << "\n";
+  return 2;
+}
+
+// ---- setup -----------------------------------------------------------------------------------------
+
+// What the flags ask for, checked, and the bootstrap (one process per GPU under MPI) when asked for.
+struct CheckOptions {
+  rdep::ValidationOptions v;
+  std::string backend, bootstrap;  // backend: host or cuda once ResolveCheckBackend ran
+  bool ranks_given = false, gpus_given = false, empty_rank_given = false;
+  int64_t gpus = 0, empty_rank = -1, seed = 1;
+  std::string routing, json;
+  rdep::cli::Limits limits;
+  std::unique_ptr<rdep::Bootstrap> boot;
+  bool leader = true;  // prints the table and writes the receipt
+};
+
+// Reads the flags; 0 when they parse, else 2 with the message.
+int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   rdep::cli::Flags f(args);
-  rdep::ValidationOptions o;
-  std::string backend = f.get_string("backend", "auto");
-  std::string bootstrap = f.get_string("bootstrap", rdep::LaunchedUnderMpi() ? "mpi" : "process");
-  const bool ranks_given = f.has("ranks");
-  const bool gpus_given = f.has("gpus");
-  const int64_t gpus = f.get_int("gpus", 0);
+  rdep::ValidationOptions& o = c.v;
+  c.backend = f.get_string("backend", "auto");
+  c.bootstrap = f.get_string("bootstrap", rdep::LaunchedUnderMpi() ? "mpi" : "process");
+  c.ranks_given = f.has("ranks");
+  c.gpus_given = f.has("gpus");
+  c.empty_rank_given = f.has("empty-rank");
+  c.gpus = f.get_int("gpus", 0);
   auto& s = o.layer.shape;
   s.ranks = f.get_int("ranks", 4);
   s.tokens = f.get_int("tokens", 64);
@@ -110,152 +129,160 @@ int RunCheck(const rdep::cli::Args& args) {
   s.ffn = f.get_int("ffn", 128);
   s.experts = f.get_int("experts", 16);
   s.topk = f.get_int("topk", 4);
-  const std::string routing = f.get_string("routing", "uniform");
-  const int64_t empty_rank = f.get_int("empty-rank", -1);
+  c.routing = f.get_string("routing", "uniform");
+  c.empty_rank = f.get_int("empty-rank", -1);
   o.layer.capacity.capacity_factor = f.get_double("capacity-factor", 0.0);
   o.layer.segment_tokens = f.get_int("segment", 0);
-  const int64_t seed = f.get_int("seed", 1);
+  c.seed = f.get_int("seed", 1);
   o.barrier_timeout_s = f.get_double("timeout", 30.0);
-  const std::string json = f.get_string("json", "");
+  c.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
-  if (rdep::Status st = f.Finish(); !st.ok()) {
-    std::cerr << "rdep check: " << st.message() << "\n(see rdep check --help)\n";
-    return 2;
-  }
-  if (!f.positional().empty()) {
-    std::cerr << "rdep check: unexpected argument '" << f.positional().front() << "'\n(see rdep check --help)\n";
-    return 2;
-  }
-  if (!limits.ok()) {
-    std::cerr << "rdep check: " << limits.status().message() << "\n";
-    return 2;
-  }
-  if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0)) {
-    std::cerr << "rdep check: --timeout must be a finite number of seconds > 0\n";
-    return 2;
-  }
-  std::unique_ptr<rdep::Bootstrap> boot;
-  if (bootstrap == "mpi") {
+  if (rdep::Status st = f.Finish(); !st.ok()) return Refuse(st.message() + "\n(see rdep check --help)");
+  if (!f.positional().empty()) return Refuse("unexpected argument '" + f.positional().front() + "'\n(see rdep check --help)");
+  if (!limits.ok()) return Refuse(limits.status().message());
+  if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0))
+    return Refuse("--timeout must be a finite number of seconds > 0");
+  c.limits = *limits;
+  return 0;
+}
+
+// The bootstrap (process or mpi) and the backend (host or cuda; auto resolved), and --gpus against
+// them; 0 when they agree, else 2 with the message.
+int ResolveCheckBackend(CheckOptions& c) {
+  auto& s = c.v.layer.shape;
+  if (c.bootstrap == "mpi") {
     auto b = rdep::MakeMpiBootstrap();
-    if (!b.ok()) {
-      std::cerr << "rdep check: --bootstrap mpi: " << b.status().message() << "\n";
-      return 2;
-    }
-    boot = std::move(*b);
-    if (ranks_given && s.ranks != boot->size()) {
-      std::cerr << "rdep check: --ranks " << s.ranks << " but the MPI world has " << boot->size() << " processes\n";
-      return 2;
-    }
-    s.ranks = boot->size();
-    if (backend == "auto") backend = "cuda";
-  } else if (bootstrap != "process") {
-    std::cerr << "rdep check: unknown bootstrap '" << bootstrap << "' (process, mpi)\n";
-    return 2;
+    if (!b.ok()) return Refuse("--bootstrap mpi: " + b.status().message());
+    c.boot = std::move(*b);
+    if (c.ranks_given && s.ranks != c.boot->size())
+      return Refuse("--ranks " + std::to_string(s.ranks) + " but the MPI world has " + std::to_string(c.boot->size()) +
+                    " processes");
+    s.ranks = c.boot->size();
+    if (c.backend == "auto") c.backend = "cuda";
+  } else if (c.bootstrap != "process") {
+    return Refuse("unknown bootstrap '" + c.bootstrap + "' (process, mpi)");
   }
-  if (backend == "auto") backend = rdep::CudaDeviceCount() > 0 ? "cuda" : "host";
-  if (gpus_given && (backend != "cuda" || boot)) {
-    std::cerr << "rdep check: --gpus places the ranks of one process on GPUs: it needs --backend cuda without --bootstrap mpi\n";
-    return 2;
-  }
-  if (gpus_given && (gpus < 1 || gpus > rdep::CudaDeviceCount())) {
-    std::cerr << "rdep check: --gpus must be in [1, " << rdep::CudaDeviceCount() << "] on this machine, got " << gpus << "\n";
-    return 2;
-  }
-  if (boot && backend != "cuda") {
-    std::cerr << "rdep check: --bootstrap mpi needs --backend cuda\n";
-    return 2;
-  }
-  const bool leader = !boot || boot->rank() == 0;  // prints the table and writes the receipt
-  if (backend != "host" && backend != "cuda") {
-    std::cerr << "rdep check: unknown backend '" << backend << "' (host, cuda, auto)\n";
-    return 2;
-  }
-  auto spec = rdep::RoutingSpec::Parse(routing);
-  if (!spec.ok()) {
-    std::cerr << "rdep check: --routing: " << spec.status().message() << "\n";
-    return 2;
-  }
+  if (c.backend == "auto") c.backend = rdep::CudaDeviceCount() > 0 ? "cuda" : "host";
+  if (c.gpus_given && (c.backend != "cuda" || c.boot))
+    return Refuse("--gpus places the ranks of one process on GPUs: it needs --backend cuda without --bootstrap mpi");
+  if (c.gpus_given && (c.gpus < 1 || c.gpus > rdep::CudaDeviceCount()))
+    return Refuse("--gpus must be in [1, " + std::to_string(rdep::CudaDeviceCount()) + "] on this machine, got " +
+                  std::to_string(c.gpus));
+  if (c.boot && c.backend != "cuda") return Refuse("--bootstrap mpi needs --backend cuda");
+  c.leader = !c.boot || c.boot->rank() == 0;
+  if (c.backend != "host" && c.backend != "cuda") return Refuse("unknown backend '" + c.backend + "' (host, cuda, auto)");
+  return 0;
+}
+
+// The routing, the layer's shape and the ranks against the backend; 0 when good, else 2.
+int CheckCheckShape(CheckOptions& c) {
+  rdep::ValidationOptions& o = c.v;
+  const auto& s = o.layer.shape;
+  auto spec = rdep::RoutingSpec::Parse(c.routing);
+  if (!spec.ok()) return Refuse("--routing: " + spec.status().message());
   o.routing = *spec;
-  o.routing.seed = static_cast<uint64_t>(seed);
-  o.routing.empty_rank = empty_rank;
-  o.seed = static_cast<uint64_t>(seed);
-  if (rdep::Status st = o.layer.Validate(); !st.ok()) {
-    std::cerr << "rdep check: " << st.message() << "\n";
-    return 2;
-  }
-  if (f.has("empty-rank") && (empty_rank < 0 || empty_rank >= s.ranks)) {
-    std::cerr << "rdep check: --empty-rank must be a rank in [0, W=" << s.ranks << "), got " << empty_rank << "\n";
-    return 2;
-  }
-  if (backend == "host" && s.ranks > 4096) {
-    std::cerr << "rdep check: --ranks " << s.ranks << ": the host backend runs at most 4096 ranks (threads)\n";
-    return 2;
-  }
-  // Estimate before allocating: refuse what would exhaust memory or run for hours. On the cuda backend
-  // in one process, ranks placed on the same GPU (--gpus N < W) add up on it.
-  rdep::Footprint footprint = rdep::EstimateValidationFootprint(o, backend == "cuda");
-  if (backend == "cuda") {
-    const int64_t used = boot ? s.ranks : (gpus_given ? gpus : std::min<int64_t>(s.ranks, rdep::CudaDeviceCount()));
-    const double per_gpu = boot ? 1.0 : std::ceil(static_cast<double>(s.ranks) / static_cast<double>(std::max<int64_t>(used, 1)));
+  o.routing.seed = static_cast<uint64_t>(c.seed);
+  o.routing.empty_rank = c.empty_rank;
+  o.seed = static_cast<uint64_t>(c.seed);
+  if (rdep::Status st = o.layer.Validate(); !st.ok()) return Refuse(st.message());
+  if (c.empty_rank_given && (c.empty_rank < 0 || c.empty_rank >= s.ranks))
+    return Refuse("--empty-rank must be a rank in [0, W=" + std::to_string(s.ranks) + "), got " + std::to_string(c.empty_rank));
+  if (c.backend == "host" && s.ranks > 4096)
+    return Refuse("--ranks " + std::to_string(s.ranks) + ": the host backend runs at most 4096 ranks (threads)");
+  return 0;
+}
+
+// Estimate before allocating: refuse what would exhaust memory or run for hours. On the cuda backend
+// in one process, ranks placed on the same GPU (--gpus N < W) add up on it. Then the receipt's path
+// is opened (leader only). 0 when good, else 2.
+int CheckCheckFootprint(CheckOptions& c) {
+  const auto& s = c.v.layer.shape;
+  rdep::Footprint footprint = rdep::EstimateValidationFootprint(c.v, c.backend == "cuda");
+  if (c.backend == "cuda") {
+    const int64_t used = c.boot ? s.ranks : (c.gpus_given ? c.gpus : std::min<int64_t>(s.ranks, rdep::CudaDeviceCount()));
+    const double per_gpu = c.boot ? 1.0 : std::ceil(static_cast<double>(s.ranks) / static_cast<double>(std::max<int64_t>(used, 1)));
     if (per_gpu > 1)
       for (auto& term : footprint.device) {
         term.amount *= per_gpu;
         term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
         term.factors.push_back({"gpus", static_cast<double>(used)});
       }
-    limits->device_bytes = SmallestGpuBytes(used);
+    c.limits.device_bytes = SmallestGpuBytes(used);
   }
-  if (rdep::Status st = rdep::cli::CheckFootprint(footprint, *limits); !st.ok()) {
-    std::cerr << "rdep check: " << st.message() << "\n";
-    return 2;
+  if (rdep::Status st = rdep::cli::CheckFootprint(footprint, c.limits); !st.ok()) return Refuse(st.message());
+  if (c.leader) {
+    if (rdep::Status st = rdep::cli::CheckOutputPath("json", c.json); !st.ok()) return Refuse(st.message());
   }
-  if (leader) {
-    if (rdep::Status st = rdep::cli::CheckOutputPath("json", json); !st.ok()) {
-      std::cerr << "rdep check: " << st.message() << "\n";
-      return 2;
-    }
-  }
+  return 0;
+}
 
-  if (leader) {
-    std::cout << "rdep check: backend " << backend << ", " << o.layer << ", routing " << o.routing.name();
-    if (empty_rank >= 0) std::cout << " (rank " << empty_rank << " empty)";
-    std::cout << ", seed " << seed << std::endl;
-  }
-  rdep::StatusOr<std::unique_ptr<rdep::ValidationBackend>> be =
-      boot ? rdep::MakeCudaMultiProcessBackend(*boot, o.barrier_timeout_s)
-           : (backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, o.barrier_timeout_s, static_cast<int>(gpus)) : rdep::MakeHostBackend(s.ranks, o.barrier_timeout_s));
-  if (!be.ok()) {
-    std::cerr << "rdep check: backend " << backend << ": " << be.status().message() << "\n";
-    return 2;
-  }
-  auto rep = rdep::RunValidation(o, **be);
-  if (!rep.ok()) {
-    std::cerr << "rdep check: " << rep.status().message() << "\n";
-    return 2;
-  }
-  if (!leader) return rep->passed() ? 0 : 1;  // every process evaluated the same gathered results
-  std::printf("  transport: %s\n", rep->transport.c_str());
+// ---- run and report --------------------------------------------------------------------------------
+
+// The backend the matrix runs on (it lives until the command returns, as the bootstrap does); 0 with
+// `be` set, else 2 with the message.
+int MakeCheckBackend(const CheckOptions& c, std::unique_ptr<rdep::ValidationBackend>& be) {
+  const auto& s = c.v.layer.shape;
+  rdep::StatusOr<std::unique_ptr<rdep::ValidationBackend>> made =
+      c.boot ? rdep::MakeCudaMultiProcessBackend(*c.boot, c.v.barrier_timeout_s)
+             : (c.backend == "cuda" ? rdep::MakeCudaBackend(s.ranks, c.v.barrier_timeout_s, static_cast<int>(c.gpus))
+                                    : rdep::MakeHostBackend(s.ranks, c.v.barrier_timeout_s));
+  if (!made.ok()) return Refuse("backend " + c.backend + ": " + made.status().message());
+  be = std::move(*made);
+  return 0;
+}
+
+void PrintCheckTable(const rdep::ValidationReport& rep) {
+  std::printf("  transport: %s\n", rep.transport.c_str());
   std::printf("  %-30s %-6s %9s  %s\n", "check", "result", "seconds", "detail");
-  for (const auto& c : rep->checks)
+  for (const auto& c : rep.checks)
     std::printf("  %-30s %-6s %9.3f  %s\n", c.name.c_str(), c.skipped ? "skip" : (c.passed ? "PASS" : "FAIL"), c.seconds,
                 c.detail.c_str());
-  if (rep->symmetric_bytes_per_rank > 0)  // only a completed dispatch run measured them
+  if (rep.symmetric_bytes_per_rank > 0)  // only a completed dispatch run measured them
     std::printf("  symmetric buffers per rank: %.3f MiB (S=%lld)\n",
-                static_cast<double>(rep->symmetric_bytes_per_rank) / (1024.0 * 1024.0),
-                static_cast<long long>(rep->segment_size));
+                static_cast<double>(rep.symmetric_bytes_per_rank) / (1024.0 * 1024.0),
+                static_cast<long long>(rep.segment_size));
   int passed = 0, failed = 0;
-  for (const auto& c : rep->checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
+  for (const auto& c : rep.checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
   std::printf("%d passed, %d failed\n", passed, failed);
-  if (!json.empty()) {
-    errno = 0;
-    std::ofstream out(json);
-    out << rep->ToJson(o) << "\n";
-    out.flush();
-    if (!out) {
-      std::cerr << "rdep check: --json " << json << ": write failed: " << std::strerror(errno) << "\n";
-      return 2;
-    }
+}
+
+// The receipt; 0 when written, else 2 with the OS's reason.
+int WriteCheckReceipt(const CheckOptions& c, const rdep::ValidationReport& rep) {
+  errno = 0;
+  std::ofstream out(c.json);
+  out << rep.ToJson(c.v) << "\n";
+  out.flush();
+  if (!out) {
+    std::cerr << "rdep check: --json " << c.json << ": write failed: " << std::strerror(errno) << "\n";
+    return 2;
   }
+  return 0;
+}
+
+int RunCheck(const rdep::cli::Args& args) {
+  if (rdep::cli::WantsHelp(args)) {
+    std::cout << kHelp;
+    return 0;
+  }
+  CheckOptions c;
+  if (int rc = ReadCheckFlags(args, c); rc != 0) return rc;
+  if (int rc = ResolveCheckBackend(c); rc != 0) return rc;
+  if (int rc = CheckCheckShape(c); rc != 0) return rc;
+  if (int rc = CheckCheckFootprint(c); rc != 0) return rc;
+
+  if (c.leader) {
+    std::cout << "rdep check: backend " << c.backend << ", " << c.v.layer << ", routing " << c.v.routing.name();
+    if (c.empty_rank >= 0) std::cout << " (rank " << c.empty_rank << " empty)";
+    std::cout << ", seed " << c.seed << std::endl;
+  }
+  std::unique_ptr<rdep::ValidationBackend> be;
+  if (int rc = MakeCheckBackend(c, be); rc != 0) return rc;
+  auto rep = rdep::RunValidation(c.v, *be);
+  if (!rep.ok()) return Refuse(rep.status().message());
+  if (!c.leader) return rep->passed() ? 0 : 1;  // every process evaluated the same gathered results
+  PrintCheckTable(*rep);
+  if (!c.json.empty())
+    if (int rc = WriteCheckReceipt(c, *rep); rc != 0) return rc;
   return rep->passed() ? 0 : 1;
 }
 

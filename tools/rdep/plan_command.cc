@@ -133,9 +133,17 @@ rdep::Status CheckOutputs(std::initializer_list<std::pair<const char*, const std
   return rdep::Status::Ok();
 }
 
-int RunSim(const Args& args) {
-  Flags f(args);
+// What `rdep plan sim` is asked for, checked.
+struct SimOptions {
   rdep::SimConfig cfg;
+  std::string trace, json, png;  // "" = synthetic grid / no receipt / no plot
+  rdep::cli::Limits limits;
+};
+
+// Reads and checks the flags in the command's fixed order.
+rdep::Status ParseSimOptions(const Args& args, SimOptions& o) {
+  Flags f(args);
+  rdep::SimConfig& cfg = o.cfg;
   auto experts = ParseList<int32_t>("experts", f.get_string("experts", "128,256"));
   auto ranks = ParseList<int32_t>("ranks", f.get_string("ranks", "32,64"));
   auto slots = ParseList<int32_t>("slots", f.get_string("slots", "1,2,4"));
@@ -148,31 +156,31 @@ int RunSim(const Args& args) {
   const int64_t ranks_per_node = f.get_int("ranks-per-node", cfg.ranks_per_node);
   cfg.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   cfg.check = !f.get_bool("no-check");
-  const std::string trace = f.get_string("trace", "");
-  const std::string json = f.get_string("json", "");
-  const std::string png = f.get_string("png", "");
+  o.trace = f.get_string("trace", "");
+  o.json = f.get_string("json", "");
+  o.png = f.get_string("png", "");
   auto limits = rdep::cli::ReadLimits(f);
-  if (auto st = f.Finish(); !st.ok()) return Fail(st);
-  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("sim: unexpected argument '" + f.positional().front() + "'"));
-  if (!limits.ok()) return Fail(limits.status());
+  RDEP_RETURN_IF_ERROR(f.Finish());
+  if (!f.positional().empty()) return rdep::InvalidArgument("sim: unexpected argument '" + f.positional().front() + "'");
+  if (!limits.ok()) return limits.status();
   for (const auto* l : {&experts.status(), &ranks.status(), &slots.status(), &alphas.status()})
-    if (!l->ok()) return Fail(*l);
+    if (!l->ok()) return *l;
   for (int32_t e : *experts)
-    if (e < 1) return Fail(rdep::InvalidArgument("--experts: each value must be >= 1, got " + std::to_string(e)));
+    if (e < 1) return rdep::InvalidArgument("--experts: each value must be >= 1, got " + std::to_string(e));
   for (int32_t r : *ranks)
-    if (r < 1) return Fail(rdep::InvalidArgument("--ranks: each value must be >= 1, got " + std::to_string(r)));
+    if (r < 1) return rdep::InvalidArgument("--ranks: each value must be >= 1, got " + std::to_string(r));
   for (int32_t n : *slots)
-    if (n < 0) return Fail(rdep::InvalidArgument("--slots: each value must be >= 0, got " + std::to_string(n)));
+    if (n < 0) return rdep::InvalidArgument("--slots: each value must be >= 0, got " + std::to_string(n));
   for (double a : *alphas)
     if (!(std::isfinite(a) && a >= 0)) {
       std::ostringstream os;
       os << "--alpha: each power-law exponent must be a finite number >= 0, got " << a;
-      return Fail(rdep::InvalidArgument(os.str()));
+      return rdep::InvalidArgument(os.str());
     }
   for (auto st : {InRange("steps", steps, 2, 1000000), InRange("topk", topk, 1, kInt32Max), InRange("history", history, 1, 1000000),
                   InRange("ranks-per-node", ranks_per_node, 1, kInt32Max), InRange("tokens", cfg.tokens, 0, int64_t{1} << 40)})
-    if (!st.ok()) return Fail(st);
-  if (!(cfg.umin_frac >= 0 && cfg.umin_frac <= 1)) return Fail(rdep::InvalidArgument("--umin-frac must be in [0, 1]"));
+    RDEP_RETURN_IF_ERROR(st);
+  if (!(cfg.umin_frac >= 0 && cfg.umin_frac <= 1)) return rdep::InvalidArgument("--umin-frac must be in [0, 1]");
   cfg.steps = static_cast<int32_t>(steps);
   cfg.topk = static_cast<int32_t>(topk);
   cfg.history = static_cast<int32_t>(history);
@@ -181,19 +189,24 @@ int RunSim(const Args& args) {
   cfg.ranks = *ranks;
   cfg.slots = *slots;
   cfg.alphas = *alphas;
-  // Estimate before allocating: the largest grid point's matrices, every point's solves.
+  o.limits = *limits;
+  return rdep::Status::Ok();
+}
+
+// Estimate before allocating: the largest grid point's matrices, every point's solves (or the trace's,
+// from its header, kept in `header`); then the outputs are opened.
+rdep::Status CheckSimFootprint(const SimOptions& o, std::optional<rdep::LoadTraceHeader>& header) {
+  const rdep::SimConfig& cfg = o.cfg;
   rdep::Footprint fp;
-  std::optional<rdep::LoadTraceHeader> header;
-  if (!trace.empty()) {
-    auto h = rdep::ReadLoadTraceHeader(trace);
-    if (!h.ok()) return Fail(h.status());
-    header = *h;
-    const auto E = static_cast<double>(h->num_experts), R = static_cast<double>(h->num_ranks), N = static_cast<double>(h->num_steps);
+  if (!o.trace.empty()) {
+    RDEP_ASSIGN_OR_RETURN(header, rdep::ReadLoadTraceHeader(o.trace));
+    const auto E = static_cast<double>(header->num_experts), R = static_cast<double>(header->num_ranks),
+               N = static_cast<double>(header->num_steps);
     fp = PlannerFootprint(E, R, N, 5 * N);
     for (auto* terms : {&fp.host, &fp.work})  // the sizes come from the trace's header, not from flags
       for (auto& term : *terms) term.factors = {{"trace ranks", R}, {"trace experts", E}};
     fp.host.front() = {"the trace's load matrices (its header: steps x ranks x experts int64)",
-                       {{"trace steps", N}, {"trace ranks", R}, {"trace experts", E}}, h->bytes()};
+                       {{"trace steps", N}, {"trace ranks", R}, {"trace experts", E}}, header->bytes()};
   } else {
     const double E = *std::max_element(cfg.experts.begin(), cfg.experts.end());
     const double R = *std::max_element(cfg.ranks.begin(), cfg.ranks.end());
@@ -201,32 +214,45 @@ int RunSim(const Args& args) {
     fp = PlannerFootprint(E, R, static_cast<double>(cfg.steps), 5 * points * cfg.steps);
     fp.host.push_back({"records (5 planners per step and grid point)", {{"steps", cfg.steps}}, 160 * points * cfg.steps});
   }
-  if (auto st = rdep::cli::CheckFootprint(fp, *limits); !st.ok()) {
-    if (!trace.empty()) return Fail(rdep::InvalidArgument("--trace " + trace + ": " + st.message()));
-    return Fail(st);
+  if (auto st = rdep::cli::CheckFootprint(fp, o.limits); !st.ok()) {
+    if (!o.trace.empty()) return rdep::InvalidArgument("--trace " + o.trace + ": " + st.message());
+    return st;
   }
-  if (auto st = CheckOutputs({{"json", &json}, {"png", &png}}); !st.ok()) return Fail(st);
-  rdep::StatusOr<rdep::SimReport> rep = rdep::Status(rdep::StatusCode::kInternal, "unset");
-  if (!trace.empty()) {
-    if (cfg.slots.size() != 1) return Fail(rdep::InvalidArgument("--trace takes a single --slots value"));
-    auto t = rdep::ReadLoadTrace(trace, header->bytes());
-    if (!t.ok()) return Fail(t.status());
-    rep = rdep::RunTraceSim(*t, cfg.slots[0], cfg, trace);
-  } else {
-    rep = rdep::RunSyntheticSim(cfg);
-  }
-  if (!rep.ok()) return Fail(rep.status());
-  rdep::PrintSimTable(*rep, std::cout);
+  return CheckOutputs({{"json", &o.json}, {"png", &o.png}});
+}
+
+// Every planner over the trace (one --slots value) or over the synthetic grid.
+rdep::StatusOr<rdep::SimReport> RunSimulation(const SimOptions& o, const std::optional<rdep::LoadTraceHeader>& header) {
+  if (o.trace.empty()) return rdep::RunSyntheticSim(o.cfg);
+  if (o.cfg.slots.size() != 1) return rdep::InvalidArgument("--trace takes a single --slots value");
+  RDEP_ASSIGN_OR_RETURN(auto t, rdep::ReadLoadTrace(o.trace, header->bytes()));
+  return rdep::RunTraceSim(t, o.cfg.slots[0], o.cfg, o.trace);
+}
+
+// The table, its legend, then the receipt and the plot when asked for.
+rdep::Status ReportSim(const SimOptions& o, const rdep::SimReport& rep) {
+  rdep::PrintSimTable(rep, std::cout);
   std::cout << "imbalance = max/mean post-balance rank load; slots = sum_e(|H(e)|-1); max|H| = max_e |H(e)| "
                "(main included); inflight = rows not computed on their own rank; solve_us = host time\n";
-  if (!json.empty()) {
-    if (auto st = rdep::WriteSimJson(*rep, json); !st.ok()) return Fail(st);
-    std::cout << "wrote " << json << "\n";
+  if (!o.json.empty()) {
+    RDEP_RETURN_IF_ERROR(rdep::WriteSimJson(rep, o.json));
+    std::cout << "wrote " << o.json << "\n";
   }
-  if (!png.empty()) {
-    if (auto st = rdep::WriteSimPng(*rep, png); !st.ok()) return Fail(st);
-    std::cout << "wrote " << png << "\n";
+  if (!o.png.empty()) {
+    RDEP_RETURN_IF_ERROR(rdep::WriteSimPng(rep, o.png));
+    std::cout << "wrote " << o.png << "\n";
   }
+  return rdep::Status::Ok();
+}
+
+int RunSim(const Args& args) {
+  SimOptions o;
+  if (auto st = ParseSimOptions(args, o); !st.ok()) return Fail(st);
+  std::optional<rdep::LoadTraceHeader> header;
+  if (auto st = CheckSimFootprint(o, header); !st.ok()) return Fail(st);
+  auto rep = RunSimulation(o, header);
+  if (!rep.ok()) return Fail(rep.status());
+  if (auto st = ReportSim(o, *rep); !st.ok()) return Fail(st);
   return 0;
 }
 
@@ -277,126 +303,181 @@ int RunRecord(const Args& args) {
   return 0;
 }
 
-int RunBench(const Args& args) {
+// What `rdep plan bench` is asked for, checked; qc.min_quota is set by SetupPlanBench.
+struct PlanBenchOptions {
+  std::string device;  // host | gpu | both
+  int32_t E = 0, R = 0, topk = 0, matrices = 0, warmup = 0, iters = 0;
+  double alpha = 0, umin_frac = 0;
+  int64_t tokens = 0;
+  uint64_t seed = 0;
+  std::string json;
+  rdep::QuotaConfig qc;
+};
+
+// Reads and checks the flags in the command's fixed order, then the estimate and the receipt's path.
+rdep::Status ParsePlanBenchOptions(const Args& args, PlanBenchOptions& o) {
   Flags f(args);
-  const std::string device = f.get_string("device", "both");
+  o.device = f.get_string("device", "both");
   const int64_t E64 = f.get_int("experts", 256), R64 = f.get_int("ranks", 64), slots64 = f.get_int("slots", 2);
-  const double alpha = f.get_double("alpha", 1.0);
-  const int64_t tokens = f.get_int("tokens", 4096);
+  o.alpha = f.get_double("alpha", 1.0);
+  o.tokens = f.get_int("tokens", 4096);
   const int64_t topk64 = f.get_int("topk", 8), matrices64 = f.get_int("matrices", 8), warmup64 = f.get_int("warmup", 20),
                 iters64 = f.get_int("iters", 200);
-  const double umin_frac = f.get_double("umin-frac", 0.01);
-  const auto seed = static_cast<uint64_t>(f.get_int("seed", 1));
-  const std::string json = f.get_string("json", "");
+  o.umin_frac = f.get_double("umin-frac", 0.01);
+  o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
+  o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
-  if (auto st = f.Finish(); !st.ok()) return Fail(st);
-  if (!f.positional().empty()) return Fail(rdep::InvalidArgument("bench: unexpected argument '" + f.positional().front() + "'"));
-  if (!limits.ok()) return Fail(limits.status());
-  if (device != "host" && device != "gpu" && device != "both")
-    return Fail(rdep::InvalidArgument("bench: --device must be host, gpu or both"));
+  RDEP_RETURN_IF_ERROR(f.Finish());
+  if (!f.positional().empty()) return rdep::InvalidArgument("bench: unexpected argument '" + f.positional().front() + "'");
+  if (!limits.ok()) return limits.status();
+  if (o.device != "host" && o.device != "gpu" && o.device != "both")
+    return rdep::InvalidArgument("bench: --device must be host, gpu or both");
   for (auto st : {InRange("experts", E64, 1, kInt32Max), InRange("ranks", R64, 1, kInt32Max), InRange("slots", slots64, 0, E64),
                   InRange("topk", topk64, 1, kInt32Max), InRange("matrices", matrices64, 1, 1000000),
                   InRange("warmup", warmup64, 0, 1000000), InRange("iters", iters64, 1, 1000000),
-                  InRange("tokens", tokens, 0, int64_t{1} << 40)})
-    if (!st.ok()) return Fail(st);
-  if (!(std::isfinite(alpha) && alpha >= 0)) return Fail(rdep::InvalidArgument("--alpha must be a finite number >= 0"));
-  if (!(umin_frac >= 0 && umin_frac <= 1)) return Fail(rdep::InvalidArgument("--umin-frac must be in [0, 1]"));
-  const auto E = static_cast<int32_t>(E64), R = static_cast<int32_t>(R64), topk = static_cast<int32_t>(topk64),
-             matrices = static_cast<int32_t>(matrices64), warmup = static_cast<int32_t>(warmup64), iters = static_cast<int32_t>(iters64);
-  rdep::QuotaConfig qc;
-  qc.num_slots = static_cast<int32_t>(slots64);
-  if (auto st = rdep::cli::CheckFootprint(PlannerFootprint(E, R, matrices, static_cast<double>(matrices) * (2.0 + iters + warmup / 4)), *limits);
-      !st.ok())
-    return Fail(st);
-  if (auto st = rdep::cli::CheckOutputPath("json", json); !st.ok()) return Fail(st);
-  rdep::SyntheticLoadSpec spec;
-  spec.experts = E;
-  spec.ranks = R;
-  spec.alpha = alpha;
-  spec.tokens = tokens;
-  spec.topk = std::min(topk, E);
-  spec.seed = seed;
-  auto trace = rdep::GenerateSyntheticLoads(spec, matrices);
-  if (!trace.ok()) return Fail(trace.status());
-  auto own = rdep::OwnershipMap::Contiguous(E, R);
-  if (!own.ok()) return Fail(own.status());
-  const int64_t mean_rank = tokens * topk;  // every rank sends T*K rows, so the mean rank load is T*K
-  qc.min_quota = std::max<int64_t>(1, static_cast<int64_t>(std::floor(umin_frac * static_cast<double>(mean_rank))));
-  if (auto st = qc.Validate(E); !st.ok()) return Fail(st);
+                  InRange("tokens", o.tokens, 0, int64_t{1} << 40)})
+    RDEP_RETURN_IF_ERROR(st);
+  if (!(std::isfinite(o.alpha) && o.alpha >= 0)) return rdep::InvalidArgument("--alpha must be a finite number >= 0");
+  if (!(o.umin_frac >= 0 && o.umin_frac <= 1)) return rdep::InvalidArgument("--umin-frac must be in [0, 1]");
+  o.E = static_cast<int32_t>(E64);
+  o.R = static_cast<int32_t>(R64);
+  o.topk = static_cast<int32_t>(topk64);
+  o.matrices = static_cast<int32_t>(matrices64);
+  o.warmup = static_cast<int32_t>(warmup64);
+  o.iters = static_cast<int32_t>(iters64);
+  o.qc.num_slots = static_cast<int32_t>(slots64);
+  RDEP_RETURN_IF_ERROR(rdep::cli::CheckFootprint(
+      PlannerFootprint(o.E, o.R, o.matrices, static_cast<double>(o.matrices) * (2.0 + o.iters + o.warmup / 4)), *limits));
+  return rdep::cli::CheckOutputPath("json", o.json);
+}
 
+// The --matrices synthetic load matrices, the ownership, and u_min from the mean rank load.
+rdep::Status SetupPlanBench(PlanBenchOptions& o, rdep::LoadTrace& trace, std::optional<rdep::OwnershipMap>& own) {
+  rdep::SyntheticLoadSpec spec;
+  spec.experts = o.E;
+  spec.ranks = o.R;
+  spec.alpha = o.alpha;
+  spec.tokens = o.tokens;
+  spec.topk = std::min(o.topk, o.E);
+  spec.seed = o.seed;
+  RDEP_ASSIGN_OR_RETURN(trace, rdep::GenerateSyntheticLoads(spec, o.matrices));
+  RDEP_ASSIGN_OR_RETURN(own, rdep::OwnershipMap::Contiguous(o.E, o.R));
+  const int64_t mean_rank = o.tokens * o.topk;  // every rank sends T*K rows, so the mean rank load is T*K
+  o.qc.min_quota = std::max<int64_t>(1, static_cast<int64_t>(std::floor(o.umin_frac * static_cast<double>(mean_rank))));
+  return o.qc.Validate(o.E);
+}
+
+// Raw solve times (every iteration of every matrix) and the GPU's agreement with the host.
+struct PlanBenchResults {
   std::vector<double> host_us, imbalance;
   bool gpu_matches = true;
-  std::string gpu_error;
+  std::string gpu_error;  // the first GPU failure; no GPU timing after it
   std::vector<double> gpu_us;
   std::string gpu_name;
-  for (const auto& load : trace->steps) {
-    auto plan = rdep::SolveQuotaPlan(load, *own, qc);
-    if (!plan.ok()) return Fail(plan.status());
-    imbalance.push_back(rdep::ComputeMetrics(*plan).imbalance);
-    if (device != "gpu") {
-      for (int32_t i = 0; i < warmup / 4; ++i) (void)rdep::SolveQuotaPlan(load, *own, qc);
-      for (int32_t i = 0; i < iters; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        auto p = rdep::SolveQuotaPlan(load, *own, qc);
-        const auto t1 = std::chrono::steady_clock::now();
-        if (!p.ok()) return Fail(p.status());
-        host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      }
-    }
-    if (device != "host" && gpu_error.empty()) {
-      auto g = rdep::SolveQuotaPlanGpu(load, *own, qc);
-      if (!g.ok()) {
-        gpu_error = g.status().ToString();
-        continue;
-      }
-      gpu_matches = gpu_matches && g->route == plan->route && g->instance_rank == plan->instance_rank &&
-                    g->instance_quota == plan->instance_quota && g->instance_slot == plan->instance_slot &&
-                    g->instance_offsets == plan->instance_offsets && g->slot_expert == plan->slot_expert &&
-                    g->threshold == plan->threshold;
-      auto t = rdep::BenchQuotaPlanGpu(load, *own, qc, warmup, iters);
-      if (!t.ok()) {
-        gpu_error = t.status().ToString();
-        continue;
-      }
-      gpu_us.insert(gpu_us.end(), t->samples_us.begin(), t->samples_us.end());
-      gpu_name = t->device_name;
-    }
+};
+
+// One matrix on the host: warmup/4 untimed solves, then `iters` solves timed one by one (steady_clock).
+rdep::Status TimeHostSolves(const std::vector<int64_t>& load, const rdep::OwnershipMap& own, const PlanBenchOptions& o,
+                            PlanBenchResults& res) {
+  for (int32_t i = 0; i < o.warmup / 4; ++i) (void)rdep::SolveQuotaPlan(load, own, o.qc);
+  for (int32_t i = 0; i < o.iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto p = rdep::SolveQuotaPlan(load, own, o.qc);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!p.ok()) return p.status();
+    res.host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
-  std::cout << "UltraEP planner, E=" << E << " R=" << R << " N_slot=" << qc.num_slots << " u_min=" << qc.min_quota
-            << " alpha=" << alpha << ", " << matrices << " load matrices, mean imbalance "
-            << rdep::Summarize(imbalance).mean << "\n";
-  const rdep::Summary hs = rdep::Summarize(host_us), gs = rdep::Summarize(gpu_us);
-  if (!host_us.empty())
+  return rdep::Status::Ok();
+}
+
+// One matrix on the GPU: the plan compared with the host's, then BenchQuotaPlanGpu's samples; a
+// failure is recorded in res.gpu_error.
+void TimeGpuSolves(const std::vector<int64_t>& load, const rdep::OwnershipMap& own, const PlanBenchOptions& o,
+                   const rdep::BalancePlan& plan, PlanBenchResults& res) {
+  auto g = rdep::SolveQuotaPlanGpu(load, own, o.qc);
+  if (!g.ok()) {
+    res.gpu_error = g.status().ToString();
+    return;
+  }
+  res.gpu_matches = res.gpu_matches && g->route == plan.route && g->instance_rank == plan.instance_rank &&
+                    g->instance_quota == plan.instance_quota && g->instance_slot == plan.instance_slot &&
+                    g->instance_offsets == plan.instance_offsets && g->slot_expert == plan.slot_expert &&
+                    g->threshold == plan.threshold;
+  auto t = rdep::BenchQuotaPlanGpu(load, own, o.qc, o.warmup, o.iters);
+  if (!t.ok()) {
+    res.gpu_error = t.status().ToString();
+    return;
+  }
+  res.gpu_us.insert(res.gpu_us.end(), t->samples_us.begin(), t->samples_us.end());
+  res.gpu_name = t->device_name;
+}
+
+// Every matrix: the plan and its imbalance, the host timing (unless --device gpu), the GPU's (unless
+// --device host, until the GPU fails).
+rdep::Status RunPlanBenchTimings(const rdep::LoadTrace& trace, const rdep::OwnershipMap& own, const PlanBenchOptions& o,
+                                 PlanBenchResults& res) {
+  for (const auto& load : trace.steps) {
+    auto plan = rdep::SolveQuotaPlan(load, own, o.qc);
+    if (!plan.ok()) return plan.status();
+    res.imbalance.push_back(rdep::ComputeMetrics(*plan).imbalance);
+    if (o.device != "gpu") RDEP_RETURN_IF_ERROR(TimeHostSolves(load, own, o, res));
+    if (o.device != "host" && res.gpu_error.empty()) TimeGpuSolves(load, own, o, *plan, res);
+  }
+  return rdep::Status::Ok();
+}
+
+void PrintPlanBench(const PlanBenchOptions& o, const PlanBenchResults& res) {
+  std::cout << "UltraEP planner, E=" << o.E << " R=" << o.R << " N_slot=" << o.qc.num_slots << " u_min=" << o.qc.min_quota
+            << " alpha=" << o.alpha << ", " << o.matrices << " load matrices, mean imbalance "
+            << rdep::Summarize(res.imbalance).mean << "\n";
+  const rdep::Summary hs = rdep::Summarize(res.host_us), gs = rdep::Summarize(res.gpu_us);
+  if (!res.host_us.empty())
     std::cout << "host solve (plan + reroute, 1 CPU thread): p50 " << hs.p50 << " us, p99 " << hs.p99 << " us over "
               << hs.count << " solves\n";
-  if (!gpu_us.empty())
-    std::cout << "gpu solve (" << gpu_name << ", CUDA events, kernel only): p50 " << gs.p50 << " us, p99 " << gs.p99
-              << " us over " << gs.count << " solves; plan bitwise equal to host: " << (gpu_matches ? "yes" : "NO")
+  if (!res.gpu_us.empty())
+    std::cout << "gpu solve (" << res.gpu_name << ", CUDA events, kernel only): p50 " << gs.p50 << " us, p99 " << gs.p99
+              << " us over " << gs.count << " solves; plan bitwise equal to host: " << (res.gpu_matches ? "yes" : "NO")
               << "\n";
-  if (!json.empty()) {
-    std::ofstream o(json);
-    if (!o) return Fail(rdep::InvalidArgument("--json " + json + ": cannot open for writing: " + std::strerror(errno)));
-    o << "{\"rdep_commit\": \"" << rdep::cli::kBuildCommit << "\",\n \"workload\": {\"experts\": " << E << ", \"ranks\": " << R
-      << ", \"slots\": " << qc.num_slots
-      << ", \"alpha\": " << alpha << ", \"tokens\": " << tokens << ", \"topk\": " << topk
-      << ", \"min_quota\": " << qc.min_quota << ", \"matrices\": " << matrices << ", \"warmup\": " << warmup
-      << ", \"iters\": " << iters << "},\n \"imbalance_mean\": " << rdep::Summarize(imbalance).mean;
-    if (!host_us.empty())
-      o << ",\n \"host\": {\"p50_us\": " << hs.p50 << ", \"p99_us\": " << hs.p99 << ", \"mean_us\": " << hs.mean
+}
+
+rdep::Status WritePlanBenchReceipt(const PlanBenchOptions& o, const PlanBenchResults& res) {
+  const rdep::Summary hs = rdep::Summarize(res.host_us), gs = rdep::Summarize(res.gpu_us);
+  std::ofstream out(o.json);
+  if (!out) return rdep::InvalidArgument("--json " + o.json + ": cannot open for writing: " + std::strerror(errno));
+  out << "{\"rdep_commit\": \"" << rdep::cli::kBuildCommit << "\",\n \"workload\": {\"experts\": " << o.E << ", \"ranks\": " << o.R
+      << ", \"slots\": " << o.qc.num_slots
+      << ", \"alpha\": " << o.alpha << ", \"tokens\": " << o.tokens << ", \"topk\": " << o.topk
+      << ", \"min_quota\": " << o.qc.min_quota << ", \"matrices\": " << o.matrices << ", \"warmup\": " << o.warmup
+      << ", \"iters\": " << o.iters << "},\n \"imbalance_mean\": " << rdep::Summarize(res.imbalance).mean;
+  if (!res.host_us.empty())
+    out << ",\n \"host\": {\"p50_us\": " << hs.p50 << ", \"p99_us\": " << hs.p99 << ", \"mean_us\": " << hs.mean
         << ", \"count\": " << hs.count << "}";
-    if (!gpu_us.empty())
-      o << ",\n \"gpu\": {\"device\": \"" << gpu_name << "\", \"p50_us\": " << gs.p50 << ", \"p99_us\": " << gs.p99
+  if (!res.gpu_us.empty())
+    out << ",\n \"gpu\": {\"device\": \"" << res.gpu_name << "\", \"p50_us\": " << gs.p50 << ", \"p99_us\": " << gs.p99
         << ", \"mean_us\": " << gs.mean << ", \"count\": " << gs.count
-        << ", \"matches_host\": " << (gpu_matches ? "true" : "false") << "}";
-    if (!gpu_error.empty()) o << ",\n \"gpu_error\": \"" << gpu_error << "\"";
-    o << "\n}\n";
-    std::cout << "wrote " << json << "\n";
-  }
-  if (!gpu_error.empty()) {
-    std::cerr << "rdep plan bench: GPU planner unavailable: " << gpu_error << "\n";
+        << ", \"matches_host\": " << (res.gpu_matches ? "true" : "false") << "}";
+  if (!res.gpu_error.empty()) out << ",\n \"gpu_error\": \"" << res.gpu_error << "\"";
+  out << "\n}\n";
+  std::cout << "wrote " << o.json << "\n";
+  return rdep::Status::Ok();
+}
+
+int RunBench(const Args& args) {
+  PlanBenchOptions o;
+  if (auto st = ParsePlanBenchOptions(args, o); !st.ok()) return Fail(st);
+  rdep::LoadTrace trace;
+  std::optional<rdep::OwnershipMap> own;
+  if (auto st = SetupPlanBench(o, trace, own); !st.ok()) return Fail(st);
+  PlanBenchResults res;
+  if (auto st = RunPlanBenchTimings(trace, *own, o, res); !st.ok()) return Fail(st);
+  PrintPlanBench(o, res);
+  if (!o.json.empty())
+    if (auto st = WritePlanBenchReceipt(o, res); !st.ok()) return Fail(st);
+  if (!res.gpu_error.empty()) {
+    std::cerr << "rdep plan bench: GPU planner unavailable: " << res.gpu_error << "\n";
     return 1;
   }
-  if (!gpu_matches) {
+  if (!res.gpu_matches) {
     std::cerr << "rdep plan bench: GPU plan differs from the host plan\n";
     return 1;
   }
