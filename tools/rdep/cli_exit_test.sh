@@ -68,7 +68,8 @@ expect 2 'operations.*--max-gop' check --backend host --max-gop 0.001
 expect 2 '--max-memory-gib must be a finite number > 0' check --max-memory-gib -1
 expect 2 'the host backend runs at most 4096 ranks' check --backend host --ranks 5000
 
-expect 2 'host memory.*--ranks 8 x --tokens 100000000 x --topk 6' route --tokens 100000000 --experts 1000
+# (a machine with more memory than this one may refuse by the work estimate first; either names the flags)
+expect 2 '(host memory|operations).*--ranks 8 x --tokens 100000000' route --tokens 100000000 --experts 1000
 expect 2 'operations.*--max-gop' route --max-gop 0.000001
 expect 2 'host memory.*--ranks 2000000000 x --experts 2000000000' plan sim --experts 2000000000 --ranks 2000000000 --slots 1
 expect 2 'host memory' plan record --experts 100000 --ranks 1000000 --out "$TMP/never.trace"
