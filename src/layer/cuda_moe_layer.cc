@@ -84,9 +84,10 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   int64_t total_rows = 0;
   DeviceBuffer<GroupedRow> grouped;
   DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
-  // The plan's input check: the first faulty routing slot (device, then a pinned copy and its event).
-  DeviceBuffer<dispatch::RoutingFault> fault;
+  // The plan's input check: the first faulty routing slot, written by the device into mapped pinned
+  // memory; final when the event after the check has completed.
   dispatch::RoutingFault* host_fault = nullptr;
+  dispatch::RoutingFault* fault_dev = nullptr;  // the device's view of host_fault
   cudaEvent_t fault_copied = nullptr;
   ~Saved() override {
     int current = 0;
@@ -94,7 +95,6 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     cudaSetDevice(device);
     if (host_fault) cudaFreeHost(host_fault);
     if (fault_copied) cudaEventDestroy(fault_copied);
-    fault.Free();
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
     for (auto* b : {&dropped, &control}) b->Free();
@@ -208,10 +208,12 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
-  RDEP_RETURN_IF_ERROR(saved->fault.Reserve(1));
   void* pinned = nullptr;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(dispatch::RoutingFault), cudaHostAllocPortable));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(dispatch::RoutingFault), cudaHostAllocMapped | cudaHostAllocPortable));
   saved->host_fault = static_cast<dispatch::RoutingFault*>(pinned);
+  void* mapped = nullptr;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, pinned, 0));
+  saved->fault_dev = static_cast<dispatch::RoutingFault*>(mapped);
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&saved->fault_copied, cudaEventDisableTiming));
   return saved;
 }
@@ -401,8 +403,7 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
-                                                       sv.fault.ptr, stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.host_fault, sv.fault.ptr, sizeof(dispatch::RoutingFault), cudaMemcpyDeviceToHost, stream));
+                                                       sv.fault_dev, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
@@ -414,10 +415,10 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
                                                  st.rows_per_expert.ptr, stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
-  // From here on the forward reads its own copy of the control words (backward reads the same copy).
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.control.ptr, my_control, layout_.control_bytes(), cudaMemcpyDeviceToDevice, stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, sv.control.ptr,
-                                              sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
+  // Accept also copies the control words into the context: from here on the forward reads its own
+  // copy (backward reads the same copy; the live region belongs to the next forward).
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,
+                                              sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
   if (layout_.S >= W * s.tokens) {
     sv.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed
   } else {
@@ -458,7 +459,8 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
 // the copy's event returns at once.
 Status CudaMoELayer::CheckRoutingInput(int32_t rank, const Saved& sv) {
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
-  const dispatch::RoutingFault f = *sv.host_fault;
+  const volatile dispatch::RoutingFault* v = sv.host_fault;  // written by the device through the mapping
+  const dispatch::RoutingFault f{v->key, v->expert, v->gate};
   if (f.key == ~0ull) return Status::Ok();
   const auto i = static_cast<int64_t>(f.key >> 2), K = config_.shape.topk;
   return InvalidArgument("forward on rank " + std::to_string(rank) + ": routing " +

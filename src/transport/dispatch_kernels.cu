@@ -32,33 +32,43 @@ __device__ __forceinline__ void WarpCopyRow(const bf16_bits* src, bf16_bits* dst
   }
 }
 
-__global__ void FindRoutingFaultKernel(const int32_t* experts, const float* gates, int64_t n, int64_t K,
-                                       int32_t num_experts, RoutingFault* fault) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= n) return;
-  for (int64_t k = 0; k < K; ++k) {
-    const RouteSlotFault f = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts);
-    if (f == RouteSlotFault::kNone) continue;
-    atomicMin(&fault->key, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(f));
-    return;
+// One block: each thread takes tokens t = tid, tid + blockDim, ...; the block's minimum faulty-slot
+// key is reduced in shared memory, the first fault's values are recorded, then faulty tokens are
+// rewritten (the record is taken before any rewrite: a barrier separates them).
+constexpr int kValidateThreads = 1024;
+__global__ void __launch_bounds__(kValidateThreads) ValidateRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K,
+                                                                          int32_t num_experts, RoutingFault* fault) {
+  __shared__ unsigned long long first_shared;
+  if (threadIdx.x == 0) first_shared = ~0ull;
+  __syncthreads();
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x)
+    for (int64_t k = 0; k < K; ++k) {
+      const RouteSlotFault f = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts);
+      if (f == RouteSlotFault::kNone) continue;
+      atomicMin(&first_shared, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(f));
+      break;
+    }
+  __syncthreads();
+  const unsigned long long first = first_shared;
+  if (threadIdx.x == 0) {
+    RoutingFault r{first, 0, 0.f};
+    if (first != ~0ull) {
+      r.expert = experts[first >> 2];
+      r.gate = gates[first >> 2];
+    }
+    *fault = r;
+    __threadfence_system();  // the record may be host memory
   }
-}
-
-__global__ void RewriteFaultyTokensKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                                          RoutingFault* fault) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= n || fault->key == ~0ull) return;
-  const auto first = static_cast<int64_t>(fault->key >> 2);
-  if (first / K == t) {  // the first faulty slot's values, before the rewrite
-    fault->expert = experts[first];
-    fault->gate = gates[first];
-  }
-  bool bad = false;
-  for (int64_t k = 0; k < K && !bad; ++k) bad = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts) != RouteSlotFault::kNone;
-  if (!bad) return;
-  for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
-    experts[t * K + j] = static_cast<int32_t>(j);
-    gates[t * K + j] = 0.f;
+  if (first == ~0ull) return;
+  __syncthreads();
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
+    bool bad = false;
+    for (int64_t k = 0; k < K && !bad; ++k) bad = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts) != RouteSlotFault::kNone;
+    if (!bad) continue;
+    for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
+      experts[t * K + j] = static_cast<int32_t>(j);
+      gates[t * K + j] = 0.f;
+    }
   }
 }
 
@@ -151,9 +161,10 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
 }
 
 __global__ void AcceptKernel(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
-                             RegionLayout l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
-                             float* effective, int64_t* dropped) {
+                             RegionLayout l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
+                             uint8_t* accepted, float* effective, int64_t* dropped) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t))) control_copy[t] = my_control[t];
   if (t >= n) return;
   const int64_t K = l.K;
   int64_t drops = 0;
@@ -359,13 +370,7 @@ int WarpBlocks(int64_t items) {
 
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
                              RoutingFault* fault, cudaStream_t s) {
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fault, 0xFF, sizeof(RoutingFault), s));  // key = none
-  if (n <= 0) return Status::Ok();
-  constexpr int kThreads = 256;
-  const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
-  FindRoutingFaultKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
-  RDEP_CUDA_CHECK_LAUNCH();
-  RewriteFaultyTokensKernel<<<blocks, kThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
+  ValidateRoutingKernel<<<1, kValidateThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -403,11 +408,13 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 }
 
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
-                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
-                    float* effective_gates, int64_t* dropped, cudaStream_t s) {
-  if (n == 0) return Status::Ok();
-  AcceptKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
-                                                                       accepted, effective_gates, dropped);
+                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s) {
+  const int64_t words = control_copy ? static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)) : 0;
+  const int64_t threads = std::max(n, words);
+  if (threads == 0) return Status::Ok();
+  AcceptKernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
+                                                                             control_copy, accepted, effective_gates, dropped);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

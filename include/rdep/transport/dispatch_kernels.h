@@ -31,10 +31,10 @@ struct OwnerMapView {
 };
 
 // Before phase 1 at a source: checks every slot with rdep::CheckRouteSlot (expert in [0, E), gate
-// finite and >= 0, no expert twice in a token). The first faulty slot (lowest t*K + k) is recorded
-// in *fault with the values it had; every token with a faulty slot is then rewritten in place to
-// experts 0..K-1 with zero gates, so the protocol still completes on every rank with in-bounds
-// writes. Two small kernels (find the first fault, then record and rewrite). Needs K <= E.
+// finite and >= 0, no expert twice in a token). *fault receives the first faulty slot (lowest
+// t*K + k) with the values it had, or key ~0 (it may be host-mapped memory: plain stores and a system
+// fence); every token with a faulty slot is then rewritten in place to experts 0..K-1 with zero
+// gates, so the protocol still completes on every rank with in-bounds writes. One block. Needs K <= E.
 struct RoutingFault {
   unsigned long long key;  // (t*K + k) << 2 | RouteSlotFault; ~0 = none
   int32_t expert;          // the slot's expert id and gate as given
@@ -60,10 +60,11 @@ Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t nu
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity,
                        int64_t* const* control_of, int64_t* rows_per_expert, cudaStream_t s);
 // At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local), effective
-// gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped.
+// gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped;
+// and, when control_copy is not null, a copy of this rank's control words there (the forward's own).
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
-                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, uint8_t* accepted,
-                    float* effective_gates, int64_t* dropped, cudaStream_t s);
+                    const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s);
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
 // this rank's tokens that falls in the window, into the owner's segment buffer `buf`. Row ids by
 // rdep::RowIdCodec.
