@@ -18,13 +18,27 @@ function(rdep_library name)
   if(RDEP_HAVE_CUDA)
     list(APPEND srcs ${A_CUDA_SRCS})
   endif()
+  if(NOT srcs)  # header-only in this build (e.g. the dispatch layer without CUDA)
+    add_library(rdep_${name} INTERFACE)
+    add_library(rdep::${name} ALIAS rdep_${name})
+    set_target_properties(rdep_${name} PROPERTIES EXPORT_NAME ${name})
+    target_include_directories(rdep_${name} INTERFACE
+      $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+      $<INSTALL_INTERFACE:include>)
+    target_link_libraries(rdep_${name} INTERFACE ${A_DEPS})
+    if(RDEP_HAVE_CUDA)
+      target_compile_definitions(rdep_${name} INTERFACE RDEP_HAVE_CUDA=1)
+    endif()
+    set(RDEP_EXPORTED_TARGETS ${RDEP_EXPORTED_TARGETS} rdep_${name} CACHE INTERNAL "")
+    return()
+  endif()
   add_library(rdep_${name} ${srcs})
   add_library(rdep::${name} ALIAS rdep_${name})
   set_target_properties(rdep_${name} PROPERTIES EXPORT_NAME ${name} CUDA_SEPARABLE_COMPILATION OFF)
-  target_include_directories(rdep_${name} PUBLIC
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src>
-    $<INSTALL_INTERFACE:include>)
+  # include/ is the public interface; src/ (internal headers) is for the library's own sources.
+  target_include_directories(rdep_${name}
+    PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:include>
+    PRIVATE ${PROJECT_SOURCE_DIR}/src)
   target_link_libraries(rdep_${name} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
   if(RDEP_HAVE_CUDA)
     target_compile_definitions(rdep_${name} PUBLIC RDEP_HAVE_CUDA=1)
@@ -39,6 +53,7 @@ function(rdep_test name)
   endif()
   cmake_parse_arguments(A "" "" "SRCS;DEPS" ${ARGN})
   add_executable(${name} ${A_SRCS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src)  # tests may use internal headers
   target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main Threads::Threads)
   rdep_set_options(${name})
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 600)

@@ -2,7 +2,7 @@
 // GPU). Each of the L blocks is
 //
 //   logits_l = x_l · Wr_l                      dense router weight Wr_l [H][E], replicated on every rank
-//   (experts_l, gates_l) = top-K softmax(logits_l)             GPU router (rdep/kernels/router.h)
+//   (experts_l, gates_l) = top-K softmax(logits_l)             GPU router (rdep/router/gpu_router.h)
 //   y_l = MoE_l(x_l; experts_l, gates_l)       CudaMoELayer: dispatch -> expert SwiGLU -> combine
 //   x_{l+1} = x_l + y_l                        residual
 //
@@ -59,9 +59,9 @@
 #include "rdep/core/reference.h"  // MoEWeights, RandomWeights
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
-#include "rdep/kernels/router.h"
 #include "rdep/layer/cuda_moe_layer.h"
 #include "rdep/layer/layer_config.h"
+#include "rdep/router/gpu_router.h"
 #include "rdep/status.h"
 #include "rdep/transport/cuda_domain.h"
 

@@ -14,7 +14,7 @@
 #include "rdep/layer/forward_context.h"
 #include "rdep/layer/host_moe_layer.h"
 #include "rdep/layer/layer_config.h"
-#include "rdep/layer/validation.h"
 #include "rdep/status.h"
+#include "rdep/testing/validation.h"
 #include "rdep/transport/domain.h"
 #include "rdep/transport/host_domain.h"

@@ -1,5 +1,5 @@
-// Orchestration of the RDEP protocol on the CUDA backend (kernels: rdep/transport/dispatch_kernels.h,
-// expert MLP: rdep/kernels/expert_mlp.h).
+// Orchestration of the RDEP protocol on the CUDA backend (kernels: rdep/dispatch/dispatch_kernels.h,
+// expert MLP: rdep/experts/expert_mlp.h).
 #include "rdep/layer/cuda_moe_layer.h"
 
 #include <algorithm>
@@ -9,8 +9,8 @@
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
-#include "rdep/kernels/expert_compute.h"
-#include "rdep/transport/dispatch_kernels.h"
+#include "rdep/dispatch/dispatch_kernels.h"
+#include "rdep/experts/expert_compute.h"
 #include "layer/context_access.h"
 #include "layer/sgd_kernel.h"
 

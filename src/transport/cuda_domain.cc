@@ -15,7 +15,6 @@
 #include <type_traits>
 
 #include "rdep/cuda/check.h"
-#include "rdep/transport/region_layout.h"
 
 namespace rdep {
 
@@ -91,14 +90,13 @@ struct Hello {
   int32_t rank;
   int32_t device;
   char bus_id[32];
-  uint64_t build;  // layout of the protocol's shared structs and this translation unit's build stamp
+  uint64_t build;  // this translation unit's build stamp and the layout of DeviceErrorRecord (shared with peers)
 };
 constexpr uint64_t kMagic = 0x5244455044304D31ull;  // "RDEPD0M1"
 constexpr uint32_t kProtocol = 1;
 
 uint64_t BuildStamp() {
-  const std::string s = std::string(__DATE__ " " __TIME__) + "/" + std::to_string(sizeof(RowSideband)) + "/" +
-                        std::to_string(sizeof(RegionLayout)) + "/" + std::to_string(sizeof(DeviceErrorRecord));
+  const std::string s = std::string(__DATE__ " " __TIME__) + "/" + std::to_string(sizeof(DeviceErrorRecord));
   return std::hash<std::string>{}(s);
 }
 

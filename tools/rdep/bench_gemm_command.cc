@@ -31,7 +31,7 @@
 #include "rdep/core/stats.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
-#include "rdep/kernels/expert_mlp.h"
+#include "rdep/experts/expert_mlp.h"
 #endif
 
 namespace {

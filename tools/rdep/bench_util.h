@@ -19,7 +19,7 @@
 #include "rdep/core/routing.h"
 #include "rdep/core/stats.h"
 #include "rdep/layer/cuda_moe_layer.h"
-#include "rdep/layer/validation.h"
+#include "rdep/testing/validation.h"
 
 namespace rdep::bench {
 

@@ -17,8 +17,8 @@
 
 #include "cli.h"
 #include "rdep/cuda/device_count.h"
-#include "rdep/layer/cuda_validation.h"
-#include "rdep/layer/validation.h"
+#include "rdep/testing/cuda_validation.h"
+#include "rdep/testing/validation.h"
 #include "rdep/transport/bootstrap.h"
 
 namespace {

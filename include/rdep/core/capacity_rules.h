@@ -5,7 +5,7 @@
 //   RenormalizeTokenGatesBackward  the chain rule of the above: dL/dg from dL/dg'
 // Callers: the host side (rdep::AdmitBySourceOrder, RenormalizeGates, RenormalizeGatesBackward in
 // src/core/capacity.cc, used by the host backend and the reference) and the CUDA kernels
-// (OwnerScanKernel, AcceptKernel, DgateKernel in src/transport/dispatch_kernels.cu). The other rules
+// (OwnerScanKernel, AcceptKernel, DgateKernel in src/dispatch/dispatch_kernels.cu). The other rules
 // live beside these: route-row identity in rdep/core/row_id.h (RowIdCodec, also used by the
 // kernels), routing-slot validity in rdep/core/route_rules.h (CheckRouteSlot).
 //

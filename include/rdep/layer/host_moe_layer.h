@@ -29,7 +29,7 @@
 namespace rdep {
 
 // What owners compute. kSentinel replaces the MLP by the identity-revealing echo of
-// rdep/transport/region_layout.h (SentinelField) for the dispatch invariants check.
+// rdep/dispatch/region_layout.h (SentinelField) for the dispatch invariants check.
 enum class ExpertKind { kSwiGLU, kSentinel };
 
 // One row as an owner grouped it (recorded when tracing is on).

@@ -10,9 +10,9 @@
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/shape.h"
+#include "rdep/dispatch/region_layout.h"
 #include "rdep/status.h"
 #include "rdep/transport/domain.h"
-#include "rdep/transport/region_layout.h"
 
 namespace rdep {
 
@@ -32,7 +32,7 @@ struct LayerConfig {
 
 std::ostream& operator<<(std::ostream& os, const LayerConfig& c);
 
-// The region layout of this config (rdep/transport/region_layout.h) for elements of elem_bytes.
+// The region layout of this config (rdep/dispatch/region_layout.h) for elements of elem_bytes.
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes);
 
 // What every backend's layer checks at Create: a valid config, a domain of W ranks, an ownership

@@ -4,13 +4,13 @@
 // a call may synchronize the host (graph_safe), and how much device memory they hold, which callers
 // can learn before creating one (ExpertComputeWorkspaceBytes).
 //
-//   cuBLASLt (MakeCublasLtExpertCompute): the ExpertMlp of rdep/kernels/expert_mlp.h (cuBLASLt GEMMs
+//   cuBLASLt (MakeCublasLtExpertCompute): the ExpertMlp of rdep/experts/expert_mlp.h (cuBLASLt GEMMs
 //   + fused SwiGLU). Its GEMMs need the counts on the host: it copies them and synchronizes the stream,
 //   unless the caller passes a host mirror it already has (ExpertRows::host_counts). Not graph-safe.
 //   The fallback and the A/B reference for the fused sm_90a kernels that will implement this interface.
 //
 // Rows of local expert e are [off_e, off_e + m_e), off_e the exclusive prefix sum of the counts; the
-// math and layouts are those of rdep/kernels/expert_mlp.h.
+// math and layouts are those of rdep/experts/expert_mlp.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "rdep/kernels/expert_mlp.h"
+#include "rdep/experts/expert_mlp.h"
 #include "rdep/status.h"
 
 namespace rdep::kernels {

@@ -1,7 +1,7 @@
 // Expert compute on the GPU against the double-precision host reference (include/rdep/core/expert_mlp.h)
 // on bf16-rounded inputs: forward h and y, backward dx, dW1, dW2 (overwrite and accumulate), for
 // per-expert row counts with empty, single-row and very uneven experts, on both GEMM paths.
-//   build/bin/kernels_test --gtest_filter='ExpertMlp*'
+//   build/src/experts/experts_test --gtest_filter='ExpertMlp*'
 //
 // Tolerances. Every bf16 output (h, y, dx) must satisfy ||out - ref|| / ||ref|| <= 1e-2 (Frobenius).
 // The fp32 weight gradients are computed by fp32-accumulating GEMMs whose operands are bf16: x and dout
@@ -11,7 +11,7 @@
 // and, elementwise for every output, max|out - ref| <= 5e-2 * max|ref| (catches a single bad row or
 // column the norm would hide). Outputs are poisoned (bf16 0xFFFF, fp32 NaN) before each call, rows past
 // M are checked to stay poisoned, and an empty expert's dW must be exactly 0 after an overwrite.
-#include "rdep/kernels/expert_mlp.h"
+#include "rdep/experts/expert_mlp.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // Builds without the CUDA toolkit: the CUDA backend is reported as unavailable.
-#include "rdep/layer/cuda_validation.h"
+#include "rdep/testing/cuda_validation.h"
 
 namespace rdep {
 

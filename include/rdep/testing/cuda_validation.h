@@ -1,10 +1,10 @@
-// The CUDA backend for the validation matrix (rdep/layer/validation.h): W ranks on the local GPUs,
+// The CUDA backend for the validation matrix (rdep/testing/validation.h): W ranks on the local GPUs,
 // one process driving all of them (several ranks may share a GPU) or one process per GPU.
 #pragma once
 
 #include <memory>
 
-#include "rdep/layer/validation.h"
+#include "rdep/testing/validation.h"
 #include "rdep/transport/bootstrap.h"
 
 namespace rdep {

@@ -1,4 +1,4 @@
-// The RDEP protocol kernels (see rdep/transport/dispatch_kernels.h). Placement is computed by scans
+// The RDEP protocol kernels (see rdep/dispatch/dispatch_kernels.h). Placement is computed by scans
 // in token order, never by atomics on positions, so every layout is deterministic and identical to
 // the host backend's.
 #include <cuda_bf16.h>
@@ -9,7 +9,7 @@
 #include "rdep/core/route_rules.h"
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
-#include "rdep/transport/dispatch_kernels.h"
+#include "rdep/dispatch/dispatch_kernels.h"
 
 namespace rdep::dispatch {
 namespace {

@@ -1,4 +1,4 @@
-// Internal launchers of the fused element-wise kernels of the expert MLP (src/kernels/expert_mlp.cc
+// Internal launchers of the fused element-wise kernels of the expert MLP (src/experts/expert_mlp.cc
 // drives them between the GEMMs). Plain declarations: this header compiles in .cc and .cu files.
 // Launchers return the launch's cudaError_t (cudaErrorInvalidValue for an unsupported F); the host
 // side turns it into a Status.

@@ -11,7 +11,7 @@
 //   kDx    dx_e [m][H]  = dh_e [m][2F] . W1_e^T          (W1_e stored [H][2F])
 //   kDw2   dW2_e[F][H]  = z_e^T . dout_e    (z_e stored [m][F]),  fp32 out, K = m
 //   kDw1   dW1_e[H][2F] = x_e^T . dh_e      (x_e stored [m][H]),  fp32 out, K = m
-#include "rdep/kernels/expert_mlp.h"
+#include "rdep/experts/expert_mlp.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -22,7 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kernels/expert_mlp_kernels.cuh"
+#include "experts/expert_mlp_kernels.cuh"
 #include "rdep/cuda/check.h"
 
 namespace rdep::kernels {

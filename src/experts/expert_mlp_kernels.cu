@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/expert_mlp_kernels.cuh"
+#include "experts/expert_mlp_kernels.cuh"
 
 namespace rdep::kernels::internal {
 namespace {

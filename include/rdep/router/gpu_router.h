@@ -21,7 +21,7 @@
 // be finite (the host Route rejects others; here the result for a non-finite row is unspecified).
 // The launch is asynchronous, never synchronizes, allocates nothing, and is CUDA-graph safe.
 //
-// Exercised by src/kernels/router_test.cc (build target router_kernel_test).
+// Exercised by src/router/gpu_router_test.cc (build target router_kernel_test).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -4,8 +4,8 @@
 // redrawn while two keys that decide the routing lie closer than the precision can order (exact ties
 // are tested on their own, with inputs whose scores tie bit for bit). Outputs are poisoned first.
 // Every GPU test skips when no device is present. The timing test prints the routing time:
-//   build-*/src/kernels/router_kernel_test --gtest_filter='GpuRouterTiming.*'
-#include "rdep/kernels/router.h"
+//   build-*/src/router/router_kernel_test --gtest_filter='GpuRouterTiming.*'
+#include "rdep/router/gpu_router.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -25,7 +25,7 @@
 // 16-byte aligned; sum of counts <= max_rows. The per-expert counts are a HOST array (the caller copies
 // them to the host once per layer call); it is read during the call only.
 //
-// Exercised by: build/bin/kernels_test --gtest_filter='ExpertMlp*' and `rdep bench gemm`.
+// Exercised by: build/src/experts/experts_test --gtest_filter='ExpertMlp*' and `rdep bench gemm`.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-#include "rdep/layer/validation.h"
+#include "rdep/testing/validation.h"
 
 #include <atomic>
 #include <algorithm>

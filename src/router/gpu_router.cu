@@ -1,11 +1,11 @@
-// The GPU router (see include/rdep/kernels/router.h): one warp per token, softmax/sigmoid scores,
+// The GPU router (see include/rdep/router/gpu_router.h): one warp per token, softmax/sigmoid scores,
 // optional group limit, top-K by K rounds of a warp argmax, gates, and a block-local histogram.
 // Any change to the tie-breaking or the arithmetic of the host router (src/router/router.cc) must be
 // mirrored here; router_kernel_test (GpuRouter.*) checks the two against each other.
 // status.h's StatusOr assigns a Status in a constructor, which nvcc's front end flags (#2810) because
 // Status is [[nodiscard]]; the host compilers do not.
 #pragma nv_diag_suppress 2810
-#include "rdep/kernels/router.h"
+#include "rdep/router/gpu_router.h"
 
 #include <algorithm>
 #include <cmath>

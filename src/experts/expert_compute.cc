@@ -1,5 +1,5 @@
 // The cuBLASLt implementation of ExpertCompute: ExpertMlp behind the device-counts interface.
-#include "rdep/kernels/expert_compute.h"
+#include "rdep/experts/expert_compute.h"
 
 #include <string>
 

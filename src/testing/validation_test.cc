@@ -1,5 +1,5 @@
 // The validation matrix over the paper's shapes and the odd cases: every check must pass.
-#include "rdep/layer/validation.h"
+#include "rdep/testing/validation.h"
 
 #include <gtest/gtest.h>
 

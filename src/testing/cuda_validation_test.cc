@@ -4,7 +4,7 @@
 // skips (saying why) only when the build has no CUDA or the machine has no GPU.
 #include <gtest/gtest.h>
 
-#include "rdep/layer/cuda_validation.h"
+#include "rdep/testing/cuda_validation.h"
 
 namespace rdep {
 namespace {

@@ -1,4 +1,4 @@
-#include "rdep/layer/cuda_validation.h"
+#include "rdep/testing/cuda_validation.h"
 
 #include <cuda_bf16.h>
 

@@ -1,5 +1,5 @@
 // Launchers of the RDEP protocol kernels on one rank (raw device pointers + stream; return Status).
-// Layout of every peer-visible region: rdep/transport/region_layout.h. "control_of", "payload_of",
+// Layout of every peer-visible region: rdep/dispatch/region_layout.h. "control_of", "payload_of",
 // "sideband_of", "return_of" are device arrays of the W ranks' region bases (CudaDomain::peer_table).
 // Activations are bf16 (passed as uint16_t bits so this header needs no CUDA types).
 #pragma once
@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
+#include "rdep/dispatch/region_layout.h"
 #include "rdep/status.h"
-#include "rdep/transport/region_layout.h"
 
 namespace rdep::dispatch {
 

@@ -2,8 +2,8 @@
 // the same counts passed as a host mirror, forward and backward, with empty experts and row counts
 // that are not multiples of anything; outputs are poisoned first and rows past M stay poisoned. The
 // workspace estimate equals what the object holds; bad calls are InvalidArgument.
-//   build/src/kernels/kernels_test --gtest_filter='ExpertCompute*'
-#include "rdep/kernels/expert_compute.h"
+//   build/src/experts/experts_test --gtest_filter='ExpertCompute*'
+#include "rdep/experts/expert_compute.h"
 
 #include <gtest/gtest.h>
 
