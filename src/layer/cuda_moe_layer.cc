@@ -115,9 +115,17 @@ struct CudaMoELayer::RankState {
   int device = 0;
   int32_t num_local = 0;
   std::unique_ptr<kernels::ExpertCompute> mlp;  // expert compute (cuBLASLt implementation)
-  // Weights (bf16) and gradients (fp32) of this rank's experts; ownership map on the device.
+  // Weights (bf16) and gradients (fp32) of this rank's experts (the layer's own, unless the caller's
+  // are bound; a layer created without weights has none of its own); ownership map on the device.
   DeviceBuffer<__nv_bfloat16> w1, w2;
   DeviceBuffer<float> dw1, dw2;
+  size_t w1_count = 0, w2_count = 0;  // E_loc * H * 2F, E_loc * F * H
+  bool own_weights = false;
+  ExternalWeights<__nv_bfloat16, float> bound;
+  kernels::ExpertWeightsView weights() const { return {bound.w1 ? bound.w1 : w1.ptr, bound.w1 ? bound.w2 : w2.ptr}; }
+  kernels::ExpertGradsView grads() const { return {bound.dw1 ? bound.dw1 : dw1.ptr, bound.dw1 ? bound.dw2 : dw2.ptr}; }
+  bool has_weights() const { return bound.w1 || own_weights || num_local == 0; }
+  bool has_grads() const { return bound.dw1 || own_weights || num_local == 0; }
   DeviceBuffer<int32_t> owner, local, local_to_global;
   // Workspaces of one call (sized for T tokens at Create).
   DeviceBuffer<int32_t> rank_in_expert;
@@ -239,10 +247,28 @@ CudaMoELayer::~CudaMoELayer() {
   }
 }
 
-StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain, const LayerConfig& config_in,
+StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain, const LayerConfig& config,
                                                             const OwnershipMap& ownership, const MoEWeights& weights) {
-  LayerConfig config = config_in;
   RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership, weights));
+  return CreateLayer(domain, config, ownership, &weights);
+}
+
+StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain, const LayerConfig& config,
+                                                            const OwnershipMap& ownership) {
+  RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership));
+  return CreateLayer(domain, config, ownership, nullptr);
+}
+
+Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, float>& w) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(w.Validate(rank));
+  ranks_[static_cast<size_t>(rank)]->bound = w;
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& domain, const LayerConfig& config_in,
+                                                                 const OwnershipMap& ownership, const MoEWeights* weights) {
+  LayerConfig config = config_in;
   const LayerShape& s = config.shape;
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
@@ -272,7 +298,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
 
   const int64_t T = s.tokens, K = s.topk, H = s.hidden, F = s.ffn, W = s.ranks;
-  const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
+  const auto n1 = static_cast<size_t>(H * 2 * F), n2 = static_cast<size_t>(F * H);
   for (int32_t q = 0; q < W; ++q) {
     if (!domain.is_local(q)) {
       layer->ranks_.push_back(nullptr);  // another process drives rank q
@@ -283,23 +309,11 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st->device));
     const int32_t L = ownership.num_local(q);
     st->num_local = L;
-    // Weights, converted to bf16 on the host.
-    std::vector<uint16_t> b1(static_cast<size_t>(L) * n1), b2(static_cast<size_t>(L) * n2);
     std::vector<int32_t> l2g(static_cast<size_t>(std::max(L, 1)), 0);
-    for (int32_t j = 0; j < L; ++j) {
-      const auto e = static_cast<size_t>(ownership.global_expert(q, j));
-      l2g[static_cast<size_t>(j)] = static_cast<int32_t>(e);
-      for (size_t i = 0; i < n1; ++i) b1[static_cast<size_t>(j) * n1 + i] = FloatToBf16Bits(weights.w1[e * n1 + i]);
-      for (size_t i = 0; i < n2; ++i) b2[static_cast<size_t>(j) * n2 + i] = FloatToBf16Bits(weights.w2[e * n2 + i]);
-    }
-    RDEP_RETURN_IF_ERROR(st->w1.Reserve(b1.size()));
-    RDEP_RETURN_IF_ERROR(st->w2.Reserve(b2.size()));
-    RDEP_RETURN_IF_ERROR(st->dw1.Reserve(b1.size()));
-    RDEP_RETURN_IF_ERROR(st->dw2.Reserve(b2.size()));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st->w1.ptr, b1.data(), b1.size() * 2, cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st->w2.ptr, b2.data(), b2.size() * 2, cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(st->dw1.ptr, 0, b1.size() * sizeof(float)));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(st->dw2.ptr, 0, b2.size() * sizeof(float)));
+    for (int32_t j = 0; j < L; ++j) l2g[static_cast<size_t>(j)] = ownership.global_expert(q, j);
+    st->w1_count = static_cast<size_t>(L) * n1;
+    st->w2_count = static_cast<size_t>(L) * n2;
+    if (weights) RDEP_RETURN_IF_ERROR(layer->UploadWeights(*st, ownership, q, *weights));
     RDEP_RETURN_IF_ERROR(st->owner.Reserve(static_cast<size_t>(s.experts)));
     RDEP_RETURN_IF_ERROR(st->local.Reserve(static_cast<size_t>(s.experts)));
     RDEP_RETURN_IF_ERROR(st->local_to_global.Reserve(l2g.size()));
@@ -332,8 +346,33 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
   return layer;
 }
 
+// The layer's own copy of rank q's experts, converted to bf16 on the host; fp32 gradients zeroed.
+Status CudaMoELayer::UploadWeights(RankState& st, const OwnershipMap& ownership, int32_t q, const MoEWeights& weights) {
+  const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
+  std::vector<uint16_t> b1(st.w1_count), b2(st.w2_count);
+  for (int32_t j = 0; j < st.num_local; ++j) {
+    const auto e = static_cast<size_t>(ownership.global_expert(q, j));
+    for (size_t i = 0; i < n1; ++i) b1[static_cast<size_t>(j) * n1 + i] = FloatToBf16Bits(weights.w1[e * n1 + i]);
+    for (size_t i = 0; i < n2; ++i) b2[static_cast<size_t>(j) * n2 + i] = FloatToBf16Bits(weights.w2[e * n2 + i]);
+  }
+  RDEP_RETURN_IF_ERROR(st.w1.Reserve(b1.size()));
+  RDEP_RETURN_IF_ERROR(st.w2.Reserve(b2.size()));
+  RDEP_RETURN_IF_ERROR(st.dw1.Reserve(b1.size()));
+  RDEP_RETURN_IF_ERROR(st.dw2.Reserve(b2.size()));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st.w1.ptr, b1.data(), b1.size() * 2, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st.w2.ptr, b2.data(), b2.size() * 2, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(st.dw1.ptr, 0, b1.size() * sizeof(float)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(st.dw2.ptr, 0, b2.size() * sizeof(float)));
+  st.own_weights = true;
+  return Status::Ok();
+}
+
 Status CudaMoELayer::ApplySgd(int32_t rank, float lr) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
+  if (!st.own_weights || st.bound.w1)
+    return FailedPrecondition("ApplySgd on rank " + std::to_string(rank) +
+                              ": only for the layer's own weights (bound weights belong to the caller's optimizer)");
   RDEP_RETURN_IF_ERROR(LaunchSgdBf16(st.w1.ptr, st.dw1.ptr, st.w1.count, lr, domain_.stream(rank)));
   return LaunchSgdBf16(st.w2.ptr, st.dw2.ptr, st.w2.count, lr, domain_.stream(rank));
 }
@@ -342,17 +381,18 @@ StatusOr<std::vector<float>> CudaMoELayer::CopyWeights(int32_t rank, bool second
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  const auto& b = second ? st.w2 : st.w1;
-  const size_t n = st.num_local > 0 ? b.count : 0;
+  if (!st.has_weights()) return FailedPrecondition("CopyWeights: rank " + std::to_string(rank) + " has no weights");
+  const __nv_bfloat16* b = second ? st.weights().w2 : st.weights().w1;
+  const size_t n = second ? st.w2_count : st.w1_count;
   std::vector<uint16_t> bits(n);
-  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), b.ptr, n * 2, cudaMemcpyDeviceToHost));
+  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), b, n * 2, cudaMemcpyDeviceToHost));
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
   return out;
 }
 
-float* CudaMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1.ptr; }
-float* CudaMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2.ptr; }
+float* CudaMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->grads().dw1; }
+float* CudaMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->grads().dw2; }
 const CudaMoELayer::Saved* CudaMoELayer::last(int32_t rank) const {
   return ContextAccess::Peek<Saved>(ranks_[static_cast<size_t>(rank)]->own_context, id_, rank);
 }
@@ -440,6 +480,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
 Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, __nv_bfloat16* y) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
+  if (kind_ == ExpertKind::kSwiGLU && !st.has_weights())
+    return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                              ": the layer was created without weights and none are bound (BindExpertWeights)");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
@@ -472,6 +515,9 @@ Status CudaMoELayer::CheckRoutingInput(int32_t rank, const Saved& sv) {
 Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   if (kind_ != ExpertKind::kSwiGLU) return FailedPrecondition("backward needs the SwiGLU expert kind");
+  if (!ranks_[static_cast<size_t>(rank)]->has_weights() || !ranks_[static_cast<size_t>(rank)]->has_grads())
+    return FailedPrecondition("backward on rank " + std::to_string(rank) +
+                              ": the layer was created without weights and no weights and gradients are bound");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   RankState& st = *ranks_[static_cast<size_t>(rank)];
@@ -481,8 +527,10 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                              s.hidden, st.scratch.ptr, dgates, stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw1.ptr, 0, st.dw1.count * sizeof(float), stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dw2.ptr, 0, st.dw2.count * sizeof(float), stream));
+  if (st.w1_count) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw1, 0, st.w1_count * sizeof(float), stream));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2, 0, st.w2_count * sizeof(float), stream));
+  }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
@@ -548,7 +596,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
                                                       Bits(st.out_rows.ptr), stream));
   } else if (m > 0) {
     const kernels::ExpertRows rows{st.seg_counts.ptr, m, counts.data()};  // the counts are on the host already
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward(rows, xr, {st.w1.ptr, st.w2.ptr}, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward(rows, xr, st.weights(), sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr + base, m, layout_,
@@ -570,7 +618,7 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   if (m > 0) {  // dx rows go right behind the dout rows in out_rows
     const kernels::ExpertRows rows{nullptr, m, counts.data()};  // saved by forward on the host
     RDEP_RETURN_IF_ERROR(st.mlp->Backward(rows, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
-                                          {st.w1.ptr, st.w2.ptr}, st.out_rows.ptr + m * H, {st.dw1.ptr, st.dw2.ptr},
+                                          st.weights(), st.out_rows.ptr + m * H, st.grads(),
                                           /*accumulate=*/true, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));

@@ -50,8 +50,8 @@ void RunSchedule(Fixture& f, HostMoELayer& layer, const std::vector<int>& order,
         o.dx[i].assign(o.y[i].size(), 0.f);
         o.dg[i].assign(static_cast<size_t>(rr.num_tokens * f.shape.topk), 0.f);
         RDEP_RETURN_IF_ERROR(layer.Backward(r, ctx[i][static_cast<size_t>(b)], f.dy[b][i], o.dx[i], o.dg[i]));
-        o.dw1[i] = layer.dw1(r);
-        o.dw2[i] = layer.dw2(r);
+        o.dw1[i].assign(layer.dw1(r).begin(), layer.dw1(r).end());
+        o.dw2[i].assign(layer.dw2(r).begin(), layer.dw2(r).end());
       }
     }
     return Status::Ok();

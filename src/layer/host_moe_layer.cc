@@ -13,8 +13,17 @@ namespace rdep {
 // The layer's own state per rank: this rank's experts (owner role), their gradients, and the
 // context of calls made without one.
 struct HostMoELayer::RankState {
-  std::vector<float> w1, w2, dw1, dw2;
+  std::vector<float> w1, w2, dw1, dw2;  // the layer's own copy (empty for a layer created without weights)
+  size_t w1_count = 0, w2_count = 0;    // E_loc * H * 2F, E_loc * F * H
+  ExternalWeights<float, float> bound;  // the caller's, when bound
   ForwardContext own_context;
+
+  const float* W1() const { return bound.w1 ? bound.w1 : w1.data(); }
+  const float* W2() const { return bound.w2 ? bound.w2 : w2.data(); }
+  float* DW1() { return bound.dw1 ? bound.dw1 : dw1.data(); }
+  float* DW2() { return bound.dw2 ? bound.dw2 : dw2.data(); }
+  bool has_weights() const { return bound.w1 || !w1.empty() || w1_count == 0; }
+  bool has_grads() const { return bound.dw1 || !dw1.empty() || w1_count == 0; }
 };
 
 // What a forward saves for its backward on one rank (held by a ForwardContext).
@@ -58,27 +67,49 @@ HostMoELayer::~HostMoELayer() {
 StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
                                                             const OwnershipMap& ownership, const MoEWeights& weights) {
   RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership, weights));
+  return CreateLayer(domain, config, ownership, &weights);
+}
+
+StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
+                                                            const OwnershipMap& ownership) {
+  RDEP_RETURN_IF_ERROR(ValidateLayerInputs(config, domain.num_ranks(), ownership));
+  return CreateLayer(domain, config, ownership, nullptr);
+}
+
+StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::CreateLayer(HostDomain& domain, const LayerConfig& config,
+                                                                 const OwnershipMap& ownership, const MoEWeights* weights) {
   const LayerShape& s = config.shape;
   std::unique_ptr<HostMoELayer> layer(new HostMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
-  const size_t n1 = weights.w1_per_expert(), n2 = weights.w2_per_expert();
+  const auto n1 = static_cast<size_t>(s.hidden * 2 * s.ffn), n2 = static_cast<size_t>(s.ffn * s.hidden);
   for (int32_t q = 0; q < s.ranks; ++q) {
     auto st = std::make_unique<RankState>();
     const auto L = static_cast<size_t>(ownership.num_local(q));
-    st->w1.resize(L * n1);
-    st->w2.resize(L * n2);
-    for (size_t j = 0; j < L; ++j) {
-      const auto e = static_cast<size_t>(ownership.global_expert(q, static_cast<int32_t>(j)));
-      std::copy_n(weights.w1.data() + e * n1, n1, st->w1.data() + j * n1);
-      std::copy_n(weights.w2.data() + e * n2, n2, st->w2.data() + j * n2);
+    st->w1_count = L * n1;
+    st->w2_count = L * n2;
+    if (weights) {
+      st->w1.resize(L * n1);
+      st->w2.resize(L * n2);
+      for (size_t j = 0; j < L; ++j) {
+        const auto e = static_cast<size_t>(ownership.global_expert(q, static_cast<int32_t>(j)));
+        std::copy_n(weights->w1.data() + e * n1, n1, st->w1.data() + j * n1);
+        std::copy_n(weights->w2.data() + e * n2, n2, st->w2.data() + j * n2);
+      }
+      st->dw1.assign(st->w1.size(), 0.f);
+      st->dw2.assign(st->w2.size(), 0.f);
     }
-    st->dw1.assign(st->w1.size(), 0.f);
-    st->dw2.assign(st->w2.size(), 0.f);
     layer->ranks_.push_back(std::move(st));
   }
   return layer;
+}
+
+Status HostMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<float, float>& w) {
+  RDEP_RETURN_IF_ERROR(CheckRank(rank));
+  RDEP_RETURN_IF_ERROR(w.Validate(rank));
+  ranks_[static_cast<size_t>(rank)]->bound = w;
+  return Status::Ok();
 }
 
 const HostMoELayer::Saved& HostMoELayer::last(int32_t r) const {
@@ -99,8 +130,14 @@ StatusOr<std::vector<int64_t>> HostMoELayer::load_matrix(const ForwardContext& c
   return saved->load;
 }
 
-const std::vector<float>& HostMoELayer::dw1(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw1; }
-const std::vector<float>& HostMoELayer::dw2(int32_t r) const { return ranks_[static_cast<size_t>(r)]->dw2; }
+std::span<const float> HostMoELayer::dw1(int32_t r) const {
+  RankState& st = *ranks_[static_cast<size_t>(r)];
+  return {st.DW1(), st.has_grads() ? st.w1_count : 0};
+}
+std::span<const float> HostMoELayer::dw2(int32_t r) const {
+  RankState& st = *ranks_[static_cast<size_t>(r)];
+  return {st.DW2(), st.has_grads() ? st.w2_count : 0};
+}
 
 namespace {
 
@@ -236,6 +273,9 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
 
 Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> y) {
   RDEP_RETURN_IF_ERROR(CheckRank(rank));
+  if (kind_ == ExpertKind::kSwiGLU && !ranks_[static_cast<size_t>(rank)]->has_weights())
+    return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                              ": the layer was created without weights and none are bound (BindExpertWeights)");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& st = *saved;
   const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
@@ -267,6 +307,9 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
                               std::span<float> dgates) {
   RDEP_RETURN_IF_ERROR(CheckRank(rank));
   if (kind_ != ExpertKind::kSwiGLU) return FailedPrecondition("backward needs the SwiGLU expert kind");
+  if (!ranks_[static_cast<size_t>(rank)]->has_weights() || !ranks_[static_cast<size_t>(rank)]->has_grads())
+    return FailedPrecondition("backward on rank " + std::to_string(rank) +
+                              ": the layer was created without weights and no weights and gradients are bound");
   const int64_t K = config_.shape.topk, H = config_.shape.hidden;
   {
     const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank);
@@ -299,8 +342,8 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
     for (int64_t k = 0; k < K; ++k) dgates[static_cast<size_t>(t * K + k)] = static_cast<float>(d_g[static_cast<size_t>(k)]);
   }
 
-  std::fill(rs.dw1.begin(), rs.dw1.end(), 0.f);
-  std::fill(rs.dw2.begin(), rs.dw2.end(), 0.f);
+  std::fill_n(rs.DW1(), rs.w1_count, 0.f);
+  std::fill_n(rs.DW2(), rs.w2_count, 0.f);
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
 
   // dx_t = sum_k of the returned dgrad rows, slot order, fp32.
@@ -358,7 +401,7 @@ Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<
 // Owner work on one received segment: expand tokens into rows grouped by local expert (stream order
 // within an expert), compute, and store each output row at its front-end's slot decoded from row_id.
 void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backward) {
-  const RankState& rs = *ranks_[static_cast<size_t>(rank)];
+  RankState& rs = *ranks_[static_cast<size_t>(rank)];
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, H = s.hidden, F = s.ffn, S = layout_.S;
   const int64_t buf = seg % 2, lo = seg * S;
@@ -403,8 +446,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const auto j = static_cast<size_t>(g.row.local_expert);
-    const float* w1 = rs.w1.data() + j * n1;
-    const float* w2 = rs.w2.data() + j * n2;
+    const float* w1 = rs.W1() + j * n1;
+    const float* w2 = rs.W2() + j * n2;
     if (kind_ == ExpertKind::kSentinel) {
       const int32_t expert = ownership_.global_expert(rank, g.row.local_expert);
       for (int64_t c = 0; c < H; ++c) dst[c] = c < kSentinelFields ? SentinelField(g.row.row_id, rank, expert, c) : x[c];
@@ -414,9 +457,7 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
       const float* dy = payload + g.token * H;
       for (int64_t c = 0; c < H; ++c) dout[static_cast<size_t>(c)] = g.row.gate * dy[c];
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data());
-      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), ranks_[static_cast<size_t>(rank)]->dw1.data() + j * n1,
-                           ranks_[static_cast<size_t>(rank)]->dw2.data() + j * n2, dst,
-                           scratch.data());
+      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), rs.DW1() + j * n1, rs.DW2() + j * n2, dst, scratch.data());
     }
   }
 }

@@ -23,6 +23,11 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
 }
 
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w) {
+  RDEP_RETURN_IF_ERROR(ValidateLayerInputs(c, domain_ranks, m));
+  return w.Validate(c.shape);
+}
+
+Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m) {
   RDEP_RETURN_IF_ERROR(c.Validate());
   const LayerShape& s = c.shape;
   if (s.ranks != domain_ranks)
@@ -31,7 +36,7 @@ Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const Own
   if (m.num_experts() != s.experts || m.num_ranks() != s.ranks)
     return InvalidArgument("ownership map is for E=" + std::to_string(m.num_experts()) + ", W=" + std::to_string(m.num_ranks()) +
                            "; the layer has E=" + std::to_string(s.experts) + ", W=" + std::to_string(s.ranks));
-  return w.Validate(s);
+  return Status::Ok();
 }
 
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {

@@ -26,7 +26,9 @@ StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec) {
 #if defined(RDEP_HAVE_CUDA)
   if (spec.kind == DomainSpec::Kind::kCudaPerProcess) {
     if (!spec.bootstrap) return InvalidArgument("domain: a per-process CUDA domain needs a bootstrap");
-    RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateMultiProcess(*spec.bootstrap, {.barrier_timeout_s = spec.barrier_timeout_s, .devices = {}}));
+    std::vector<int> devices;
+    if (spec.device >= 0) devices.push_back(spec.device);
+    RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateMultiProcess(*spec.bootstrap, {.barrier_timeout_s = spec.barrier_timeout_s, .devices = devices}));
     return std::unique_ptr<Domain>(std::move(d));
   }
   const int present = CudaDeviceCount();

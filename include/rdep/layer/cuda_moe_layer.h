@@ -52,6 +52,15 @@ class CudaMoELayer {
   // Copies each rank's experts' slices of `weights` to its GPU as bf16.
   static StatusOr<std::unique_ptr<CudaMoELayer>> Create(CudaDomain& domain, const LayerConfig& config,
                                                         const OwnershipMap& ownership, const MoEWeights& weights);
+  // A layer without weights of its own: every local rank binds the caller's (BindExpertWeights)
+  // before its first forward (the PyTorch binding's expert parameters).
+  static StatusOr<std::unique_ptr<CudaMoELayer>> Create(CudaDomain& domain, const LayerConfig& config,
+                                                        const OwnershipMap& ownership);
+  // The caller's weights of this rank's experts on its GPU (bf16 [E_loc][H][2F], [E_loc][F][H]) and
+  // where backward writes their gradients (fp32, same shapes), used by every later call of the rank
+  // instead of the layer's own (rdep/layer/layer_config.h: ExternalWeights); all-null restores the
+  // layer's own. They must stay valid until the rank's stream has run the calls that use them.
+  Status BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, float>& weights);
   ~CudaMoELayer();
 
   // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:
@@ -114,6 +123,9 @@ class CudaMoELayer {
   struct RankState;
   struct Saved;
   CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership);
+  static StatusOr<std::unique_ptr<CudaMoELayer>> CreateLayer(CudaDomain& domain, const LayerConfig& config,
+                                                             const OwnershipMap& ownership, const MoEWeights* weights);
+  Status UploadWeights(RankState& st, const OwnershipMap& ownership, int32_t q, const MoEWeights& weights);
   Status CheckLocalRank(int32_t rank) const;
   StatusOr<std::unique_ptr<Saved>> NewSaved(int32_t rank) const;
   const Saved* last(int32_t rank) const;

@@ -45,6 +45,14 @@ class HostMoELayer {
   // Each rank keeps a copy of its own experts' slices of `weights`.
   static StatusOr<std::unique_ptr<HostMoELayer>> Create(HostDomain& domain, const LayerConfig& config,
                                                         const OwnershipMap& ownership, const MoEWeights& weights);
+  // A layer without weights of its own: every rank binds the caller's (BindExpertWeights) before its
+  // first forward (the PyTorch binding's expert parameters).
+  static StatusOr<std::unique_ptr<HostMoELayer>> Create(HostDomain& domain, const LayerConfig& config,
+                                                        const OwnershipMap& ownership);
+  // The caller's weights of this rank's experts and where backward writes their gradients (fp32,
+  // rdep/layer/layer_config.h: ExternalWeights), used by every later call of the rank instead of the
+  // layer's own; all-null restores the layer's own. Not while the rank is inside a call.
+  Status BindExpertWeights(int32_t rank, const ExternalWeights<float, float>& weights);
   ~HostMoELayer();
 
   // Collective. x and y are [routing.num_tokens][H]. What backward needs is saved in `ctx`, which the
@@ -77,16 +85,18 @@ class HostMoELayer {
   const std::vector<OwnerTraceEntry>& owner_trace(int32_t rank) const;
   const std::vector<float>& expert_outputs(int32_t rank) const;  // [n*K][H] returned rows f_k(x_t), 0 if dropped
   const std::vector<int64_t>& owner_rows_per_expert(int32_t rank) const;  // admitted rows per local expert
-  const std::vector<float>& dw1(int32_t rank) const;          // [E_loc][H][2F]
+  std::span<const float> dw1(int32_t rank) const;             // [E_loc][H][2F] (the bound buffer, if any)
   // The full load matrix Lambda [W][E] (rows per source rank and expert) of the forward in ctx, as
   // every rank holds it after phase 1; needs LayerConfig::load_matrix.
   StatusOr<std::vector<int64_t>> load_matrix(const ForwardContext& ctx) const;
-  const std::vector<float>& dw2(int32_t rank) const;          // [E_loc][F][H]
+  std::span<const float> dw2(int32_t rank) const;             // [E_loc][F][H]
 
  private:
   struct RankState;
   struct Saved;
   HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership);
+  static StatusOr<std::unique_ptr<HostMoELayer>> CreateLayer(HostDomain& domain, const LayerConfig& config,
+                                                             const OwnershipMap& ownership, const MoEWeights* weights);
   Status CheckRank(int32_t rank) const;
   const Saved& last(int32_t rank) const;
   Status Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload);

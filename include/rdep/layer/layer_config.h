@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <ostream>
+#include <string>
 
 #include "rdep/core/capacity.h"
 #include "rdep/core/ownership.h"
@@ -36,8 +37,30 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c);
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes);
 
 // What every backend's layer checks at Create: a valid config, a domain of W ranks, an ownership
-// map and weights of the layer's shape.
+// map and (when given) weights of the layer's shape.
+Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m);
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w);
+
+// The caller's expert weights for one rank, bound to a layer instead of its own copy (the PyTorch
+// binding's parameters): w1 [E_loc][H][2F], w2 [E_loc][F][H] for the rank's experts in local order
+// (MoEWeights' layout per expert), and dw1, dw2 of the same shapes, written (not accumulated) by
+// backward. Weights and gradients each come as a pair or not at all; all null = the layer's own.
+template <typename Wt, typename G>
+struct ExternalWeights {
+  const Wt* w1 = nullptr;
+  const Wt* w2 = nullptr;
+  G* dw1 = nullptr;
+  G* dw2 = nullptr;
+
+  Status Validate(int32_t rank) const {
+    if ((w1 == nullptr) != (w2 == nullptr) || (dw1 == nullptr) != (dw2 == nullptr))
+      return InvalidArgument("expert weights bound to rank " + std::to_string(rank) +
+                             ": w1 and w2 (and dw1 and dw2) must be given together");
+    if (w1 == nullptr && dw1 != nullptr)
+      return InvalidArgument("expert weights bound to rank " + std::to_string(rank) + ": gradients without weights");
+    return Status::Ok();
+  }
+};
 
 // The protocol's four symmetric regions on a domain (host or CUDA), allocated by layout.
 struct LayerRegions {

@@ -61,6 +61,7 @@ struct DomainSpec {
   double barrier_timeout_s = 30.0;
   int num_gpus = 0;                 // cuda one-process: ranks round-robin over this many GPUs (0 = min(W, present))
   Bootstrap* bootstrap = nullptr;   // cuda per-process; must outlive the domain
+  int device = -1;                  // cuda per-process: this process's GPU (-1 = local rank mod GPUs present)
 };
 
 // InvalidArgument for a bad spec (naming the field); Unavailable when the build or the machine lacks

@@ -1,0 +1,118 @@
+/* rdep's C ABI: one MoE layer and its domain behind an opaque handle, for the Python package (ctypes,
+ * no libtorch at build time) and any other foreign-function caller.
+ *
+ * A handle is a domain (host threads, or CUDA: ranks sharing GPUs in one process, or this process as
+ * one rank of a world under a launcher) plus one layer over it. A process drives the ranks
+ * [first, first + count) of the W ranks (rdep_layer_local_ranks): all W on the host backend and in the
+ * CUDA one-process mode, one in the per-process mode. Every call takes one rdep_rank_io per local rank,
+ * in rank order, and runs the collective for all of them (one thread per rank inside).
+ *
+ * Element types: host backend fp32 everywhere; CUDA backend bf16 activations (x, y, dy, dx) and expert
+ * weights (w1, w2), fp32 gates, dgates and weight gradients (dw1, dw2). Experts are int32. Pointers are
+ * host memory (host backend) or device memory on the rank's GPU (rdep_layer_device).
+ * Expert weights are the caller's, passed to every call: w1 [E_r][H][2F] (columns [0, F) the gate
+ * projection, [F, 2F) the up projection), w2 [E_r][F][H], for the E_r experts rank r owns, in expert
+ * order (rdep_layer_owned_experts; ownership is contiguous). A backward must be given the weights of its
+ * forward. Weight gradients are written (not accumulated) into dw1, dw2.
+ *
+ * Contexts: rdep_context_acquire hands out a slot holding one forward's saved state per local rank
+ * (caller-owned in the C++ API's sense); slots are pooled, so their memory is reused, and a released
+ * slot's id is stale (releasing it again is a no-op; using it is an error).
+ *
+ * Streams (CUDA): io.stream is the caller's stream on the rank's device (0 for the legacy default
+ * stream); the layer's work on the rank's own stream is ordered after the caller's stream's prior work
+ * and before its later work (event joins), so no host synchronization is added.
+ *
+ * Every function returns 0 or an rdep status code (rdep/status.h: 1 InvalidArgument, ...); the calling
+ * thread's last error message is rdep_last_error(). */
+#ifndef RDEP_CAPI_H_
+#define RDEP_CAPI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RDEP_CAPI_VERSION 1
+
+typedef struct rdep_layer rdep_layer;
+
+/* Caller-supplied allgather for the per-process mode: every rank calls it with `bytes` bytes; recv
+ * gets world_size * bytes, rank-major. Returns 0 on success. */
+typedef int (*rdep_allgather_fn)(void* user, const void* send, size_t bytes, void* recv);
+
+enum rdep_backend_kind {
+  RDEP_BACKEND_HOST = 0,          /* W threads of this process, fp32 */
+  RDEP_BACKEND_CUDA_ONE_PROCESS = 1, /* W ranks of this process over num_gpus local GPUs */
+  RDEP_BACKEND_CUDA_PER_PROCESS = 2  /* this process is rank `process_rank` of W, on GPU `device` */
+};
+
+typedef struct rdep_layer_spec {
+  int32_t struct_size; /* sizeof(rdep_layer_spec) */
+  int32_t backend;     /* rdep_backend_kind */
+  int32_t world_size;  /* W */
+  int32_t num_gpus;    /* one-process CUDA: ranks round-robin over this many GPUs (0 = min(W, present)) */
+  int32_t process_rank; /* per-process CUDA: this process's rank */
+  int32_t device;       /* per-process CUDA: this process's GPU */
+  int64_t tokens;       /* T: most tokens a rank passes to one call */
+  int64_t hidden;       /* H */
+  int64_t ffn;          /* D_ff (F) */
+  int64_t experts;      /* E */
+  int64_t topk;         /* K */
+  double capacity_factor; /* 0 = dropless; else ceil(C*W*T*K/E) rows per expert */
+  int64_t segment_tokens; /* 0 = the backend's default */
+  double barrier_timeout_s; /* 0 = the default (30 s) */
+  rdep_allgather_fn allgather; /* per-process CUDA */
+  void* allgather_user;
+} rdep_layer_spec;
+
+/* One local rank's arguments to a call. Forward reads num_tokens, experts, gates, x, w1, w2 and writes
+ * y; backward reads dy, w1, w2 and writes dx, dgates, dw1, dw2. */
+typedef struct rdep_rank_io {
+  int64_t num_tokens;
+  const int32_t* experts; /* [n][K] */
+  const float* gates;     /* [n][K], finite and >= 0 */
+  const void* x;          /* [n][H] */
+  void* y;                /* [n][H] */
+  const void* w1;         /* [E_r][H][2F] */
+  const void* w2;         /* [E_r][F][H] */
+  const void* dy;         /* [n][H] */
+  void* dx;               /* [n][H] */
+  float* dgates;          /* [n][K], w.r.t. the gates passed to forward */
+  void* dw1;              /* [E_r][H][2F] */
+  void* dw2;              /* [E_r][F][H] */
+  void* stream;           /* CUDA: the caller's cudaStream_t on the rank's device */
+} rdep_rank_io;
+
+int32_t rdep_capi_version(void);
+const char* rdep_last_error(void);
+/* 1 when this library was built with CUDA, and the number of GPUs it sees (0 without CUDA). */
+int32_t rdep_built_with_cuda(void);
+int32_t rdep_cuda_device_count(void);
+
+int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out);
+void rdep_layer_destroy(rdep_layer* layer);
+int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
+int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
+/* The rank's GPU, or -1 on the host backend. */
+int rdep_layer_device(const rdep_layer* layer, int32_t rank, int32_t* device);
+/* A printable description (config, placement, transport) into buf (truncated to cap, NUL-terminated);
+ * *needed gets the full length. */
+int rdep_layer_describe(const rdep_layer* layer, char* buf, size_t cap, size_t* needed);
+
+int rdep_context_acquire(rdep_layer* layer, int64_t* ctx);
+int rdep_context_release(rdep_layer* layer, int64_t ctx);
+/* Bytes the context's saved state holds, summed over local ranks. */
+int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
+
+/* Collective: io[count] for the local ranks in order (count must equal the local rank count). */
+int rdep_layer_forward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);
+int rdep_layer_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RDEP_CAPI_H_ */

@@ -1,0 +1,276 @@
+// rdep's C ABI (rdep/capi.h): handles, pooled contexts, argument checks naming the field and rank, and
+// errors as codes plus a per-thread message. No C++ exception crosses the ABI.
+#include "rdep/capi.h"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "capi/layer_adapter.h"
+#include "rdep/cuda/device_count.h"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int Fail(const rdep::Status& s) {
+  g_last_error = s.message();
+  return static_cast<int>(s.code());
+}
+int FailInvalid(const std::string& m) { return Fail(rdep::InvalidArgument(m)); }
+
+// A forward's saved state for each local rank; pooled, its id = slot * 2^32 + generation.
+struct ContextSlot {
+  uint32_t generation = 1;
+  bool in_use = false;
+  std::vector<rdep::ForwardContext> per_rank;
+};
+
+}  // namespace
+
+struct rdep_layer {
+  rdep_layer_spec spec{};
+  rdep::LayerConfig config;
+  rdep::OwnershipMap ownership;
+  std::unique_ptr<rdep::capi::LayerAdapter> adapter;
+  std::vector<int32_t> ranks;
+  std::mutex mu;  // contexts
+  std::vector<ContextSlot> slots;
+
+  // The slot of a live id, or null.
+  ContextSlot* Find(int64_t id) {
+    const uint64_t slot = static_cast<uint64_t>(id) >> 32;
+    const auto gen = static_cast<uint32_t>(static_cast<uint64_t>(id) & 0xffffffffu);
+    if (id <= 0 || slot >= slots.size() || slots[slot].generation != gen || !slots[slot].in_use) return nullptr;
+    return &slots[slot];
+  }
+};
+
+namespace {
+
+template <typename Fn>
+int Guard(Fn fn) {
+  try {
+    const rdep::Status s = fn();
+    if (s.ok()) return 0;
+    return Fail(s);
+  } catch (const std::bad_alloc&) {
+    return Fail(rdep::Unavailable("out of host memory"));
+  } catch (const std::exception& e) {
+    return Fail(rdep::InternalError(std::string("unexpected C++ exception: ") + e.what()));
+  } catch (...) {
+    return Fail(rdep::InternalError("unexpected C++ exception"));
+  }
+}
+
+rdep::Status CheckSpec(const rdep_layer_spec& s) {
+  using rdep::InvalidArgument;
+  if (s.backend < RDEP_BACKEND_HOST || s.backend > RDEP_BACKEND_CUDA_PER_PROCESS)
+    return InvalidArgument("layer spec: backend " + std::to_string(s.backend) + " is not 0 (host), 1 (cuda, one process) or 2 (cuda, per process)");
+  if (s.world_size < 1) return InvalidArgument("layer spec: world_size must be >= 1, got " + std::to_string(s.world_size));
+  if (s.backend == RDEP_BACKEND_CUDA_PER_PROCESS && (s.process_rank < 0 || s.process_rank >= s.world_size))
+    return InvalidArgument("layer spec: process_rank " + std::to_string(s.process_rank) + " outside [0, world_size=" +
+                           std::to_string(s.world_size) + ")");
+  if (s.segment_tokens < 0) return InvalidArgument("layer spec: segment_tokens must be >= 0 (0 = the default)");
+  if (!(s.barrier_timeout_s >= 0) || !std::isfinite(s.barrier_timeout_s))
+    return InvalidArgument("layer spec: barrier_timeout_s must be finite and >= 0 (0 = the default)");
+  return rdep::Status::Ok();
+}
+
+// The pointers a call needs for local rank r (io), checked before any rank starts the collective.
+rdep::Status CheckIo(const rdep_layer& l, const rdep_rank_io& a, int32_t rank, bool backward) {
+  const auto& s = l.config.shape;
+  auto missing = [&](const char* field) {
+    return rdep::InvalidArgument(std::string(backward ? "backward" : "forward") + " on rank " + std::to_string(rank) + ": " +
+                                 field + " is null");
+  };
+  if (a.num_tokens < 0 || a.num_tokens > s.tokens)
+    return rdep::InvalidArgument("rank " + std::to_string(rank) + ": num_tokens " + std::to_string(a.num_tokens) +
+                                 " outside [0, T=" + std::to_string(s.tokens) + "]");
+  const bool rows = a.num_tokens > 0, experts = l.ownership.num_local(rank) > 0;
+  if (experts && !a.w1) return missing("w1");
+  if (experts && !a.w2) return missing("w2");
+  if (!backward) {
+    if (rows && !a.experts) return missing("experts");
+    if (rows && !a.gates) return missing("gates");
+    if (rows && !a.x) return missing("x");
+    if (rows && !a.y) return missing("y");
+  } else {
+    if (rows && !a.dy) return missing("dy");
+    if (rows && !a.dx) return missing("dx");
+    if (rows && !a.dgates) return missing("dgates");
+    if (experts && !a.dw1) return missing("dw1");
+    if (experts && !a.dw2) return missing("dw2");
+  }
+  return rdep::Status::Ok();
+}
+
+int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool backward) {
+  if (!l) return FailInvalid("layer is null");
+  if (!io) return FailInvalid("io is null");
+  if (count != static_cast<int32_t>(l->ranks.size()))
+    return FailInvalid("io has " + std::to_string(count) + " entries; this process drives " + std::to_string(l->ranks.size()) +
+                       " ranks");
+  return Guard([&]() -> rdep::Status {
+    for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckIo(*l, io[i], l->ranks[static_cast<size_t>(i)], backward));
+    ContextSlot* slot;
+    {
+      std::lock_guard<std::mutex> lock(l->mu);
+      slot = l->Find(ctx);
+    }
+    if (!slot) return rdep::InvalidArgument("context " + std::to_string(ctx) + " is not a live context of this layer (released or never acquired)");
+    return backward ? l->adapter->Backward(slot->per_rank, io) : l->adapter->Forward(slot->per_rank, io);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t rdep_capi_version(void) { return RDEP_CAPI_VERSION; }
+const char* rdep_last_error(void) { return g_last_error.c_str(); }
+int32_t rdep_built_with_cuda(void) {
+#if defined(RDEP_HAVE_CUDA)
+  return 1;
+#else
+  return 0;
+#endif
+}
+int32_t rdep_cuda_device_count(void) {
+#if defined(RDEP_HAVE_CUDA)
+  return rdep::CudaDeviceCount();
+#else
+  return 0;
+#endif
+}
+
+int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out) {
+  if (!spec || !out) return FailInvalid("spec and out must not be null");
+  *out = nullptr;
+  if (spec->struct_size != static_cast<int32_t>(sizeof(rdep_layer_spec)))
+    return FailInvalid("layer spec: struct_size " + std::to_string(spec->struct_size) + " != " +
+                       std::to_string(sizeof(rdep_layer_spec)) + " (caller built against another rdep/capi.h)");
+  return Guard([&]() -> rdep::Status {
+    RDEP_RETURN_IF_ERROR(CheckSpec(*spec));
+    auto l = std::make_unique<rdep_layer>();
+    l->spec = *spec;
+    rdep::LayerConfig& c = l->config;
+    c.shape = {.tokens = spec->tokens, .hidden = spec->hidden, .ffn = spec->ffn, .experts = spec->experts,
+               .topk = spec->topk, .ranks = spec->world_size};
+    c.capacity.capacity_factor = spec->capacity_factor;
+    c.segment_tokens = spec->segment_tokens;
+    RDEP_RETURN_IF_ERROR(c.Validate());
+    RDEP_ASSIGN_OR_RETURN(l->ownership, rdep::OwnershipMap::Contiguous(spec->experts, spec->world_size));
+    const double timeout = spec->barrier_timeout_s > 0 ? spec->barrier_timeout_s : 30.0;
+    if (spec->backend == RDEP_BACKEND_HOST) {
+      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeHostAdapter(c, l->ownership, timeout));
+    } else {
+      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeCudaAdapter(*spec, c, l->ownership, timeout));
+    }
+    l->ranks = l->adapter->local_ranks();
+    *out = l.release();
+    return rdep::Status::Ok();
+  });
+}
+
+void rdep_layer_destroy(rdep_layer* layer) {
+  try {
+    delete layer;
+  } catch (...) {
+  }
+}
+
+int rdep_layer_local_ranks(const rdep_layer* l, int32_t* first, int32_t* count) {
+  if (!l || !first || !count) return FailInvalid("layer, first and count must not be null");
+  *first = l->ranks.empty() ? 0 : l->ranks.front();
+  *count = static_cast<int32_t>(l->ranks.size());
+  return 0;
+}
+
+int rdep_layer_owned_experts(const rdep_layer* l, int32_t rank, int64_t* first, int64_t* count) {
+  if (!l || !first || !count) return FailInvalid("layer, first and count must not be null");
+  if (rank < 0 || rank >= l->config.shape.ranks)
+    return FailInvalid("rank " + std::to_string(rank) + " outside [0, W=" + std::to_string(l->config.shape.ranks) + ")");
+  *count = l->ownership.num_local(rank);
+  *first = *count > 0 ? l->ownership.global_expert(rank, 0) : 0;
+  return 0;
+}
+
+int rdep_layer_device(const rdep_layer* l, int32_t rank, int32_t* device) {
+  if (!l || !device) return FailInvalid("layer and device must not be null");
+  for (int32_t r : l->ranks)
+    if (r == rank) {
+      *device = l->adapter->device(rank);
+      return 0;
+    }
+  return FailInvalid("rank " + std::to_string(rank) + " is not driven by this process");
+}
+
+int rdep_layer_describe(const rdep_layer* l, char* buf, size_t cap, size_t* needed) {
+  if (!l) return FailInvalid("layer is null");
+  return Guard([&]() -> rdep::Status {
+    std::ostringstream os;
+    os << l->config << "; " << l->adapter->placement();
+    const std::string s = os.str();
+    if (needed) *needed = s.size();
+    if (buf && cap > 0) {
+      const size_t n = std::min(cap - 1, s.size());
+      std::memcpy(buf, s.data(), n);
+      buf[n] = '\0';
+    }
+    return rdep::Status::Ok();
+  });
+}
+
+int rdep_context_acquire(rdep_layer* l, int64_t* ctx) {
+  if (!l || !ctx) return FailInvalid("layer and ctx must not be null");
+  return Guard([&]() -> rdep::Status {
+    std::lock_guard<std::mutex> lock(l->mu);
+    size_t i = 0;
+    while (i < l->slots.size() && l->slots[i].in_use) ++i;
+    if (i == l->slots.size()) {
+      l->slots.emplace_back();
+      l->slots.back().per_rank.resize(l->ranks.size());
+    }
+    ContextSlot& s = l->slots[i];
+    s.in_use = true;
+    *ctx = static_cast<int64_t>((static_cast<uint64_t>(i) << 32) | s.generation);
+    return rdep::Status::Ok();
+  });
+}
+
+int rdep_context_release(rdep_layer* l, int64_t ctx) {
+  if (!l) return FailInvalid("layer is null");
+  std::lock_guard<std::mutex> lock(l->mu);
+  ContextSlot* s = l->Find(ctx);
+  if (!s) return 0;  // stale: already released
+  s->in_use = false;
+  if (++s->generation == 0) s->generation = 1;
+  return 0;
+}
+
+int rdep_context_bytes(const rdep_layer* l, int64_t ctx, size_t* bytes) {
+  if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
+  auto* m = const_cast<rdep_layer*>(l);
+  std::lock_guard<std::mutex> lock(m->mu);
+  ContextSlot* s = m->Find(ctx);
+  if (!s) return FailInvalid("context " + std::to_string(ctx) + " is not a live context of this layer");
+  size_t b = 0;
+  for (const auto& c : s->per_rank) b += c.bytes();
+  *bytes = b;
+  return 0;
+}
+
+int rdep_layer_forward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {
+  return Call(l, ctx, io, count, /*backward=*/false);
+}
+
+int rdep_layer_backward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {
+  return Call(l, ctx, io, count, /*backward=*/true);
+}
+
+}  // extern "C"

@@ -1,0 +1,212 @@
+// The C ABI on the host backend: results bitwise equal to HostMoELayer with its own copy of the same
+// weights (forward y, backward dx, dgates, dw1, dw2), with and without capacity drops and with E not
+// divisible by W; the context pool (stale ids, reuse, several forwards in flight); and errors that
+// name the field, rank or context.
+#include "rdep/capi.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "rdep/core/routing.h"
+#include "rdep/layer/host_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+using Vec = std::vector<float>;
+
+rdep_layer_spec Spec(const LayerShape& s, double capacity) {
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof(rdep_layer_spec);
+  spec.backend = RDEP_BACKEND_HOST;
+  spec.world_size = static_cast<int32_t>(s.ranks);
+  spec.tokens = s.tokens;
+  spec.hidden = s.hidden;
+  spec.ffn = s.ffn;
+  spec.experts = s.experts;
+  spec.topk = s.topk;
+  spec.capacity_factor = capacity;
+  spec.barrier_timeout_s = 10;
+  return spec;
+}
+
+struct Case {
+  LayerShape shape;
+  double capacity;
+  RoutingSpec::Family routing;
+};
+
+// The same forward and backward through HostMoELayer (own weights) and through the C ABI (bound).
+void ExpectAbiMatchesLayer(const Case& c) {
+  const LayerShape& s = c.shape;
+  const auto W = static_cast<size_t>(s.ranks);
+  const MoEWeights w = RandomWeights(s, 3);
+  RoutingSpec rs;
+  rs.family = c.routing;
+  rs.alpha = 1.2;
+  const Routing routing = *GenerateRouting(s, rs);
+  const auto x = RandomActivations(s, routing, 4);
+  const auto dy = RandomActivations(s, routing, 5);
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+
+  // Reference: the layer with its own weights.
+  auto domain = std::move(*HostDomain::Create(s.ranks, {.barrier_timeout_s = 10}));
+  LayerConfig cfg{s, {c.capacity}, 0};
+  auto layer = std::move(*HostMoELayer::Create(*domain, cfg, own, w));
+  std::vector<Vec> y_ref(W), dx_ref(W), dg_ref(W), dw1_ref(W), dw2_ref(W);
+  ASSERT_TRUE(domain->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const int64_t n = routing[i].num_tokens;
+    y_ref[i].assign(static_cast<size_t>(n * s.hidden), 0.f);
+    dx_ref[i] = y_ref[i];
+    dg_ref[i].assign(static_cast<size_t>(n * s.topk), 0.f);
+    RDEP_RETURN_IF_ERROR(layer->Forward(r, routing[i], x[i], y_ref[i]));
+    RDEP_RETURN_IF_ERROR(layer->Backward(r, dy[i], dx_ref[i], dg_ref[i]));
+    dw1_ref[i].assign(layer->dw1(r).begin(), layer->dw1(r).end());
+    dw2_ref[i].assign(layer->dw2(r).begin(), layer->dw2(r).end());
+    return Status::Ok();
+  }).ok());
+
+  // The ABI, with the weights as the caller's per-rank arrays.
+  const rdep_layer_spec spec = Spec(s, c.capacity);
+  rdep_layer* abi = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &abi), 0) << rdep_last_error();
+  int32_t first = -1, count = 0;
+  ASSERT_EQ(rdep_layer_local_ranks(abi, &first, &count), 0);
+  ASSERT_EQ(first, 0);
+  ASSERT_EQ(count, s.ranks);
+  const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+  std::vector<Vec> w1(W), w2(W), y(W), dx(W), dg(W), dw1(W), dw2(W);
+  std::vector<std::vector<int32_t>> experts(W);
+  std::vector<Vec> gates(W);
+  std::vector<rdep_rank_io> io(W);
+  for (size_t r = 0; r < W; ++r) {
+    int64_t e0 = -1, ne = -1;
+    ASSERT_EQ(rdep_layer_owned_experts(abi, static_cast<int32_t>(r), &e0, &ne), 0);
+    ASSERT_EQ(ne, own.num_local(static_cast<int32_t>(r)));
+    w1[r].assign(w.w1.begin() + e0 * static_cast<int64_t>(n1), w.w1.begin() + (e0 + ne) * static_cast<int64_t>(n1));
+    w2[r].assign(w.w2.begin() + e0 * static_cast<int64_t>(n2), w.w2.begin() + (e0 + ne) * static_cast<int64_t>(n2));
+    const int64_t n = routing[r].num_tokens;
+    y[r].assign(static_cast<size_t>(n * s.hidden), -7.f);  // poisoned outputs
+    dx[r] = y[r];
+    dg[r].assign(static_cast<size_t>(n * s.topk), -7.f);
+    dw1[r].assign(w1[r].size(), -7.f);
+    dw2[r].assign(w2[r].size(), -7.f);
+    io[r] = rdep_rank_io{n, routing[r].experts.data(), routing[r].gates.data(), x[r].data(), y[r].data(), w1[r].data(),
+                         w2[r].data(), dy[r].data(), dx[r].data(), dg[r].data(), dw1[r].data(), dw2[r].data(), nullptr};
+  }
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(abi, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward(abi, ctx, io.data(), count), 0) << rdep_last_error();
+  size_t bytes = 0;
+  ASSERT_EQ(rdep_context_bytes(abi, ctx, &bytes), 0);
+  EXPECT_GT(bytes, 0u);
+  ASSERT_EQ(rdep_layer_backward(abi, ctx, io.data(), count), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_context_release(abi, ctx), 0);
+  for (size_t r = 0; r < W; ++r) {
+    EXPECT_EQ(y[r], y_ref[r]) << "rank " << r;
+    EXPECT_EQ(dx[r], dx_ref[r]) << "rank " << r;
+    EXPECT_EQ(dg[r], dg_ref[r]) << "rank " << r;
+    EXPECT_EQ(dw1[r], dw1_ref[r]) << "rank " << r;
+    EXPECT_EQ(dw2[r], dw2_ref[r]) << "rank " << r;
+  }
+  rdep_layer_destroy(abi);
+}
+
+TEST(CApi, MatchesHostLayerDropless) {
+  ExpectAbiMatchesLayer({{.tokens = 12, .hidden = 8, .ffn = 6, .experts = 8, .topk = 2, .ranks = 4}, 0.0, RoutingSpec::Family::kUniform});
+}
+
+TEST(CApi, MatchesHostLayerWithDropsAndUnevenOwnership) {
+  ExpectAbiMatchesLayer({{.tokens = 16, .hidden = 8, .ffn = 4, .experts = 7, .topk = 3, .ranks = 3}, 0.5, RoutingSpec::Family::kZipf});
+}
+
+TEST(CApi, MatchesHostLayerOneRank) {
+  ExpectAbiMatchesLayer({{.tokens = 9, .hidden = 4, .ffn = 4, .experts = 5, .topk = 2, .ranks = 1}, 0.0, RoutingSpec::Family::kUniform});
+}
+
+TEST(CApi, SpecErrorsNameTheField) {
+  const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 2};
+  rdep_layer* l = nullptr;
+  rdep_layer_spec spec = Spec(s, 0);
+  spec.struct_size = 8;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("struct_size"), std::string::npos);
+  spec = Spec(s, 0);
+  spec.topk = 9;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("K"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.backend = 7;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("backend"), std::string::npos);
+  spec = Spec(s, 0);
+  spec.capacity_factor = -1;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_EQ(l, nullptr);
+  if (!rdep_built_with_cuda()) {
+    spec = Spec(s, 0);
+    spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+    EXPECT_EQ(rdep_layer_create(&spec, &l), 4);  // Unavailable
+    EXPECT_NE(std::string(rdep_last_error()).find("no CUDA"), std::string::npos);
+  }
+}
+
+TEST(CApi, CallErrorsNameRankFieldAndContext) {
+  const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 2};
+  const rdep_layer_spec spec = Spec(s, 0);
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  std::vector<int32_t> experts = {0, 1, 2, 3, 1, 2, 0, 3};
+  Vec gates(8, 0.5f), x(16, 1.f), y(16), w1(2 * 4 * 8, 0.1f), w2(2 * 4 * 4, 0.1f), dy(16, 1.f), dx(16), dg(8), dw1(w1.size()),
+      dw2(w2.size());
+  std::vector<rdep_rank_io> io(2, rdep_rank_io{4, experts.data(), gates.data(), x.data(), y.data(), w1.data(), w2.data(),
+                                               dy.data(), dx.data(), dg.data(), dw1.data(), dw2.data(), nullptr});
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 1), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("drives 2 ranks"), std::string::npos);
+  io[1].x = nullptr;
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("rank 1: x is null"), std::string::npos) << rdep_last_error();
+  io[1].x = x.data();
+  io[0].num_tokens = 5;
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("num_tokens 5"), std::string::npos);
+  io[0].num_tokens = 4;
+  // Backward before its forward: the context says so.
+  EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 2) << rdep_last_error();
+  // A bad expert id names the rank, token and slot.
+  experts[3] = 4;
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("token 1"), std::string::npos) << rdep_last_error();
+  experts[3] = 3;
+  ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 0) << rdep_last_error();
+  // Released ids are stale: a second release is a no-op, a call is an error; slots are reused.
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("not a live context"), std::string::npos);
+  int64_t a = 0, b = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &a), 0);
+  ASSERT_EQ(rdep_context_acquire(l, &b), 0);
+  EXPECT_NE(a, ctx);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a >> 32, ctx >> 32);  // the first slot again, a new generation
+  // Two forwards in flight, backwards in reverse order.
+  ASSERT_EQ(rdep_layer_forward(l, a, io.data(), 2), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_forward(l, b, io.data(), 2), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, b, io.data(), 2), 0) << rdep_last_error();
+  const Vec dx_b = dx;
+  ASSERT_EQ(rdep_layer_backward(l, a, io.data(), 2), 0) << rdep_last_error();
+  EXPECT_EQ(dx, dx_b);
+  // A second backward of one forward is refused.
+  EXPECT_EQ(rdep_layer_backward(l, a, io.data(), 2), 2);
+  rdep_layer_destroy(l);
+}
+
+}  // namespace
+}  // namespace rdep

@@ -1,0 +1,132 @@
+// The C ABI's CUDA backend: CudaMoELayer over a CudaDomain (ranks of this process over local GPUs, or
+// this process as one rank of a world), the caller's weights bound per call, and the layer's work
+// ordered against the caller's streams by events (no host synchronization added).
+#include <cuda_runtime.h>
+
+#include "capi/layer_adapter.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/cuda_moe_layer.h"
+#include "rdep/transport/bootstrap.h"
+#include "rdep/transport/cuda_domain.h"
+#include "rdep/transport/domain.h"
+
+namespace rdep::capi {
+namespace {
+
+class CudaAdapter final : public LayerAdapter {
+ public:
+  ~CudaAdapter() override {
+    layer_.reset();
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      cudaSetDevice(domain_->device(ranks_[i]));
+      cudaEventDestroy(in_[i]);
+      cudaEventDestroy(out_[i]);
+    }
+    domain_.reset();
+  }
+
+  static StatusOr<std::unique_ptr<LayerAdapter>> Create(const rdep_layer_spec& spec, const LayerConfig& config,
+                                                        const OwnershipMap& ownership, double timeout_s) {
+    std::unique_ptr<CudaAdapter> a(new CudaAdapter);
+    DomainSpec ds;
+    ds.barrier_timeout_s = timeout_s;
+    ds.num_ranks = config.shape.ranks;
+    if (spec.backend == RDEP_BACKEND_CUDA_PER_PROCESS) {
+      if (!spec.allgather) return InvalidArgument("layer spec: allgather is required by the per-process CUDA backend");
+      rdep_allgather_fn fn = spec.allgather;
+      void* user = spec.allgather_user;
+      a->bootstrap_ = std::make_unique<FunctionBootstrap>(
+          spec.process_rank, spec.world_size, [fn, user](const void* send, size_t bytes, void* recv) -> Status {
+            const int rc = fn(user, send, bytes, recv);
+            return rc == 0 ? Status::Ok() : InternalError("layer bootstrap: the caller's allgather failed (" + std::to_string(rc) + ")");
+          });
+      ds.kind = DomainSpec::Kind::kCudaPerProcess;
+      ds.bootstrap = a->bootstrap_.get();
+      ds.device = spec.device;
+    } else {
+      ds.kind = DomainSpec::Kind::kCudaOneProcess;
+      ds.num_gpus = spec.num_gpus;
+    }
+    RDEP_ASSIGN_OR_RETURN(auto domain, MakeDomain(ds));
+    a->domain_.reset(static_cast<CudaDomain*>(domain.release()));
+    RDEP_ASSIGN_OR_RETURN(a->layer_, CudaMoELayer::Create(*a->domain_, config, ownership));
+    a->ranks_ = a->domain_->local_ranks();
+    for (int32_t r : a->ranks_) {
+      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(a->domain_->device(r)));
+      cudaEvent_t in = nullptr, out = nullptr;
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&in, cudaEventDisableTiming));
+      a->in_.push_back(in);
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&out, cudaEventDisableTiming));
+      a->out_.push_back(out);
+    }
+    return std::unique_ptr<LayerAdapter>(std::move(a));
+  }
+
+  std::vector<int32_t> local_ranks() const override { return ranks_; }
+  int32_t device(int32_t rank) const override { return domain_->device(rank); }
+  std::string placement() const override { return domain_->placement() + " (" + domain_->transport_name() + ")"; }
+
+  Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      const rdep_rank_io& a = io[i];
+      RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(ranks_[i], {bf(a.w1), bf(a.w2), nullptr, nullptr}));
+    }
+    return Call(io, [&](size_t i, int32_t r) {
+      const rdep_rank_io& a = io[i];
+      return layer_->Forward(r, ctx[i], a.experts, a.gates, a.num_tokens, bf(a.x), static_cast<__nv_bfloat16*>(a.y));
+    });
+  }
+
+  Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      const rdep_rank_io& a = io[i];
+      RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(
+          ranks_[i], {bf(a.w1), bf(a.w2), static_cast<float*>(a.dw1), static_cast<float*>(a.dw2)}));
+    }
+    return Call(io, [&](size_t i, int32_t r) {
+      const rdep_rank_io& a = io[i];
+      return layer_->Backward(r, ctx[i], bf(a.dy), static_cast<__nv_bfloat16*>(a.dx), a.dgates);
+    });
+  }
+
+ private:
+  CudaAdapter() = default;
+  static const __nv_bfloat16* bf(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
+
+  // The ranks' streams wait for the callers' streams, the collective runs, the callers' streams wait
+  // for the ranks' streams. Both joins are made from this thread, before and after the collective.
+  template <typename Fn>
+  Status Call(const rdep_rank_io* io, Fn fn) {
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(in_[i], static_cast<cudaStream_t>(io[i].stream)));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(domain_->stream(ranks_[i]), in_[i], 0));
+    }
+    Status status = domain_->Run([&](int32_t r) -> Status {
+      for (size_t i = 0; i < ranks_.size(); ++i)
+        if (ranks_[i] == r) return fn(i, r);
+      return InternalError("layer call: rank " + std::to_string(r) + " is not local");
+    });
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(out_[i], domain_->stream(ranks_[i])));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(io[i].stream), out_[i], 0));
+    }
+    return status;
+  }
+
+  std::unique_ptr<Bootstrap> bootstrap_;
+  std::unique_ptr<CudaDomain> domain_;
+  std::unique_ptr<CudaMoELayer> layer_;
+  std::vector<int32_t> ranks_;
+  std::vector<cudaEvent_t> in_, out_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(const rdep_layer_spec& spec, const LayerConfig& config,
+                                                        const OwnershipMap& ownership, double barrier_timeout_s) {
+  return CudaAdapter::Create(spec, config, ownership, barrier_timeout_s);
+}
+
+}  // namespace rdep::capi
