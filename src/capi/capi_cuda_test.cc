@@ -1,0 +1,168 @@
+// The C ABI on the CUDA backend (skips without a GPU): W = 1 and W = 4 ranks sharing GPU 0, results
+// bitwise equal to CudaMoELayer with its own copy of the same weights (y, dx, dgates, dw1, dw2), with
+// capacity drops, the caller's work on its own stream ordered before and after the layer's.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "rdep/capi.h"
+#include "rdep/core/routing.h"
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+using Bits = std::vector<uint16_t>;
+
+template <typename T>
+T* Upload(const std::vector<T>& h) {
+  void* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)), cudaSuccess);
+  if (!h.empty()) {
+    EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  return static_cast<T*>(d);
+}
+template <typename T>
+std::vector<T> Download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n) {
+    EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  return h;
+}
+Bits ToBits(const std::vector<float>& v, size_t first = 0, size_t n = SIZE_MAX) {
+  n = std::min(n, v.size() - first);
+  Bits b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = FloatToBf16Bits(v[first + i]);
+  return b;
+}
+
+struct Out {
+  std::vector<Bits> y, dx;
+  std::vector<std::vector<float>> dg, dw1, dw2;
+};
+
+void Compare(const LayerShape& s, double capacity) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const auto W = static_cast<size_t>(s.ranks);
+  const MoEWeights w = RandomWeights(s, 11);
+  RoutingSpec rs;
+  rs.family = RoutingSpec::Family::kZipf;
+  rs.alpha = 1.1;
+  const Routing routing = *GenerateRouting(s, rs);
+  const auto x = RandomActivations(s, routing, 12), dy = RandomActivations(s, routing, 13);
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const int64_t H = s.hidden, K = s.topk;
+  // Per-rank device inputs, shared by both paths.
+  std::vector<int32_t*> d_experts(W);
+  std::vector<float*> d_gates(W), d_dg(W), d_dw1(W), d_dw2(W);
+  std::vector<uint16_t*> d_x(W), d_dy(W), d_y(W), d_dx(W), d_w1(W), d_w2(W);
+  const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+  for (size_t r = 0; r < W; ++r) {
+    const auto n = static_cast<size_t>(routing[r].num_tokens);
+    d_experts[r] = Upload(routing[r].experts);
+    d_gates[r] = Upload(routing[r].gates);
+    d_x[r] = Upload(ToBits(x[r]));
+    d_dy[r] = Upload(ToBits(dy[r]));
+    d_y[r] = Upload(Bits(n * static_cast<size_t>(H), 0x7fc1));  // poisoned (NaN)
+    d_dx[r] = Upload(Bits(n * static_cast<size_t>(H), 0x7fc1));
+    d_dg[r] = Upload(std::vector<float>(n * static_cast<size_t>(K), -7.f));
+    const auto e0 = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)) ? own.global_expert(static_cast<int32_t>(r), 0) : 0);
+    const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
+    d_w1[r] = Upload(ToBits(w.w1, e0 * n1, ne * n1));
+    d_w2[r] = Upload(ToBits(w.w2, e0 * n2, ne * n2));
+    d_dw1[r] = Upload(std::vector<float>(ne * n1, -7.f));
+    d_dw2[r] = Upload(std::vector<float>(ne * n2, -7.f));
+  }
+  auto fetch = [&](Out& o) {
+    for (size_t r = 0; r < W; ++r) {
+      const auto n = static_cast<size_t>(routing[r].num_tokens);
+      const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
+      o.y.push_back(Download(d_y[r], n * static_cast<size_t>(H)));
+      o.dx.push_back(Download(d_dx[r], n * static_cast<size_t>(H)));
+      o.dg.push_back(Download(d_dg[r], n * static_cast<size_t>(K)));
+      o.dw1.push_back(Download(d_dw1[r], ne * n1));
+      o.dw2.push_back(Download(d_dw2[r], ne * n2));
+    }
+  };
+
+  // Reference: the layer with its own weights; its gradients copied into d_dw*.
+  Out ref, abi;
+  {
+    auto domain = std::move(*CudaDomain::CreateSingleProcess(s.ranks, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(s.ranks, 1)}));
+    auto layer = std::move(*CudaMoELayer::Create(*domain, LayerConfig{s, {capacity}, 0}, own, w));
+    ASSERT_TRUE(domain->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      auto* bx = reinterpret_cast<const __nv_bfloat16*>(d_x[i]);
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, d_experts[i], d_gates[i], routing[i].num_tokens, bx, reinterpret_cast<__nv_bfloat16*>(d_y[i])));
+      RDEP_RETURN_IF_ERROR(layer->Backward(r, reinterpret_cast<const __nv_bfloat16*>(d_dy[i]), reinterpret_cast<__nv_bfloat16*>(d_dx[i]), d_dg[i]));
+      const size_t ne = static_cast<size_t>(own.num_local(r));
+      cudaMemcpyAsync(d_dw1[i], layer->dw1(r), ne * n1 * 4, cudaMemcpyDeviceToDevice, domain->stream(r));
+      cudaMemcpyAsync(d_dw2[i], layer->dw2(r), ne * n2 * 4, cudaMemcpyDeviceToDevice, domain->stream(r));
+      return domain->Synchronize(r);
+    }).ok());
+    fetch(ref);
+  }
+  for (size_t r = 0; r < W; ++r) {  // poison again
+    cudaMemset(d_y[r], 0xff, static_cast<size_t>(routing[r].num_tokens * H) * 2);
+    cudaMemset(d_dx[r], 0xff, static_cast<size_t>(routing[r].num_tokens * H) * 2);
+    cudaMemset(d_dg[r], 0xff, static_cast<size_t>(routing[r].num_tokens * K) * 4);
+  }
+
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+  spec.world_size = static_cast<int32_t>(W);
+  spec.num_gpus = 1;
+  spec.tokens = s.tokens, spec.hidden = s.hidden, spec.ffn = s.ffn, spec.experts = s.experts, spec.topk = s.topk;
+  spec.capacity_factor = capacity;
+  spec.barrier_timeout_s = 20;
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
+  std::vector<rdep_rank_io> io(W);
+  for (size_t r = 0; r < W; ++r) {
+    int32_t dev = -2;
+    ASSERT_EQ(rdep_layer_device(l, static_cast<int32_t>(r), &dev), 0);
+    EXPECT_EQ(dev, 0);
+    cudaMemsetAsync(d_dw1[r], 0xff, static_cast<size_t>(own.num_local(static_cast<int32_t>(r))) * n1 * 4, caller);
+    io[r] = rdep_rank_io{routing[r].num_tokens, d_experts[r], d_gates[r], d_x[r], d_y[r], d_w1[r], d_w2[r], d_dy[r], d_dx[r],
+                         d_dg[r], d_dw1[r], d_dw2[r], caller};
+  }
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
+  // Only the caller's stream is synchronized: the layer's work must be ordered before it.
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  fetch(abi);
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  rdep_layer_destroy(l);
+  cudaStreamDestroy(caller);
+  for (size_t r = 0; r < W; ++r) {
+    EXPECT_EQ(abi.y[r], ref.y[r]) << "y, rank " << r;
+    EXPECT_EQ(abi.dx[r], ref.dx[r]) << "dx, rank " << r;
+    EXPECT_EQ(abi.dg[r], ref.dg[r]) << "dgates, rank " << r;
+    EXPECT_EQ(abi.dw1[r], ref.dw1[r]) << "dw1, rank " << r;
+    EXPECT_EQ(abi.dw2[r], ref.dw2[r]) << "dw2, rank " << r;
+    for (void* p : {static_cast<void*>(d_experts[r]), static_cast<void*>(d_gates[r]), static_cast<void*>(d_dg[r]),
+                    static_cast<void*>(d_dw1[r]), static_cast<void*>(d_dw2[r]), static_cast<void*>(d_x[r]), static_cast<void*>(d_dy[r]),
+                    static_cast<void*>(d_y[r]), static_cast<void*>(d_dx[r]), static_cast<void*>(d_w1[r]), static_cast<void*>(d_w2[r])})
+      cudaFree(p);
+  }
+}
+
+TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = 1}, 0.0); }
+
+TEST(CApi_Cuda, W4_SharedGpu_CapacityDrops_MatchesCudaLayer) {
+  Compare({.tokens = 48, .hidden = 64, .ffn = 96, .experts = 10, .topk = 3, .ranks = 4}, 0.8);
+}
+
+}  // namespace
+}  // namespace rdep
