@@ -13,9 +13,26 @@
 namespace rdep::capi {
 namespace {
 
+// The caller's current device is restored when an ABI call returns (PyTorch keeps its own notion of
+// the current device; creating domains and joining streams select each rank's device).
+class DeviceGuard {
+ public:
+  DeviceGuard() { ok_ = cudaGetDevice(&device_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (ok_) cudaSetDevice(device_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_ = 0;
+  bool ok_ = false;
+};
+
 class CudaAdapter final : public LayerAdapter {
  public:
   ~CudaAdapter() override {
+    DeviceGuard guard;
     layer_.reset();
     for (size_t i = 0; i < ranks_.size(); ++i) {
       cudaSetDevice(domain_->device(ranks_[i]));
@@ -27,6 +44,7 @@ class CudaAdapter final : public LayerAdapter {
 
   static StatusOr<std::unique_ptr<LayerAdapter>> Create(const rdep_layer_spec& spec, const LayerConfig& config,
                                                         const OwnershipMap& ownership, double timeout_s) {
+    DeviceGuard guard;
     std::unique_ptr<CudaAdapter> a(new CudaAdapter);
     DomainSpec ds;
     ds.barrier_timeout_s = timeout_s;
@@ -97,6 +115,7 @@ class CudaAdapter final : public LayerAdapter {
   // for the ranks' streams. Both joins are made from this thread, before and after the collective.
   template <typename Fn>
   Status Call(const rdep_rank_io* io, Fn fn) {
+    DeviceGuard guard;
     for (size_t i = 0; i < ranks_.size(); ++i) {
       RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(in_[i], static_cast<cudaStream_t>(io[i].stream)));

@@ -1,0 +1,18 @@
+"""rdep for PyTorch: the MoE module, the layer handle, the custom ops.
+
+    rdep.torch.MoE        nn.Module: router, shared experts, rdep dispatch -> experts -> combine (moe.py)
+    rdep.torch.Router     the router alone: scores, group-limited top-K, expert bias, losses (router.py)
+    rdep.torch.Layer      one rdep layer over its ranks, the C ABI handle (layer.py)
+    rdep.torch.moe        functional: y = moe(layer, x, experts, gates, w1, w2) with autograd (ops.py)
+    torch.ops.rdep.moe_forward / moe_backward   the registered custom ops (ops.py)
+
+Importing this module registers the ops; the C library is loaded when the first Layer is made.
+"""
+
+from .layer import Layer, get_layer
+from .moe import MoE, MoEOutput, SwiGLU
+from .ops import moe, moe_backward, moe_forward
+from .router import Router, RouterOutput
+
+__all__ = ["Layer", "get_layer", "moe", "moe_forward", "moe_backward", "Router", "RouterOutput", "MoE",
+           "MoEOutput", "SwiGLU"]

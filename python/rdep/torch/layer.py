@@ -1,0 +1,334 @@
+"""rdep.torch.Layer: one rdep MoE layer and its domain (the C ABI's rdep_layer handle) for PyTorch callers.
+
+A Layer fixes the shape (hidden H, ffn F, num_experts E, topk K, max_tokens T per rank), the capacity rule
+and the placement of the W ranks:
+  * backend 'host': all W ranks are threads of this process, fp32, CPU tensors;
+  * backend 'cuda' without a process group: all W ranks are driven by this process, sharing GPU 0
+    (num_gpus=1; the torch binding passes one tensor for all local ranks, so they must share a GPU);
+  * backend 'cuda' with a torch.distributed process group (torchrun): this process is rank
+    group.rank() of W = group.size(), on the current CUDA device; the layer's handles are exchanged
+    through the group (rdep.torch.distributed.ProcessGroupAllgather).
+'auto' picks 'cuda' when a process group is given or the device is a CUDA device, else 'host'.
+
+The custom ops (rdep.torch.ops) take the layer by its integer `id`, so a compiled graph holds a plain
+int; the registry maps ids to live layers. The C handle is freed when the Layer is closed or collected
+and no forward context of it is still alive (contexts hold the native handle).
+
+    layer = rdep.torch.Layer(hidden=8, ffn=16, num_experts=6, topk=2, max_tokens=32, world_size=4)
+    print(layer.describe(), layer.owned_experts(3), layer.local_experts)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from .. import _capi
+
+_BACKENDS = ("host", "cuda", "auto")
+
+_registry: dict[int, "weakref.ref[Layer]"] = {}
+_registry_lock = threading.Lock()
+_next_id = itertools.count(1)
+
+
+def get_layer(layer_id: int) -> "Layer":
+    """The live Layer with this id; ValueError naming the id otherwise."""
+    ref = _registry.get(int(layer_id))
+    layer = ref() if ref is not None else None
+    if layer is None or layer._native.ptr is None:
+        raise ValueError(f"layer: {layer_id} is not a live rdep layer handle (closed or garbage-collected)")
+    return layer
+
+
+class _Native:
+    """Owns the rdep_layer* and the per-layer Python state the C calls need. The Layer and every live
+    forward context (through its finalizer) hold a reference, so the C handle outlives its contexts."""
+
+    def __init__(self, ptr: int, keepalive: tuple):
+        self.ptr: Optional[int] = ptr
+        self.keepalive = keepalive  # e.g. the allgather callback: C keeps its address
+        self.lock = threading.RLock()  # one C call on this layer at a time; guards `live`
+        # Live forward contexts: token (the C slot index) -> C context id (layer_calls.py).
+        self.live: dict[int, int] = {}
+
+    def release(self, c_id: int, token: Optional[int] = None) -> None:
+        """Releases a context (a stale id is a no-op in C) and forgets it."""
+        with self.lock:
+            if token is not None:
+                if self.live.get(token) == c_id:
+                    del self.live[token]
+            if self.ptr is not None:
+                _capi.check(_capi.lib().rdep_context_release(self.ptr, c_id), "rdep_context_release")
+
+    def close(self) -> None:
+        with self.lock:
+            if self.ptr is not None:
+                _capi.lib().rdep_layer_destroy(self.ptr)
+                self.ptr = None
+                self.live.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+
+def _release_quietly(native: _Native, c_id: int, token: int) -> None:
+    """Finalizer of a context tensor's storage (the safety net for a graph dropped without backward)."""
+    try:
+        native.release(c_id, token)
+    except Exception:
+        pass
+
+
+def _resolve_backend(backend: str, device, process_group) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if process_group is not None:
+        return "cuda"
+    if device is not None and torch.device(device).type == "cuda":
+        return "cuda"
+    return "host"
+
+
+def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
+    for name, v in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("topk", topk),
+                    ("max_tokens", max_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if topk > num_experts:
+        raise ValueError(f"topk: {topk} exceeds num_experts={num_experts}")
+    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor >= 0):
+        raise ValueError(f"capacity_factor: expected a finite number >= 0 (0 = dropless), got {capacity_factor!r}")
+    if isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int) or segment_tokens < 0:
+        raise ValueError(f"segment_tokens: expected an int >= 0 (0 = the backend's default), got {segment_tokens!r}")
+
+
+def _per_process_spec(spec, process_group, world_size, device) -> tuple[int, tuple]:
+    """Fills the per-process CUDA fields of spec from the group: rank = group rank, device = the given
+    CUDA device or the current one, allgather through the group. Returns (W, objects to keep alive)."""
+    from .distributed import ProcessGroupAllgather, group_rank_and_size
+
+    rank, size = group_rank_and_size(process_group)
+    if world_size is None:
+        world_size = size
+    if world_size != size:
+        raise ValueError(f"process_group: its size is {size} but world_size is {world_size} "
+                         "(one process per rank: they must agree)")
+    if not torch.cuda.is_available():
+        raise ValueError("process_group: the per-process CUDA backend needs CUDA, and torch.cuda.is_available() is False")
+    gather = ProcessGroupAllgather(process_group)
+    spec.backend = _capi.BACKEND_CUDA_PER_PROCESS
+    spec.process_rank = rank
+    spec.device = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    spec.allgather = gather.c_function
+    return world_size, (gather,)
+
+
+class Layer:
+    """One rdep MoE layer (shape, capacity rule, ranks and their placement). See the module docstring."""
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        topk: int,
+        max_tokens: int,
+        *,
+        world_size: Optional[int] = None,
+        capacity_factor: float = 0.0,
+        segment_tokens: int = 0,
+        backend: str = "auto",
+        device=None,
+        num_gpus: int = 1,
+        process_group=None,
+        barrier_timeout_s: float = 0.0,
+    ):
+        _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
+        resolved = _resolve_backend(backend, device, process_group)
+        if device is not None:
+            device = torch.device(device)
+            want = "cuda" if resolved == "cuda" else "cpu"
+            if device.type != want:
+                raise ValueError(f"device: the {resolved} backend runs on {want} tensors, got device={device}")
+
+        spec = _capi.LayerSpec()
+        spec.struct_size = ctypes.sizeof(_capi.LayerSpec)
+        keepalive: tuple = ()
+        if process_group is not None:
+            if resolved != "cuda":
+                raise ValueError(
+                    "process_group: a process group selects the per-process CUDA backend; "
+                    f"backend={backend!r} runs all ranks in this process (pass no process_group)")
+            world_size, keepalive = _per_process_spec(spec, process_group, world_size, device)
+        else:
+            if world_size is None:
+                world_size = 1
+            spec.backend = _capi.BACKEND_HOST if resolved == "host" else _capi.BACKEND_CUDA_ONE_PROCESS
+            if resolved == "cuda":
+                if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 0:
+                    raise ValueError(f"num_gpus: expected an int >= 0, got {num_gpus!r}")
+                spec.num_gpus = num_gpus
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+            raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+        spec.world_size = world_size
+        spec.tokens = max_tokens
+        spec.hidden = hidden
+        spec.ffn = ffn
+        spec.experts = num_experts
+        spec.topk = topk
+        spec.capacity_factor = float(capacity_factor)
+        spec.segment_tokens = segment_tokens
+        spec.barrier_timeout_s = float(barrier_timeout_s)
+
+        L = _capi.lib()
+        ptr = _capi.LayerPtr()
+        code = L.rdep_layer_create(ctypes.byref(spec), ctypes.byref(ptr))
+        if code != 0 and keepalive and keepalive[0].error is not None:
+            err = keepalive[0].error  # the Python cause of a failed process-group allgather
+            raise RuntimeError(f"rdep_layer_create: the process-group allgather failed: {err!r}") from err
+        _capi.check(code, "rdep_layer_create")
+        self._native = _Native(ptr.value, keepalive)
+        try:
+            self._query(resolved, device, world_size)
+        except BaseException:
+            self._native.close()
+            raise
+
+        self.hidden, self.ffn, self.num_experts, self.topk, self.max_tokens = hidden, ffn, num_experts, topk, max_tokens
+        self.world_size = world_size
+        self.capacity_factor = float(capacity_factor)
+        self.segment_tokens = segment_tokens
+        self.backend = resolved
+        self.process_group = process_group
+        with _registry_lock:
+            self.id = next(_next_id)
+            _registry[self.id] = weakref.ref(self)
+        weakref.finalize(self, _registry.pop, self.id, None)
+
+    def _query(self, resolved: str, device, world_size: int) -> None:
+        L, p = _capi.lib(), self._native.ptr
+        first, count = ctypes.c_int32(), ctypes.c_int32()
+        _capi.check(L.rdep_layer_local_ranks(p, ctypes.byref(first), ctypes.byref(count)), "rdep_layer_local_ranks")
+        self.local_ranks = range(first.value, first.value + count.value)
+        e0, ne = ctypes.c_int64(), ctypes.c_int64()
+        owned = []
+        for r in range(world_size):
+            _capi.check(L.rdep_layer_owned_experts(p, r, ctypes.byref(e0), ctypes.byref(ne)), "rdep_layer_owned_experts")
+            owned.append((e0.value, ne.value))
+        self._owned = tuple(owned)
+        devs = []
+        d = ctypes.c_int32()
+        for rank in self.local_ranks:
+            _capi.check(L.rdep_layer_device(p, rank, ctypes.byref(d)), "rdep_layer_device")
+            devs.append(d.value)
+        if resolved == "host":
+            self.device = torch.device("cpu")
+        else:
+            if len(set(devs)) != 1:
+                raise ValueError(
+                    f"num_gpus: the local ranks sit on GPUs {devs}; the torch binding passes one tensor for all "
+                    "local ranks, so they must share one GPU (num_gpus=1), or run one process per GPU with a process_group")
+            self.device = torch.device("cuda", devs[0])
+            if device is not None and device.index is not None and device.index != devs[0]:
+                raise ValueError(
+                    f"device: the layer's ranks are on cuda:{devs[0]}, not {device} (one-process CUDA places ranks on "
+                    "GPUs 0..num_gpus-1; use CUDA_VISIBLE_DEVICES, or a process_group for one process per GPU)")
+        # Expert offsets of each local rank inside the local weights [E_local, ...] (ownership is contiguous).
+        firsts = [self._owned[r][0] for r in self.local_ranks if self._owned[r][1] > 0]
+        self.first_local_expert = firsts[0] if firsts else 0
+        self._rank_experts = tuple(
+            (self._owned[r][0] - self.first_local_expert, self._owned[r][1]) for r in self.local_ranks)
+        self.num_local_experts = sum(n for _, n in self._rank_experts)
+
+    # --- what the layer is ---------------------------------------------------------------------------
+    @property
+    def num_local_ranks(self) -> int:
+        return len(self.local_ranks)
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts whose weights this process holds (the local ranks' experts)."""
+        return range(self.first_local_expert, self.first_local_expert + self.num_local_experts)
+
+    def owned_experts(self, rank: int) -> tuple[int, int]:
+        """(first expert, count) that rank owns (contiguous ownership; the first E mod W ranks own one more)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank: {rank} outside [0, world_size={self.world_size})")
+        return self._owned[rank]
+
+    def capacity(self) -> Optional[int]:
+        """Rows each expert admits per call, ceil(C*W*T*K/E); None when dropless (C = 0)."""
+        if self.capacity_factor == 0:
+            return None
+        return math.ceil(self.capacity_factor * self.world_size * self.max_tokens * self.topk / self.num_experts)
+
+    def describe(self) -> str:
+        """The C library's description: config, placement, transport."""
+        L, p = _capi.lib(), self._live_ptr()
+        needed = ctypes.c_size_t()
+        _capi.check(L.rdep_layer_describe(p, None, 0, ctypes.byref(needed)), "rdep_layer_describe")
+        buf = ctypes.create_string_buffer(needed.value + 1)
+        _capi.check(L.rdep_layer_describe(p, buf, len(buf), ctypes.byref(needed)), "rdep_layer_describe")
+        return buf.value.decode("utf-8", "replace")
+
+    @property
+    def live_contexts(self) -> int:
+        """Forward contexts acquired and not yet released (saved state held for a backward)."""
+        return len(self._native.live)
+
+    def context_bytes(self) -> int:
+        """Bytes of saved state held by the live contexts, summed (rdep_context_bytes)."""
+        L, p = _capi.lib(), self._live_ptr()
+        total, b = 0, ctypes.c_size_t()
+        with self._native.lock:
+            for c_id in list(self._native.live.values()):
+                _capi.check(L.rdep_context_bytes(p, c_id, ctypes.byref(b)), "rdep_context_bytes")
+                total += b.value
+        return total
+
+    def close(self) -> None:
+        """Frees the C layer now (contexts still alive become invalid; later calls raise ValueError)."""
+        self._native.close()
+        _registry.pop(self.id, None)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        # A deep-copied module shares its layer handle: a layer holds no parameters, calls on it are
+        # serialized, and a fresh one would be a collective (per-process CUDA) that only one rank ran.
+        return self
+
+    def __reduce__(self):
+        raise TypeError("an rdep.torch.Layer (a handle to C state) cannot be pickled; save the module's "
+                        "state_dict() and build the module again")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        cap = "dropless" if self.capacity_factor == 0 else f"capacity_factor={self.capacity_factor:g}"
+        return (f"rdep.torch.Layer(id={self.id}, H={self.hidden}, F={self.ffn}, E={self.num_experts}, K={self.topk}, "
+                f"T={self.max_tokens}, W={self.world_size}, {cap}, backend={self.backend}, device={self.device}, "
+                f"local_ranks={list(self.local_ranks)})")
+
+    def _live_ptr(self) -> int:
+        p = self._native.ptr
+        if p is None:
+            raise ValueError(f"layer: {self.id} was closed")
+        return p

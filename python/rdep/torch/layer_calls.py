@@ -1,0 +1,154 @@
+"""The C calls behind the custom ops: one rdep_rank_io per local rank built from tensor addresses, the
+forward and backward collectives, and the forward contexts.
+
+Context protocol (the C ABI pools contexts; a released id is stale, releasing it again is a no-op):
+  * forward acquires a context; with save=False (grad off) it is released before returning, and the
+    returned ctx holds NO_CONTEXT;
+  * otherwise forward returns ctx, a 0-dim int64 CPU tensor whose value is the *token*, the context's
+    slot index (C id >> 32). Tokens are deterministic (the same calls give the same tokens, which
+    torch.library.opcheck compares between eager and compiled runs); the C id with its generation is
+    kept beside it: ctx is a view of element 0 of a 2-element host buffer [token, C id] (an
+    array.array), and the buffer's finalizer releases the context, so a graph dropped without
+    backward does not leak the slot;
+  * backward looks the token up in the layer's live table and, when ctx still has its buffer (not a
+    copy), checks the C id: an older forward's ctx whose slot was released and reused is refused
+    instead of being paired with another forward's saved state. It runs, then releases the context.
+The C backward consumes its context: one backward per forward (a retain_graph=True double backward is
+refused with an error).
+
+Tensor layout: x, y, dy, dx [L, n, H]; experts, gates, dgates [L, n, K]; w1, dw1 [E_local, H, 2F] and
+w2, dw2 [E_local, F, H], where local rank i's rows start at i*n and its experts at Layer._rank_experts[i].
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import weakref
+
+import torch
+
+from .. import _capi
+from .._errors import FailedPreconditionError, error_for_code
+from .layer import Layer, _release_quietly
+
+NO_CONTEXT = -1  # the token forward returns when it saved nothing (save=False)
+
+
+def _rank_streams(layer: Layer) -> list[int]:
+    if layer.backend != "cuda":
+        return [0] * layer.num_local_ranks
+    s = torch.cuda.current_stream(layer.device).cuda_stream
+    return [s] * layer.num_local_ranks  # the torch binding's local ranks share one GPU
+
+
+def _fill_weights(io, layer: Layer, w1: torch.Tensor, w2: torch.Tensor, dw1=None, dw2=None) -> None:
+    H, F = layer.hidden, layer.ffn
+    b1 = H * 2 * F * w1.element_size()  # bytes of one expert's w1
+    b2 = F * H * w2.element_size()
+    p1, p2 = w1.data_ptr(), w2.data_ptr()
+    if dw1 is not None:
+        g1, g2 = dw1.data_ptr(), dw2.data_ptr()
+        gb1, gb2 = H * 2 * F * dw1.element_size(), F * H * dw2.element_size()
+    for i, (e_off, _) in enumerate(layer._rank_experts):
+        io[i].w1 = p1 + e_off * b1
+        io[i].w2 = p2 + e_off * b2
+        if dw1 is not None:
+            io[i].dw1 = g1 + e_off * gb1
+            io[i].dw2 = g2 + e_off * gb2
+
+
+def _new_io(layer: Layer):
+    return (_capi.RankIO * layer.num_local_ranks)()
+
+
+def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
+    native = layer._native
+    token = c_id >> 32
+    buf = array.array("q", [token, c_id])
+    ctx = torch.frombuffer(buf, dtype=torch.int64)[0]  # a view: its storage keeps buf (and the C id) alive
+    native.live[token] = c_id
+    weakref.finalize(buf, _release_quietly, native, c_id, token)
+    return ctx
+
+
+def forward(layer: Layer, x, experts, gates, w1, w2, save: bool):
+    """Runs the forward collective for the local ranks; returns (y, ctx)."""
+    L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
+    y = torch.empty_like(x)
+    io = _new_io(layer)
+    xb, eb, gb = n * H * x.element_size(), n * K * 4, n * K * 4
+    xp, yp, ep, gp = x.data_ptr(), y.data_ptr(), experts.data_ptr(), gates.data_ptr()
+    streams = _rank_streams(layer)
+    for i in range(L):
+        r = io[i]
+        r.num_tokens = n
+        r.experts = ep + i * eb
+        r.gates = gp + i * gb
+        r.x = xp + i * xb
+        r.y = yp + i * xb
+        r.stream = streams[i]
+    _fill_weights(io, layer, w1, w2)
+    lib, native = _capi.lib(), layer._native
+    with native.lock:
+        ptr = layer._live_ptr()
+        c_id = ctypes.c_int64()
+        _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
+        code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
+        if code != 0 or not save:
+            msg = _capi.last_error() if code != 0 else ""
+            native.release(c_id.value)
+            if code != 0:
+                raise error_for_code(code, f"rdep_layer_forward: {msg}")
+            return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
+        return y, _context_tensor(layer, c_id.value)
+
+
+def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:
+    """(token, the C id when ctx still has forward's buffer, else None). ctx is a host tensor (checked),
+    so reading it never synchronizes a device."""
+    token = ctypes.c_int64.from_address(ctx.data_ptr()).value
+    if ctx.storage_offset() == 0 and ctx.untyped_storage().nbytes() == 16:
+        return token, ctypes.c_int64.from_address(ctx.data_ptr() + 8).value
+    return token, None
+
+
+def backward(layer: Layer, ctx, dy, w1, w2):
+    """Runs the backward collective of the forward that returned ctx, then releases its context;
+    returns (dx, dgates, dw1, dw2) with dw1, dw2 in fp32."""
+    L, n, H, K = layer.num_local_ranks, dy.shape[1], layer.hidden, layer.topk
+    native = layer._native
+    token, c_id_seen = _read_context(ctx)
+    with native.lock:
+        c_id = native.live.get(token) if token != NO_CONTEXT else None
+        if c_id is None:
+            raise FailedPreconditionError(
+                f"ctx: token {token} is not a live context of layer {layer.id}: its forward ran with grad off "
+                "(save_context=False), or its backward already ran (one backward per forward: retain_graph=True "
+                "double backward is not supported), or it was released")
+        if c_id_seen is not None and c_id_seen != c_id:
+            raise FailedPreconditionError(
+                f"ctx: token {token} belongs to an older forward whose context was released (its backward already "
+                "ran: one backward per forward) and whose slot now holds another forward's state")
+        dx = torch.empty_like(dy)
+        dgates = torch.empty((L, n, K), dtype=torch.float32, device=dy.device)
+        dw1 = torch.empty(w1.shape, dtype=torch.float32, device=w1.device)
+        dw2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
+        io = _new_io(layer)
+        db, gb = n * H * dy.element_size(), n * K * 4
+        dyp, dxp, dgp = dy.data_ptr(), dx.data_ptr(), dgates.data_ptr()
+        streams = _rank_streams(layer)
+        for i in range(L):
+            r = io[i]
+            r.num_tokens = n
+            r.dy = dyp + i * db
+            r.dx = dxp + i * db
+            r.dgates = dgp + i * gb
+            r.stream = streams[i]
+        _fill_weights(io, layer, w1, w2, dw1, dw2)
+        lib = _capi.lib()
+        try:
+            _capi.check(lib.rdep_layer_backward(layer._live_ptr(), c_id, io, L), "rdep_layer_backward")
+        finally:
+            native.release(c_id, token)
+    return dx, dgates, dw1, dw2

@@ -1,0 +1,202 @@
+"""rdep.torch.MoE: a Mixture-of-Experts nn.Module whose routed experts run through rdep.
+
+    y = sum_k g'_tk * E_{e_tk}(x_t)  (+ shared(x_t))      E_e(x) = (silu(x W1g) * x W1u) W2
+with the router of router.py, rdep's dispatch -> grouped SwiGLU experts -> combine (capacity rule and
+gate renormalization as in capi.h / README), and optional shared experts (a replicated SwiGLU MLP).
+
+Parameters:
+  router.weight [E, H] fp32, replicated;  router.expert_bias [E] buffer when expert_bias=True
+  w1 [E_local, H, 2F], w2 [E_local, F, H]: only the experts of this process's ranks (layer.local_experts,
+      contiguous), so each process holds its shard; state_dict round-trips, any optimizer works
+  shared.w1 [H, 2Fs], shared.w2 [Fs, H] when shared_ffn > 0, replicated
+dtype: fp32 on the host backend; on CUDA bf16 by default, or fp32 master weights (cast to bf16 per call,
+gradients in fp32). Initialization is deterministic in `seed`: expert e's weights depend only on
+(seed, e), so the same seed gives the same model at any world size.
+
+forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
+  x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
+  process, host backend or ranks sharing a GPU; x[i] is rank i's tokens); y has x's shape and dtype;
+  aux_loss, z_loss are scalars with their coefficients applied (add them to the training loss);
+  tokens_per_expert [E] int64 counts this call's routed rows (feed it to update_expert_bias).
+
+    moe = rdep.torch.MoE(64, 128, num_experts=8, topk=2, max_tokens=512, aux_loss_coeff=1e-2, shared_ffn=128)
+    out = moe(x)
+    (loss_fn(out.y) + out.aux_loss + out.z_loss).backward()
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+from .layer import Layer
+from .router import Router
+
+
+class MoEOutput(NamedTuple):
+    y: Tensor
+    aux_loss: Tensor           # load-balancing losses (aux + seq aux), coefficients applied
+    z_loss: Tensor             # router z-loss, coefficient applied
+    tokens_per_expert: Tensor  # int64 [E], rows routed to each expert by this call (before capacity)
+
+    @property
+    def router_loss(self) -> Tensor:
+        return self.aux_loss + self.z_loss
+
+
+def _seed(seed: int, stream: int, index: int) -> int:
+    return ((seed * 4099 + stream) * 1_000_003 + index) & ((1 << 63) - 1)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP with the experts' layout: w1 [H, 2F] (gate | up columns), w2 [F, H]."""
+
+    def __init__(self, hidden: int, ffn: int, *, device=None, dtype=None):
+        super().__init__()
+        self.hidden, self.ffn = hidden, ffn
+        self.w1 = nn.Parameter(torch.zeros(hidden, 2 * ffn, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.zeros(ffn, hidden, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x @ self.w1
+        return (F.silu(h[..., : self.ffn]) * h[..., self.ffn:]) @ self.w2
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        for p in (self.w1, self.w2):
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+
+
+class MoE(nn.Module):
+    """Router + rdep routed experts + optional shared experts (see the module docstring)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        topk: int,
+        *,
+        max_tokens: int,
+        capacity_factor: float = 0.0,
+        segment_tokens: int = 0,
+        score_function: str = "softmax",
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        normalize_topk: bool = True,
+        scaling_factor: float = 1.0,
+        expert_bias: bool = False,
+        aux_loss_coeff: float = 0.0,
+        seq_aux_loss_coeff: float = 0.0,
+        seq_length: int = 0,
+        z_loss_coeff: float = 0.0,
+        shared_ffn: int = 0,
+        world_size: Optional[int] = None,
+        backend: str = "auto",
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        num_gpus: int = 1,
+        process_group=None,
+        barrier_timeout_s: float = 0.0,
+        seed: int = 0,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        self._layer_args = dict(
+            hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, max_tokens=max_tokens,
+            world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
+            num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s)
+        self._backend_arg = backend
+        self.layer = Layer(backend=backend, device=device, **self._layer_args)
+        device = self.layer.device
+        if dtype is None:
+            dtype = torch.float32 if self.layer.backend == "host" else torch.bfloat16
+        self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
+        self.process_group = process_group
+        self.seed, self.init_std = seed, init_std
+        self.router = Router(hidden, num_experts, topk, score_function=score_function, num_groups=num_groups,
+                             topk_groups=topk_groups, normalize_topk=normalize_topk, scaling_factor=scaling_factor,
+                             expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff,
+                             seq_aux_loss_coeff=seq_aux_loss_coeff, seq_length=seq_length, z_loss_coeff=z_loss_coeff,
+                             device=device)
+        El = self.layer.num_local_experts
+        self.w1 = nn.Parameter(torch.zeros(El, hidden, 2 * ffn, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.zeros(El, ffn, hidden, device=device, dtype=dtype))
+        self.shared = SwiGLU(hidden, shared_ffn, device=device, dtype=dtype) if shared_ffn > 0 else None
+        self.reset_parameters(seed)
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of the experts held in w1, w2 (in order)."""
+        return self.layer.local_experts
+
+    def expert_parameters(self):
+        """The sharded parameters (w1, w2): each process holds its own experts, so data-parallel
+        wrappers must not average them across ranks (e.g. list them in DDP's parameters to ignore)."""
+        return [self.w1, self.w2]
+
+    def dense_parameters(self):
+        """The replicated parameters (router, shared experts): average their gradients across ranks."""
+        experts = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.parameters() if id(p) not in experts]
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """Deterministic init: N(0, init_std) everywhere, expert e from its own generator (seed, e)."""
+        seed = self.seed if seed is None else seed
+        std = self.init_std
+        self.router.reset_parameters(torch.Generator().manual_seed(_seed(seed, 1, 0)), std)
+        H, F_ = self.hidden, self.ffn
+        for j, e in enumerate(self.local_experts):
+            g = torch.Generator().manual_seed(_seed(seed, 2, e))
+            self.w1[j].copy_(torch.empty(H, 2 * F_).normal_(0.0, std, generator=g))
+            self.w2[j].copy_(torch.empty(F_, H).normal_(0.0, std, generator=g))
+        if self.shared is not None:
+            self.shared.reset_parameters(torch.Generator().manual_seed(_seed(seed, 3, 0)), std)
+
+    def extra_repr(self) -> str:
+        return (f"H={self.hidden}, F={self.ffn}, E={self.num_experts}, K={self.topk}, local_experts="
+                f"[{self.local_experts.start}, {self.local_experts.stop}), layer={self.layer!r}")
+
+    def _ranks_view(self, x: Tensor) -> Tensor:
+        """x as [L, n, H]."""
+        L, H = self.layer.num_local_ranks, self.hidden
+        if x.shape[-1] != H:
+            raise ValueError(f"x: expected the last dimension to be H={H}, got shape {list(x.shape)}")
+        if L == 1:
+            return x.reshape(1, -1, H)
+        if x.dim() < 2 or x.shape[0] != L:
+            raise ValueError(f"x: this process drives L={L} ranks, so x must be [L={L}, ..., H={H}]; "
+                             f"got shape {list(x.shape)}")
+        return x.reshape(L, -1, H)
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        xs = self._ranks_view(x)
+        r = self.router(xs)
+        act = torch.float32 if self.layer.backend == "host" else torch.bfloat16
+        xe = xs.to(act).contiguous()
+        y = ops.moe(self.layer, xe, r.experts, r.gates, self.w1, self.w2)
+        if self.shared is not None:
+            y = y + self.shared(xe.to(self.shared.w1.dtype)).to(y.dtype)
+        return MoEOutput(y.to(x.dtype).reshape(x.shape), r.aux_loss, r.z_loss, r.tokens_per_expert)
+
+    def update_expert_bias(self, tokens_per_expert: Tensor, rate: float = 1e-3) -> Tensor:
+        """Aux-loss-free balancing: router.expert_bias += rate * sign(mean load - load), with the loads
+        summed over the process group (torchrun) so every rank keeps the same bias."""
+        return self.router.update_expert_bias(tokens_per_expert, rate, self.process_group)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to(device) / .cuda() / .cpu(): with backend='auto', follow the parameters to the new device
+        # with a layer of the same configuration there.
+        out = super()._apply(fn, *args, **kwargs)
+        dev = self.w1.device
+        if dev.type != self.layer.device.type or (dev.type == "cuda" and dev != self.layer.device):
+            if self._backend_arg != "auto":
+                raise ValueError(f"device: this MoE was built with backend={self._backend_arg!r} "
+                                 f"(device {self.layer.device}); it cannot move to {dev}. Use backend='auto'.")
+            self.layer = Layer(backend="auto", device=dev, **self._layer_args)
+        return out

@@ -1,0 +1,115 @@
+"""rdep's custom ops (namespace "rdep"), their fake implementations and their autograd formula, and the
+functional entry point `moe`.
+
+    rdep::moe_forward(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
+                      bool save_context=True) -> (Tensor y, Tensor ctx)
+    rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2)
+                      -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
+
+`layer` is rdep.torch.Layer.id; x [L, n, H], experts int32 [L, n, K], gates fp32 [L, n, K] (L = the layer's
+local ranks), w1 [E_local, H, 2F], w2 [E_local, F, H] (the local ranks' experts, in order). y has x's
+shape and dtype; ctx is a 0-dim int64 CPU tensor naming the forward's saved state (layer_calls.py);
+dw1, dw2 are fp32. Autograd: moe_forward's backward calls moe_backward, which releases the context;
+gradients reach x, gates, w1 and w2 (experts is an index tensor). Double backward is not supported.
+
+    y = rdep.torch.moe(layer, x, experts, gates, w1, w2)   # saves a context only when grad is needed
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import layer_calls, validate
+from .layer import Layer, get_layer
+
+
+def _layer_weights(layer: Layer, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """The weights as the layer reads them: bf16 on CUDA (fp32 master weights cast here), fp32 on the host."""
+    want = validate.ACT_DTYPE[layer.backend]
+    return (w1 if w1.dtype == want else w1.to(want)), (w2 if w2.dtype == want else w2.to(want))
+
+
+FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+                  "bool save_context=True) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
+
+
+# Explicit schemas: `int layer` (not the SymInt that type inference gives), so a compiled graph always
+# specializes on the layer id.
+@torch.library.custom_op("rdep::moe_forward", mutates_args=(), schema=FORWARD_SCHEMA)
+def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                save_context: bool = True) -> tuple[Tensor, Tensor]:
+    h = get_layer(layer)
+    validate.check_forward(h, x, experts, gates, w1, w2)
+    w1, w2 = _layer_weights(h, w1, w2)
+    return layer_calls.forward(h, x, experts, gates, w1, w2, save_context)
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True):
+    validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
+    return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("rdep::moe_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    h = get_layer(layer)
+    validate.check_backward(h, ctx, dy, w1, w2)
+    w1, w2 = _layer_weights(h, w1, w2)
+    return layer_calls.backward(h, ctx, dy, w1, w2)
+
+
+@moe_backward.register_fake
+def _moe_backward_fake(layer, ctx, dy, w1, w2):
+    h = get_layer(layer)
+    validate.check_backward(h, ctx, dy, w1, w2)
+    L, n, K = dy.shape[0], dy.shape[1], h.topk
+    return (torch.empty_like(dy), dy.new_empty((L, n, K), dtype=torch.float32),
+            w1.new_empty(w1.shape, dtype=torch.float32), w2.new_empty(w2.shape, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    layer, _x, _experts, _gates, w1, w2, save_context = inputs
+    _y, context = output
+    ctx.layer = layer
+    ctx.saved_context = save_context
+    ctx.backward_ran = False
+    ctx.save_for_backward(context, w1, w2)
+
+
+def _backward(ctx, dy, _dcontext):
+    if not ctx.saved_context:
+        raise RuntimeError("rdep::moe_forward ran with save_context=False, so it kept no state for a backward "
+                           "(rdep.torch.moe passes save_context=True whenever grad is enabled and an input requires grad)")
+    if ctx.backward_ran:
+        raise RuntimeError("rdep::moe_forward: a second backward through the same forward (retain_graph=True) is not "
+                           "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
+    ctx.backward_ran = True
+    context, w1, w2 = ctx.saved_tensors
+    dx, dgates, dw1, dw2 = torch.ops.rdep.moe_backward(ctx.layer, context, dy.contiguous(), w1, w2)
+    return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _double_backward(ctx, *grads):
+    raise RuntimeError("rdep::moe_backward has no derivative: double backward (create_graph=True through an rdep "
+                       "MoE layer) is not supported")
+
+
+# Registered so that a create_graph=True backward fails with that message when differentiated again,
+# rather than with autograd's generic missing-kernel error.
+moe_backward.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    """y = sum_k g'_k expert_{e_k}(x) for the local ranks' tokens, through rdep (see the module docstring).
+
+    layer is an rdep.torch.Layer (or its id). A context is saved for backward only when grad is enabled
+    and one of x, gates, w1, w2 requires grad; otherwise it is released inside the call."""
+    layer_id = layer if isinstance(layer, int) else layer.id
+    save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
+    y, _ = torch.ops.rdep.moe_forward(layer_id, x, experts, gates, w1, w2, save)
+    return y

@@ -1,0 +1,76 @@
+"""Input checks of the custom ops, run before anything reaches C (and, on fake tensors, while tracing).
+
+Every message names the argument: TypeError for a wrong type or dtype, ValueError for a wrong device,
+shape or layout. Only metadata is read (no .item(), no device synchronization); the values of the routing
+(expert ids in [0, E), no expert twice in a token, gates finite and >= 0) are checked by the C library
+(on the device on the CUDA backend), which raises rdep.InvalidArgumentError naming rank, token and slot.
+
+Element types (capi.h): host backend fp32 everywhere; CUDA backend bf16 x, y, dy, dx, fp32 gates and
+dgates, int32 experts, and expert weights in bf16, or in fp32 (master weights: rdep.torch casts them to
+bf16 for the layer and returns fp32 gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import Layer
+
+ACT_DTYPE = {"host": torch.float32, "cuda": torch.bfloat16}
+WEIGHT_DTYPES = {"host": (torch.float32,), "cuda": (torch.bfloat16, torch.float32)}
+
+
+def _dtypes_text(dtypes) -> str:
+    return " or ".join(str(d) for d in dtypes)
+
+
+def check_tensor(name: str, t, layer: Layer, dtypes, shape: tuple, shape_text: str, device=None) -> None:
+    """t must be a contiguous tensor of one of `dtypes` on `device` (default: the layer's) with `shape`
+    (None = any size in that dimension)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_dtypes_text(dtypes)} on the {layer.backend} backend, got {t.dtype}")
+    want = layer.device if device is None else device
+    if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+        raise ValueError(f"{name}: expected a tensor on {want} (the layer's {layer.backend} backend), got one on {t.device}")
+    if t.dim() != len(shape) or any(s is not None and d != s for d, s in zip(t.shape, shape)):
+        raise ValueError(f"{name}: expected shape {shape_text}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (rdep reads row-major memory), got strides "
+                         f"{list(t.stride())}; call .contiguous()")
+
+
+def _rows_text(layer: Layer, last: str) -> str:
+    return f"[L={layer.num_local_ranks}, n, {last}]"
+
+
+def check_weights(layer: Layer, w1, w2) -> None:
+    H, F, El = layer.hidden, layer.ffn, layer.num_local_experts
+    wd = WEIGHT_DTYPES[layer.backend]
+    check_tensor("w1", w1, layer, wd, (El, H, 2 * F), f"[E_local={El}, H={H}, 2F={2 * F}]")
+    check_tensor("w2", w2, layer, wd, (El, F, H), f"[E_local={El}, F={F}, H={H}]")
+    if w1.dtype != w2.dtype:
+        raise TypeError(f"w2: expected the dtype of w1 ({w1.dtype}), got {w2.dtype}")
+
+
+def check_forward(layer: Layer, x, experts, gates, w1, w2) -> None:
+    L, H, K = layer.num_local_ranks, layer.hidden, layer.topk
+    act = (ACT_DTYPE[layer.backend],)
+    check_tensor("x", x, layer, act, (L, None, H), _rows_text(layer, f"H={H}"))
+    n = x.shape[1]
+    if n > layer.max_tokens:
+        raise ValueError(f"x: {n} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
+    check_tensor("experts", experts, layer, (torch.int32,), (L, n, K), f"[L={L}, n={n}, K={K}]")
+    check_tensor("gates", gates, layer, (torch.float32,), (L, n, K), f"[L={L}, n={n}, K={K}]")
+    check_weights(layer, w1, w2)
+
+
+def check_backward(layer: Layer, ctx, dy, w1, w2) -> None:
+    L, H = layer.num_local_ranks, layer.hidden
+    check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_forward returned)",
+                 device=torch.device("cpu"))
+    check_tensor("dy", dy, layer, (ACT_DTYPE[layer.backend],), (L, None, H), _rows_text(layer, f"H={H}"))
+    if dy.shape[1] > layer.max_tokens:
+        raise ValueError(f"dy: {dy.shape[1]} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
+    check_weights(layer, w1, w2)

@@ -1,0 +1,231 @@
+"""The CUDA backend through the torch binding: bf16 activations and expert weights, fp32 gates and weight
+gradients, W = 1 and W = 4 ranks sharing GPU 0 (one process), against the same plain fp64 reference fed
+the bf16 values. Skipped, with the reason, without a GPU or without a CUDA build of librdep_capi.so.
+
+Tolerance (bf16, as `rdep check` on CUDA): ||out - ref||_F / ||ref||_F <= 1e-2 for y and 2e-2 for the
+gradients (bf16's unit roundoff is 2^-8 ~ 3.9e-3; y is rounded once on output, the gradients also pass
+through bf16 intermediates of the expert MLP and dx through a bf16 output).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdep
+import rdep._capi as capi
+import rdep.torch as rt
+import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+Y_TOL, GRAD_TOL = 1e-2, 2e-2
+DEV = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def _rdep_cuda():
+    if not capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    if capi.cuda_device_count() < 1:
+        pytest.skip("librdep_capi.so sees no CUDA device")
+    torch.cuda.set_device(DEV)
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert a.shape == b.shape, f"shape {list(a.shape)} != {list(b.shape)}"
+    nb = b.norm().item()
+    return (a - b).norm().item() / nb if nb > 0 else (a - b).norm().item()
+
+
+def assert_bf16_close(a, b, tol, what):
+    assert torch.isfinite(a.detach().float()).all(), f"{what}: non-finite values"
+    e = norm_rel(a, b)
+    assert e <= tol, f"{what}: ||a-b||/||b|| = {e:.3g} > {tol:g}"
+
+
+def make_inputs(W, n, H, F, E, K, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(W, n, H, generator=g).bfloat16()
+    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).bfloat16()
+    if kind == "uniform":
+        ids = torch.rand(W * n, E, generator=g).argsort(-1)[:, :K]
+    else:  # zipf-like skew, K distinct experts per token
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+        ids = torch.multinomial(p.expand(W * n, E), K, replacement=False, generator=g)
+    ids = ids.reshape(W, n, K).int()
+    gates = torch.rand(W, n, K, generator=g) * 0.9 + 0.1
+    return [t.to(DEV).contiguous() for t in (x, ids, gates, w1, w2)]
+
+
+OP_CASES = [
+    # id, W, E, K, n, T, capacity_factor, routing, expect drops
+    ("W1_E8_K2_uniform", 1, 8, 2, 64, 64, 0.0, "uniform", False),
+    ("W4_shared_gpu_E8_K2_uniform", 4, 8, 2, 32, 32, 0.0, "uniform", False),
+    ("W4_shared_gpu_E6_K3_zipf_C0.6", 4, 6, 3, 24, 32, 0.6, "zipf", True),
+]
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=[c[0] for c in OP_CASES])
+def test_op_matches_reference_bf16(case):
+    _, W, E, K, n, T, C, kind, drops = case
+    H, F = 64, 32
+    layer = rt.Layer(H, F, E, K, T, world_size=W, backend="cuda", num_gpus=1, capacity_factor=C)
+    assert layer.backend == "cuda" and layer.device == DEV and layer.num_local_ranks == W
+    x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, kind)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    assert y.dtype == torch.bfloat16 and y.device == DEV
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert layer.live_contexts == 0
+    assert leaves[0].grad.dtype == torch.bfloat16 and leaves[1].grad.dtype == torch.float32
+    assert leaves[2].grad.dtype == torch.bfloat16  # rdep's fp32 dW cast to the parameter's dtype
+
+    rl = [t.detach().double().cpu().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y_ref, acc = ref.moe_layer(rl[0], ids.cpu(), rl[1], rl[2], rl[3], C, T)
+    y_ref.backward(dy.double().cpu())
+    assert bool((~acc).any()) == drops
+    assert_bf16_close(y, y_ref, Y_TOL, "y")
+    for name, got, want in zip(("dx", "dgates", "dw1", "dw2"), leaves, rl):
+        assert_bf16_close(got.grad, want.grad, GRAD_TOL, name)
+
+
+def test_fp32_master_weights():
+    """fp32 expert weights on CUDA: cast to bf16 for the layer, gradients returned in fp32."""
+    W, E, K, n, H, F = 2, 4, 2, 32, 64, 32
+    layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1)
+    x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, "uniform", seed=3)
+    w1m, w2m = (w1.float() + 1e-3 * torch.randn_like(w1.float())).requires_grad_(True), w2.float().requires_grad_(True)
+    y = rt.moe(layer, x, ids, gates, w1m, w2m)
+    y.backward(torch.ones_like(y))
+    assert w1m.grad.dtype == torch.float32 and w2m.grad.dtype == torch.float32
+    w1r, w2r = [t.detach().bfloat16().double().cpu().requires_grad_(True) for t in (w1m, w2m)]
+    y_ref, _ = ref.moe_layer(x.double().cpu(), ids.cpu(), gates.double().cpu(), w1r, w2r, 0.0, n)
+    y_ref.backward(torch.ones_like(y_ref))
+    assert_bf16_close(y, y_ref, Y_TOL, "y")
+    assert_bf16_close(w1m.grad, w1r.grad, GRAD_TOL, "dw1")
+    assert_bf16_close(w2m.grad, w2r.grad, GRAD_TOL, "dw2")
+
+
+MODULE_CASES = {
+    "W1_shared_losses": dict(W=1, E=8, K=2, T=64, shape=(2, 32), capacity_factor=0.0,
+                             kw=dict(shared_ffn=32, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)),
+    "W4_shared_gpu_sigmoid_groups_drops": dict(
+        W=4, E=8, K=2, T=16, shape=(4, 16), capacity_factor=0.5,
+        kw=dict(score_function="sigmoid", num_groups=4, topk_groups=2, expert_bias=True, shared_ffn=16,
+                aux_loss_coeff=1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODULE_CASES))
+def test_module_matches_reference_bf16(name):
+    c = MODULE_CASES[name]
+    H = 64
+    moe = rt.MoE(H, 32, c["E"], c["K"], max_tokens=c["T"], world_size=c["W"], backend="cuda",
+                 capacity_factor=c["capacity_factor"], seed=5, init_std=0.1, **c["kw"])
+    assert moe.w1.dtype == torch.bfloat16 and moe.router.weight.dtype == torch.float32
+    x = torch.randn(*c["shape"], H, device=DEV).bfloat16().requires_grad_(True)
+    out = moe(x)
+    assert out.y.dtype == torch.bfloat16 and out.y.shape == x.shape
+    dy = torch.randn_like(out.y)
+    ((out.y.float() * dy.float()).sum() + out.aux_loss + out.z_loss).backward()
+
+    r = ref.ReferenceMoE(moe)
+    L = moe.layer.num_local_ranks
+    xr = x.detach().double().cpu().requires_grad_(True)
+    y_ref, aux_ref, z_ref, counts_ref, ids_ref, acc = r(xr.reshape(L, -1, H))
+    ((y_ref.reshape(x.shape) * dy.double().cpu()).sum() + aux_ref + z_ref).backward()
+    ids = moe.router(x.detach().reshape(L, -1, H)).experts
+    assert torch.equal(ids.long().cpu(), ids_ref), "router selection differs from the reference"
+    if c["capacity_factor"]:
+        assert (~acc).any()
+    assert torch.equal(out.tokens_per_expert.cpu(), counts_ref)
+    assert_bf16_close(out.y, y_ref.reshape(x.shape), Y_TOL, "y")
+    assert_bf16_close(out.aux_loss, aux_ref, 1e-4, "aux_loss")
+    assert_bf16_close(out.z_loss, z_ref, 1e-4, "z_loss")
+    assert_bf16_close(x.grad, xr.grad, GRAD_TOL, "x.grad")
+    params = dict(moe.named_parameters())
+    for key, p_ref in r.params().items():
+        assert_bf16_close(params[key].grad, p_ref.grad, GRAD_TOL, f"{key}.grad")
+
+
+def test_no_host_sync_in_the_python_path():
+    """torch's sync debug mode raises on any synchronizing torch call (.item(), .tolist(), nonzero, a
+    blocking copy to the host): the router, the op wrappers and autograd must make none."""
+    moe = rt.MoE(64, 32, 8, 2, max_tokens=32, world_size=2, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2,
+                 z_loss_coeff=1e-3, expert_bias=True, capacity_factor=1.0)
+    x = torch.randn(2, 32, 64, device=DEV).bfloat16().requires_grad_(True)
+    moe(x)  # warm up (first-call allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x)
+        (out.y.float().sum() + out.router_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert moe.layer.live_contexts == 0
+
+
+def test_runs_on_the_current_stream():
+    moe = rt.MoE(64, 32, 8, 2, max_tokens=32, world_size=4, backend="cuda", seed=2)
+    x = torch.randn(4, 32, 64, device=DEV).bfloat16()
+    y0 = moe(x).y
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y1 = moe(x).y
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(y0, y1)
+
+
+def test_compile_fullgraph_matches_eager_cuda():
+    args = dict(max_tokens=32, world_size=2, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=4)
+    eager, src = rt.MoE(64, 32, 8, 2, **args), rt.MoE(64, 32, 8, 2, **args)
+    compiled = torch.compile(src, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 32, 64, device=DEV).bfloat16()
+    outs = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        o = m(xi)
+        (o.y.float().square().mean() + o.aux_loss).backward()
+        outs.append((o.y, xi.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1])
+    for (k, pe), (_, pc) in zip(eager.named_parameters(), src.named_parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, msg=k)
+
+
+def test_module_moves_from_host_to_cuda():
+    """backend='auto': .to('cuda') rebuilds the layer on the GPU; fp32 parameters become master weights."""
+    m = rt.MoE(64, 32, 8, 2, max_tokens=16, world_size=2, seed=6, init_std=0.1)
+    assert m.layer.backend == "host"
+    x = torch.randn(2, 16, 64)
+    y_host = m(x).y
+    m.to(DEV)
+    assert m.layer.backend == "cuda" and m.layer.device == DEV and m.w1.dtype == torch.float32
+    y_cuda = m(x.to(DEV).bfloat16()).y
+    assert_bf16_close(y_cuda, y_host, 2e-2, "y (cuda vs host)")
+
+
+def test_cuda_bad_input_names_the_argument():
+    layer = rt.Layer(64, 32, 8, 2, 32, world_size=2, backend="cuda", num_gpus=1)
+    x, ids, gates, w1, w2 = make_inputs(2, 32, 64, 32, 8, 2, "uniform")
+    with pytest.raises(TypeError, match=r"^x: expected dtype torch.bfloat16 on the cuda backend, got torch.float32"):
+        rt.moe(layer, x.float(), ids, gates, w1, w2)
+    with pytest.raises(ValueError, match=r"^x: expected a tensor on cuda:0"):
+        rt.moe(layer, x.cpu(), ids, gates, w1, w2)
+    with pytest.raises(ValueError, match=r"^experts: expected a tensor on cuda:0"):
+        rt.moe(layer, x, ids.cpu(), gates, w1, w2)
+    with pytest.raises(TypeError, match=r"^w1: expected dtype torch.bfloat16 or torch.float32"):
+        rt.moe(layer, x, ids, gates, w1.half(), w2)
+    bad = ids.clone()
+    bad[1, 5, 0] = 8
+    with pytest.raises(rdep.InvalidArgumentError):
+        rt.moe(layer, x, bad, gates, w1, w2)
+    assert layer.live_contexts == 0

@@ -1,0 +1,117 @@
+"""torch.distributed bootstrap: the allgather callback over a process group (gloo on localhost, world
+size 1), the process-group / world_size checks (a real gloo group and a stub group), and, on a machine
+with a GPU, a per-process CUDA layer bootstrapped through a gloo group of one process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rdep._capi as capi
+import rdep.torch as rt
+from rdep.torch.distributed import ProcessGroupAllgather
+
+
+@pytest.fixture(scope="module")
+def gloo_group(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build of PyTorch")
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class StubGroup:
+    """Enough of a ProcessGroup for the size check: rank() and size()."""
+
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.no_library
+def test_allgather_over_gloo(gloo_group):
+    g = ProcessGroupAllgather(gloo_group)
+    assert g.gather(b"rdep handles") == b"rdep handles"
+    assert g.gather(b"") == b""
+
+
+def test_allgather_through_the_c_function_pointer(gloo_group):
+    """The callback as C sees it: a function pointer called with raw buffers."""
+    g = ProcessGroupAllgather(gloo_group)
+    fn = ctypes.cast(g.c_function, capi.ALLGATHER_FN)
+    send = ctypes.create_string_buffer(b"\x01\x02\x03\x04", 4)
+    recv = ctypes.create_string_buffer(4)
+    assert fn(None, ctypes.addressof(send), 4, ctypes.addressof(recv)) == 0
+    assert recv.raw == b"\x01\x02\x03\x04"
+
+
+@pytest.mark.no_library
+def test_allgather_failure_returns_nonzero_and_keeps_the_exception():
+    g = ProcessGroupAllgather(StubGroup(2))  # not a real group: all_gather raises
+    send = ctypes.create_string_buffer(b"abcd", 4)
+    recv = ctypes.create_string_buffer(8)
+    assert g._callback(None, ctypes.addressof(send), 4, ctypes.addressof(recv)) == 1
+    assert g.error is not None
+
+
+def test_group_size_mismatch_names_both(gloo_group):
+    with pytest.raises(ValueError, match=r"^process_group: its size is 1 but world_size is 2"):
+        rt.Layer(8, 8, 4, 2, 8, world_size=2, process_group=gloo_group)
+    with pytest.raises(ValueError, match=r"^process_group: its size is 1 but world_size is 4"):
+        rt.MoE(8, 8, 4, 2, max_tokens=8, world_size=4, process_group=gloo_group)
+
+
+def test_stub_group_size_mismatch_names_both():
+    with pytest.raises(ValueError, match=r"^process_group: its size is 3 but world_size is 2"):
+        rt.Layer(8, 8, 4, 2, 8, world_size=2, process_group=StubGroup(3))
+
+
+def test_process_group_with_the_host_backend_is_refused(gloo_group):
+    with pytest.raises(ValueError, match=r"^process_group: a process group selects the per-process CUDA backend"):
+        rt.Layer(8, 8, 4, 2, 8, backend="host", process_group=gloo_group)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_process_group_without_cuda(gloo_group):
+    with pytest.raises(ValueError, match=r"^process_group: the per-process CUDA backend needs CUDA"):
+        rt.Layer(8, 8, 4, 2, 8, process_group=gloo_group)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_per_process_cuda_layer_through_gloo(gloo_group):
+    """One process as rank 0 of W = 1 on the current GPU, bootstrapped through the gloo group: the layer
+    matches the one-process CUDA layer bit for bit (same inputs, same rank placement)."""
+    if not capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    torch.manual_seed(0)
+    H, F, E, K, n = 64, 32, 8, 2, 48
+    dev = torch.device("cuda", torch.cuda.current_device())
+    per_process = rt.Layer(H, F, E, K, n, process_group=gloo_group)
+    assert per_process.backend == "cuda" and per_process.device == dev and per_process.world_size == 1
+    x = torch.randn(1, n, H, device=dev).bfloat16()
+    ids = torch.rand(n, E, device=dev).argsort(-1)[:, :K].reshape(1, n, K).int()
+    gates = torch.rand(1, n, K, device=dev)
+    w1 = (torch.randn(E, H, 2 * F, device=dev) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, F, H, device=dev) / F ** 0.5).bfloat16()
+    y = rt.moe(per_process, x, ids, gates, w1, w2)
+    if dev.index == 0:
+        one_process = rt.Layer(H, F, E, K, n, backend="cuda")
+        y1 = rt.moe(one_process, x, ids, gates, w1, w2)
+        assert torch.equal(y, y1)
+    assert torch.isfinite(y.float()).all()

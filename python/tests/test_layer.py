@@ -1,0 +1,86 @@
+"""rdep.torch.Layer: what a layer reports (ranks, ownership, capacity, description), its arguments'
+checks (Python-side and the C library's, both naming the argument), and its lifetime.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import rdep
+import rdep.torch as rt
+
+
+def test_host_layer_reports_its_configuration():
+    layer = rt.Layer(8, 6, 7, 2, 16, world_size=3, capacity_factor=0.5)
+    assert layer.backend == "host" and layer.device == torch.device("cpu")
+    assert list(layer.local_ranks) == [0, 1, 2] and layer.num_local_ranks == 3
+    assert [layer.owned_experts(r) for r in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    assert layer.local_experts == range(0, 7) and layer.num_local_experts == 7
+    assert layer.capacity() == 7  # ceil(0.5 * 3 * 16 * 2 / 7) = ceil(6.86)
+    assert rt.Layer(8, 6, 7, 2, 16).capacity() is None  # dropless
+    text = layer.describe()
+    assert "W=3" in text and "E=7" in text and "threads" in text
+    assert "W=3" in repr(layer) and "backend=host" in repr(layer)
+    with pytest.raises(ValueError, match=r"^rank: 3 outside \[0, world_size=3\)"):
+        layer.owned_experts(3)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(backend="tpu"), ValueError, r"^backend: expected one of"),
+    (dict(backend="host", device="cuda"), ValueError, r"^device: the host backend runs on cpu tensors"),
+    (dict(hidden=0), ValueError, r"^hidden: expected a positive int"),
+    (dict(topk=9), ValueError, r"^topk: 9 exceeds num_experts=4"),
+    (dict(capacity_factor=-1.0), ValueError, r"^capacity_factor"),
+    (dict(segment_tokens=-2), ValueError, r"^segment_tokens"),
+    (dict(world_size=0), ValueError, r"^world_size: expected a positive int"),
+    # checked by the C library: InvalidArgumentError (a ValueError) naming the spec field
+    (dict(barrier_timeout_s=float("nan")), rdep.InvalidArgumentError, r"barrier_timeout_s"),
+])
+def test_bad_arguments_name_the_argument(kwargs, exc, pattern):
+    args = dict(hidden=8, ffn=8, num_experts=4, topk=2, max_tokens=8)
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        rt.Layer(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_backend_without_a_gpu_is_unavailable():
+    with pytest.raises(rdep.RdepError) as info:
+        rt.Layer(8, 8, 4, 2, 8, backend="cuda")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_layer_is_freed_with_its_last_reference():
+    layer = rt.Layer(8, 8, 4, 2, 8)
+    lid = layer.id
+    assert rt.get_layer(lid) is layer
+    del layer
+    gc.collect()
+    with pytest.raises(ValueError, match=f"^layer: {lid} is not a live rdep layer handle"):
+        rt.get_layer(lid)
+
+
+def test_contexts_keep_the_native_layer_alive():
+    """A graph that outlives its Layer object keeps the C layer (and its saved state) alive: the native
+    handle is freed only when the last context is released."""
+    layer = rt.Layer(8, 6, 4, 2, 8, world_size=2)
+    native = layer._native
+    x = torch.randn(2, 8, 8, requires_grad=True)
+    ids = torch.rand(16, 4).argsort(-1)[:, :2].reshape(2, 8, 2).int()
+    y = rt.moe(layer, x, ids, torch.rand(2, 8, 2), torch.randn(4, 8, 12), torch.randn(4, 6, 8))
+    del layer
+    gc.collect()
+    assert native.ptr is not None and len(native.live) == 1
+    del y
+    gc.collect()
+    assert len(native.live) == 0
+
+
+def test_close_and_context_manager():
+    with rt.Layer(8, 8, 4, 2, 8) as layer:
+        assert layer.describe()
+    with pytest.raises(ValueError, match="was closed"):
+        layer.describe()
