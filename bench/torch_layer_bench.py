@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -45,18 +46,22 @@ def make_inputs(a, device):
     return x, experts, gates, w1, w2, dy
 
 
-def time_loop(fn, warmup: int, iters: int) -> list[float]:
+def time_loop(fn, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+    """GPU time per call (events on the current stream) and host time per call (the Python call's wall
+    time, which includes the layer's one host wait for its per-expert counts)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return times
+    return times, host
 
 
 def main() -> int:
@@ -89,8 +94,8 @@ def main() -> int:
         y.backward(dy)
         x.grad = gates.grad = w1.grad = w2.grad = None
 
-    fwd = time_loop(forward, a.warmup, a.iters)
-    fb = time_loop(forward_backward, a.warmup, a.iters)
+    fwd, fwd_host = time_loop(forward, a.warmup, a.iters)
+    fb, fb_host = time_loop(forward_backward, a.warmup, a.iters)
     torch.cuda.reset_peak_memory_stats(device)
     forward_backward()
     torch.cuda.synchronize(device)
@@ -99,9 +104,10 @@ def main() -> int:
     print(f"torch_layer_bench: W=1 T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, bf16, "
           f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     print(f"  layer: {layer.describe()}")
-    print(f"  {'':18s} {'p50 ms':>9s} {'p99 ms':>9s}")
+    host = {"forward": fwd_host, "forward+backward": fb_host}
+    print(f"  {'':18s} {'p50 ms':>9s} {'p99 ms':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
-        print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f}")
+        print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
     print(f"  torch peak allocated (activations, grads; excludes the layer's own buffers): {peak:.3f} GiB")
     if a.json:
         with open(a.json, "w") as f:
@@ -109,6 +115,7 @@ def main() -> int:
                        "torch": torch.__version__,
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},
+                       "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},
                        "torch_peak_allocated_gib": peak, "samples_ms": rows}, f, indent=1)
     return 0
 

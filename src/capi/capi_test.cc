@@ -162,8 +162,13 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   std::vector<int32_t> experts = {0, 1, 2, 3, 1, 2, 0, 3};
   Vec gates(8, 0.5f), x(16, 1.f), y(16), w1(2 * 4 * 8, 0.1f), w2(2 * 4 * 4, 0.1f), dy(16, 1.f), dx(16), dg(8), dw1(w1.size()),
       dw2(w2.size());
-  std::vector<rdep_rank_io> io(2, rdep_rank_io{4, experts.data(), gates.data(), x.data(), y.data(), w1.data(), w2.data(),
-                                               dy.data(), dx.data(), dg.data(), dw1.data(), dw2.data(), nullptr});
+  // Inputs shared by both ranks; each rank writes its own outputs.
+  Vec y1 = y, dx1 = dx, dg1 = dg, dw1_1 = dw1, dw2_1 = dw2;
+  std::vector<rdep_rank_io> io = {
+      {4, experts.data(), gates.data(), x.data(), y.data(), w1.data(), w2.data(), dy.data(), dx.data(), dg.data(), dw1.data(),
+       dw2.data(), nullptr},
+      {4, experts.data(), gates.data(), x.data(), y1.data(), w1.data(), w2.data(), dy.data(), dx1.data(), dg1.data(),
+       dw1_1.data(), dw2_1.data(), nullptr}};
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 1), 1);

@@ -550,6 +550,16 @@ Status CudaDomain::AgreeAcrossRanks(const std::vector<uint8_t>& mine, const std:
 Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
   running_ = true;
   const std::vector<int32_t> local = local_ranks();
+  if (local.size() == 1) {  // one local rank (per-process mode, or W = 1): on the calling thread, no spawn
+    int caller_device = -1;
+    cudaGetDevice(&caller_device);
+    Status s = cuda::CudaStatus(cudaSetDevice(device(local[0])), "cudaSetDevice", __FILE__, __LINE__);
+    if (s.ok()) s = fn(local[0]);
+    if (caller_device >= 0) cudaSetDevice(caller_device);
+    running_ = false;
+    if (s.ok()) return s;
+    return Status(s.code(), "rank " + std::to_string(local[0]) + ": " + s.message());
+  }
   std::vector<Status> status(local.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < local.size(); ++i)
