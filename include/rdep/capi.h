@@ -8,7 +8,7 @@
  * in rank order, and runs the collective for all of them (one thread per rank inside).
  *
  * Element types: host backend fp32 everywhere; CUDA backend bf16 activations (x, y, dy, dx) and expert
- * weights (w1, w2), fp32 gates, dgates and weight gradients (dw1, dw2). Experts are int32. Pointers are
+ * weights (w1, w2), fp32 gates and dgates, weight gradients (dw1, dw2) fp32 or, with grad_bf16, bf16. Experts are int32. Pointers are
  * host memory (host backend) or device memory on the rank's GPU (rdep_layer_device).
  * Expert weights are the caller's, passed to every call: w1 [E_r][H][2F] (columns [0, F) the gate
  * projection, [F, 2F) the up projection), w2 [E_r][F][H], for the E_r experts rank r owns, in expert
@@ -84,6 +84,9 @@ typedef struct rdep_rank_io {
   void* dw1;              /* [E_r][H][2F] */
   void* dw2;              /* [E_r][F][H] */
   void* stream;           /* CUDA: the caller's cudaStream_t on the rank's device */
+  int32_t grad_bf16;      /* CUDA backward: 1 = dw1, dw2 are bf16 (the gradients of bf16 weights, written once;
+                             needs the forward in one segment), 0 = fp32 */
+  int32_t reserved;       /* 0 */
 } rdep_rank_io;
 
 int32_t rdep_capi_version(void);

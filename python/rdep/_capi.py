@@ -74,6 +74,8 @@ RANK_IO_FIELDS = (
     ("dw1", "void*"),
     ("dw2", "void*"),
     ("stream", "void*"),
+    ("grad_bf16", "int32_t"),
+    ("reserved", "int32_t"),
 )
 
 

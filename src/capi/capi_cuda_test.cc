@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -133,7 +134,7 @@ void Compare(const LayerShape& s, double capacity) {
     EXPECT_EQ(dev, 0);
     cudaMemsetAsync(d_dw1[r], 0xff, static_cast<size_t>(own.num_local(static_cast<int32_t>(r))) * n1 * 4, caller);
     io[r] = rdep_rank_io{routing[r].num_tokens, d_experts[r], d_gates[r], d_x[r], d_y[r], d_w1[r], d_w2[r], d_dy[r], d_dx[r],
-                         d_dg[r], d_dw1[r], d_dw2[r], caller};
+                         d_dg[r], d_dw1[r], d_dw2[r], caller, 0, 0};
   }
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
@@ -143,6 +144,36 @@ void Compare(const LayerShape& s, double capacity) {
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
   fetch(abi);
   EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  // bf16 weight gradients (the gradients of bf16 parameters): within bf16 rounding of the fp32 ones.
+  std::vector<uint16_t*> d_bw1(W), d_bw2(W);
+  for (size_t r = 0; r < W; ++r) {
+    const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
+    d_bw1[r] = Upload(Bits(ne * n1, 0x7fc1));
+    d_bw2[r] = Upload(Bits(ne * n2, 0x7fc1));
+    io[r].dw1 = d_bw1[r];
+    io[r].dw2 = d_bw2[r];
+    io[r].grad_bf16 = 1;
+  }
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  for (size_t r = 0; r < W; ++r) {
+    const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
+    for (int which = 0; which < 2; ++which) {
+      const Bits got = Download(which ? d_bw2[r] : d_bw1[r], ne * (which ? n2 : n1));
+      const std::vector<float>& want = which ? ref.dw2[r] : ref.dw1[r];
+      double max_ref = 0, max_err = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        max_ref = std::max(max_ref, static_cast<double>(std::fabs(want[i])));
+        max_err = std::max(max_err, static_cast<double>(std::fabs(Bf16BitsToFloat(got[i]) - want[i])));
+      }
+      EXPECT_LE(max_err, 8e-3 * max_ref) << (which ? "dw2" : "dw1") << " bf16, rank " << r;
+    }
+    cudaFree(d_bw1[r]);
+    cudaFree(d_bw2[r]);
+  }
   rdep_layer_destroy(l);
   cudaStreamDestroy(caller);
   for (size_t r = 0; r < W; ++r) {
@@ -162,6 +193,54 @@ TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ff
 
 TEST(CApi_Cuda, W4_SharedGpu_CapacityDrops_MatchesCudaLayer) {
   Compare({.tokens = 48, .hidden = 64, .ffn = 96, .experts = 10, .topk = 3, .ranks = 4}, 0.8);
+}
+
+}  // namespace
+}  // namespace rdep
+
+namespace rdep {
+namespace {
+
+// bf16 weight gradients are written once, so a forward that ran in several segments refuses them.
+TEST(CApi_Cuda, Bf16GradientsNeedOneSegment) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const LayerShape s{.tokens = 32, .hidden = 64, .ffn = 32, .experts = 4, .topk = 2, .ranks = 2};
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+  spec.world_size = 2;
+  spec.num_gpus = 1;
+  spec.tokens = s.tokens, spec.hidden = s.hidden, spec.ffn = s.ffn, spec.experts = s.experts, spec.topk = s.topk;
+  spec.segment_tokens = 8;
+  spec.barrier_timeout_s = 20;
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  const Routing routing = *GenerateRouting(s, RoutingSpec{});
+  const MoEWeights w = RandomWeights(s, 5);
+  std::vector<rdep_rank_io> io(2);
+  std::vector<void*> owned;
+  for (size_t r = 0; r < 2; ++r) {
+    const size_t n = static_cast<size_t>(s.tokens), ne = 2;
+    auto* e = Upload(routing[r].experts);
+    auto* g = Upload(routing[r].gates);
+    auto* x = Upload(Bits(n * 64, 0x3f80));
+    auto* y = Upload(Bits(n * 64, 0));
+    auto* w1 = Upload(ToBits(w.w1, r * ne * w.w1_per_expert(), ne * w.w1_per_expert()));
+    auto* w2 = Upload(ToBits(w.w2, r * ne * w.w2_per_expert(), ne * w.w2_per_expert()));
+    auto* dx = Upload(Bits(n * 64, 0));
+    auto* dg = Upload(std::vector<float>(n * 2, 0.f));
+    auto* dw1 = Upload(Bits(ne * w.w1_per_expert(), 0));
+    auto* dw2 = Upload(Bits(ne * w.w2_per_expert(), 0));
+    owned.insert(owned.end(), {e, g, x, y, w1, w2, dx, dg, dw1, dw2});
+    io[r] = rdep_rank_io{s.tokens, e, g, x, y, w1, w2, x, dx, dg, dw1, dw2, nullptr, 1, 0};
+  }
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 2);
+  EXPECT_NE(std::string(rdep_last_error()).find("one segment"), std::string::npos) << rdep_last_error();
+  rdep_layer_destroy(l);
+  for (void* p : owned) cudaFree(p);
 }
 
 }  // namespace

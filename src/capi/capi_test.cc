@@ -95,7 +95,7 @@ void ExpectAbiMatchesLayer(const Case& c) {
     dw1[r].assign(w1[r].size(), -7.f);
     dw2[r].assign(w2[r].size(), -7.f);
     io[r] = rdep_rank_io{n, routing[r].experts.data(), routing[r].gates.data(), x[r].data(), y[r].data(), w1[r].data(),
-                         w2[r].data(), dy[r].data(), dx[r].data(), dg[r].data(), dw1[r].data(), dw2[r].data(), nullptr};
+                         w2[r].data(), dy[r].data(), dx[r].data(), dg[r].data(), dw1[r].data(), dw2[r].data(), nullptr, 0, 0};
   }
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(abi, &ctx), 0);
@@ -166,9 +166,9 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   Vec y1 = y, dx1 = dx, dg1 = dg, dw1_1 = dw1, dw2_1 = dw2;
   std::vector<rdep_rank_io> io = {
       {4, experts.data(), gates.data(), x.data(), y.data(), w1.data(), w2.data(), dy.data(), dx.data(), dg.data(), dw1.data(),
-       dw2.data(), nullptr},
+       dw2.data(), nullptr, 0, 0},
       {4, experts.data(), gates.data(), x.data(), y1.data(), w1.data(), w2.data(), dy.data(), dx1.data(), dg1.data(),
-       dw1_1.data(), dw2_1.data(), nullptr}};
+       dw1_1.data(), dw2_1.data(), nullptr, 0, 0}};
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 1), 1);
@@ -181,6 +181,10 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("num_tokens 5"), std::string::npos);
   io[0].num_tokens = 4;
+  io[1].grad_bf16 = 1;  // bf16 gradients are the CUDA backend's
+  EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("grad_bf16"), std::string::npos) << rdep_last_error();
+  io[1].grad_bf16 = 0;
   // Backward before its forward: the context says so.
   EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 2) << rdep_last_error();
   // A bad expert id names the rank, token and slot.

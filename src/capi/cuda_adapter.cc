@@ -87,7 +87,7 @@ class CudaAdapter final : public LayerAdapter {
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {
       const rdep_rank_io& a = io[i];
-      RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(ranks_[i], {bf(a.w1), bf(a.w2), nullptr, nullptr}));
+      RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(ranks_[i], ExternalWeights<__nv_bfloat16, float>{bf(a.w1), bf(a.w2), nullptr, nullptr}));
     }
     return Call(io, [&](size_t i, int32_t r) {
       const rdep_rank_io& a = io[i];
@@ -98,8 +98,14 @@ class CudaAdapter final : public LayerAdapter {
   Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {
       const rdep_rank_io& a = io[i];
-      RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(
-          ranks_[i], {bf(a.w1), bf(a.w2), static_cast<float*>(a.dw1), static_cast<float*>(a.dw2)}));
+      if (a.grad_bf16) {
+        RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(ranks_[i], ExternalWeights<__nv_bfloat16, __nv_bfloat16>{
+                                                                      bf(a.w1), bf(a.w2), static_cast<__nv_bfloat16*>(a.dw1),
+                                                                      static_cast<__nv_bfloat16*>(a.dw2)}));
+      } else {
+        RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(
+            ranks_[i], ExternalWeights<__nv_bfloat16, float>{bf(a.w1), bf(a.w2), static_cast<float*>(a.dw1), static_cast<float*>(a.dw2)}));
+      }
     }
     return Call(io, [&](size_t i, int32_t r) {
       const rdep_rank_io& a = io[i];

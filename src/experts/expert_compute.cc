@@ -29,6 +29,10 @@ class CublasLtExpertCompute final : public ExpertCompute {
                   const ExpertWeightsView& w, __nv_bfloat16* dx, const ExpertGradsView& g, bool accumulate,
                   cudaStream_t stream) override {
     RDEP_ASSIGN_OR_RETURN(const int64_t* counts, HostCounts(rows, w, stream));
+    if (g.bf16()) {
+      if (accumulate) return InvalidArgument("expert compute (cublaslt): bf16 weight gradients are overwritten, never accumulated");
+      return mlp_->Backward(x, h, dout, counts, w.w1, w.w2, dx, g.dw1_bf16, g.dw2_bf16, stream);
+    }
     return mlp_->Backward(x, h, dout, counts, w.w1, w.w2, dx, g.dw1, g.dw2, accumulate, stream);
   }
 

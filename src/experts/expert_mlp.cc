@@ -42,8 +42,9 @@ Status CublasStatus(cublasStatus_t s, const char* expr, const char* file, int li
     RDEP_CUDA_CHECK_LAUNCH();          \
   } while (0)
 
-enum GemmKind : int { kFwd1 = 0, kFwd2, kDz, kDx, kDw2, kDw1, kNumKinds };
-const char* const kKindNames[kNumKinds] = {"fwd1", "fwd2", "dz", "dx", "dw2", "dw1"};
+// kDw2b, kDw1b: the weight gradients written as bf16 (fp32 accumulation inside the GEMM, one rounding).
+enum GemmKind : int { kFwd1 = 0, kFwd2, kDz, kDx, kDw2, kDw1, kDw2b, kDw1b, kNumKinds };
+const char* const kKindNames[kNumKinds] = {"fwd1", "fwd2", "dz", "dx", "dw2", "dw1", "dw2(bf16)", "dw1(bf16)"};
 
 // A row-major GEMM C[M][N] = op(A) . op(B) with leading dimensions (elements) of the stored matrices.
 struct RowGemm {
@@ -60,6 +61,8 @@ RowGemm Describe(GemmKind kind, int64_t m, int64_t H, int64_t F) {
     case kDx: return {false, true, m, H, 2 * F, 2 * F, 2 * F, H, CUDA_R_16BF};
     case kDw2: return {true, false, F, H, m, F, H, H, CUDA_R_32F};
     case kDw1: return {true, false, H, 2 * F, m, H, 2 * F, 2 * F, CUDA_R_32F};
+    case kDw2b: return {true, false, F, H, m, F, H, H, CUDA_R_16BF};
+    case kDw1b: return {true, false, H, 2 * F, m, H, 2 * F, 2 * F, CUDA_R_16BF};
     default: return {};
   }
 }
@@ -467,10 +470,28 @@ Status ExpertMlp::Forward(const __nv_bfloat16* x, const int64_t* rows_per_expert
 Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
                            const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
                            __nv_bfloat16* dx, float* dw1, float* dw2, bool accumulate, cudaStream_t stream) {
+  return BackwardImpl(x, h, dout, rows_per_expert, w1, w2, dx, dw1, dw2, /*bf16_grads=*/false, accumulate, stream);
+}
+
+Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+                           const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
+                           __nv_bfloat16* dx, __nv_bfloat16* dw1, __nv_bfloat16* dw2, cudaStream_t stream) {
+  return BackwardImpl(x, h, dout, rows_per_expert, w1, w2, dx, dw1, dw2, /*bf16_grads=*/true, /*accumulate=*/false, stream);
+}
+
+Status ExpertMlp::BackwardImpl(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+                               const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
+                               __nv_bfloat16* dx, void* dw1_out, void* dw2_out, bool bf16_grads, bool accumulate,
+                               cudaStream_t stream) {
   Impl& I = *impl_;
   RDEP_RETURN_IF_ERROR(I.CheckCall(rows_per_expert, {x, h, dout, w1, w2, dx}));
-  if (dw1 == nullptr || dw2 == nullptr) return InvalidArgument("ExpertMlp::Backward: null weight gradient");
-  if (!Aligned16(dw1) || !Aligned16(dw2)) return InvalidArgument("ExpertMlp: tensor pointers must be 16-byte aligned");
+  if (dw1_out == nullptr || dw2_out == nullptr) return InvalidArgument("ExpertMlp::Backward: null weight gradient");
+  if (!Aligned16(dw1_out) || !Aligned16(dw2_out)) return InvalidArgument("ExpertMlp: tensor pointers must be 16-byte aligned");
+  // Gradients as bytes: expert e's dW1 starts at e * H * 2F elements of grad_bytes each.
+  const size_t grad_bytes = bf16_grads ? 2 : 4;
+  auto* dw1 = static_cast<char*>(dw1_out);
+  auto* dw2 = static_cast<char*>(dw2_out);
+  const GemmKind kind_dw1 = bf16_grads ? kDw1b : kDw1, kind_dw2 = bf16_grads ? kDw2b : kDw2;
   const int64_t H = I.desc.hidden, F = I.desc.ffn, E = I.desc.num_experts;
   const int64_t M = I.offsets[static_cast<size_t>(E)];
   DeviceGuard guard(I.device);
@@ -485,8 +506,8 @@ Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const
       int64_t end = e;
       while (end < E && rows_per_expert[end] == 0) ++end;
       const size_t n = static_cast<size_t>(end - e);
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw1 + e * H * 2 * F, 0, n * static_cast<size_t>(H * 2 * F) * sizeof(float), stream));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw2 + e * F * H, 0, n * static_cast<size_t>(F * H) * sizeof(float), stream));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw1 + e * H * 2 * F * grad_bytes, 0, n * static_cast<size_t>(H * 2 * F) * grad_bytes, stream));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw2 + e * F * H * grad_bytes, 0, n * static_cast<size_t>(F * H) * grad_bytes, stream));
       e = end;
     }
   }
@@ -506,8 +527,8 @@ Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const
       const int slot = I.slot_of[static_cast<size_t>(e)];
       cudaStream_t s = I.SlotStream(slot, stream);
       const int64_t off = I.offsets[static_cast<size_t>(e)];
-      RDEP_RETURN_IF_ERROR(I.RunLt(kDw2, m, I.z + off * F, dout + off * H, dw2 + e * F * H, beta, slot, s));
-      RDEP_RETURN_IF_ERROR(I.RunLt(kDw1, m, x + off * H, I.dh + off * 2 * F, dw1 + e * H * 2 * F, beta, slot, s));
+      RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw2, m, I.z + off * F, dout + off * H, dw2 + e * F * H * grad_bytes, beta, slot, s));
+      RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw1, m, x + off * H, I.dh + off * 2 * F, dw1 + e * H * 2 * F * grad_bytes, beta, slot, s));
     }
     return I.Join(used, stream);
   }
@@ -525,8 +546,8 @@ Status ExpertMlp::Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const
     RDEP_RETURN_IF_ERROR(I.RunLt(kDz, m, dout + off * H, w2 + e * F * H, dz, 0.0f, slot, s));
     RDEP_LAUNCH(internal::LaunchSwigluBackward(h + off * 2 * F, dz, z, dh, m, F, s));
     RDEP_RETURN_IF_ERROR(I.RunLt(kDx, m, dh, w1 + e * H * 2 * F, dx + off * H, 0.0f, slot, s));
-    RDEP_RETURN_IF_ERROR(I.RunLt(kDw2, m, z, dout + off * H, dw2 + e * F * H, beta, slot, s));
-    RDEP_RETURN_IF_ERROR(I.RunLt(kDw1, m, x + off * H, dh, dw1 + e * H * 2 * F, beta, slot, s));
+    RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw2, m, z, dout + off * H, dw2 + e * F * H * grad_bytes, beta, slot, s));
+    RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw1, m, x + off * H, dh, dw1 + e * H * 2 * F * grad_bytes, beta, slot, s));
   }
   return I.Join(used, stream);
 }

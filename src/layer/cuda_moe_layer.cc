@@ -122,10 +122,15 @@ struct CudaMoELayer::RankState {
   size_t w1_count = 0, w2_count = 0;  // E_loc * H * 2F, E_loc * F * H
   bool own_weights = false;
   ExternalWeights<__nv_bfloat16, float> bound;
+  __nv_bfloat16* bound_dw1_bf16 = nullptr;  // bf16 gradients bound instead of fp32 ones
+  __nv_bfloat16* bound_dw2_bf16 = nullptr;
   kernels::ExpertWeightsView weights() const { return {bound.w1 ? bound.w1 : w1.ptr, bound.w1 ? bound.w2 : w2.ptr}; }
-  kernels::ExpertGradsView grads() const { return {bound.dw1 ? bound.dw1 : dw1.ptr, bound.dw1 ? bound.dw2 : dw2.ptr}; }
+  kernels::ExpertGradsView grads() const {
+    if (bound_dw1_bf16) return {nullptr, nullptr, bound_dw1_bf16, bound_dw2_bf16};
+    return {bound.dw1 ? bound.dw1 : dw1.ptr, bound.dw1 ? bound.dw2 : dw2.ptr};
+  }
   bool has_weights() const { return bound.w1 || own_weights || num_local == 0; }
-  bool has_grads() const { return bound.dw1 || own_weights || num_local == 0; }
+  bool has_grads() const { return bound.dw1 || bound_dw1_bf16 || own_weights || num_local == 0; }
   DeviceBuffer<int32_t> owner, local, local_to_global;
   // Workspaces of one call (sized for T tokens at Create).
   DeviceBuffer<int32_t> rank_in_expert;
@@ -262,7 +267,19 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain,
 Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, float>& w) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RDEP_RETURN_IF_ERROR(w.Validate(rank));
-  ranks_[static_cast<size_t>(rank)]->bound = w;
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  st.bound = w;
+  st.bound_dw1_bf16 = st.bound_dw2_bf16 = nullptr;
+  return Status::Ok();
+}
+
+Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, __nv_bfloat16>& w) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(w.Validate(rank));
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  st.bound = {w.w1, w.w2, nullptr, nullptr};
+  st.bound_dw1_bf16 = w.dw1;
+  st.bound_dw2_bf16 = w.dw2;
   return Status::Ok();
 }
 
@@ -518,6 +535,12 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   if (!ranks_[static_cast<size_t>(rank)]->has_weights() || !ranks_[static_cast<size_t>(rank)]->has_grads())
     return FailedPrecondition("backward on rank " + std::to_string(rank) +
                               ": the layer was created without weights and no weights and gradients are bound");
+  if (ranks_[static_cast<size_t>(rank)]->grads().bf16()) {
+    const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank);
+    if (peek && peek->num_segments > 1)
+      return FailedPrecondition("backward on rank " + std::to_string(rank) + ": bf16 weight gradients need the forward in one segment (it ran in " +
+                                std::to_string(peek->num_segments) + "; use segment_tokens = 0, the default, or bind fp32 gradients)");
+  }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   RankState& st = *ranks_[static_cast<size_t>(rank)];
@@ -527,9 +550,12 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                              s.hidden, st.scratch.ptr, dgates, stream));
-  if (st.w1_count) {
+  if (st.w1_count && !st.grads().bf16()) {  // fp32 gradients accumulate over segments; bf16 ones are written once
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw1, 0, st.w1_count * sizeof(float), stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2, 0, st.w2_count * sizeof(float), stream));
+  } else if (st.w1_count && sv.num_segments == 0) {  // bf16, and no segment will write them
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw1_bf16, 0, st.w1_count * 2, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2_bf16, 0, st.w2_count * 2, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
@@ -615,11 +641,15 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   int64_t m = 0;
   for (int64_t c : counts) m += c;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
+  const kernels::ExpertGradsView grads = st.grads();
   if (m > 0) {  // dx rows go right behind the dout rows in out_rows
     const kernels::ExpertRows rows{nullptr, m, counts.data()};  // saved by forward on the host
     RDEP_RETURN_IF_ERROR(st.mlp->Backward(rows, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
-                                          st.weights(), st.out_rows.ptr + m * H, st.grads(),
-                                          /*accumulate=*/true, stream));
+                                          st.weights(), st.out_rows.ptr + m * H, grads,
+                                          /*accumulate=*/!grads.bf16(), stream));
+  } else if (grads.bf16() && st.w1_count) {  // no rows at this owner: its bf16 gradients are zero
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw1_bf16, 0, st.w1_count * 2, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw2_bf16, 0, st.w2_count * 2, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), sv.grouped.ptr + base, m, layout_,

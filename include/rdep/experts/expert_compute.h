@@ -40,10 +40,14 @@ struct ExpertWeightsView {
   const float* w2_scales = nullptr;
 };
 
-// Weight gradients, fp32, the weights' layout.
+// Weight gradients in the weights' layout: fp32 (dw1, dw2), or bf16 (dw1_bf16, dw2_bf16, set instead:
+// the gradients of bf16 parameters, written once, never accumulated).
 struct ExpertGradsView {
   float* dw1 = nullptr;
   float* dw2 = nullptr;
+  __nv_bfloat16* dw1_bf16 = nullptr;
+  __nv_bfloat16* dw2_bf16 = nullptr;
+  bool bf16() const { return dw1_bf16 != nullptr; }
 };
 
 class ExpertCompute {

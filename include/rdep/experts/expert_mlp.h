@@ -90,6 +90,11 @@ class ExpertMlp {
   Status Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
                   const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
                   __nv_bfloat16* dx, float* dw1, float* dw2, bool accumulate, cudaStream_t stream);
+  // The same with dw1, dw2 written as bf16 (each GEMM accumulates in fp32 and rounds once), overwritten:
+  // the gradients of bf16 parameters without an fp32 copy and a cast.
+  Status Backward(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+                  const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
+                  __nv_bfloat16* dx, __nv_bfloat16* dw1, __nv_bfloat16* dw2, cudaStream_t stream);
 
   // Device bytes held by this object (activation scratch, cuBLAS workspaces, pointer tables), and
   // the same before creating one (what Create will allocate for desc and config).
@@ -102,6 +107,9 @@ class ExpertMlp {
 
  private:
   explicit ExpertMlp(std::unique_ptr<Impl> impl);
+  Status BackwardImpl(const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+                      const int64_t* rows_per_expert, const __nv_bfloat16* w1, const __nv_bfloat16* w2,
+                      __nv_bfloat16* dx, void* dw1, void* dw2, bool bf16_grads, bool accumulate, cudaStream_t stream);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -61,6 +61,9 @@ class CudaMoELayer {
   // instead of the layer's own (rdep/layer/layer_config.h: ExternalWeights); all-null restores the
   // layer's own. They must stay valid until the rank's stream has run the calls that use them.
   Status BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, float>& weights);
+  // The same with bf16 weight gradients (the gradients of bf16 parameters: written once, each GEMM
+  // accumulating in fp32 and rounding once), for forwards that ran in one segment (the default S).
+  Status BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, __nv_bfloat16>& weights);
   ~CudaMoELayer();
 
   // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:

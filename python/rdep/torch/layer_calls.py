@@ -113,9 +113,10 @@ def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:
     return token, None
 
 
-def backward(layer: Layer, ctx, dy, w1, w2):
+def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32):
     """Runs the backward collective of the forward that returned ctx, then releases its context;
-    returns (dx, dgates, dw1, dw2) with dw1, dw2 in fp32."""
+    returns (dx, dgates, dw1, dw2) with dw1, dw2 in grad_dtype: fp32, or on CUDA bf16 (the gradients of
+    bf16 weights, written by the layer's GEMMs directly: no fp32 copy, no cast)."""
     L, n, H, K = layer.num_local_ranks, dy.shape[1], layer.hidden, layer.topk
     native = layer._native
     token, c_id_seen = _read_context(ctx)
@@ -132,8 +133,9 @@ def backward(layer: Layer, ctx, dy, w1, w2):
                 "ran: one backward per forward) and whose slot now holds another forward's state")
         dx = torch.empty_like(dy)
         dgates = torch.empty((L, n, K), dtype=torch.float32, device=dy.device)
-        dw1 = torch.empty(w1.shape, dtype=torch.float32, device=w1.device)
-        dw2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
+        grad_bf16 = grad_dtype == torch.bfloat16
+        dw1 = torch.empty(w1.shape, dtype=grad_dtype, device=w1.device)
+        dw2 = torch.empty(w2.shape, dtype=grad_dtype, device=w2.device)
         io = _new_io(layer)
         db, gb = n * H * dy.element_size(), n * K * 4
         dyp, dxp, dgp = dy.data_ptr(), dx.data_ptr(), dgates.data_ptr()
@@ -145,6 +147,7 @@ def backward(layer: Layer, ctx, dy, w1, w2):
             r.dx = dxp + i * db
             r.dgates = dgp + i * gb
             r.stream = streams[i]
+            r.grad_bf16 = int(grad_bf16)
         _fill_weights(io, layer, w1, w2, dw1, dw2)
         lib = _capi.lib()
         try:

@@ -9,7 +9,7 @@ functional entry point `moe`.
 `layer` is rdep.torch.Layer.id; x [L, n, H], experts int32 [L, n, K], gates fp32 [L, n, K] (L = the layer's
 local ranks), w1 [E_local, H, 2F], w2 [E_local, F, H] (the local ranks' experts, in order). y has x's
 shape and dtype; ctx is a 0-dim int64 CPU tensor naming the forward's saved state (layer_calls.py);
-dw1, dw2 are fp32. Autograd: moe_forward's backward calls moe_backward, which releases the context;
+dw1, dw2 are fp32, or bf16 for bf16 weights on CUDA with one segment (ops._grad_dtype). Autograd: moe_forward's backward calls moe_backward, which releases the context;
 gradients reach x, gates, w1 and w2 (experts is an index tensor). Double backward is not supported.
 
     y = rdep.torch.moe(layer, x, experts, gates, w1, w2)   # saves a context only when grad is needed
@@ -56,8 +56,19 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True):
 def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
+    grad_dtype = _grad_dtype(h, w1)
     w1, w2 = _layer_weights(h, w1, w2)
-    return layer_calls.backward(h, ctx, dy, w1, w2)
+    return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
+
+
+def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
+    """The weight gradients' dtype: bf16 for bf16 weights on CUDA when the forward ran in one segment
+    (the layer's GEMMs write them directly), fp32 otherwise (fp32 master weights, the host backend,
+    or several segments, whose gradients accumulate in fp32)."""
+    one_segment = layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
+    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and one_segment:
+        return torch.bfloat16
+    return torch.float32
 
 
 @moe_backward.register_fake
@@ -65,8 +76,9 @@ def _moe_backward_fake(layer, ctx, dy, w1, w2):
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
     L, n, K = dy.shape[0], dy.shape[1], h.topk
+    g = _grad_dtype(h, w1)
     return (torch.empty_like(dy), dy.new_empty((L, n, K), dtype=torch.float32),
-            w1.new_empty(w1.shape, dtype=torch.float32), w2.new_empty(w2.shape, dtype=torch.float32))
+            w1.new_empty(w1.shape, dtype=g), w2.new_empty(w2.shape, dtype=g))
 
 
 def _setup_context(ctx, inputs, output):
