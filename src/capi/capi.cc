@@ -94,9 +94,10 @@ rdep::Status CheckIo(const rdep_layer& l, const rdep_rank_io& a, int32_t rank, b
   const bool rows = a.num_tokens > 0, experts = l.ownership.num_local(rank) > 0;
   if (experts && !a.w1) return missing("w1");
   if (experts && !a.w2) return missing("w2");
-  if (a.grad_bf16 != 0 && (!backward || l.spec.backend == RDEP_BACKEND_HOST || a.grad_bf16 != 1))
-    return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 " + std::to_string(a.grad_bf16) +
-                                 " is for the CUDA backend's backward only (0 or 1)");
+  if (a.grad_bf16 != 0 && a.grad_bf16 != 1)
+    return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 must be 0 or 1, got " + std::to_string(a.grad_bf16));
+  if (backward && a.grad_bf16 && l.spec.backend == RDEP_BACKEND_HOST)  // forward ignores it
+    return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 (bf16 weight gradients) is for the CUDA backend");
   if (!backward) {
     if (rows && !a.experts) return missing("experts");
     if (rows && !a.gates) return missing("gates");
