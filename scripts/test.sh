@@ -20,7 +20,7 @@ fi
 if python3 -c 'import torch' >/dev/null 2>&1; then
   echo "python tests: $(python3 -c 'import torch; print("torch", torch.__version__)')"
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 -m pytest python/tests -q -rs -p no:cacheprovider || rc=$?
+    python3 -m pytest python/tests examples/torch_training -q -rs -p no:cacheprovider || rc=$?
 else
   echo "python tests: NOT RUN, PyTorch is not installed here (python3 -m pip install torch pytest numpy; .ci/run does)"
   if [ -n "${CI:-}" ]; then rc=1; fi

@@ -1,0 +1,112 @@
+"""Fast CPU test of the training example (train.py) at a tiny shape: hidden 32, 2 layers (1 dense + 1 MoE of
+8 experts top-2 plus 2 shared), 6 steps, on the host backend.
+
+  RDEP_LIBRARY=build/lib/librdep_capi.so PYTHONPATH=python python3 -m pytest examples/torch_training -q
+
+Checks: losses finite and falling; rdep and the baseline start from the same weights (first-step losses
+agree: exactly up to fp32 rounding against the torch reference MoE, within bf16 rounding against
+TorchTitan's MoE, whose experts run in bf16 even on the CPU); rdep driving 2 ranks in one process gives the
+single-rank losses; the JSON receipt has its fields; --moe torchtitan says what it ran when torchtitan does
+not import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import train  # noqa: E402
+from moe_variants import REFERENCE_LABEL, torchtitan_status  # noqa: E402
+
+TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--layers", "2", "--dense-layers", "1",
+        "--dense-ffn", "64", "--moe-ffn", "16", "--experts", "8", "--topk", "2", "--seq-len", "32",
+        "--batch", "4", "--steps", "6", "--lr", "3e-3", "--warmup", "1", "--eval-batches", "1",
+        "--print-every", "100"]
+
+VARIANT_FIELDS = {"kind", "label", "loss", "tokens_per_s", "step_ms", "peak_mem_mib", "val_loss",
+                  "tokens_per_s_median", "peak_mem_mib_max"}
+
+
+def _rdep_available() -> bool:
+    try:
+        import rdep  # noqa: F401
+        import rdep.torch  # noqa: F401
+
+        rdep.library_info()
+        return True
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _rdep_available(), reason="rdep (python/ and librdep_capi.so) not importable; "
+                                "set PYTHONPATH=python and RDEP_LIBRARY")
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """rdep then the torch reference MoE, one process, same seed."""
+    out = tmp_path_factory.mktemp("receipt") / "receipt.json"
+    receipt = train.main(TINY + ["--moe", "both", "--baseline", "reference", "--json", str(out),
+                                 "--png", str(out.with_suffix(".png"))])
+    return receipt, out
+
+
+def test_rdep_and_reference_train_from_the_same_weights(both):
+    receipt, _ = both
+    rdep_run, ref_run = receipt["variants"]
+    assert rdep_run["label"] == "rdep" and ref_run["label"] == REFERENCE_LABEL
+    for run in (rdep_run, ref_run):
+        assert len(run["loss"]) == 6 and all(math.isfinite(x) for x in run["loss"]), run["loss"]
+        assert run["loss"][-1] < run["loss"][0], f"{run['label']}: loss did not fall: {run['loss']}"
+        assert run["loss"][0] == pytest.approx(math.log(256), abs=0.1)  # an untrained byte model
+    # Same data, seed and weights, both fp32 on the CPU: the curves agree to fp32 rounding.
+    for a, b in zip(rdep_run["loss"], ref_run["loss"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-4)
+    assert receipt["comparison"]["first_loss_abs_diff"] < 1e-4
+
+
+def test_receipt_fields(both):
+    receipt, path = both
+    on_disk = json.loads(path.read_text())
+    for key in ("config", "torch", "device", "corpus", "torchtitan", "variants", "comparison"):
+        assert key in on_disk, key
+    assert on_disk["config"]["model"]["experts"] == 8 and on_disk["config"]["model"]["topk"] == 2
+    assert on_disk["corpus"]["bytes"] > 100_000 and len(on_disk["corpus"]["sha256"]) == 64
+    for run in on_disk["variants"]:
+        assert VARIANT_FIELDS <= set(run), VARIANT_FIELDS - set(run)
+        assert run["peak_mem_mib"] == [None] * 6  # CPU: n/a
+        assert all(t > 0 for t in run["tokens_per_s"])
+    ag = on_disk["comparison"]["agreement"]
+    assert ag["agree"] is True and ag["window"] == [3, 6], ag
+    # The plot is written, or the receipt says why not (matplotlib missing).
+    assert Path(on_disk["png"]).exists() or "matplotlib is not installed" in on_disk["png"]
+
+
+def test_rdep_two_ranks_in_one_process_match_one_rank(both):
+    receipt, _ = both
+    two = train.main(TINY + ["--moe", "rdep", "--ranks-per-process", "2"])
+    assert two["variants"][0]["rdep_layer"].startswith("W=2 "), two["variants"][0]["rdep_layer"]
+    for a, b in zip(two["variants"][0]["loss"], receipt["variants"][0]["loss"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-4)
+
+
+def test_torchtitan_choice_is_labeled_honestly():
+    receipt = train.main(TINY + ["--moe", "torchtitan", "--steps", "2"])
+    run = receipt["variants"][0]
+    ok, _ = torchtitan_status()
+    if ok:
+        assert run["kind"] == "torchtitan" and run["label"].startswith("TorchTitan MoE")
+        # TorchTitan's experts run in bf16 even on the CPU: the first loss agrees within bf16 rounding.
+        ref = train.main(TINY + ["--moe", "reference", "--steps", "1"])
+        assert run["loss"][0] == pytest.approx(ref["variants"][0]["loss"][0], abs=1e-2)
+    else:
+        assert run["kind"] == "reference" and run["label"] == REFERENCE_LABEL
+        assert "torchtitan does not import" in run["note"]
+    assert all(math.isfinite(x) for x in run["loss"])

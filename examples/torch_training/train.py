@@ -1,0 +1,561 @@
+#!/usr/bin/env python3
+"""End-to-end MoE training: a small Moonlight-architecture language model (model.py) trained on a real text
+corpus with byte-level tokens, its MoE layers from rdep (rdep.torch.MoE) or from a baseline (TorchTitan's
+MoE module when the `torchtitan` package imports, else a plain "torch reference MoE"; moe_variants.py).
+With --moe both the two run one after the other in the same process from the same data, seed and initial
+weights, and a side-by-side summary compares loss curves, tokens/s and peak memory.
+
+  # CPU, tiny (seconds); the library path as built by the repo's CMake build
+  RDEP_LIBRARY=build/lib/librdep_capi.so PYTHONPATH=python python3 examples/torch_training/train.py \
+      --device cpu --moe both --hidden 64 --heads 4 --layers 2 --dense-ffn 128 --moe-ffn 32 --experts 8 \
+      --topk 2 --seq-len 64 --batch 8 --steps 30 --lr 3e-3 --json /tmp/receipt.json --png /tmp/loss.png
+  # one GPU, defaults (hidden 1024, 4 layers = 1 dense + 3 MoE of 64 experts top-6 + 2 shared, 200 steps)
+  python3 examples/torch_training/train.py --device cuda --moe both --json receipt.json --png loss.png
+  # every local GPU: one process per GPU, experts sharded over the processes
+  torchrun --nproc-per-node=$(nvidia-smi -L | wc -l) examples/torch_training/train.py --device cuda --moe both
+
+Parallelism. Under torchrun (WORLD_SIZE set) torch.distributed starts from the environment (NCCL on CUDA,
+gloo on the CPU); each process is one rank with its own batch; dense parameters are replicated and their
+gradients averaged with one all-reduce per step; expert parameters are sharded (each rank holds E/W
+experts, the same contiguous blocks in every variant) and never all-reduced: their gradients already
+sum every rank's tokens through the MoE's combine backward, so they are scaled by 1/W to match the
+averaged loss. Without torchrun there is one process; --ranks-per-process L > 1 makes rdep drive L ranks in
+it (host backend threads on the CPU, ranks sharing the GPU on CUDA), each with 1/L of the batch's tokens
+(the baselines compute the same math in one piece; dropless routing makes it the same model).
+
+Loss agreement criterion (computed in the summary): over the steps [--agree-from, --agree-to) (default
+100-200, the second half of the run when it is shorter), D = mean_t |L_rdep(t) - L_base(t)| and the loss's
+own step-to-step noise sigma = std_t(L_base(t) - L_base(t-1)) / sqrt(2) (each step draws a new batch);
+the curves agree when D <= sigma. Tokens/s is the median over the steps after --warmup-steps-timing;
+peak memory is torch.cuda.max_memory_allocated (max over ranks), plus the device memory in use
+(total - free, which also counts rdep's own buffers and PyTorch's cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model import ModelConfig, MoonlightLM  # noqa: E402
+from moe_variants import (REFERENCE_LABEL, ReferenceMoE, RdepMoE, TitanMoE, canonical_moe,  # noqa: E402
+                          torchtitan_status)
+
+MIB = 2.0 ** 20
+
+
+# --- arguments --------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    d = ModelConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--moe", choices=("rdep", "torchtitan", "reference", "both"), default="both",
+                   help="which MoE: both = rdep then the baseline (--baseline)")
+    p.add_argument("--baseline", choices=("auto", "torchtitan", "reference"), default="auto",
+                   help="baseline for --moe both: auto = torchtitan if it imports, else the torch reference MoE")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ranks-per-process", type=int, default=1,
+                   help="rdep ranks driven by this process (without torchrun): host threads / ranks sharing a GPU")
+    m = p.add_argument_group("model (Moonlight architecture, scaled down)")
+    m.add_argument("--hidden", type=int, default=d.hidden)
+    m.add_argument("--layers", type=int, default=d.layers)
+    m.add_argument("--dense-layers", type=int, default=d.dense_layers)
+    m.add_argument("--heads", type=int, default=d.heads)
+    m.add_argument("--dense-ffn", type=int, default=d.dense_ffn)
+    m.add_argument("--moe-ffn", type=int, default=d.moe_ffn)
+    m.add_argument("--experts", type=int, default=d.experts)
+    m.add_argument("--topk", type=int, default=d.topk)
+    m.add_argument("--shared-experts", type=int, default=d.shared_experts)
+    m.add_argument("--score", choices=("sigmoid", "softmax"), default=d.score)
+    m.add_argument("--groups", type=int, default=d.groups)
+    m.add_argument("--topk-groups", type=int, default=d.topk_groups)
+    m.add_argument("--route-scale", type=float, default=d.route_scale)
+    m.add_argument("--seq-len", type=int, default=d.seq_len)
+    t = p.add_argument_group("training")
+    t.add_argument("--batch", type=int, default=8, help="sequences per process per step")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=int, default=20, help="linear LR warmup steps (then cosine to 10%%)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    t.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free expert bias update rate")
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final validation loss")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default="", help="write the receipt (JSON) here")
+    o.add_argument("--png", default="", help="write the loss-curve plot here (needs matplotlib)")
+    o.add_argument("--agree-from", type=int, default=100)
+    o.add_argument("--agree-to", type=int, default=200)
+    o.add_argument("--warmup-steps-timing", type=int, default=5, help="steps left out of the tokens/s median")
+    o.add_argument("--print-every", type=int, default=1)
+    o.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
+    o.add_argument("--profile-at", type=int, default=20)
+    return p.parse_args(argv)
+
+
+def model_config(a) -> ModelConfig:
+    return ModelConfig(hidden=a.hidden, layers=a.layers, dense_layers=a.dense_layers, heads=a.heads,
+                       dense_ffn=a.dense_ffn, moe_ffn=a.moe_ffn, experts=a.experts, topk=a.topk,
+                       shared_experts=a.shared_experts, score=a.score, groups=a.groups, topk_groups=a.topk_groups,
+                       route_scale=a.route_scale, seq_len=a.seq_len)
+
+
+# --- distributed ------------------------------------------------------------------------------------------
+
+class Dist:
+    """This process's place: rank, world size, device, the process group (None without torchrun)."""
+
+    def __init__(self, device_kind: str):
+        self.group = None
+        self.rank, self.world = 0, 1
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if device_kind == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+            self.group = dist.group.WORLD
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if device_kind == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda: torch.cuda.is_available() is False (use --device cpu)")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kw) -> None:
+        if self.main:
+            print(*args, **kw, flush=True)
+
+    def reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if self.group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# --- data -------------------------------------------------------------------------------------------------
+
+class Corpus:
+    """CPython's language reference and library topic texts (pydoc_data.topics: in every Python install,
+    offline), the topics joined in sorted key order, as bytes: byte-level tokens, vocabulary 256. The last
+    10% is held out for the validation loss. Batches are drawn from (seed, step) alone, so every variant
+    sees the same batches; a process takes its rows [rank * B, (rank + 1) * B) of the global batch."""
+
+    def __init__(self, seq_len: int):
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        self.sha256 = hashlib.sha256(text).hexdigest()
+        self.bytes = len(text)
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        n_val = max(len(data) // 10, 4 * (seq_len + 1))
+        self.train, self.val = data[:-n_val], data[-n_val:]
+        self.seq_len = seq_len
+        if len(self.val) <= seq_len + 1:
+            raise ValueError(f"--seq-len {seq_len} is too long for the corpus ({self.bytes} bytes)")
+
+    def batch(self, split: str, step: int, seed: int, rank: int, world: int, batch: int, device):
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split != "train"))
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (world * batch,), generator=g)
+        starts = starts[rank * batch:(rank + 1) * batch]
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        seqs = data[idx].long().to(device, non_blocking=True)
+        return seqs[:, :-1], seqs[:, 1:]
+
+
+# --- one variant ------------------------------------------------------------------------------------------
+
+def resolve_kind(kind: str) -> tuple[str, str]:
+    """(kind to build, note): 'torchtitan' falls back to 'reference' when torchtitan does not import."""
+    if kind == "torchtitan":
+        ok, why = torchtitan_status()
+        if not ok:
+            return "reference", f"torchtitan does not import ({why}); using the {REFERENCE_LABEL} instead"
+    return kind, ""
+
+
+def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
+    tokens = a.batch * cfg.seq_len
+
+    def make_moe(layer: int):
+        if kind == "rdep":
+            return RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
+                           ranks=a.ranks_per_process, seed=a.seed)
+        if kind == "torchtitan":
+            return TitanMoE(cfg, layer, group=dd.group, device=dd.device, bias_rate=a.bias_rate)
+        return ReferenceMoE(cfg, layer, group=dd.group)
+
+    model = MoonlightLM(cfg, make_moe)
+    # Same initial weights in every variant: the dense parameters from (seed, name), each MoE layer's from
+    # one canonical draw (moe_variants.canonical_moe) copied into the variant's own layout.
+    model.init_dense(a.seed)
+    for i, block in enumerate(model.blocks):
+        if block.is_moe:
+            block.moe.load_canonical(canonical_moe(cfg, i, block.moe.local_experts, a.seed))
+    return model.to(dd.device)
+
+
+def expert_and_dense(model: MoonlightLM):
+    experts = {id(p) for moe in model.moe_layers() for p in moe.expert_parameters()}
+    ex = [p for p in model.parameters() if id(p) in experts]
+    de = [p for p in model.parameters() if id(p) not in experts]
+    return ex, de
+
+
+def make_optimizer(model: MoonlightLM, a, device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    # fused on CUDA: one kernel for all parameters (the foreach AdamW took ~40% of the GPU time of a step)
+    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def lr_at(step: int, a) -> float:
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    frac = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+@torch.no_grad()
+def sync_gradients(experts: list, dense: list, dd: Dist) -> None:
+    """Dense gradients averaged over ranks (one flat all-reduce); expert gradients scaled by 1/W."""
+    if dd.group is None:
+        return
+    grads = [p.grad for p in dense if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=dd.group)
+        flat /= dd.world
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+    for p in experts:
+        if p.grad is not None:
+            p.grad.div_(dd.world)
+
+
+@torch.no_grad()
+def clip_gradients(experts: list, dense: list, max_norm: float, dd: Dist) -> float:
+    """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
+    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm."""
+    def sq(ps):
+        gs = [p.grad.float().pow(2).sum() for p in ps if p.grad is not None]
+        return torch.stack(gs).sum() if gs else torch.zeros((), device=dd.device)
+
+    e2 = sq(experts)
+    if dd.group is not None:
+        dist.all_reduce(e2, group=dd.group)
+    norm = (sq(dense) + e2).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in experts + dense:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return float(norm)
+
+
+def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> dict:
+    torch.manual_seed(a.seed)
+    cuda = dd.device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dd.device)
+    model = build_model(kind, cfg, a, dd)
+    label = model.moe_layers()[0].label if model.moe_layers() else kind
+    experts, dense = expert_and_dense(model)
+    opt = make_optimizer(model, a, dd.device)
+    n_dense = sum(p.numel() for p in dense)
+    n_expert = sum(p.numel() for p in experts)
+    tokens_global = a.batch * cfg.seq_len * dd.world
+    dd.print(f"\n=== {label}: {n_dense / 1e6:.2f}M dense + {n_expert / 1e6:.2f}M expert parameters per process, "
+             f"W={dd.world}, {tokens_global} tokens/step" + (f"\n    note: {note}" if note else ""))
+    if kind == "rdep" and model.moe_layers():
+        dd.print("    " + repr(model.moe_layers()[0].moe.layer))
+
+    rec = {"kind": kind, "label": label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
+           "peak_mem_mib": [], "device_used_mib": [], "grad_norm": [], "lr": [], "max_load_ratio": []}
+    prof = None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    model.train()
+    for step in range(a.steps):
+        x, y = corpus.batch("train", step, a.seed, dd.rank, dd.world, a.batch, dd.device)
+        lr = lr_at(step, a)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if a.profile_steps > 0 and step == a.profile_at:
+            prof = start_profiler(cuda)
+        dd.sync()
+        t0 = time.perf_counter()
+        with autocast:
+            loss, router_loss = model(x, y)
+        (loss + router_loss).backward()
+        sync_gradients(experts, dense, dd)
+        gnorm = clip_gradients(experts, dense, a.clip, dd)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loads = [moe.step_load() for moe in model.moe_layers()]
+        for moe in model.moe_layers():
+            moe.update_bias(a.bias_rate)
+        dd.sync()
+        dt = time.perf_counter() - t0
+        if prof is not None and step == a.profile_at + a.profile_steps - 1:
+            rec["profile"] = stop_profiler(prof, cuda, f"{label}, steps [{a.profile_at}, {step + 1})", dd)
+            prof = None
+        # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
+        rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
+                                          for ld in loads if ld is not None), default=None))
+        (loss_sum,) = dd.reduce([float(loss.detach())], "sum")
+        peak = torch.cuda.max_memory_allocated(dd.device) / MIB if cuda else float("nan")
+        used = 0.0
+        if cuda:
+            free, total = torch.cuda.mem_get_info(dd.device)
+            used = (total - free) / MIB
+        dt_max, peak_max, used_max = dd.reduce([dt, peak, used], "max")
+        rec["loss"].append(loss_sum / dd.world)
+        rec["tokens_per_s"].append(tokens_global / dt_max)
+        rec["step_ms"].append(dt_max * 1e3)
+        rec["peak_mem_mib"].append(peak_max if cuda else None)
+        rec["device_used_mib"].append(used_max if cuda else None)
+        rec["grad_norm"].append(gnorm)
+        rec["lr"].append(lr)
+        if not math.isfinite(rec["loss"][-1]):
+            dd.print(f"step {step}: loss is {rec['loss'][-1]}; stopping this variant")
+            break
+        if step % a.print_every == 0 or step == a.steps - 1:
+            mem = f"peak {peak_max:9.1f} MiB" if cuda else "peak mem n/a (CPU)"
+            lr_ = rec["max_load_ratio"][-1]
+            dd.print(f"[{kind:>10}] step {step:4d} | loss {rec['loss'][-1]:.4f} | {tokens_global / dt_max:10,.0f} tok/s"
+                     f" | {dt_max * 1e3:8.1f} ms | {mem} | gnorm {gnorm:.3f}"
+                     + (f" | max/mean expert load {lr_:.2f}" if lr_ is not None else ""))
+
+    model.eval()
+    val = []
+    with torch.no_grad(), autocast:
+        for i in range(a.eval_batches):
+            x, y = corpus.batch("val", i, a.seed, dd.rank, dd.world, a.batch, dd.device)
+            val.append(float(model(x, y)[0]))
+    rec["val_loss"] = dd.reduce([sum(val) / max(1, len(val))])[0] / dd.world if val else None
+    # Medians over the steps after the first few, profiled steps left out.
+    skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
+    profiled = set(range(a.profile_at, a.profile_at + a.profile_steps))
+    timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
+    rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
+    rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
+    rec["step_ms_median"] = statistics.median(rec["step_ms"][t] for t in timed) if timed else None
+    rec["peak_mem_mib_max"] = max(rec["peak_mem_mib"]) if cuda and rec["peak_mem_mib"] else None
+    rec["device_used_mib_max"] = max(rec["device_used_mib"]) if cuda and rec["device_used_mib"] else None
+    if kind == "rdep" and model.moe_layers():
+        try:
+            rec["rdep_layer"] = model.moe_layers()[0].moe.layer.describe()
+        except Exception as e:  # describe() is informational
+            rec["rdep_layer"] = f"describe failed: {e}"
+    rec["parameters"] = {"dense_per_process": n_dense, "expert_per_process": n_expert}
+    for moe in model.moe_layers():
+        moe.close()
+    del model, opt, experts, dense
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def start_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def stop_profiler(prof, cuda: bool, title: str, dd: Dist) -> str:
+    prof.__exit__(None, None, None)
+    table = ""
+    for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
+        try:
+            table = prof.key_averages().table(sort_by=key, row_limit=20)
+            break
+        except Exception:  # the key's name differs between torch versions
+            continue
+    dd.print(f"--- profile: {title}\n{table}")
+    return table
+
+
+# --- comparison -------------------------------------------------------------------------------------------
+
+def agreement(a_loss: list, b_loss: list, lo: int, hi: int) -> dict:
+    """The criterion of the module docstring, on steps [lo, hi) (the second half when the run is shorter)."""
+    n = min(len(a_loss), len(b_loss))
+    if n < hi or lo >= hi:
+        lo, hi = n // 2, n
+    if hi - lo < 3:
+        return {"window": [lo, hi], "agree": None, "why": "fewer than 3 steps in the window"}
+    d = statistics.fmean(abs(a_loss[t] - b_loss[t]) for t in range(lo, hi))
+    bias = statistics.fmean(a_loss[t] - b_loss[t] for t in range(lo, hi))
+    steps = [b_loss[t] - b_loss[t - 1] for t in range(max(lo, 1), hi)]
+    sigma = statistics.pstdev(steps) / math.sqrt(2) if len(steps) > 1 else float("nan")
+    return {"window": [lo, hi], "mean_abs_diff": d, "mean_diff": bias, "noise_sigma": sigma,
+            "ratio": d / sigma if sigma > 0 else float("inf"), "agree": bool(d <= sigma),
+            "criterion": "mean_t |L_rdep - L_base| <= std_t(L_base(t) - L_base(t-1)) / sqrt(2)"}
+
+
+def print_summary(recs: list, cmp: dict, dd: Dist, cuda: bool) -> None:
+    a, b = recs
+    w = max(26, len(a["label"]) + 2, len(b["label"]) + 2)
+
+    def row(name, fa, fb, fmt):
+        def f(v):
+            return "n/a" if v is None else format(v, fmt)
+        dd.print(f"{name:<34}{f(fa):>{w}}{f(fb):>{w}}")
+
+    def tail_mean(r, k=10):
+        xs = r["loss"][-k:]
+        return statistics.fmean(xs) if xs else None
+
+    dd.print("\n" + "=" * (34 + 2 * w))
+    dd.print(f"{'summary (same data, seed, weights)':<34}{a['label']:>{w}}{b['label']:>{w}}")
+    row("first-step loss", a["loss"][0] if a["loss"] else None, b["loss"][0] if b["loss"] else None, ".5f")
+    row("mean loss, last 10 steps", tail_mean(a), tail_mean(b), ".4f")
+    row("validation loss", a["val_loss"], b["val_loss"], ".4f")
+    row("tokens/s (median)", a["tokens_per_s_median"], b["tokens_per_s_median"], ",.0f")
+    row("step time ms (median)", a["step_ms_median"], b["step_ms_median"], ".1f")
+    row("peak torch memory MiB (max rank)", a["peak_mem_mib_max"], b["peak_mem_mib_max"], ".1f")
+    row("device memory in use MiB (max)", a["device_used_mib_max"], b["device_used_mib_max"], ".1f")
+    dd.print("-" * (34 + 2 * w))
+    if a["tokens_per_s_median"] and b["tokens_per_s_median"]:
+        dd.print(f"tokens/s, rdep / baseline: {cmp['speedup']:.3f}x")
+    if cuda and cmp.get("peak_ratio") is not None:
+        dd.print(f"peak torch memory, rdep / baseline: {cmp['peak_ratio']:.3f}")
+    dd.print(f"first-step loss |difference|: {cmp['first_loss_abs_diff']:.3g}")
+    ag = cmp["agreement"]
+    if ag.get("agree") is None:
+        dd.print(f"loss agreement: not computed ({ag['why']})")
+    else:
+        dd.print(f"loss agreement over steps [{ag['window'][0]}, {ag['window'][1]}): mean |dL| = {ag['mean_abs_diff']:.4f}"
+                 f", mean dL = {ag['mean_diff']:+.4f}, noise sigma = {ag['noise_sigma']:.4f}, ratio {ag['ratio']:.2f}"
+                 f" -> {'AGREE' if ag['agree'] else 'DISAGREE'} (criterion: mean |dL| <= sigma)")
+
+
+def compare(recs: list, a) -> dict:
+    r, b = recs
+    out = {"baseline": b["label"], "agreement": agreement(r["loss"], b["loss"], a.agree_from, a.agree_to),
+           "first_loss_abs_diff": abs(r["loss"][0] - b["loss"][0]) if r["loss"] and b["loss"] else None,
+           "speedup": (r["tokens_per_s_median"] / b["tokens_per_s_median"])
+           if r["tokens_per_s_median"] and b["tokens_per_s_median"] else None,
+           "peak_ratio": (r["peak_mem_mib_max"] / b["peak_mem_mib_max"])
+           if r.get("peak_mem_mib_max") and b.get("peak_mem_mib_max") else None}
+    return out
+
+
+def plot(recs: list, path: str, dd: Dist, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        msg = "matplotlib is not installed: skipping the loss-curve plot (--png); pip install matplotlib"
+        dd.print(msg)
+        return msg
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in recs:
+        ax1.plot(range(len(r["loss"])), r["loss"], label=r["label"], linewidth=1)
+        ax2.plot(range(len(r["tokens_per_s"])), r["tokens_per_s"], label=r["label"], linewidth=1)
+    ax1.set_xlabel("step"), ax1.set_ylabel("training loss (nats/byte)"), ax1.legend(), ax1.grid(alpha=0.3)
+    ax2.set_xlabel("step"), ax2.set_ylabel("tokens/s"), ax2.legend(), ax2.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    dd.print(f"wrote {path}")
+    return path
+
+
+# --- main -------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    dd = Dist(a.device)
+    cuda = dd.device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    cfg = model_config(a)
+    if a.ranks_per_process > 1 and dd.group is not None:
+        raise SystemExit("--ranks-per-process: under torchrun each process is one rank")
+    if dd.group is not None and not cuda and a.moe in ("rdep", "both"):
+        raise SystemExit("--moe rdep under torchrun needs --device cuda (one rank per GPU); on the CPU, run "
+                         "without torchrun and use --ranks-per-process for several host-backend ranks")
+    kinds = {"rdep": ["rdep"], "torchtitan": ["torchtitan"], "reference": ["reference"]}.get(a.moe)
+    if kinds is None:
+        base = "torchtitan" if a.baseline in ("auto", "torchtitan") else "reference"
+        kinds = ["rdep", base]
+    corpus = Corpus(cfg.seq_len)
+    tt_ok, tt_info = torchtitan_status()
+    dev_name = torch.cuda.get_device_name(dd.device) if cuda else (platform.processor() or platform.machine() or "cpu")
+    dd.print(f"torch {torch.__version__} | device {dev_name} | W={dd.world} | ranks/process {a.ranks_per_process} | "
+             f"corpus pydoc_data.topics {corpus.bytes} bytes (sha256 {corpus.sha256[:12]}) | "
+             f"torchtitan: {tt_info if tt_ok else 'not importable (' + tt_info + ')'}")
+    dd.print(f"model: {cfg}")
+
+    recs = []
+    for kind in kinds:
+        built, note = resolve_kind(kind)
+        recs.append(run_variant(built, note, cfg, corpus, a, dd))
+
+    receipt = {
+        "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,
+                   "tokens_per_step": a.batch * cfg.seq_len * dd.world},
+        "torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
+        "cuda": torch.version.cuda if cuda else None,
+        "corpus": {"name": "pydoc_data.topics (CPython language reference / library topics)",
+                   "bytes": corpus.bytes, "sha256": corpus.sha256, "tokens": "bytes (vocab 256)"},
+        "torchtitan": {"importable": tt_ok, "info": tt_info},
+        "variants": recs,
+    }
+    if len(recs) == 2:
+        receipt["comparison"] = compare(recs, a)
+        print_summary(recs, receipt["comparison"], dd, cuda)
+    if dd.main and a.png:
+        title = (f"{cfg.layers} layers H={cfg.hidden} E={cfg.experts} K={cfg.topk}, W={dd.world}, {dev_name}, "
+                 f"torch {torch.__version__}")
+        receipt["png"] = plot(recs, a.png, dd, title)
+    if dd.main and a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(receipt, indent=1, default=str) + "\n")
+        dd.print(f"wrote {a.json}")
+    return receipt
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
