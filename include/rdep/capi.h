@@ -5,10 +5,12 @@
  * one rank of a world under a launcher) plus one layer over it. A process drives the ranks
  * [first, first + count) of the W ranks (rdep_layer_local_ranks): all W on the host backend and in the
  * CUDA one-process mode, one in the per-process mode. Every call takes one rdep_rank_io per local rank,
- * in rank order, and runs the collective for all of them (one thread per rank inside).
+ * in rank order, and runs the collective for all of them (one thread per rank inside; a single local rank
+ * runs on the calling thread).
  *
  * Element types: host backend fp32 everywhere; CUDA backend bf16 activations (x, y, dy, dx) and expert
- * weights (w1, w2), fp32 gates and dgates, weight gradients (dw1, dw2) fp32 or, with grad_bf16, bf16. Experts are int32. Pointers are
+ * weights (w1, w2), fp32 gates and dgates, weight gradients (dw1, dw2) fp32 or, with grad_bf16, bf16;
+ * on CUDA w1, w2, dw1, dw2 must be 16-byte aligned. Experts are int32. Pointers are
  * host memory (host backend) or device memory on the rank's GPU (rdep_layer_device).
  * Expert weights are the caller's, passed to every call: w1 [E_r][H][2F] (columns [0, F) the gate
  * projection, [F, 2F) the up projection), w2 [E_r][F][H], for the E_r experts rank r owns, in expert
@@ -21,7 +23,15 @@
  *
  * Streams (CUDA): io.stream is the caller's stream on the rank's device (0 for the legacy default
  * stream); the layer's work on the rank's own stream is ordered after the caller's stream's prior work
- * and before its later work (event joins), so no host synchronization is added.
+ * and before its later work (event joins). The layer itself waits on the host once per forward segment
+ * (its expert GEMMs take per-expert row counts on the host), and since its stream first waits for the
+ * caller's, that wait also covers the caller's earlier work. Not capturable in a CUDA graph.
+ *
+ * Threads: calls on one layer are serialized (a second caller waits); layers are independent.
+ * Errors: arguments are checked before any rank starts the collective. In the per-process mode an
+ * argument error on one process therefore leaves the other processes to time out at their first
+ * barrier (a Timeout naming the missing rank and phase), after which the layer must be recreated:
+ * check arguments identically on every process before calling.
  *
  * Every function returns 0 or an rdep status code (rdep/status.h: 1 InvalidArgument, ...); the calling
  * thread's last error message is rdep_last_error(). */
@@ -55,7 +65,7 @@ typedef struct rdep_layer_spec {
   int32_t world_size;  /* W */
   int32_t num_gpus;    /* one-process CUDA: ranks round-robin over this many GPUs (0 = min(W, present)) */
   int32_t process_rank; /* per-process CUDA: this process's rank */
-  int32_t device;       /* per-process CUDA: this process's GPU */
+  int32_t device;       /* per-process CUDA: this process's GPU (-1: local rank mod the GPUs present) */
   int64_t tokens;       /* T: most tokens a rank passes to one call */
   int64_t hidden;       /* H */
   int64_t ffn;          /* D_ff (F) */
@@ -85,8 +95,8 @@ typedef struct rdep_rank_io {
   void* dw2;              /* [E_r][F][H] */
   void* stream;           /* CUDA: the caller's cudaStream_t on the rank's device */
   int32_t grad_bf16;      /* CUDA backward: 1 = dw1, dw2 are bf16 (the gradients of bf16 weights, written once;
-                             needs the forward in one segment), 0 = fp32 */
-  int32_t reserved;       /* 0 */
+                             needs one segment per forward: segment_tokens 0 or >= W*T), 0 = fp32 */
+  int32_t reserved;       /* must be 0 */
 } rdep_rank_io;
 
 int32_t rdep_capi_version(void);

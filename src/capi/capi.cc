@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <mutex>
 #include <sstream>
@@ -27,7 +28,8 @@ int FailInvalid(const std::string& m) { return Fail(rdep::InvalidArgument(m)); }
 struct ContextSlot {
   uint32_t generation = 1;
   bool in_use = false;
-  std::vector<rdep::ForwardContext> per_rank;
+  bool holds_forward = false;  // a forward completed into it since it was acquired, and no backward yet
+  std::vector<rdep::ForwardContext> per_rank;  // memory kept across reuses of the slot
 };
 
 }  // namespace
@@ -38,8 +40,9 @@ struct rdep_layer {
   rdep::OwnershipMap ownership;
   std::unique_ptr<rdep::capi::LayerAdapter> adapter;
   std::vector<int32_t> ranks;
-  std::mutex mu;  // contexts
-  std::vector<ContextSlot> slots;
+  std::mutex mu;       // contexts
+  std::mutex call_mu;  // one forward or backward of this layer at a time (binding and collective)
+  std::deque<ContextSlot> slots;  // a deque: slots stay put while others are added
 
   // The slot of a live id, or null.
   ContextSlot* Find(int64_t id) {
@@ -94,10 +97,19 @@ rdep::Status CheckIo(const rdep_layer& l, const rdep_rank_io& a, int32_t rank, b
   const bool rows = a.num_tokens > 0, experts = l.ownership.num_local(rank) > 0;
   if (experts && !a.w1) return missing("w1");
   if (experts && !a.w2) return missing("w2");
+  if (a.reserved != 0) return rdep::InvalidArgument("rank " + std::to_string(rank) + ": reserved must be 0");
+  if (l.spec.backend != RDEP_BACKEND_HOST) {  // the expert GEMMs need 16-byte aligned weights and gradients
+    for (const auto& [p, name] : {std::pair<const void*, const char*>{a.w1, "w1"}, {a.w2, "w2"}, {a.dw1, "dw1"}, {a.dw2, "dw2"}})
+      if (reinterpret_cast<uintptr_t>(p) % 16 != 0 && (backward || name[0] == 'w'))
+        return rdep::InvalidArgument("rank " + std::to_string(rank) + ": " + name + " must be 16-byte aligned");
+  }
   if (a.grad_bf16 != 0 && a.grad_bf16 != 1)
     return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 must be 0 or 1, got " + std::to_string(a.grad_bf16));
   if (backward && a.grad_bf16 && l.spec.backend == RDEP_BACKEND_HOST)  // forward ignores it
     return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 (bf16 weight gradients) is for the CUDA backend");
+  if (backward && a.grad_bf16 && l.spec.segment_tokens > 0 && l.spec.segment_tokens < s.ranks * s.tokens)
+    return rdep::InvalidArgument("rank " + std::to_string(rank) + ": grad_bf16 needs one segment per forward (segment_tokens 0 or >= W*T = " +
+                                 std::to_string(s.ranks * s.tokens) + ", got " + std::to_string(l.spec.segment_tokens) + ")");
   if (!backward) {
     if (rows && !a.experts) return missing("experts");
     if (rows && !a.gates) return missing("gates");
@@ -121,13 +133,20 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
                        " ranks");
   return Guard([&]() -> rdep::Status {
     for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckIo(*l, io[i], l->ranks[static_cast<size_t>(i)], backward));
+    std::lock_guard<std::mutex> call(l->call_mu);
     ContextSlot* slot;
     {
       std::lock_guard<std::mutex> lock(l->mu);
       slot = l->Find(ctx);
     }
     if (!slot) return rdep::InvalidArgument("context " + std::to_string(ctx) + " is not a live context of this layer (released or never acquired)");
-    return backward ? l->adapter->Backward(slot->per_rank, io) : l->adapter->Forward(slot->per_rank, io);
+    if (backward && !slot->holds_forward)
+      return rdep::FailedPrecondition("backward: context " + std::to_string(ctx) + " holds no forward (none ran since it was acquired, or its backward already ran)");
+    slot->holds_forward = false;
+    if (backward) return l->adapter->Backward(slot->per_rank, io);
+    RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
+    slot->holds_forward = true;
+    return rdep::Status::Ok();
   });
 }
 
@@ -253,6 +272,7 @@ int rdep_context_release(rdep_layer* l, int64_t ctx) {
   ContextSlot* s = l->Find(ctx);
   if (!s) return 0;  // stale: already released
   s->in_use = false;
+  s->holds_forward = false;
   if (++s->generation == 0) s->generation = 1;
   return 0;
 }

@@ -237,8 +237,12 @@ TEST(CApi_Cuda, Bf16GradientsNeedOneSegment) {
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 0) << rdep_last_error();
-  EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 2);
+  EXPECT_EQ(rdep_layer_backward(l, ctx, io.data(), 2), 1);  // refused by the configuration, before the collective
   EXPECT_NE(std::string(rdep_last_error()).find("one segment"), std::string::npos) << rdep_last_error();
+  // A weight view that is not 16-byte aligned is refused before the collective too.
+  io[1].w1 = static_cast<const char*>(io[1].w1) + 2;
+  EXPECT_EQ(rdep_layer_forward(l, ctx, io.data(), 2), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("w1 must be 16-byte aligned"), std::string::npos) << rdep_last_error();
   rdep_layer_destroy(l);
   for (void* p : owned) cudaFree(p);
 }

@@ -214,6 +214,17 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   EXPECT_EQ(dx, dx_b);
   // A second backward of one forward is refused.
   EXPECT_EQ(rdep_layer_backward(l, a, io.data(), 2), 2);
+  // A slot released after its forward and acquired again holds no forward for a backward.
+  ASSERT_EQ(rdep_layer_forward(l, a, io.data(), 2), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_context_release(l, a), 0);
+  int64_t again = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &again), 0);
+  EXPECT_EQ(again >> 32, a >> 32);
+  EXPECT_EQ(rdep_layer_backward(l, again, io.data(), 2), 2);
+  EXPECT_NE(std::string(rdep_last_error()).find("holds no forward"), std::string::npos) << rdep_last_error();
+  io[0].reserved = 3;
+  EXPECT_EQ(rdep_layer_forward(l, again, io.data(), 2), 1);
+  io[0].reserved = 0;
   rdep_layer_destroy(l);
 }
 

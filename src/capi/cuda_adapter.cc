@@ -34,10 +34,10 @@ class CudaAdapter final : public LayerAdapter {
   ~CudaAdapter() override {
     DeviceGuard guard;
     layer_.reset();
-    for (size_t i = 0; i < ranks_.size(); ++i) {
+    for (size_t i = 0; i < in_.size(); ++i) {  // events exist for the first in_.size() ranks (a failed create may stop early)
       cudaSetDevice(domain_->device(ranks_[i]));
       cudaEventDestroy(in_[i]);
-      cudaEventDestroy(out_[i]);
+      if (i < out_.size()) cudaEventDestroy(out_[i]);
     }
     domain_.reset();
   }

@@ -554,7 +554,13 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
     int caller_device = -1;
     cudaGetDevice(&caller_device);
     Status s = cuda::CudaStatus(cudaSetDevice(device(local[0])), "cudaSetDevice", __FILE__, __LINE__);
-    if (s.ok()) s = fn(local[0]);
+    if (s.ok()) {
+      try {
+        s = fn(local[0]);
+      } catch (const std::exception& e) {
+        s = InternalError(std::string("unexpected C++ exception: ") + e.what());
+      }
+    }
     if (caller_device >= 0) cudaSetDevice(caller_device);
     running_ = false;
     if (s.ok()) return s;
@@ -566,7 +572,11 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
     threads.emplace_back([&, i] {
       const int32_t r = local[i];
       Status s = cuda::CudaStatus(cudaSetDevice(device(r)), "cudaSetDevice", __FILE__, __LINE__);
-      if (s.ok()) s = fn(r);
+      try {
+        if (s.ok()) s = fn(r);
+      } catch (const std::exception& e) {  // an exception must not end the process from a worker thread
+        s = InternalError(std::string("unexpected C++ exception: ") + e.what());
+      }
       status[i] = std::move(s);
     });
   for (auto& t : threads) t.join();

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <new>
 #include <sstream>
+#include <exception>
 #include <thread>
 
 namespace rdep {
@@ -113,7 +114,12 @@ std::vector<Status> HostDomain::RunAll(const std::function<Status(int32_t rank)>
   threads.reserve(static_cast<size_t>(num_ranks_));
   for (int32_t r = 0; r < num_ranks_; ++r) {
     threads.emplace_back([&, r] {
-      Status s = fn(r);
+      Status s;
+      try {
+        s = fn(r);
+      } catch (const std::exception& e) {  // an exception must not end the process from a worker thread
+        s = InternalError(std::string("unexpected C++ exception: ") + e.what());
+      }
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(failure_mu_);
         int32_t expected = -1;
