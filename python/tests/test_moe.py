@@ -244,3 +244,20 @@ def test_expert_and_dense_parameters():
     dense = m.dense_parameters()
     assert {id(p) for p in dense} | {id(m.w1), id(m.w2)} == {id(p) for p in m.parameters()}
     assert len(dense) == 3  # router.weight, shared.w1, shared.w2
+
+
+def test_router_stays_fp32_under_autocast():
+    """Inside torch.autocast (bf16), the router's logits, scores and gates are still fp32 and equal to
+    the same router's outside autocast."""
+    torch.manual_seed(3)
+    router = rt.Router(32, 8, 2, score_function="softmax")
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5)
+    x = torch.randn(64, 32)
+    plain = router(x)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        cast = router(x)
+    assert cast.logits.dtype == torch.float32 and cast.gates.dtype == torch.float32
+    assert torch.equal(cast.logits, plain.logits)
+    assert torch.equal(cast.experts, plain.experts)
+    assert torch.equal(cast.gates, plain.gates)

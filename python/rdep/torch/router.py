@@ -113,7 +113,13 @@ class Router(nn.Module):
         """x [..., H] (any float dtype; the router runs in fp32)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected the last dimension to be H={self.hidden}, got shape {list(x.shape)}")
-        logits = F.linear(x.float(), self.weight.float())  # fp32 even after a module-wide .to(dtype)
+        # fp32 even after a module-wide .to(dtype) and inside torch.autocast (which would run the linear
+        # in bf16/fp16): the router's scores, top-K and gates are computed in fp32.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+            return self._route(x, logits)
+
+    def _route(self, x: Tensor, logits: Tensor) -> RouterOutput:
         scores = self.scores(logits)
         idx = self.select(scores)
         gates = scores.gather(-1, idx)
