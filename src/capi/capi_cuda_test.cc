@@ -96,7 +96,7 @@ void Compare(const LayerShape& s, double capacity) {
   Out ref, abi;
   {
     auto domain = std::move(*CudaDomain::CreateSingleProcess(s.ranks, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(s.ranks, 1)}));
-    auto layer = std::move(*CudaMoELayer::Create(*domain, LayerConfig{s, {capacity}, 0}, own, w));
+    auto layer = std::move(*CudaMoELayer::Create(*domain, MakeLayerConfig(s, {capacity}), own, w));
     ASSERT_TRUE(domain->Run([&](int32_t r) -> Status {
       const auto i = static_cast<size_t>(r);
       auto* bx = reinterpret_cast<const __nv_bfloat16*>(d_x[i]);

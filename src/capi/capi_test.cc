@@ -53,7 +53,7 @@ void ExpectAbiMatchesLayer(const Case& c) {
 
   // Reference: the layer with its own weights.
   auto domain = std::move(*HostDomain::Create(s.ranks, {.barrier_timeout_s = 10}));
-  LayerConfig cfg{s, {c.capacity}, 0};
+  LayerConfig cfg = MakeLayerConfig(s, {c.capacity});
   auto layer = std::move(*HostMoELayer::Create(*domain, cfg, own, w));
   std::vector<Vec> y_ref(W), dx_ref(W), dg_ref(W), dw1_ref(W), dw2_ref(W);
   ASSERT_TRUE(domain->Run([&](int32_t r) -> Status {

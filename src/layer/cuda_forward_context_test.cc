@@ -23,7 +23,7 @@ struct Fixture {
   LayerShape shape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 12, .topk = 3, .ranks = kW};
   OwnershipMap own = *OwnershipMap::Contiguous(12, kW);
   MoEWeights w = RandomWeights(shape, 1);
-  LayerConfig config{shape, {.capacity_factor = 0.9}, 20};
+  LayerConfig config = MakeLayerConfig(shape, {.capacity_factor = 0.9}, 20);
   Routing routing[2] = {*GenerateRouting(shape, RoutingSpec{}), *GenerateRouting(shape, *RoutingSpec::Parse("zipf:1.2"))};
   std::vector<std::vector<float>> x[2] = {RandomActivations(shape, routing[0], 2), RandomActivations(shape, routing[1], 3)};
   std::vector<std::vector<float>> dy[2] = {RandomActivations(shape, routing[0], 4), RandomActivations(shape, routing[1], 5)};

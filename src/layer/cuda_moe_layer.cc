@@ -288,6 +288,9 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   LayerConfig config = config_in;
   const LayerShape& s = config.shape;
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
+  if (config.balance.enabled())
+    return InvalidArgument("cuda layer: balancing (" + std::string(BalanceKindName(config.balance.kind)) +
+                         ") runs on the host backend only so far; create the CUDA layer with balance off");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
   {
     // Every process must build the same layer: shape, capacity, segment and ownership map.

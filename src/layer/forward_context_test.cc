@@ -20,7 +20,7 @@ struct Fixture {
   std::unique_ptr<HostDomain> domain = std::move(*HostDomain::Create(kW, {.barrier_timeout_s = 10}));
   OwnershipMap own = *OwnershipMap::Contiguous(8, kW);
   MoEWeights w = RandomWeights(shape, 1);
-  LayerConfig config{shape, {.capacity_factor = 0.8}, 5};  // drops and several segments
+  LayerConfig config = MakeLayerConfig(shape, {.capacity_factor = 0.8}, 5);  // drops and several segments
   // Two micro-batches with different routing, inputs and upstream gradients.
   Routing routing[2] = {*GenerateRouting(shape, RoutingSpec{}), *GenerateRouting(shape, *RoutingSpec::Parse("zipf:1.2"))};
   std::vector<std::vector<float>> x[2] = {RandomActivations(shape, routing[0], 2), RandomActivations(shape, routing[1], 3)};

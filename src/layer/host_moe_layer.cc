@@ -7,49 +7,9 @@
 #include "rdep/core/expert_mlp.h"
 #include "rdep/core/row_id.h"
 #include "layer/context_access.h"
+#include "layer/host_layer_state.h"
 
 namespace rdep {
-
-// The layer's own state per rank: this rank's experts (owner role), their gradients, and the
-// context of calls made without one.
-struct HostMoELayer::RankState {
-  std::vector<float> w1, w2, dw1, dw2;  // the layer's own copy (empty for a layer created without weights)
-  size_t w1_count = 0, w2_count = 0;    // E_loc * H * 2F, E_loc * F * H
-  ExternalWeights<float, float> bound;  // the caller's, when bound
-  ForwardContext own_context;
-
-  const float* W1() const { return bound.w1 ? bound.w1 : w1.data(); }
-  const float* W2() const { return bound.w2 ? bound.w2 : w2.data(); }
-  float* DW1() { return bound.dw1 ? bound.dw1 : dw1.data(); }
-  float* DW2() { return bound.dw2 ? bound.dw2 : dw2.data(); }
-  bool has_weights() const { return bound.w1 || !w1.empty() || w1_count == 0; }
-  bool has_grads() const { return bound.dw1 || !dw1.empty() || w1_count == 0; }
-};
-
-// What a forward saves for its backward on one rank (held by a ForwardContext).
-struct HostMoELayer::Saved final : ForwardContext::State {
-  // Front-end: the accepted route set and its placement.
-  int64_t num_tokens = 0;
-  RankRouting routing;
-  RankAcceptance acceptance;
-  std::vector<std::vector<int32_t>> tokens_to;  // [W] tokens with a slot on owner q, token order
-  std::vector<int64_t> stream_base;             // [W] base of this rank's tokens in q's stream
-  int64_t num_segments = 0;
-  std::vector<float> expert_out;                // [n*K*H] returned rows f_k(x_t), 0 if dropped
-  // Owner: the token stream this rank received.
-  int64_t stream_tokens = 0;
-  std::vector<float> saved_x;                   // [stream_tokens][H]
-  std::vector<int64_t> rows_per_expert;         // [E_loc] admitted rows
-  std::vector<OwnerTraceEntry> trace;
-  std::vector<int64_t> load;                    // [W][E] the full load matrix (LayerConfig::load_matrix)
-  size_t bytes() const override {
-    size_t b = load.size() * 8 + routing.experts.size() * 4 + routing.gates.size() * 4 + acceptance.accepted.size() +
-               acceptance.effective_gates.size() * 4 + (expert_out.size() + saved_x.size()) * 4 +
-               (stream_base.size() + rows_per_expert.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);
-    for (const auto& v : tokens_to) b += v.size() * 4;
-    return b;
-  }
-};
 
 HostMoELayer::HostMoELayer(HostDomain& domain, LayerConfig config, OwnershipMap ownership)
     : domain_(domain), config_(std::move(config)), ownership_(std::move(ownership)), id_(ContextAccess::NewLayerId()) {}
@@ -62,6 +22,8 @@ Status HostMoELayer::CheckRank(int32_t rank) const {
 
 HostMoELayer::~HostMoELayer() {
   regions_.Free(domain_);
+  for (RegionId id : {replica_w_, replica_g_})
+    if (id >= 0) domain_.FreeSymmetric(id);
 }
 
 StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
@@ -83,6 +45,11 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::CreateLayer(HostDomain& do
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
+  if (config.replica_slots() > 0) {  // redundant slots: [N_slot][w1 | w2] and their gradients, per rank
+    const auto slot_bytes = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn) * sizeof(float);
+    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AllocateSymmetric(slot_bytes, "replica.weights"));
+    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AllocateSymmetric(slot_bytes, "replica.grads"));
+  }
   const auto n1 = static_cast<size_t>(s.hidden * 2 * s.ffn), n2 = static_cast<size_t>(s.ffn * s.hidden);
   for (int32_t q = 0; q < s.ranks; ++q) {
     auto st = std::make_unique<RankState>();
@@ -171,18 +138,66 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
   RDEP_RETURN_IF_ERROR(CheckRank(rank));
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [] { return StatusOr<std::unique_ptr<Saved>>(std::make_unique<Saved>()); }));
   Saved& st = *saved;
-  const LayerShape& s = config_.shape;
-  const int64_t W = s.ranks, K = s.topk, H = s.hidden, L = layout_.L, n = routing.num_tokens;
-  RDEP_RETURN_IF_ERROR(routing.Validate(s));
-  auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
+  const int64_t W = config_.shape.ranks, H = config_.shape.hidden;
+  RDEP_RETURN_IF_ERROR(routing.Validate(config_.shape));
+  st.num_tokens = routing.num_tokens;
+  st.routing = routing;
   st.tokens_to.resize(static_cast<size_t>(W));
+  for (auto& v : st.tokens_to) v.clear();
+  st.plan.reset();
+  st.telemetry = BalanceTelemetry{};
+  RDEP_RETURN_IF_ERROR(config_.balance.enabled() ? PlanBalanced(rank, st) : PlanByOwner(rank, st));
+
+  // Both plans end with the stream offsets published: where this rank's tokens go in each stream.
+  const int64_t* mine = domain_.region_as<int64_t>(rank, regions_.control);
   st.stream_base.assign(static_cast<size_t>(W), 0);
+  int64_t max_stream = 0;
+  for (int64_t q = 0; q < W; ++q) {
+    st.stream_base[static_cast<size_t>(q)] = mine[layout_.send_offsets(q)];
+    max_stream = std::max(max_stream, mine[layout_.owner_tokens(q)]);
+  }
+  st.num_segments = (max_stream + layout_.S - 1) / layout_.S;
+  st.saved_x.resize(static_cast<size_t>(st.stream_tokens * H));
+  st.trace.clear();
+  ContextAccess::FinishPlan(ctx);
+  return Status::Ok();
+}
+
+// This rank's row of the load matrix (rows per expert), stored into every rank's control words.
+void HostMoELayer::PublishLoadRow(int32_t rank, const RankRouting& routing) {
+  std::vector<int64_t> row(static_cast<size_t>(layout_.E_load), 0);
+  for (int32_t e : routing.experts) ++row[static_cast<size_t>(e)];
+  for (int32_t q = 0; q < config_.shape.ranks; ++q)
+    std::copy(row.begin(), row.end(), domain_.region_as<int64_t>(q, regions_.control) + layout_.load(rank, 0));
+}
+
+// Phase 2's offsets (owner side): the exclusive scan of the tokens each source sends into this rank's
+// token stream, published back to the sources with the stream's length; then the offsets barrier.
+Status HostMoELayer::PublishStreamOffsets(int32_t rank, Saved& st) {
+  const int64_t W = config_.shape.ranks;
+  auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
+  int64_t* mine = ctrl(rank);
+  int64_t base = 0;
+  for (int64_t src = 0; src < W; ++src) {
+    mine[layout_.recv_offsets(src)] = base;
+    ctrl(src)[layout_.send_offsets(rank)] = base;
+    base += mine[layout_.recv_tokens(src)];
+  }
+  st.stream_tokens = base;
+  for (int64_t p = 0; p < W; ++p) ctrl(p)[layout_.owner_tokens(rank)] = base;
+  return domain_.Barrier(rank, Phase::kDispatchOffsets);
+}
+
+// Without balancing every row goes to its expert's owner: phase 1 publishes rows per (owner, local
+// expert), phase 2 decides capacity at the owner, and the accepted set is read back.
+Status HostMoELayer::PlanByOwner(int32_t rank, Saved& st) {
+  const LayerShape& s = config_.shape;
+  const int64_t W = s.ranks, K = s.topk, L = layout_.L, n = st.num_tokens;
+  const RankRouting& routing = st.routing;
+  auto ctrl = [&](int64_t q) { return domain_.region_as<int64_t>(static_cast<int32_t>(q), regions_.control); };
 
   // Front-end: rows per (owner, local expert) and the tokens that cross to each owner.
-  st.num_tokens = n;
-  st.routing = routing;
   std::vector<int64_t> rows(static_cast<size_t>(W * L), 0);
-  for (auto& v : st.tokens_to) v.clear();
   std::vector<int64_t> last(static_cast<size_t>(W), -1);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t k = 0; k < K; ++k) {
@@ -201,11 +216,7 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
     for (int64_t j = 0; j < L; ++j) c[layout_.recv_counts(rank, j)] = rows[static_cast<size_t>(q * L + j)];
     c[layout_.recv_tokens(rank)] = static_cast<int64_t>(st.tokens_to[static_cast<size_t>(q)].size());
   }
-  if (layout_.E_load > 0) {  // this rank's row of the load matrix, to every rank
-    std::vector<int64_t> row(static_cast<size_t>(layout_.E_load), 0);
-    for (int32_t e : routing.experts) ++row[static_cast<size_t>(e)];
-    for (int64_t q = 0; q < W; ++q) std::copy(row.begin(), row.end(), ctrl(q) + layout_.load(rank, 0));
-  }
+  if (layout_.E_load > 0) PublishLoadRow(rank, routing);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
   if (layout_.E_load > 0) {
     const int64_t* lambda = ctrl(rank) + layout_.load(0, 0);
@@ -214,7 +225,7 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
     st.load.clear();
   }
 
-  // Phase 2 (owner): capacity per local expert in source order, token-stream bases, published back.
+  // Phase 2 (owner): capacity per local expert in source order, then the token-stream bases.
   int64_t* mine = ctrl(rank);
   const int32_t Lq = ownership_.num_local(rank);
   const int64_t cap = config_.capacity.ExpertCapacity(s);
@@ -228,30 +239,26 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
       st.rows_per_expert[static_cast<size_t>(j)] += admitted[static_cast<size_t>(src)];
     }
   }
-  int64_t base = 0;
-  for (int64_t src = 0; src < W; ++src) {
-    mine[layout_.recv_offsets(src)] = base;
-    ctrl(src)[layout_.send_offsets(rank)] = base;
-    base += mine[layout_.recv_tokens(src)];
-  }
-  st.stream_tokens = base;
-  for (int64_t p = 0; p < W; ++p) ctrl(p)[layout_.owner_tokens(rank)] = base;
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
+  RDEP_RETURN_IF_ERROR(PublishStreamOffsets(rank, st));
 
   // Front-end: the accepted set is the first send_admitted rows of each (owner, expert) in token order.
   RankAcceptance& acc = st.acceptance;
   acc.accepted.assign(static_cast<size_t>(n * K), 0);
   acc.effective_gates.assign(static_cast<size_t>(n * K), 0.f);
   acc.dropped = 0;
+  st.dest_rank.assign(static_cast<size_t>(n * K), -1);
+  st.dest_local.assign(static_cast<size_t>(n * K), -1);
   std::fill(rows.begin(), rows.end(), 0);  // reused as "taken so far"
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t k = 0; k < K; ++k) {
       const auto i = static_cast<size_t>(t * K + k);
       const int32_t e = routing.experts[i];
-      const int64_t q = ownership_.owner(e), j = ownership_.local_index(e);
+      const int32_t q = ownership_.owner(e), j = ownership_.local_index(e);
       int64_t& taken = rows[static_cast<size_t>(q * L + j)];
       if (taken < mine[layout_.send_admitted(q, j)]) {
         acc.accepted[i] = 1;
+        st.dest_rank[i] = q;
+        st.dest_local[i] = j;
         ++taken;
       } else {
         ++acc.dropped;
@@ -259,15 +266,6 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
     }
     RenormalizeGates(routing.gates.data() + t * K, acc.accepted.data() + t * K, K, acc.effective_gates.data() + t * K);
   }
-  int64_t max_stream = 0;
-  for (int64_t q = 0; q < W; ++q) {
-    st.stream_base[static_cast<size_t>(q)] = mine[layout_.send_offsets(q)];
-    max_stream = std::max(max_stream, mine[layout_.owner_tokens(q)]);
-  }
-  st.num_segments = (max_stream + layout_.S - 1) / layout_.S;
-  st.saved_x.resize(static_cast<size_t>(st.stream_tokens * H));
-  st.trace.clear();
-  ContextAccess::FinishPlan(ctx);
   return Status::Ok();
 }
 
@@ -282,6 +280,7 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
   const RankAcceptance& acc = st.acceptance;
+  if (st.plan) PushReplicaWeights(rank, st);  // ordered before the replicas' compute by the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
 
   // Combine in fixed slot order, fp32 accumulation; keep f_k(x_t) for dgate in backward.
@@ -344,7 +343,9 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
 
   std::fill_n(rs.DW1(), rs.w1_count, 0.f);
   std::fill_n(rs.DW2(), rs.w2_count, 0.f);
+  if (st.plan) PushReplicaWeights(rank, st);  // rematerialized: another forward may have used the slots since
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
+  if (st.plan) ReduceReplicaGradients(rank, st);  // every replica finished before backward.done
 
   // dx_t = sum_k of the returned dgrad rows, slot order, fp32.
   const float* ret = domain_.region_as<float>(rank, regions_.ret);
@@ -384,9 +385,8 @@ Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<
         int64_t num_rows = 0;
         for (int64_t k = 0; k < K; ++k) {
           const auto idx = static_cast<size_t>(t * K + k);
-          const int32_t e = st.routing.experts[idx];
-          if (ownership_.owner(e) != q || !acc.accepted[idx]) continue;
-          rows[num_rows++] = RowSideband{codec.encode(rank, t, k), ownership_.local_index(e), acc.effective_gates[idx]};
+          if (!acc.accepted[idx] || st.dest_rank[idx] != q) continue;
+          rows[num_rows++] = RowSideband{codec.encode(rank, t, k), st.dest_local[idx], acc.effective_gates[idx]};
         }
         std::memcpy(hdr, &num_rows, sizeof(int64_t));
         if (num_rows > 0) std::copy_n(payload.data() + t * H, H, dst_payload + slot * H);
@@ -401,7 +401,6 @@ Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<
 // Owner work on one received segment: expand tokens into rows grouped by local expert (stream order
 // within an expert), compute, and store each output row at its front-end's slot decoded from row_id.
 void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backward) {
-  RankState& rs = *ranks_[static_cast<size_t>(rank)];
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, H = s.hidden, F = s.ffn, S = layout_.S;
   const int64_t buf = seg % 2, lo = seg * S;
@@ -409,8 +408,10 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
   const size_t tsb = layout_.token_sideband_bytes();
   const float* payload = domain_.region_as<float>(rank, regions_.payload) + buf * S * H;
   const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
-  const int32_t Lq = ownership_.num_local(rank);
+  const int64_t Lq = config_.balance.enabled() ? layout_.L : ownership_.num_local(rank);  // physical local experts
   const RowIdCodec codec{s.tokens, K};
+  if (backward && seg == 0 && replica_g_ >= 0)  // replica gradients of this call accumulate from here
+    std::fill_n(domain_.region_as<float>(rank, replica_g_), config_.replica_slots() * 3 * H * F, 0.f);
 
   struct Grouped {
     int64_t token;  // index in the segment
@@ -424,7 +425,7 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     for (int64_t r = 0; r < num_rows; ++r) ++offset[static_cast<size_t>(rows[r].local_expert) + 1];
     if (!backward && num_rows > 0) std::copy_n(payload + p * H, H, st.saved_x.data() + (lo + p) * H);
   }
-  for (int32_t j = 0; j < Lq; ++j) offset[static_cast<size_t>(j) + 1] += offset[static_cast<size_t>(j)];
+  for (int64_t j = 0; j < Lq; ++j) offset[static_cast<size_t>(j) + 1] += offset[static_cast<size_t>(j)];
   std::vector<Grouped> grouped(static_cast<size_t>(offset[static_cast<size_t>(Lq)]));
   std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
   for (int64_t p = 0; p < n_seg; ++p) {
@@ -438,18 +439,17 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     for (size_t g = 0; g < grouped.size(); ++g)
       st.trace.push_back({grouped[g].row.row_id, grouped[g].row.local_expert, static_cast<int32_t>(seg), static_cast<int64_t>(g)});
 
-  const size_t n1 = static_cast<size_t>(H * 2 * F), n2 = static_cast<size_t>(F * H);
   std::vector<float> h(static_cast<size_t>(2 * F)), z(static_cast<size_t>(F)), o(static_cast<size_t>(H));
   std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F));
   for (const Grouped& g : grouped) {
     const RowKey key = codec.decode(g.row.row_id);
     float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
     const float* x = st.saved_x.data() + (lo + g.token) * H;
-    const auto j = static_cast<size_t>(g.row.local_expert);
-    const float* w1 = rs.W1() + j * n1;
-    const float* w2 = rs.W2() + j * n2;
+    const int64_t j = g.row.local_expert;
+    const float* w1 = ExpertWeights(rank, st, j, 1);
+    const float* w2 = ExpertWeights(rank, st, j, 2);
     if (kind_ == ExpertKind::kSentinel) {
-      const int32_t expert = ownership_.global_expert(rank, g.row.local_expert);
+      const int32_t expert = ExpertAt(rank, st, j);
       for (int64_t c = 0; c < H; ++c) dst[c] = c < kSentinelFields ? SentinelField(g.row.row_id, rank, expert, c) : x[c];
     } else if (!backward) {
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), dst);
@@ -457,7 +457,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
       const float* dy = payload + g.token * H;
       for (int64_t c = 0; c < H; ++c) dout[static_cast<size_t>(c)] = g.row.gate * dy[c];
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data());
-      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), rs.DW1() + j * n1, rs.DW2() + j * n2, dst, scratch.data());
+      mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), ExpertGrads(rank, j, 1), ExpertGrads(rank, j, 2), dst,
+                           scratch.data());
     }
   }
 }

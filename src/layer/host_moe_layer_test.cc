@@ -21,7 +21,7 @@ struct Fixture {
 
 TEST(HostMoELayer, CreateRejectsMismatches) {
   Fixture f;
-  LayerConfig cfg{f.shape, {}, 0};
+  LayerConfig cfg = MakeLayerConfig(f.shape);
   cfg.shape.ranks = 2;
   EXPECT_NE(HostMoELayer::Create(*f.domain, cfg, f.own, f.w).status().message().find("domain has 4"), std::string::npos);
   cfg.shape = f.shape;
@@ -34,7 +34,7 @@ TEST(HostMoELayer, CreateRejectsMismatches) {
 
 TEST(HostMoELayer, ShapeErrorOnOneRankFailsFastEverywhere) {
   Fixture f;
-  auto layer = *HostMoELayer::Create(*f.domain, LayerConfig{f.shape, {}, 0}, f.own, f.w);
+  auto layer = *HostMoELayer::Create(*f.domain, MakeLayerConfig(f.shape), f.own, f.w);
   const auto t0 = std::chrono::steady_clock::now();
   Status s = f.domain->Run([&](int32_t r) -> Status {
     std::vector<float> y(static_cast<size_t>(16 * 8));
@@ -50,7 +50,7 @@ TEST(HostMoELayer, ShapeErrorOnOneRankFailsFastEverywhere) {
 
 TEST(HostMoELayer, BackwardBeforeForwardIsAnError) {
   Fixture f;
-  auto layer = *HostMoELayer::Create(*f.domain, LayerConfig{f.shape, {}, 0}, f.own, f.w);
+  auto layer = *HostMoELayer::Create(*f.domain, MakeLayerConfig(f.shape), f.own, f.w);
   Status s = f.domain->Run([&](int32_t r) -> Status {
     std::vector<float> dy(128), dx(128), dg(32);
     return layer->Backward(r, dy, dx, dg);
@@ -63,7 +63,7 @@ TEST(HostMoELayer, BufferMemoryDependsOnSegmentNotOwnerLoad) {
   // Every token to one expert: owner 0 receives all W*T tokens, yet buffers scale with S.
   Routing one = *GenerateRouting(f.shape, *RoutingSpec::Parse("one-expert"));
   for (int64_t S : {2, 4}) {
-    auto layer = *HostMoELayer::Create(*f.domain, LayerConfig{f.shape, {}, S}, f.own, f.w);
+    auto layer = *HostMoELayer::Create(*f.domain, MakeLayerConfig(f.shape, {}, S), f.own, f.w);
     const RegionLayout& l = layer->layout();
     EXPECT_EQ(l.payload_bytes(), 2 * static_cast<size_t>(S) * 8 * sizeof(float));
     Status s = f.domain->Run([&](int32_t r) -> Status {

@@ -8,8 +8,10 @@ Status LayerConfig::Validate() const {
   RDEP_RETURN_IF_ERROR(shape.Validate());
   RDEP_RETURN_IF_ERROR(capacity.Validate());
   if (segment_tokens < 0) return InvalidArgument("segment size S must be >= 0 (0 = T), got " + std::to_string(segment_tokens));
-  if (load_matrix && shape.experts > kMaxLoadMatrixExperts)
-    return InvalidArgument("load_matrix: E=" + std::to_string(shape.experts) + " exceeds " + std::to_string(kMaxLoadMatrixExperts));
+  if (has_load_matrix() && shape.experts > kMaxLoadMatrixExperts)
+    return InvalidArgument(std::string(load_matrix ? "load_matrix" : "balance") + ": E=" + std::to_string(shape.experts) +
+                           " exceeds " + std::to_string(kMaxLoadMatrixExperts) + " (the load matrix's limit)");
+  RDEP_RETURN_IF_ERROR(balance.Validate(static_cast<int32_t>(shape.experts)));
   return Status::Ok();
 }
 
@@ -19,6 +21,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   else os << c.capacity.capacity_factor;
   if (c.segment_tokens > 0) os << " S=" << c.segment_tokens;
   else os << " S=auto";
+  if (c.balance.enabled()) os << " balance=" << c.balance;
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
@@ -42,14 +45,14 @@ Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const Own
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes) {
   RegionLayout l;
   l.W = c.shape.ranks;
-  l.L = std::max<int64_t>(1, m.max_local());
+  l.L = std::max<int64_t>(1, m.max_local()) + c.replica_slots();  // main experts, then the redundant slots
   l.S = c.segment();
   l.H = c.shape.hidden;
   l.T = c.shape.tokens;
   l.K = c.shape.topk;
-  l.slots_per_token = std::max<int64_t>(1, std::min<int64_t>(c.shape.topk, m.max_local()));
+  l.slots_per_token = std::max<int64_t>(1, std::min<int64_t>(c.shape.topk, m.max_local() + c.replica_slots()));
   l.elem_bytes = static_cast<int64_t>(elem_bytes);
-  l.E_load = c.load_matrix ? c.shape.experts : 0;
+  l.E_load = c.has_load_matrix() ? c.shape.experts : 0;
   return l;
 }
 

@@ -12,6 +12,7 @@
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/transport/host_domain.h"
+#include "testing/balance_checks.h"
 
 namespace rdep {
 
@@ -145,6 +146,12 @@ class HostBackend final : public ValidationBackend {
     out.dw1.assign(w.w1.size(), nan);
     out.dw2.assign(w.w2.size(), nan);
     const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
+    if (cfg.balance.enabled()) {
+      RDEP_ASSIGN_OR_RETURN(out.balance, layer->balance_telemetry(0));
+      RDEP_ASSIGN_OR_RETURN(BalancePlan plan, layer->balance_plan(0));
+      for (int32_t e = 0; e < plan.num_experts; ++e)
+        out.instances.push_back(plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)]);
+    }
     for (int32_t q = 0; q < W; ++q) {
       out.segments = std::max(out.segments, layer->segments(q));
       for (int32_t j = 0; j < own.num_local(q); ++j) {
@@ -173,6 +180,11 @@ CheckResult DispatchInvariants(const SentinelRun& run, const ValidationOptions& 
     c.detail = ref.status().ToString();
     return c;
   }
+  auto place = ExpectedPlacement(o.layer, own, routing, *ref);
+  if (!place.ok()) {
+    c.detail = place.status().ToString();
+    return c;
+  }
   const RowIdCodec codec{s.tokens, K};
   int64_t wrong = 0, dropped = 0, accepted = 0, rows_at_owners = 0;
   std::ostringstream first;
@@ -188,23 +200,25 @@ CheckResult DispatchInvariants(const SentinelRun& run, const ValidationOptions& 
     if (a.dropped != b.dropped) fail("rank " + std::to_string(r) + ": dropped count differs");
     dropped += a.dropped;
   }
-  // Owner side: every row exactly once, at the right owner and local expert, grouped by expert.
+  // Owner side: every row exactly once, at the right owner (or, balanced, the replica the plan gives)
+  // and local expert, grouped by expert.
   std::vector<std::vector<uint8_t>> seen(static_cast<size_t>(W));
   for (size_t r = 0; r < seen.size(); ++r) seen[r].assign(static_cast<size_t>(routing[r].num_tokens * K), 0);
   for (int32_t q = 0; q < W; ++q) {
     const auto& trace = run.traces[static_cast<size_t>(q)];
-    std::vector<int64_t> per_expert(static_cast<size_t>(own.num_local(q)), 0);
+    const auto num_local = static_cast<int32_t>(place->expert_at[static_cast<size_t>(q)].size());  // physical
+    std::vector<int64_t> per_expert(static_cast<size_t>(num_local), 0);
     for (size_t i = 0; i < trace.size(); ++i) {
       const auto& e = trace[i];
       const RowKey key = codec.decode(e.row_id);
       if (key.rank < 0 || key.rank >= W || key.token >= routing[static_cast<size_t>(key.rank)].num_tokens ||
-          e.local_expert < 0 || e.local_expert >= own.num_local(q)) {
+          e.local_expert < 0 || e.local_expert >= num_local) {
         fail("owner " + std::to_string(q) + ": row " + std::to_string(e.row_id) + " decodes outside the domain");
         continue;
       }
       const auto idx = static_cast<size_t>(key.token * K + key.slot);
       const int32_t expert = routing[static_cast<size_t>(key.rank)].experts[idx];
-      if (own.owner(expert) != q || own.local_index(expert) != e.local_expert)
+      if (place->rank[static_cast<size_t>(key.rank)][idx] != q || place->local[static_cast<size_t>(key.rank)][idx] != e.local_expert)
         fail("row " + std::to_string(e.row_id) + " landed at owner " + std::to_string(q) + " expert " +
              std::to_string(e.local_expert) + ", routed to expert " + std::to_string(expert));
       if (!(*ref)[static_cast<size_t>(key.rank)].accepted[idx]) fail("dropped row " + std::to_string(e.row_id) + " reached its owner");
@@ -238,7 +252,7 @@ CheckResult DispatchInvariants(const SentinelRun& run, const ValidationOptions& 
         const float* row = f.data() + static_cast<int64_t>(idx) * H;
         bool ok = true;
         for (int64_t col = 0; col < H; ++col) {
-          const float want = col < kSentinelFields ? SentinelField(id, own.owner(e), e, col)
+          const float want = col < kSentinelFields ? SentinelField(id, place->rank[static_cast<size_t>(r)][idx], e, col)
                                                    : x[static_cast<size_t>(r)][static_cast<size_t>(t * H + col)];
           ok &= (row[col] == want);
         }
@@ -340,6 +354,10 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   // Routing generator and ownership tables over E; rank threads (stack pages touched, bookkeeping).
   fp.host.push_back({"per-expert tables (E entries)", {{"experts", E}}, 96 * E});
   fp.host.push_back({"rank threads (W threads)", {{"ranks", W}}, 256.0 * 1024 * W});
+  if (o.layer.balance.enabled())  // replica slots: weights and gradients of N_slot experts per rank
+    fp.host.push_back({"replica slots (W*N_slot experts' weights and gradients)",
+                       {{"ranks", W}, {"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}},
+                       W * pos(o.layer.balance.num_slots) * 3 * H * F * 8});
   if (device_backend) {
     // One GPU (one rank): bf16 regions with the CUDA default segment S = W*T, weights and fp32
     // gradients of its experts, per-row metadata, the saved expert outputs and the received rows'
@@ -473,6 +491,17 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
     rep.checks.push_back({"finite outputs and gradients", ok, false,
                           ok ? "y, dx, dgate, dW1, dW2 finite on every rank" : "non-finite values", 0});
   }
+  if (o.layer.balance.enabled()) {
+    rep.balanced = true;
+    rep.balance = run->balance;
+    timed([&] {
+      LayerConfig off = o.layer;
+      off.balance = BalanceConfig{};
+      auto plain = backend.ForwardBackward(off, own, w, routing, x, dy);
+      if (!plain.ok()) return CheckResult{"balancing exactness", false, false, "run without balancing: " + plain.status().ToString(), 0};
+      return BalancingExactness(*run, *plain, s);
+    });
+  }
   timed([&] {
     CheckResult c{"segment invariance", false, false, "", 0};
     LayerConfig other = o.layer;
@@ -517,7 +546,16 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
   j.field("seed", static_cast<int64_t>(o.seed));
   j.field("routing_seed", static_cast<int64_t>(o.routing.seed)).field("rtol", o.rtol).field("atol_scale", o.atol_scale);
   j.field("rel_l2", o.rel_l2);
+  j.field("balance", BalanceKindName(o.layer.balance.kind));
+  if (o.layer.balance.enabled()) j.field("slots", static_cast<int64_t>(o.layer.balance.num_slots)).field("min_quota", o.layer.balance.min_quota);
   j.end_object();
+  if (balanced) {
+    j.key("balance").begin_object();
+    j.field("owner_max_over_mean_before", balance.imbalance_before).field("max_over_mean_after", balance.imbalance_after);
+    j.field("replicas", static_cast<int64_t>(balance.replicas)).field("slots", static_cast<int64_t>(balance.slots));
+    j.field("slot_limited", balance.slot_limited).field("weight_bytes_streamed", balance.weight_bytes);
+    j.end_object();
+  }
   if (measured) j.field("accepted_rows", accepted_rows).field("dropped_rows", dropped_rows).field("segments", segments);
   else j.field("accepted_rows", std::nan("")).field("dropped_rows", std::nan("")).field("segments", std::nan(""));
   if (measured) j.field("symmetric_bytes_per_rank", static_cast<int64_t>(symmetric_bytes_per_rank));

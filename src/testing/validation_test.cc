@@ -133,3 +133,70 @@ TEST(NormalizedError, ScalesAndCatchesNan) {
 
 }  // namespace
 }  // namespace rdep
+
+namespace rdep {
+namespace {
+
+// The matrix with balancing on (LayerConfig::balance): every check passes, including the placement of
+// rows on the plan's replicas (dispatch invariants) and exactness against the layer without it.
+struct BalancedCase {
+  const char* name;
+  LayerShape shape;
+  const char* routing;
+  BalanceKind kind;
+  int32_t slots;
+  double capacity;
+  int64_t segment;
+  int64_t empty_rank;
+  bool expect_replicas;
+};
+
+void PrintTo(const BalancedCase& c, std::ostream* os) { *os << c.name; }
+
+class BalancedValidation : public ::testing::TestWithParam<BalancedCase> {};
+
+TEST_P(BalancedValidation, AllChecksPass) {
+  const BalancedCase& c = GetParam();
+  ValidationOptions o;
+  o.layer.shape = c.shape;
+  o.layer.capacity.capacity_factor = c.capacity;
+  o.layer.segment_tokens = c.segment;
+  o.layer.balance = BalanceConfig{.kind = c.kind, .num_slots = c.slots};
+  o.routing = *RoutingSpec::Parse(c.routing);
+  o.routing.seed = 3;
+  o.routing.empty_rank = c.empty_rank;
+  auto rep = RunHostValidation(o);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << c.name << ": " << check.name << ": " << check.detail;
+  EXPECT_EQ(rep->checks.size(), 7u);
+  ASSERT_TRUE(rep->balanced);
+  if (c.expect_replicas) {
+    EXPECT_GT(rep->balance.replicas, 0);
+    EXPECT_LT(rep->balance.imbalance_after, rep->balance.imbalance_before);
+  }
+  EXPECT_NE(rep->ToJson(o).find("\"weight_bytes_streamed\""), std::string::npos);
+}
+
+LayerShape Sb(int64_t W, int64_t T, int64_t H, int64_t F, int64_t E, int64_t K) {
+  return LayerShape{.tokens = T, .hidden = H, .ffn = F, .experts = E, .topk = K, .ranks = W};
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, BalancedValidation,
+    ::testing::Values(
+        BalancedCase{"ultraep_zipf2", Sb(4, 64, 32, 16, 16, 4), "zipf:2", BalanceKind::kUltraEp, 2, 0, 0, -1, true},
+        BalancedCase{"ultraep_zipf1_segments", Sb(4, 64, 32, 16, 16, 4), "zipf:1", BalanceKind::kUltraEp, 2, 0, 10, -1, true},
+        BalancedCase{"ultraep_one_expert", Sb(4, 32, 16, 8, 8, 2), "one-expert", BalanceKind::kUltraEp, 2, 0, 0, -1, true},
+        BalancedCase{"ultraep_capacity_drops", Sb(4, 64, 16, 8, 16, 4), "zipf:1.5", BalanceKind::kUltraEp, 2, 0.8, 0, -1, true},
+        BalancedCase{"ultraep_E_not_divisible", Sb(3, 24, 16, 8, 10, 3), "zipf:2", BalanceKind::kUltraEp, 2, 0, 7, -1, true},
+        BalancedCase{"ultraep_fewer_experts_than_ranks", Sb(4, 16, 8, 4, 3, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, false},
+        BalancedCase{"ultraep_empty_rank", Sb(4, 32, 16, 8, 8, 2), "zipf:2", BalanceKind::kUltraEp, 2, 0, 0, 1, true},
+        BalancedCase{"ultraep_W1", Sb(1, 32, 16, 8, 4, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, false},
+        BalancedCase{"ultraep_W72_E128", Sb(72, 4, 8, 4, 128, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, true},
+        BalancedCase{"ultraep_no_slots", Sb(4, 32, 16, 8, 8, 2), "zipf:2", BalanceKind::kUltraEp, 0, 0, 0, -1, false},
+        BalancedCase{"eplb_zipf2", Sb(4, 64, 32, 16, 16, 4), "zipf:2", BalanceKind::kEplb, 2, 0, 0, -1, true},
+        BalancedCase{"eplb_exact_drops_tiny_segments", Sb(4, 32, 16, 8, 16, 4), "zipf:2", BalanceKind::kEplbExact, 2, 1.0, 3, -1, true}),
+    [](const ::testing::TestParamInfo<BalancedCase>& i) { return std::string(i.param.name); });
+
+}  // namespace
+}  // namespace rdep

@@ -18,6 +18,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kReturnDone: return "return.done";
     case Phase::kBackwardSegment: return "backward.segment";
     case Phase::kBackwardDone: return "backward.done";
+    case Phase::kDispatchRoute: return "dispatch.route";
     case Phase::kTest: return "test";
   }
   return "unknown";

@@ -34,6 +34,8 @@ table; exits 0 if every check passes, 1 if one fails, 2 on bad input (the messag
   forward parity         y vs the double-precision reference MoE operator
   gradient parity        dx, dgate, dW1, dW2 vs the reference
   finite outputs         every output and gradient finite on every rank
+  balancing exactness    (with --balance) y, dx, dgate bitwise equal to the same layer without
+                         balancing; dW bitwise for experts without replicas, within 1e-5 for replicated
   segment invariance     results bitwise equal with a different segment size S
 
 flags (defaults in brackets):
@@ -54,6 +56,10 @@ flags (defaults in brackets):
   --empty-rank R         give rank R (0 <= R < W) zero tokens [none]
   --capacity-factor C    0 = dropless; else each expert admits ceil(C*W*T*K/E) rows [0]
   --segment S            token rows per owner per segment; 0 = T [0]
+  --balance B            off | ultraep | eplb | eplb-exact: replicas of hot experts in redundant slots,
+                         planned by every rank from the load matrix after phase 1 (host backend) [off]
+  --slots N              with --balance: redundant slots per rank, N_slot in [0, E] [2]
+  --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
   --seed N               seed for routing, weights and activations [1]
   --timeout SECONDS      bound on every barrier wait [30]
   --json FILE            write a JSON receipt (configuration and each check's result); FILE is opened
@@ -106,7 +112,9 @@ struct CheckOptions {
   std::string backend, bootstrap;  // backend: host or cuda once ResolveCheckBackend ran
   bool ranks_given = false, gpus_given = false, empty_rank_given = false;
   int64_t gpus = 0, empty_rank = -1, seed = 1;
-  std::string routing, json;
+  std::string routing, json, balance;
+  bool slots_given = false, min_quota_given = false;
+  int64_t slots = 2;
   rdep::cli::Limits limits;
   std::unique_ptr<rdep::Bootstrap> boot;
   bool leader = true;  // prints the table and writes the receipt
@@ -133,6 +141,11 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.empty_rank = f.get_int("empty-rank", -1);
   o.layer.capacity.capacity_factor = f.get_double("capacity-factor", 0.0);
   o.layer.segment_tokens = f.get_int("segment", 0);
+  c.balance = f.get_string("balance", "off");
+  c.slots_given = f.has("slots");
+  c.min_quota_given = f.has("min-quota");
+  c.slots = f.get_int("slots", 2);
+  o.layer.balance.min_quota = f.get_int("min-quota", 1);
   c.seed = f.get_int("seed", 1);
   o.barrier_timeout_s = f.get_double("timeout", 30.0);
   c.json = f.get_string("json", "");
@@ -174,6 +187,26 @@ int ResolveCheckBackend(CheckOptions& c) {
   return 0;
 }
 
+// --balance, --slots, --min-quota; 0 when good, else 2 naming the flag.
+int CheckBalanceFlags(CheckOptions& c) {
+  rdep::BalanceConfig& b = c.v.layer.balance;
+  auto kind = rdep::ParseBalanceKind(c.balance);
+  if (!kind.ok()) return Refuse("--balance: " + kind.status().message());
+  b.kind = *kind;
+  if (!b.enabled() && (c.slots_given || c.min_quota_given))
+    return Refuse(std::string(c.slots_given ? "--slots" : "--min-quota") + " needs --balance ultraep, eplb or eplb-exact");
+  if (!b.enabled()) return 0;
+  if (c.min_quota_given && b.kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-quota applies to --balance ultraep only");
+  if (c.backend != "host")
+    return Refuse("--balance runs on the host backend only so far (the CUDA layer has no replicas yet); use --backend host");
+  const int64_t E = c.v.layer.shape.experts;
+  if (c.slots < 0 || c.slots > E)
+    return Refuse("--slots must be in [0, E=" + std::to_string(E) + "], got " + std::to_string(c.slots));
+  b.num_slots = static_cast<int32_t>(c.slots);
+  if (b.min_quota < 1) return Refuse("--min-quota must be >= 1, got " + std::to_string(b.min_quota));
+  return 0;
+}
+
 // The routing, the layer's shape and the ranks against the backend; 0 when good, else 2.
 int CheckCheckShape(CheckOptions& c) {
   rdep::ValidationOptions& o = c.v;
@@ -184,6 +217,7 @@ int CheckCheckShape(CheckOptions& c) {
   o.routing.seed = static_cast<uint64_t>(c.seed);
   o.routing.empty_rank = c.empty_rank;
   o.seed = static_cast<uint64_t>(c.seed);
+  if (int rc = CheckBalanceFlags(c); rc != 0) return rc;
   if (rdep::Status st = o.layer.Validate(); !st.ok()) return Refuse(st.message());
   if (c.empty_rank_given && (c.empty_rank < 0 || c.empty_rank >= s.ranks))
     return Refuse("--empty-rank must be a rank in [0, W=" + std::to_string(s.ranks) + "), got " + std::to_string(c.empty_rank));
@@ -241,6 +275,12 @@ void PrintCheckTable(const rdep::ValidationReport& rep) {
     std::printf("  symmetric buffers per rank: %.3f MiB (S=%lld)\n",
                 static_cast<double>(rep.symmetric_bytes_per_rank) / (1024.0 * 1024.0),
                 static_cast<long long>(rep.segment_size));
+  if (rep.balanced)
+    std::printf("  balance: max/mean rank load %.3f without replicas -> %.3f with %d replicas in %d slots%s; %.3f MiB of "
+                "weights streamed per forward\n",
+                rep.balance.imbalance_before, rep.balance.imbalance_after, rep.balance.replicas, rep.balance.slots,
+                rep.balance.slot_limited ? " (every slot used: more slots would balance further)" : "",
+                static_cast<double>(rep.balance.weight_bytes) / (1024.0 * 1024.0));
   int passed = 0, failed = 0;
   for (const auto& c : rep.checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
   std::printf("%d passed, %d failed\n", passed, failed);

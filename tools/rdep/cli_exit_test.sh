@@ -88,6 +88,11 @@ expect 2 'must fit in int32' plan sim --trace "$TMP/wide.trace" --slots 1
 expect 2 '--empty-rank must be a rank in \[0, W=4\), got -1' check --empty-rank -1
 expect 2 '--empty-rank must be a rank in \[0, W=4\), got 4' check --empty-rank 4
 expect 2 '--timeout must be' check --timeout nan
+expect 2 "--balance: balancer 'greedy' is not one of off, ultraep, eplb, eplb-exact" check --backend host --balance greedy
+expect 2 '--slots needs --balance' check --backend host --slots 3
+expect 2 '--slots must be in \[0, E=16\], got 17' check --backend host --balance ultraep --slots 17
+expect 2 '--min-quota must be >= 1, got 0' check --backend host --balance ultraep --min-quota 0
+expect 2 '--balance runs on the host backend only' check --backend cuda --balance ultraep
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1
 expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan

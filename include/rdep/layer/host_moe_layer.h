@@ -17,6 +17,8 @@
 #include <span>
 #include <vector>
 
+#include "rdep/balance/layer_balance.h"
+#include "rdep/balance/plan.h"
 #include "rdep/core/capacity.h"
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
@@ -91,6 +93,19 @@ class HostMoELayer {
   StatusOr<std::vector<int64_t>> load_matrix(const ForwardContext& ctx) const;
   std::span<const float> dw2(int32_t rank) const;             // [E_loc][F][H]
 
+  // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
+  // what it did; FailedPrecondition without a planned forward of this layer or with balancing off.
+  StatusOr<BalancePlan> balance_plan(const ForwardContext& ctx) const;
+  StatusOr<BalanceTelemetry> balance_telemetry(const ForwardContext& ctx) const;
+  // The same for the last forward made with the layer's own context on `rank`.
+  StatusOr<BalancePlan> balance_plan(int32_t rank) const;
+  StatusOr<BalanceTelemetry> balance_telemetry(int32_t rank) const;
+  // The first index of the redundant slots in a rank's physical local experts (layout L - N_slot).
+  int64_t slot_base() const { return layout_.L - config_.replica_slots(); }
+  // Test hook: each forward and backward adds 1 to one weight of the first replica it streams (a
+  // corrupted tile), so exactness tests can show that they catch a bad copy.
+  void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
+
  private:
   struct RankState;
   struct Saved;
@@ -99,6 +114,15 @@ class HostMoELayer {
                                                              const OwnershipMap& ownership, const MoEWeights* weights);
   Status CheckRank(int32_t rank) const;
   const Saved& last(int32_t rank) const;
+  Status PlanByOwner(int32_t rank, Saved& st);
+  Status PlanBalanced(int32_t rank, Saved& st);
+  void PublishLoadRow(int32_t rank, const RankRouting& routing);
+  Status PublishStreamOffsets(int32_t rank, Saved& st);
+  void PushReplicaWeights(int32_t rank, const Saved& st);
+  void ReduceReplicaGradients(int32_t rank, const Saved& st);
+  const float* ExpertWeights(int32_t rank, const Saved& st, int64_t local, int which) const;
+  float* ExpertGrads(int32_t rank, int64_t local, int which);
+  int32_t ExpertAt(int32_t rank, const Saved& st, int64_t local) const;
   Status Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload);
   void OwnerSegment(int32_t rank, Saved& st, int64_t segment, bool backward);
 
@@ -107,6 +131,8 @@ class HostMoELayer {
   OwnershipMap ownership_;
   RegionLayout layout_;
   LayerRegions regions_;
+  RegionId replica_w_ = -1, replica_g_ = -1;  // [N_slot][3*H*F] per rank: replica weights, their gradients
+  bool replica_fault_ = false;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool trace_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it

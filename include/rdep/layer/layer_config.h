@@ -7,6 +7,7 @@
 #include <ostream>
 #include <string>
 
+#include "rdep/balance/layer_balance.h"
 #include "rdep/core/capacity.h"
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
@@ -26,12 +27,25 @@ struct LayerConfig {
                                    // default (host: T; CUDA: W*T, so one segment and no host sync)
   bool load_matrix = false;        // phase 1 also gives every rank the full load matrix Lambda[W][E]
                                    // (the balancer needs it; W*E words per rank; E <= kMaxLoadMatrixExperts)
+  BalanceConfig balance;           // replicas of hot experts (host backend so far); on implies load_matrix
 
   Status Validate() const;
+  bool has_load_matrix() const { return load_matrix || balance.enabled(); }
+  // Redundant slots per rank the regions and owners provide room for (0 with balancing off).
+  int32_t replica_slots() const { return balance.enabled() ? balance.num_slots : 0; }
   int64_t segment() const { return segment_tokens > 0 ? segment_tokens : (shape.tokens > 0 ? shape.tokens : 1); }
 };
 
 std::ostream& operator<<(std::ostream& os, const LayerConfig& c);
+
+// A config of this shape, capacity policy and segment size, every other field at its default.
+inline LayerConfig MakeLayerConfig(const LayerShape& shape, const CapacityPolicy& capacity = {}, int64_t segment_tokens = 0) {
+  LayerConfig c;
+  c.shape = shape;
+  c.capacity = capacity;
+  c.segment_tokens = segment_tokens;
+  return c;
+}
 
 // The region layout of this config (rdep/dispatch/region_layout.h) for elements of elem_bytes.
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes);

@@ -57,6 +57,8 @@ struct ValidationReport {
   int64_t segments = 0;
   int64_t segment_size = 0;
   size_t symmetric_bytes_per_rank = 0;
+  bool balanced = false;        // LayerConfig::balance was on: `balance` holds what it did
+  BalanceTelemetry balance;
   bool passed() const;
   std::string ToJson(const ValidationOptions& options) const;
 };
@@ -77,6 +79,8 @@ struct LayerRun {
   std::vector<std::vector<float>> y, dx, dgates;
   std::vector<float> dw1, dw2;
   int64_t segments = 0;
+  BalanceTelemetry balance;                 // with LayerConfig::balance on
+  std::vector<int32_t> instances;           // [E] instances per expert (main + replicas); empty when off
 };
 
 // A backend the matrix can drive. Inputs are host data; a backend moves them to its devices.

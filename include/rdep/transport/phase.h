@@ -13,6 +13,7 @@ enum class Phase : uint16_t {
   kReturnDone,            // every returned row has landed at its front-end
   kBackwardSegment,       // backward, per segment: dy scattered to owners
   kBackwardDone,          // every dx row has landed at its front-end
+  kDispatchRoute,         // balancing: sources published per-instance counts after the plan
   kTest,                  // used by tests
 };
 

@@ -1,0 +1,61 @@
+// Balancing as a layer option (issue 16): which balancer a layer runs after phase 1, with its
+// parameters, and the one function every rank calls on the same admitted load matrix to get the same
+// plan. The layer then reroutes accepted rows to physical instances (main expert or a replica in a
+// redundant slot) with InstanceForRow (rdep/balance/plan.h).
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rdep/balance/plan.h"
+#include "rdep/core/ownership.h"
+#include "rdep/status.h"
+
+namespace rdep {
+
+enum class BalanceKind : int32_t {
+  kOff = 0,    // no replicas: every row goes to its expert's owner
+  kUltraEp,    // UltraEP quota planner on the exact load (seeds 001 Algorithm 1), locality on
+  kEplb,       // EPLB baseline: placement from the previous forward's load of the layer, round-robin reroute
+  kEplbExact,  // EPLB++ baseline: placement from the exact current load, round-robin reroute
+};
+
+const char* BalanceKindName(BalanceKind kind);  // "off", "ultraep", "eplb", "eplb-exact"
+// Parses a name of BalanceKindName; an unknown name is InvalidArgument listing the valid ones.
+StatusOr<BalanceKind> ParseBalanceKind(std::string_view name);
+
+struct BalanceConfig {
+  BalanceKind kind = BalanceKind::kOff;
+  int32_t num_slots = 2;  // N_slot: redundant slots per rank
+  int64_t min_quota = 1;  // u_min (UltraEP): a replica carries at least this many rows
+
+  bool enabled() const { return kind != BalanceKind::kOff; }
+  // With balancing on: 0 <= N_slot <= E, u_min >= 1. Names the field.
+  Status Validate(int32_t num_experts) const;
+};
+std::ostream& operator<<(std::ostream& os, const BalanceConfig& c);
+
+// The plan of `config` for the admitted load matrix [W][E] (rows each source sends to each expert
+// after the capacity rule). `history` (EPLB only: per-expert loads of an earlier step; empty = use the
+// current load) feeds the placement. Deterministic: every rank that calls it with the same inputs gets
+// the same plan. kOff gives NoBalancePlan.
+StatusOr<BalancePlan> SolveLayerPlan(const BalanceConfig& config, const std::vector<int64_t>& admitted_load,
+                                     const OwnershipMap& owners, const std::vector<double>& history);
+
+// What balancing did for one forward (identical on every rank).
+struct BalanceTelemetry {
+  double imbalance_before = 1.0;  // max owner load / mean (admitted rows), without replicas
+  double imbalance_after = 1.0;   // max rank load / mean with the plan's instances
+  int32_t replicas = 0;           // replicas made (redundant slots used)
+  int32_t slots = 0;             // redundant slots in all (W * N_slot)
+  bool slot_limited = false;      // every slot is used and the ranks are still not level: rows that
+                                  // would have gone to another replica stay on their main instance
+  int64_t weight_bytes = 0;       // expert weight bytes streamed to replicas by one forward
+};
+BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vector<int64_t>& admitted_load,
+                                         const OwnershipMap& owners, int64_t bytes_per_expert);
+
+}  // namespace rdep

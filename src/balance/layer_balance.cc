@@ -1,0 +1,85 @@
+#include "rdep/balance/layer_balance.h"
+
+#include <algorithm>
+
+#include "rdep/balance/eplb.h"
+#include "rdep/balance/quota_planner.h"
+
+namespace rdep {
+
+const char* BalanceKindName(BalanceKind kind) {
+  switch (kind) {
+    case BalanceKind::kOff: return "off";
+    case BalanceKind::kUltraEp: return "ultraep";
+    case BalanceKind::kEplb: return "eplb";
+    case BalanceKind::kEplbExact: return "eplb-exact";
+  }
+  return "?";
+}
+
+StatusOr<BalanceKind> ParseBalanceKind(std::string_view name) {
+  for (BalanceKind k : {BalanceKind::kOff, BalanceKind::kUltraEp, BalanceKind::kEplb, BalanceKind::kEplbExact})
+    if (name == BalanceKindName(k)) return k;
+  return InvalidArgument("balancer '" + std::string(name) + "' is not one of off, ultraep, eplb, eplb-exact");
+}
+
+Status BalanceConfig::Validate(int32_t num_experts) const {
+  if (!enabled()) return Status::Ok();
+  if (num_slots < 0 || num_slots > num_experts)
+    return InvalidArgument("balance: N_slot (redundant slots per rank) " + std::to_string(num_slots) +
+                           " must be in [0, E=" + std::to_string(num_experts) + "]");
+  if (min_quota < 1) return InvalidArgument("balance: u_min (rows a replica carries at least) " + std::to_string(min_quota) +
+                                            " must be >= 1");
+  return Status::Ok();
+}
+
+std::ostream& operator<<(std::ostream& os, const BalanceConfig& c) {
+  os << BalanceKindName(c.kind);
+  if (c.enabled()) os << "(N_slot=" << c.num_slots << (c.kind == BalanceKind::kUltraEp ? ", u_min=" + std::to_string(c.min_quota) : "") << ")";
+  return os;
+}
+
+StatusOr<BalancePlan> SolveLayerPlan(const BalanceConfig& config, const std::vector<int64_t>& load,
+                                     const OwnershipMap& owners, const std::vector<double>& history) {
+  RDEP_RETURN_IF_ERROR(config.Validate(owners.num_experts()));
+  EplbConfig eplb;
+  eplb.num_slots = config.num_slots;
+  switch (config.kind) {
+    case BalanceKind::kOff:
+      return NoBalancePlan(load, owners);
+    case BalanceKind::kUltraEp:
+      return SolveQuotaPlan(load, owners, QuotaConfig{config.num_slots, config.min_quota, /*locality=*/true});
+    case BalanceKind::kEplb:
+      if (!history.empty()) return EplbPlan(history, load, owners, eplb);
+      return EplbExactPlan(load, owners, eplb);
+    case BalanceKind::kEplbExact:
+      return EplbExactPlan(load, owners, eplb);
+  }
+  return InvalidArgument("balance: unknown balancer");
+}
+
+BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vector<int64_t>& load,
+                                         const OwnershipMap& owners, int64_t bytes_per_expert) {
+  BalanceTelemetry t;
+  const int32_t W = owners.num_ranks(), E = owners.num_experts();
+  std::vector<int64_t> owner_load(static_cast<size_t>(W), 0);
+  int64_t total = 0;
+  for (int32_t r = 0; r < W; ++r)
+    for (int32_t e = 0; e < E; ++e) {
+      const int64_t l = load[static_cast<size_t>(r) * static_cast<size_t>(E) + static_cast<size_t>(e)];
+      owner_load[static_cast<size_t>(owners.owner(e))] += l;
+      total += l;
+    }
+  const double mean = W > 0 ? static_cast<double>(total) / W : 0.0;
+  const int64_t before = owner_load.empty() ? 0 : *std::max_element(owner_load.begin(), owner_load.end());
+  const PlanMetrics m = ComputeMetrics(plan);
+  t.imbalance_before = mean > 0 ? static_cast<double>(before) / mean : 1.0;
+  t.imbalance_after = m.imbalance;
+  t.replicas = m.replicas;
+  t.slots = W * plan.num_slots;
+  t.slot_limited = m.max_rank_load > static_cast<int64_t>((total + W - 1) / std::max(W, 1)) && t.replicas == t.slots;
+  t.weight_bytes = static_cast<int64_t>(t.replicas) * bytes_per_expert;
+  return t;
+}
+
+}  // namespace rdep

@@ -1,0 +1,254 @@
+// Balancing inside the host layer (LayerConfig::balance): with replicas of hot experts, outputs, dx and
+// dgates are bitwise those of the layer without balancing on the same routing; main-expert weight
+// gradients are bitwise for experts without replicas and within fp32 summation-order tolerance for
+// replicated ones (their rows are summed in two parts); the plan is the balancer's plan for the
+// admitted load; a corrupted streamed weight is caught.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "rdep/balance/layer_balance.h"
+#include "rdep/core/capacity.h"
+#include "rdep/layer/host_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+struct Case {
+  std::string name;
+  int64_t ranks = 4, experts = 16, tokens = 48, topk = 4;
+  std::string routing = "zipf:2";
+  double capacity_factor = 0;  // 0 = dropless
+  int64_t segment = 0;
+  BalanceKind kind = BalanceKind::kUltraEp;
+  int32_t slots = 2;
+  bool expect_replicas = true;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct Result {
+  std::vector<std::vector<float>> y, dx, dg, dw1, dw2;  // per rank
+  std::vector<BalanceTelemetry> telemetry;
+  std::vector<BalancePlan> plans;
+};
+
+LayerShape ShapeOf(const Case& c) {
+  return LayerShape{.tokens = c.tokens, .hidden = 12, .ffn = 6, .experts = c.experts, .topk = c.topk, .ranks = c.ranks};
+}
+
+// One forward and backward of a layer with `balance` on routing `rt`; dy is derived from x.
+Result RunLayer(const Case& c, const BalanceConfig& balance, const Routing& rt, bool fault = false) {
+  const LayerShape s = ShapeOf(c);
+  auto domain = std::move(*HostDomain::Create(static_cast<int32_t>(s.ranks), {.barrier_timeout_s = 10}));
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const MoEWeights w = RandomWeights(s, 7);
+  const auto x = RandomActivations(s, rt, 8);
+  LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
+  cfg.balance = balance;
+  auto layer_or = HostMoELayer::Create(*domain, cfg, own, w);
+  EXPECT_TRUE(layer_or.ok()) << layer_or.status();
+  auto layer = std::move(*layer_or);
+  layer->set_replica_fault_for_test(fault);
+  const auto W = static_cast<size_t>(s.ranks);
+  Result out;
+  out.y.resize(W), out.dx.resize(W), out.dg.resize(W), out.dw1.resize(W), out.dw2.resize(W);
+  out.telemetry.resize(W), out.plans.resize(W);
+  std::vector<ForwardContext> ctx(W);
+  Status st = domain->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const int64_t n = rt[i].num_tokens;
+    out.y[i].assign(static_cast<size_t>(n * s.hidden), NAN);
+    out.dx[i].assign(static_cast<size_t>(n * s.hidden), NAN);
+    out.dg[i].assign(static_cast<size_t>(n * s.topk), NAN);
+    RDEP_RETURN_IF_ERROR(layer->Forward(r, ctx[i], rt[i], x[i], out.y[i]));
+    if (balance.enabled()) {
+      RDEP_ASSIGN_OR_RETURN(out.telemetry[i], layer->balance_telemetry(ctx[i]));
+      RDEP_ASSIGN_OR_RETURN(out.plans[i], layer->balance_plan(ctx[i]));
+    }
+    std::vector<float> dy(x[i].size());
+    for (size_t k = 0; k < dy.size(); ++k) dy[k] = std::sin(0.37f * static_cast<float>(k) + static_cast<float>(r));
+    RDEP_RETURN_IF_ERROR(layer->Backward(r, ctx[i], dy, out.dx[i], out.dg[i]));
+    out.dw1[i].assign(layer->dw1(r).begin(), layer->dw1(r).end());
+    out.dw2[i].assign(layer->dw2(r).begin(), layer->dw2(r).end());
+    return Status::Ok();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+  return out;
+}
+
+bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](float u, float v) {
+           return std::memcmp(&u, &v, sizeof(float)) == 0;
+         });
+}
+
+// Per local expert: bitwise when the expert has no replica, else |a-b| <= 1e-5 * max|b| + 1e-5 * |b|.
+void ExpectGradsMatch(const std::vector<float>& a, const std::vector<float>& b, size_t per_expert,
+                      const std::vector<bool>& replicated, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  float scale = 0;
+  for (float v : b) scale = std::max(scale, std::abs(v));
+  for (size_t j = 0; j * per_expert < b.size(); ++j) {
+    for (size_t c = j * per_expert; c < (j + 1) * per_expert; ++c) {
+      if (!replicated[j]) {
+        ASSERT_EQ(std::memcmp(&a[c], &b[c], sizeof(float)), 0) << what << " local expert " << j << " element " << c;
+      } else {
+        ASSERT_LE(std::abs(a[c] - b[c]), 1e-5f * scale + 1e-5f * std::abs(b[c])) << what << " local expert " << j;
+      }
+    }
+  }
+}
+
+class HostBalance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HostBalance, EqualsTheLayerWithoutBalancing) {
+  const Case c = GetParam();
+  const LayerShape s = ShapeOf(c);
+  const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse(c.routing));
+  const Result off = RunLayer(c, BalanceConfig{}, rt);
+  const Result on = RunLayer(c, BalanceConfig{.kind = c.kind, .num_slots = c.slots}, rt);
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const BalancePlan& plan = on.plans[0];
+  for (int64_t r = 0; r < s.ranks; ++r) {
+    const auto i = static_cast<size_t>(r);
+    EXPECT_TRUE(Bitwise(on.y[i], off.y[i])) << "y on rank " << r;
+    EXPECT_TRUE(Bitwise(on.dx[i], off.dx[i])) << "dx on rank " << r;
+    EXPECT_TRUE(Bitwise(on.dg[i], off.dg[i])) << "dgates on rank " << r;
+    // Every rank solved the same plan.
+    EXPECT_EQ(on.plans[i].instance_rank, plan.instance_rank) << "rank " << r;
+    EXPECT_EQ(on.plans[i].route, plan.route) << "rank " << r;
+    std::vector<bool> replicated(static_cast<size_t>(own.num_local(static_cast<int32_t>(r))));
+    for (size_t j = 0; j < replicated.size(); ++j) {
+      const int32_t e = own.global_expert(static_cast<int32_t>(r), static_cast<int32_t>(j));
+      replicated[j] = plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)] > 1;
+    }
+    ExpectGradsMatch(on.dw1[i], off.dw1[i], static_cast<size_t>(2 * s.hidden * s.ffn), replicated, "dw1 rank " + std::to_string(r));
+    ExpectGradsMatch(on.dw2[i], off.dw2[i], static_cast<size_t>(s.ffn * s.hidden), replicated, "dw2 rank " + std::to_string(r));
+  }
+  const BalanceTelemetry& t = on.telemetry[0];
+  if (c.expect_replicas) {
+    EXPECT_GT(t.replicas, 0);
+    EXPECT_LT(t.imbalance_after, t.imbalance_before);
+    EXPECT_EQ(t.weight_bytes, t.replicas * 3 * s.hidden * s.ffn * static_cast<int64_t>(sizeof(float)));
+  }
+  EXPECT_LE(t.replicas, c.slots * s.ranks);
+
+  // The plan is the balancer's plan for the admitted load (computed here from the routing).
+  const std::vector<int64_t> load = LoadMatrix(rt, s.experts);
+  std::vector<int64_t> admitted(load.size()), col(static_cast<size_t>(s.ranks)), kept(col.size());
+  const int64_t cap = CapacityPolicy{.capacity_factor = c.capacity_factor}.ExpertCapacity(s);
+  for (int64_t e = 0; e < s.experts; ++e) {
+    for (int64_t r = 0; r < s.ranks; ++r) col[static_cast<size_t>(r)] = load[static_cast<size_t>(r * s.experts + e)];
+    AdmitBySourceOrder(col.data(), s.ranks, cap, kept.data());
+    for (int64_t r = 0; r < s.ranks; ++r) admitted[static_cast<size_t>(r * s.experts + e)] = kept[static_cast<size_t>(r)];
+  }
+  const BalancePlan want = *SolveLayerPlan(BalanceConfig{.kind = c.kind, .num_slots = c.slots}, admitted, own, {});
+  EXPECT_EQ(plan.instance_expert, want.instance_expert);
+  EXPECT_EQ(plan.instance_rank, want.instance_rank);
+  EXPECT_EQ(plan.instance_quota, want.instance_quota);
+  EXPECT_EQ(plan.route, want.route);
+  EXPECT_TRUE(CheckPlan(plan, admitted, own).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, HostBalance,
+    ::testing::Values(Case{.name = "W4_zipf2_ultraep"}, Case{.name = "W4_zipf1_ultraep", .routing = "zipf:1"},
+                      Case{.name = "W4_uniform_ultraep", .routing = "uniform", .expect_replicas = false},
+                      Case{.name = "W4_one_expert_ultraep", .routing = "one-expert"},
+                      Case{.name = "W4_zipf2_drops_ultraep", .capacity_factor = 0.8},
+                      Case{.name = "W4_one_expert_drops_small_segments", .routing = "one-expert", .capacity_factor = 1.0, .segment = 5},
+                      Case{.name = "W2_zipf2_ultraep", .ranks = 2, .experts = 8},
+                      Case{.name = "W4_nonuniform_E10", .experts = 10, .topk = 3},
+                      Case{.name = "W8_zipf2_ultraep_one_slot", .ranks = 8, .experts = 32, .slots = 1},
+                      Case{.name = "W4_zipf2_eplb_exact", .kind = BalanceKind::kEplbExact},
+                      Case{.name = "W4_zipf2_eplb_first_step", .kind = BalanceKind::kEplb},
+                      Case{.name = "W4_zipf2_no_slots", .slots = 0, .expect_replicas = false}),
+    [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
+
+TEST(HostBalanceFaults, CorruptedReplicaWeightIsCaught) {
+  const Case c{.name = "fault"};
+  const Routing rt = *GenerateRouting(ShapeOf(c), *RoutingSpec::Parse(c.routing));
+  const Result off = RunLayer(c, BalanceConfig{}, rt);
+  const Result bad = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp}, rt, /*fault=*/true);
+  ASSERT_GT(bad.telemetry[0].replicas, 0);
+  bool all_equal = true;
+  for (size_t r = 0; r < off.y.size(); ++r) all_equal = all_equal && Bitwise(bad.y[r], off.y[r]);
+  EXPECT_FALSE(all_equal) << "a corrupted replica weight must change some output";
+}
+
+TEST(HostBalanceFaults, NoSlotsMeansRowsStayWithTheirOwnersAndTelemetrySaysSo) {
+  const Case c{.name = "no_slots", .slots = 0};
+  const Routing rt = *GenerateRouting(ShapeOf(c), *RoutingSpec::Parse(c.routing));
+  const Result on = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 0}, rt);
+  EXPECT_EQ(on.telemetry[0].replicas, 0);
+  EXPECT_TRUE(on.telemetry[0].slot_limited);
+  EXPECT_DOUBLE_EQ(on.telemetry[0].imbalance_after, on.telemetry[0].imbalance_before);
+}
+
+TEST(HostBalanceConfig, BadValuesNameTheField) {
+  auto bad = [](int32_t slots, int64_t min_quota) {
+    return BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = slots, .min_quota = min_quota}.Validate(16).message();
+  };
+  EXPECT_NE(bad(-1, 1).find("N_slot"), std::string::npos);
+  EXPECT_NE(bad(17, 1).find("E=16"), std::string::npos);
+  EXPECT_NE(bad(2, 0).find("u_min"), std::string::npos);
+  const BalanceConfig off{.kind = BalanceKind::kOff, .num_slots = -1};
+  EXPECT_TRUE(off.Validate(16).ok());  // ignored when off
+  EXPECT_NE(ParseBalanceKind("greedy").status().message().find("off, ultraep, eplb, eplb-exact"), std::string::npos);
+  EXPECT_EQ(*ParseBalanceKind("eplb-exact"), BalanceKind::kEplbExact);
+  const LayerShape s{.tokens = 8, .hidden = 8, .ffn = 4, .experts = 8, .topk = 2, .ranks = 2};
+  auto domain = std::move(*HostDomain::Create(2, {}));
+  LayerConfig cfg = MakeLayerConfig(s);
+  cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 9};
+  EXPECT_NE(HostMoELayer::Create(*domain, cfg, *OwnershipMap::Contiguous(8, 2)).status().message().find("N_slot"),
+            std::string::npos);
+}
+
+// Several forwards in flight: each run and backward streams its own plan's replicas into the shared
+// slots, so interleaving two contexts gives what each gives alone.
+TEST(HostBalanceContexts, InterleavedForwardsKeepTheirOwnPlans) {
+  const Case c{.name = "interleaved"};
+  const LayerShape s = ShapeOf(c);
+  const Routing a = *GenerateRouting(s, *RoutingSpec::Parse("zipf:2"));
+  RoutingSpec other = *RoutingSpec::Parse("zipf:1.5");
+  other.seed = 5;
+  const Routing b = *GenerateRouting(s, other);
+  const Result alone_a = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp}, a);
+  const Result alone_b = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp}, b);
+
+  auto domain = std::move(*HostDomain::Create(static_cast<int32_t>(s.ranks), {.barrier_timeout_s = 10}));
+  LayerConfig cfg = MakeLayerConfig(s);
+  cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp};
+  auto layer = std::move(*HostMoELayer::Create(*domain, cfg, *OwnershipMap::Contiguous(s.experts, s.ranks), RandomWeights(s, 7)));
+  const auto xa = RandomActivations(s, a, 8), xb = RandomActivations(s, b, 8);
+  Status st = domain->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    ForwardContext ca, cb;
+    std::vector<float> ya(xa[i].size()), yb(xb[i].size()), dxa(ya.size()), dxb(yb.size());
+    std::vector<float> dga(static_cast<size_t>(a[i].num_tokens * s.topk)), dgb(static_cast<size_t>(b[i].num_tokens * s.topk));
+    RDEP_RETURN_IF_ERROR(layer->Plan(r, ca, a[i]));
+    RDEP_RETURN_IF_ERROR(layer->Plan(r, cb, b[i]));
+    RDEP_RETURN_IF_ERROR(layer->Run(r, ca, xa[i], ya));
+    RDEP_RETURN_IF_ERROR(layer->Run(r, cb, xb[i], yb));
+    std::vector<float> dya(ya.size()), dyb(yb.size());
+    for (size_t k = 0; k < dya.size(); ++k) dya[k] = std::sin(0.37f * static_cast<float>(k) + static_cast<float>(r));
+    for (size_t k = 0; k < dyb.size(); ++k) dyb[k] = std::sin(0.37f * static_cast<float>(k) + static_cast<float>(r));
+    RDEP_RETURN_IF_ERROR(layer->Backward(r, cb, dyb, dxb, dgb));
+    const std::vector<float> dw1b(layer->dw1(r).begin(), layer->dw1(r).end());
+    RDEP_RETURN_IF_ERROR(layer->Backward(r, ca, dya, dxa, dga));
+    const std::vector<float> dw1a(layer->dw1(r).begin(), layer->dw1(r).end());
+    if (!Bitwise(ya, alone_a.y[i]) || !Bitwise(yb, alone_b.y[i])) return InternalError("y differs on rank " + std::to_string(r));
+    if (!Bitwise(dxa, alone_a.dx[i]) || !Bitwise(dxb, alone_b.dx[i])) return InternalError("dx differs on rank " + std::to_string(r));
+    if (!Bitwise(dw1a, alone_a.dw1[i]) || !Bitwise(dw1b, alone_b.dw1[i]))
+      return InternalError("dw1 differs on rank " + std::to_string(r));
+    return Status::Ok();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace rdep

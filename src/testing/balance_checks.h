@@ -1,0 +1,27 @@
+// The validation matrix's view of balancing (internal to the testing library): where each accepted
+// row must be computed, and the exactness of a balanced run against the same layer without balancing.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "rdep/testing/validation.h"
+
+namespace rdep {
+
+// Where the sentinel run must compute every accepted row: the owner and lambda(e) without balancing;
+// with it, the instance that the balancer's plan, solved here from the routing's admitted load
+// (the reference's accepted set), gives the row by cumulative quota.
+struct RowPlacement {
+  std::vector<std::vector<int32_t>> rank, local;  // [W][n*K]; -1 for a dropped row
+  std::vector<std::vector<int32_t>> expert_at;    // [W][physical local index] logical expert (-1: unused slot)
+};
+StatusOr<RowPlacement> ExpectedPlacement(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
+                                         const std::vector<RankAcceptance>& reference);
+
+// A balanced run against the balancing-off run on the same inputs: y, dx, dgates bitwise; weight
+// gradients bitwise for experts without replicas and within 1e-5 relative for replicated experts
+// (their rows are summed in two parts, so fp32 rounding may differ).
+CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape);
+
+}  // namespace rdep
