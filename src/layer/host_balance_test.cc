@@ -11,6 +11,8 @@
 #include <string>
 
 #include "rdep/balance/layer_balance.h"
+#include "rdep/balance/load_trace.h"
+#include "rdep/balance/sim.h"
 #include "rdep/core/capacity.h"
 #include "rdep/layer/host_moe_layer.h"
 
@@ -168,6 +170,34 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{.name = "W4_zipf2_eplb_first_step", .kind = BalanceKind::kEplb},
                       Case{.name = "W4_zipf2_no_slots", .slots = 0, .expect_replicas = false}),
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
+
+// `rdep plan sim` on a trace recorded from a routing and the layer on that routing agree on the plan.
+TEST(HostBalanceTrace, PlanSimAndTheLayerAgreeOnARecordedTrace) {
+  const Case c{.name = "trace", .ranks = 8, .experts = 32};
+  const LayerShape s = ShapeOf(c);
+  const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse("zipf:1.5"));
+  const Result on = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2}, rt);
+  LoadTrace trace{static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), {}};
+  trace.steps.assign(2, LoadMatrix(rt, s.experts));  // step 0 only seeds EPLB's history in the simulation
+  const std::string path = ::testing::TempDir() + "/rdep_balance_trace.txt";
+  ASSERT_TRUE(WriteLoadTrace(trace, path).ok());
+  auto read = ReadLoadTrace(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  SimConfig cfg;
+  cfg.umin_frac = 0;  // u_min = 1, the layer's default
+  auto rep = RunTraceSim(*read, 2, cfg, path);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  bool found = false;
+  for (const SimRecord& r : rep->records) {
+    if (r.planner != "ultraep") continue;
+    found = true;
+    EXPECT_EQ(r.replicas, on.telemetry[0].replicas);
+    EXPECT_DOUBLE_EQ(r.imbalance, on.telemetry[0].imbalance_after);
+    EXPECT_EQ(r.max_hosts, ComputeMetrics(on.plans[0]).max_hosts);
+  }
+  EXPECT_TRUE(found);
+  EXPECT_GT(on.telemetry[0].replicas, 0);
+}
 
 TEST(HostBalanceFaults, CorruptedReplicaWeightIsCaught) {
   const Case c{.name = "fault"};
