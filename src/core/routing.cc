@@ -32,6 +32,58 @@ Status RankRouting::Validate(const LayerShape& shape) const {
   return Status::Ok();
 }
 
+Status CheckNodeLimit(const RankRouting& r, const std::vector<int32_t>& node_of_expert, int64_t max_nodes) {
+  std::vector<int32_t> seen;
+  for (int64_t t = 0; t < r.num_tokens; ++t) {
+    seen.clear();
+    for (int64_t k = 0; k < r.topk; ++k) {
+      const int32_t node = node_of_expert[static_cast<size_t>(r.experts[static_cast<size_t>(t * r.topk + k)])];
+      if (std::find(seen.begin(), seen.end(), node) == seen.end()) seen.push_back(node);
+    }
+    if (static_cast<int64_t>(seen.size()) > max_nodes) {
+      std::ostringstream os;
+      os << "routing: token " << t << " has experts on " << seen.size() << " nodes (";
+      for (size_t i = 0; i < seen.size(); ++i) os << (i ? "," : "") << seen[i];
+      os << "), more than the node cap M=" << max_nodes;
+      return InvalidArgument(os.str());
+    }
+  }
+  return Status::Ok();
+}
+
+Status LimitRoutingNodes(Routing& routing, const std::vector<int32_t>& node_of_expert, int64_t max_nodes) {
+  const auto E = static_cast<int32_t>(node_of_expert.size());
+  std::vector<int32_t> kept;
+  std::vector<uint8_t> has(static_cast<size_t>(E));
+  for (RankRouting& r : routing) {
+    for (int64_t t = 0; t < r.num_tokens; ++t) {
+      int32_t* ex = r.experts.data() + t * r.topk;
+      kept.clear();
+      for (int64_t k = 0; k < r.topk; ++k) {
+        const int32_t node = node_of_expert[static_cast<size_t>(ex[k])];
+        if (std::find(kept.begin(), kept.end(), node) == kept.end() && static_cast<int64_t>(kept.size()) < max_nodes)
+          kept.push_back(node);
+      }
+      std::fill(has.begin(), has.end(), 0);
+      for (int64_t k = 0; k < r.topk; ++k)
+        if (std::find(kept.begin(), kept.end(), node_of_expert[static_cast<size_t>(ex[k])]) != kept.end()) has[static_cast<size_t>(ex[k])] = 1;
+      int32_t next = 0;
+      for (int64_t k = 0; k < r.topk; ++k) {
+        if (std::find(kept.begin(), kept.end(), node_of_expert[static_cast<size_t>(ex[k])]) != kept.end()) continue;
+        while (next < E && (has[static_cast<size_t>(next)] ||
+                            std::find(kept.begin(), kept.end(), node_of_expert[static_cast<size_t>(next)]) == kept.end()))
+          ++next;
+        if (next == E)
+          return InvalidArgument("node-limited routing: K=" + std::to_string(r.topk) + " experts do not fit on M=" +
+                                 std::to_string(max_nodes) + " nodes");
+        ex[k] = next;
+        has[static_cast<size_t>(next)] = 1;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 std::string DescribeRouteSlotFault(RouteSlotFault fault, int64_t token, int64_t slot, int32_t expert, float gate,
                                    int64_t num_experts) {
   std::ostringstream os;

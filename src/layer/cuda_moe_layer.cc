@@ -291,6 +291,9 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   if (config.balance.enabled())
     return InvalidArgument("cuda layer: balancing (" + std::string(BalanceKindName(config.balance.kind)) +
                          ") runs on the host backend only so far; create the CUDA layer with balance off");
+  if (config.nodes.nodes > 1)
+    return InvalidArgument("cuda layer: the two-phase inter-node exchange (N=" + std::to_string(config.nodes.nodes) +
+                           " nodes) runs on the host backend only so far");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
   {
     // Every process must build the same layer: shape, capacity, segment and ownership map.

@@ -47,11 +47,28 @@ struct HostMoELayer::Saved final : ForwardContext::State {
   // Where each accepted route slot t*K+k is computed: the rank and its physical local index there
   // (the owner and lambda(e), or with balancing a replica's slot_base + s); -1 for a dropped slot.
   std::vector<int32_t> dest_rank, dest_local;   // [n*K]
+  // Two-phase (nodes > 1), relay role: the tokens this rank relays into its node for the sources with
+  // its local index (source node order, token order), their rows sorted by slot, the rows' expert
+  // outputs (for dgate) and where each (token, owner) pair sits in the owner's stream.
+  struct RelayEntry {
+    int32_t owner = 0;
+    int64_t pos = 0;
+    std::vector<RowSideband> rows;
+  };
+  struct Relayed {
+    int32_t src_node = 0, token = 0;
+    std::vector<RelayEntry> entries;  // owners of its node, ascending
+    std::vector<RowSideband> rows;    // every row on this node, by slot
+    int64_t out = 0;                  // its first row in relay_out
+  };
+  std::vector<Relayed> relayed;
+  std::vector<float> relay_out;                 // [relayed rows][H] expert outputs
+  NodeTraffic traffic;
   // Balancing: the plan (identical on every rank) and what it did.
   std::shared_ptr<const BalancePlan> plan;
   BalanceTelemetry telemetry;
   size_t bytes() const override {
-    size_t b = load.size() * 8 + (dest_rank.size() + dest_local.size()) * 4 + routing.experts.size() * 4 +
+    size_t b = relay_out.size() * 4 + relayed.size() * sizeof(Relayed) + load.size() * 8 + (dest_rank.size() + dest_local.size()) * 4 + routing.experts.size() * 4 +
                routing.gates.size() * 4 + acceptance.accepted.size() +
                acceptance.effective_gates.size() * 4 + (expert_out.size() + saved_x.size()) * 4 +
                (stream_base.size() + rows_per_expert.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);

@@ -50,6 +50,12 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::CreateLayer(HostDomain& do
     RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AllocateSymmetric(slot_bytes, "replica.weights"));
     RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AllocateSymmetric(slot_bytes, "replica.grads"));
   }
+  if (config.nodes.nodes > 1) {  // the inter-node hop and the node of each expert
+    RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeHostInterNodeExchange(domain, config.nodes));
+    const int32_t G = config.nodes.ranks_per_node(s.ranks);
+    for (int32_t e = 0; e < ownership.num_experts(); ++e) layer->node_of_expert_.push_back(ownership.owner(e) / G);
+    layer->gathered_out_.resize(static_cast<size_t>(s.ranks));
+  }
   const auto n1 = static_cast<size_t>(s.hidden * 2 * s.ffn), n2 = static_cast<size_t>(s.ffn * s.hidden);
   for (int32_t q = 0; q < s.ranks; ++q) {
     auto st = std::make_unique<RankState>();
@@ -89,7 +95,25 @@ const RankAcceptance& HostMoELayer::acceptance(int32_t r) const { return last(r)
 int64_t HostMoELayer::segments(int32_t r) const { return last(r).num_segments; }
 const std::vector<OwnerTraceEntry>& HostMoELayer::owner_trace(int32_t r) const { return last(r).trace; }
 const std::vector<int64_t>& HostMoELayer::owner_rows_per_expert(int32_t r) const { return last(r).rows_per_expert; }
-const std::vector<float>& HostMoELayer::expert_outputs(int32_t r) const { return last(r).expert_out; }
+const std::vector<float>& HostMoELayer::expert_outputs(int32_t r) const {
+  if (config_.nodes.nodes == 1) return last(r).expert_out;
+  // Two-phase: the rows stayed at the relays of r's local index, one per node.
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden, G = config_.nodes.ranks_per_node(config_.shape.ranks);
+  const RowIdCodec codec{config_.shape.tokens, K};
+  std::vector<float>& out = gathered_out_[static_cast<size_t>(r)];
+  out.assign(static_cast<size_t>(last(r).num_tokens * K * H), 0.f);
+  for (int64_t b = 0; b < config_.nodes.nodes; ++b) {
+    const Saved& relay = last(static_cast<int32_t>(b * G + r % G));
+    for (const auto& rel : relay.relayed) {
+      if (rel.src_node != r / G) continue;
+      for (size_t j = 0; j < rel.rows.size(); ++j) {
+        const RowKey key = codec.decode(rel.rows[j].row_id);
+        std::copy_n(relay.relay_out.data() + (rel.out + static_cast<int64_t>(j)) * H, H, out.data() + (key.token * K + key.slot) * H);
+      }
+    }
+  }
+  return out;
+}
 StatusOr<std::vector<int64_t>> HostMoELayer::load_matrix(const ForwardContext& ctx) const {
   const Saved* saved = ctx.rank() >= 0 && ctx.rank() < config_.shape.ranks ? ContextAccess::Peek<Saved>(ctx, id_, ctx.rank()) : nullptr;
   if (!saved) return FailedPrecondition("load matrix: the context holds no completed forward of this layer");
@@ -140,6 +164,11 @@ Status HostMoELayer::Plan(int32_t rank, ForwardContext& ctx, const RankRouting& 
   Saved& st = *saved;
   const int64_t W = config_.shape.ranks, H = config_.shape.hidden;
   RDEP_RETURN_IF_ERROR(routing.Validate(config_.shape));
+  if (config_.nodes.cap() < config_.nodes.nodes) {
+    Status limit = CheckNodeLimit(routing, node_of_expert_, config_.nodes.cap());
+    if (!limit.ok()) return InvalidArgument("rank " + std::to_string(rank) + ": " + limit.message());
+  }
+  st.traffic = NodeTraffic{};
   st.num_tokens = routing.num_tokens;
   st.routing = routing;
   st.tokens_to.resize(static_cast<size_t>(W));
@@ -279,6 +308,11 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
   RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
+  if (config_.nodes.nodes > 1) {
+    RDEP_RETURN_IF_ERROR(RunTwoPhase(rank, st, x, y));
+    ContextAccess::FinishForward(ctx);
+    return Status::Ok();
+  }
   const RankAcceptance& acc = st.acceptance;
   if (st.plan) PushReplicaWeights(rank, st);  // ordered before the replicas' compute by the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
@@ -324,6 +358,11 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
   RankState& rs = *ranks_[static_cast<size_t>(rank)];
   const int64_t n = st.num_tokens;
   const RankAcceptance& acc = st.acceptance;
+  if (config_.nodes.nodes > 1) {
+    std::fill_n(rs.DW1(), rs.w1_count, 0.f);
+    std::fill_n(rs.DW2(), rs.w2_count, 0.f);
+    return BackwardTwoPhase(rank, st, dy, dx, dgates);
+  }
 
   // dgate at the front-end: dL/dg'_k = <dy_t, f_k(x_t)>, then through the capacity renormalization.
   std::vector<double> d_eff(static_cast<size_t>(K)), d_g(static_cast<size_t>(K));
@@ -399,17 +438,17 @@ Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<
 }
 
 // Owner work on one received segment: expand tokens into rows grouped by local expert (stream order
-// within an expert), compute, and store each output row at its front-end's slot decoded from row_id.
+// within an expert), compute, and store each output row at its front-end's slot decoded from row_id
+// (with nodes, at the relay of its source in this node: ReturnRow).
 void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backward) {
   const LayerShape& s = config_.shape;
-  const int64_t K = s.topk, H = s.hidden, F = s.ffn, S = layout_.S;
+  const int64_t H = s.hidden, F = s.ffn, S = layout_.S;
   const int64_t buf = seg % 2, lo = seg * S;
   const int64_t n_seg = std::clamp<int64_t>(st.stream_tokens - lo, 0, S);
   const size_t tsb = layout_.token_sideband_bytes();
   const float* payload = domain_.region_as<float>(rank, regions_.payload) + buf * S * H;
   const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
   const int64_t Lq = config_.balance.enabled() ? layout_.L : ownership_.num_local(rank);  // physical local experts
-  const RowIdCodec codec{s.tokens, K};
   if (backward && seg == 0 && replica_g_ >= 0)  // replica gradients of this call accumulate from here
     std::fill_n(domain_.region_as<float>(rank, replica_g_), config_.replica_slots() * 3 * H * F, 0.f);
 
@@ -442,8 +481,7 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
   std::vector<float> h(static_cast<size_t>(2 * F)), z(static_cast<size_t>(F)), o(static_cast<size_t>(H));
   std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F));
   for (const Grouped& g : grouped) {
-    const RowKey key = codec.decode(g.row.row_id);
-    float* dst = domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
+    float* dst = ReturnRow(rank, g.row.row_id);
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const int64_t j = g.row.local_expert;
     const float* w1 = ExpertWeights(rank, st, j, 1);
@@ -461,6 +499,10 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
                            scratch.data());
     }
   }
+  // Two-phase: relays write only the stream positions of tokens with accepted rows here, so the
+  // headers go back to "no rows" for the next use of this buffer (ordered by the next barriers).
+  if (config_.nodes.nodes > 1)
+    for (int64_t p = 0; p < n_seg; ++p) std::memset(domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S + p) * tsb, 0, sizeof(int64_t));
 }
 
 }  // namespace rdep

@@ -12,6 +12,10 @@ Status LayerConfig::Validate() const {
     return InvalidArgument(std::string(load_matrix ? "load_matrix" : "balance") + ": E=" + std::to_string(shape.experts) +
                            " exceeds " + std::to_string(kMaxLoadMatrixExperts) + " (the load matrix's limit)");
   RDEP_RETURN_IF_ERROR(balance.Validate(static_cast<int32_t>(shape.experts)));
+  RDEP_RETURN_IF_ERROR(nodes.Validate(shape.ranks));
+  if (nodes.nodes > 1 && balance.enabled())
+    return InvalidArgument("balance: replicas across nodes (N=" + std::to_string(nodes.nodes) +
+                           ") are not supported yet; use balancing with one node");
   return Status::Ok();
 }
 
@@ -22,6 +26,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.segment_tokens > 0) os << " S=" << c.segment_tokens;
   else os << " S=auto";
   if (c.balance.enabled()) os << " balance=" << c.balance;
+  if (c.nodes.nodes > 1) os << " nodes " << c.nodes;
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
@@ -53,6 +58,7 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
   l.slots_per_token = std::max<int64_t>(1, std::min<int64_t>(c.shape.topk, m.max_local() + c.replica_slots()));
   l.elem_bytes = static_cast<int64_t>(elem_bytes);
   l.E_load = c.has_load_matrix() ? c.shape.experts : 0;
+  l.N = c.nodes.nodes;
   return l;
 }
 

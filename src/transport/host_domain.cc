@@ -19,6 +19,8 @@ const char* PhaseName(Phase phase) {
     case Phase::kBackwardSegment: return "backward.segment";
     case Phase::kBackwardDone: return "backward.done";
     case Phase::kDispatchRoute: return "dispatch.route";
+    case Phase::kInterNode: return "inter-node";
+    case Phase::kInterNodeDone: return "inter-node.done";
     case Phase::kTest: return "test";
   }
   return "unknown";

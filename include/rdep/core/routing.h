@@ -31,6 +31,15 @@ std::vector<int64_t> ExpertLoads(const Routing& routing, int64_t num_experts);
 // Load matrix Lambda[r][e]: rows rank r sends to expert e (row-major [W][E]).
 std::vector<int64_t> LoadMatrix(const Routing& routing, int64_t num_experts);
 
+// Node-limited routing (seeds 004): node_of_expert[e] is the node of expert e's owner.
+// CheckNodeLimit: every token's experts lie on at most max_nodes distinct nodes; otherwise
+// InvalidArgument naming the token and its nodes.
+Status CheckNodeLimit(const RankRouting& routing, const std::vector<int32_t>& node_of_expert, int64_t max_nodes);
+// Makes a generated routing node-limited: per token, the first max_nodes distinct nodes in slot order
+// are kept, and a slot on another node takes the lowest-id expert of the kept nodes that the token
+// does not hold yet (its gate unchanged). InvalidArgument when the kept nodes hold fewer than K experts.
+Status LimitRoutingNodes(Routing& routing, const std::vector<int32_t>& node_of_expert, int64_t max_nodes);
+
 // Families of seeded synthetic routings (seeds 000 section 5, Table 18).
 struct RoutingSpec {
   enum class Family {

@@ -14,7 +14,8 @@
 //                                written by s to every rank); present only when E_load = E > 0
 // segment payload  [2][S][H] activations (double-buffered; the backend's element type)
 // segment sideband [2][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
-// return           [T*K][H] returned rows, placed at (t*K+k) decoded from row_id
+// return           [N][T*K][H] returned rows, placed at (t*K+k) decoded from row_id (N = 1); with N
+//                  nodes, at a relay, at (source node, t, k) for the sources with its local index
 #pragma once
 
 #include <cstddef>
@@ -40,6 +41,7 @@ struct RegionLayout {
   int64_t W = 0, L = 0, S = 0, H = 0, T = 0, K = 0, slots_per_token = 0;
   int64_t elem_bytes = 0;
   int64_t E_load = 0;  // E when every rank holds the full load matrix (LayerConfig::load_matrix), else 0
+  int64_t N = 1;       // nodes: the return region holds rows for N sources (two-phase relays)
 
   // control offsets, in int64 words
   RDEP_HD int64_t recv_counts(int64_t src, int64_t j) const { return src * L + j; }
@@ -55,7 +57,7 @@ struct RegionLayout {
   }
   RDEP_HD size_t payload_bytes() const { return 2 * static_cast<size_t>(S * H * elem_bytes); }
   RDEP_HD size_t sideband_bytes() const { return 2 * static_cast<size_t>(S) * token_sideband_bytes(); }
-  RDEP_HD size_t return_bytes() const { return static_cast<size_t>(T * K * H * elem_bytes); }
+  RDEP_HD size_t return_bytes() const { return static_cast<size_t>(N * T * K * H * elem_bytes); }
   RDEP_HD size_t total_bytes() const { return control_bytes() + payload_bytes() + sideband_bytes() + return_bytes(); }
 };
 

@@ -27,6 +27,7 @@
 #include "rdep/layer/layer_config.h"
 #include "rdep/status.h"
 #include "rdep/transport/host_domain.h"
+#include "rdep/transport/inter_node.h"
 
 namespace rdep {
 
@@ -40,6 +41,18 @@ struct OwnerTraceEntry {
   int32_t local_expert;
   int32_t segment;
   int64_t group_position;  // index among the segment's expert-grouped rows
+};
+
+// What the two-phase exchange moved on one rank in one forward (nodes > 1): rows are activation rows
+// of H values; bytes count the activations (fp32 on the host backend) and the metadata beside them.
+struct NodeTraffic {
+  int64_t inter_dispatch_rows = 0;   // one per (token, remote node) with an accepted row there
+  int64_t inter_combine_rows = 0;    // reduced rows this rank sent back across nodes as a relay
+  int64_t intra_dispatch_rows = 0;   // one per (relayed token, owner in the node) this rank scattered
+  int64_t inter_dispatch_bytes = 0;  // bytes sent to remote nodes (activations + metadata)
+  int64_t inter_combine_bytes = 0;
+  double dispatch_s = 0, intra_s = 0, combine_s = 0;  // wall time of the inter-node hop, of the node's
+                                                      // protocol (scatter, experts, return), of the return hop
 };
 
 class HostMoELayer {
@@ -93,6 +106,9 @@ class HostMoELayer {
   StatusOr<std::vector<int64_t>> load_matrix(const ForwardContext& ctx) const;
   std::span<const float> dw2(int32_t rank) const;             // [E_loc][F][H]
 
+  // Two-phase exchange (LayerConfig::nodes): what the last forward with the layer's own context moved.
+  const NodeTraffic& node_traffic(int32_t rank) const;
+
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
   // what it did; FailedPrecondition without a planned forward of this layer or with balancing off.
   StatusOr<BalancePlan> balance_plan(const ForwardContext& ctx) const;
@@ -124,6 +140,15 @@ class HostMoELayer {
   float* ExpertGrads(int32_t rank, int64_t local, int which);
   int32_t ExpertAt(int32_t rank, const Saved& st, int64_t local) const;
   Status Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload);
+  Status ExchangeTwoPhase(int32_t rank, Saved& st, bool backward, std::span<const float> payload,
+                          std::vector<std::vector<std::byte>>& returned);
+  Status SendToRelays(int32_t rank, Saved& st, bool backward, std::span<const float> payload, std::vector<float>& relay_in);
+  void ScatterRelayed(const Saved& st, int64_t seg, std::span<const float> relay_in);
+  void ReduceAtRelay(int32_t rank, Saved& st, bool backward, std::span<const float> relay_in,
+                     std::vector<std::vector<std::byte>>& send);
+  Status RunTwoPhase(int32_t rank, Saved& st, std::span<const float> x, std::span<float> y);
+  Status BackwardTwoPhase(int32_t rank, Saved& st, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);
+  float* ReturnRow(int32_t owner, uint64_t row_id) const;
   void OwnerSegment(int32_t rank, Saved& st, int64_t segment, bool backward);
 
   HostDomain& domain_;
@@ -133,6 +158,9 @@ class HostMoELayer {
   LayerRegions regions_;
   RegionId replica_w_ = -1, replica_g_ = -1;  // [N_slot][3*H*F] per rank: replica weights, their gradients
   bool replica_fault_ = false;
+  std::unique_ptr<InterNodeExchange> inter_;                // nodes > 1
+  std::vector<int32_t> node_of_expert_;                     // [E] node of each expert's owner
+  mutable std::vector<std::vector<float>> gathered_out_;    // expert_outputs() of two-phase runs
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool trace_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it

@@ -15,6 +15,7 @@
 #include "rdep/dispatch/region_layout.h"
 #include "rdep/status.h"
 #include "rdep/transport/domain.h"
+#include "rdep/transport/inter_node.h"
 
 namespace rdep {
 
@@ -28,6 +29,7 @@ struct LayerConfig {
   bool load_matrix = false;        // phase 1 also gives every rank the full load matrix Lambda[W][E]
                                    // (the balancer needs it; W*E words per rank; E <= kMaxLoadMatrixExperts)
   BalanceConfig balance;           // replicas of hot experts (host backend so far); on implies load_matrix
+  NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (host backend so far)
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }

@@ -14,6 +14,8 @@ enum class Phase : uint16_t {
   kBackwardSegment,       // backward, per segment: dy scattered to owners
   kBackwardDone,          // every dx row has landed at its front-end
   kDispatchRoute,         // balancing: sources published per-instance counts after the plan
+  kInterNode,             // two-phase: inter-node buffers stored into their mailboxes
+  kInterNodeDone,         // two-phase: every inter-node buffer taken by its receiver
   kTest,                  // used by tests
 };
 
