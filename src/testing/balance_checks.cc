@@ -121,3 +121,77 @@ CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const La
 }
 
 }  // namespace rdep
+
+namespace rdep {
+
+std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cfg) {
+  const int32_t G = cfg.nodes.ranks_per_node(cfg.shape.ranks);
+  std::vector<int32_t> node(static_cast<size_t>(own.num_experts()));
+  for (int32_t e = 0; e < own.num_experts(); ++e) node[static_cast<size_t>(e)] = own.owner(e) / G;
+  return node;
+}
+
+int64_t InterNodeRows(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
+                      const std::vector<RankAcceptance>& reference) {
+  const std::vector<int32_t> node = NodeOfExpert(own, cfg);
+  const int32_t G = cfg.nodes.ranks_per_node(cfg.shape.ranks);
+  const int64_t K = cfg.shape.topk;
+  int64_t rows = 0;
+  std::vector<int32_t> seen;
+  for (size_t r = 0; r < routing.size(); ++r)
+    for (int64_t t = 0; t < routing[r].num_tokens; ++t) {
+      seen.clear();
+      for (int64_t k = 0; k < K; ++k) {
+        const auto i = static_cast<size_t>(t * K + k);
+        const int32_t nd = node[static_cast<size_t>(routing[r].experts[i])];
+        if (reference[r].accepted[i] && nd != static_cast<int32_t>(r) / G && std::find(seen.begin(), seen.end(), nd) == seen.end())
+          seen.push_back(nd);
+      }
+      rows += static_cast<int64_t>(seen.size());
+    }
+  return rows;
+}
+
+namespace {
+
+// max |a - b| / max |b| over the ranks' concatenated values (0 when b is all zero and a equals it).
+double MaxRelative(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  double scale = 0, worst = 0;
+  for (const auto& v : b)
+    for (float x : v) scale = std::max(scale, static_cast<double>(std::abs(x)));
+  for (size_t r = 0; r < a.size() && r < b.size(); ++r) {
+    if (a[r].size() != b[r].size()) return INFINITY;
+    for (size_t i = 0; i < a[r].size(); ++i) {
+      const double d = std::abs(static_cast<double>(a[r][i]) - b[r][i]);
+      if (std::isnan(d)) return INFINITY;
+      worst = std::max(worst, d);
+    }
+  }
+  return scale > 0 ? worst / scale : worst;
+}
+
+}  // namespace
+
+CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expected_inter_rows) {
+  CheckResult c{"two-phase vs one domain", false, false, "", 0};
+  std::ostringstream os;
+  int64_t sent = 0, back = 0;
+  for (const auto& t : two.traffic) {
+    sent += t.inter_dispatch_rows;
+    back += t.inter_combine_rows;
+  }
+  const double ey = MaxRelative(two.y, one.y), edx = MaxRelative(two.dx, one.dx);
+  if (!Bitwise(two.dgates, one.dgates)) os << "dgates differ from the one-domain layer";
+  else if (two.dw1 != one.dw1 || two.dw2 != one.dw2) os << "weight gradients differ from the one-domain layer";
+  else if (!(ey <= 1e-5) || !(edx <= 1e-5)) os << "y or dx beyond 1e-5 of the one-domain layer's (y " << ey << ", dx " << edx << ")";
+  else if (sent != expected_inter_rows || back != expected_inter_rows)
+    os << "inter-node rows: dispatch sent " << sent << ", combine returned " << back << ", the routing has " << expected_inter_rows;
+  c.passed = os.str().empty();
+  if (c.passed)
+    os << "dgate, dW bitwise; y, dx within " << std::max(ey, edx) << " of max (<= 1e-5); inter-node rows " << sent
+       << " = one per (token, remote node) of the routing";
+  c.detail = os.str();
+  return c;
+}
+
+}  // namespace rdep

@@ -24,4 +24,14 @@ StatusOr<RowPlacement> ExpectedPlacement(const LayerConfig& cfg, const Ownership
 // (their rows are summed in two parts, so fp32 rounding may differ).
 CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape);
 
+// The node of every expert's owner (N nodes of W/N consecutive ranks).
+std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cfg);
+// Inter-node rows of a routing: one per (token, remote node holding an accepted row of it).
+int64_t InterNodeRows(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
+                      const std::vector<RankAcceptance>& reference);
+// A two-phase run against the one-domain run on the same inputs: dgates and weight gradients
+// bitwise, y and dx within 1e-5 of their largest value (a relay sums a token's rows on its node first),
+// and the inter-node rows the ranks sent equal to the routing's count.
+CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expected_inter_rows);
+
 }  // namespace rdep

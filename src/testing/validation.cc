@@ -152,6 +152,8 @@ class HostBackend final : public ValidationBackend {
       for (int32_t e = 0; e < plan.num_experts; ++e)
         out.instances.push_back(plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)]);
     }
+    if (cfg.nodes.nodes > 1)
+      for (int32_t q = 0; q < W; ++q) out.traffic.push_back(layer->node_traffic(q));
     for (int32_t q = 0; q < W; ++q) {
       out.segments = std::max(out.segments, layer->segments(q));
       for (int32_t j = 0; j < own.num_local(q); ++j) {
@@ -354,6 +356,11 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   // Routing generator and ownership tables over E; rank threads (stack pages touched, bookkeeping).
   fp.host.push_back({"per-expert tables (E entries)", {{"experts", E}}, 96 * E});
   fp.host.push_back({"rank threads (W threads)", {{"ranks", W}}, 256.0 * 1024 * W});
+  if (o.layer.nodes.nodes > 1) {  // two-phase: the return region holds N sources' rows; relays keep tokens and rows
+    const double N = pos(o.layer.nodes.nodes);
+    fp.host.push_back({"two-phase relay buffers and return regions (N*T*K rows of H values per rank)",
+                       {{"nodes", N}, {"ranks", W}, {"tokens", T}, {"topk", K}, {"hidden", H}}, W * N * T * (K + 2) * H * 8 + W * N * T * K * 64});
+  }
   if (o.layer.balance.enabled())  // replica slots: weights and gradients of N_slot experts per rank
     fp.host.push_back({"replica slots (W*N_slot experts' weights and gradients)",
                        {{"ranks", W}, {"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}},
@@ -408,6 +415,8 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
     return InvalidArgument("empty rank " + std::to_string(o.routing.empty_rank) + " is outside [0, W=" + std::to_string(s.ranks) + ")");
   RDEP_ASSIGN_OR_RETURN(auto own, OwnershipMap::Contiguous(s.experts, s.ranks));
   RDEP_ASSIGN_OR_RETURN(auto routing, GenerateRouting(s, o.routing));
+  if (o.layer.nodes.cap() < o.layer.nodes.nodes)  // node-limited: the first M nodes of each token are kept
+    RDEP_RETURN_IF_ERROR(LimitRoutingNodes(routing, NodeOfExpert(own, o.layer), o.layer.nodes.cap()));
   MoEWeights w = RandomWeights(s, o.seed);
   auto x = RandomActivations(s, routing, o.seed + 1);
   auto dy = RandomActivations(s, routing, o.seed + 2);
@@ -491,6 +500,19 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
     rep.checks.push_back({"finite outputs and gradients", ok, false,
                           ok ? "y, dx, dgate, dW1, dW2 finite on every rank" : "non-finite values", 0});
   }
+  if (o.layer.nodes.nodes > 1) {
+    rep.traffic = run->traffic;
+    timed([&] {
+      auto accepted = ApplyCapacity(s, routing, o.layer.capacity);
+      if (!accepted.ok()) return CheckResult{"two-phase vs one domain", false, false, accepted.status().ToString(), 0};
+      rep.inter_rows_expected = InterNodeRows(o.layer, own, routing, *accepted);
+      LayerConfig one = o.layer;
+      one.nodes = NodeConfig{};
+      auto plain = backend.ForwardBackward(one, own, w, routing, x, dy);
+      if (!plain.ok()) return CheckResult{"two-phase vs one domain", false, false, "one-domain run: " + plain.status().ToString(), 0};
+      return NodeAgreement(*run, *plain, rep.inter_rows_expected);
+    });
+  }
   if (o.layer.balance.enabled()) {
     rep.balanced = true;
     rep.balance = run->balance;
@@ -547,8 +569,20 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
   j.field("routing_seed", static_cast<int64_t>(o.routing.seed)).field("rtol", o.rtol).field("atol_scale", o.atol_scale);
   j.field("rel_l2", o.rel_l2);
   j.field("balance", BalanceKindName(o.layer.balance.kind));
+  j.field("nodes", static_cast<int64_t>(o.layer.nodes.nodes)).field("max_nodes", static_cast<int64_t>(o.layer.nodes.cap()));
   if (o.layer.balance.enabled()) j.field("slots", static_cast<int64_t>(o.layer.balance.num_slots)).field("min_quota", o.layer.balance.min_quota);
   j.end_object();
+  if (!traffic.empty()) {
+    j.key("two_phase").begin_object().field("inter_rows_expected", inter_rows_expected);
+    j.key("per_rank").begin_array();
+    for (const auto& t : traffic) {
+      j.begin_object().field("inter_dispatch_rows", t.inter_dispatch_rows).field("inter_dispatch_bytes", t.inter_dispatch_bytes);
+      j.field("intra_dispatch_rows", t.intra_dispatch_rows).field("inter_combine_rows", t.inter_combine_rows);
+      j.field("inter_combine_bytes", t.inter_combine_bytes).field("dispatch_s", t.dispatch_s).field("intra_s", t.intra_s);
+      j.field("combine_s", t.combine_s).end_object();
+    }
+    j.end_array().end_object();
+  }
   if (balanced) {
     j.key("balance").begin_object();
     j.field("owner_max_over_mean_before", balance.imbalance_before).field("max_over_mean_after", balance.imbalance_after);

@@ -200,3 +200,60 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace rdep
+
+namespace rdep {
+namespace {
+
+// The matrix with N nodes (LayerConfig::nodes): every check passes, including the two-phase run's
+// agreement with the one-domain layer and its inter-node row count.
+struct NodeValidationCase {
+  const char* name;
+  LayerShape shape;
+  const char* routing;
+  int32_t nodes, max_nodes;
+  double capacity;
+  int64_t segment;
+  int64_t empty_rank;
+};
+
+void PrintTo(const NodeValidationCase& c, std::ostream* os) { *os << c.name; }
+
+class NodeValidation : public ::testing::TestWithParam<NodeValidationCase> {};
+
+TEST_P(NodeValidation, AllChecksPass) {
+  const NodeValidationCase& c = GetParam();
+  ValidationOptions o;
+  o.layer.shape = c.shape;
+  o.layer.capacity.capacity_factor = c.capacity;
+  o.layer.segment_tokens = c.segment;
+  o.layer.nodes = NodeConfig{c.nodes, c.max_nodes};
+  o.routing = *RoutingSpec::Parse(c.routing);
+  o.routing.seed = 9;
+  o.routing.empty_rank = c.empty_rank;
+  auto rep = RunHostValidation(o);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << c.name << ": " << check.name << ": " << check.detail;
+  EXPECT_EQ(rep->checks.size(), 7u);
+  ASSERT_EQ(rep->traffic.size(), static_cast<size_t>(c.shape.ranks));
+  int64_t sent = 0;
+  for (const auto& t : rep->traffic) sent += t.inter_dispatch_rows;
+  EXPECT_EQ(sent, rep->inter_rows_expected);
+  EXPECT_GT(sent, 0);
+  EXPECT_NE(rep->ToJson(o).find("\"two_phase\""), std::string::npos);
+}
+
+LayerShape Sn(int64_t W, int64_t T, int64_t H, int64_t F, int64_t E, int64_t K) {
+  return LayerShape{.tokens = T, .hidden = H, .ffn = F, .experts = E, .topk = K, .ranks = W};
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, NodeValidation,
+    ::testing::Values(NodeValidationCase{"N2_G2_uniform", Sn(4, 32, 16, 8, 16, 4), "uniform", 2, 0, 0, 0, -1},
+                      NodeValidationCase{"N4_G2_M2_zipf", Sn(8, 32, 16, 8, 32, 4), "zipf:1.2", 4, 2, 0, 5, -1},
+                      NodeValidationCase{"N3_G1_M1_drops", Sn(3, 32, 16, 8, 12, 3), "zipf:1.5", 3, 1, 0.8, 0, -1},
+                      NodeValidationCase{"N2_G2_E_not_divisible_empty_rank", Sn(4, 24, 16, 8, 13, 3), "uniform", 2, 0, 0, 7, 1},
+                      NodeValidationCase{"N4_G1_sparse", Sn(4, 32, 16, 8, 16, 2), "sparse", 4, 0, 0, 0, -1}),
+    [](const ::testing::TestParamInfo<NodeValidationCase>& i) { return std::string(i.param.name); });
+
+}  // namespace
+}  // namespace rdep

@@ -17,6 +17,7 @@
 
 #include "cli.h"
 #include "rdep/cuda/device_count.h"
+#include "rdep/model/cost_models.h"
 #include "rdep/testing/cuda_validation.h"
 #include "rdep/testing/validation.h"
 #include "rdep/transport/bootstrap.h"
@@ -36,6 +37,9 @@ table; exits 0 if every check passes, 1 if one fails, 2 on bad input (the messag
   finite outputs         every output and gradient finite on every rank
   balancing exactness    (with --balance) y, dx, dgate bitwise equal to the same layer without
                          balancing; dW bitwise for experts without replicas, within 1e-5 for replicated
+  two-phase vs one domain (with --nodes N > 1) dgate and dW bitwise equal to the one-domain layer on the
+                         same routing, y and dx within 1e-5 (relays sum a token's rows per node first);
+                         inter-node rows = one per (token, remote node) of the routing
   segment invariance     results bitwise equal with a different segment size S
 
 flags (defaults in brackets):
@@ -60,6 +64,10 @@ flags (defaults in brackets):
                          planned by every rank from the load matrix after phase 1 (host backend) [off]
   --slots N              with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
+  --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
+                         node, to the rank with its local index; host backend) [1]
+  --max-nodes M          node-limited routing: each token keeps the experts of its first M nodes (the
+                         rest move to free experts there), in [1, N] [N]
   --seed N               seed for routing, weights and activations [1]
   --timeout SECONDS      bound on every barrier wait [30]
   --json FILE            write a JSON receipt (configuration and each check's result); FILE is opened
@@ -115,6 +123,8 @@ struct CheckOptions {
   std::string routing, json, balance;
   bool slots_given = false, min_quota_given = false;
   int64_t slots = 2;
+  int64_t nodes = 1, max_nodes = 0;
+  bool max_nodes_given = false;
   rdep::cli::Limits limits;
   std::unique_ptr<rdep::Bootstrap> boot;
   bool leader = true;  // prints the table and writes the receipt
@@ -146,6 +156,9 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.min_quota_given = f.has("min-quota");
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
+  c.nodes = f.get_int("nodes", 1);
+  c.max_nodes = f.get_int("max-nodes", 0);
+  c.max_nodes_given = f.has("max-nodes");
   c.seed = f.get_int("seed", 1);
   o.barrier_timeout_s = f.get_double("timeout", 30.0);
   c.json = f.get_string("json", "");
@@ -207,6 +220,19 @@ int CheckBalanceFlags(CheckOptions& c) {
   return 0;
 }
 
+// --nodes, --max-nodes; 0 when good, else 2 naming the flag.
+int CheckNodeFlags(CheckOptions& c) {
+  const int64_t W = c.v.layer.shape.ranks;
+  if (c.nodes < 1 || c.nodes > W || W % c.nodes != 0)
+    return Refuse("--nodes must divide --ranks W=" + std::to_string(W) + " (N nodes x G ranks per node = W), got " + std::to_string(c.nodes));
+  if (c.max_nodes_given && (c.max_nodes < 1 || c.max_nodes > c.nodes))
+    return Refuse("--max-nodes must be in [1, N=" + std::to_string(c.nodes) + "], got " + std::to_string(c.max_nodes));
+  if (c.nodes > 1 && c.backend != "host")
+    return Refuse("--nodes runs on the host backend only so far (the CUDA layer has no inter-node phase yet); use --backend host");
+  c.v.layer.nodes = rdep::NodeConfig{static_cast<int32_t>(c.nodes), static_cast<int32_t>(c.max_nodes_given ? c.max_nodes : 0)};
+  return 0;
+}
+
 // The routing, the layer's shape and the ranks against the backend; 0 when good, else 2.
 int CheckCheckShape(CheckOptions& c) {
   rdep::ValidationOptions& o = c.v;
@@ -218,6 +244,7 @@ int CheckCheckShape(CheckOptions& c) {
   o.routing.empty_rank = c.empty_rank;
   o.seed = static_cast<uint64_t>(c.seed);
   if (int rc = CheckBalanceFlags(c); rc != 0) return rc;
+  if (int rc = CheckNodeFlags(c); rc != 0) return rc;
   if (rdep::Status st = o.layer.Validate(); !st.ok()) return Refuse(st.message());
   if (c.empty_rank_given && (c.empty_rank < 0 || c.empty_rank >= s.ranks))
     return Refuse("--empty-rank must be a rank in [0, W=" + std::to_string(s.ranks) + "), got " + std::to_string(c.empty_rank));
@@ -265,7 +292,51 @@ int MakeCheckBackend(const CheckOptions& c, std::unique_ptr<rdep::ValidationBack
   return 0;
 }
 
-void PrintCheckTable(const rdep::ValidationReport& rep) {
+// Per phase of the two-phase exchange: the largest rank's rows, bytes and seconds, and the cost
+// model's expectation for uniform routing at this shape (rdep model cross-node).
+void PrintTraffic(const rdep::ValidationReport& rep, const rdep::ValidationOptions& o) {
+  rdep::NodeTraffic mx;
+  int64_t sent = 0;
+  for (const auto& t : rep.traffic) {
+    sent += t.inter_dispatch_rows;
+    mx.inter_dispatch_rows = std::max(mx.inter_dispatch_rows, t.inter_dispatch_rows);
+    mx.inter_dispatch_bytes = std::max(mx.inter_dispatch_bytes, t.inter_dispatch_bytes);
+    mx.intra_dispatch_rows = std::max(mx.intra_dispatch_rows, t.intra_dispatch_rows);
+    mx.inter_combine_rows = std::max(mx.inter_combine_rows, t.inter_combine_rows);
+    mx.inter_combine_bytes = std::max(mx.inter_combine_bytes, t.inter_combine_bytes);
+    mx.dispatch_s = std::max(mx.dispatch_s, t.dispatch_s);
+    mx.intra_s = std::max(mx.intra_s, t.intra_s);
+    mx.combine_s = std::max(mx.combine_s, t.combine_s);
+  }
+  const auto& s = o.layer.shape;
+  const double W = static_cast<double>(s.ranks);
+  std::printf("  two-phase exchange, largest rank per phase (host memory copies: not a network):\n");
+  std::printf("    inter-node dispatch  %6lld rows  %10lld bytes  %8.3f ms\n", static_cast<long long>(mx.inter_dispatch_rows),
+              static_cast<long long>(mx.inter_dispatch_bytes), 1e3 * mx.dispatch_s);
+  std::printf("    intra-node protocol  %6lld (token, owner) rows scattered, experts and return  %8.3f ms\n",
+              static_cast<long long>(mx.intra_dispatch_rows), 1e3 * mx.intra_s);
+  std::printf("    inter-node combine   %6lld rows  %10lld bytes  %8.3f ms\n", static_cast<long long>(mx.inter_combine_rows),
+              static_cast<long long>(mx.inter_combine_bytes), 1e3 * mx.combine_s);
+  rdep::model::CrossNodeArgs args;
+  args.nodes = o.layer.nodes.nodes;
+  args.topk = s.topk;
+  args.tokens = s.tokens;
+  args.hidden = s.hidden;
+  args.bytes_per_element = 4;
+  args.max_nodes = o.layer.nodes.cap() < o.layer.nodes.nodes ? o.layer.nodes.cap() : 0;
+  auto m = rdep::model::CrossNodeDispatch(args);
+  std::printf("    inter-node rows per rank: mean %.1f measured (the routing's count: %lld in all)", static_cast<double>(sent) / W,
+              static_cast<long long>(rep.inter_rows_expected));
+  if (m.ok()) std::printf("; rdep model cross-node, uniform routing: %.1f", m->ib_rows);
+  if (args.max_nodes == 0) {  // uniform routing, no cap: a token misses a remote node with probability (1-1/N)^K
+    const double N = static_cast<double>(args.nodes);
+    std::printf(" (it counts the home node as always visited; the uniform expectation T*(N-1)*(1-(1-1/N)^K) is %.1f)",
+                static_cast<double>(s.tokens) * (N - 1) * (1 - std::pow(1 - 1 / N, static_cast<double>(s.topk))));
+  }
+  std::printf("\n");
+}
+
+void PrintCheckTable(const rdep::ValidationReport& rep, const rdep::ValidationOptions& opts) {
   std::printf("  transport: %s\n", rep.transport.c_str());
   std::printf("  %-30s %-6s %9s  %s\n", "check", "result", "seconds", "detail");
   for (const auto& c : rep.checks)
@@ -281,6 +352,7 @@ void PrintCheckTable(const rdep::ValidationReport& rep) {
                 rep.balance.imbalance_before, rep.balance.imbalance_after, rep.balance.replicas, rep.balance.slots,
                 rep.balance.slot_limited ? " (every slot used: more slots would balance further)" : "",
                 static_cast<double>(rep.balance.weight_bytes) / (1024.0 * 1024.0));
+  if (!rep.traffic.empty()) PrintTraffic(rep, opts);
   int passed = 0, failed = 0;
   for (const auto& c : rep.checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;
   std::printf("%d passed, %d failed\n", passed, failed);
@@ -320,7 +392,7 @@ int RunCheck(const rdep::cli::Args& args) {
   auto rep = rdep::RunValidation(c.v, *be);
   if (!rep.ok()) return Refuse(rep.status().message());
   if (!c.leader) return rep->passed() ? 0 : 1;  // every process evaluated the same gathered results
-  PrintCheckTable(*rep);
+  PrintCheckTable(*rep, c.v);
   if (!c.json.empty())
     if (int rc = WriteCheckReceipt(c, *rep); rc != 0) return rc;
   return rep->passed() ? 0 : 1;

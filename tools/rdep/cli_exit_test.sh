@@ -93,6 +93,10 @@ expect 2 '--slots needs --balance' check --backend host --slots 3
 expect 2 '--slots must be in \[0, E=16\], got 17' check --backend host --balance ultraep --slots 17
 expect 2 '--min-quota must be >= 1, got 0' check --backend host --balance ultraep --min-quota 0
 expect 2 '--balance runs on the host backend only' check --backend cuda --balance ultraep
+expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), got 3' check --backend host --nodes 3
+expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
+expect 2 '--nodes runs on the host backend only' check --backend cuda --nodes 2
+expect 2 'K=4 experts do not fit on M=1 nodes' check --backend host --ranks 4 --experts 4 --nodes 4 --max-nodes 1
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1
 expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan

@@ -59,6 +59,8 @@ struct ValidationReport {
   size_t symmetric_bytes_per_rank = 0;
   bool balanced = false;        // LayerConfig::balance was on: `balance` holds what it did
   BalanceTelemetry balance;
+  std::vector<NodeTraffic> traffic;  // LayerConfig::nodes > 1: what each rank's two-phase forward moved
+  int64_t inter_rows_expected = 0;   // one per (token, remote node with an accepted row), counted from the routing
   bool passed() const;
   std::string ToJson(const ValidationOptions& options) const;
 };
@@ -81,6 +83,7 @@ struct LayerRun {
   int64_t segments = 0;
   BalanceTelemetry balance;                 // with LayerConfig::balance on
   std::vector<int32_t> instances;           // [E] instances per expert (main + replicas); empty when off
+  std::vector<NodeTraffic> traffic;         // [W] with LayerConfig::nodes > 1
 };
 
 // A backend the matrix can drive. Inputs are host data; a backend moves them to its devices.
