@@ -34,9 +34,12 @@ struct Params {
   int num_groups;   // 1 = no group limit
   int group_size;   // E / num_groups
   int topk_groups;
+  int num_nodes;                 // node-limited routing: 0 = off
+  int max_nodes;                 // M nodes kept per token
+  const int32_t* node_of_expert;  // [E] node of each expert (device)
   bool softmax;
   bool normalize;
-  bool logit_keys;  // rank the logits themselves (fp32, no bias, no groups: the same order as the scores)
+  bool logit_keys;  // rank the logits themselves (fp32, no bias, no groups or nodes: the same order as the scores)
   double scaling_factor;
 };
 
@@ -108,21 +111,46 @@ __device__ __forceinline__ int WarpArgMax(Bits bits, int idx) {
   return static_cast<int>(__reduce_min_sync(kFullMask, bits == best ? static_cast<uint32_t>(idx) : 0xFFFFFFFFu));
 }
 
+// Keeps `keep` of the warp's sets (lane s < num_sets offers set s with `score`), best first, ties to
+// the lower set id, as the host's KeepBestSets does; true on the lanes whose set is kept.
+template <typename Acc>
+__device__ __forceinline__ bool KeepBestLanes(Acc score, int num_sets, int keep, int lane) {
+  using Bits = KeyBits<Acc>;
+  bool kept = false;
+  for (int r = 0; r < keep; ++r) {
+    const Bits bits = lane < num_sets && !kept ? OrderedBits(score) : Bits(0);
+    if (lane == WarpArgMax(bits, lane)) kept = true;
+  }
+  return kept;
+}
+
+// Keeps the two largest values offered in a >= b.
+template <typename Acc>
+__device__ __forceinline__ void TopTwo(Acc v, Acc& a, Acc& b) {
+  if (v > a) {
+    b = a;
+    a = v;
+  } else if (v > b) {
+    b = v;
+  }
+}
+
 // Lane `lane` of a warp holds experts e = lane + 32*j, j < kVpt (coalesced row loads). Keys are kept
 // as OrderedBits; padding (e >= E), masked and taken experts carry 0, and K <= unmasked experts, so
 // they are never chosen.
 //
 // Dynamic shared memory, in this order:
-//   keys  Acc[kWarpsPerBlock][E]   only with kGrouped: a warp's selection keys, for the group scan
+//   keys  Acc[kWarpsPerBlock][E]   only with kLimited (groups or nodes): a warp's selection keys, for
+//                                  the set scans (-inf once an expert is masked by the group limit)
 //   hist  int32[E]                 only with tokens_per_expert: the block's histogram
-template <int kVpt, typename Acc, bool kGrouped>
+template <int kVpt, typename Acc, bool kLimited>
 __global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_e = p.num_experts, k = p.topk;
   Acc* warp_keys = reinterpret_cast<Acc*>(smem) + static_cast<size_t>(warp) * num_e;
-  int32_t* hist = reinterpret_cast<int32_t*>(smem + (kGrouped ? sizeof(Acc) * kWarpsPerBlock * num_e : 0));
+  int32_t* hist = reinterpret_cast<int32_t*>(smem + (kLimited ? sizeof(Acc) * kWarpsPerBlock * num_e : 0));
   const bool count = p.tokens_per_expert != nullptr;
   if (count) {
     for (int i = static_cast<int>(threadIdx.x); i < num_e; i += kThreads) hist[i] = 0;
@@ -167,41 +195,54 @@ __global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) 
         const Acc s = ScoreOf<Acc>(p.softmax, l[j], mx, sum);
         const Acc sel = p.bias != nullptr ? s + static_cast<Acc>(__ldg(p.bias + e)) : s;
         key[j] = OrderedBits(sel);
-        if constexpr (kGrouped) warp_keys[e] = sel;
+        if constexpr (kLimited) warp_keys[e] = sel;
       }
     }
 
-    if constexpr (kGrouped) {
-      // Group g = experts [g*gs, (g+1)*gs), scored by the sum of its two largest keys (one when gs = 1);
-      // lane g scores group g. Keep topk_groups groups, best first, ties to the lower group id.
+    if constexpr (kLimited) {
       __syncwarp();
-      const int gs = p.group_size;
-      Acc group_score = 0;
-      if (lane < p.num_groups) {
-        Acc a = NegInf<Acc>(), b = NegInf<Acc>();
-        for (int i = 0; i < gs; ++i) {
-          const Acc v = warp_keys[lane * gs + i];
-          if (v > a) {
-            b = a;
-            a = v;
-          } else if (v > b) {
-            b = v;
+      if (p.num_groups > 1) {
+        // Group g = experts [g*gs, (g+1)*gs), scored by the sum of its two largest keys (one when gs = 1);
+        // lane g scores group g. Keep topk_groups groups, best first, ties to the lower group id.
+        const int gs = p.group_size;
+        Acc group_score = 0;
+        if (lane < p.num_groups) {
+          Acc a = NegInf<Acc>(), b = NegInf<Acc>();
+          for (int i = 0; i < gs; ++i) TopTwo(warp_keys[lane * gs + i], a, b);
+          group_score = b == NegInf<Acc>() ? a : a + b;
+        }
+        __syncwarp();
+        const bool keep = KeepBestLanes(group_score, p.num_groups, p.topk_groups, lane);
+#pragma unroll
+        for (int j = 0; j < kVpt; ++j) {
+          const int e = lane + kWarpSize * j;
+          const int kept = __shfl_sync(kFullMask, keep ? 1 : 0, e < num_e ? e / gs : 0);
+          if (!kept) {
+            key[j] = 0;
+            if (e < num_e) warp_keys[e] = NegInf<Acc>();  // masked for the node scan
           }
         }
-        group_score = b == NegInf<Acc>() ? a : a + b;
+        __syncwarp();
+      }
+      if (p.num_nodes > 0) {
+        // Node n (lane n) is scored by the sum of the two largest keys of its experts that the group
+        // limit left (the host's KeepBestSets over node_of_expert); keep max_nodes of them.
+        Acc node_score = 0;
+        if (lane < p.num_nodes) {
+          Acc a = NegInf<Acc>(), b = NegInf<Acc>();
+          for (int e = 0; e < num_e; ++e)
+            if (__ldg(p.node_of_expert + e) == lane) TopTwo(warp_keys[e], a, b);
+          node_score = b == NegInf<Acc>() ? a : a + b;
+        }
+        const bool keep = KeepBestLanes(node_score, p.num_nodes, p.max_nodes, lane);
+#pragma unroll
+        for (int j = 0; j < kVpt; ++j) {
+          const int e = lane + kWarpSize * j;
+          const int kept = __shfl_sync(kFullMask, keep ? 1 : 0, e < num_e ? __ldg(p.node_of_expert + e) : 0);
+          if (!kept) key[j] = 0;
+        }
       }
       __syncwarp();  // the next token overwrites warp_keys
-      bool keep = false;
-      for (int r = 0; r < p.topk_groups; ++r) {
-        const Bits bits = lane < p.num_groups && !keep ? OrderedBits(group_score) : Bits(0);
-        if (lane == WarpArgMax(bits, lane)) keep = true;
-      }
-#pragma unroll
-      for (int j = 0; j < kVpt; ++j) {
-        const int e = lane + kWarpSize * j;
-        const int kept = __shfl_sync(kFullMask, keep ? 1 : 0, e < num_e ? e / gs : 0);
-        if (!kept) key[j] = 0;
-      }
     }
 
     // Top-K: K rounds of a warp argmax; lane r keeps the r-th expert.
@@ -244,11 +285,11 @@ __global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) 
   }
 }
 
-template <int kVpt, typename Acc, bool kGrouped>
+template <int kVpt, typename Acc, bool kLimited>
 Status Launch(const Params& p, cudaStream_t stream) {
-  const auto kernel = RouterTopKKernel<kVpt, Acc, kGrouped>;
+  const auto kernel = RouterTopKKernel<kVpt, Acc, kLimited>;
   const size_t e = static_cast<size_t>(p.num_experts);
-  const size_t smem = (kGrouped ? sizeof(Acc) * kWarpsPerBlock * e : 0) +
+  const size_t smem = (kLimited ? sizeof(Acc) * kWarpsPerBlock * e : 0) +
                       (p.tokens_per_expert != nullptr ? sizeof(int32_t) * e : 0);
   int device = 0, sms = 0, per_sm = 0;
   RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -294,6 +335,10 @@ Status GpuRouterDesc::Validate() const {
   if (topk_groups < 1 || topk_groups > num_groups)
     return InvalidArgument(p + "topk_groups must be in [1, num_groups=" + std::to_string(num_groups) + "], got " +
                            std::to_string(topk_groups));
+  if (max_nodes < 0 || max_nodes > num_nodes || num_nodes > kMaxRouterNodes || (num_nodes > 0 && max_nodes < 1))
+    return InvalidArgument(p + "node-limited routing needs num_nodes in [1, " + std::to_string(kMaxRouterNodes) +
+                           "] and max_nodes in [1, num_nodes] (both 0 = off), got num_nodes = " + std::to_string(num_nodes) +
+                           ", max_nodes = " + std::to_string(max_nodes));
   if (num_groups > 1 && topk > topk_groups * (num_experts / num_groups))
     return InvalidArgument(p + "topk (" + std::to_string(topk) + ") exceeds the experts in topk_groups kept groups (" +
                            std::to_string(topk_groups * (num_experts / num_groups)) + ")");
@@ -305,6 +350,7 @@ std::ostream& operator<<(std::ostream& os, const GpuRouterDesc& d) {
      << " score=" << (d.score == RouterScore::kSoftmax ? "softmax" : "sigmoid")
      << " normalize_topk=" << (d.normalize_topk ? "yes" : "no") << " scale=" << d.scaling_factor;
   if (d.num_groups > 1) os << " groups=" << d.topk_groups << "/" << d.num_groups;
+  if (d.num_nodes > 0) os << " nodes=" << d.max_nodes << "/" << d.num_nodes;
   return os << " precision=" << (d.fp64_scores ? "fp64" : "fp32") << "}";
 }
 
@@ -317,6 +363,8 @@ Status LaunchRouterTopK(const GpuRouterDesc& desc, const float* logits, int64_t 
   if (tokens_per_expert != nullptr)
     RDEP_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * static_cast<size_t>(desc.num_experts), stream));
+  if (desc.num_nodes > 0 && desc.node_of_expert == nullptr)
+    return InvalidArgument("gpu router: node-limited routing needs node_of_expert (a device array of E node ids)");
   if (num_tokens == 0) return Status::Ok();
 
   Params p{};
@@ -331,9 +379,12 @@ Status LaunchRouterTopK(const GpuRouterDesc& desc, const float* logits, int64_t 
   p.num_groups = static_cast<int>(desc.num_groups);
   p.group_size = static_cast<int>(desc.num_experts / desc.num_groups);
   p.topk_groups = static_cast<int>(desc.topk_groups);
+  p.num_nodes = static_cast<int>(desc.num_nodes);
+  p.max_nodes = static_cast<int>(desc.max_nodes);
+  p.node_of_expert = desc.node_of_expert;
   p.softmax = desc.score == RouterScore::kSoftmax;
   p.normalize = desc.normalize_topk;
-  const bool grouped = desc.num_groups > 1;
+  const bool grouped = desc.num_groups > 1 || desc.num_nodes > 0;
   p.logit_keys = !desc.fp64_scores && bias == nullptr && !grouped;
   p.scaling_factor = desc.scaling_factor;
 

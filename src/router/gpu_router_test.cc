@@ -78,7 +78,14 @@ struct Case {
   int64_t groups = 1, topk_groups = 1;
   int64_t tokens = 1000;
   uint64_t seed = 1;
+  int64_t nodes = 0, max_nodes = 0;  // node-limited: expert e on node e*nodes/E (contiguous, possibly uneven)
 };
+
+std::vector<int32_t> NodeMap(const Case& c) {
+  std::vector<int32_t> node;
+  for (int64_t e = 0; e < c.experts; ++e) node.push_back(static_cast<int32_t>(e * c.nodes / c.experts));
+  return node;
+}
 
 RouterConfig HostConfig(const Case& c) {
   RouterConfig r;
@@ -89,6 +96,10 @@ RouterConfig HostConfig(const Case& c) {
   r.scaling_factor = c.scale;
   r.num_groups = c.groups;
   r.topk_groups = c.topk_groups;
+  if (c.nodes > 0) {
+    r.max_nodes = c.max_nodes;
+    r.node_of_expert = NodeMap(c);
+  }
   return r;
 }
 
@@ -117,6 +128,29 @@ double DecidingGap(const double* sel, const Case& c) {
       gap = std::min(gap, gscore[Sz(order[Sz(c.topk_groups - 1)])] - gscore[Sz(order[Sz(c.topk_groups)])]);
     for (int64_t r = c.topk_groups; r < c.groups; ++r)
       for (int64_t i = 0; i < gs; ++i) allowed[Sz(order[Sz(r)] * gs + i)] = 0;
+  }
+  if (c.nodes > 0) {  // the node boundary, over the experts the groups left
+    const std::vector<int32_t> node = NodeMap(c);
+    std::vector<double> a(Sz(c.nodes), -INFINITY), b(Sz(c.nodes), -INFINITY), nscore(Sz(c.nodes));
+    for (int64_t i = 0; i < e; ++i) {
+      if (!allowed[Sz(i)]) continue;
+      const auto n = Sz(node[Sz(i)]);
+      if (sel[i] > a[n]) {
+        b[n] = a[n];
+        a[n] = sel[i];
+      } else if (sel[i] > b[n]) {
+        b[n] = sel[i];
+      }
+    }
+    for (size_t n = 0; n < nscore.size(); ++n) nscore[n] = b[n] == -INFINITY ? a[n] : a[n] + b[n];
+    std::vector<int64_t> order(Sz(c.nodes));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return nscore[Sz(x)] > nscore[Sz(y)]; });
+    if (c.max_nodes < c.nodes && std::isfinite(nscore[Sz(order[Sz(c.max_nodes)])]))
+      gap = std::min(gap, nscore[Sz(order[Sz(c.max_nodes - 1)])] - nscore[Sz(order[Sz(c.max_nodes)])]);
+    for (int64_t r = c.max_nodes; r < c.nodes; ++r)
+      for (int64_t i = 0; i < e; ++i)
+        if (node[Sz(i)] == order[Sz(r)]) allowed[Sz(i)] = 0;
   }
   std::vector<double> v;
   for (int64_t i = 0; i < e; ++i)
@@ -183,11 +217,13 @@ struct GpuResult {
   std::vector<float> gates;
 };
 
-GpuResult RunGpu(const GpuRouterDesc& desc, const std::vector<float>& logits, int64_t tokens,
-                 const std::vector<float>& bias) {
+GpuResult RunGpu(GpuRouterDesc desc, const std::vector<float>& logits, int64_t tokens, const std::vector<float>& bias,
+                 const std::vector<int32_t>& node_of_expert = {}) {
   const size_t nk = Sz(tokens * desc.topk), e = Sz(desc.num_experts);
   DeviceArray<float> d_logits(logits.size()), d_bias(bias.size()), d_gates(nk);
-  DeviceArray<int32_t> d_experts(nk), d_tpe(e);
+  DeviceArray<int32_t> d_experts(nk), d_tpe(e), d_node(node_of_expert.size());
+  d_node.Upload(node_of_expert);
+  if (!node_of_expert.empty()) desc.node_of_expert = d_node.get();
   d_logits.Upload(logits);
   d_bias.Upload(bias);
   d_experts.Poison(0xFF);  // -1
@@ -206,7 +242,7 @@ void CheckAgainstHost(const Case& c) {
     SCOPED_TRACE(fp64 ? "fp64 scores" : "fp32 scores");
     const Inputs in = MakeInputs(c, fp64 ? 1e-9 : 1e-5);
     const GpuRouterDesc desc = DescOf(c, fp64);
-    const GpuResult g = RunGpu(desc, in.logits, c.tokens, in.bias);
+    const GpuResult g = RunGpu(desc, in.logits, c.tokens, in.bias, c.nodes > 0 ? NodeMap(c) : std::vector<int32_t>{});
     const RankRouting& h = in.host.routing;
     ASSERT_EQ(g.experts.size(), h.experts.size());
     int64_t wrong_experts = 0, wrong_gates = 0;
@@ -230,6 +266,59 @@ void CheckAgainstHost(const Case& c) {
 }
 
 // --- Agreement with the host router; names encode E, K, score, normalize, scale, bias, groups, tokens.
+
+TEST(GpuRouter_NodeLimited, E64_K6_Nodes8_Keep2_T2000) {  // Moonlight experts over 8 nodes, M = 2
+  SKIP_WITHOUT_GPU();
+  CheckAgainstHost({.experts = 64, .topk = 6, .scale = 2.446, .tokens = 2000, .seed = 11, .nodes = 8, .max_nodes = 2});
+}
+
+TEST(GpuRouter_NodeLimited, E64_K6_Nodes8_Keep1_Bias_T1000) {  // every token on one node
+  SKIP_WITHOUT_GPU();
+  CheckAgainstHost({.experts = 64, .topk = 6, .bias = true, .seed = 12, .nodes = 8, .max_nodes = 1});
+}
+
+TEST(GpuRouter_NodeLimited, E60_K4_Nodes7_Keep3_Sigmoid_T1000) {  // uneven nodes (8 or 9 experts)
+  SKIP_WITHOUT_GPU();
+  CheckAgainstHost({.experts = 60, .topk = 4, .score = ScoreFunction::kSigmoid, .seed = 13, .nodes = 7, .max_nodes = 3});
+}
+
+TEST(GpuRouter_NodeLimited, E256_K8_Groups4of8_Nodes4_Keep2_Bias_T5000) {  // groups, then nodes
+  SKIP_WITHOUT_GPU();
+  CheckAgainstHost({.experts = 256, .topk = 8, .score = ScoreFunction::kSigmoid, .scale = 2.5, .bias = true, .groups = 8,
+                    .topk_groups = 4, .tokens = 5000, .seed = 14, .nodes = 4, .max_nodes = 2});
+}
+
+TEST(GpuRouter_NodeLimited, E128_K8_Nodes32_Keep4_T1000) {  // the widest node count
+  SKIP_WITHOUT_GPU();
+  CheckAgainstHost({.experts = 128, .topk = 8, .seed = 15, .nodes = 32, .max_nodes = 4});
+}
+
+TEST(GpuRouterDescNodes, BadNodeDescriptionsAreRejected) {
+  GpuRouterDesc d;
+  d.num_experts = 64;
+  d.topk = 4;
+  d.num_nodes = 33;
+  d.max_nodes = 2;
+  EXPECT_NE(d.Validate().message().find("num_nodes in [1, 32]"), std::string::npos);
+  d.num_nodes = 8;
+  d.max_nodes = 9;
+  EXPECT_NE(d.Validate().message().find("max_nodes in [1, num_nodes]"), std::string::npos);
+  d.max_nodes = 2;
+  EXPECT_TRUE(d.Validate().ok());
+  EXPECT_NE(LaunchRouterTopK(d, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr).message().find("node_of_expert"),
+            std::string::npos);
+  RouterConfig rc;
+  rc.num_experts = 8;
+  rc.topk = 2;
+  rc.max_nodes = 1;
+  rc.node_of_expert = {0, 0, 0, 0, 5, 5, 5, 5};  // two distinct nodes, but ids with a gap
+  EXPECT_NE(FromRouterConfig(rc).status().message().find("without gaps"), std::string::npos);
+  rc.node_of_expert = {0, 0, 0, 0, 1, 1, 1, 1};
+  auto ok = FromRouterConfig(rc);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->num_nodes, 2);
+  EXPECT_EQ(ok->max_nodes, 1);
+}
 
 TEST(GpuRouter_Softmax, E64_K6_Norm_Scale2p446_T1000) {  // the Moonlight router
   SKIP_WITHOUT_GPU();

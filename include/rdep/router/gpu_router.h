@@ -1,12 +1,13 @@
 // The router on the GPU: fp32 logits [n][E] -> scores (softmax or sigmoid) -> (group-limited) top-K
 // -> gates, plus an optional per-expert histogram. The same semantics as the host reference
-// rdep::Route (include/rdep/router/router.h) without node-limited routing, Sinkhorn or the losses:
+// rdep::Route (include/rdep/router/router.h) without Sinkhorn or the losses:
 //
 //   s_t      = softmax(l_t) or sigmoid(l_t)
 //   sel_t,e  = s_t,e + b_e                   (b: optional aux-loss-free bias, selection only)
-//   mask     = keep topk_groups of num_groups contiguous groups ranked by the sum of their top-2 sel
+//   mask     = keep topk_groups of num_groups contiguous groups ranked by the sum of their top-2 sel,
+//              then max_nodes of the nodes (node_of_expert) ranked by the sum of their top-2 unmasked sel
 //   I_t      = top-K of sel over the unmasked experts, descending; ties go to the lower expert id
-//              (and, for groups, to the lower group id)
+//              (and, for groups and nodes, to the lower group or node id)
 //   g_t,k    = c * s_t,I_k / sum_j s_t,I_j   (normalize_topk)   or   c * s_t,I_k
 //
 // Precision. With fp64_scores (the default) the scores, selection keys and gates are computed in
@@ -40,6 +41,7 @@ namespace rdep::kernels {
 inline constexpr int64_t kMaxRouterExperts = 512;  // a lane holds at most 16 experts
 inline constexpr int64_t kMaxRouterTopK = 16;
 inline constexpr int64_t kMaxRouterGroups = 32;  // a lane holds at most one group
+inline constexpr int64_t kMaxRouterNodes = 32;   // a lane scores at most one node
 
 // Mirrors rdep::ScoreFunction (router.h is C++20 and cannot be included by device code).
 enum class RouterScore { kSoftmax, kSigmoid };
@@ -54,6 +56,13 @@ struct GpuRouterDesc {
   // num_groups = 1 disables it; num_groups <= 32 and must divide E; K <= topk_groups * E/num_groups.
   int64_t num_groups = 1;
   int64_t topk_groups = 1;
+  // Node-limited routing (seeds 004): a token keeps the experts of max_nodes of the num_nodes nodes.
+  // num_nodes = 0 disables it; num_nodes <= 32. node_of_expert is a device array [E] of node ids in
+  // [0, num_nodes) the caller uploads (the launch refuses a null one); the kept nodes must hold at
+  // least K experts (rdep::RouterConfig::Validate checks that on the host).
+  int64_t num_nodes = 0;
+  int64_t max_nodes = 0;
+  const int32_t* node_of_expert = nullptr;
   bool fp64_scores = true;  // see "Precision" above
 
   Status Validate() const;
@@ -73,11 +82,11 @@ Status LaunchRouterTopK(const GpuRouterDesc& desc, const float* logits, int64_t 
                         int32_t* experts, float* gates, int32_t* tokens_per_expert, cudaStream_t stream);
 
 #if __cplusplus >= 202002L
-// The GPU description of a host router configuration; node-limited routing, Sinkhorn and the losses
-// have no GPU form here and are rejected (losses: the caller computes them elsewhere, so a config
-// with loss coefficients is accepted and the coefficients ignored).
+// The GPU description of a host router configuration; Sinkhorn has no GPU form here and is rejected
+// (losses: the caller computes them elsewhere, so a config with loss coefficients is accepted and the
+// coefficients ignored). Node-limited routing: the description carries num_nodes and max_nodes; the
+// caller uploads c.node_of_expert and sets node_of_expert to the device copy.
 inline StatusOr<GpuRouterDesc> FromRouterConfig(const RouterConfig& c) {
-  if (c.max_nodes > 0) return InvalidArgument("gpu router: node-limited routing (max_nodes) is not supported");
   if (c.sinkhorn) return InvalidArgument("gpu router: Sinkhorn routing is not supported");
   GpuRouterDesc d;
   d.num_experts = c.num_experts;
@@ -87,6 +96,14 @@ inline StatusOr<GpuRouterDesc> FromRouterConfig(const RouterConfig& c) {
   d.scaling_factor = c.scaling_factor;
   d.num_groups = c.num_groups;
   d.topk_groups = c.topk_groups;
+  if (c.max_nodes > 0) {
+    d.num_nodes = c.num_nodes();
+    d.max_nodes = c.max_nodes;
+    for (int32_t n : c.node_of_expert)
+      if (n >= d.num_nodes)
+        return InvalidArgument("gpu router: node ids must be 0..N-1 without gaps; node " + std::to_string(n) + " with " +
+                               std::to_string(d.num_nodes) + " distinct nodes");
+  }
   RDEP_RETURN_IF_ERROR(d.Validate());
   return d;
 }
