@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "gpu_planner/kernel.cuh"
+#include "rdep/core/capacity_rules.h"
 
 namespace rdep {
 namespace {
@@ -104,21 +105,14 @@ struct Prepared {
   KernelArgs args{};
 };
 
-Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, const QuotaConfig& config,
-               Prepared* p) {
-  RDEP_RETURN_IF_ERROR(ValidateLoad(load, owners));
+// Buffers and kernel arguments for (owners, config); the load is written into buf.load by the caller.
+Status PrepareBuffers(const OwnershipMap& owners, const QuotaConfig& config, Prepared* p) {
   RDEP_RETURN_IF_ERROR(config.Validate(owners.num_experts()));
   std::string why;
   if (!GpuPlannerAvailable(&why)) return Unavailable("GPU planner: " + why);
   p->R = owners.num_ranks();
   p->E = owners.num_experts();
   p->S = config.num_slots;
-  // The device plan counts rows in int32 (a route entry is at most a load entry): every entry must fit.
-  for (size_t i = 0; i < load.size(); ++i)
-    if (load[i] > INT32_MAX)
-      return InvalidArgument("GPU planner: load[" + std::to_string(i / static_cast<size_t>(owners.num_experts())) +
-                             "][" + std::to_string(i % static_cast<size_t>(owners.num_experts())) + "] = " +
-                             std::to_string(load[i]) + " rows exceeds 2^31 - 1 (the device plan counts rows in int32)");
   RDEP_ASSIGN_OR_RETURN(p->cfg, ChooseConfig(p->E, p->R, p->S, true));
   const size_t R = static_cast<size_t>(p->R), E = static_cast<size_t>(p->E), RS = R * static_cast<size_t>(p->S);
   const size_t imax = E + RS;
@@ -138,7 +132,6 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   RDEP_RETURN_IF_ERROR(Alloc(&b.slot_expert, RS));
   RDEP_RETURN_IF_ERROR(Alloc(&b.route, R * imax));
   RDEP_RETURN_IF_ERROR(Alloc(&b.demand, p->cfg.staged_load ? 0 : R * E));
-  RDEP_CUDA_RETURN(cudaMemcpy(b.load, load.data(), R * E * sizeof(int64_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemcpy(b.owner, owners.owners().data(), E * sizeof(int32_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemset(b.misc, 0, 4 * sizeof(int64_t)));
   RDEP_CUDA_RETURN(cudaFuncSetAttribute(QuotaPlanKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -181,6 +174,29 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
   return Status::Ok();
 }
 
+Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, const QuotaConfig& config,
+               Prepared* p) {
+  RDEP_RETURN_IF_ERROR(ValidateLoad(load, owners));
+  // The device plan counts rows in int32 (a route entry is at most a load entry): every entry must fit.
+  for (size_t i = 0; i < load.size(); ++i)
+    if (load[i] > INT32_MAX)
+      return InvalidArgument("GPU planner: load[" + std::to_string(i / static_cast<size_t>(owners.num_experts())) +
+                             "][" + std::to_string(i % static_cast<size_t>(owners.num_experts())) + "] = " +
+                             std::to_string(load[i]) + " rows exceeds 2^31 - 1 (the device plan counts rows in int32)");
+  RDEP_RETURN_IF_ERROR(PrepareBuffers(owners, config, p));
+  RDEP_CUDA_RETURN(cudaMemcpy(p->buf.load, load.data(), load.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  return Status::Ok();
+}
+
+// The capacity rule on the device: per expert (one thread each), rows admitted from each source in
+// source order, written where the planner reads its load.
+__global__ void AdmitLoadKernel(const int64_t* load, int R, int E, int64_t capacity, int64_t* admitted) {
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+    SourceOrderAdmission admission{capacity};
+    for (int r = 0; r < R; ++r) admitted[static_cast<size_t>(r) * E + e] = admission.Admit(load[static_cast<size_t>(r) * E + e]);
+  }
+}
+
 Status Launch(const Prepared& p, cudaStream_t stream) {
   QuotaPlanKernel<<<1, kThreads, p.cfg.shared_bytes, stream>>>(p.args);
   RDEP_CUDA_RETURN(cudaGetLastError());
@@ -212,12 +228,10 @@ StatusOr<GpuPlannerConfig> GpuPlannerCanImplement(int32_t num_experts, int32_t n
 }
 
 
-StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
-                                        const QuotaConfig& config) {
-  Prepared p;
-  RDEP_RETURN_IF_ERROR(Prepare(load, owners, config, &p));
-  RDEP_RETURN_IF_ERROR(Launch(p, nullptr));
-  RDEP_CUDA_RETURN(cudaDeviceSynchronize());
+namespace {
+
+// Copies a solved plan from the device (the stream must be synchronized).
+StatusOr<BalancePlan> DownloadPlan(const Prepared& p) {
   int64_t misc[4] = {0, 0, 0, 0};
   RDEP_CUDA_RETURN(cudaMemcpy(misc, p.buf.misc, sizeof(misc), cudaMemcpyDeviceToHost));
   if (misc[3] != 0) return InternalError("GPU planner: reroute found residual demand above residual quota");
@@ -248,6 +262,49 @@ StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const 
   RDEP_CUDA_RETURN(cudaMemcpy(route32.data(), p.buf.route, R * I * 4, cudaMemcpyDeviceToHost));
   std::copy(route32.begin(), route32.end(), plan.route.begin());
   return plan;
+}
+
+}  // namespace
+
+StatusOr<BalancePlan> SolveQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
+                                        const QuotaConfig& config) {
+  Prepared p;
+  RDEP_RETURN_IF_ERROR(Prepare(load, owners, config, &p));
+  RDEP_RETURN_IF_ERROR(Launch(p, nullptr));
+  RDEP_CUDA_RETURN(cudaDeviceSynchronize());
+  return DownloadPlan(p);
+}
+
+struct DevicePlanner::Impl {
+  Prepared p;
+};
+
+DevicePlanner::DevicePlanner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DevicePlanner::~DevicePlanner() = default;
+
+StatusOr<std::unique_ptr<DevicePlanner>> DevicePlanner::Create(const OwnershipMap& owners, const QuotaConfig& config) {
+  auto impl = std::make_unique<Impl>();
+  RDEP_RETURN_IF_ERROR(PrepareBuffers(owners, config, &impl->p));
+  return std::unique_ptr<DevicePlanner>(new DevicePlanner(std::move(impl)));
+}
+
+Status DevicePlanner::Solve(const int64_t* load_dev, int64_t capacity, CUstream_st* stream) {
+  const Prepared& p = impl_->p;
+  if (load_dev == nullptr) return InvalidArgument("device planner: the load matrix pointer is null");
+  RDEP_CUDA_RETURN(cudaMemsetAsync(p.buf.misc, 0, 4 * sizeof(int64_t), stream));
+  AdmitLoadKernel<<<(p.E + 127) / 128, 128, 0, stream>>>(load_dev, p.R, p.E, capacity, p.buf.load);
+  RDEP_CUDA_RETURN(cudaGetLastError());
+  return Launch(p, stream);
+}
+
+DevicePlanView DevicePlanner::view() const {
+  const DeviceBuffers& b = impl_->p.buf;
+  return DevicePlanView{b.inst_offsets, b.inst_expert, b.inst_rank, b.inst_slot, b.inst_quota, b.slot_expert, b.route, b.load};
+}
+
+StatusOr<BalancePlan> DevicePlanner::Download(CUstream_st* stream) const {
+  RDEP_CUDA_RETURN(cudaStreamSynchronize(stream));
+  return DownloadPlan(impl_->p);
 }
 
 StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,

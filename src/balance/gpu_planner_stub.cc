@@ -21,4 +21,14 @@ StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>&, const 
   return Unavailable("GPU planner: rdep was built without CUDA");
 }
 
+struct DevicePlanner::Impl {};
+DevicePlanner::DevicePlanner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DevicePlanner::~DevicePlanner() = default;
+StatusOr<std::unique_ptr<DevicePlanner>> DevicePlanner::Create(const OwnershipMap&, const QuotaConfig&) {
+  return Unavailable("GPU planner: rdep was built without CUDA");
+}
+Status DevicePlanner::Solve(const int64_t*, int64_t, CUstream_st*) { return Unavailable("GPU planner: rdep was built without CUDA"); }
+DevicePlanView DevicePlanner::view() const { return {}; }
+StatusOr<BalancePlan> DevicePlanner::Download(CUstream_st*) const { return Unavailable("GPU planner: rdep was built without CUDA"); }
+
 }  // namespace rdep

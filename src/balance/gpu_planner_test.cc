@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +15,7 @@
 #include <string>
 
 #include "rdep/balance/load_trace.h"
+#include "rdep/core/capacity.h"
 
 namespace rdep {
 namespace {
@@ -25,6 +30,70 @@ void ExpectSamePlan(const BalancePlan& g, const BalancePlan& h, const std::strin
   EXPECT_EQ(g.slot_expert, h.slot_expert) << what;
   EXPECT_EQ(g.route, h.route) << what;
 }
+
+#if defined(RDEP_HAVE_CUDA)
+// The planner resident on the device: one DevicePlanner solves several load matrices that live in
+// device memory, with the capacity rule applied on the device; each plan equals the host's plan for
+// the admitted load (rdep::AdmitBySourceOrder per expert, then SolveQuotaPlan), bit for bit.
+TEST(DevicePlanner, SolvesDeviceLoadsWithCapacityLikeTheHost) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  struct Shape {
+    int32_t E, R, S;
+  };
+  for (Shape sh : {Shape{64, 4, 2}, Shape{256, 64, 2}, Shape{10, 3, 1}, Shape{16, 8, 0}}) {
+    auto own = OwnershipMap::Contiguous(sh.E, sh.R);
+    ASSERT_TRUE(own.ok());
+    QuotaConfig cfg;
+    cfg.num_slots = sh.S;
+    auto planner = DevicePlanner::Create(*own, cfg);
+    ASSERT_TRUE(planner.ok()) << planner.status();
+    int64_t* d_load = nullptr;
+    const size_t n = static_cast<size_t>(sh.E) * static_cast<size_t>(sh.R);
+    ASSERT_EQ(cudaMalloc(&d_load, n * sizeof(int64_t)), cudaSuccess);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      SyntheticLoadSpec spec;
+      spec.experts = sh.E;
+      spec.ranks = sh.R;
+      spec.alpha = 1.2;
+      spec.seed = seed;
+      spec.tokens = 512;
+      spec.topk = std::min(4, sh.E);
+      auto trace = GenerateSyntheticLoads(spec, 1);
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      const auto& load = trace->steps[0];
+      ASSERT_EQ(cudaMemcpy(d_load, load.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice), cudaSuccess);
+      int64_t total = 0;
+      for (int64_t v : load) total += v;
+      for (int64_t capacity : {INT64_MAX, total / sh.E, total / (2 * sh.E) + 1}) {
+        std::vector<int64_t> admitted(n), col(static_cast<size_t>(sh.R)), kept(col.size());
+        for (int32_t e = 0; e < sh.E; ++e) {
+          for (int32_t r = 0; r < sh.R; ++r) col[static_cast<size_t>(r)] = load[static_cast<size_t>(r) * sh.E + e];
+          AdmitBySourceOrder(col.data(), sh.R, capacity, kept.data());
+          for (int32_t r = 0; r < sh.R; ++r) admitted[static_cast<size_t>(r) * sh.E + e] = kept[static_cast<size_t>(r)];
+        }
+        auto host = SolveQuotaPlan(admitted, *own, cfg);
+        ASSERT_TRUE(host.ok()) << host.status();
+        ASSERT_TRUE((*planner)->Solve(d_load, capacity, stream).ok());
+        auto gpu = (*planner)->Download(stream);
+        ASSERT_TRUE(gpu.ok()) << gpu.status();
+        const std::string what = "E=" + std::to_string(sh.E) + " R=" + std::to_string(sh.R) + " seed=" + std::to_string(seed) +
+                                 " capacity=" + std::to_string(capacity);
+        ExpectSamePlan(*gpu, *host, what);
+        std::vector<int64_t> dev_admitted(n);
+        ASSERT_EQ(cudaMemcpy(dev_admitted.data(), (*planner)->view().admitted_load, n * sizeof(int64_t), cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(dev_admitted, admitted) << what;
+      }
+    }
+    cudaStreamDestroy(stream);
+    cudaFree(d_load);
+  }
+  EXPECT_FALSE((*DevicePlanner::Create(*OwnershipMap::Contiguous(8, 2), QuotaConfig{}))->Solve(nullptr, 0, nullptr).ok());
+}
+#endif
 
 TEST(GpuPlanner, MatchesHostOverSeededLoads) {
   std::string why;

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,8 @@
 #include "rdep/core/ownership.h"
 #include "rdep/core/stats.h"
 #include "rdep/status.h"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*; this header builds without the CUDA headers
 
 namespace rdep {
 
@@ -67,5 +70,40 @@ struct GpuPlannerTiming {
 };
 StatusOr<GpuPlannerTiming> BenchQuotaPlanGpu(const std::vector<int64_t>& load, const OwnershipMap& owners,
                                              const QuotaConfig& config, int32_t warmup, int32_t iters);
+
+// Device pointers of the plan DevicePlanner::Solve leaves in device memory (valid until the next
+// Solve). I = instance_offsets[E] instances; the arrays mean what BalancePlan's do.
+struct DevicePlanView {
+  const int32_t* instance_offsets = nullptr;  // [E+1]
+  const int32_t* instance_expert = nullptr;   // [I]
+  const int32_t* instance_rank = nullptr;     // [I]
+  const int32_t* instance_slot = nullptr;     // [I]
+  const int64_t* instance_quota = nullptr;    // [I]
+  const int32_t* slot_expert = nullptr;       // [R * N_slot]
+  const int32_t* route = nullptr;             // [R][I] rows source r sends to instance i (int32)
+  const int64_t* admitted_load = nullptr;     // [R][E] the load the plan was solved for
+};
+
+// The planner of one layer, resident on the device: its buffers are allocated once at Create; each
+// Solve reads the load matrix from device memory, applies the capacity rule to it and leaves the plan
+// in device memory, all on the caller's stream (no host round trip, no synchronization, no
+// allocation). The plan is SolveQuotaPlan's for the admitted load, bit for bit. Every load entry must
+// be below 2^31 (one layer's rows from one rank are).
+class DevicePlanner {
+ public:
+  static StatusOr<std::unique_ptr<DevicePlanner>> Create(const OwnershipMap& owners, const QuotaConfig& config);
+  ~DevicePlanner();
+  // load_dev: [R][E] rows per source rank and expert (device). capacity: rows an expert admits, in
+  // source order (rdep::SourceOrderAdmission; INT64_MAX = dropless).
+  Status Solve(const int64_t* load_dev, int64_t capacity, CUstream_st* stream);
+  DevicePlanView view() const;
+  // The last plan on the host (synchronizes `stream`); InternalError if the planner flagged a fault.
+  StatusOr<BalancePlan> Download(CUstream_st* stream) const;
+
+ private:
+  struct Impl;
+  explicit DevicePlanner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace rdep
