@@ -31,4 +31,9 @@ Status DevicePlanner::Solve(const int64_t*, int64_t, CUstream_st*) { return Unav
 DevicePlanView DevicePlanner::view() const { return {}; }
 StatusOr<BalancePlan> DevicePlanner::Download(CUstream_st*) const { return Unavailable("GPU planner: rdep was built without CUDA"); }
 
+Status LaunchAssignInstances(const DevicePlanView&, int32_t, int32_t, const int32_t*, const int32_t*, int64_t, const int32_t*,
+                             int32_t, uint8_t*, int32_t*, int32_t*, CUstream_st*) {
+  return Unavailable("assign instances: rdep was built without CUDA");
+}
+
 }  // namespace rdep

@@ -16,6 +16,7 @@
 
 #include "rdep/balance/load_trace.h"
 #include "rdep/core/capacity.h"
+#include "rdep/core/routing.h"
 
 namespace rdep {
 namespace {
@@ -92,6 +93,81 @@ TEST(DevicePlanner, SolvesDeviceLoadsWithCapacityLikeTheHost) {
     cudaFree(d_load);
   }
   EXPECT_FALSE((*DevicePlanner::Create(*OwnershipMap::Contiguous(8, 2), QuotaConfig{}))->Solve(nullptr, 0, nullptr).ok());
+}
+
+// The device reroute of every rank's rows equals the host layer's: accepted iff among the admitted
+// rows of (rank, expert), and placed on the instance InstanceForRow gives (poisoned outputs first).
+TEST(DevicePlanner, AssignsInstancesLikeTheHost) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  const LayerShape s{.tokens = 300, .hidden = 8, .ffn = 4, .experts = 20, .topk = 4, .ranks = 6};
+  auto own = *OwnershipMap::Contiguous(s.experts, s.ranks);  // uneven: ranks 0, 1 own 4 experts, the others 3
+  QuotaConfig cfg;
+  cfg.num_slots = 2;
+  auto planner = std::move(*DevicePlanner::Create(own, cfg));
+  const int32_t slot_base = std::max(1, own.max_local());
+  std::vector<int32_t> local(static_cast<size_t>(s.experts));
+  for (int32_t e = 0; e < s.experts; ++e) local[static_cast<size_t>(e)] = own.local_index(e);
+  const size_t rows = static_cast<size_t>(s.tokens * s.topk);
+  int64_t *d_load = nullptr;
+  int32_t *d_experts = nullptr, *d_rie = nullptr, *d_local = nullptr, *d_rank = nullptr, *d_dlocal = nullptr;
+  uint8_t* d_acc = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_load, static_cast<size_t>(s.ranks * s.experts) * 8), cudaSuccess);
+  for (int32_t** p : {&d_experts, &d_rie, &d_rank, &d_dlocal}) ASSERT_EQ(cudaMalloc(p, rows * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_local, local.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_acc, rows), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_local, local.data(), local.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const char* family : {"zipf:2", "one-expert", "uniform"}) {
+    const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse(family));
+    const std::vector<int64_t> load = LoadMatrix(rt, s.experts);
+    ASSERT_EQ(cudaMemcpy(d_load, load.data(), load.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    for (double cf : {0.0, 0.9}) {
+      const int64_t cap = CapacityPolicy{.capacity_factor = cf}.ExpertCapacity(s);
+      std::vector<int64_t> admitted(load.size()), col(static_cast<size_t>(s.ranks)), kept(col.size());
+      for (int64_t e = 0; e < s.experts; ++e) {
+        for (int64_t r = 0; r < s.ranks; ++r) col[static_cast<size_t>(r)] = load[static_cast<size_t>(r * s.experts + e)];
+        AdmitBySourceOrder(col.data(), s.ranks, cap, kept.data());
+        for (int64_t r = 0; r < s.ranks; ++r) admitted[static_cast<size_t>(r * s.experts + e)] = kept[static_cast<size_t>(r)];
+      }
+      const BalancePlan host = *SolveQuotaPlan(admitted, own, cfg);
+      ASSERT_TRUE(planner->Solve(d_load, cap, nullptr).ok());
+      for (int32_t r = 0; r < s.ranks; ++r) {
+        const auto& rr = rt[static_cast<size_t>(r)];
+        std::vector<int32_t> rie(rows), taken(static_cast<size_t>(s.experts), 0);
+        for (size_t i = 0; i < rows; ++i) rie[i] = taken[static_cast<size_t>(rr.experts[i])]++;
+        ASSERT_EQ(cudaMemcpy(d_experts, rr.experts.data(), rows * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(d_rie, rie.data(), rows * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemset(d_acc, 0x7F, rows), cudaSuccess);
+        ASSERT_EQ(cudaMemset(d_rank, 0x7F, rows * 4), cudaSuccess);
+        ASSERT_EQ(cudaMemset(d_dlocal, 0x7F, rows * 4), cudaSuccess);
+        ASSERT_TRUE(LaunchAssignInstances(planner->view(), r, static_cast<int32_t>(s.experts), d_experts, d_rie,
+                                          static_cast<int64_t>(rows), d_local, slot_base, d_acc, d_rank, d_dlocal, nullptr)
+                        .ok());
+        std::vector<uint8_t> acc(rows);
+        std::vector<int32_t> q(rows), lo(rows);
+        ASSERT_EQ(cudaMemcpy(acc.data(), d_acc, rows, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(q.data(), d_rank, rows * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(lo.data(), d_dlocal, rows * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        int64_t wrong = 0;
+        for (size_t i = 0; i < rows; ++i) {
+          const int32_t e = rr.experts[i];
+          const bool want_acc = rie[i] < admitted[static_cast<size_t>(r) * static_cast<size_t>(s.experts) + static_cast<size_t>(e)];
+          int32_t want_q = -1, want_lo = -1;
+          if (want_acc) {
+            const int32_t inst = InstanceForRow(host, r, e, rie[i]);
+            const int32_t slot = host.instance_slot[static_cast<size_t>(inst)];
+            want_q = host.instance_rank[static_cast<size_t>(inst)];
+            want_lo = slot < 0 ? own.local_index(e) : slot_base + slot;
+          }
+          if (acc[i] != (want_acc ? 1 : 0) || q[i] != want_q || lo[i] != want_lo) ++wrong;
+        }
+        EXPECT_EQ(wrong, 0) << family << " capacity " << cf << " rank " << r;
+      }
+    }
+  }
+  for (void* p : {static_cast<void*>(d_load), static_cast<void*>(d_experts), static_cast<void*>(d_rie), static_cast<void*>(d_local),
+                  static_cast<void*>(d_rank), static_cast<void*>(d_dlocal), static_cast<void*>(d_acc)})
+    cudaFree(p);
 }
 #endif
 

@@ -106,4 +106,15 @@ class DevicePlanner {
   std::unique_ptr<Impl> impl_;
 };
 
+// The reroute of one source rank on the device, after DevicePlanner::Solve on the same stream: for
+// every route slot i of its routing (experts[i], and rank_in_expert[i] = how many earlier tokens of
+// the rank chose the same expert), the slot is accepted iff rank_in_expert[i] is below the admitted
+// rows of (rank, expert); an accepted slot goes to the instance whose cumulative route count covers
+// it (rdep::InstanceForRow), on dest_rank[i] at physical local index dest_local[i]: local_of_expert[e]
+// for the main instance, slot_base + s for a replica in redundant slot s (-1 and 0 when dropped).
+// Device pointers; no synchronization.
+Status LaunchAssignInstances(const DevicePlanView& plan, int32_t rank, int32_t num_experts, const int32_t* experts,
+                             const int32_t* rank_in_expert, int64_t rows, const int32_t* local_of_expert, int32_t slot_base,
+                             uint8_t* accepted, int32_t* dest_rank, int32_t* dest_local, CUstream_st* stream);
+
 }  // namespace rdep
