@@ -1,6 +1,7 @@
 #include "rdep/balance/layer_balance.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "rdep/balance/eplb.h"
 #include "rdep/balance/quota_planner.h"
@@ -30,6 +31,7 @@ Status BalanceConfig::Validate(int32_t num_experts) const {
                            " must be in [0, E=" + std::to_string(num_experts) + "]");
   if (min_quota < 1) return InvalidArgument("balance: u_min (rows a replica carries at least) " + std::to_string(min_quota) +
                                             " must be >= 1");
+  if (relay_above < 0) return InvalidArgument("balance: relay_above " + std::to_string(relay_above) + " must be >= 0 (0 = no relays)");
   return Status::Ok();
 }
 
@@ -80,6 +82,48 @@ BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vec
   t.slot_limited = m.max_rank_load > static_cast<int64_t>((total + W - 1) / std::max(W, 1)) && t.replicas == t.slots;
   t.weight_bytes = static_cast<int64_t>(t.replicas) * bytes_per_expert;
   return t;
+}
+
+}  // namespace rdep
+
+namespace rdep {
+
+RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above) {
+  RelayPlan out;
+  if (relay_above <= 0) return out;
+  const int32_t E = plan.num_experts;
+  auto replicas = [&](int32_t e) { return plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)] - 1; };
+  // Sending load per rank, in expert copies: owners start with what they send directly.
+  std::vector<double> load(static_cast<size_t>(plan.num_ranks), 0.0);
+  std::vector<int32_t> wide;
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t owner = plan.instance_rank[static_cast<size_t>(plan.instance_offsets[static_cast<size_t>(e)])];
+    if (replicas(e) > relay_above) {
+      wide.push_back(e);
+      load[static_cast<size_t>(owner)] += 1.0;  // stage 1: one copy, in chunks
+    } else {
+      load[static_cast<size_t>(owner)] += replicas(e);
+    }
+  }
+  std::stable_sort(wide.begin(), wide.end(), [&](int32_t a, int32_t b) { return replicas(a) > replicas(b); });
+  for (int32_t e : wide) {
+    const int32_t R = replicas(e);
+    const auto m = std::max<int32_t>(1, static_cast<int32_t>(std::lround(std::sqrt(static_cast<double>(R)))));
+    std::vector<int32_t> cand;
+    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)] + 1; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i) cand.push_back(i);
+    std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
+      const double la = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(a)])];
+      const double lb = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(b)])];
+      if (la != lb) return la < lb;
+      return plan.instance_rank[static_cast<size_t>(a)] < plan.instance_rank[static_cast<size_t>(b)];
+    });
+    ExpertRelays er{e, std::vector<int32_t>(cand.begin(), cand.begin() + m)};
+    std::sort(er.relays.begin(), er.relays.end());
+    for (int32_t i : er.relays) load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(i)])] += static_cast<double>(R - 1) / m;
+    out.experts.push_back(std::move(er));
+  }
+  std::sort(out.experts.begin(), out.experts.end(), [](const ExpertRelays& a, const ExpertRelays& b) { return a.expert < b.expert; });
+  return out;
 }
 
 }  // namespace rdep

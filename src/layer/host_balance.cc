@@ -94,30 +94,76 @@ Status HostMoELayer::PlanBalanced(int32_t rank, Saved& st) {
   st.rows_per_expert.assign(static_cast<size_t>(L), 0);
   for (int64_t j = 0; j < L; ++j)
     for (int64_t src = 0; src < W; ++src) st.rows_per_expert[static_cast<size_t>(j)] += mine[layout_.recv_counts(src, j)];
+  st.relays = std::make_shared<const RelayPlan>(PlanRelays(plan, config_.balance.relay_above));
+  st.telemetry.relayed_experts = static_cast<int32_t>(st.relays->experts.size());
   st.plan = std::make_shared<const BalancePlan>(std::move(plan));
   return PublishStreamOffsets(rank, st);
 }
 
 // The owner of each replicated expert stores its weights into every replica's slot (each source
-// weight read once per destination; the host backend's stand-in for the GPU's tile streaming).
-void HostMoELayer::PushReplicaWeights(int32_t rank, const Saved& st) {
-  if (kind_ != ExpertKind::kSwiGLU || replica_w_ < 0) return;
+// weight read once per destination; the host backend's stand-in for the GPU's tile streaming); an
+// expert with more than relay_above replicas goes in two stages: chunk c to relay c, a barrier, then
+// each relay stores its chunk into the other replicas' slots.
+Status HostMoELayer::PushReplicaWeights(int32_t rank, const Saved& st) {
+  if (kind_ != ExpertKind::kSwiGLU || replica_w_ < 0) return Status::Ok();
   const BalancePlan& p = *st.plan;
+  const RelayPlan& relays = *st.relays;
   RankState& rs = *ranks_[static_cast<size_t>(rank)];
-  const auto n1 = static_cast<size_t>(2 * config_.shape.hidden * config_.shape.ffn), n2 = n1 / 2;
+  const auto n1 = static_cast<size_t>(2 * config_.shape.hidden * config_.shape.ffn), n2 = n1 / 2, per = n1 + n2;
+  auto slot_of = [&](int32_t inst) {
+    return domain_.region_as<float>(p.instance_rank[static_cast<size_t>(inst)], replica_w_) +
+           static_cast<size_t>(p.instance_slot[static_cast<size_t>(inst)]) * per;
+  };
+  // Floats [lo, hi) of the owner's [w1 | w2] of local expert j into dst + lo.
+  auto copy_range = [&](size_t j, size_t lo, size_t hi, float* dst) {
+    for (size_t c = lo; c < std::min(hi, n1); ++c) dst[c] = rs.W1()[j * n1 + c];
+    for (size_t c = std::max(lo, n1); c < hi; ++c) dst[c] = rs.W2()[j * n2 + (c - n1)];
+  };
   bool fault = replica_fault_;
-  for (int32_t i = 0; i < p.num_instances(); ++i) {
-    const int32_t e = p.instance_expert[static_cast<size_t>(i)], slot = p.instance_slot[static_cast<size_t>(i)];
-    if (slot < 0 || ownership_.owner(e) != rank) continue;
-    const auto j = static_cast<size_t>(ownership_.local_index(e));
-    float* dst = domain_.region_as<float>(p.instance_rank[static_cast<size_t>(i)], replica_w_) + static_cast<size_t>(slot) * (n1 + n2);
-    std::copy_n(rs.W1() + j * n1, n1, dst);
-    std::copy_n(rs.W2() + j * n2, n2, dst + n1);
+  auto corrupt = [&](float* dst, size_t at) {
     if (fault) {
-      dst[0] += 1.f;
+      dst[at] += 1.f;
       fault = false;
     }
+  };
+  size_t next_relayed = 0;
+  for (int32_t e = 0; e < p.num_experts; ++e) {
+    const bool relayed = next_relayed < relays.experts.size() && relays.experts[next_relayed].expert == e;
+    const ExpertRelays* er = relayed ? &relays.experts[next_relayed++] : nullptr;
+    if (ownership_.owner(e) != rank) continue;
+    const auto j = static_cast<size_t>(ownership_.local_index(e));
+    if (er) {  // stage 1: chunk c to relay c
+      const auto m = static_cast<int64_t>(er->relays.size());
+      for (int64_t c = 0; c < m; ++c) {
+        const auto lo = static_cast<size_t>(RelayPlan::ChunkBegin(static_cast<int64_t>(per * 4), m, c) / 4);
+        const auto hi = static_cast<size_t>(RelayPlan::ChunkBegin(static_cast<int64_t>(per * 4), m, c + 1) / 4);
+        float* dst = slot_of(er->relays[static_cast<size_t>(c)]);
+        copy_range(j, lo, c + 1 == m ? per : hi, dst);
+        if (hi > lo) corrupt(dst, lo);
+      }
+      continue;
+    }
+    for (int32_t i = p.instance_offsets[static_cast<size_t>(e)] + 1; i < p.instance_offsets[static_cast<size_t>(e) + 1]; ++i) {
+      float* dst = slot_of(i);
+      copy_range(j, 0, per, dst);
+      corrupt(dst, 0);
+    }
   }
+  if (relays.empty()) return Status::Ok();
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReplicaRelay));
+  for (const ExpertRelays& er : relays.experts) {  // stage 2: this rank's chunks to the other replicas
+    const auto m = static_cast<int64_t>(er.relays.size());
+    for (int64_t c = 0; c < m; ++c) {
+      const int32_t relay = er.relays[static_cast<size_t>(c)];
+      if (p.instance_rank[static_cast<size_t>(relay)] != rank) continue;
+      const auto lo = static_cast<size_t>(RelayPlan::ChunkBegin(static_cast<int64_t>(per * 4), m, c) / 4);
+      const size_t hi = c + 1 == m ? per : static_cast<size_t>(RelayPlan::ChunkBegin(static_cast<int64_t>(per * 4), m, c + 1) / 4);
+      const float* src = slot_of(relay);
+      for (int32_t i = p.instance_offsets[static_cast<size_t>(er.expert)] + 1; i < p.instance_offsets[static_cast<size_t>(er.expert) + 1]; ++i)
+        if (i != relay) std::copy(src + lo, src + hi, slot_of(i) + lo);
+    }
+  }
+  return Status::Ok();
 }
 
 // After backward.done every replica's gradient is final: the owner adds them to its own, per expert

@@ -28,6 +28,7 @@ struct Case {
   BalanceKind kind = BalanceKind::kUltraEp;
   int32_t slots = 2;
   bool expect_replicas = true;
+  int32_t relay_above = 4;  // BalanceConfig's default
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -112,7 +113,7 @@ TEST_P(HostBalance, EqualsTheLayerWithoutBalancing) {
   const LayerShape s = ShapeOf(c);
   const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse(c.routing));
   const Result off = RunLayer(c, BalanceConfig{}, rt);
-  const Result on = RunLayer(c, BalanceConfig{.kind = c.kind, .num_slots = c.slots}, rt);
+  const Result on = RunLayer(c, BalanceConfig{.kind = c.kind, .num_slots = c.slots, .relay_above = c.relay_above}, rt);
   const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
   const BalancePlan& plan = on.plans[0];
   for (int64_t r = 0; r < s.ranks; ++r) {
@@ -138,6 +139,9 @@ TEST_P(HostBalance, EqualsTheLayerWithoutBalancing) {
     EXPECT_EQ(t.weight_bytes, t.replicas * 3 * s.hidden * s.ffn * static_cast<int64_t>(sizeof(float)));
   }
   EXPECT_LE(t.replicas, c.slots * s.ranks);
+  if (c.relay_above < 4) {
+    EXPECT_FALSE(PlanRelays(plan, c.relay_above).empty()) << "the relay case must stream through relays";
+  }
 
   // The plan is the balancer's plan for the admitted load (computed here from the routing).
   const std::vector<int64_t> load = LoadMatrix(rt, s.experts);
@@ -168,7 +172,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{.name = "W8_zipf2_ultraep_one_slot", .ranks = 8, .experts = 32, .slots = 1},
                       Case{.name = "W4_zipf2_eplb_exact", .kind = BalanceKind::kEplbExact},
                       Case{.name = "W4_zipf2_eplb_first_step", .kind = BalanceKind::kEplb},
-                      Case{.name = "W4_zipf2_no_slots", .slots = 0, .expect_replicas = false}),
+                      Case{.name = "W4_zipf2_no_slots", .slots = 0, .expect_replicas = false},
+                      Case{.name = "W4_zipf2_relays", .relay_above = 1},
+                      Case{.name = "W8_one_expert_relays", .ranks = 8, .experts = 32, .routing = "one-expert", .relay_above = 1},
+                      Case{.name = "W8_zipf2_relays_drops_segments", .ranks = 8, .experts = 32, .capacity_factor = 0.9, .segment = 7,
+                           .relay_above = 1}),
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 // `rdep plan sim` on a trace recorded from a routing and the layer on that routing agree on the plan.
@@ -208,6 +216,49 @@ TEST(HostBalanceFaults, CorruptedReplicaWeightIsCaught) {
   bool all_equal = true;
   for (size_t r = 0; r < off.y.size(); ++r) all_equal = all_equal && Bitwise(bad.y[r], off.y[r]);
   EXPECT_FALSE(all_equal) << "a corrupted replica weight must change some output";
+}
+
+TEST(HostBalanceFaults, CorruptedRelayChunkIsCaught) {
+  const Case c{.name = "relay_fault", .ranks = 8, .experts = 32, .routing = "one-expert"};
+  const Routing rt = *GenerateRouting(ShapeOf(c), *RoutingSpec::Parse(c.routing));
+  const Result off = RunLayer(c, BalanceConfig{}, rt);
+  const Result bad = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp, .relay_above = 1}, rt, /*fault=*/true);
+  ASSERT_FALSE(PlanRelays(bad.plans[0], 1).empty());
+  bool all_equal = true;
+  for (size_t r = 0; r < off.y.size(); ++r) all_equal = all_equal && Bitwise(bad.y[r], off.y[r]);
+  EXPECT_FALSE(all_equal) << "a corrupted relayed chunk must change some output";
+}
+
+TEST(PlanRelays, WideExpertsGetAboutSqrtRelaysAmongTheirReplicas) {
+  // A plan by hand: expert 0 (owner 0) with 8 replicas on ranks 1..8, expert 1 (owner 1) with 3 on
+  // ranks 2, 5, 6.
+  BalancePlan p;
+  p.num_experts = 2;
+  p.num_ranks = 9;
+  p.num_slots = 2;
+  p.instance_offsets = {0, 9, 13};
+  p.instance_expert = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1};
+  p.instance_rank = {0, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 5, 6};
+  p.instance_slot = {-1, 0, 0, 0, 0, 0, 0, 0, 0, -1, 1, 1, 1};
+  const RelayPlan none = PlanRelays(p, 8);
+  EXPECT_TRUE(none.empty());  // 8 replicas are not more than 8
+  const RelayPlan r = PlanRelays(p, 2);
+  ASSERT_EQ(r.experts.size(), 2u);
+  EXPECT_EQ(r.experts[0].expert, 0);
+  EXPECT_EQ(r.experts[0].relays.size(), 3u);  // round(sqrt(8))
+  EXPECT_EQ(r.experts[1].relays.size(), 2u);  // round(sqrt(3))
+  for (const auto& er : r.experts)
+    for (int32_t i : er.relays) {
+      EXPECT_EQ(p.instance_expert[static_cast<size_t>(i)], er.expert);
+      EXPECT_GE(p.instance_slot[static_cast<size_t>(i)], 0);  // a replica, never the main instance
+    }
+  // Expert 0 (widest) goes first: ranks 2..8 send nothing yet and rank 1 sends expert 1's chunk, so
+  // its relays are ranks 2, 3, 4; expert 1 then prefers ranks 5 and 6 to the loaded rank 2.
+  EXPECT_EQ(r.experts[0].relays, (std::vector<int32_t>{2, 3, 4}));
+  EXPECT_EQ(r.experts[1].relays, (std::vector<int32_t>{11, 12}));
+  EXPECT_EQ(PlanRelays(p, 0).experts.size(), 0u);
+  EXPECT_EQ(RelayPlan::ChunkBegin(1000, 3, 1) % 16, 0);
+  EXPECT_EQ(RelayPlan::ChunkBegin(1000, 3, 3), 992);  // the last chunk ends at the expert's end (callers)
 }
 
 TEST(HostBalanceFaults, NoSlotsMeansRowsStayWithTheirOwnersAndTelemetrySaysSo) {

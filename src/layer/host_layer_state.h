@@ -66,6 +66,7 @@ struct HostMoELayer::Saved final : ForwardContext::State {
   NodeTraffic traffic;
   // Balancing: the plan (identical on every rank) and what it did.
   std::shared_ptr<const BalancePlan> plan;
+  std::shared_ptr<const RelayPlan> relays;      // experts streamed through chunk relays
   BalanceTelemetry telemetry;
   size_t bytes() const override {
     size_t b = relay_out.size() * 4 + relayed.size() * sizeof(Relayed) + load.size() * 8 + (dest_rank.size() + dest_local.size()) * 4 + routing.experts.size() * 4 +

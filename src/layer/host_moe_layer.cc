@@ -314,7 +314,7 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
     return Status::Ok();
   }
   const RankAcceptance& acc = st.acceptance;
-  if (st.plan) PushReplicaWeights(rank, st);  // ordered before the replicas' compute by the first segment barrier
+  if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // before the replicas' compute: first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
 
   // Combine in fixed slot order, fp32 accumulation; keep f_k(x_t) for dgate in backward.
@@ -382,7 +382,7 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
 
   std::fill_n(rs.DW1(), rs.w1_count, 0.f);
   std::fill_n(rs.DW2(), rs.w2_count, 0.f);
-  if (st.plan) PushReplicaWeights(rank, st);  // rematerialized: another forward may have used the slots since
+  if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // rematerialized: another forward may have used the slots
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
   if (st.plan) ReduceReplicaGradients(rank, st);  // every replica finished before backward.done
 

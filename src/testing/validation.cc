@@ -588,6 +588,7 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
     j.field("owner_max_over_mean_before", balance.imbalance_before).field("max_over_mean_after", balance.imbalance_after);
     j.field("replicas", static_cast<int64_t>(balance.replicas)).field("slots", static_cast<int64_t>(balance.slots));
     j.field("slot_limited", balance.slot_limited).field("weight_bytes_streamed", balance.weight_bytes);
+    j.field("relayed_experts", static_cast<int64_t>(balance.relayed_experts));
     j.end_object();
   }
   if (measured) j.field("accepted_rows", accepted_rows).field("dropped_rows", dropped_rows).field("segments", segments);

@@ -21,6 +21,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kDispatchRoute: return "dispatch.route";
     case Phase::kInterNode: return "inter-node";
     case Phase::kInterNodeDone: return "inter-node.done";
+    case Phase::kReplicaRelay: return "replica.relay";
     case Phase::kTest: return "test";
   }
   return "unknown";

@@ -64,6 +64,8 @@ flags (defaults in brackets):
                          planned by every rank from the load matrix after phase 1 (host backend) [off]
   --slots N              with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
+  --relay-above R        with --balance: experts with more than R replicas get their weights through
+                         sqrt(replicas) chunk relays (two stages); 0 = never [4]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; host backend) [1]
   --max-nodes M          node-limited routing: each token keeps the experts of its first M nodes (the
@@ -121,7 +123,8 @@ struct CheckOptions {
   bool ranks_given = false, gpus_given = false, empty_rank_given = false;
   int64_t gpus = 0, empty_rank = -1, seed = 1;
   std::string routing, json, balance;
-  bool slots_given = false, min_quota_given = false;
+  bool slots_given = false, min_quota_given = false, relay_above_given = false;
+  int64_t relay_above = 4;
   int64_t slots = 2;
   int64_t nodes = 1, max_nodes = 0;
   bool max_nodes_given = false;
@@ -154,6 +157,8 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.balance = f.get_string("balance", "off");
   c.slots_given = f.has("slots");
   c.min_quota_given = f.has("min-quota");
+  c.relay_above_given = f.has("relay-above");
+  c.relay_above = f.get_int("relay-above", 4);
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
   c.nodes = f.get_int("nodes", 1);
@@ -206,8 +211,9 @@ int CheckBalanceFlags(CheckOptions& c) {
   auto kind = rdep::ParseBalanceKind(c.balance);
   if (!kind.ok()) return Refuse("--balance: " + kind.status().message());
   b.kind = *kind;
-  if (!b.enabled() && (c.slots_given || c.min_quota_given))
-    return Refuse(std::string(c.slots_given ? "--slots" : "--min-quota") + " needs --balance ultraep, eplb or eplb-exact");
+  if (!b.enabled() && (c.slots_given || c.min_quota_given || c.relay_above_given))
+    return Refuse(std::string(c.slots_given ? "--slots" : (c.min_quota_given ? "--min-quota" : "--relay-above")) +
+                  " needs --balance ultraep, eplb or eplb-exact");
   if (!b.enabled()) return 0;
   if (c.min_quota_given && b.kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-quota applies to --balance ultraep only");
   if (c.backend != "host")
@@ -217,6 +223,9 @@ int CheckBalanceFlags(CheckOptions& c) {
     return Refuse("--slots must be in [0, E=" + std::to_string(E) + "], got " + std::to_string(c.slots));
   b.num_slots = static_cast<int32_t>(c.slots);
   if (b.min_quota < 1) return Refuse("--min-quota must be >= 1, got " + std::to_string(b.min_quota));
+  if (c.relay_above < 0 || c.relay_above > 1000000)
+    return Refuse("--relay-above must be in [0, 1000000], got " + std::to_string(c.relay_above));
+  b.relay_above = static_cast<int32_t>(c.relay_above);
   return 0;
 }
 
@@ -348,10 +357,10 @@ void PrintCheckTable(const rdep::ValidationReport& rep, const rdep::ValidationOp
                 static_cast<long long>(rep.segment_size));
   if (rep.balanced)
     std::printf("  balance: max/mean rank load %.3f without replicas -> %.3f with %d replicas in %d slots%s; %.3f MiB of "
-                "weights streamed per forward\n",
+                "weights streamed per forward (%d experts through chunk relays)\n",
                 rep.balance.imbalance_before, rep.balance.imbalance_after, rep.balance.replicas, rep.balance.slots,
                 rep.balance.slot_limited ? " (every slot used: more slots would balance further)" : "",
-                static_cast<double>(rep.balance.weight_bytes) / (1024.0 * 1024.0));
+                static_cast<double>(rep.balance.weight_bytes) / (1024.0 * 1024.0), rep.balance.relayed_experts);
   if (!rep.traffic.empty()) PrintTraffic(rep, opts);
   int passed = 0, failed = 0;
   for (const auto& c : rep.checks) (c.passed ? passed : failed) += c.skipped ? 0 : 1;

@@ -31,6 +31,7 @@ struct BalanceConfig {
   BalanceKind kind = BalanceKind::kOff;
   int32_t num_slots = 2;  // N_slot: redundant slots per rank
   int64_t min_quota = 1;  // u_min (UltraEP): a replica carries at least this many rows
+  int32_t relay_above = 4;  // experts with more replicas than this stream through chunk relays (0: never)
 
   bool enabled() const { return kind != BalanceKind::kOff; }
   // With balancing on: 0 <= N_slot <= E, u_min >= 1. Names the field.
@@ -54,8 +55,32 @@ struct BalanceTelemetry {
   bool slot_limited = false;      // every slot is used and the ranks are still not level: rows that
                                   // would have gone to another replica stay on their main instance
   int64_t weight_bytes = 0;       // expert weight bytes streamed to replicas by one forward
+  int32_t relayed_experts = 0;    // experts streamed through chunk relays (set by the layer)
 };
 BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vector<int64_t>& admitted_load,
                                          const OwnershipMap& owners, int64_t bytes_per_expert);
+
+}  // namespace rdep
+
+namespace rdep {
+
+// Two-stage chunk relays for wide experts (seeds 001 section 6): an expert with more than
+// `relay_above` replicas is split into m = round(sqrt(replicas)) chunks; in stage 1 its owner sends
+// chunk c only to relay c (one of its replicas), in stage 2 every relay sends its chunk to the
+// expert's other replicas. The owner then sends one copy instead of R, each relay about R/m chunks.
+// Relays are chosen greedily by the ranks' sending load (widest experts first; lowest load, then
+// lowest rank), the same on every rank. Chunk c of m covers bytes [Chunk(c), Chunk(c+1)) of the
+// expert's weights, cut on 16-byte boundaries.
+struct ExpertRelays {
+  int32_t expert = 0;
+  std::vector<int32_t> relays;  // plan instance indices (replicas), relays[c] receives chunk c
+};
+struct RelayPlan {
+  std::vector<ExpertRelays> experts;  // only the relayed ones, ascending expert id
+  bool empty() const { return experts.empty(); }
+  static int64_t ChunkBegin(int64_t bytes, int64_t chunks, int64_t c) { return (bytes * c / chunks) / 16 * 16; }
+};
+// relay_above <= 0: no relays.
+RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above);
 
 }  // namespace rdep

@@ -134,7 +134,7 @@ class HostMoELayer {
   Status PlanBalanced(int32_t rank, Saved& st);
   void PublishLoadRow(int32_t rank, const RankRouting& routing);
   Status PublishStreamOffsets(int32_t rank, Saved& st);
-  void PushReplicaWeights(int32_t rank, const Saved& st);
+  Status PushReplicaWeights(int32_t rank, const Saved& st);
   void ReduceReplicaGradients(int32_t rank, const Saved& st);
   const float* ExpertWeights(int32_t rank, const Saved& st, int64_t local, int which) const;
   float* ExpertGrads(int32_t rank, int64_t local, int which);

@@ -16,6 +16,7 @@ enum class Phase : uint16_t {
   kDispatchRoute,         // balancing: sources published per-instance counts after the plan
   kInterNode,             // two-phase: inter-node buffers stored into their mailboxes
   kInterNodeDone,         // two-phase: every inter-node buffer taken by its receiver
+  kReplicaRelay,          // balancing: owners stored the relays' chunks (stage 1 of the weight relay)
   kTest,                  // used by tests
 };
 
