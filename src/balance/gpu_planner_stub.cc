@@ -36,4 +36,9 @@ Status LaunchAssignInstances(const DevicePlanView&, int32_t, int32_t, const int3
   return Unavailable("assign instances: rdep was built without CUDA");
 }
 
+Status LaunchStreamReplicaWeights(const DevicePlanView&, int32_t, int32_t, const int32_t*, const int32_t*, const void*, int64_t,
+                                  const void*, int64_t, unsigned char* const*, int64_t, int, CUstream_st*) {
+  return Unavailable("stream replicas: rdep was built without CUDA");
+}
+
 }  // namespace rdep

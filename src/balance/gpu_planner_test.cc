@@ -169,6 +169,89 @@ TEST(DevicePlanner, AssignsInstancesLikeTheHost) {
                   static_cast<void*>(d_rank), static_cast<void*>(d_dlocal), static_cast<void*>(d_acc)})
     cudaFree(p);
 }
+
+// Replica weights streamed from the device plan: every used slot of every rank holds its expert's
+// [w1 | w2] bytes from the expert's owner; unused slots keep their poison. Part sizes that are and are
+// not multiples of 16 bytes, tiles smaller and larger than a part.
+TEST(DevicePlanner, StreamsReplicaWeightsIntoEverySlot) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  struct Dims {
+    int64_t H, F, tile;
+  };
+  for (Dims d : {Dims{64, 40, 4096}, Dims{7, 5, 16}, Dims{64, 40, 1 << 20}}) {
+    const LayerShape s{.tokens = 200, .hidden = d.H, .ffn = d.F, .experts = 14, .topk = 3, .ranks = 4};
+    auto own = *OwnershipMap::Contiguous(s.experts, s.ranks);  // ranks 0, 1 own 4 experts, ranks 2, 3 own 3
+    QuotaConfig cfg;
+    cfg.num_slots = 3;
+    auto planner = std::move(*DevicePlanner::Create(own, cfg));
+    const int64_t b1 = d.H * 2 * d.F * 2, b2 = d.F * d.H * 2, slot_bytes = b1 + b2;  // bf16 weights
+    std::vector<int32_t> owner(own.owners()), local(static_cast<size_t>(s.experts));
+    for (int32_t e = 0; e < s.experts; ++e) local[static_cast<size_t>(e)] = own.local_index(e);
+    int32_t *d_owner = nullptr, *d_local = nullptr;
+    int64_t* d_load = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_owner, owner.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_local, local.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_owner, owner.data(), owner.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_local, local.data(), local.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse("zipf:2"));
+    const std::vector<int64_t> load = LoadMatrix(rt, s.experts);
+    ASSERT_EQ(cudaMalloc(&d_load, load.size() * 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_load, load.data(), load.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_TRUE(planner->Solve(d_load, INT64_MAX, nullptr).ok());
+    const BalancePlan plan = *planner->Download(nullptr);
+    ASSERT_GT(plan.num_replicas(), 0);
+    std::vector<std::vector<unsigned char>> w1(4), w2(4);
+    std::vector<unsigned char*> d_w1(4), d_w2(4), d_slots(4);
+    for (int32_t r = 0; r < 4; ++r) {
+      const auto L = static_cast<size_t>(own.num_local(r));
+      w1[r].resize(L * static_cast<size_t>(b1));
+      w2[r].resize(L * static_cast<size_t>(b2));
+      for (size_t i = 0; i < w1[r].size(); ++i) w1[r][i] = static_cast<unsigned char>(i * 131 + r * 17 + 1);
+      for (size_t i = 0; i < w2[r].size(); ++i) w2[r][i] = static_cast<unsigned char>(i * 71 + r * 29 + 3);
+      ASSERT_EQ(cudaMalloc(&d_w1[r], w1[r].size()), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&d_w2[r], w2[r].size()), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&d_slots[r], static_cast<size_t>(3 * slot_bytes)), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_w1[r], w1[r].data(), w1[r].size(), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_w2[r], w2[r].data(), w2[r].size(), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_slots[r], 0xCD, static_cast<size_t>(3 * slot_bytes)), cudaSuccess);
+    }
+    unsigned char** d_slots_of = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_slots_of, 4 * sizeof(void*)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_slots_of, d_slots.data(), 4 * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+    for (int32_t r = 0; r < 4; ++r)
+      ASSERT_TRUE(LaunchStreamReplicaWeights(planner->view(), r, static_cast<int32_t>(s.experts), d_owner, d_local, d_w1[r], b1,
+                                             d_w2[r], b2, d_slots_of, d.tile, r == 3 ? 1 : 0, nullptr)
+                      .ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    int used = 0;
+    for (int32_t r = 0; r < 4; ++r) {
+      std::vector<unsigned char> got(static_cast<size_t>(3 * slot_bytes));
+      ASSERT_EQ(cudaMemcpy(got.data(), d_slots[r], got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int32_t sl = 0; sl < 3; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(r * 3 + sl)];
+        std::vector<unsigned char> want(static_cast<size_t>(slot_bytes), 0xCD);
+        if (e >= 0) {
+          ++used;
+          const auto q = static_cast<size_t>(own.owner(e));
+          const auto j = static_cast<size_t>(own.local_index(e));
+          std::copy_n(w1[q].begin() + static_cast<int64_t>(j) * b1, b1, want.begin());
+          std::copy_n(w2[q].begin() + static_cast<int64_t>(j) * b2, b2, want.begin() + b1);
+        }
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin() + sl * slot_bytes))
+            << "rank " << r << " slot " << sl << " expert " << e << " H=" << d.H << " tile " << d.tile;
+      }
+    }
+    EXPECT_EQ(used, plan.num_replicas());
+    for (int32_t r = 0; r < 4; ++r) {
+      cudaFree(d_w1[r]);
+      cudaFree(d_w2[r]);
+      cudaFree(d_slots[r]);
+    }
+    for (void* p : {static_cast<void*>(d_slots_of), static_cast<void*>(d_owner), static_cast<void*>(d_local), static_cast<void*>(d_load)})
+      cudaFree(p);
+  }
+}
 #endif
 
 TEST(GpuPlanner, MatchesHostOverSeededLoads) {

@@ -117,4 +117,15 @@ Status LaunchAssignInstances(const DevicePlanView& plan, int32_t rank, int32_t n
                              const int32_t* rank_in_expert, int64_t rows, const int32_t* local_of_expert, int32_t slot_base,
                              uint8_t* accepted, int32_t* dest_rank, int32_t* dest_local, CUstream_st* stream);
 
+// After DevicePlanner::Solve on the same stream, rank `rank` stores each of its replicated experts'
+// weights into every replica's slot: slots_of[r] (a device array of W device pointers, peer-visible)
+// is rank r's slot region, slot s at s * (w1_bytes + w2_bytes), holding [w1 | w2]; w1/w2 are this
+// rank's weights, local expert j at j * w1_bytes / j * w2_bytes. Each tile of a source is read once
+// and stored to every replica (16-byte vectors where aligned). `blocks` persistent blocks (0 = two per
+// SM). No synchronization; the caller orders the replicas' reads after it (a barrier).
+Status LaunchStreamReplicaWeights(const DevicePlanView& plan, int32_t rank, int32_t num_experts, const int32_t* owner_of_expert,
+                                  const int32_t* local_of_expert, const void* w1, int64_t w1_bytes, const void* w2,
+                                  int64_t w2_bytes, unsigned char* const* slots_of, int64_t tile_bytes, int blocks,
+                                  CUstream_st* stream);
+
 }  // namespace rdep
