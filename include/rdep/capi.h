@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 1
+#define RDEP_CAPI_VERSION 2
 
 typedef struct rdep_layer rdep_layer;
 
@@ -76,7 +76,18 @@ typedef struct rdep_layer_spec {
   double barrier_timeout_s; /* 0 = the default (30 s) */
   rdep_allgather_fn allgather; /* per-process CUDA */
   void* allgather_user;
+  /* Version 2. Balancing (host backend so far): replicas of hot experts in redundant slots. */
+  int32_t balance;             /* rdep_balance_kind (0 = off) */
+  int32_t balance_slots;       /* N_slot: redundant slots per rank */
+  int64_t balance_min_quota;   /* u_min (ultraep; 0 = 1) */
+  int32_t balance_relay_above; /* experts with more replicas stream through chunk relays; -1 = default (4), 0 = never */
+  /* Nodes (host backend so far): N nodes of world_size/N ranks, the two-phase exchange, node cap M. */
+  int32_t nodes;               /* N (0 or 1 = one domain) */
+  int32_t max_nodes;           /* M: routing must keep each token on at most M nodes (0 = N) */
+  int32_t reserved_spec;       /* must be 0 */
 } rdep_layer_spec;
+
+enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };
 
 /* One local rank's arguments to a call. Forward reads num_tokens, experts, gates, x, w1, w2 and writes
  * y; backward reads dy, w1, w2 and writes dx, dgates, dw1, dw2. */

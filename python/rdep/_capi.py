@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 1  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 2  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -58,7 +58,16 @@ LAYER_SPEC_FIELDS = (
     ("barrier_timeout_s", "double"),
     ("allgather", "rdep_allgather_fn"),
     ("allgather_user", "void*"),
+    ("balance", "int32_t"),
+    ("balance_slots", "int32_t"),
+    ("balance_min_quota", "int64_t"),
+    ("balance_relay_above", "int32_t"),
+    ("nodes", "int32_t"),
+    ("max_nodes", "int32_t"),
+    ("reserved_spec", "int32_t"),
 )
+
+BALANCE_KINDS = {"off": 0, "ultraep": 1, "eplb": 2, "eplb-exact": 3}  # rdep_balance_kind
 
 RANK_IO_FIELDS = (
     ("num_tokens", "int64_t"),

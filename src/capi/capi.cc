@@ -81,6 +81,13 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
   if (s.segment_tokens < 0) return InvalidArgument("layer spec: segment_tokens must be >= 0 (0 = the default)");
   if (!(s.barrier_timeout_s >= 0) || !std::isfinite(s.barrier_timeout_s))
     return InvalidArgument("layer spec: barrier_timeout_s must be finite and >= 0 (0 = the default)");
+  if (s.balance < RDEP_BALANCE_OFF || s.balance > RDEP_BALANCE_EPLB_EXACT)
+    return InvalidArgument("layer spec: balance " + std::to_string(s.balance) +
+                           " is not 0 (off), 1 (ultraep), 2 (eplb) or 3 (eplb-exact)");
+  if (s.balance_min_quota < 0) return InvalidArgument("layer spec: balance_min_quota must be >= 0 (0 = 1)");
+  if (s.balance_relay_above < -1) return InvalidArgument("layer spec: balance_relay_above must be >= -1 (-1 = the default)");
+  if (s.nodes < 0) return InvalidArgument("layer spec: nodes must be >= 0 (0 = one domain)");
+  if (s.reserved_spec != 0) return InvalidArgument("layer spec: reserved_spec must be 0");
   return rdep::Status::Ok();
 }
 
@@ -186,6 +193,11 @@ int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out) {
                .topk = spec->topk, .ranks = spec->world_size};
     c.capacity.capacity_factor = spec->capacity_factor;
     c.segment_tokens = spec->segment_tokens;
+    c.balance.kind = static_cast<rdep::BalanceKind>(spec->balance);
+    c.balance.num_slots = spec->balance_slots;
+    c.balance.min_quota = spec->balance_min_quota > 0 ? spec->balance_min_quota : 1;
+    if (spec->balance_relay_above >= 0) c.balance.relay_above = spec->balance_relay_above;
+    c.nodes = rdep::NodeConfig{spec->nodes > 0 ? spec->nodes : 1, spec->max_nodes};
     RDEP_RETURN_IF_ERROR(c.Validate());
     RDEP_ASSIGN_OR_RETURN(l->ownership, rdep::OwnershipMap::Contiguous(spec->experts, spec->world_size));
     const double timeout = spec->barrier_timeout_s > 0 ? spec->barrier_timeout_s : 30.0;

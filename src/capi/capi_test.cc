@@ -146,6 +146,31 @@ TEST(CApi, SpecErrorsNameTheField) {
   spec.capacity_factor = -1;
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_EQ(l, nullptr);
+  spec = Spec(s, 0);
+  spec.balance = 7;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("balance 7 is not 0 (off)"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.reserved_spec = 1;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("reserved_spec"), std::string::npos);
+  spec = Spec(s, 0);
+  spec.nodes = 3;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("N=3 must be >= 1 and divide W=2"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);  // version-2 fields that are valid: a layer is made
+  spec.balance = RDEP_BALANCE_ULTRAEP;
+  spec.balance_slots = 1;
+  spec.balance_relay_above = -1;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  rdep_layer_destroy(l);
+  l = nullptr;
+  spec = Spec(s, 0);
+  spec.nodes = 2;
+  spec.max_nodes = 1;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  rdep_layer_destroy(l);
+  l = nullptr;
   if (!rdep_built_with_cuda()) {
     spec = Spec(s, 0);
     spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;

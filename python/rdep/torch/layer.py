@@ -135,6 +135,17 @@ def _per_process_spec(spec, process_group, world_size, device) -> tuple[int, tup
     return world_size, (gather,)
 
 
+def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_nodes) -> None:
+    if balance not in _capi.BALANCE_KINDS:
+        raise ValueError(f"balance: expected one of {tuple(_capi.BALANCE_KINDS)}, got {balance!r}")
+    for name, v, lo in (("balance_slots", slots, 0), ("balance_min_quota", min_quota, 1), ("relay_above", relay_above, 0),
+                        ("nodes", nodes, 1), ("max_nodes", max_nodes, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    if max_nodes > nodes:
+        raise ValueError(f"max_nodes: expected 0 (no cap) or at most nodes={nodes}, got {max_nodes}")
+
+
 class Layer:
     """One rdep MoE layer (shape, capacity rule, ranks and their placement). See the module docstring."""
 
@@ -154,8 +165,15 @@ class Layer:
         num_gpus: int = 1,
         process_group=None,
         barrier_timeout_s: float = 0.0,
+        balance: str = "off",
+        balance_slots: int = 2,
+        balance_min_quota: int = 1,
+        relay_above: int = 4,
+        nodes: int = 1,
+        max_nodes: int = 0,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
+        _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
         resolved = _resolve_backend(backend, device, process_group)
         if device is not None:
             device = torch.device(device)
@@ -191,6 +209,12 @@ class Layer:
         spec.capacity_factor = float(capacity_factor)
         spec.segment_tokens = segment_tokens
         spec.barrier_timeout_s = float(barrier_timeout_s)
+        spec.balance = _capi.BALANCE_KINDS[balance]
+        spec.balance_slots = balance_slots
+        spec.balance_min_quota = balance_min_quota
+        spec.balance_relay_above = relay_above
+        spec.nodes = nodes
+        spec.max_nodes = max_nodes
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -210,6 +234,7 @@ class Layer:
         self.world_size = world_size
         self.capacity_factor = float(capacity_factor)
         self.segment_tokens = segment_tokens
+        self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:
@@ -267,6 +292,15 @@ class Layer:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank: {rank} outside [0, world_size={self.world_size})")
         return self._owned[rank]
+
+    def node_of_expert(self) -> list[int]:
+        """The node of each expert's owner: the ranks form `nodes` nodes of world_size/nodes consecutive ranks."""
+        per_node = self.world_size // self.nodes
+        node = [0] * self.num_experts
+        for r, (first, count) in enumerate(self._owned):
+            for e in range(first, first + count):
+                node[e] = r // per_node
+        return node
 
     def capacity(self) -> Optional[int]:
         """Rows each expert admits per call, ceil(C*W*T*K/E); None when dropless (C = 0)."""

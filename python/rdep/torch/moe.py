@@ -13,6 +13,12 @@ dtype: fp32 on the host backend; on CUDA bf16 by default, or fp32 master weights
 gradients in fp32). Initialization is deterministic in `seed`: expert e's weights depend only on
 (seed, e), so the same seed gives the same model at any world size.
 
+Host backend only so far (the CUDA layer refuses them with a clear error):
+  balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
+      hot experts inside the layer; y is bitwise the same, expert gradients equal to fp32 rounding
+  nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
+      router keeps each token's experts on at most M nodes (node-limited routing, seeds 004)
+
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
   process, host backend or ranks sharing a GPU; x[i] is rank i's tokens); y has x's shape and dtype;
@@ -104,12 +110,20 @@ class MoE(nn.Module):
         barrier_timeout_s: float = 0.0,
         seed: int = 0,
         init_std: float = 0.02,
+        balance: str = "off",
+        balance_slots: int = 2,
+        balance_min_quota: int = 1,
+        relay_above: int = 4,
+        nodes: int = 1,
+        max_nodes: int = 0,
     ):
         super().__init__()
         self._layer_args = dict(
             hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, max_tokens=max_tokens,
             world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
-            num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s)
+            num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
+            balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
+            max_nodes=max_nodes)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
@@ -122,6 +136,8 @@ class MoE(nn.Module):
                              topk_groups=topk_groups, normalize_topk=normalize_topk, scaling_factor=scaling_factor,
                              expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff,
                              seq_aux_loss_coeff=seq_aux_loss_coeff, seq_length=seq_length, z_loss_coeff=z_loss_coeff,
+                             max_nodes=max_nodes if 0 < max_nodes < nodes else 0,
+                             node_of_expert=self.layer.node_of_expert() if 0 < max_nodes < nodes else None,
                              device=device)
         El = self.layer.num_local_experts
         self.w1 = nn.Parameter(torch.zeros(El, hidden, 2 * ffn, device=device, dtype=dtype))

@@ -1,5 +1,6 @@
 """rdep.torch.Router: the MoE router in PyTorch, with the options and semantics of rdep's C++ router
-family (include/rdep/router/router.h): fp32 logits [N, E] -> scores -> (group-limited) top-K -> gates,
+family (include/rdep/router/router.h): fp32 logits [N, E] -> scores -> (group- and node-limited)
+top-K -> gates,
 the aux-loss-free expert bias, and the balancing losses.
 
 Per token t with logits l_t = x_t W^T (fp32, W [E, H]):
@@ -7,6 +8,8 @@ Per token t with logits l_t = x_t W^T (fp32, W [E, H]):
   sel_t,e  = s_t,e + b_e       (expert_bias buffer b, selection only; no gradient through selection)
   groups   = num_groups contiguous groups of E/num_groups experts; keep the topk_groups groups with the
              largest sum of their top-2 sel (DeepSeek-V3 group-limited routing); the others are masked
+  nodes    = node-limited routing (seeds 004): keep the max_nodes nodes (node_of_expert) with the largest
+             sum of their top-2 unmasked sel; the others are masked
   I_t      = top-K of sel over the kept experts, descending (torch.topk; exact ties are broken by
              torch.topk, where the C++ reference takes the lower id)
   g_t,k    = c * s_t,I_k / sum_j s_t,I_j   (normalize_topk)  or  c * s_t,I_k   (c = scaling_factor)
@@ -58,6 +61,8 @@ class Router(nn.Module):
         seq_aux_loss_coeff: float = 0.0,
         seq_length: int = 0,
         z_loss_coeff: float = 0.0,
+        max_nodes: int = 0,
+        node_of_expert: Optional[list[int]] = None,
         device=None,
     ):
         super().__init__()
@@ -72,6 +77,19 @@ class Router(nn.Module):
         if num_groups > 1 and topk > topk_groups * (num_experts // num_groups):
             raise ValueError(f"topk: {topk} exceeds the {topk_groups * (num_experts // num_groups)} experts of the "
                              f"topk_groups={topk_groups} kept groups")
+        num_nodes = 0
+        if max_nodes:
+            if node_of_expert is None or len(node_of_expert) != num_experts:
+                raise ValueError(f"node_of_expert: node-limited routing needs {num_experts} node ids, got {node_of_expert!r}")
+            num_nodes = max(node_of_expert) + 1
+            if sorted(set(node_of_expert)) != list(range(num_nodes)):
+                raise ValueError("node_of_expert: node ids must be 0..N-1 without gaps")
+            if not 1 <= max_nodes <= num_nodes:
+                raise ValueError(f"max_nodes: expected 1 <= max_nodes <= nodes={num_nodes}, got {max_nodes}")
+            smallest = sorted(node_of_expert.count(n) for n in range(num_nodes))[:max_nodes]
+            if sum(smallest) < topk:
+                raise ValueError(f"topk: {topk} exceeds the {sum(smallest)} experts of the max_nodes={max_nodes} "
+                                 "smallest nodes")
         if seq_aux_loss_coeff != 0 and seq_length <= 0:
             raise ValueError("seq_length: must be > 0 when seq_aux_loss_coeff is set")
         self.hidden, self.num_experts, self.topk = hidden, num_experts, topk
@@ -80,6 +98,10 @@ class Router(nn.Module):
         self.normalize_topk, self.scaling_factor = normalize_topk, float(scaling_factor)
         self.aux_loss_coeff, self.seq_aux_loss_coeff = float(aux_loss_coeff), float(seq_aux_loss_coeff)
         self.seq_length, self.z_loss_coeff = seq_length, float(z_loss_coeff)
+        self.max_nodes, self.num_nodes = max_nodes, num_nodes
+        self.register_buffer("node_of_expert",
+                             torch.tensor(node_of_expert, dtype=torch.int64, device=device) if max_nodes else None,
+                             persistent=False)
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32, device=device))
         self.register_buffer("expert_bias",
                              torch.zeros(num_experts, dtype=torch.float32, device=device) if expert_bias else None)
@@ -88,6 +110,8 @@ class Router(nn.Module):
         s = f"H={self.hidden}, E={self.num_experts}, K={self.topk}, score={self.score_function}"
         if self.num_groups > 1:
             s += f", groups={self.topk_groups}/{self.num_groups}"
+        if self.max_nodes:
+            s += f", nodes={self.max_nodes}/{self.num_nodes}"
         if self.expert_bias is not None:
             s += ", expert_bias"
         return s
@@ -107,7 +131,23 @@ class Router(nn.Module):
             keep = group_score.topk(self.topk_groups, dim=-1).indices
             mask = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, keep, True)
             sel = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).flatten(-2)
+        if self.max_nodes:
+            sel = self._limit_nodes(sel)
         return sel.topk(self.topk, dim=-1).indices
+
+    def _limit_nodes(self, sel: Tensor) -> Tensor:
+        """Masks every expert outside the max_nodes nodes with the largest sum of their top-2 sel."""
+        scores = []
+        for n in range(self.num_nodes):
+            s = sel[..., self.node_of_expert == n]
+            top = s.topk(min(2, s.shape[-1]), dim=-1).values
+            # The host's TopTwoSum: the second value only when it is finite; -inf for a fully masked node.
+            second = top[..., 1] if top.shape[-1] > 1 else torch.full_like(top[..., 0], float("-inf"))
+            scores.append(torch.where(torch.isfinite(second), top[..., 0] + second, top[..., 0]))
+        node_score = torch.stack(scores, -1)  # [..., N]
+        keep = node_score.topk(self.max_nodes, dim=-1).indices
+        kept = torch.zeros_like(node_score, dtype=torch.bool).scatter(-1, keep, True)
+        return sel.masked_fill(~kept.gather(-1, self.node_of_expert.expand(*sel.shape[:-1], -1)), float("-inf"))
 
     def forward(self, x: Tensor) -> RouterOutput:
         """x [..., H] (any float dtype; the router runs in fp32)."""

@@ -1,0 +1,95 @@
+"""rdep.torch.MoE with balancing and nodes (host backend): the same module with balance='ultraep' gives
+bitwise the same y as without (rows computed on replicas are the same rows) and gradients within fp32
+rounding; nodes=N (two-phase exchange) agrees with the one-domain module; with max_nodes=M the router
+keeps every token on at most M nodes, matching a plain PyTorch node-limited top-K written here, and the
+module still matches the module without nodes on the same routing; bad options name the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdep
+import rdep.torch as rt
+from conftest import assert_rel_close
+
+
+def make(W=4, E=16, K=4, T=24, **kw):
+    return rt.MoE(16, 8, E, K, max_tokens=T, world_size=W, seed=3, init_std=0.3, expert_bias=True, **kw)
+
+
+def skew(m):
+    with torch.no_grad():  # the first experts win most selections: their owners are hot
+        m.router.expert_bias.copy_(torch.linspace(0.5, 0.0, m.num_experts))
+
+
+def run(m, x):
+    x = x.clone().requires_grad_(True)
+    out = m(x)
+    (out.y.square().sum() + out.aux_loss).backward()
+    return out.y.detach(), x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad
+
+
+@pytest.mark.parametrize("balance,relay_above", [("ultraep", 4), ("ultraep", 1), ("eplb-exact", 4), ("eplb", 4)])
+def test_balanced_module_equals_unbalanced(balance, relay_above):
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, 16)
+    plain, bal = make(), make(balance=balance, balance_slots=2, relay_above=relay_above)
+    bal.load_state_dict(plain.state_dict())
+    skew(plain)
+    skew(bal)
+    a, b = run(plain, x), run(bal, x)
+    assert torch.equal(a[0], b[0]), "y must be bitwise equal with balancing"
+    for name, u, v in zip(("dx", "dw1", "dw2", "drouter"), a[1:], b[1:]):
+        assert_rel_close(v, u, 1e-5, name)
+
+
+def node_limited_topk(sel, node_of_expert, max_nodes, K):
+    """Plain node-limited top-K: per token, the max_nodes nodes with the largest top-2 sum of sel."""
+    N = max(node_of_expert) + 1
+    node = torch.tensor(node_of_expert)
+    out = []
+    for row in sel.reshape(-1, sel.shape[-1]):
+        score = torch.stack([row[node == n].topk(min(2, int((node == n).sum()))).values.sum() for n in range(N)])
+        kept = score.topk(max_nodes).indices
+        masked = torch.where(torch.isin(node, kept), row, torch.tensor(float("-inf")))
+        out.append(masked.topk(K).indices)
+    return torch.stack(out).reshape(*sel.shape[:-1], K)
+
+
+@pytest.mark.parametrize("nodes,max_nodes", [(2, 0), (2, 1), (4, 2), (4, 1)])
+def test_nodes_agree_with_one_domain(nodes, max_nodes):
+    torch.manual_seed(1)
+    x = torch.randn(4, 24, 16)
+    two = make(nodes=nodes, max_nodes=max_nodes)
+    skew(two)
+    r = two.router(x)
+    node_of_expert = two.layer.node_of_expert()
+    if max_nodes:
+        per_token = [len({node_of_expert[e] for e in row.tolist()}) for row in r.experts.reshape(-1, 4)]
+        assert max(per_token) <= max_nodes
+        sel = r.logits.softmax(-1) + two.router.expert_bias
+        assert torch.equal(r.experts.long(), node_limited_topk(sel, node_of_expert, max_nodes, 4))
+    # The one-domain module with the same router (node-limited too) and weights.
+    one = make()
+    one.router = two.router
+    one.load_state_dict(two.state_dict())
+    a, b = run(one, x), run(two, x)
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "drouter"), a, b):
+        assert_rel_close(v, u, 1e-5, name)
+
+
+def test_bad_options_name_the_argument():
+    with pytest.raises(ValueError, match="balance: expected one of"):
+        make(balance="greedy")
+    with pytest.raises(ValueError, match="balance_slots: expected an int >= 0"):
+        make(balance="ultraep", balance_slots=-1)
+    with pytest.raises(ValueError, match="max_nodes: expected 0 \\(no cap\\) or at most nodes=2"):
+        make(nodes=2, max_nodes=3)
+    with pytest.raises(rdep.InvalidArgumentError, match="N=3 must be >= 1 and divide W=4"):
+        make(nodes=3)
+    with pytest.raises(rdep.InvalidArgumentError, match="N_slot"):
+        make(balance="ultraep", balance_slots=17)
+    with pytest.raises(ValueError, match="topk: 4 exceeds the 2 experts of the max_nodes=1 smallest nodes"):
+        make(E=4, K=4, nodes=2, max_nodes=1)
