@@ -92,7 +92,13 @@ RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above) {
   RelayPlan out;
   if (relay_above <= 0) return out;
   const int32_t E = plan.num_experts;
-  auto replicas = [&](int32_t e) { return plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)] - 1; };
+  // Replicas that compute rows (EPLB may place idle ones; they get no weights).
+  auto active = [&](int32_t i) { return plan.instance_slot[static_cast<size_t>(i)] >= 0 && plan.instance_quota[static_cast<size_t>(i)] > 0; };
+  auto replicas = [&](int32_t e) {
+    int32_t n = 0;
+    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)]; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i) n += active(i);
+    return n;
+  };
   // Sending load per rank, in expert copies: owners start with what they send directly.
   std::vector<double> load(static_cast<size_t>(plan.num_ranks), 0.0);
   std::vector<int32_t> wide;
@@ -110,7 +116,8 @@ RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above) {
     const int32_t R = replicas(e);
     const auto m = std::max<int32_t>(1, static_cast<int32_t>(std::lround(std::sqrt(static_cast<double>(R)))));
     std::vector<int32_t> cand;
-    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)] + 1; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i) cand.push_back(i);
+    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)] + 1; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i)
+      if (active(i)) cand.push_back(i);
     std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
       const double la = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(a)])];
       const double lb = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(b)])];

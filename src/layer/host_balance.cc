@@ -144,6 +144,7 @@ Status HostMoELayer::PushReplicaWeights(int32_t rank, const Saved& st) {
       continue;
     }
     for (int32_t i = p.instance_offsets[static_cast<size_t>(e)] + 1; i < p.instance_offsets[static_cast<size_t>(e) + 1]; ++i) {
+      if (p.instance_quota[static_cast<size_t>(i)] == 0) continue;  // computes nothing (EPLB places idle replicas)
       float* dst = slot_of(i);
       copy_range(j, 0, per, dst);
       corrupt(dst, 0);
@@ -160,7 +161,7 @@ Status HostMoELayer::PushReplicaWeights(int32_t rank, const Saved& st) {
       const size_t hi = c + 1 == m ? per : static_cast<size_t>(RelayPlan::ChunkBegin(static_cast<int64_t>(per * 4), m, c + 1) / 4);
       const float* src = slot_of(relay);
       for (int32_t i = p.instance_offsets[static_cast<size_t>(er.expert)] + 1; i < p.instance_offsets[static_cast<size_t>(er.expert) + 1]; ++i)
-        if (i != relay) std::copy(src + lo, src + hi, slot_of(i) + lo);
+        if (i != relay && p.instance_quota[static_cast<size_t>(i)] > 0) std::copy(src + lo, src + hi, slot_of(i) + lo);
     }
   }
   return Status::Ok();
@@ -175,7 +176,9 @@ void HostMoELayer::ReduceReplicaGradients(int32_t rank, const Saved& st) {
   const auto n1 = static_cast<size_t>(2 * config_.shape.hidden * config_.shape.ffn), n2 = n1 / 2;
   for (int32_t i = 0; i < p.num_instances(); ++i) {
     const int32_t e = p.instance_expert[static_cast<size_t>(i)], slot = p.instance_slot[static_cast<size_t>(i)];
-    if (slot < 0 || ownership_.owner(e) != rank) continue;
+    // A replica without rows computed nothing, and its host never zeroed its slot's gradient this call
+    // (when no rank has rows, no segment runs): only replicas with a quota are reduced.
+    if (slot < 0 || ownership_.owner(e) != rank || p.instance_quota[static_cast<size_t>(i)] == 0) continue;
     const auto j = static_cast<size_t>(ownership_.local_index(e));
     const float* src = domain_.region_as<float>(p.instance_rank[static_cast<size_t>(i)], replica_g_) + static_cast<size_t>(slot) * (n1 + n2);
     float* d1 = rs.DW1() + j * n1;

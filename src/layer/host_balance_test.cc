@@ -240,6 +240,7 @@ TEST(PlanRelays, WideExpertsGetAboutSqrtRelaysAmongTheirReplicas) {
   p.instance_expert = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1};
   p.instance_rank = {0, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 5, 6};
   p.instance_slot = {-1, 0, 0, 0, 0, 0, 0, 0, 0, -1, 1, 1, 1};
+  p.instance_quota = {5, 1, 1, 1, 1, 1, 1, 1, 1, 5, 1, 1, 1};
   const RelayPlan none = PlanRelays(p, 8);
   EXPECT_TRUE(none.empty());  // 8 replicas are not more than 8
   const RelayPlan r = PlanRelays(p, 2);
@@ -257,6 +258,10 @@ TEST(PlanRelays, WideExpertsGetAboutSqrtRelaysAmongTheirReplicas) {
   EXPECT_EQ(r.experts[0].relays, (std::vector<int32_t>{2, 3, 4}));
   EXPECT_EQ(r.experts[1].relays, (std::vector<int32_t>{11, 12}));
   EXPECT_EQ(PlanRelays(p, 0).experts.size(), 0u);
+  p.instance_quota[12] = 0;  // an idle replica (EPLB places them) neither counts nor relays
+  const RelayPlan idle = PlanRelays(p, 2);
+  ASSERT_EQ(idle.experts.size(), 1u);  // expert 1 has 2 active replicas now, not more than 2
+  EXPECT_EQ(idle.experts[0].expert, 0);
   EXPECT_EQ(RelayPlan::ChunkBegin(1000, 3, 1) % 16, 0);
   EXPECT_EQ(RelayPlan::ChunkBegin(1000, 3, 3), 992);  // the last chunk ends at the expert's end (callers)
 }
@@ -320,15 +325,79 @@ TEST(HostBalanceContexts, InterleavedForwardsKeepTheirOwnPlans) {
     for (size_t k = 0; k < dyb.size(); ++k) dyb[k] = std::sin(0.37f * static_cast<float>(k) + static_cast<float>(r));
     RDEP_RETURN_IF_ERROR(layer->Backward(r, cb, dyb, dxb, dgb));
     const std::vector<float> dw1b(layer->dw1(r).begin(), layer->dw1(r).end());
+    const std::vector<float> dw2b(layer->dw2(r).begin(), layer->dw2(r).end());
     RDEP_RETURN_IF_ERROR(layer->Backward(r, ca, dya, dxa, dga));
     const std::vector<float> dw1a(layer->dw1(r).begin(), layer->dw1(r).end());
+    const std::vector<float> dw2a(layer->dw2(r).begin(), layer->dw2(r).end());
     if (!Bitwise(ya, alone_a.y[i]) || !Bitwise(yb, alone_b.y[i])) return InternalError("y differs on rank " + std::to_string(r));
     if (!Bitwise(dxa, alone_a.dx[i]) || !Bitwise(dxb, alone_b.dx[i])) return InternalError("dx differs on rank " + std::to_string(r));
-    if (!Bitwise(dw1a, alone_a.dw1[i]) || !Bitwise(dw1b, alone_b.dw1[i]))
-      return InternalError("dw1 differs on rank " + std::to_string(r));
+    if (!Bitwise(dga, alone_a.dg[i]) || !Bitwise(dgb, alone_b.dg[i])) return InternalError("dgates differ on rank " + std::to_string(r));
+    if (!Bitwise(dw1a, alone_a.dw1[i]) || !Bitwise(dw1b, alone_b.dw1[i]) || !Bitwise(dw2a, alone_a.dw2[i]) ||
+        !Bitwise(dw2b, alone_b.dw2[i]))
+      return InternalError("weight gradients differ on rank " + std::to_string(r));
     return Status::Ok();
   });
   EXPECT_TRUE(st.ok()) << st;
+}
+
+// Several steps on one layer (replica slots, their gradients and EPLB's history carried from step to
+// step), with an all-empty step in the middle: every step equals the unbalanced layer's step.
+TEST(HostBalanceSteps, EveryStepOfOneLayerEqualsTheUnbalancedLayer) {
+  const LayerShape s{.tokens = 40, .hidden = 12, .ffn = 6, .experts = 16, .topk = 4, .ranks = 4};
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const MoEWeights w = RandomWeights(s, 7);
+  std::vector<Routing> steps;
+  for (const char* family : {"zipf:2", "uniform", "zipf:1.5", "one-expert"}) steps.push_back(*GenerateRouting(s, *RoutingSpec::Parse(family)));
+  Routing empty(static_cast<size_t>(s.ranks));
+  for (auto& r : empty) r.topk = s.topk;  // every rank with zero tokens
+  steps.insert(steps.begin() + 2, empty);
+  for (BalanceKind kind : {BalanceKind::kUltraEp, BalanceKind::kEplb, BalanceKind::kEplbExact}) {
+    auto d_off = std::move(*HostDomain::Create(s.ranks, {.barrier_timeout_s = 10}));
+    auto d_on = std::move(*HostDomain::Create(s.ranks, {.barrier_timeout_s = 10}));
+    LayerConfig off_cfg = MakeLayerConfig(s, {.capacity_factor = 1.0}), on_cfg = off_cfg;
+    on_cfg.balance = BalanceConfig{.kind = kind, .num_slots = 2, .relay_above = 1};
+    auto off = std::move(*HostMoELayer::Create(*d_off, off_cfg, own, w));
+    auto on = std::move(*HostMoELayer::Create(*d_on, on_cfg, own, w));
+    for (size_t step = 0; step < steps.size(); ++step) {
+      const Routing& rt = steps[step];
+      const auto x = RandomActivations(s, rt, 10 + step);
+      auto run = [&](HostDomain& d, HostMoELayer& layer, std::vector<std::vector<float>>* out) {
+        out->assign(5 * static_cast<size_t>(s.ranks), {});
+        return d.Run([&](int32_t r) -> Status {
+          const auto i = static_cast<size_t>(r);
+          const int64_t n = rt[i].num_tokens;
+          std::vector<float> y(static_cast<size_t>(n * s.hidden)), dx(y.size()), dg(static_cast<size_t>(n * s.topk)), dy(y.size());
+          for (size_t k = 0; k < dy.size(); ++k) dy[k] = std::cos(0.11f * static_cast<float>(k) + static_cast<float>(r));
+          RDEP_RETURN_IF_ERROR(layer.Forward(r, rt[i], x[i], y));
+          RDEP_RETURN_IF_ERROR(layer.Backward(r, dy, dx, dg));
+          (*out)[5 * i] = y;
+          (*out)[5 * i + 1] = dx;
+          (*out)[5 * i + 2] = dg;
+          (*out)[5 * i + 3].assign(layer.dw1(r).begin(), layer.dw1(r).end());
+          (*out)[5 * i + 4].assign(layer.dw2(r).begin(), layer.dw2(r).end());
+          return Status::Ok();
+        });
+      };
+      std::vector<std::vector<float>> a, b;
+      ASSERT_TRUE(run(*d_off, *off, &a).ok());
+      ASSERT_TRUE(run(*d_on, *on, &b).ok());
+      const std::string at = std::string(BalanceKindName(kind)) + " step " + std::to_string(step);
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (i % 5 < 3) {
+          EXPECT_TRUE(Bitwise(b[i], a[i])) << at << " rank " << i / 5 << (i % 5 == 0 ? " y" : i % 5 == 1 ? " dx" : " dgates");
+        } else {
+          std::vector<bool> all(static_cast<size_t>(own.num_local(static_cast<int32_t>(i / 5))), true);  // tolerance for all
+          ExpectGradsMatch(b[i], a[i], i % 5 == 3 ? static_cast<size_t>(2 * s.hidden * s.ffn) : static_cast<size_t>(s.ffn * s.hidden),
+                           all, at + " rank " + std::to_string(i / 5) + (i % 5 == 3 ? " dW1" : " dW2"));
+        }
+      }
+      if (steps[step][0].num_tokens == 0) {
+        for (size_t i = 3; i < b.size(); i += 5) {
+          for (float v : b[i]) ASSERT_EQ(v, 0.f) << at << ": an all-empty step has zero weight gradients";
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -189,7 +189,7 @@ INSTANTIATE_TEST_SUITE_P(
         BalancedCase{"ultraep_one_expert", Sb(4, 32, 16, 8, 8, 2), "one-expert", BalanceKind::kUltraEp, 2, 0, 0, -1, true},
         BalancedCase{"ultraep_capacity_drops", Sb(4, 64, 16, 8, 16, 4), "zipf:1.5", BalanceKind::kUltraEp, 2, 0.8, 0, -1, true},
         BalancedCase{"ultraep_E_not_divisible", Sb(3, 24, 16, 8, 10, 3), "zipf:2", BalanceKind::kUltraEp, 2, 0, 7, -1, true},
-        BalancedCase{"ultraep_fewer_experts_than_ranks", Sb(4, 16, 8, 4, 3, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, false},
+        BalancedCase{"ultraep_fewer_experts_than_ranks", Sb(4, 16, 8, 4, 3, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, true},
         BalancedCase{"ultraep_empty_rank", Sb(4, 32, 16, 8, 8, 2), "zipf:2", BalanceKind::kUltraEp, 2, 0, 0, 1, true},
         BalancedCase{"ultraep_W1", Sb(1, 32, 16, 8, 4, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, false},
         BalancedCase{"ultraep_W72_E128", Sb(72, 4, 8, 4, 128, 2), "zipf:2", BalanceKind::kUltraEp, 1, 0, 0, -1, true},

@@ -65,7 +65,7 @@ BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vec
 namespace rdep {
 
 // Two-stage chunk relays for wide experts (seeds 001 section 6): an expert with more than
-// `relay_above` replicas is split into m = round(sqrt(replicas)) chunks; in stage 1 its owner sends
+// `relay_above` replicas (counting those with a quota: idle ones receive nothing) is split into m = round(sqrt(replicas)) chunks; in stage 1 its owner sends
 // chunk c only to relay c (one of its replicas), in stage 2 every relay sends its chunk to the
 // expert's other replicas. The owner then sends one copy instead of R, each relay about R/m chunks.
 // Relays are chosen greedily by the ranks' sending load (widest experts first; lowest load, then
