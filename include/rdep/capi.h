@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 2
+#define RDEP_CAPI_VERSION 3
 
 typedef struct rdep_layer rdep_layer;
 
@@ -110,6 +110,23 @@ typedef struct rdep_rank_io {
   int32_t reserved;       /* must be 0 */
 } rdep_rank_io;
 
+/* Version 3. One local rank's rows for the dispatch/combine calls (the caller's own experts, below).
+ * n is the plan's num_tokens, M the rows the rank receives (the sum of rdep_context_recv_counts):
+ *   rdep_layer_dispatch:          in = x [n][H]               out = recv [M][H]
+ *   rdep_layer_combine:           in = expert outputs [M][H]  out = y [n][H]
+ *   rdep_layer_combine_backward:  in = dy [n][H]              out = d_out [M][H], dgates [n][K]
+ *   rdep_layer_dispatch_backward: in = d_recv [M][H]          out = dx [n][H]
+ * Element types as for rdep_rank_io's activations (host fp32, CUDA bf16); dgates fp32. */
+typedef struct rdep_rank_rows {
+  const void* in;
+  void* out;
+  float* dgates;    /* combine_backward only */
+  void* stream;     /* CUDA: the caller's cudaStream_t on the rank's device */
+  int64_t in_rows;  /* rows of in (n or M as above), checked against the plan */
+  int64_t out_rows; /* rows of out */
+  int64_t reserved; /* must be 0 */
+} rdep_rank_rows;
+
 int32_t rdep_capi_version(void);
 const char* rdep_last_error(void);
 /* 1 when this library was built with CUDA, and the number of GPUs it sees (0 without CUDA). */
@@ -134,6 +151,29 @@ int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
 /* Collective: io[count] for the local ranks in order (count must equal the local rank count). */
 int rdep_layer_forward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);
 int rdep_layer_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);
+
+/* Version 3. The caller's own experts (dispatch / combine, in the manner of DeepEP's Buffer API), each
+ * call collective like forward, every process calling the same steps in the same order:
+ *   rdep_layer_plan(ctx, io)           routing (io: num_tokens, experts, gates, stream): the counts,
+ *                                      the owners' capacity decision and the accepted set, into ctx
+ *   rdep_context_recv_counts(ctx, r)   the rows rank r receives per local expert (after plan; on CUDA
+ *                                      it synchronizes the rank's stream); M = their sum
+ *   rdep_layer_dispatch(ctx, rows)     each owner's admitted rows, expert-major over its local experts,
+ *                                      within an expert by source rank, token, slot
+ *   ... the caller computes one output row per received row ...
+ *   rdep_layer_combine(ctx, rows)      y_t = sum_k g'_k out(t, k) (fixed slot order, fp32 accumulation)
+ *   rdep_layer_combine_backward        d_out = g'_k dy_t per received row; dgates w.r.t. the gates of plan
+ *   rdep_layer_dispatch_backward       dx_t = sum_k d_recv(t, k); it ends the context's use (as backward)
+ * rdep_context_recv_row_ids(ctx, r) gives each received row's id ((source rank * T + token) * K + slot)
+ * after dispatch. Not with balancing or nodes; on CUDA only with one segment per forward
+ * (segment_tokens 0 or >= W*T). A step out of order is an error naming it. */
+int rdep_layer_plan(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);
+int rdep_context_recv_counts(rdep_layer* layer, int64_t ctx, int32_t rank, int64_t* counts, int64_t num_counts);
+int rdep_context_recv_row_ids(rdep_layer* layer, int64_t ctx, int32_t rank, int64_t* ids, int64_t num_ids);
+int rdep_layer_dispatch(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
+int rdep_layer_combine(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
+int rdep_layer_combine_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
+int rdep_layer_dispatch_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,7 @@
 // errors as codes plus a per-thread message. No C++ exception crosses the ABI.
 #include "rdep/capi.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -33,6 +34,18 @@ struct ContextSlot {
 };
 
 }  // namespace
+
+namespace rdep::capi {
+const char* RowsStepName(LayerAdapter::RowsStep step) {
+  switch (step) {
+    case LayerAdapter::RowsStep::kDispatch: return "dispatch";
+    case LayerAdapter::RowsStep::kCombine: return "combine";
+    case LayerAdapter::RowsStep::kCombineBackward: return "combine backward";
+    case LayerAdapter::RowsStep::kDispatchBackward: return "dispatch backward";
+  }
+  return "rows step";
+}
+}  // namespace rdep::capi
 
 struct rdep_layer {
   rdep_layer_spec spec{};
@@ -130,6 +143,66 @@ rdep::Status CheckIo(const rdep_layer& l, const rdep_rank_io& a, int32_t rank, b
     if (experts && !a.dw2) return missing("dw2");
   }
   return rdep::Status::Ok();
+}
+
+// The routing a plan reads (num_tokens, experts, gates), checked before the collective.
+rdep::Status CheckPlanIo(const rdep_layer& l, const rdep_rank_io& a, int32_t rank) {
+  const auto& s = l.config.shape;
+  const std::string who = "plan on rank " + std::to_string(rank) + ": ";
+  if (a.num_tokens < 0 || a.num_tokens > s.tokens)
+    return rdep::InvalidArgument(who + "num_tokens " + std::to_string(a.num_tokens) + " outside [0, T=" + std::to_string(s.tokens) + "]");
+  if (a.num_tokens > 0 && !a.experts) return rdep::InvalidArgument(who + "experts is null");
+  if (a.num_tokens > 0 && !a.gates) return rdep::InvalidArgument(who + "gates is null");
+  if (a.reserved != 0) return rdep::InvalidArgument(who + "reserved must be 0");
+  return rdep::Status::Ok();
+}
+
+// One local rank's rows of a dispatch/combine step, checked before the collective (the layer checks
+// the row counts against the plan).
+rdep::Status CheckRows(const rdep_rank_rows& a, int32_t rank, rdep::capi::LayerAdapter::RowsStep step) {
+  const std::string who = std::string(rdep::capi::RowsStepName(step)) + " on rank " + std::to_string(rank) + ": ";
+  if (a.in_rows < 0 || a.out_rows < 0)
+    return rdep::InvalidArgument(who + "in_rows and out_rows must be >= 0, got " + std::to_string(a.in_rows) + ", " +
+                                 std::to_string(a.out_rows));
+  if (a.in_rows > 0 && !a.in) return rdep::InvalidArgument(who + "in is null with in_rows " + std::to_string(a.in_rows));
+  if (a.out_rows > 0 && !a.out) return rdep::InvalidArgument(who + "out is null with out_rows " + std::to_string(a.out_rows));
+  if (step == rdep::capi::LayerAdapter::RowsStep::kCombineBackward && a.in_rows > 0 && !a.dgates)
+    return rdep::InvalidArgument(who + "dgates is null");
+  if (a.reserved != 0) return rdep::InvalidArgument(who + "reserved must be 0");
+  return rdep::Status::Ok();
+}
+
+// Finds ctx's slot (under the contexts' lock).
+ContextSlot* FindSlot(rdep_layer* l, int64_t ctx) {
+  std::lock_guard<std::mutex> lock(l->mu);
+  return l->Find(ctx);
+}
+
+rdep::Status NoSlot(int64_t ctx) {
+  return rdep::InvalidArgument("context " + std::to_string(ctx) + " is not a live context of this layer (released or never acquired)");
+}
+
+// The index of `rank` among the process's local ranks, or -1.
+int32_t LocalIndex(const rdep_layer& l, int32_t rank) {
+  for (size_t i = 0; i < l.ranks.size(); ++i)
+    if (l.ranks[i] == rank) return static_cast<int32_t>(i);
+  return -1;
+}
+
+int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count, rdep::capi::LayerAdapter::RowsStep step) {
+  if (!l) return FailInvalid("layer is null");
+  if (!rows) return FailInvalid("rows is null");
+  if (count != static_cast<int32_t>(l->ranks.size()))
+    return FailInvalid("rows has " + std::to_string(count) + " entries; this process drives " + std::to_string(l->ranks.size()) +
+                       " ranks");
+  return Guard([&]() -> rdep::Status {
+    for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckRows(rows[i], l->ranks[static_cast<size_t>(i)], step));
+    std::lock_guard<std::mutex> call(l->call_mu);
+    ContextSlot* slot = FindSlot(l, ctx);
+    if (!slot) return NoSlot(ctx);
+    slot->holds_forward = false;  // a plain backward never follows these steps
+    return l->adapter->Rows(step, slot->per_rank, rows);
+  });
 }
 
 int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool backward) {
@@ -307,6 +380,73 @@ int rdep_layer_forward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32
 
 int rdep_layer_backward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {
   return Call(l, ctx, io, count, /*backward=*/true);
+}
+
+int rdep_layer_plan(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {
+  if (!l) return FailInvalid("layer is null");
+  if (!io) return FailInvalid("io is null");
+  if (count != static_cast<int32_t>(l->ranks.size()))
+    return FailInvalid("io has " + std::to_string(count) + " entries; this process drives " + std::to_string(l->ranks.size()) +
+                       " ranks");
+  return Guard([&]() -> rdep::Status {
+    for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckPlanIo(*l, io[i], l->ranks[static_cast<size_t>(i)]));
+    std::lock_guard<std::mutex> call(l->call_mu);
+    ContextSlot* slot = FindSlot(l, ctx);
+    if (!slot) return NoSlot(ctx);
+    slot->holds_forward = false;
+    return l->adapter->Plan(slot->per_rank, io);
+  });
+}
+
+int rdep_context_recv_counts(rdep_layer* l, int64_t ctx, int32_t rank, int64_t* counts, int64_t num_counts) {
+  if (!l) return FailInvalid("layer is null");
+  const int32_t i = LocalIndex(*l, rank);
+  if (i < 0) return FailInvalid("rank " + std::to_string(rank) + " is not driven by this process");
+  const int64_t want = l->ownership.num_local(rank);
+  if (num_counts != want)
+    return FailInvalid("recv counts: num_counts " + std::to_string(num_counts) + " != the " + std::to_string(want) +
+                       " experts rank " + std::to_string(rank) + " owns");
+  if (want > 0 && !counts) return FailInvalid("recv counts: counts is null");
+  return Guard([&]() -> rdep::Status {
+    std::lock_guard<std::mutex> call(l->call_mu);
+    ContextSlot* slot = FindSlot(l, ctx);
+    if (!slot) return NoSlot(ctx);
+    RDEP_ASSIGN_OR_RETURN(std::vector<int64_t> c, l->adapter->RecvCounts(slot->per_rank[static_cast<size_t>(i)], rank));
+    if (static_cast<int64_t>(c.size()) != want) return rdep::InternalError("recv counts: the layer gave " + std::to_string(c.size()));
+    std::copy(c.begin(), c.end(), counts);
+    return rdep::Status::Ok();
+  });
+}
+
+int rdep_context_recv_row_ids(rdep_layer* l, int64_t ctx, int32_t rank, int64_t* ids, int64_t num_ids) {
+  if (!l) return FailInvalid("layer is null");
+  const int32_t i = LocalIndex(*l, rank);
+  if (i < 0) return FailInvalid("rank " + std::to_string(rank) + " is not driven by this process");
+  return Guard([&]() -> rdep::Status {
+    std::lock_guard<std::mutex> call(l->call_mu);
+    ContextSlot* slot = FindSlot(l, ctx);
+    if (!slot) return NoSlot(ctx);
+    RDEP_ASSIGN_OR_RETURN(std::vector<uint64_t> v, l->adapter->RecvRowIds(slot->per_rank[static_cast<size_t>(i)], rank));
+    if (num_ids != static_cast<int64_t>(v.size()))
+      return rdep::InvalidArgument("recv row ids: num_ids " + std::to_string(num_ids) + " != the " + std::to_string(v.size()) +
+                                   " rows rank " + std::to_string(rank) + " received");
+    if (!v.empty() && !ids) return rdep::InvalidArgument("recv row ids: ids is null");
+    for (size_t k = 0; k < v.size(); ++k) ids[k] = static_cast<int64_t>(v[k]);
+    return rdep::Status::Ok();
+  });
+}
+
+int rdep_layer_dispatch(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count) {
+  return RowsCall(l, ctx, rows, count, rdep::capi::LayerAdapter::RowsStep::kDispatch);
+}
+int rdep_layer_combine(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count) {
+  return RowsCall(l, ctx, rows, count, rdep::capi::LayerAdapter::RowsStep::kCombine);
+}
+int rdep_layer_combine_backward(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count) {
+  return RowsCall(l, ctx, rows, count, rdep::capi::LayerAdapter::RowsStep::kCombineBackward);
+}
+int rdep_layer_dispatch_backward(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count) {
+  return RowsCall(l, ctx, rows, count, rdep::capi::LayerAdapter::RowsStep::kDispatchBackward);
 }
 
 }  // extern "C"

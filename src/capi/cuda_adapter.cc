@@ -113,14 +113,42 @@ class CudaAdapter final : public LayerAdapter {
     });
   }
 
+  Status Plan(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    return Call(io, [&](size_t i, int32_t r) { return layer_->Plan(r, ctx[i], io[i].experts, io[i].gates, io[i].num_tokens); });
+  }
+  StatusOr<std::vector<int64_t>> RecvCounts(ForwardContext& ctx, int32_t) override {
+    DeviceGuard guard;
+    return layer_->recv_counts(ctx);
+  }
+  StatusOr<std::vector<uint64_t>> RecvRowIds(ForwardContext& ctx, int32_t) override {
+    DeviceGuard guard;
+    return layer_->recv_row_ids(ctx);
+  }
+
+  Status Rows(RowsStep step, std::vector<ForwardContext>& ctx, const rdep_rank_rows* rows) override {
+    return Call(rows, [&](size_t i, int32_t r) -> Status {
+      const rdep_rank_rows& a = rows[i];
+      auto* out = static_cast<__nv_bfloat16*>(a.out);
+      switch (step) {
+        case RowsStep::kDispatch: return layer_->Dispatch(r, ctx[i], bf(a.in), a.in_rows, out, a.out_rows);
+        case RowsStep::kCombine: return layer_->Combine(r, ctx[i], bf(a.in), a.in_rows, out, a.out_rows);
+        case RowsStep::kCombineBackward:
+          return layer_->CombineBackward(r, ctx[i], bf(a.in), a.in_rows, out, a.out_rows, a.dgates);
+        case RowsStep::kDispatchBackward: return layer_->DispatchBackward(r, ctx[i], bf(a.in), a.in_rows, out, a.out_rows);
+      }
+      return InternalError("unknown rows step");
+    });
+  }
+
  private:
   CudaAdapter() = default;
   static const __nv_bfloat16* bf(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
   // The ranks' streams wait for the callers' streams, the collective runs, the callers' streams wait
   // for the ranks' streams. Both joins are made from this thread, before and after the collective.
-  template <typename Fn>
-  Status Call(const rdep_rank_io* io, Fn fn) {
+  // io is rdep_rank_io or rdep_rank_rows: each names the caller's stream of its rank.
+  template <typename Io, typename Fn>
+  Status Call(const Io* io, Fn fn) {
     DeviceGuard guard;
     for (size_t i = 0; i < ranks_.size(); ++i) {
       RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));

@@ -19,22 +19,41 @@ class HostAdapter final : public LayerAdapter {
   std::string placement() const override { return domain_->placement(); }
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
-    const int64_t H = layer_->config().shape.hidden, K = layer_->config().shape.topk;
+    const int64_t H = layer_->config().shape.hidden;
     for (int32_t r = 0; r < domain_->num_ranks(); ++r) {
       const auto* w1 = static_cast<const float*>(io[r].w1);
       RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(r, {w1, static_cast<const float*>(io[r].w2), nullptr, nullptr}));
     }
     return domain_->Run([&](int32_t r) -> Status {
       const rdep_rank_io& a = io[r];
-      const int64_t n = a.num_tokens;
-      RankRouting routing;
-      routing.num_tokens = n;
-      routing.topk = K;
-      routing.experts.assign(a.experts, a.experts + n * K);
-      routing.gates.assign(a.gates, a.gates + n * K);
-      return layer_->Forward(r, ctx[static_cast<size_t>(r)], routing,
-                             std::span<const float>(static_cast<const float*>(a.x), static_cast<size_t>(n * H)),
-                             std::span<float>(static_cast<float*>(a.y), static_cast<size_t>(n * H)));
+      const auto n = static_cast<size_t>(a.num_tokens);
+      return layer_->Forward(r, ctx[static_cast<size_t>(r)], MakeRouting(a),
+                             std::span<const float>(static_cast<const float*>(a.x), n * static_cast<size_t>(H)),
+                             std::span<float>(static_cast<float*>(a.y), n * static_cast<size_t>(H)));
+    });
+  }
+
+  Status Plan(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    return domain_->Run([&](int32_t r) { return layer_->Plan(r, ctx[static_cast<size_t>(r)], MakeRouting(io[r])); });
+  }
+  StatusOr<std::vector<int64_t>> RecvCounts(ForwardContext& ctx, int32_t) override { return layer_->recv_counts(ctx); }
+  StatusOr<std::vector<uint64_t>> RecvRowIds(ForwardContext& ctx, int32_t) override { return layer_->recv_row_ids(ctx); }
+
+  Status Rows(RowsStep step, std::vector<ForwardContext>& ctx, const rdep_rank_rows* rows) override {
+    const auto H = static_cast<size_t>(layer_->config().shape.hidden), K = static_cast<size_t>(layer_->config().shape.topk);
+    return domain_->Run([&](int32_t r) -> Status {
+      const rdep_rank_rows& a = rows[r];
+      ForwardContext& c = ctx[static_cast<size_t>(r)];
+      const std::span<const float> in(static_cast<const float*>(a.in), static_cast<size_t>(a.in_rows) * H);
+      const std::span<float> out(static_cast<float*>(a.out), static_cast<size_t>(a.out_rows) * H);
+      switch (step) {
+        case RowsStep::kDispatch: return layer_->Dispatch(r, c, in, out);
+        case RowsStep::kCombine: return layer_->Combine(r, c, in, out);
+        case RowsStep::kCombineBackward:
+          return layer_->CombineBackward(r, c, in, out, std::span<float>(a.dgates, static_cast<size_t>(a.in_rows) * K));
+        case RowsStep::kDispatchBackward: return layer_->DispatchBackward(r, c, in, out);
+      }
+      return InternalError("unknown rows step");
     });
   }
 
@@ -56,6 +75,18 @@ class HostAdapter final : public LayerAdapter {
   }
 
  private:
+  RankRouting MakeRouting(const rdep_rank_io& a) const {
+    const int64_t n = a.num_tokens, K = layer_->config().shape.topk;
+    RankRouting routing;
+    routing.num_tokens = n;
+    routing.topk = K;
+    if (n > 0) {
+      routing.experts.assign(a.experts, a.experts + n * K);
+      routing.gates.assign(a.gates, a.gates + n * K);
+    }
+    return routing;
+  }
+
   std::unique_ptr<HostDomain> domain_;
   std::unique_ptr<HostMoELayer> layer_;
 };

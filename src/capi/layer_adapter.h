@@ -24,7 +24,17 @@ class LayerAdapter {
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
   virtual Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
+
+  // The caller's own experts (capi.h version 3): the plan alone, the rows a local rank receives per
+  // local expert and their ids, and the four row steps.
+  enum class RowsStep { kDispatch, kCombine, kCombineBackward, kDispatchBackward };
+  virtual Status Plan(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
+  virtual StatusOr<std::vector<int64_t>> RecvCounts(ForwardContext& ctx, int32_t rank) = 0;
+  virtual StatusOr<std::vector<uint64_t>> RecvRowIds(ForwardContext& ctx, int32_t rank) = 0;
+  virtual Status Rows(RowsStep step, std::vector<ForwardContext>& ctx, const rdep_rank_rows* rows) = 0;
 };
+
+const char* RowsStepName(LayerAdapter::RowsStep step);
 
 // The host backend: W threads of this process, fp32.
 StatusOr<std::unique_ptr<LayerAdapter>> MakeHostAdapter(const LayerConfig& config, const OwnershipMap& ownership,

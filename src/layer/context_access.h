@@ -30,6 +30,8 @@ class ContextAccess {
     ctx.planned_ = false;
     ctx.ready_ = false;
     ctx.consumed_ = false;
+    ctx.dispatched_ = false;
+    ctx.combine_grad_ = false;
     if (!ctx.state_) {
       RDEP_ASSIGN_OR_RETURN(std::unique_ptr<S> made, make());
       ctx.state_ = std::move(made);
@@ -57,16 +59,65 @@ class ContextAccess {
     const std::string who = "backward on rank " + std::to_string(rank) + ": ";
     if (!ctx.ready_ || !ctx.state_) return FailedPrecondition(who + "without a completed forward in this context");
     if (ctx.consumed_) return FailedPrecondition(who + "the context's forward was already used by a backward (run forward again)");
+    if (ctx.dispatched_)
+      return FailedPrecondition(who + "the context's forward ran through dispatch/combine with the caller's experts; its "
+                                      "backward is CombineBackward, then DispatchBackward");
     ctx.consumed_ = true;
     return static_cast<S*>(ctx.state_.get());
   }
+
+  // The dispatch/combine steps (the caller's experts): Plan -> Dispatch -> Combine forward,
+  // CombineBackward -> DispatchBackward backward. Each checks that the step before it ran.
+  template <typename S>
+  static StatusOr<S*> BeginDispatch(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "dispatch"));
+    if (!ctx.planned_ || !ctx.state_)
+      return FailedPrecondition("dispatch on rank " + std::to_string(rank) + ": the context holds no plan (call Plan first)");
+    ctx.planned_ = false;
+    ctx.dispatched_ = true;
+    return static_cast<S*>(ctx.state_.get());
+  }
+  template <typename S>
+  static StatusOr<S*> BeginCombine(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "combine"));
+    const std::string who = "combine on rank " + std::to_string(rank) + ": ";
+    if (!ctx.dispatched_ || !ctx.state_) return FailedPrecondition(who + "the context holds no dispatched rows (call Plan, then Dispatch)");
+    if (ctx.ready_ || ctx.consumed_ || ctx.combine_grad_) return FailedPrecondition(who + "the context's rows were already combined");
+    return static_cast<S*>(ctx.state_.get());
+  }
+  template <typename S>
+  static StatusOr<S*> BeginCombineBackward(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "combine backward"));
+    const std::string who = "combine backward on rank " + std::to_string(rank) + ": ";
+    if (!ctx.dispatched_ || !ctx.ready_ || !ctx.state_)
+      return FailedPrecondition(who + "the context holds no combined dispatch/combine forward (Plan, Dispatch, Combine)");
+    if (ctx.combine_grad_ || ctx.consumed_) return FailedPrecondition(who + "it already ran for this forward (run forward again)");
+    ctx.combine_grad_ = true;
+    return static_cast<S*>(ctx.state_.get());
+  }
+  // Dispatch's backward needs only the dispatch (the rows may have been used without a Combine).
+  template <typename S>
+  static StatusOr<S*> BeginDispatchBackward(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    RDEP_RETURN_IF_ERROR(CheckOwner(ctx, layer_id, rank, "dispatch backward"));
+    const std::string who = "dispatch backward on rank " + std::to_string(rank) + ": ";
+    if (!ctx.dispatched_ || !ctx.state_) return FailedPrecondition(who + "the context holds no dispatched rows (Plan, Dispatch)");
+    if (ctx.consumed_) return FailedPrecondition(who + "it already ran for this forward (run forward again)");
+    ctx.consumed_ = true;
+    return static_cast<S*>(ctx.state_.get());
+  }
+  static void FinishCombine(ForwardContext& ctx) { ctx.ready_ = true; }
 
   // Read access for checks and telemetry: a plan or a completed forward this layer made on this
   // rank, else null.
   template <typename S>
   static const S* Peek(const ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
-    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank || !(ctx.ready_ || ctx.planned_)) return nullptr;
+    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank || !(ctx.ready_ || ctx.planned_ || ctx.dispatched_)) return nullptr;
     return static_cast<const S*>(ctx.state_.get());
+  }
+  // The same, for a layer that caches derived values in its saved state (e.g. host copies).
+  template <typename S>
+  static S* PeekMutable(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    return const_cast<S*>(Peek<S>(ctx, layer_id, rank));
   }
 
  private:

@@ -11,8 +11,11 @@ size_t ForwardContext::bytes() const { return state_ ? state_->bytes() : 0; }
 
 void ForwardContext::Release() {
   state_.reset();
+  planned_ = false;
   ready_ = false;
   consumed_ = false;
+  dispatched_ = false;
+  combine_grad_ = false;
 }
 
 }  // namespace rdep

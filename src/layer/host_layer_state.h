@@ -43,6 +43,9 @@ struct HostMoELayer::Saved final : ForwardContext::State {
   std::vector<int64_t> rows_per_expert;         // admitted rows per local expert: [E_loc], or with
                                                 // balancing per physical index [layout L] (slots last)
   std::vector<OwnerTraceEntry> trace;
+  // Dispatch/combine with the caller's experts (owner): the row id of each received row, in the order
+  // Dispatch delivered them (expert-major over the local experts, stream order within an expert).
+  std::vector<uint64_t> recv_row_ids;
   std::vector<int64_t> load;                    // [W][E] the full load matrix (LayerConfig::load_matrix)
   // Where each accepted route slot t*K+k is computed: the rank and its physical local index there
   // (the owner and lambda(e), or with balancing a replica's slot_base + s); -1 for a dropped slot.
@@ -72,7 +75,7 @@ struct HostMoELayer::Saved final : ForwardContext::State {
     size_t b = relay_out.size() * 4 + relayed.size() * sizeof(Relayed) + load.size() * 8 + (dest_rank.size() + dest_local.size()) * 4 + routing.experts.size() * 4 +
                routing.gates.size() * 4 + acceptance.accepted.size() +
                acceptance.effective_gates.size() * 4 + (expert_out.size() + saved_x.size()) * 4 +
-               (stream_base.size() + rows_per_expert.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);
+               (stream_base.size() + rows_per_expert.size() + recv_row_ids.size()) * 8 + trace.size() * sizeof(OwnerTraceEntry);
     for (const auto& v : tokens_to) b += v.size() * 4;
     return b;
   }

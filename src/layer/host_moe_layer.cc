@@ -305,7 +305,7 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
                               ": the layer was created without weights and none are bound (BindExpertWeights)");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& st = *saved;
-  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
+  const int64_t H = config_.shape.hidden, n = st.num_tokens;
   RDEP_RETURN_IF_ERROR(CheckSpan("forward input x", rank, x.size(), n * H, "num_tokens*H"));
   RDEP_RETURN_IF_ERROR(CheckSpan("forward output y", rank, y.size(), n * H, "num_tokens*H"));
   if (config_.nodes.nodes > 1) {
@@ -313,11 +313,18 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
     ContextAccess::FinishForward(ctx);
     return Status::Ok();
   }
-  const RankAcceptance& acc = st.acceptance;
   if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // before the replicas' compute: first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
+  CombineReturned(rank, st, y);
+  ContextAccess::FinishForward(ctx);
+  return Status::Ok();
+}
 
-  // Combine in fixed slot order, fp32 accumulation; keep f_k(x_t) for dgate in backward.
+// Front-end, after every row returned: y_t = sum_k g'_k f_k in fixed slot order with fp32
+// accumulation; keeps f_k(x_t) for dgate in backward.
+void HostMoELayer::CombineReturned(int32_t rank, Saved& st, std::span<float> y) {
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
+  const RankAcceptance& acc = st.acceptance;
   const float* ret = domain_.region_as<float>(rank, regions_.ret);
   st.expert_out.assign(static_cast<size_t>(n * K * H), 0.f);
   for (int64_t t = 0; t < n; ++t) {
@@ -332,8 +339,42 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
       for (int64_t c = 0; c < H; ++c) yt[c] += g * f[c];
     }
   }
-  ContextAccess::FinishForward(ctx);
-  return Status::Ok();
+}
+
+// Front-end, backward: dL/dg'_k = <dy_t, f_k(x_t)> from the saved returned rows, then through the
+// capacity renormalization to the router's gates.
+void HostMoELayer::ComputeDgates(const Saved& st, std::span<const float> dy, std::span<float> dgates) const {
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
+  const RankAcceptance& acc = st.acceptance;
+  std::vector<double> d_eff(static_cast<size_t>(K)), d_g(static_cast<size_t>(K));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const auto i = static_cast<size_t>(t * K + k);
+      double dot = 0;
+      if (acc.accepted[i]) {
+        const float* f = st.expert_out.data() + static_cast<int64_t>(i) * H;
+        for (int64_t c = 0; c < H; ++c) dot += static_cast<double>(dy[static_cast<size_t>(t * H + c)]) * f[c];
+      }
+      d_eff[static_cast<size_t>(k)] = dot;
+    }
+    RenormalizeGatesBackward(st.routing.gates.data() + t * K, acc.accepted.data() + t * K, K, d_eff.data(), d_g.data());
+    for (int64_t k = 0; k < K; ++k) dgates[static_cast<size_t>(t * K + k)] = static_cast<float>(d_g[static_cast<size_t>(k)]);
+  }
+}
+
+// Front-end, backward, after every dx row returned: dx_t = sum_k of them in slot order, fp32.
+void HostMoELayer::SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const {
+  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
+  const float* ret = domain_.region_as<float>(rank, regions_.ret);
+  for (int64_t t = 0; t < n; ++t) {
+    float* dxt = dx.data() + t * H;
+    std::fill(dxt, dxt + H, 0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const auto i = t * K + k;
+      if (!st.acceptance.accepted[static_cast<size_t>(i)]) continue;
+      for (int64_t c = 0; c < H; ++c) dxt[c] += ret[i * H + c];
+    }
+  }
 }
 
 Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> dx,
@@ -356,85 +397,94 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
   Saved& st = *saved;
   RankState& rs = *ranks_[static_cast<size_t>(rank)];
-  const int64_t n = st.num_tokens;
-  const RankAcceptance& acc = st.acceptance;
   if (config_.nodes.nodes > 1) {
     std::fill_n(rs.DW1(), rs.w1_count, 0.f);
     std::fill_n(rs.DW2(), rs.w2_count, 0.f);
     return BackwardTwoPhase(rank, st, dy, dx, dgates);
   }
-
-  // dgate at the front-end: dL/dg'_k = <dy_t, f_k(x_t)>, then through the capacity renormalization.
-  std::vector<double> d_eff(static_cast<size_t>(K)), d_g(static_cast<size_t>(K));
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t k = 0; k < K; ++k) {
-      const auto i = static_cast<size_t>(t * K + k);
-      double dot = 0;
-      if (acc.accepted[i]) {
-        const float* f = st.expert_out.data() + static_cast<int64_t>(i) * H;
-        for (int64_t c = 0; c < H; ++c) dot += static_cast<double>(dy[static_cast<size_t>(t * H + c)]) * f[c];
-      }
-      d_eff[static_cast<size_t>(k)] = dot;
-    }
-    RenormalizeGatesBackward(st.routing.gates.data() + t * K, acc.accepted.data() + t * K, K, d_eff.data(), d_g.data());
-    for (int64_t k = 0; k < K; ++k) dgates[static_cast<size_t>(t * K + k)] = static_cast<float>(d_g[static_cast<size_t>(k)]);
-  }
-
+  ComputeDgates(st, dy, dgates);
   std::fill_n(rs.DW1(), rs.w1_count, 0.f);
   std::fill_n(rs.DW2(), rs.w2_count, 0.f);
   if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // rematerialized: another forward may have used the slots
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
   if (st.plan) ReduceReplicaGradients(rank, st);  // every replica finished before backward.done
-
-  // dx_t = sum_k of the returned dgrad rows, slot order, fp32.
-  const float* ret = domain_.region_as<float>(rank, regions_.ret);
-  for (int64_t t = 0; t < n; ++t) {
-    float* dxt = dx.data() + t * H;
-    std::fill(dxt, dxt + H, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
-      const auto i = t * K + k;
-      if (!acc.accepted[static_cast<size_t>(i)]) continue;
-      for (int64_t c = 0; c < H; ++c) dxt[c] += ret[i * H + c];
-    }
-  }
+  SumReturned(rank, st, dx);
   return Status::Ok();
 }
 
 // Phase 3 per segment (scatter this rank's tokens that fall in each owner's segment window), then the
 // owner work on this rank's own segment, then the final barrier after which every returned row landed.
 Status HostMoELayer::Exchange(int32_t rank, Saved& st, bool backward, std::span<const float> payload) {
-  const int64_t W = config_.shape.ranks, K = config_.shape.topk, H = config_.shape.hidden, S = layout_.S;
-  const size_t tsb = layout_.token_sideband_bytes();
-  const RowIdCodec codec{config_.shape.tokens, K};
-  const RankAcceptance& acc = st.acceptance;
   for (int64_t seg = 0; seg < st.num_segments; ++seg) {
-    const int64_t buf = seg % 2, lo = seg * S;
-    for (int64_t q = 0; q < W; ++q) {
-      const auto& toks = st.tokens_to[static_cast<size_t>(q)];
-      const int64_t base = st.stream_base[static_cast<size_t>(q)];
-      const int64_t first = std::max<int64_t>(0, lo - base);
-      const int64_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), lo + S - base);
-      float* dst_payload = domain_.region_as<float>(static_cast<int32_t>(q), regions_.payload) + buf * S * H;
-      std::byte* dst_sideband = domain_.region(static_cast<int32_t>(q), regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
-      for (int64_t i = first; i < end; ++i) {
-        const int64_t t = toks[static_cast<size_t>(i)];
-        const int64_t slot = base + i - lo;
-        std::byte* hdr = dst_sideband + static_cast<size_t>(slot) * tsb;
-        auto* rows = reinterpret_cast<RowSideband*>(hdr + sizeof(int64_t));
-        int64_t num_rows = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          const auto idx = static_cast<size_t>(t * K + k);
-          if (!acc.accepted[idx] || st.dest_rank[idx] != q) continue;
-          rows[num_rows++] = RowSideband{codec.encode(rank, t, k), st.dest_local[idx], acc.effective_gates[idx]};
-        }
-        std::memcpy(hdr, &num_rows, sizeof(int64_t));
-        if (num_rows > 0) std::copy_n(payload.data() + t * H, H, dst_payload + slot * H);
-      }
-    }
+    ScatterSegment(rank, st, seg, payload);
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     OwnerSegment(rank, st, seg, backward);
   }
   return domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone);
+}
+
+// Phase 3, source side, one segment: each of this rank's tokens whose position in an owner's stream
+// falls in the segment's window stores its payload row (x or dy) and its rows' sideband (row_id,
+// physical local expert, effective gate) into that owner's buffer seg % 2.
+void HostMoELayer::ScatterSegment(int32_t rank, const Saved& st, int64_t seg, std::span<const float> payload) {
+  const int64_t W = config_.shape.ranks, K = config_.shape.topk, H = config_.shape.hidden, S = layout_.S;
+  const size_t tsb = layout_.token_sideband_bytes();
+  const RowIdCodec codec{config_.shape.tokens, K};
+  const RankAcceptance& acc = st.acceptance;
+  const int64_t buf = seg % 2, lo = seg * S;
+  for (int64_t q = 0; q < W; ++q) {
+    const auto& toks = st.tokens_to[static_cast<size_t>(q)];
+    const int64_t base = st.stream_base[static_cast<size_t>(q)];
+    const int64_t first = std::max<int64_t>(0, lo - base);
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), lo + S - base);
+    float* dst_payload = domain_.region_as<float>(static_cast<int32_t>(q), regions_.payload) + buf * S * H;
+    std::byte* dst_sideband = domain_.region(static_cast<int32_t>(q), regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t t = toks[static_cast<size_t>(i)];
+      const int64_t slot = base + i - lo;
+      std::byte* hdr = dst_sideband + static_cast<size_t>(slot) * tsb;
+      auto* rows = reinterpret_cast<RowSideband*>(hdr + sizeof(int64_t));
+      int64_t num_rows = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const auto idx = static_cast<size_t>(t * K + k);
+        if (!acc.accepted[idx] || st.dest_rank[idx] != q) continue;
+        rows[num_rows++] = RowSideband{codec.encode(rank, t, k), st.dest_local[idx], acc.effective_gates[idx]};
+      }
+      std::memcpy(hdr, &num_rows, sizeof(int64_t));
+      if (num_rows > 0) std::copy_n(payload.data() + t * H, H, dst_payload + slot * H);
+    }
+  }
+}
+
+int64_t HostMoELayer::SegmentTokenRows(const std::byte* sideband, size_t tsb, int64_t p) {
+  int64_t num_rows;
+  std::memcpy(&num_rows, sideband + static_cast<size_t>(p) * tsb, sizeof(int64_t));
+  return num_rows;
+}
+
+// Owner, one received segment (buffer seg % 2): its rows grouped by physical local expert, in stream
+// order within an expert (and slot order within a token), each with its token's index in the segment.
+std::vector<HostMoELayer::GroupedRow> HostMoELayer::GroupSegment(int32_t rank, const Saved& st, int64_t seg) const {
+  const int64_t S = layout_.S, buf = seg % 2;
+  const size_t tsb = layout_.token_sideband_bytes();
+  const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
+  const int64_t Lq = config_.balance.enabled() ? layout_.L : ownership_.num_local(rank);  // physical local experts
+  const int64_t n_seg = std::clamp<int64_t>(st.stream_tokens - seg * S, 0, S);
+  std::vector<int64_t> offset(static_cast<size_t>(Lq) + 1, 0);
+  auto rows_of = [&](int64_t p) { return reinterpret_cast<const RowSideband*>(sideband + static_cast<size_t>(p) * tsb + sizeof(int64_t)); };
+  for (int64_t p = 0; p < n_seg; ++p) {
+    const int64_t num_rows = SegmentTokenRows(sideband, tsb, p);
+    for (int64_t r = 0; r < num_rows; ++r) ++offset[static_cast<size_t>(rows_of(p)[r].local_expert) + 1];
+  }
+  for (int64_t j = 0; j < Lq; ++j) offset[static_cast<size_t>(j) + 1] += offset[static_cast<size_t>(j)];
+  std::vector<GroupedRow> grouped(static_cast<size_t>(offset[static_cast<size_t>(Lq)]));
+  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+  for (int64_t p = 0; p < n_seg; ++p) {
+    const int64_t num_rows = SegmentTokenRows(sideband, tsb, p);
+    for (int64_t r = 0; r < num_rows; ++r)
+      grouped[static_cast<size_t>(fill[static_cast<size_t>(rows_of(p)[r].local_expert)]++)] = GroupedRow{p, rows_of(p)[r]};
+  }
+  return grouped;
 }
 
 // Owner work on one received segment: expand tokens into rows grouped by local expert (stream order
@@ -448,39 +498,19 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
   const size_t tsb = layout_.token_sideband_bytes();
   const float* payload = domain_.region_as<float>(rank, regions_.payload) + buf * S * H;
   const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
-  const int64_t Lq = config_.balance.enabled() ? layout_.L : ownership_.num_local(rank);  // physical local experts
   if (backward && seg == 0 && replica_g_ >= 0)  // replica gradients of this call accumulate from here
     std::fill_n(domain_.region_as<float>(rank, replica_g_), config_.replica_slots() * 3 * H * F, 0.f);
-
-  struct Grouped {
-    int64_t token;  // index in the segment
-    RowSideband row;
-  };
-  std::vector<int64_t> offset(static_cast<size_t>(Lq) + 1, 0);
-  for (int64_t p = 0; p < n_seg; ++p) {
-    int64_t num_rows;
-    std::memcpy(&num_rows, sideband + static_cast<size_t>(p) * tsb, sizeof(int64_t));
-    const auto* rows = reinterpret_cast<const RowSideband*>(sideband + static_cast<size_t>(p) * tsb + sizeof(int64_t));
-    for (int64_t r = 0; r < num_rows; ++r) ++offset[static_cast<size_t>(rows[r].local_expert) + 1];
-    if (!backward && num_rows > 0) std::copy_n(payload + p * H, H, st.saved_x.data() + (lo + p) * H);
-  }
-  for (int64_t j = 0; j < Lq; ++j) offset[static_cast<size_t>(j) + 1] += offset[static_cast<size_t>(j)];
-  std::vector<Grouped> grouped(static_cast<size_t>(offset[static_cast<size_t>(Lq)]));
-  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-  for (int64_t p = 0; p < n_seg; ++p) {
-    int64_t num_rows;
-    std::memcpy(&num_rows, sideband + static_cast<size_t>(p) * tsb, sizeof(int64_t));
-    const auto* rows = reinterpret_cast<const RowSideband*>(sideband + static_cast<size_t>(p) * tsb + sizeof(int64_t));
-    for (int64_t r = 0; r < num_rows; ++r)
-      grouped[static_cast<size_t>(fill[static_cast<size_t>(rows[r].local_expert)]++)] = Grouped{p, rows[r]};
-  }
+  if (!backward)  // the owner keeps its received token rows for backward
+    for (int64_t p = 0; p < n_seg; ++p)
+      if (SegmentTokenRows(sideband, tsb, p) > 0) std::copy_n(payload + p * H, H, st.saved_x.data() + (lo + p) * H);
+  const std::vector<GroupedRow> grouped = GroupSegment(rank, st, seg);
   if (trace_ && !backward)
     for (size_t g = 0; g < grouped.size(); ++g)
       st.trace.push_back({grouped[g].row.row_id, grouped[g].row.local_expert, static_cast<int32_t>(seg), static_cast<int64_t>(g)});
 
   std::vector<float> h(static_cast<size_t>(2 * F)), z(static_cast<size_t>(F)), o(static_cast<size_t>(H));
   std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F));
-  for (const Grouped& g : grouped) {
+  for (const GroupedRow& g : grouped) {
     float* dst = ReturnRow(rank, g.row.row_id);
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const int64_t j = g.row.local_expert;

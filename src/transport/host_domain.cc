@@ -22,6 +22,10 @@ const char* PhaseName(Phase phase) {
     case Phase::kInterNode: return "inter-node";
     case Phase::kInterNodeDone: return "inter-node.done";
     case Phase::kReplicaRelay: return "replica.relay";
+    case Phase::kInterNodeCopy: return "inter-node.copy";
+    case Phase::kInterNodeCopyDone: return "inter-node.copy.done";
+    case Phase::kReturnStart: return "return.start";
+    case Phase::kRowsTaken: return "rows.taken";
     case Phase::kTest: return "test";
   }
   return "unknown";

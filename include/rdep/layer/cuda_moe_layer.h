@@ -87,6 +87,23 @@ class CudaMoELayer {
   // reported by Run (after the collective), naming the rank, token and slot.
   Status Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens);
   Status Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, __nv_bfloat16* y);
+  // The caller's own experts (dispatch / combine; rdep/layer/host_moe_layer.h describes the steps and
+  // the order of the received rows). Device pointers on the rank's GPU, bf16 rows; each row count is
+  // checked against the plan (n = num_tokens, M = the rows received, the sum of recv_counts). Needs one
+  // segment per forward (S >= W*T, the default). recv_counts synchronizes the rank's stream once per
+  // plan (Dispatch does if it was not called); recv_row_ids synchronizes. A bad routing slot is
+  // reported by Combine (after the collective), as Run does.
+  StatusOr<std::vector<int64_t>> recv_counts(ForwardContext& ctx);
+  StatusOr<std::vector<uint64_t>> recv_row_ids(ForwardContext& ctx);
+  Status Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, int64_t x_rows, __nv_bfloat16* recv,
+                  int64_t recv_rows);
+  Status Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* out, int64_t out_rows, __nv_bfloat16* y,
+                 int64_t y_rows);
+  Status CombineBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, int64_t dy_rows, __nv_bfloat16* d_out,
+                         int64_t d_out_rows, float* dgates);
+  Status DispatchBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* d_recv, int64_t d_recv_rows,
+                          __nv_bfloat16* dx, int64_t dx_rows);
+
   // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const int32_t* experts, const float* gates, int64_t num_tokens,
                  const __nv_bfloat16* x, __nv_bfloat16* y);
@@ -137,6 +154,9 @@ class CudaMoELayer {
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
   Status CheckRoutingInput(int32_t rank, const Saved& sv);
+  Status CheckRowsSupported(const char* call) const;
+  Status HostRecvCounts(int32_t rank, Saved& sv);
+  Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;
 
   CudaDomain& domain_;
   LayerConfig config_;

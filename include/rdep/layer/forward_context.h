@@ -21,6 +21,10 @@
 // backward without a completed forward, or a second backward of the same forward, is an error
 // naming what is wrong. Forward into a context that holds an earlier forward replaces it, reusing
 // its memory. Not thread-safe: one rank's thread uses a context at a time.
+//
+// With the caller's own experts (the layers' dispatch/combine steps) a forward is Plan, Dispatch,
+// Combine and its backward CombineBackward, then DispatchBackward; the context tracks those steps too
+// (rows_forward()), and refuses a step out of order, naming it.
 #pragma once
 
 #include <cstddef>
@@ -42,6 +46,8 @@ class ForwardContext {
   bool planned() const { return planned_; }
   // A completed forward whose backward has not run yet.
   bool ready_for_backward() const { return ready_ && !consumed_; }
+  // The forward runs (or ran) through the dispatch/combine steps: its rows went to the caller's experts.
+  bool rows_forward() const { return dispatched_; }
   int32_t rank() const { return rank_; }  // -1 until the first forward
   // Host or device bytes the context holds (its saved plan and activations).
   size_t bytes() const;
@@ -61,6 +67,8 @@ class ForwardContext {
   bool planned_ = false;   // a plan step completed into it (its run step may follow)
   bool ready_ = false;     // a forward (plan + run) completed into it
   bool consumed_ = false;  // its backward ran
+  bool dispatched_ = false;     // dispatch/combine API: the rows went to the caller (Dispatch ran)
+  bool combine_grad_ = false;   // dispatch/combine API: CombineBackward ran
   std::unique_ptr<State> state_;
 };
 

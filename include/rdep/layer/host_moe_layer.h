@@ -84,6 +84,28 @@ class HostMoELayer {
   // gates) into ctx; Run scatters, computes, returns and combines the plan in ctx.
   Status Plan(int32_t rank, ForwardContext& ctx, const RankRouting& routing);
   Status Run(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> y);
+  // The caller's own experts (dispatch / combine, in the manner of DeepEP's Buffer API), all
+  // collective, every rank calling the same steps in the same order:
+  //   Plan(rank, ctx, routing)                      phases 1-2 as above
+  //   recv_counts(ctx)                              rows this rank receives per local expert (M = sum)
+  //   Dispatch(rank, ctx, x, recv)                  recv [M][H]: the admitted rows of this rank's experts,
+  //                                                 expert-major; within an expert by source rank, token,
+  //                                                 slot (recv_row_ids(ctx) names each row)
+  //   ... the caller computes out [M][H] from recv (one output row per received row) ...
+  //   Combine(rank, ctx, out, y)                    y_t = sum_k g'_k out(t, k), fixed slot order, fp32
+  //   CombineBackward(rank, ctx, dy, d_out, dgates) d_out [M][H] = g'_k dy_t per received row; dgates
+  //                                                 w.r.t. the router's gates (through renormalization)
+  //   DispatchBackward(rank, ctx, d_recv, dx)       dx_t = sum_k d_recv(t, k), fixed slot order, fp32
+  // Not with balancing or nodes (FailedPrecondition). Rows keep the layer's contracts: identities,
+  // the accepted set of Plan reused by every step, return by row_id.
+  StatusOr<std::vector<int64_t>> recv_counts(const ForwardContext& ctx) const;
+  StatusOr<std::vector<uint64_t>> recv_row_ids(const ForwardContext& ctx) const;  // after Dispatch
+  Status Dispatch(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> recv);
+  Status Combine(int32_t rank, ForwardContext& ctx, std::span<const float> out, std::span<float> y);
+  Status CombineBackward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> d_out,
+                         std::span<float> dgates);
+  Status DispatchBackward(int32_t rank, ForwardContext& ctx, std::span<const float> d_recv, std::span<float> dx);
+
   // The same with the layer's own context per rank (one forward at a time).
   Status Forward(int32_t rank, const RankRouting& routing, std::span<const float> x, std::span<float> y);
   Status Backward(int32_t rank, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);
@@ -150,6 +172,21 @@ class HostMoELayer {
   Status BackwardTwoPhase(int32_t rank, Saved& st, std::span<const float> dy, std::span<float> dx, std::span<float> dgates);
   float* ReturnRow(int32_t owner, uint64_t row_id) const;
   void OwnerSegment(int32_t rank, Saved& st, int64_t segment, bool backward);
+  // One received row as an owner groups a segment: its token's index in the segment and its sideband.
+  struct GroupedRow {
+    int64_t token;
+    RowSideband row;
+  };
+  static int64_t SegmentTokenRows(const std::byte* sideband, size_t token_sideband_bytes, int64_t position);
+  std::vector<GroupedRow> GroupSegment(int32_t rank, const Saved& st, int64_t segment) const;
+  void ScatterSegment(int32_t rank, const Saved& st, int64_t segment, std::span<const float> payload);
+  void CombineReturned(int32_t rank, Saved& st, std::span<float> y);
+  void ComputeDgates(const Saved& st, std::span<const float> dy, std::span<float> dgates) const;
+  void SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const;
+  Status CheckRowsSupported(const char* call) const;
+  Status TakeSegmentRows(int32_t rank, Saved& st, int64_t segment, bool backward, std::span<float> rows,
+                         std::vector<int64_t>& fill);
+  void ReturnCallerRows(int32_t rank, const Saved& st, std::span<const float> rows);
 
   HostDomain& domain_;
   LayerConfig config_;

@@ -17,6 +17,10 @@ enum class Phase : uint16_t {
   kInterNode,             // two-phase: inter-node buffers stored into their mailboxes
   kInterNodeDone,         // two-phase: every inter-node buffer taken by its receiver
   kReplicaRelay,          // balancing: owners stored the relays' chunks (stage 1 of the weight relay)
+  kInterNodeCopy,         // device-copy inter-node exchange: every sender's buffers are ready to be read
+  kInterNodeCopyDone,     // device-copy inter-node exchange: every receiver has copied (senders may reuse)
+  kReturnStart,           // dispatch/combine API: every rank finished reading its return rows of earlier calls
+  kRowsTaken,             // dispatch/combine API: every owner took its received rows out of the segment buffers
   kTest,                  // used by tests
 };
 

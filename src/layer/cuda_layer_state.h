@@ -1,0 +1,151 @@
+// The CUDA layer's state per rank and what one forward saves (shared by cuda_moe_layer.cc and
+// cuda_rows.cc; internal to the layer library).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "rdep/cuda/check.h"
+#include "rdep/dispatch/dispatch_kernels.h"
+#include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+
+namespace cuda_layer {
+
+using dispatch::bf16_bits;
+
+// A device buffer that keeps its allocation across calls and grows only when asked for more.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Free(); }
+  Status Reserve(size_t n) {
+    if (n <= count) return Status::Ok();
+    if (ptr) RDEP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
+    ptr = nullptr;
+    count = 0;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)));
+    count = n;
+    return Status::Ok();
+  }
+  // Grows keeping the first `keep` elements (stream-ordered copy, then a sync before the free).
+  Status Grow(size_t n, size_t keep, cudaStream_t s) {
+    if (n <= count) return Status::Ok();
+    T* fresh = nullptr;
+    const size_t want = std::max(n, count + count / 2);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&fresh, want * sizeof(T)));
+    if (keep) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(fresh, ptr, keep * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    if (ptr) RDEP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
+    ptr = fresh;
+    count = want;
+    return Status::Ok();
+  }
+  void Free() {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+    count = 0;
+  }
+};
+
+inline const bf16_bits* Bits(const __nv_bfloat16* p) { return reinterpret_cast<const bf16_bits*>(p); }
+inline bf16_bits* Bits(__nv_bfloat16* p) { return reinterpret_cast<bf16_bits*>(p); }
+
+}  // namespace cuda_layer
+
+// What a forward saves for its backward on one rank (held by a ForwardContext; device buffers on
+// the rank's GPU, freed with the context).
+struct CudaMoELayer::Saved final : ForwardContext::State {
+  int device = 0;
+  // Front-end: the routing as validated, the accepted set and effective gates, each token's place in
+  // each owner's stream, the returned rows (for dgate), and a copy of this rank's control words after
+  // phase 2 (backward's scatter reads its send offsets from it; the live region belongs to the next forward).
+  int64_t num_tokens = 0;
+  cuda_layer::DeviceBuffer<int32_t> experts, tok_index;
+  cuda_layer::DeviceBuffer<float> gates, effective;
+  cuda_layer::DeviceBuffer<uint8_t> accepted;
+  cuda_layer::DeviceBuffer<int64_t> dropped, control;
+  cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate
+  // Owner: every segment's grouped rows, inputs and pre-activations.
+  int64_t num_segments = 0;
+  std::vector<std::vector<int64_t>> seg_rows;  // host: per segment, rows per local expert
+  std::vector<int64_t> seg_base;               // host: first grouped row of each segment
+  int64_t total_rows = 0;
+  cuda_layer::DeviceBuffer<dispatch::GroupedRow> grouped;
+  cuda_layer::DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
+  cuda_layer::DeviceBuffer<int64_t> rows_per_expert;       // the plan's admitted rows per local expert (owner scan)
+  // Dispatch/combine with the caller's experts: rows_per_expert on the host (read once per plan).
+  std::vector<int64_t> recv_counts;
+  bool have_recv_counts = false;
+  // The plan's input check: the first faulty routing slot, written by the device into mapped pinned
+  // memory; final when the event after the check has completed.
+  dispatch::RoutingFault* host_fault = nullptr;
+  dispatch::RoutingFault* fault_dev = nullptr;  // the device's view of host_fault
+  cudaEvent_t fault_copied = nullptr;
+  ~Saved() override {
+    int current = 0;
+    cudaGetDevice(&current);
+    cudaSetDevice(device);
+    if (host_fault) cudaFreeHost(host_fault);
+    if (fault_copied) cudaEventDestroy(fault_copied);
+    for (auto* b : {&experts, &tok_index}) b->Free();
+    for (auto* b : {&gates, &effective}) b->Free();
+    for (auto* b : {&dropped, &control, &rows_per_expert}) b->Free();
+    for (auto* b : {&saved_f, &x_rows, &h_rows}) b->Free();
+    accepted.Free();
+    grouped.Free();
+    cudaSetDevice(current);
+  }
+  size_t bytes() const override {
+    return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
+           (dropped.count + control.count + rows_per_expert.count) * 8 + (saved_f.count + x_rows.count + h_rows.count) * 2 +
+           grouped.count * sizeof(dispatch::GroupedRow);
+  }
+};
+
+// The layer's own state per rank: weights, gradients, workspaces reused by every call.
+struct CudaMoELayer::RankState {
+  int device = 0;
+  int32_t num_local = 0;
+  std::unique_ptr<kernels::ExpertCompute> mlp;  // expert compute (cuBLASLt implementation)
+  // Weights (bf16) and gradients (fp32) of this rank's experts (the layer's own, unless the caller's
+  // are bound; a layer created without weights has none of its own); ownership map on the device.
+  cuda_layer::DeviceBuffer<__nv_bfloat16> w1, w2;
+  cuda_layer::DeviceBuffer<float> dw1, dw2;
+  size_t w1_count = 0, w2_count = 0;  // E_loc * H * 2F, E_loc * F * H
+  bool own_weights = false;
+  ExternalWeights<__nv_bfloat16, float> bound;
+  __nv_bfloat16* bound_dw1_bf16 = nullptr;  // bf16 gradients bound instead of fp32 ones
+  __nv_bfloat16* bound_dw2_bf16 = nullptr;
+  kernels::ExpertWeightsView weights() const { return {bound.w1 ? bound.w1 : w1.ptr, bound.w1 ? bound.w2 : w2.ptr}; }
+  kernels::ExpertGradsView grads() const {
+    if (bound_dw1_bf16) return {nullptr, nullptr, bound_dw1_bf16, bound_dw2_bf16};
+    return {bound.dw1 ? bound.dw1 : dw1.ptr, bound.dw1 ? bound.dw2 : dw2.ptr};
+  }
+  bool has_weights() const { return bound.w1 || own_weights || num_local == 0; }
+  bool has_grads() const { return bound.dw1 || bound_dw1_bf16 || own_weights || num_local == 0; }
+  cuda_layer::DeviceBuffer<int32_t> owner, local, local_to_global;
+  // Workspaces of one call (sized for T tokens at Create).
+  cuda_layer::DeviceBuffer<int32_t> rank_in_expert;
+  cuda_layer::DeviceBuffer<float> scratch;
+  cuda_layer::DeviceBuffer<int64_t> seg_counts;
+  cuda_layer::DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
+  int64_t* host_counts = nullptr;  // pinned [num_local + W]
+  // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
+  std::vector<cudaEvent_t> events;
+  std::vector<std::pair<int, cudaEvent_t>> marks[2];
+  // The context of calls made without one.
+  ForwardContext own_context;
+};
+
+}  // namespace rdep

@@ -1,0 +1,183 @@
+// The CUDA layer with the caller's own experts: Dispatch, Combine and their backward steps
+// (rdep/layer/cuda_moe_layer.h). One segment per forward: the owner's received rows are the one
+// segment's expert-grouped rows (LaunchExpand's order, the host layer's order), so the protocol's own
+// launchers move them (scatter, expand, gather, return by row_id, combine) and nothing here is a new
+// kernel. Region order between calls as on the host (src/layer/host_rows.cc): steps that store into
+// peers' return rows start with a barrier (return.start); steps that scatter into owners' segment
+// buffers end with one (rows.taken).
+#include <numeric>
+#include <string>
+
+#include "layer/context_access.h"
+#include "layer/cuda_layer_state.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+
+using cuda_layer::Bits;
+using dispatch::bf16_bits;
+using dispatch::GroupedRow;
+
+Status CudaMoELayer::CheckRowsSupported(const char* call) const {
+  const int64_t worst = config_.shape.ranks * config_.shape.tokens;
+  if (layout_.S < worst)
+    return FailedPrecondition(std::string(call) + ": the caller's experts on the CUDA backend need one segment per forward "
+                              "(segment_tokens 0 or >= W*T = " + std::to_string(worst) + "; this layer has S = " +
+                              std::to_string(layout_.S) + ")");
+  return Status::Ok();
+}
+
+Status CudaMoELayer::CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want,
+                               const char* formula) const {
+  if (got == want) return Status::Ok();
+  return InvalidArgument(std::string(call) + " on rank " + std::to_string(rank) + ": " + what + " has " + std::to_string(got) +
+                         " rows, expected " + formula + " = " + std::to_string(want));
+}
+
+// The plan's admitted rows per local expert, on the host: one synchronization of the rank's stream
+// per plan (the owner scan wrote them on the device).
+Status CudaMoELayer::HostRecvCounts(int32_t rank, Saved& sv) {
+  if (sv.have_recv_counts) return Status::Ok();
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  sv.recv_counts.assign(static_cast<size_t>(st.num_local), 0);
+  if (st.num_local > 0)
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.recv_counts.data(), sv.rows_per_expert.ptr, sizeof(int64_t) * sv.recv_counts.size(),
+                                              cudaMemcpyDeviceToHost, domain_.stream(rank)));
+  RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
+  sv.have_recv_counts = true;
+  return Status::Ok();
+}
+
+StatusOr<std::vector<int64_t>> CudaMoELayer::recv_counts(ForwardContext& ctx) {
+  const int32_t rank = ctx.rank();
+  Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::PeekMutable<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv) return FailedPrecondition("recv counts: the context holds no plan of this layer (call Plan first)");
+  RDEP_RETURN_IF_ERROR(CheckRowsSupported("recv counts"));
+  RDEP_RETURN_IF_ERROR(HostRecvCounts(rank, *sv));
+  return sv->recv_counts;
+}
+
+StatusOr<std::vector<uint64_t>> CudaMoELayer::recv_row_ids(ForwardContext& ctx) {
+  const int32_t rank = ctx.rank();
+  Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::PeekMutable<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv || !ctx.rows_forward()) return FailedPrecondition("recv row ids: the context holds no dispatched rows of this layer");
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
+  RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
+  std::vector<GroupedRow> rows(static_cast<size_t>(sv->total_rows));
+  if (!rows.empty())
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), sv->grouped.ptr, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
+  std::vector<uint64_t> ids(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) ids[i] = rows[i].row_id;
+  return ids;
+}
+
+Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, int64_t x_rows, __nv_bfloat16* recv,
+                              int64_t recv_rows) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(CheckRowsSupported("dispatch"));
+  if (Saved* peek = ContextAccess::PeekMutable<Saved>(ctx, id_, rank); peek && ctx.planned()) {  // before the collective
+    RDEP_RETURN_IF_ERROR(HostRecvCounts(rank, *peek));
+    const int64_t M = std::accumulate(peek->recv_counts.begin(), peek->recv_counts.end(), int64_t{0});
+    RDEP_RETURN_IF_ERROR(CheckRows("dispatch", rank, "x", x_rows, peek->num_tokens, "num_tokens"));
+    RDEP_RETURN_IF_ERROR(CheckRows("dispatch", rank, "recv", recv_rows, M, "the rows received (the sum of recv_counts)"));
+  }
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatch<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  const LayerShape& s = config_.shape;
+  cudaStream_t stream = domain_.stream(rank);
+  const int64_t M = std::accumulate(sv.recv_counts.begin(), sv.recv_counts.end(), int64_t{0});
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(x), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
+                                               sv.num_tokens, layout_, dispatch::OwnerMapView{st.owner.ptr, st.local.ptr}, rank,
+                                               sv.control.ptr, /*lo=*/0, /*buf=*/0, domain_.peer_table(rank, regions_.payload),
+                                               domain_.peer_table(rank, regions_.sideband), stream));
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchSegment));
+  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1)), 0, stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, st.num_local,
+                                              st.seg_counts.ptr, sv.grouped.ptr, stream));
+  const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(payload, sv.grouped.ptr, M, s.hidden, false, Bits(recv), stream));
+  sv.num_segments = 1;
+  sv.seg_rows.assign(1, sv.recv_counts);
+  sv.seg_base.assign(1, 0);
+  sv.total_rows = M;
+  return domain_.Barrier(rank, Phase::kRowsTaken);
+}
+
+Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* out, int64_t out_rows, __nv_bfloat16* y,
+                             int64_t y_rows) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(CheckRowsSupported("combine"));
+  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
+    RDEP_RETURN_IF_ERROR(CheckRows("combine", rank, "the expert outputs", out_rows, peek->total_rows, "the rows received"));
+    RDEP_RETURN_IF_ERROR(CheckRows("combine", rank, "y", y_rows, peek->num_tokens, "num_tokens"));
+  }
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  const LayerShape& s = config_.shape;
+  cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr, sv.total_rows, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream));
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnDone));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                               sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
+                                               stream));
+  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv));
+  ContextAccess::FinishCombine(ctx);
+  return Status::Ok();
+}
+
+Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, int64_t dy_rows,
+                                     __nv_bfloat16* d_out, int64_t d_out_rows, float* dgates) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(CheckRowsSupported("combine backward"));
+  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
+    RDEP_RETURN_IF_ERROR(CheckRows("combine backward", rank, "dy", dy_rows, peek->num_tokens, "num_tokens"));
+    RDEP_RETURN_IF_ERROR(CheckRows("combine backward", rank, "d_out", d_out_rows, peek->total_rows, "the rows received"));
+  }
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombineBackward<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  const LayerShape& s = config_.shape;
+  cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
+                                             s.hidden, st.scratch.ptr, dgates, stream));
+  // dy crosses like x did (the forward's saved control words: the same stream positions), and each
+  // owner gathers g' * dy in the forward's grouped order, i.e. the order of the received rows.
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(dy), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
+                                               sv.num_tokens, layout_, dispatch::OwnerMapView{st.owner.ptr, st.local.ptr}, rank,
+                                               sv.control.ptr, /*lo=*/0, /*buf=*/0, domain_.peer_table(rank, regions_.payload),
+                                               domain_.peer_table(rank, regions_.sideband), stream));
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardSegment));
+  const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(payload, sv.grouped.ptr, sv.total_rows, s.hidden, true, Bits(d_out), stream));
+  return domain_.Barrier(rank, Phase::kRowsTaken);
+}
+
+Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* d_recv, int64_t d_recv_rows,
+                                      __nv_bfloat16* dx, int64_t dx_rows) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RDEP_RETURN_IF_ERROR(CheckRowsSupported("dispatch backward"));
+  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
+    RDEP_RETURN_IF_ERROR(CheckRows("dispatch backward", rank, "d_recv", d_recv_rows, peek->total_rows, "the rows received"));
+    RDEP_RETURN_IF_ERROR(CheckRows("dispatch backward", rank, "dx", dx_rows, peek->num_tokens, "num_tokens"));
+  }
+  RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
+  Saved& sv = *saved;
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  const LayerShape& s = config_.shape;
+  cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(d_recv), sv.grouped.ptr, sv.total_rows, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream));
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardDone));
+  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, nullptr,
+                                 sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream);
+}
+
+}  // namespace rdep
