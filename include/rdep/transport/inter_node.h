@@ -2,8 +2,9 @@
 // consecutive ranks (rank = node*G + local). Across nodes, a rank talks only to the ranks with its own
 // local index, one per node: the first hop of the two-phase dispatch (one copy per (token, node)) and
 // the last hop of combine (one reduced row per (token, node)). Inside a node the RDEP protocol runs as
-// on one domain. Implementations: host mailboxes (the host backend, CI); NCCL (one communicator per
-// local index, grouped send/recv) and device copies for ranks sharing a GPU are not built yet.
+// on one domain. This file: the host implementation (mailboxes; the host backend, CI). On GPUs the same
+// exchange of device buffers is device_inter_node.h: NCCL (one communicator per local index, grouped
+// send/recv) and device copies for ranks sharing a GPU.
 #pragma once
 
 #include <cstddef>
