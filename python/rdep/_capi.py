@@ -1,5 +1,5 @@
-"""ctypes binding of rdep's C ABI (include/rdep/capi.h): the library loader, mirrors of rdep_layer_spec and
-rdep_rank_io, the function prototypes, and the translation of status codes into Python exceptions.
+"""ctypes binding of rdep's C ABI (include/rdep/capi.h): the library loader, mirrors of rdep_layer_spec,
+rdep_rank_io and rdep_rank_rows, the function prototypes, and the translation of status codes into Python exceptions.
 
 Nothing here knows PyTorch: the torch side (rdep.torch) passes raw addresses.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 2  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 3  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -87,6 +87,16 @@ RANK_IO_FIELDS = (
     ("reserved", "int32_t"),
 )
 
+RANK_ROWS_FIELDS = (
+    ("in", "const void*"),
+    ("out", "void*"),
+    ("dgates", "float*"),
+    ("stream", "void*"),
+    ("in_rows", "int64_t"),
+    ("out_rows", "int64_t"),
+    ("reserved", "int64_t"),
+)
+
 
 def _ctype(c_type: str):
     return ctypes.c_void_p if c_type.endswith("*") else _CTYPE[c_type]
@@ -102,6 +112,12 @@ class RankIO(ctypes.Structure):
     """Mirror of rdep_rank_io (one local rank's arguments to a forward or backward call)."""
 
     _fields_ = [(name, _ctype(t)) for name, t in RANK_IO_FIELDS]
+
+
+class RankRows(ctypes.Structure):
+    """Mirror of rdep_rank_rows (one local rank's rows of a dispatch/combine call)."""
+
+    _fields_ = [(name, _ctype(t)) for name, t in RANK_ROWS_FIELDS]
 
 
 LayerPtr = ctypes.c_void_p  # rdep_layer* (opaque)
@@ -132,6 +148,19 @@ _PROTOTYPES = {
     "rdep_context_bytes": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_forward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
     "rdep_layer_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
+    "rdep_layer_plan": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
+    "rdep_context_recv_counts": (
+        ctypes.c_int,
+        [LayerPtr, ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64],
+    ),
+    "rdep_context_recv_row_ids": (
+        ctypes.c_int,
+        [LayerPtr, ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64],
+    ),
+    "rdep_layer_dispatch": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
+    "rdep_layer_combine": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
+    "rdep_layer_combine_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
+    "rdep_layer_dispatch_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
 }
 
 _lock = threading.Lock()

@@ -229,3 +229,49 @@ def test_cuda_bad_input_names_the_argument():
     with pytest.raises(rdep.InvalidArgumentError):
         rt.moe(layer, x, bad, gates, w1, w2)
     assert layer.live_contexts == 0
+
+
+ROWS_CASES = [
+    # id, W, E, K, n, T, capacity_factor, routing
+    ("W1_E8_K2_uniform", 1, 8, 2, 64, 64, 0.0, "uniform"),
+    ("W4_shared_gpu_E6_K3_zipf_C0.6", 4, 6, 3, 24, 32, 0.6, "zipf"),
+]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=[c[0] for c in ROWS_CASES])
+def test_dispatch_combine_bf16(case):
+    """rdep.torch.plan / dispatch / combine on CUDA with the caller's SwiGLU experts computed by torch in
+    bf16, against the fp64 reference (the tolerances above); the received rows are the accepted ones."""
+    _, W, E, K, n, T, C, kind = case
+    H, F = 64, 32
+    layer = rt.Layer(H, F, E, K, T, world_size=W, backend="cuda", num_gpus=1, capacity_factor=C)
+    x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, kind, seed=7)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+    p = rt.plan(layer, ids, leaves[1])
+    recv = rt.dispatch(p, leaves[0])
+    assert recv.dtype == torch.bfloat16 and recv.device == DEV and recv.shape == (p.num_recv, H)
+    outs, start = [], 0
+    for e, c in enumerate(p.tokens_per_expert.tolist()):
+        h = recv[start:start + c] @ leaves[2][e]
+        outs.append((torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ leaves[3][e])
+        start += c
+    y = rt.combine(p, torch.cat(outs))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert layer.live_contexts == 0
+
+    rl = [t.detach().double().cpu().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y_ref, acc = ref.moe_layer(rl[0], ids.cpu(), rl[1], rl[2], rl[3], C, T)
+    y_ref.backward(dy.double().cpu())
+    assert p.num_recv == int(acc.sum())
+    assert_bf16_close(y, y_ref, Y_TOL, "y")
+    for name, got, want in zip(("dx", "dgates", "dw1", "dw2"), leaves, rl):
+        assert_bf16_close(got.grad, want.grad, GRAD_TOL, name)
+
+
+def test_dispatch_combine_need_one_segment_on_cuda():
+    layer = rt.Layer(64, 32, 8, 2, 32, world_size=2, backend="cuda", num_gpus=1, segment_tokens=16)
+    _, ids, gates, _, _ = make_inputs(2, 32, 64, 32, 8, 2, "uniform")
+    with pytest.raises(rdep.FailedPreconditionError, match="need one segment per forward"):
+        rt.plan(layer, ids, gates)
+    assert layer.live_contexts == 0

@@ -12,6 +12,7 @@
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
 #include "rdep/layer/cuda_moe_layer.h"
+#include "layer/cuda_test_util.h"
 
 namespace rdep {
 namespace {
@@ -28,49 +29,6 @@ struct Fixture {
   std::vector<std::vector<float>> x[2] = {RandomActivations(shape, routing[0], 2), RandomActivations(shape, routing[1], 3)};
   std::vector<std::vector<float>> dy[2] = {RandomActivations(shape, routing[0], 4), RandomActivations(shape, routing[1], 5)};
 };
-
-// One micro-batch's device tensors on one rank.
-struct Batch {
-  int32_t* e = nullptr;
-  float *g = nullptr, *dg = nullptr;
-  __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
-  int64_t n = 0;
-  ~Batch() {
-    for (void* p : {static_cast<void*>(e), static_cast<void*>(g), static_cast<void*>(dg), static_cast<void*>(x),
-                    static_cast<void*>(y), static_cast<void*>(dy), static_cast<void*>(dx)})
-      if (p) cudaFree(p);
-  }
-};
-
-Status UploadBf16(const std::vector<float>& v, __nv_bfloat16** p) {
-  std::vector<uint16_t> bits(std::max<size_t>(v.size(), 1));
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = FloatToBf16Bits(v[i]);
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, bits.size() * 2));
-  return cuda::CudaStatus(cudaMemcpy(*p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "upload", __FILE__, __LINE__);
-}
-
-Status Upload(const RankRouting& rr, const std::vector<float>& x, const std::vector<float>& dy, int64_t H, Batch& b) {
-  b.n = rr.num_tokens;
-  const size_t nk = std::max<size_t>(rr.experts.size(), 1);
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.e, nk * 4));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.g, nk * 4));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dg, nk * 4));
-  if (!rr.experts.empty()) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.e, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.g, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
-  }
-  RDEP_RETURN_IF_ERROR(UploadBf16(x, &b.x));
-  RDEP_RETURN_IF_ERROR(UploadBf16(dy, &b.dy));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.y, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2));
-  return cuda::CudaStatus(cudaMalloc(&b.dx, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2), "dx", __FILE__, __LINE__);
-}
-
-template <typename T>
-StatusOr<std::vector<T>> Download(const T* p, size_t n) {
-  std::vector<T> out(n);
-  if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return out;
-}
 
 // Per micro-batch, per rank: y, dx (bf16 bits), dgates, dW1, dW2.
 struct Result {

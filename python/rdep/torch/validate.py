@@ -74,3 +74,33 @@ def check_backward(layer: Layer, ctx, dy, w1, w2) -> None:
     if dy.shape[1] > layer.max_tokens:
         raise ValueError(f"dy: {dy.shape[1]} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
     check_weights(layer, w1, w2)
+
+
+# --- dispatch/combine with the caller's experts (rows.py) ----------------------------------------------
+
+def check_plan(layer: Layer, experts, gates) -> None:
+    L, K = layer.num_local_ranks, layer.topk
+    check_tensor("experts", experts, layer, (torch.int32,), (L, None, K), f"[L={L}, n, K={K}]")
+    n = experts.shape[1]
+    if n > layer.max_tokens:
+        raise ValueError(f"experts: {n} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
+    check_tensor("gates", gates, layer, (torch.float32,), (L, n, K), f"[L={L}, n={n}, K={K}]")
+
+
+def check_plan_handles(layer: Layer, ctx, counts) -> None:
+    cpu = torch.device("cpu")
+    check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_plan returned)", device=cpu)
+    El = layer.num_local_experts
+    check_tensor("counts", counts, layer, (torch.int64,), (El,), f"[E_local={El}] (the counts moe_plan returned)", device=cpu)
+
+
+def check_token_rows(name: str, layer: Layer, t, n=None) -> None:
+    """A token-side tensor [L, n, H] in the layer's activation dtype."""
+    L, H = layer.num_local_ranks, layer.hidden
+    check_tensor(name, t, layer, (ACT_DTYPE[layer.backend],), (L, n, H), _rows_text(layer, f"H={H}"))
+
+
+def check_received_rows(name: str, layer: Layer, t) -> None:
+    """A row-side tensor [M, H] (the received rows of the local ranks) in the layer's activation dtype."""
+    H = layer.hidden
+    check_tensor(name, t, layer, (ACT_DTYPE[layer.backend],), (None, H), f"[M, H={H}] (one row per received row)")

@@ -1,0 +1,222 @@
+"""Dispatch and combine for experts the caller brings (in the manner of DeepEP's Buffer API): rdep moves
+the rows, the caller computes them.
+
+    plan = rdep.torch.plan(layer, experts, gates)   # routing: counts, the owners' capacity decision
+    recv = rdep.torch.dispatch(plan, x)              # [M, H] this process's received rows
+    out = my_experts(recv, plan.tokens_per_expert)   # one output row per received row
+    y = rdep.torch.combine(plan, out)                # y_t = sum_k g'_k out(t, k), x's shape
+
+recv is expert-major over layer.local_experts (plan.tokens_per_expert rows each, an int64 CPU tensor
+[E_local]); within an expert the rows come by source rank, token, slot (plan.row_ids() names each
+row: (source rank * T + token) * K + slot). g' are the gates after the capacity rule (dropped slots 0,
+the token's survivors renormalized). Autograd: combine's backward gives the gradients of out (g'_k dy_t
+per row) and of the gates given to plan (through the renormalization), dispatch's backward the gradient
+of x (the rows' gradients summed per token). x, experts, gates are [L, n, ...] (L = the layer's local
+ranks) or, with one local rank, [n, ...]. Dtypes as rdep.torch.moe: fp32 on the host backend; bf16 rows
+and fp32 gates on CUDA (one segment per forward: segment_tokens 0, the default). Not with balancing or
+nodes. A plan is used once: plan, dispatch, combine, then backward.
+
+The registered ops (torch.library, fake implementations for torch.compile; dispatch's row count is
+data-dependent, an unbacked size while tracing):
+    rdep::moe_plan(int layer, Tensor experts, Tensor gates) -> (Tensor ctx, Tensor counts)
+    rdep::moe_dispatch(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor recv
+    rdep::moe_combine(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor y
+    rdep::moe_combine_backward(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (d_out, dgates)
+    rdep::moe_dispatch_backward(int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> dx
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import rows_calls, validate
+from .layer import Layer, get_layer
+
+PLAN_SCHEMA = "(int layer, Tensor experts, Tensor gates) -> (Tensor, Tensor)"
+DISPATCH_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor"
+DISPATCH_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> Tensor"
+COMBINE_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor"
+COMBINE_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (Tensor, Tensor)"
+
+
+@torch.library.custom_op("rdep::moe_plan", mutates_args=(), schema=PLAN_SCHEMA)
+def moe_plan(layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+    h = get_layer(layer)
+    validate.check_plan(h, experts, gates)
+    return rows_calls.plan(h, experts, gates)
+
+
+@moe_plan.register_fake
+def _moe_plan_fake(layer, experts, gates):
+    h = get_layer(layer)
+    validate.check_plan(h, experts, gates)
+    cpu = torch.device("cpu")
+    return torch.empty((), dtype=torch.int64, device=cpu), torch.empty((h.num_local_experts,), dtype=torch.int64, device=cpu)
+
+
+@torch.library.custom_op("rdep::moe_dispatch", mutates_args=(), schema=DISPATCH_SCHEMA)
+def moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
+    h = get_layer(layer)
+    validate.check_plan_handles(h, ctx, counts)
+    validate.check_token_rows("x", h, x)
+    recv = x.new_empty((sum(rows_calls.rank_rows(h, counts)), h.hidden))
+    rows_calls.run_step(rows_calls.DISPATCH, h, ctx, counts, x, recv)
+    return recv
+
+
+@moe_dispatch.register_fake
+def _moe_dispatch_fake(layer, ctx, counts, x):
+    h = get_layer(layer)
+    validate.check_plan_handles(h, ctx, counts)
+    validate.check_token_rows("x", h, x)
+    return x.new_empty((torch.library.get_ctx().new_dynamic_size(), h.hidden))
+
+
+@torch.library.custom_op("rdep::moe_dispatch_backward", mutates_args=(), schema=DISPATCH_BACKWARD_SCHEMA)
+def moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
+    h = get_layer(layer)
+    validate.check_plan_handles(h, ctx, counts)
+    validate.check_received_rows("d_recv", h, d_recv)
+    dx = d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
+    rows_calls.run_step(rows_calls.DISPATCH_BACKWARD, h, ctx, counts, d_recv, dx)
+    return dx
+
+
+@moe_dispatch_backward.register_fake
+def _moe_dispatch_backward_fake(layer, ctx, counts, d_recv, num_tokens):
+    h = get_layer(layer)
+    validate.check_received_rows("d_recv", h, d_recv)
+    return d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
+
+
+@torch.library.custom_op("rdep::moe_combine", mutates_args=(), schema=COMBINE_SCHEMA)
+def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
+    h = get_layer(layer)
+    validate.check_plan_handles(h, ctx, counts)
+    validate.check_received_rows("expert_out", h, expert_out)
+    L, n = gates.shape[0], gates.shape[1]
+    y = expert_out.new_empty((L, n, h.hidden))
+    rows_calls.run_step(rows_calls.COMBINE, h, ctx, counts, expert_out, y)
+    return y
+
+
+@moe_combine.register_fake
+def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
+    h = get_layer(layer)
+    validate.check_received_rows("expert_out", h, expert_out)
+    return expert_out.new_empty((gates.shape[0], gates.shape[1], h.hidden))
+
+
+@torch.library.custom_op("rdep::moe_combine_backward", mutates_args=(), schema=COMBINE_BACKWARD_SCHEMA)
+def moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
+    h = get_layer(layer)
+    validate.check_plan_handles(h, ctx, counts)
+    validate.check_token_rows("dy", h, dy)
+    d_out = dy.new_empty((num_recv, h.hidden))
+    dgates = torch.empty((dy.shape[0], dy.shape[1], h.topk), dtype=torch.float32, device=dy.device)
+    rows_calls.run_step(rows_calls.COMBINE_BACKWARD, h, ctx, counts, dy, d_out, dgates)
+    return d_out, dgates
+
+
+@moe_combine_backward.register_fake
+def _moe_combine_backward_fake(layer, ctx, counts, dy, num_recv):
+    h = get_layer(layer)
+    validate.check_token_rows("dy", h, dy)
+    return dy.new_empty((num_recv, h.hidden)), dy.new_empty((dy.shape[0], dy.shape[1], h.topk), dtype=torch.float32)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    layer, context, counts, x = inputs
+    ctx.layer, ctx.num_tokens = layer, x.shape[1]
+    ctx.save_for_backward(context, counts)
+
+
+def _dispatch_grad(ctx, d_recv):
+    context, counts = ctx.saved_tensors
+    dx = torch.ops.rdep.moe_dispatch_backward(ctx.layer, context, counts, d_recv.contiguous(), ctx.num_tokens)
+    return None, None, None, dx
+
+
+def _combine_setup(ctx, inputs, output):
+    layer, context, counts, expert_out, _gates = inputs
+    ctx.layer, ctx.num_recv = layer, expert_out.shape[0]
+    ctx.save_for_backward(context, counts)
+
+
+def _combine_grad(ctx, dy):
+    context, counts = ctx.saved_tensors
+    d_out, dgates = torch.ops.rdep.moe_combine_backward(ctx.layer, context, counts, dy.contiguous(), ctx.num_recv)
+    return None, None, None, d_out, dgates
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("rdep's dispatch/combine backward ops have no derivative: double backward (create_graph=True "
+                       "through rdep.torch.dispatch/combine) is not supported")
+
+
+moe_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
+moe_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
+moe_dispatch_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+moe_combine_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class RoutingPlan:
+    """One forward's routing through a layer (see the module docstring): made by plan(), used once by
+    dispatch() and combine(). tokens_per_expert [E_local] int64 (CPU) are the rows this process receives
+    per local expert; num_recv their sum."""
+
+    def __init__(self, layer: Layer, ctx: Tensor, counts: Tensor, gates: Tensor, tokens_first: bool):
+        self.layer, self.ctx, self.tokens_per_expert, self.gates = layer, ctx, counts, gates
+        self._tokens_first = tokens_first  # x came as [n, H] (one local rank)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.gates.shape[1]
+
+    @property
+    def num_recv(self) -> int:
+        return int(self.tokens_per_expert.sum())
+
+    def row_ids(self) -> Tensor:
+        """The received rows' ids [M] int64 (CPU): (source rank * T + token) * K + slot; after dispatch."""
+        return rows_calls.row_ids(self.layer, self.ctx, self.tokens_per_expert)
+
+    def __repr__(self) -> str:
+        return f"rdep.torch.RoutingPlan(layer={self.layer.id}, tokens={self.num_tokens}, local experts={self.layer.num_local_experts})"
+
+
+def _layer_of(layer) -> Layer:
+    return layer if isinstance(layer, Layer) else get_layer(layer)
+
+
+def _as_ranks(name: str, t: Tensor, layer: Layer) -> tuple[Tensor, bool]:
+    """[L, n, ...] as is; [n, ...] with one local rank as [1, n, ...]."""
+    if isinstance(t, Tensor) and t.dim() == 2 and layer.num_local_ranks == 1:
+        return t.unsqueeze(0), True
+    return t, False
+
+
+def plan(layer, experts: Tensor, gates: Tensor) -> RoutingPlan:
+    """The routing plan of one forward (collective over the layer's ranks). layer is an rdep.torch.Layer
+    (or its id); experts int32 and gates fp32, [L, n, K] or [n, K] with one local rank."""
+    h = _layer_of(layer)
+    experts3, squeezed = _as_ranks("experts", experts, h)
+    gates3, _ = _as_ranks("gates", gates, h)
+    ctx, counts = torch.ops.rdep.moe_plan(h.id, experts3, gates3)
+    return RoutingPlan(h, ctx, counts, gates3, squeezed)
+
+
+def dispatch(plan: RoutingPlan, x: Tensor) -> Tensor:
+    """The received rows [M, H] of this process's experts for the tokens x (collective)."""
+    x3, _ = _as_ranks("x", x, plan.layer)
+    if isinstance(x3, Tensor) and x3.dim() == 3 and x3.shape[1] != plan.num_tokens:
+        raise ValueError(f"x: {x3.shape[1]} tokens per rank, but the plan routed {plan.num_tokens}")
+    return torch.ops.rdep.moe_dispatch(plan.layer.id, plan.ctx, plan.tokens_per_expert, x3)
+
+
+def combine(plan: RoutingPlan, expert_out: Tensor) -> Tensor:
+    """y_t = sum_k g'_k expert_out(t, k) (collective), in the layout x had; its gradient reaches expert_out
+    and the gates given to plan."""
+    y = torch.ops.rdep.moe_combine(plan.layer.id, plan.ctx, plan.tokens_per_expert, expert_out, plan.gates)
+    return y.squeeze(0) if plan._tokens_first else y
