@@ -238,13 +238,13 @@ def test_steps_out_of_order_are_named():
     layer, x, ids, gates = _plan_args()
     p = rt.plan(layer, ids, gates)
     recv = rt.dispatch(p, x)
-    with pytest.raises(rdep.FailedPreconditionError, match="dispatch on rank 0: the context holds no plan"):
+    with pytest.raises(rdep.FailedPreconditionError, match=r"dispatch on rank \d+: the context holds no plan"):
         rt.dispatch(p, x)  # a plan is dispatched once
     rt.combine(p, recv)
-    with pytest.raises(rdep.FailedPreconditionError, match="combine on rank 0: the context's rows were already combined"):
+    with pytest.raises(rdep.FailedPreconditionError, match=r"combine on rank \d+: the context's rows were already combined"):
         rt.combine(p, recv)
     p2 = rt.plan(layer, ids, gates)
-    with pytest.raises(rdep.FailedPreconditionError, match="combine on rank 0: the context holds no dispatched rows"):
+    with pytest.raises(rdep.FailedPreconditionError, match=r"combine on rank \d+: the context holds no dispatched rows"):
         rt.combine(p2, torch.zeros(p2.num_recv, 4))
     xl = x.clone().requires_grad_(True)
     p3 = rt.plan(layer, ids, gates)
@@ -274,6 +274,18 @@ def test_bad_input_names_the_argument(bad):
     else:
         with pytest.raises(ValueError, match=f"expert_out: expected {recv.shape[0]} rows"):
             rt.combine(p, recv[:-1].contiguous())
+
+
+def test_combine_op_checks_its_gates():
+    """The registered op sizes y from its gates argument: a gates tensor of the wrong shape is refused
+    (naming it) before anything is written."""
+    layer, x, ids, gates = _plan_args(W=4)
+    p = rt.plan(layer, ids, gates)
+    recv = rt.dispatch(p, x)
+    with pytest.raises(ValueError, match=r"^gates: expected shape \[L=4, n, K=2\]"):
+        torch.ops.rdep.moe_combine(layer.id, p.ctx, p.tokens_per_expert, recv, gates[:1])
+    with pytest.raises(TypeError, match="^gates: expected dtype torch.float32"):
+        torch.ops.rdep.moe_combine(layer.id, p.ctx, p.tokens_per_expert, recv, gates.double())
 
 
 def test_balancing_is_refused():

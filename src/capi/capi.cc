@@ -30,6 +30,7 @@ struct ContextSlot {
   uint32_t generation = 1;
   bool in_use = false;
   bool holds_forward = false;  // a forward completed into it since it was acquired, and no backward yet
+  std::vector<int64_t> plan_tokens;  // per local rank: num_tokens of the last rdep_layer_plan (empty: none)
   std::vector<rdep::ForwardContext> per_rank;  // memory kept across reuses of the slot
 };
 
@@ -189,6 +190,32 @@ int32_t LocalIndex(const rdep_layer& l, int32_t rank) {
   return -1;
 }
 
+// Every local rank's row counts against its plan (n tokens, M received rows), before the collective:
+// a mismatch on one rank would otherwise leave the others waiting at the step's barriers.
+rdep::Status CheckRowCounts(rdep_layer& l, ContextSlot& slot, const rdep_rank_rows* rows, rdep::capi::LayerAdapter::RowsStep step) {
+  using Step = rdep::capi::LayerAdapter::RowsStep;
+  if (slot.plan_tokens.size() != l.ranks.size()) return rdep::Status::Ok();  // no plan: the layer names the missing step
+  const bool tokens_in = step == Step::kDispatch || step == Step::kCombineBackward;
+  for (size_t i = 0; i < l.ranks.size(); ++i) {
+    const rdep::ForwardContext& c = slot.per_rank[i];
+    if (step == Step::kDispatch ? !c.planned() : !c.rows_forward()) return rdep::Status::Ok();  // the layer names the step
+    auto counts = l.adapter->RecvCounts(slot.per_rank[i], l.ranks[i]);
+    if (!counts.ok()) return rdep::Status::Ok();  // the layer reports the context's state
+    int64_t M = 0;
+    for (int64_t rows_e : *counts) M += rows_e;
+    const int64_t n = slot.plan_tokens[i];
+    const int64_t want_in = tokens_in ? n : M, want_out = tokens_in ? M : n;
+    const std::string who = std::string(rdep::capi::RowsStepName(step)) + " on rank " + std::to_string(l.ranks[i]) + ": ";
+    auto what = [&](bool tokens) { return tokens ? "the plan's num_tokens" : "the rows the rank receives (sum of its recv counts)"; };
+    if (rows[i].in_rows != want_in)
+      return rdep::InvalidArgument(who + "in_rows " + std::to_string(rows[i].in_rows) + " != " + what(tokens_in) + " = " + std::to_string(want_in));
+    if (rows[i].out_rows != want_out)
+      return rdep::InvalidArgument(who + "out_rows " + std::to_string(rows[i].out_rows) + " != " + what(!tokens_in) + " = " +
+                                   std::to_string(want_out));
+  }
+  return rdep::Status::Ok();
+}
+
 int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t count, rdep::capi::LayerAdapter::RowsStep step) {
   if (!l) return FailInvalid("layer is null");
   if (!rows) return FailInvalid("rows is null");
@@ -200,6 +227,7 @@ int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t cou
     std::lock_guard<std::mutex> call(l->call_mu);
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
+    RDEP_RETURN_IF_ERROR(CheckRowCounts(*l, *slot, rows, step));
     slot->holds_forward = false;  // a plain backward never follows these steps
     return l->adapter->Rows(step, slot->per_rank, rows);
   });
@@ -223,6 +251,7 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
     if (backward && !slot->holds_forward)
       return rdep::FailedPrecondition("backward: context " + std::to_string(ctx) + " holds no forward (none ran since it was acquired, or its backward already ran)");
     slot->holds_forward = false;
+    slot->plan_tokens.clear();
     if (backward) return l->adapter->Backward(slot->per_rank, io);
     RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
     slot->holds_forward = true;
@@ -358,6 +387,7 @@ int rdep_context_release(rdep_layer* l, int64_t ctx) {
   if (!s) return 0;  // stale: already released
   s->in_use = false;
   s->holds_forward = false;
+  s->plan_tokens.clear();
   if (++s->generation == 0) s->generation = 1;
   return 0;
 }
@@ -394,7 +424,10 @@ int rdep_layer_plan(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t 
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     slot->holds_forward = false;
-    return l->adapter->Plan(slot->per_rank, io);
+    slot->plan_tokens.clear();
+    RDEP_RETURN_IF_ERROR(l->adapter->Plan(slot->per_rank, io));
+    for (int32_t i = 0; i < count; ++i) slot->plan_tokens.push_back(io[i].num_tokens);
+    return rdep::Status::Ok();
   });
 }
 

@@ -214,8 +214,27 @@ TEST(CApiRows, ErrorsNameTheFieldRankOrStep) {
   expect_error(Step(rdep_layer_combine_backward, abi, ctx, rows), "combine backward on rank 0: dgates is null");
   rows[0] = rdep_rank_rows{};
   expect_error(Step(rdep_layer_combine, abi, ctx, rows), "combine on rank 0: the context holds no dispatched rows");
-  // A dispatch whose recv is the wrong size: the layer names the row count it expected.
-  expect_error(Step(rdep_layer_dispatch, abi, ctx, rows), "values, expected num_tokens*H");
+  // Row counts that differ from the plan, on one rank: refused before the collective, naming the rank.
+  std::vector<rdep_rank_rows> sized(static_cast<size_t>(W));
+  std::vector<Vec> recv(static_cast<size_t>(W));
+  for (int32_t r = 0; r < W; ++r) {
+    int64_t e0 = 0, ne = 0;
+    ASSERT_EQ(rdep_layer_owned_experts(abi, r, &e0, &ne), 0);
+    ASSERT_EQ(rdep_context_recv_counts(abi, ctx, r, counts, ne), 0) << rdep_last_error();
+    int64_t M = 0;
+    for (int64_t k = 0; k < ne; ++k) M += counts[k];
+    recv[static_cast<size_t>(r)].assign(static_cast<size_t>((M + 1) * p.s.hidden), 0.f);
+    sized[static_cast<size_t>(r)] = rdep_rank_rows{p.x[static_cast<size_t>(r)].data(), recv[static_cast<size_t>(r)].data(), nullptr,
+                                                   nullptr, p.routing[static_cast<size_t>(r)].num_tokens, M, 0};
+  }
+  sized[2].out_rows += 1;
+  expect_error(Step(rdep_layer_dispatch, abi, ctx, sized),
+               "dispatch on rank 2: out_rows " + std::to_string(sized[2].out_rows) + " != the rows the rank receives");
+  sized[2].out_rows -= 1;
+  sized[1].in_rows += 1;
+  expect_error(Step(rdep_layer_dispatch, abi, ctx, sized), "dispatch on rank 1: in_rows");
+  sized[1].in_rows -= 1;
+  EXPECT_EQ(Step(rdep_layer_dispatch, abi, ctx, sized), 0) << rdep_last_error();  // the plan is still usable
   EXPECT_EQ(rdep_context_release(abi, ctx), 0);
   rdep_layer_destroy(abi);
 }

@@ -107,6 +107,30 @@ class ContextAccess {
   }
   static void FinishCombine(ForwardContext& ctx) { ctx.ready_ = true; }
 
+  // A step that failed after it began may have left the context's state half-written: it then takes
+  // no further step (each refuses, naming the missing one) until a new Plan.
+  static void Abandon(ForwardContext& ctx) {
+    ctx.planned_ = ctx.ready_ = ctx.dispatched_ = ctx.combine_grad_ = false;
+  }
+  // Abandons ctx when destroyed, unless Done() was called: for a step's error paths.
+  class StepGuard {
+   public:
+    explicit StepGuard(ForwardContext& ctx) : ctx_(ctx) {}
+    ~StepGuard() {
+      if (!done_) Abandon(ctx_);
+    }
+    StepGuard(const StepGuard&) = delete;
+    StepGuard& operator=(const StepGuard&) = delete;
+    Status Done(Status s) {
+      done_ = s.ok();
+      return s;
+    }
+
+   private:
+    ForwardContext& ctx_;
+    bool done_ = false;
+  };
+
   // Read access for checks and telemetry: a plan or a completed forward this layer made on this
   // rank, else null.
   template <typename S>

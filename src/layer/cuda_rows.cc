@@ -19,6 +19,10 @@ using dispatch::bf16_bits;
 using dispatch::GroupedRow;
 
 Status CudaMoELayer::CheckRowsSupported(const char* call) const {
+  if (config_.balance.enabled())
+    return FailedPrecondition(std::string(call) + ": the caller's experts cannot run with balancing (" +
+                              BalanceKindName(config_.balance.kind) +
+                              "): replicas compute on weights the layer streams; create the layer with balance off");
   const int64_t worst = config_.shape.ranks * config_.shape.tokens;
   if (layout_.S < worst)
     return FailedPrecondition(std::string(call) + ": the caller's experts on the CUDA backend need one segment per forward "
@@ -84,6 +88,7 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatch<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
@@ -103,7 +108,7 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
   sv.seg_rows.assign(1, sv.recv_counts);
   sv.seg_base.assign(1, 0);
   sv.total_rows = M;
-  return domain_.Barrier(rank, Phase::kRowsTaken);
+  return guard.Done(domain_.Barrier(rank, Phase::kRowsTaken));
 }
 
 Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* out, int64_t out_rows, __nv_bfloat16* y,
@@ -116,6 +121,7 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
@@ -128,7 +134,7 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
                                                stream));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv));
   ContextAccess::FinishCombine(ctx);
-  return Status::Ok();
+  return guard.Done(Status::Ok());
 }
 
 Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, int64_t dy_rows,
@@ -141,6 +147,7 @@ Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombineBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
@@ -156,7 +163,7 @@ Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardSegment));
   const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(payload, sv.grouped.ptr, sv.total_rows, s.hidden, true, Bits(d_out), stream));
-  return domain_.Barrier(rank, Phase::kRowsTaken);
+  return guard.Done(domain_.Barrier(rank, Phase::kRowsTaken));
 }
 
 Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* d_recv, int64_t d_recv_rows,
@@ -169,6 +176,7 @@ Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const _
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
@@ -176,8 +184,8 @@ Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const _
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(d_recv), sv.grouped.ptr, sv.total_rows, layout_,
                                                   domain_.peer_table(rank, regions_.ret), stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardDone));
-  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, nullptr,
-                                 sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream);
+  return guard.Done(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                            nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
 }
 
 }  // namespace rdep

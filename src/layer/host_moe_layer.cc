@@ -2,7 +2,9 @@
 #include "rdep/layer/host_moe_layer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "rdep/core/expert_mlp.h"
 #include "rdep/core/row_id.h"
@@ -320,9 +322,14 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   return Status::Ok();
 }
 
+void HostMoELayer::TestDelay(int32_t rank) const {
+  if (rank == delay_rank_ && delay_s_ > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay_s_));
+}
+
 // Front-end, after every row returned: y_t = sum_k g'_k f_k in fixed slot order with fp32
 // accumulation; keeps f_k(x_t) for dgate in backward.
 void HostMoELayer::CombineReturned(int32_t rank, Saved& st, std::span<float> y) {
+  TestDelay(rank);
   const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
   const RankAcceptance& acc = st.acceptance;
   const float* ret = domain_.region_as<float>(rank, regions_.ret);
@@ -364,6 +371,7 @@ void HostMoELayer::ComputeDgates(const Saved& st, std::span<const float> dy, std
 
 // Front-end, backward, after every dx row returned: dx_t = sum_k of them in slot order, fp32.
 void HostMoELayer::SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const {
+  TestDelay(rank);
   const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
   const float* ret = domain_.region_as<float>(rank, regions_.ret);
   for (int64_t t = 0; t < n; ++t) {
@@ -498,6 +506,7 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
   const size_t tsb = layout_.token_sideband_bytes();
   const float* payload = domain_.region_as<float>(rank, regions_.payload) + buf * S * H;
   const std::byte* sideband = domain_.region(rank, regions_.sideband) + static_cast<size_t>(buf * S) * tsb;
+  TestDelay(rank);
   if (backward && seg == 0 && replica_g_ >= 0)  // replica gradients of this call accumulate from here
     std::fill_n(domain_.region_as<float>(rank, replica_g_), config_.replica_slots() * 3 * H * F, 0.f);
   if (!backward)  // the owner keeps its received token rows for backward

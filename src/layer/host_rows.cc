@@ -64,6 +64,7 @@ StatusOr<std::vector<uint64_t>> HostMoELayer::recv_row_ids(const ForwardContext&
 // g' * dy and checks that the row is the one Dispatch put there.
 Status HostMoELayer::TakeSegmentRows(int32_t rank, Saved& st, int64_t seg, bool backward, std::span<float> rows,
                                      std::vector<int64_t>& fill) {
+  TestDelay(rank);
   const int64_t H = config_.shape.hidden, S = layout_.S;
   const float* payload = domain_.region_as<float>(rank, regions_.payload) + (seg % 2) * S * H;
   const auto num_rows = static_cast<int64_t>(st.recv_row_ids.size());
@@ -106,6 +107,7 @@ Status HostMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, std::span<const
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatch<Saved>(ctx, id_, rank));
   Saved& st = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   std::vector<int64_t> fill = ExpertBases(st.rows_per_expert);
   st.recv_row_ids.assign(static_cast<size_t>(Sum(st.rows_per_expert)), 0);
   for (int64_t seg = 0; seg < st.num_segments; ++seg) {
@@ -113,7 +115,7 @@ Status HostMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, std::span<const
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(TakeSegmentRows(rank, st, seg, /*backward=*/false, recv, fill));
   }
-  return domain_.Barrier(rank, Phase::kRowsTaken);
+  return guard.Done(domain_.Barrier(rank, Phase::kRowsTaken));
 }
 
 Status HostMoELayer::Combine(int32_t rank, ForwardContext& ctx, std::span<const float> out, std::span<float> y) {
@@ -127,12 +129,13 @@ Status HostMoELayer::Combine(int32_t rank, ForwardContext& ctx, std::span<const 
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
   Saved& st = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
   ReturnCallerRows(rank, st, out);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnDone));
   CombineReturned(rank, st, y);
   ContextAccess::FinishCombine(ctx);
-  return Status::Ok();
+  return guard.Done(Status::Ok());
 }
 
 Status HostMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, std::span<const float> dy, std::span<float> d_out,
@@ -149,6 +152,7 @@ Status HostMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, std::spa
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombineBackward<Saved>(ctx, id_, rank));
   Saved& st = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   ComputeDgates(st, dy, dgates);
   std::vector<int64_t> fill = ExpertBases(st.rows_per_expert);
   for (int64_t seg = 0; seg < st.num_segments; ++seg) {
@@ -156,7 +160,7 @@ Status HostMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, std::spa
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardSegment));
     RDEP_RETURN_IF_ERROR(TakeSegmentRows(rank, st, seg, /*backward=*/true, d_out, fill));
   }
-  return domain_.Barrier(rank, Phase::kRowsTaken);
+  return guard.Done(domain_.Barrier(rank, Phase::kRowsTaken));
 }
 
 Status HostMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, std::span<const float> d_recv, std::span<float> dx) {
@@ -170,11 +174,12 @@ Status HostMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, std::sp
   }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
   Saved& st = *saved;
+  ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
   ReturnCallerRows(rank, st, d_recv);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardDone));
   SumReturned(rank, st, dx);
-  return Status::Ok();
+  return guard.Done(Status::Ok());
 }
 
 }  // namespace rdep

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <functional>
+#include <utility>
 #include <numeric>
 
 #include "rdep/core/expert_mlp.h"
@@ -84,35 +85,35 @@ Results RunLayer(RowsFixture& f) {
 
 // The caller's experts: the same SwiGLU MLP per received row, in the order Dispatch delivered them.
 struct CallerExperts {
-  const RowsFixture& f;
-  int32_t rank;
+  const RowsFixture* f = nullptr;
+  int32_t rank = 0;
   std::vector<int64_t> counts;  // rows per local expert
   std::vector<float> h;         // saved pre-activations [M][2F]
 
   std::vector<float> Forward(const std::vector<float>& recv) {
-    const int64_t H = f.c.shape.hidden, F = f.c.shape.ffn;
+    const int64_t H = f->c.shape.hidden, F = f->c.shape.ffn;
     const int64_t M = std::accumulate(counts.begin(), counts.end(), int64_t{0});
     std::vector<float> out(static_cast<size_t>(M * H)), z(static_cast<size_t>(F));
     h.assign(static_cast<size_t>(M * 2 * F), 0.f);
     int64_t row = 0;
     for (size_t j = 0; j < counts.size(); ++j)
       for (int64_t m = 0; m < counts[j]; ++m, ++row)
-        mlp::Forward<float>(recv.data() + row * H, f.W1(rank, static_cast<int64_t>(j)), f.W2(rank, static_cast<int64_t>(j)), H, F,
+        mlp::Forward<float>(recv.data() + row * H, f->W1(rank, static_cast<int64_t>(j)), f->W2(rank, static_cast<int64_t>(j)), H, F,
                             h.data() + row * 2 * F, z.data(), out.data() + row * H);
     return out;
   }
   // d_recv from d_out; weight gradients accumulate in row order (as the layer's do).
   std::vector<float> Backward(const std::vector<float>& recv, const std::vector<float>& d_out, std::vector<float>& dw1,
                               std::vector<float>& dw2) {
-    const int64_t H = f.c.shape.hidden, F = f.c.shape.ffn;
-    const auto n1 = f.w.w1_per_expert(), n2 = f.w.w2_per_expert();
+    const int64_t H = f->c.shape.hidden, F = f->c.shape.ffn;
+    const auto n1 = f->w.w1_per_expert(), n2 = f->w.w2_per_expert();
     dw1.assign(counts.size() * n1, 0.f);
     dw2.assign(counts.size() * n2, 0.f);
     std::vector<float> d_recv(recv.size()), scratch(static_cast<size_t>(3 * F));
     int64_t row = 0;
     for (size_t j = 0; j < counts.size(); ++j)
       for (int64_t m = 0; m < counts[j]; ++m, ++row)
-        mlp::Backward<float>(recv.data() + row * H, f.W1(rank, static_cast<int64_t>(j)), f.W2(rank, static_cast<int64_t>(j)), H, F,
+        mlp::Backward<float>(recv.data() + row * H, f->W1(rank, static_cast<int64_t>(j)), f->W2(rank, static_cast<int64_t>(j)), H, F,
                              h.data() + row * 2 * F, d_out.data() + row * H, dw1.data() + j * n1, dw2.data() + j * n2,
                              d_recv.data() + row * H, scratch.data());
     return d_recv;
@@ -125,7 +126,7 @@ Status RowsForwardBackward(HostMoELayer& layer, RowsFixture& f, int32_t r, Resul
   const auto i = static_cast<size_t>(r);
   ForwardContext ctx;
   RDEP_RETURN_IF_ERROR(layer.Plan(r, ctx, f.routing[i]));
-  CallerExperts experts{f, r, {}, {}};
+  CallerExperts experts{&f, r, {}, {}};
   RDEP_ASSIGN_OR_RETURN(experts.counts, layer.recv_counts(ctx));
   const int64_t M = std::accumulate(experts.counts.begin(), experts.counts.end(), int64_t{0});
   std::vector<float> recv(static_cast<size_t>(M * s.hidden), -7.f);  // poisoned
@@ -246,57 +247,130 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"W1_E4_K2", {.tokens = 16, .hidden = 8, .ffn = 8, .experts = 4, .topk = 2, .ranks = 1}, "zipf:1.0", 1.0}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
-// Two dispatch/combine forwards in flight, interleaved with a plain forward of the same layer on a
-// third context, and their backwards in another order: each equals the same calls made one at a time.
-TEST(HostRows_Contexts, InterleavedWithPlainForwardsEqualSequential) {
-  RowsFixture f(Case{"interleaved", {.tokens = 16, .hidden = 8, .ffn = 4, .experts = 8, .topk = 2, .ranks = 4}, "zipf:1.0", 1.0, 5});
+// One context's inputs (routing, x, dy per rank), so contexts in flight together carry different data.
+struct Inputs {
+  Routing routing;
+  std::vector<std::vector<float>> x, dy;
+  Inputs(const LayerShape& s, const char* spec, uint64_t seed) {
+    RoutingSpec rs = *RoutingSpec::Parse(spec);
+    rs.seed = seed;
+    routing = *GenerateRouting(s, rs);
+    x = RandomActivations(s, routing, seed + 1);
+    dy = RandomActivations(s, routing, seed + 2);
+  }
+};
+
+// The steps of one context on one rank, as a schedule runs them.
+struct ContextRun {
+  const Inputs* in = nullptr;
+  bool rows = true;  // dispatch/combine with the caller's experts, or the layer's own Forward/Backward
+  ForwardContext ctx;
+  CallerExperts ex;
+  std::vector<float> recv, out, d_out, d_recv;
+};
+
+enum Step { kPlan, kDispatch, kRun, kCombine, kCombineBackward, kBackward, kDispatchBackward };
+
+Status RunStep(HostMoELayer& layer, RowsFixture& f, int32_t r, ContextRun& c, Step step, Results& res) {
+  const auto i = static_cast<size_t>(r);
   const LayerShape& s = f.c.shape;
-  const Results alone = RunLayer(f);
-  auto layer = *HostMoELayer::Create(*f.domain, f.config, f.own, f.w);
-  Results a(s.ranks), b(s.ranks), plain(s.ranks);
+  const int64_t n = c.in->routing[i].num_tokens, H = s.hidden;
+  switch (step) {
+    case kPlan: return layer.Plan(r, c.ctx, c.in->routing[i]);
+    case kDispatch: {
+      RDEP_ASSIGN_OR_RETURN(c.ex.counts, layer.recv_counts(c.ctx));
+      c.recv.assign(static_cast<size_t>(std::accumulate(c.ex.counts.begin(), c.ex.counts.end(), int64_t{0}) * H), 0.f);
+      RDEP_RETURN_IF_ERROR(layer.Dispatch(r, c.ctx, c.in->x[i], c.recv));
+      c.out = c.ex.Forward(c.recv);
+      return Status::Ok();
+    }
+    case kRun:
+      res.y[i].assign(static_cast<size_t>(n * H), 0.f);
+      return layer.Run(r, c.ctx, c.in->x[i], res.y[i]);
+    case kCombine:
+      res.y[i].assign(static_cast<size_t>(n * H), 0.f);
+      return layer.Combine(r, c.ctx, c.out, res.y[i]);
+    case kCombineBackward:
+      c.d_out.assign(c.recv.size(), 0.f);
+      res.dg[i].assign(static_cast<size_t>(n * s.topk), 0.f);
+      RDEP_RETURN_IF_ERROR(layer.CombineBackward(r, c.ctx, c.in->dy[i], c.d_out, res.dg[i]));
+      c.d_recv = c.ex.Backward(c.recv, c.d_out, res.dw1[i], res.dw2[i]);
+      return Status::Ok();
+    case kBackward:
+      res.dx[i].assign(static_cast<size_t>(n * H), 0.f);
+      res.dg[i].assign(static_cast<size_t>(n * s.topk), 0.f);
+      RDEP_RETURN_IF_ERROR(layer.Backward(r, c.ctx, c.in->dy[i], res.dx[i], res.dg[i]));
+      res.dw1[i].assign(layer.dw1(r).begin(), layer.dw1(r).end());
+      res.dw2[i].assign(layer.dw2(r).begin(), layer.dw2(r).end());
+      return Status::Ok();
+    case kDispatchBackward:
+      res.dx[i].assign(static_cast<size_t>(n * H), 0.f);
+      return layer.DispatchBackward(r, c.ctx, c.d_recv, res.dx[i]);
+  }
+  return InternalError("unknown step");
+}
+
+// Runs (context index, step) pairs in order on every rank; contexts 0, 1 use the caller's experts,
+// context 2 the layer's own forward and backward.
+std::array<Results, 3> RunSchedule(HostMoELayer& layer, RowsFixture& f, const std::array<const Inputs*, 3>& in,
+                                   const std::vector<std::pair<int, Step>>& schedule) {
+  const int64_t W = f.c.shape.ranks;
+  std::array<Results, 3> res{Results(W), Results(W), Results(W)};
   Status st = f.domain->Run([&](int32_t r) -> Status {
-    const auto i = static_cast<size_t>(r);
-    const int64_t H = s.hidden, n = f.n(r);
-    std::array<ForwardContext, 3> ctx;
-    std::array<CallerExperts, 2> ex{CallerExperts{f, r, {}, {}}, CallerExperts{f, r, {}, {}}};
-    std::array<std::vector<float>, 2> recv, out, d_out, d_recv;
-    std::array<Results*, 2> res{&a, &b};
-    for (size_t k : {0, 1}) RDEP_RETURN_IF_ERROR(layer->Plan(r, ctx[k], f.routing[i]));
-    RDEP_RETURN_IF_ERROR(layer->Plan(r, ctx[2], f.routing[i]));
-    for (size_t k : {1, 0}) {
-      RDEP_ASSIGN_OR_RETURN(ex[k].counts, layer->recv_counts(ctx[k]));
-      recv[k].assign(static_cast<size_t>(std::accumulate(ex[k].counts.begin(), ex[k].counts.end(), int64_t{0}) * H), 0.f);
-      RDEP_RETURN_IF_ERROR(layer->Dispatch(r, ctx[k], f.x[i], recv[k]));
-      out[k] = ex[k].Forward(recv[k]);
+    std::array<ContextRun, 3> c;
+    for (size_t k = 0; k < 3; ++k) {
+      c[k].in = in[k];
+      c[k].rows = k < 2;
+      c[k].ex.f = &f;
+      c[k].ex.rank = r;
     }
-    plain.y[i].assign(static_cast<size_t>(n * H), 0.f);
-    RDEP_RETURN_IF_ERROR(layer->Run(r, ctx[2], f.x[i], plain.y[i]));  // a plain run between the dispatches and combines
-    for (size_t k : {0, 1}) {
-      res[k]->y[i].assign(static_cast<size_t>(n * H), 0.f);
-      RDEP_RETURN_IF_ERROR(layer->Combine(r, ctx[k], out[k], res[k]->y[i]));
-    }
-    for (size_t k : {1, 0}) {
-      d_out[k].assign(recv[k].size(), 0.f);
-      res[k]->dg[i].assign(static_cast<size_t>(n * s.topk), 0.f);
-      RDEP_RETURN_IF_ERROR(layer->CombineBackward(r, ctx[k], f.dy[i], d_out[k], res[k]->dg[i]));
-      d_recv[k] = ex[k].Backward(recv[k], d_out[k], res[k]->dw1[i], res[k]->dw2[i]);
-    }
-    for (size_t k : {0, 1}) {
-      res[k]->dx[i].assign(static_cast<size_t>(n * H), 0.f);
-      RDEP_RETURN_IF_ERROR(layer->DispatchBackward(r, ctx[k], d_recv[k], res[k]->dx[i]));
-    }
-    plain.dx[i].assign(static_cast<size_t>(n * H), 0.f);
-    plain.dg[i].assign(static_cast<size_t>(n * s.topk), 0.f);
-    RDEP_RETURN_IF_ERROR(layer->Backward(r, ctx[2], f.dy[i], plain.dx[i], plain.dg[i]));
-    plain.dw1[i].assign(layer->dw1(r).begin(), layer->dw1(r).end());
-    plain.dw2[i].assign(layer->dw2(r).begin(), layer->dw2(r).end());
+    for (const auto& [k, step] : schedule)
+      RDEP_RETURN_IF_ERROR(RunStep(layer, f, r, c[static_cast<size_t>(k)], step, res[static_cast<size_t>(k)]));
     return Status::Ok();
   });
-  ASSERT_TRUE(st.ok()) << st;
-  ExpectBitwise(alone, a, s.ranks, "first dispatch/combine context");
-  ExpectBitwise(alone, b, s.ranks, "second dispatch/combine context");
-  ExpectBitwise(alone, plain, s.ranks, "plain forward between them");
+  EXPECT_TRUE(st.ok()) << st;
+  return res;
 }
+
+// Two dispatch/combine forwards and a plain forward of the same layer in flight together, each with
+// its own routing and data, their steps interleaved and backwards in another order, with one rank
+// reading its received rows late: each equals the same context's calls made one at a time. Without
+// the return.start or rows.taken barriers, a late reader sees the next call's rows (checked by
+// removing them).
+// Segment sizes: 5 (several segments) and 64 = W*T (one segment, so the next dispatch's first scatter
+// reuses the buffer the late reader is still reading: the case rows.taken exists for).
+class HostRowsInFlight : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(HostRowsInFlight, DistinctDataAndALateReaderEqualEachAlone) {
+  RowsFixture f(Case{"interleaved", {.tokens = 16, .hidden = 8, .ffn = 4, .experts = 8, .topk = 2, .ranks = 4}, "zipf:1.0", 1.0,
+                     GetParam()});
+  const LayerShape& s = f.c.shape;
+  const Inputs a(s, "zipf:1.0", 5), b(s, "uniform", 9), c(s, "one-expert", 13);
+  auto layer = *HostMoELayer::Create(*f.domain, f.config, f.own, f.w);
+  const std::vector<std::pair<int, Step>> rows_alone = {{0, kPlan}, {0, kDispatch}, {0, kCombine}, {0, kCombineBackward},
+                                                        {0, kDispatchBackward}};
+  const std::vector<std::pair<int, Step>> plain_alone = {{2, kPlan}, {2, kRun}, {2, kBackward}};
+  const Results want_a = RunSchedule(*layer, f, {&a, &b, &c}, rows_alone)[0];
+  const Results want_b = RunSchedule(*layer, f, {&b, &a, &c}, rows_alone)[0];
+  const Results want_c = RunSchedule(*layer, f, {&a, &b, &c}, plain_alone)[2];
+  layer->set_read_delay_for_test(1, 0.02);
+  const std::array<Results, 3> got = RunSchedule(
+      *layer, f, {&a, &b, &c},
+      {{0, kPlan}, {1, kPlan}, {2, kPlan}, {0, kDispatch}, {1, kDispatch}, {2, kRun}, {0, kCombine}, {1, kCombine},
+       {1, kCombineBackward}, {0, kCombineBackward}, {2, kBackward}, {0, kDispatchBackward}, {1, kDispatchBackward}});
+  ExpectBitwise(want_a, got[0], s.ranks, "first dispatch/combine context");
+  ExpectBitwise(want_b, got[1], s.ranks, "second dispatch/combine context");
+  for (size_t i = 0; i < static_cast<size_t>(s.ranks); ++i) {  // the plain context: y, dx, dgates, dW
+    EXPECT_EQ(want_c.y[i], got[2].y[i]) << "plain context: y, rank " << i;
+    EXPECT_EQ(want_c.dx[i], got[2].dx[i]) << "plain context: dx, rank " << i;
+    EXPECT_EQ(want_c.dg[i], got[2].dg[i]) << "plain context: dgates, rank " << i;
+    EXPECT_EQ(want_c.dw1[i], got[2].dw1[i]) << "plain context: dW1, rank " << i;
+  }
+  EXPECT_NE(want_a.y[0], want_b.y[0]) << "the contexts must carry different data for this test to mean anything";
+}
+
+INSTANTIATE_TEST_SUITE_P(Segments, HostRowsInFlight, ::testing::Values(5, 64),
+                         [](const ::testing::TestParamInfo<int64_t>& i) { return "S" + std::to_string(i.param); });
 
 // Dispatch's backward may run without Combine's (the received rows used directly): dx is the sum of
 // the given row gradients over each token's accepted slots.

@@ -64,6 +64,7 @@ void HostDomain::Reset() {
   std::fill(epoch_.begin(), epoch_.end(), 0);
   failed_rank_.store(-1);
   failure_message_.clear();
+  abandoned_.assign(static_cast<size_t>(num_ranks_), 0);
 }
 
 StatusOr<RegionId> HostDomain::AllocateSymmetric(size_t bytes, const std::string& name) {
@@ -150,8 +151,9 @@ Status HostDomain::Run(const std::function<Status(int32_t rank)>& fn) {
   for (int32_t r = 0; r < num_ranks_; ++r)
     if (!all[static_cast<size_t>(r)].ok()) {
       ++failed;
-      // Prefer the root cause over ranks that only abandoned their waits because of it.
-      if (first < 0 || r == failed_rank_.load()) first = r;
+      // Report a root cause, not a rank that only abandoned its wait because of another's failure;
+      // among ranks that failed on their own, the lowest (the same report whatever the timing).
+      if (first < 0 || (abandoned_[static_cast<size_t>(first)] && !abandoned_[static_cast<size_t>(r)])) first = r;
     }
   if (first < 0) return Status::Ok();
   const Status& s = all[static_cast<size_t>(first)];
@@ -190,6 +192,7 @@ Status HostDomain::Barrier(int32_t rank, Phase phase) {
     const int32_t failed = failed_rank_.load(std::memory_order_acquire);
     if (failed >= 0 && failed != rank) {
       std::lock_guard<std::mutex> lock(failure_mu_);
+      abandoned_[static_cast<size_t>(rank)] = 1;
       // Carry the root cause's code, so a peer's timeout reads as a timeout on every rank.
       return Status(failure_code_, std::string("abandoned barrier '") + PhaseName(phase) + "': rank " +
                                        std::to_string(failed) + " failed: " + failure_message_);

@@ -143,6 +143,13 @@ class HostMoELayer {
   // Test hook: each forward and backward adds 1 to one weight of the first replica it streams (a
   // corrupted tile), so exactness tests can show that they catch a bad copy.
   void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
+  // Test hook: `rank` sleeps `seconds` after each barrier that precedes its reads of rows other ranks
+  // stored (its segment buffers, its return rows), so tests can show that the barriers which keep the
+  // next stores out of those regions are there.
+  void set_read_delay_for_test(int32_t rank, double seconds) {
+    delay_rank_ = rank;
+    delay_s_ = seconds;
+  }
 
  private:
   struct RankState;
@@ -195,6 +202,9 @@ class HostMoELayer {
   LayerRegions regions_;
   RegionId replica_w_ = -1, replica_g_ = -1;  // [N_slot][3*H*F] per rank: replica weights, their gradients
   bool replica_fault_ = false;
+  int32_t delay_rank_ = -1;
+  double delay_s_ = 0;
+  void TestDelay(int32_t rank) const;
   std::unique_ptr<InterNodeExchange> inter_;                // nodes > 1
   std::vector<int32_t> node_of_expert_;                     // [E] node of each expert's owner
   mutable std::vector<std::vector<float>> gathered_out_;    // expert_outputs() of two-phase runs

@@ -89,6 +89,7 @@ class HostDomain final : public Domain {
   std::unique_ptr<std::atomic<uint64_t>[]> slots_;
   std::vector<uint64_t> epoch_;  // per rank: barriers entered in this Run
   std::atomic<int32_t> failed_rank_{-1};
+  std::vector<uint8_t> abandoned_;  // [W] the rank's failure was abandoning a barrier after another's
   std::mutex failure_mu_;
   std::string failure_message_;
   StatusCode failure_code_ = StatusCode::kOk;

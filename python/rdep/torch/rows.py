@@ -95,8 +95,8 @@ def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gat
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_received_rows("expert_out", h, expert_out)
-    L, n = gates.shape[0], gates.shape[1]
-    y = expert_out.new_empty((L, n, h.hidden))
+    validate.check_combine_gates(h, gates)  # y's shape comes from it
+    y = expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
     rows_calls.run_step(rows_calls.COMBINE, h, ctx, counts, expert_out, y)
     return y
 
@@ -105,7 +105,8 @@ def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gat
 def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
     h = get_layer(layer)
     validate.check_received_rows("expert_out", h, expert_out)
-    return expert_out.new_empty((gates.shape[0], gates.shape[1], h.hidden))
+    validate.check_combine_gates(h, gates)
+    return expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
 
 
 @torch.library.custom_op("rdep::moe_combine_backward", mutates_args=(), schema=COMBINE_BACKWARD_SCHEMA)

@@ -104,3 +104,11 @@ def check_received_rows(name: str, layer: Layer, t) -> None:
     """A row-side tensor [M, H] (the received rows of the local ranks) in the layer's activation dtype."""
     H = layer.hidden
     check_tensor(name, t, layer, (ACT_DTYPE[layer.backend],), (None, H), f"[M, H={H}] (one row per received row)")
+
+
+def check_combine_gates(layer: Layer, gates) -> None:
+    """The gates given to plan, passed to combine for autograd: fp32 [L, n, K] on the layer's device."""
+    L, K = layer.num_local_ranks, layer.topk
+    check_tensor("gates", gates, layer, (torch.float32,), (L, None, K), f"[L={L}, n, K={K}] (the gates given to plan)")
+    if gates.shape[1] > layer.max_tokens:
+        raise ValueError(f"gates: {gates.shape[1]} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
