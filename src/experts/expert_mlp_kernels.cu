@@ -20,8 +20,15 @@ union Vec8 {
 
 __device__ __forceinline__ float Sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
 
+// The rows to process: the host count, or (device_rows non-null) the device count capped by it.
+__device__ __forceinline__ int64_t NumVec(const int64_t* device_rows, int64_t rows, int64_t vec_per_row) {
+  const int64_t r = device_rows ? min(*device_rows, rows) : rows;
+  return r * vec_per_row;
+}
+
 __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ z,
-                                    int64_t num_vec, int64_t vec_per_row, int64_t F) {
+                                    const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F) {
+  const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
@@ -41,8 +48,9 @@ __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bf
 }
 
 __global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
-                                     __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, int64_t num_vec,
-                                     int64_t vec_per_row, int64_t F) {
+                                     __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, const int64_t* device_rows,
+                                     int64_t rows, int64_t vec_per_row, int64_t F) {
+  const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
@@ -85,20 +93,21 @@ int GridFor(int64_t num_vec) {
 
 }  // namespace
 
-cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_t rows, int64_t F, cudaStream_t stream) {
+cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_t rows, int64_t F, cudaStream_t stream,
+                                const int64_t* device_rows) {
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
-  const int64_t vec_per_row = F / kVec, num_vec = rows * vec_per_row;
-  SwigluForwardKernel<<<GridFor(num_vec), kThreads, 0, stream>>>(h, z, num_vec, vec_per_row, F);
+  const int64_t vec_per_row = F / kVec;
+  SwigluForwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, z, device_rows, rows, vec_per_row, F);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
-                            int64_t rows, int64_t F, cudaStream_t stream) {
+                                 int64_t rows, int64_t F, cudaStream_t stream, const int64_t* device_rows) {
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
-  const int64_t vec_per_row = F / kVec, num_vec = rows * vec_per_row;
-  SwigluBackwardKernel<<<GridFor(num_vec), kThreads, 0, stream>>>(h, dz, z, dh, num_vec, vec_per_row, F);
+  const int64_t vec_per_row = F / kVec;
+  SwigluBackwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
   return cudaGetLastError();
 }
 

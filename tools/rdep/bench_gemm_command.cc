@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -31,6 +32,7 @@
 #include "rdep/core/stats.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
+#include "rdep/experts/expert_compute.h"
 #include "rdep/experts/expert_mlp.h"
 #endif
 
@@ -41,7 +43,7 @@ using rdep::cli::Flags;
 
 constexpr const char* kHelp =
     "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
-    "         [--routing uniform|zipf:A] [--path auto,lt,grouped] [--streams 8] [--workspace-mib 8]\n"
+    "         [--routing uniform|zipf:A] [--path auto,lt,grouped,cutlass] [--streams 8] [--workspace-mib 8]\n"
     "         [--no-backward]\n"
     "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
     "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
@@ -195,6 +197,14 @@ void WriteSummary(rdep::JsonWriter& j, const std::string& k, const std::vector<d
 
 // ---- setup -----------------------------------------------------------------------------------------
 
+// One implementation under test: an ExpertMlp GEMM path (host counts), or the CUTLASS expert compute
+// (MakeCutlassExpertCompute: counts read on the device, no host round trip).
+struct BenchPath {
+  std::string name;
+  bool cutlass = false;
+  rdep::kernels::GemmPath gemm = rdep::kernels::GemmPath::kAuto;
+};
+
 // What the flags ask for, checked.
 struct GemmBenchOptions {
   int64_t E = 0, H = 0, F = 0;
@@ -202,7 +212,7 @@ struct GemmBenchOptions {
   std::string routing;  // "uniform" or "zipf:A"
   double alpha = 0;     // A; 0 = uniform
   std::string paths_text;
-  std::vector<rdep::kernels::GemmPath> paths;
+  std::vector<BenchPath> paths;
   int streams = 0;
   int64_t workspace_mib = 0;
   bool no_backward = false;
@@ -225,16 +235,18 @@ rdep::StatusOr<double> ParseZipfAlpha(const std::string& routing) {
   return alpha;
 }
 
-// --path: a comma list of auto, lt, grouped.
-rdep::StatusOr<std::vector<rdep::kernels::GemmPath>> ParseGemmPaths(const std::string& paths_text) {
-  std::vector<rdep::kernels::GemmPath> paths;
+// --path: a comma list of auto, lt, grouped (ExpertMlp's GEMM paths) and cutlass.
+rdep::StatusOr<std::vector<BenchPath>> ParseGemmPaths(const std::string& paths_text) {
+  using rdep::kernels::GemmPath;
+  std::vector<BenchPath> paths;
   std::stringstream ss(paths_text);
   std::string p;
   while (std::getline(ss, p, ',')) {
-    if (p == "auto") paths.push_back(rdep::kernels::GemmPath::kAuto);
-    else if (p == "lt") paths.push_back(rdep::kernels::GemmPath::kLtPerExpert);
-    else if (p == "grouped") paths.push_back(rdep::kernels::GemmPath::kGrouped);
-    else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt or grouped");
+    if (p == "auto") paths.push_back({"auto", false, GemmPath::kAuto});
+    else if (p == "lt") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kLtPerExpert), false, GemmPath::kLtPerExpert});
+    else if (p == "grouped") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kGrouped), false, GemmPath::kGrouped});
+    else if (p == "cutlass") paths.push_back({"cutlass", true});
+    else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped or cutlass");
   }
   if (paths.empty()) return rdep::InvalidArgument("--path: empty list");
   return paths;
@@ -309,7 +321,7 @@ struct GemmBenchEnv {
 // The buffers every mu shares, sized for the largest: weights, weight gradients, activations.
 struct GemmBuffers {
   size_t w1n = 0, w2n = 0;  // elements of W1 [E][H][2F] and W2 [E][F][H]
-  DeviceMem w1, w2, dw1, dw2, x, h, y, dout, dx;
+  DeviceMem w1, w2, dw1, dw2, x, h, y, dout, dx, counts;
 };
 
 rdep::Status AllocateGemmBuffers(const GemmBenchOptions& o, GemmBuffers& b) {
@@ -321,7 +333,7 @@ rdep::Status AllocateGemmBuffers(const GemmBenchOptions& o, GemmBuffers& b) {
   const size_t rows = static_cast<size_t>(max_rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F);
   for (auto [mem, bytes] : {std::pair{&b.w1, w1n * 2}, {&b.w2, w2n * 2}, {&b.dw1, w1n * 4}, {&b.dw2, w2n * 4},
                             {&b.x, rows * Hs * 2}, {&b.h, rows * 2 * Fs * 2}, {&b.y, rows * Hs * 2}, {&b.dout, rows * Hs * 2},
-                            {&b.dx, rows * Hs * 2}}) {
+                            {&b.dx, rows * Hs * 2}, {&b.counts, static_cast<size_t>(E) * 8}}) {
     RDEP_RETURN_IF_ERROR(mem->Alloc(bytes));
   }
   for (auto [mem, n, scale, s] : {std::tuple{&b.w1, w1n, 1.0 / std::sqrt(static_cast<double>(H)), o.seed + 1},
@@ -348,36 +360,69 @@ struct Row {
 
 // Times one (mu, path): the forward, then (unless --no-backward) forward+backward, each with
 // TimeIters on `stream`; then the memory it holds and the useful TFLOP/s. Updates env.total.
+// The forward and forward+backward of one path as callables, and what it holds; `counts_dev` holds
+// the counts on the device (the CUTLASS path reads only those).
+struct PathUnderTest {
+  std::unique_ptr<rdep::kernels::ExpertMlp> mlp;
+  std::unique_ptr<rdep::kernels::ExpertCompute> compute;
+  std::function<rdep::Status()> fwd, fb;
+  size_t workspace = 0;
+};
+
+rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, const std::vector<int64_t>& counts,
+                                       const int64_t* counts_dev, const BenchPath& path, const GemmBuffers& b, cudaStream_t stream) {
+  using B = __nv_bfloat16;
+  PathUnderTest t;
+  if (path.cutlass) {
+    RDEP_ASSIGN_OR_RETURN(t.compute, rdep::kernels::MakeCutlassExpertCompute({o.E, o.H, o.F, std::max<int64_t>(M, 1)}, 0));
+    rdep::kernels::ExpertCompute* c = t.compute.get();
+    const rdep::kernels::ExpertRows rows{counts_dev, M, nullptr};
+    const rdep::kernels::ExpertWeightsView w{b.w1.as<B>(), b.w2.as<B>()};
+    t.fwd = [=, &b]() { return c->Forward(rows, b.x.as<B>(), w, b.h.as<B>(), b.y.as<B>(), stream); };
+    t.fb = [=, &b]() -> rdep::Status {
+      RDEP_RETURN_IF_ERROR(c->Forward(rows, b.x.as<B>(), w, b.h.as<B>(), b.y.as<B>(), stream));
+      return c->Backward(rows, b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), w, b.dx.as<B>(), {b.dw1.as<float>(), b.dw2.as<float>()},
+                         false, stream);
+    };
+    t.workspace = c->workspace_bytes();
+    return t;
+  }
+  rdep::kernels::ExpertMlpConfig cfg;
+  cfg.path = path.gemm;
+  cfg.num_streams = o.streams;
+  cfg.lt_workspace_bytes = static_cast<size_t>(o.workspace_mib) << 20;
+  RDEP_ASSIGN_OR_RETURN(t.mlp, rdep::kernels::ExpertMlp::Create({o.E, o.H, o.F, M}, 0, cfg));
+  rdep::kernels::ExpertMlp* mlp = t.mlp.get();
+  const int64_t* hc = counts.data();
+  t.fwd = [=, &b]() { return mlp->Forward(b.x.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream); };
+  t.fb = [=, &b]() -> rdep::Status {
+    RDEP_RETURN_IF_ERROR(mlp->Forward(b.x.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream));
+    return mlp->Backward(b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.dx.as<B>(),
+                         b.dw1.as<float>(), b.dw2.as<float>(), false, stream);
+  };
+  t.workspace = mlp->workspace_bytes();
+  return t;
+}
+
 rdep::StatusOr<Row> MeasureGemmRow(const GemmBenchOptions& o, int64_t mu, const std::vector<int64_t>& counts,
-                                   rdep::kernels::GemmPath path, const GemmBuffers& b, cudaStream_t stream, GemmBenchEnv& env) {
+                                   const BenchPath& path, const GemmBuffers& b, cudaStream_t stream, GemmBenchEnv& env) {
   const int64_t M = mu * o.E;
   Row r;
   r.mu = mu;
   r.M = M;
-  r.path = rdep::kernels::GemmPathName(path);
+  r.path = path.name;
   r.counts = counts;
   r.rho = rdep::PaddingRatio(counts);
-  rdep::kernels::ExpertMlpConfig cfg;
-  cfg.path = path;
-  cfg.num_streams = o.streams;
-  cfg.lt_workspace_bytes = static_cast<size_t>(o.workspace_mib) << 20;
-  RDEP_ASSIGN_OR_RETURN(auto mlp_ptr, rdep::kernels::ExpertMlp::Create({o.E, o.H, o.F, M}, 0, cfg));
-  auto& mlp = *mlp_ptr;
-  using B = __nv_bfloat16;
-  auto fwd = [&]() { return mlp.Forward(b.x.as<B>(), counts.data(), b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream); };
-  auto fb = [&]() -> rdep::Status {
-    RDEP_RETURN_IF_ERROR(fwd());
-    return mlp.Backward(b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), counts.data(), b.w1.as<B>(), b.w2.as<B>(), b.dx.as<B>(),
-                        b.dw1.as<float>(), b.dw2.as<float>(), false, stream);
-  };
-  RDEP_ASSIGN_OR_RETURN(r.fwd_us, TimeIters(o.warmup, o.iters, stream, fwd));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.counts.p, counts.data(), counts.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  RDEP_ASSIGN_OR_RETURN(PathUnderTest t, MakePath(o, M, counts, b.counts.as<int64_t>(), path, b, stream));
+  RDEP_ASSIGN_OR_RETURN(r.fwd_us, TimeIters(o.warmup, o.iters, stream, t.fwd));
   if (!o.no_backward) {
-    RDEP_ASSIGN_OR_RETURN(r.fb_us, TimeIters(o.warmup, o.iters, stream, fb));
+    RDEP_ASSIGN_OR_RETURN(r.fb_us, TimeIters(o.warmup, o.iters, stream, t.fb));
   }
   size_t free1 = 0;
   cudaMemGetInfo(&free1, &env.total);
   r.device_used = env.free0 - free1;
-  r.workspace = mlp.workspace_bytes();
+  r.workspace = t.workspace;
   // What this mu holds live: weights + fp32 grads + x, h, y, dout, dx of M rows + workspace.
   const size_t Hs = static_cast<size_t>(o.H), Fs = static_cast<size_t>(o.F);
   r.live = (b.w1n + b.w2n) * 6 + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;

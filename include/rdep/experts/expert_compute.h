@@ -70,6 +70,16 @@ class ExpertCompute {
                           const ExpertGradsView& grads, bool accumulate, cudaStream_t stream) = 0;
 };
 
+// The sync-free implementation for sm_90a (src/experts/cutlass_expert_compute.cu): the six GEMMs as
+// CUTLASS ptr-array grouped GEMMs (TMA + wgmma, persistent, one launch per GEMM for all experts)
+// whose problem sizes and pointers a setup kernel writes from the DEVICE counts, SwiGLU kernels
+// bounded by the device's row total. graph_safe() is true: no call reads the counts on the host.
+// rows.max_rows bounds the counts' sum (a larger sum computes nothing and the next call reports it).
+// Requires hidden and ffn multiples of 8, num_experts <= 1024, 16-byte aligned pointers; weight
+// gradients fp32 (accumulate or overwrite) or bf16 (overwrite). Unavailable in a build without
+// CUTLASS (RDEP_HAVE_CUTLASS) or on a GPU other than sm_90.
+StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device);
+
 // What MakeCublasLtExpertCompute(desc, ..., config) will allocate on the device.
 size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config = {});
 

@@ -1,0 +1,299 @@
+// The sync-free expert compute for sm_90a (rdep/experts/expert_compute.h, MakeCutlassExpertCompute):
+// the expert MLP's six GEMMs as CUTLASS ptr-array grouped GEMMs (grouped_gemm_sm90.h) whose problem
+// sizes and operand pointers a one-block setup kernel writes from the DEVICE per-expert counts, and
+// the SwiGLU kernels bounded by the device's total row count. No call reads the counts on the host,
+// so a layer that uses it can be captured in a CUDA graph.
+//
+//   Forward   setup (offsets, tables, total)  ->  h = x.W1 (NN)  ->  z = swiglu(h)  ->  y = z.W2 (NN)
+//   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dx = dh.W1^T (NT),
+//             dW2 (+)= z^T.dout (TN),  dW1 (+)= x^T.dh (TN)  ->  zero the gradients of empty experts
+//             (overwrite mode only: their TN groups have no tiles)
+// Counts that sum beyond the call's rows.max_rows cannot be computed without overflowing the buffers:
+// the setup kernel then computes nothing (every group empty, outputs untouched) and raises a fault in
+// host-mapped memory that the next call reports once (FailedPrecondition naming the sum).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "experts/expert_mlp_kernels.cuh"
+#include "experts/grouped_gemm_sm90.h"
+#include "rdep/cuda/check.h"
+#include "rdep/experts/expert_compute.h"
+
+namespace rdep::kernels {
+namespace {
+
+using internal::GemmProblem;
+using internal::GroupedGemmKind;
+using internal::GroupedGemmSm90;
+
+constexpr int kMaxExperts = 1024;  // one setup block, a thread per local expert
+
+// One grouped GEMM's device tables, as the setup kernel fills them.
+struct GemmTables {
+  GemmProblem* problems;
+  const void** a;
+  const void** b;
+  void** d;
+};
+
+struct ForwardSetup {
+  const int64_t* counts;
+  int32_t experts;
+  int64_t H, F, max_rows;
+  const __nv_bfloat16 *x, *w1, *w2;
+  __nv_bfloat16 *h, *z, *y;
+  GemmTables g1, g2;
+  int64_t* total;  // device: the rows this call computes (0 after an overflow)
+  int64_t* fault;  // device view of a host-mapped word: the total that overflowed, sticky
+};
+
+struct BackwardSetup {
+  const int64_t* counts;
+  int32_t experts;
+  int64_t H, F, max_rows;
+  const __nv_bfloat16 *x, *dout, *w1, *w2;
+  __nv_bfloat16 *z, *dz, *dh, *dx;
+  void *dw1, *dw2;  // fp32 or bf16, [E][H][2F], [E][F][H]
+  int64_t grad_elem_bytes;
+  GemmTables gdz, gdx, gdw2, gdw1;
+  int64_t* total;
+  int64_t* fault;
+};
+
+// Exclusive scan of the counts in one block (thread e holds expert e); returns expert e's first row
+// and leaves the sum in *sum. Negative counts are read as 0.
+__device__ int64_t ExpertOffset(const int64_t* counts, int32_t experts, int64_t* sum) {
+  __shared__ int64_t scan[kMaxExperts];
+  const int e = static_cast<int>(threadIdx.x);
+  const int64_t m = e < experts ? (counts[e] > 0 ? counts[e] : int64_t{0}) : 0;
+  scan[e] = m;
+  __syncthreads();
+  for (int step = 1; step < kMaxExperts; step <<= 1) {
+    const int64_t add = e >= step ? scan[e - step] : 0;
+    __syncthreads();
+    scan[e] += add;
+    __syncthreads();
+  }
+  *sum = scan[kMaxExperts - 1];
+  return scan[e] - m;
+}
+
+__device__ void SetGroup(const GemmTables& t, int e, int32_t m, int32_t n, int32_t k, const void* a, const void* b, void* d) {
+  t.problems[e] = GemmProblem{m, n, k};
+  t.a[e] = a;
+  t.b[e] = b;
+  t.d[e] = d;
+}
+
+__global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p) {
+  int64_t sum = 0;
+  const int64_t off = ExpertOffset(p.counts, p.experts, &sum);
+  const int e = static_cast<int>(threadIdx.x);
+  const bool fits = sum <= p.max_rows;
+  if (e == 0) {
+    *p.total = fits ? sum : 0;
+    if (!fits) *reinterpret_cast<volatile int64_t*>(p.fault) = sum;
+  }
+  if (e >= p.experts) return;
+  const auto m = static_cast<int32_t>(fits ? (p.counts[e] > 0 ? p.counts[e] : int64_t{0}) : 0);
+  const int64_t H = p.H, F = p.F;
+  SetGroup(p.g1, e, m, static_cast<int32_t>(2 * F), static_cast<int32_t>(H), p.x + off * H, p.w1 + e * H * 2 * F, p.h + off * 2 * F);
+  SetGroup(p.g2, e, m, static_cast<int32_t>(H), static_cast<int32_t>(F), p.z + off * F, p.w2 + e * F * H, p.y + off * H);
+}
+
+__global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup p) {
+  int64_t sum = 0;
+  const int64_t off = ExpertOffset(p.counts, p.experts, &sum);
+  const int e = static_cast<int>(threadIdx.x);
+  const bool fits = sum <= p.max_rows;
+  if (e == 0) {
+    *p.total = fits ? sum : 0;
+    if (!fits) *reinterpret_cast<volatile int64_t*>(p.fault) = sum;
+  }
+  if (e >= p.experts) return;
+  const auto m = static_cast<int32_t>(fits ? (p.counts[e] > 0 ? p.counts[e] : int64_t{0}) : 0);
+  const int64_t H = p.H, F = p.F;
+  auto* dw1 = static_cast<char*>(p.dw1) + e * H * 2 * F * p.grad_elem_bytes;
+  auto* dw2 = static_cast<char*>(p.dw2) + e * F * H * p.grad_elem_bytes;
+  const auto h32 = static_cast<int32_t>(H), f32 = static_cast<int32_t>(F);
+  SetGroup(p.gdz, e, m, f32, h32, p.dout + off * H, p.w2 + e * F * H, p.dz + off * F);
+  SetGroup(p.gdx, e, m, h32, 2 * f32, p.dh + off * 2 * F, p.w1 + e * H * 2 * F, p.dx + off * H);
+  // Weight gradients: M x N = F x H and H x 2F, K = the expert's rows; an empty expert has no tiles.
+  SetGroup(p.gdw2, e, m > 0 ? f32 : 0, h32, m, p.z + off * F, p.dout + off * H, dw2);
+  SetGroup(p.gdw1, e, m > 0 ? h32 : 0, 2 * f32, m, p.x + off * H, p.dh + off * 2 * F, dw1);
+}
+
+// Overwrite mode: an expert without rows gets zero weight gradients (its TN groups wrote nothing).
+__global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t* total, char* dw1, char* dw2, int64_t bytes1,
+                                           int64_t bytes2) {
+  const int e = static_cast<int>(blockIdx.y);
+  if (counts[e] > 0 && *total > 0) return;  // an overflowed call (total 0) computed nothing: zero all
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 16; i < bytes1 + bytes2;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 16) {
+    char* p = i < bytes1 ? dw1 + e * bytes1 + i : dw2 + e * bytes2 + (i - bytes1);
+    *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+class CutlassExpertCompute final : public ExpertCompute {
+ public:
+  CutlassExpertCompute(const ExpertMlpDesc& d, int device) : desc_(d), device_(device) {}
+  ~CutlassExpertCompute() override {
+    int current = 0;
+    cudaGetDevice(&current);
+    cudaSetDevice(device_);
+    for (void* p : {static_cast<void*>(z_), static_cast<void*>(dz_), static_cast<void*>(dh_), static_cast<void*>(total_)})
+      if (p) cudaFree(p);
+    if (fault_host_) cudaFreeHost(fault_host_);
+    gemms_.reset();
+    cudaSetDevice(current);
+  }
+
+  Status Init() {
+    const auto E = static_cast<int32_t>(desc_.num_experts);
+    const int64_t H = desc_.hidden, F = desc_.ffn;
+    auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, std::unique_ptr<GroupedGemmSm90>& out) -> Status {
+      RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_));
+      return Status::Ok();
+    };
+    gemms_ = std::make_unique<Gemms>();
+    Gemms& g = *gemms_;
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, H, 2 * F, 2 * F, g.g1));      // h [m][2F] = x [m][H] . W1 [H][2F]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, F, H, H, g.g2));              // y [m][H] = z [m][F] . W2 [F][H]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, H, H, F, g.dz));              // dz [m][F] = dout [m][H] . (W2 [F][H])^T
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, 2 * F, 2 * F, H, g.dx));      // dx [m][H] = dh [m][2F] . (W1 [H][2F])^T
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, F, H, H, g.dw2));         // dW2 [F][H] = (z [m][F])^T . dout [m][H]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, g.dw1)); // dW1 [H][2F] = (x [m][H])^T . dh [m][2F]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, F, H, H, g.dw2_bf16));
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, H, 2 * F, 2 * F, g.dw1_bf16));
+    const auto rows = static_cast<size_t>(desc_.max_rows);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&z_, rows * static_cast<size_t>(F) * 2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dz_, rows * static_cast<size_t>(F) * 2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dh_, rows * static_cast<size_t>(2 * F) * 2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&total_, sizeof(int64_t)));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(total_, 0, sizeof(int64_t)));
+    void* pinned = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    fault_host_ = static_cast<int64_t*>(pinned);
+    *fault_host_ = -1;
+    void* mapped = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, pinned, 0));
+    fault_dev_ = static_cast<int64_t*>(mapped);
+    return Status::Ok();
+  }
+
+  const char* name() const override { return "cutlass-grouped-sm90"; }
+  bool graph_safe() const override { return true; }
+  size_t workspace_bytes() const override {
+    size_t b = static_cast<size_t>(desc_.max_rows) * static_cast<size_t>(4 * desc_.ffn) * 2 + sizeof(int64_t);
+    if (gemms_)
+      for (const auto* g : gemms_->all()) b += g->device_bytes();
+    return b;
+  }
+  const ExpertMlpDesc& desc() const override { return desc_; }
+
+  Status Forward(const ExpertRows& rows, const __nv_bfloat16* x, const ExpertWeightsView& w, __nv_bfloat16* h, __nv_bfloat16* y,
+                 cudaStream_t stream) override {
+    RDEP_RETURN_IF_ERROR(CheckCall(rows, w));
+    Gemms& g = *gemms_;
+    const ForwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, w.w1,
+                         w.w2, h, z_, y, Tables(*g.g1), Tables(*g.g2), total_, fault_dev_};
+    ForwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    RDEP_RETURN_IF_ERROR(g.g1->Run(0.0f, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_));
+    return g.g2->Run(0.0f, stream);
+  }
+
+  Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+                  const ExpertWeightsView& w, __nv_bfloat16* dx, const ExpertGradsView& grads, bool accumulate,
+                  cudaStream_t stream) override {
+    RDEP_RETURN_IF_ERROR(CheckCall(rows, w));
+    if (grads.bf16() && accumulate)
+      return InvalidArgument("cutlass expert compute: bf16 weight gradients are written once (accumulate must be false)");
+    Gemms& g = *gemms_;
+    GroupedGemmSm90& gdw2 = grads.bf16() ? *g.dw2_bf16 : *g.dw2;
+    GroupedGemmSm90& gdw1 = grads.bf16() ? *g.dw1_bf16 : *g.dw1;
+    void* dw1 = grads.bf16() ? static_cast<void*>(grads.dw1_bf16) : static_cast<void*>(grads.dw1);
+    void* dw2 = grads.bf16() ? static_cast<void*>(grads.dw2_bf16) : static_cast<void*>(grads.dw2);
+    if (!dw1 || !dw2) return InvalidArgument("cutlass expert compute: weight gradients are null");
+    const int64_t elem = grads.bf16() ? 2 : 4;
+    const BackwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, dout,
+                          w.w1, w.w2, z_, dz_, dh_, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
+                          Tables(gdw1), total_, fault_dev_};
+    BackwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, dz_, z_, dh_, rows.max_rows, desc_.ffn, stream, total_));
+    RDEP_RETURN_IF_ERROR(g.dx->Run(0.0f, stream));
+    const float beta = accumulate ? 1.0f : 0.0f;
+    RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));
+    RDEP_RETURN_IF_ERROR(gdw1.Run(beta, stream));
+    if (accumulate) return Status::Ok();
+    const int64_t H = desc_.hidden, F = desc_.ffn;
+    const dim3 grid(64, static_cast<unsigned>(desc_.num_experts));
+    ZeroEmptyExpertGradsKernel<<<grid, 256, 0, stream>>>(rows.counts, total_, static_cast<char*>(dw1), static_cast<char*>(dw2),
+                                                         H * 2 * F * elem, F * H * elem);
+    return cuda::CudaStatus(cudaGetLastError(), "zero empty experts' gradients", __FILE__, __LINE__);
+  }
+
+ private:
+  struct Gemms {
+    std::unique_ptr<GroupedGemmSm90> g1, g2, dz, dx, dw2, dw1, dw2_bf16, dw1_bf16;
+    std::vector<const GroupedGemmSm90*> all() const {
+      return {g1.get(), g2.get(), dz.get(), dx.get(), dw2.get(), dw1.get(), dw2_bf16.get(), dw1_bf16.get()};
+    }
+  };
+
+  static GemmTables Tables(GroupedGemmSm90& g) { return {g.problems(), g.ptr_a(), g.ptr_b(), g.ptr_d()}; }
+
+  // Host checks of a call, and the fault a previous call's setup raised (read from mapped memory: no
+  // synchronization; a fault of a call still in flight shows at a later call).
+  Status CheckCall(const ExpertRows& rows, const ExpertWeightsView& w) {
+    if (!rows.counts) return InvalidArgument("cutlass expert compute: rows.counts (device per-expert counts) is null");
+    if (rows.max_rows < 0 || rows.max_rows > desc_.max_rows)
+      return InvalidArgument("cutlass expert compute: rows.max_rows " + std::to_string(rows.max_rows) + " outside [0, desc.max_rows=" +
+                             std::to_string(desc_.max_rows) + "]");
+    if (!w.w1 || !w.w2) return InvalidArgument("cutlass expert compute: weights are null");
+    if (w.w1_scales || w.w2_scales) return InvalidArgument("cutlass expert compute: scaled (FP8) weights are not supported");
+    auto* fault_word = reinterpret_cast<volatile int64_t*>(fault_host_);
+    if (const int64_t fault = *fault_word; fault >= 0) {
+      *fault_word = -1;  // reported once
+      return FailedPrecondition("cutlass expert compute: an earlier call's counts summed to " + std::to_string(fault) +
+                                " rows, more than its rows.max_rows; that call computed nothing (its outputs are stale)");
+    }
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return Status::Ok();
+  }
+
+  ExpertMlpDesc desc_;
+  int device_;
+  std::unique_ptr<Gemms> gemms_;
+  __nv_bfloat16 *z_ = nullptr, *dz_ = nullptr, *dh_ = nullptr;
+  int64_t* total_ = nullptr;
+  int64_t* fault_host_ = nullptr;
+  int64_t* fault_dev_ = nullptr;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device) {
+  RDEP_RETURN_IF_ERROR(desc.Validate());
+  if (desc.num_experts > kMaxExperts)
+    return InvalidArgument("cutlass expert compute: num_experts " + std::to_string(desc.num_experts) + " > " +
+                           std::to_string(kMaxExperts) + " local experts");
+  if (desc.max_rows > (int64_t{1} << 31) - 1 || desc.hidden > (int64_t{1} << 30) || desc.ffn > (int64_t{1} << 29))
+    return InvalidArgument("cutlass expert compute: max_rows, hidden and 2*ffn must fit the kernels' 32-bit problem sizes");
+  std::string why;
+  if (!internal::GroupedGemmSm90Available(device, &why)) return Unavailable("cutlass expert compute: " + why);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  auto c = std::make_unique<CutlassExpertCompute>(desc, device);
+  RDEP_RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<ExpertCompute>(std::move(c));
+}
+
+}  // namespace rdep::kernels

@@ -1,0 +1,304 @@
+// The CUTLASS expert compute (MakeCutlassExpertCompute) against the cuBLASLt one on the same inputs:
+// h, y, dx (bf16) within ||a-b||/||b|| <= 1e-2 and dW1, dW2 (fp32 accumulate or overwrite, bf16
+// overwrite) within 1e-2, over empty experts, a single row, one expert holding every row, row counts
+// that are not tile multiples and the Moonlight expert shape; outputs poisoned first, rows past M
+// untouched, empty experts' gradients zeroed on overwrite; counts above rows.max_rows compute nothing
+// and the next call reports it; a forward and backward captured in a CUDA graph and replayed with new
+// device counts equal eager calls bitwise. The grouped GEMM alone against a host reference.
+// Skips, saying why, without a GPU, without CUTLASS in the build, or on a GPU other than sm_90.
+//   build/src/experts/experts_test --gtest_filter='CutlassExpertCompute*:GroupedGemmSm90*'
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#if defined(RDEP_HAVE_CUTLASS)
+#include "experts/grouped_gemm_sm90.h"
+#endif
+#include "rdep/core/random.h"
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
+#include "rdep/experts/expert_compute.h"
+
+namespace rdep::kernels {
+namespace {
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  void Upload(const std::vector<T>& v) { ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  std::vector<T> Download() const {
+    std::vector<T> v(n);
+    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+  void Poison() { ASSERT_EQ(cudaMemset(p, 0xFF, n * sizeof(T)), cudaSuccess); }
+  __nv_bfloat16* bf() const { return reinterpret_cast<__nv_bfloat16*>(p); }
+};
+
+std::vector<uint16_t> RandomBf16(size_t n, uint64_t seed, float scale) {
+  Rng rng(seed);
+  std::vector<uint16_t> v(n);
+  for (auto& b : v) b = FloatToBf16Bits(scale * static_cast<float>(rng.uniform() * 2 - 1));
+  return v;
+}
+
+std::vector<double> AsDouble(const std::vector<uint16_t>& bits, size_t n) {
+  std::vector<double> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = Bf16BitsToFloat(bits[i]);
+  return v;
+}
+template <typename T>
+std::vector<double> AsDouble(const std::vector<T>& a, size_t n) {
+  return std::vector<double>(a.begin(), a.begin() + static_cast<int64_t>(n));
+}
+
+// ||a - b|| / ||b|| (||a - b|| when b is 0).
+double RelErr(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    d += (a[i] - b[i]) * (a[i] - b[i]);
+    r += b[i] * b[i];
+  }
+  return r > 0 ? std::sqrt(d / r) : std::sqrt(d);
+}
+
+// Makes the CUTLASS compute, or says why the test cannot run here.
+StatusOr<std::unique_ptr<ExpertCompute>> MakeOrSkipReason(const ExpertMlpDesc& desc, std::string* skip) {
+  if (cuda::DeviceCount() == 0) {
+    *skip = "no CUDA device";
+    return Unavailable(*skip);
+  }
+  auto ec = MakeCutlassExpertCompute(desc, 0);
+  if (!ec.ok() && ec.status().code() == StatusCode::kUnavailable) *skip = ec.status().message();
+  return ec;
+}
+
+struct Case {
+  const char* name;
+  int64_t H, F;
+  std::vector<int64_t> counts;
+  bool accumulate = false;
+  bool bf16_grads = false;
+};
+
+// Forward and backward with both implementations on the same inputs.
+void CompareWithCublasLt(const Case& c) {
+  const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, F = c.F, pad = 5;
+  const int64_t M = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
+  const ExpertMlpDesc desc{E, H, F, M + pad};
+  std::string skip;
+  auto cut = MakeOrSkipReason(desc, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_TRUE((*cut)->graph_safe());
+  auto lt = MakeCublasLtExpertCompute(desc, 0);
+  ASSERT_TRUE(lt.ok()) << lt.status();
+  Dev<int64_t> dcounts(static_cast<size_t>(E));
+  dcounts.Upload(c.counts);
+  Dev<uint16_t> x(static_cast<size_t>((M + pad) * H)), w1(static_cast<size_t>(E * H * 2 * F)), w2(static_cast<size_t>(E * F * H));
+  Dev<uint16_t> dout(x.n);
+  x.Upload(RandomBf16(x.n, 1, 1.f));
+  w1.Upload(RandomBf16(w1.n, 2, 1.f / std::sqrt(static_cast<float>(H))));
+  w2.Upload(RandomBf16(w2.n, 3, 1.f / std::sqrt(static_cast<float>(F))));
+  dout.Upload(RandomBf16(dout.n, 4, 1.f));
+  const std::vector<float> dw1_start(w1.n, 0.25f), dw2_start(w2.n, -0.5f);  // what accumulate adds to
+  struct Out {
+    std::vector<uint16_t> h, y, dx, dw1_b, dw2_b;
+    std::vector<float> dw1, dw2;
+  } got[2];
+  ExpertCompute* impl[2] = {lt->get(), cut->get()};
+  for (int k = 0; k < 2; ++k) {
+    Dev<uint16_t> h(static_cast<size_t>((M + pad) * 2 * F)), y(x.n), dx(x.n), dw1b(w1.n), dw2b(w2.n);
+    Dev<float> dw1(w1.n), dw2(w2.n);
+    for (auto* d : {&h, &y, &dx, &dw1b, &dw2b}) d->Poison();
+    if (c.accumulate) {
+      dw1.Upload(dw1_start);
+      dw2.Upload(dw2_start);
+    } else {
+      dw1.Poison();
+      dw2.Poison();
+    }
+    const ExpertRows rows{dcounts.p, M, k == 0 ? c.counts.data() : nullptr};  // the CUTLASS one reads device counts only
+    const ExpertWeightsView w{w1.bf(), w2.bf()};
+    const ExpertGradsView g = c.bf16_grads ? ExpertGradsView{nullptr, nullptr, dw1b.bf(), dw2b.bf()} : ExpertGradsView{dw1.p, dw2.p};
+    ASSERT_TRUE(impl[k]->Forward(rows, x.bf(), w, h.bf(), y.bf(), nullptr).ok());
+    Status b = impl[k]->Backward(rows, x.bf(), h.bf(), dout.bf(), w, dx.bf(), g, c.accumulate, nullptr);
+    ASSERT_TRUE(b.ok()) << impl[k]->name() << ": " << b;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << impl[k]->name();
+    got[k] = {h.Download(), y.Download(), dx.Download(), dw1b.Download(), dw2b.Download(), dw1.Download(), dw2.Download()};
+    for (int64_t i = M * H; i < (M + pad) * H; ++i) {
+      ASSERT_EQ(got[k].y[static_cast<size_t>(i)], 0xFFFF) << impl[k]->name() << ": y row past M written";
+      ASSERT_EQ(got[k].dx[static_cast<size_t>(i)], 0xFFFF) << impl[k]->name() << ": dx row past M written";
+    }
+  }
+  const auto rows_h = static_cast<size_t>(M * 2 * F), rows_y = static_cast<size_t>(M * H);
+  EXPECT_LE(RelErr(AsDouble(got[1].h, rows_h), AsDouble(got[0].h, rows_h)), 1e-2) << "h";
+  EXPECT_LE(RelErr(AsDouble(got[1].y, rows_y), AsDouble(got[0].y, rows_y)), 1e-2) << "y";
+  EXPECT_LE(RelErr(AsDouble(got[1].dx, rows_y), AsDouble(got[0].dx, rows_y)), 1e-2) << "dx";
+  if (c.bf16_grads) {
+    EXPECT_LE(RelErr(AsDouble(got[1].dw1_b, w1.n), AsDouble(got[0].dw1_b, w1.n)), 1e-2) << "dW1 (bf16)";
+    EXPECT_LE(RelErr(AsDouble(got[1].dw2_b, w2.n), AsDouble(got[0].dw2_b, w2.n)), 1e-2) << "dW2 (bf16)";
+  } else {
+    EXPECT_LE(RelErr(AsDouble(got[1].dw1, w1.n), AsDouble(got[0].dw1, w1.n)), 1e-2) << "dW1";
+    EXPECT_LE(RelErr(AsDouble(got[1].dw2, w2.n), AsDouble(got[0].dw2, w2.n)), 1e-2) << "dW2";
+  }
+  // An empty expert's gradient: zero when overwritten, unchanged when accumulated.
+  for (size_t e = 0; e < c.counts.size(); ++e) {
+    if (c.counts[e] != 0) continue;
+    const size_t at = e * static_cast<size_t>(H * 2 * F);
+    if (c.bf16_grads) EXPECT_EQ(got[1].dw1_b[at], 0) << "expert " << e;
+    else EXPECT_EQ(got[1].dw1[at], c.accumulate ? 0.25f : 0.f) << "expert " << e;
+  }
+}
+
+class CutlassExpertCompute : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CutlassExpertCompute, MatchesCublasLt) { CompareWithCublasLt(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda_bf16, CutlassExpertCompute,
+    ::testing::Values(Case{"E5_H64_F48_empty_single_uneven", 64, 48, {37, 0, 1, 0, 90}},
+                      Case{"E4_one_expert_holds_every_row", 128, 64, {0, 0, 300, 0}},
+                      Case{"E3_not_tile_multiples_accumulate", 256, 136, {129, 255, 7}, true},
+                      Case{"E6_bf16_gradients", 128, 96, {64, 0, 200, 3, 0, 128}, false, true},
+                      Case{"E16_moonlight_expert", 2048, 1408, {384, 0, 512, 130, 768, 1, 256, 640, 96, 384, 0, 1024, 33, 512, 300, 200}}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+TEST(CutlassExpertCompute_Faults, CountsAboveMaxRowsComputeNothingAndAreReported) {
+  const int64_t E = 2, H = 64, F = 32;
+  std::string skip;
+  auto ec = MakeOrSkipReason({E, H, F, 64}, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_TRUE(ec.ok()) << ec.status();
+  Dev<int64_t> counts(2);
+  counts.Upload({40, 30});  // 70 rows, the call allows 64
+  Dev<uint16_t> x(64 * H), w1(E * H * 2 * F), w2(E * F * H), h(64 * 2 * F), y(64 * H);
+  x.Upload(RandomBf16(x.n, 1, 1.f));
+  w1.Upload(RandomBf16(w1.n, 2, 0.1f));
+  w2.Upload(RandomBf16(w2.n, 3, 0.1f));
+  y.Poison();
+  ASSERT_TRUE((*ec)->Forward({counts.p, 64, nullptr}, x.bf(), {w1.bf(), w2.bf()}, h.bf(), y.bf(), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (uint16_t v : y.Download()) ASSERT_EQ(v, 0xFFFF) << "an overflowing call wrote its output";
+  counts.Upload({10, 20});
+  const Status next = (*ec)->Forward({counts.p, 64, nullptr}, x.bf(), {w1.bf(), w2.bf()}, h.bf(), y.bf(), nullptr);
+  EXPECT_EQ(next.code(), StatusCode::kFailedPrecondition) << next;
+  EXPECT_NE(next.message().find("summed to 70 rows"), std::string::npos) << next;
+  EXPECT_TRUE((*ec)->Forward({counts.p, 64, nullptr}, x.bf(), {w1.bf(), w2.bf()}, h.bf(), y.bf(), nullptr).ok())
+      << "the fault is reported once";
+}
+
+// Forward + backward captured once, replayed after the device counts and inputs changed in place:
+// bitwise the eager results for the new counts.
+TEST(CutlassExpertCompute_Graph, CapturedAndReplayedWithNewCountsEqualsEager) {
+  const int64_t E = 4, H = 128, F = 64, max_rows = 512;
+  std::string skip;
+  auto ec = MakeOrSkipReason({E, H, F, max_rows}, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_TRUE(ec.ok()) << ec.status();
+  Dev<int64_t> counts(static_cast<size_t>(E));
+  Dev<uint16_t> x(max_rows * H), w1(E * H * 2 * F), w2(E * F * H), dout(max_rows * H), h(max_rows * 2 * F), y(max_rows * H),
+      dx(max_rows * H);
+  Dev<float> dw1(w1.n), dw2(w2.n);
+  w1.Upload(RandomBf16(w1.n, 2, 0.1f));
+  w2.Upload(RandomBf16(w2.n, 3, 0.1f));
+  const ExpertRows rows{counts.p, max_rows, nullptr};
+  const ExpertWeightsView w{w1.bf(), w2.bf()};
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  auto step = [&]() -> Status {
+    RDEP_RETURN_IF_ERROR((*ec)->Forward(rows, x.bf(), w, h.bf(), y.bf(), s));
+    return (*ec)->Backward(rows, x.bf(), h.bf(), dout.bf(), w, dx.bf(), {dw1.p, dw2.p}, false, s);
+  };
+  auto load = [&](std::vector<int64_t> c, uint64_t seed) {
+    counts.Upload(c);
+    x.Upload(RandomBf16(x.n, seed, 1.f));
+    dout.Upload(RandomBf16(dout.n, seed + 1, 1.f));
+  };
+  load({100, 0, 37, 200}, 10);
+  ASSERT_TRUE(step().ok());  // warm (first-call initialization outside the capture)
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status captured = step();
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_TRUE(captured.ok()) << captured;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  load({3, 300, 0, 150}, 20);  // new counts and data in the same buffers
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const auto y_graph = y.Download(), dx_graph = dx.Download();
+  const auto dw1_graph = dw1.Download();
+  ASSERT_TRUE(step().ok());
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(y_graph, y.Download());
+  EXPECT_EQ(dx_graph, dx.Download());
+  EXPECT_EQ(dw1_graph, dw1.Download());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+#if defined(RDEP_HAVE_CUTLASS)
+// The grouped GEMM alone (kind NN) against a host fp32-accumulated reference of the bf16 inputs, with
+// groups of 0, 1 and uneven rows.
+TEST(GroupedGemmSm90, NNMatchesHostReference) {
+  std::string why;
+  if (!internal::GroupedGemmSm90Available(0, &why)) GTEST_SKIP() << why;
+  const int64_t K = 96, N = 72;
+  const std::vector<int32_t> m = {5, 0, 130, 1};
+  const int64_t M = std::accumulate(m.begin(), m.end(), int64_t{0}), G = static_cast<int64_t>(m.size());
+  auto gemm = internal::GroupedGemmSm90::Create(internal::GroupedGemmKind::kNN, static_cast<int32_t>(G), K, N, N, 0);
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  Dev<uint16_t> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(G * K * N)), d(static_cast<size_t>(M * N));
+  const auto ha = RandomBf16(a.n, 7, 1.f), hb = RandomBf16(b.n, 8, 1.f);
+  a.Upload(ha);
+  b.Upload(hb);
+  d.Poison();
+  std::vector<internal::GemmProblem> problems;
+  std::vector<const void*> pa, pb;
+  std::vector<void*> pd;
+  int64_t off = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    problems.push_back({m[static_cast<size_t>(g)], static_cast<int32_t>(N), static_cast<int32_t>(K)});
+    pa.push_back(a.p + off * K);
+    pb.push_back(b.p + g * K * N);
+    pd.push_back(d.p + off * N);
+    off += m[static_cast<size_t>(g)];
+  }
+  ASSERT_EQ(cudaMemcpy((*gemm)->problems(), problems.data(), problems.size() * sizeof(problems[0]), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy((*gemm)->ptr_a(), pa.data(), pa.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy((*gemm)->ptr_b(), pb.data(), pb.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy((*gemm)->ptr_d(), pd.data(), pd.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE((*gemm)->Run(0.f, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = d.Download();
+  off = 0;
+  double worst = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < m[static_cast<size_t>(g)]; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k)
+          ref += static_cast<double>(Bf16BitsToFloat(ha[static_cast<size_t>((off + i) * K + k)])) *
+                 Bf16BitsToFloat(hb[static_cast<size_t>(g * K * N + k * N + j)]);
+        const double v = Bf16BitsToFloat(got[static_cast<size_t>((off + i) * N + j)]);
+        worst = std::max(worst, std::abs(v - ref) / (1.0 + std::abs(ref)));
+      }
+    off += m[static_cast<size_t>(g)];
+  }
+  EXPECT_LE(worst, 1e-2) << "max |d - ref| / (1 + |ref|)";  // bf16 output rounding: 2^-8 relative
+}
+#endif  // RDEP_HAVE_CUTLASS
+
+}  // namespace
+}  // namespace rdep::kernels

@@ -1,0 +1,64 @@
+// Grouped GEMMs for sm_90a whose per-group problem sizes and operand pointers live in DEVICE memory
+// (CUTLASS 3 ptr-array kernels: TMA + wgmma, warp-specialized cooperative, persistent tile scheduler
+// over all groups), so a caller can fill them in a kernel from device-resident per-expert row counts
+// and launch without a host round trip. bf16 operands, fp32 accumulation. Internal to rdep::experts.
+//
+// One GroupedGemmSm90 serves one GEMM of the expert MLP for G groups (local experts). Its kinds:
+//   kNN      D[m][n] bf16 = A[m][k] . B[k][n]            A, B row-major     (forward: x.W1, z.W2)
+//   kNT      D[m][n] bf16 = A[m][k] . B[n][k]^T          A, B row-major     (dgrad: dout.W2^T, dh.W1^T)
+//   kTN_F32  D[m][n] fp32 = A[k][m]^T . B[k][n] + beta.D  A, B row-major     (wgrad: z^T.dout, x^T.dh)
+//   kTN_BF16 D[m][n] bf16 = A[k][m]^T . B[k][n]          (wgrad into bf16 gradients, overwritten)
+// Every operand is dense row-major with its row length fixed per kind and object (lda, ldb, ldd given
+// at Create), so only the group's (m, n, k) and its three pointers change from call to call: the
+// caller writes them into problems(), ptr_a(), ptr_b(), ptr_d() (device arrays of G entries) on the
+// stream before Run. A group with m, n or k = 0 must be given m = 0 (no tiles: its D is not written).
+// Requirements (checked at Create): lda, ldb, ldd multiples of 8 (16-byte rows for TMA); every pointer
+// written into the tables 16-byte aligned.
+//
+// Exercised by: build/src/experts/experts_test --gtest_filter='GroupedGemmSm90*:CutlassExpertCompute*'
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "rdep/status.h"
+
+namespace rdep::kernels::internal {
+
+enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16 };
+const char* GroupedGemmKindName(GroupedGemmKind k);
+
+// One group's problem size, as the kernel reads it (cute::Shape<int, int, int>: m, n, k).
+struct GemmProblem {
+  int32_t m, n, k;
+};
+
+class GroupedGemmSm90 {
+ public:
+  // lda, ldb, ldd: the row lengths (elements) of A, B and D as stored (row-major), the same for every
+  // group. device: the GPU the arrays and workspace live on.
+  static StatusOr<std::unique_ptr<GroupedGemmSm90>> Create(GroupedGemmKind kind, int32_t num_groups, int64_t lda,
+                                                           int64_t ldb, int64_t ldd, int device);
+  virtual ~GroupedGemmSm90() = default;
+  virtual GroupedGemmKind kind() const = 0;
+  virtual int32_t num_groups() const = 0;
+  virtual size_t device_bytes() const = 0;
+
+  // Device arrays of num_groups() entries the caller fills before Run.
+  virtual GemmProblem* problems() = 0;
+  virtual const void** ptr_a() = 0;
+  virtual const void** ptr_b() = 0;
+  virtual void** ptr_d() = 0;
+
+  // Enqueues the grouped GEMM on `stream`. beta (kTN_F32 only): 0 overwrites D, 1 adds to it.
+  // Never synchronizes the host; capturable in a CUDA graph.
+  virtual Status Run(float beta, cudaStream_t stream) = 0;
+};
+
+// Whether this build has the CUTLASS kernels and the device can run them (sm_90); why not otherwise.
+bool GroupedGemmSm90Available(int device, std::string* why);
+
+}  // namespace rdep::kernels::internal
