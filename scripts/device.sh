@@ -7,18 +7,20 @@
 #   --targets "A B"   build only these targets (default: all)
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
+#   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
-TESTS="" TARGETS="" BENCH=()
+TESTS="" TARGETS="" BENCH=() PYTEST=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=$2; shift 2 ;;
     --targets) TARGETS=$2; shift 2 ;;
     --bench|--mpi) BENCH+=("$2"); shift 2 ;;
+    --no-pytest) PYTEST=0; shift ;;
     *) echo "device.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +49,13 @@ if [ $build_rc -eq 0 ]; then
   else ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/tests.log" 2>&1; fi
   test_rc=$?
 fi
+# The Python package's tests (CUDA ones included) on the library just built, when torch is there.
+pytest_rc=-1
+if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
+  RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
+    python3 -m pytest python/tests -q -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  pytest_rc=$?
+fi
 t2=$(date +%s)
 : >"$OUT/bench.log"
 for cmd in "${BENCH[@]}"; do
@@ -59,4 +68,5 @@ echo "===== summary (build ${build_rc} in $((t1 - t0))s, tests ${test_rc} in $((
 head -3 "$OUT/env.txt" | tail -2
 [ $build_rc -ne 0 ] && grep -E "error|FAILED" "$OUT/build.log" | head -30
 [ -f "$OUT/tests.log" ] && { grep -E "Failed|\*\*\*|Skipped|SKIPPED" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log"; }
+[ -f "$OUT/pytest.log" ] && { echo "pytest rc ${pytest_rc}:"; grep -E "FAILED|SKIPPED|passed|failed" "$OUT/pytest.log" | tail -15; }
 tail -c 6000 "$OUT/bench.log"
