@@ -299,7 +299,7 @@ Status DevicePlanner::Solve(const int64_t* load_dev, int64_t capacity, CUstream_
 
 DevicePlanView DevicePlanner::view() const {
   const DeviceBuffers& b = impl_->p.buf;
-  return DevicePlanView{b.inst_offsets, b.inst_expert, b.inst_rank, b.inst_slot, b.inst_quota, b.slot_expert, b.route, b.load};
+  return DevicePlanView{b.inst_offsets, b.inst_expert, b.inst_rank, b.inst_slot, b.inst_quota, b.slot_expert, b.route, b.load, b.misc};
 }
 
 StatusOr<BalancePlan> DevicePlanner::Download(CUstream_st* stream) const {

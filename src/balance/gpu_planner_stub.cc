@@ -41,4 +41,9 @@ Status LaunchStreamReplicaWeights(const DevicePlanView&, int32_t, int32_t, const
   return Unavailable("stream replicas: rdep was built without CUDA");
 }
 
+Status LaunchReduceReplicaGradients(const DevicePlanView&, int32_t, int32_t, const int32_t*, const int32_t*, float*, int64_t, float*,
+                                    int64_t, const float* const*, CUstream_st*) {
+  return Unavailable("reduce replicas: rdep was built without CUDA");
+}
+
 }  // namespace rdep

@@ -5,6 +5,7 @@
 
 #include "rdep/balance/eplb.h"
 #include "rdep/balance/quota_planner.h"
+#include "rdep/core/capacity.h"
 
 namespace rdep {
 
@@ -58,6 +59,16 @@ StatusOr<BalancePlan> SolveLayerPlan(const BalanceConfig& config, const std::vec
       return EplbExactPlan(load, owners, eplb);
   }
   return InvalidArgument("balance: unknown balancer");
+}
+
+std::vector<int64_t> AdmitLoadMatrix(const std::vector<int64_t>& load, int64_t W, int64_t E, int64_t capacity) {
+  std::vector<int64_t> admitted(load.size()), counts(static_cast<size_t>(W)), kept(static_cast<size_t>(W));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t r = 0; r < W; ++r) counts[static_cast<size_t>(r)] = load[static_cast<size_t>(r * E + e)];
+    AdmitBySourceOrder(counts.data(), W, capacity, kept.data());
+    for (int64_t r = 0; r < W; ++r) admitted[static_cast<size_t>(r * E + e)] = kept[static_cast<size_t>(r)];
+  }
+  return admitted;
 }
 
 BalanceTelemetry ComputeBalanceTelemetry(const BalancePlan& plan, const std::vector<int64_t>& load,

@@ -83,7 +83,7 @@ __global__ void PublishLoadRowKernel(const int32_t* experts, int64_t n, RegionLa
   for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) dst[e] = load_shared[e];
 }
 
-__global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, OwnerMapView own, int32_t rank,
+__global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, RouteTargets targets, int32_t rank,
                                       int32_t* tok_index, int64_t* const* control_of) {
   extern __shared__ int rows_shared[];  // [L]
   __shared__ typename BlockScan::TempStorage scan;
@@ -97,10 +97,11 @@ __global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionL
     int flag = 0;
     if (t < n)
       for (int64_t k = 0; k < l.K; ++k) {
-        const int32_t e = experts[t * l.K + k];
-        if (own.owner[e] == q) {
+        const int64_t i = t * l.K + k;
+        const int32_t e = experts[i];
+        if (targets.rank(i, e) == q) {
           flag = 1;
-          atomicAdd(&rows_shared[own.local[e]], 1);
+          atomicAdd(&rows_shared[targets.local(i, e)], 1);
         }
       }
     int pos, total;
@@ -180,9 +181,19 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
   if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
 }
 
+__global__ void RenormalizeAcceptedKernel(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective,
+                                          int64_t* dropped) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  int64_t drops = 0;
+  for (int64_t k = 0; k < K; ++k) drops += accepted[t * K + k] ? 0 : 1;
+  RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
+  if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
+}
+
 __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                               const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
-                              OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                              RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
                               void* const* payload_of, void* const* sideband_of) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
@@ -203,12 +214,12 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
         int32_t e = 0;
         if (k < l.K) {
           e = experts[t * l.K + k];
-          take = own.owner[e] == q && accepted[t * l.K + k];
+          take = targets.rank(t * l.K + k, e) == q && accepted[t * l.K + k];
         }
         const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
         if (take) {
           const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
-          rows[pos] = RowSideband{codec.encode(rank, t, k), own.local[e], effective[t * l.K + k]};
+          rows[pos] = RowSideband{codec.encode(rank, t, k), targets.local(t * l.K + k, e), effective[t * l.K + k]};
         }
         num_rows += __popc(mask);
       }
@@ -384,10 +395,10 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
   return Status::Ok();
 }
 
-Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, OwnerMapView own, int32_t rank,
+Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                              int32_t* tok_index, int64_t* const* control_of, cudaStream_t s) {
   CountAndPublishKernel<<<static_cast<unsigned>(l.W), kScanThreads, static_cast<size_t>(l.L) * sizeof(int), s>>>(
-      experts, n, l, own, rank, tok_index, control_of);
+      experts, n, l, targets, rank, tok_index, control_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -419,12 +430,20 @@ Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* r
   return Status::Ok();
 }
 
+Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,
+                                 int64_t* dropped, cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  RenormalizeAcceptedKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(gates, accepted, n, K, effective_gates, dropped);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted, const float* effective_gates,
-                     const int32_t* tok_index, int64_t n, const RegionLayout& l, OwnerMapView own, int32_t rank,
+                     const int32_t* tok_index, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                      const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
                      cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  ScatterKernel<<<WarpBlocks(n), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, own, rank,
+  ScatterKernel<<<WarpBlocks(n), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
                                               my_control, lo, buf, payload_of, sideband_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "rdep/balance/gpu_planner.h"
+#include "rdep/balance/plan.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "rdep/experts/expert_compute.h"
@@ -19,6 +21,9 @@ namespace rdep {
 namespace cuda_layer {
 
 using dispatch::bf16_bits;
+
+// Profiling marks: the phase a recorded event closes (CudaMoELayer::Mark, LastPhaseTimes).
+enum MarkPhase { kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine, kMarkPlan, kMarkStream, kMarkReduce };
 
 // A device buffer that keeps its allocation across calls and grows only when asked for more.
 template <typename T>
@@ -61,6 +66,34 @@ struct DeviceBuffer {
 inline const bf16_bits* Bits(const __nv_bfloat16* p) { return reinterpret_cast<const bf16_bits*>(p); }
 inline bf16_bits* Bits(__nv_bfloat16* p) { return reinterpret_cast<bf16_bits*>(p); }
 
+// A forward's own copy of its balance plan on the device (the DevicePlanner's buffers belong to the
+// next solve; backward streams and reduces with this copy). The arrays of DevicePlanView, sized for
+// E experts, W ranks and N_slot slots per rank: at most I_max = E + W*N_slot instances; route is
+// [W][I] with I = offsets[E] (I_max*W words reserved). Methods in cuda_balance.cc.
+struct DevicePlanCopy {
+  int32_t E = 0, W = 0, slots = 0;
+  DeviceBuffer<int32_t> offsets, expert, rank, slot, slot_expert, route;  // [E+1], [I_max] x3, [W*N_slot], [W*I_max]
+  DeviceBuffer<int64_t> quota, admitted, misc;                             // [I_max], [W*E], [4]
+  Status Reserve(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
+  int64_t max_instances() const { return static_cast<int64_t>(E) + static_cast<int64_t>(W) * slots; }
+  // Enqueues device-to-device copies of a plan on the device (a DevicePlanner's view).
+  Status CopyFrom(const DevicePlanView& v, cudaStream_t s);
+  // Enqueues copies of a plan solved on the host, with its admitted load [W][E].
+  Status Upload(const BalancePlan& p, const std::vector<int64_t>& admitted_load, cudaStream_t s);
+  DevicePlanView view() const;
+  // The plan on the host (synchronizes s); InternalError when the planner flagged a fault.
+  StatusOr<BalancePlan> Download(cudaStream_t s) const;
+  StatusOr<std::vector<int64_t>> DownloadAdmitted(cudaStream_t s) const;
+  void Free() {
+    for (auto* b : {&offsets, &expert, &rank, &slot, &slot_expert, &route}) b->Free();
+    for (auto* b : {&quota, &admitted, &misc}) b->Free();
+  }
+  size_t bytes() const {
+    return (offsets.count + expert.count + rank.count + slot.count + slot_expert.count + route.count) * 4 +
+           (quota.count + admitted.count + misc.count) * 8;
+  }
+};
+
 }  // namespace cuda_layer
 
 // What a forward saves for its backward on one rank (held by a ForwardContext; device buffers on
@@ -83,7 +116,16 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   int64_t total_rows = 0;
   cuda_layer::DeviceBuffer<dispatch::GroupedRow> grouped;
   cuda_layer::DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
-  cuda_layer::DeviceBuffer<int64_t> rows_per_expert;       // the plan's admitted rows per local expert (owner scan)
+  cuda_layer::DeviceBuffer<int64_t> rows_per_expert;       // the plan's admitted rows per local expert (owner scan);
+                                                           // with balancing per physical index [layout L]
+  // Balancing (LayerConfig::balance): the plan, where each route slot is computed (rank and physical
+  // local index, -1 for a dropped slot), the logical expert of each physical index of this rank
+  // (sentinel echo), and the plan's status words copied to the host (pinned [4], with the routing
+  // fault: final at fault_copied).
+  cuda_layer::DevicePlanCopy plan;
+  cuda_layer::DeviceBuffer<int32_t> dest_rank, dest_local;  // [T*K]
+  cuda_layer::DeviceBuffer<int32_t> phys_global;            // [layout L]
+  int64_t* host_plan_misc = nullptr;
   // Dispatch/combine with the caller's experts: rows_per_expert on the host (read once per plan).
   std::vector<int64_t> recv_counts;
   bool have_recv_counts = false;
@@ -97,6 +139,9 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     cudaGetDevice(&current);
     cudaSetDevice(device);
     if (host_fault) cudaFreeHost(host_fault);
+    if (host_plan_misc) cudaFreeHost(host_plan_misc);
+    plan.Free();
+    for (auto* b : {&dest_rank, &dest_local, &phys_global}) b->Free();
     if (fault_copied) cudaEventDestroy(fault_copied);
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
@@ -109,7 +154,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   size_t bytes() const override {
     return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
            (dropped.count + control.count + rows_per_expert.count) * 8 + (saved_f.count + x_rows.count + h_rows.count) * 2 +
-           grouped.count * sizeof(dispatch::GroupedRow);
+           grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4;
   }
 };
 
@@ -118,6 +163,12 @@ struct CudaMoELayer::RankState {
   int device = 0;
   int32_t num_local = 0;
   std::unique_ptr<kernels::ExpertCompute> mlp;  // expert compute (cuBLASLt implementation)
+  // Balancing: the rank's device planner (ultraep), the expert compute of one redundant slot (one
+  // expert: the slot's [w1 | w2] is one expert's weights; called once per slot with rows), and the
+  // EPLB baseline's history (admitted rows per expert of the last plan, identical on every rank).
+  std::unique_ptr<DevicePlanner> planner;
+  std::unique_ptr<kernels::ExpertCompute> slot_mlp;
+  std::vector<double> eplb_history;
   // Weights (bf16) and gradients (fp32) of this rank's experts (the layer's own, unless the caller's
   // are bound; a layer created without weights has none of its own); ownership map on the device.
   cuda_layer::DeviceBuffer<__nv_bfloat16> w1, w2;
@@ -140,12 +191,24 @@ struct CudaMoELayer::RankState {
   cuda_layer::DeviceBuffer<float> scratch;
   cuda_layer::DeviceBuffer<int64_t> seg_counts;
   cuda_layer::DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
-  int64_t* host_counts = nullptr;  // pinned [num_local + W]
+  int64_t* host_counts = nullptr;  // pinned [max(num_local, physical experts) + W + 1]
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
   // The context of calls made without one.
   ForwardContext own_context;
+};
+
+// One expert-compute call over a run of a segment's grouped rows (CudaMoELayer::ExpertCalls): the
+// main experts (physical indices 0..E_loc-1) in one call on the rank's weights; with balancing, each
+// redundant slot with rows in a one-expert call on the slot's weights and gradient buffers.
+struct CudaMoELayer::ExpertCall {
+  kernels::ExpertCompute* mlp = nullptr;
+  int64_t first = 0, rows = 0;       // the segment's grouped rows [first, first + rows)
+  kernels::ExpertRows counts;        // per-expert counts of the call's experts (device and host)
+  kernels::ExpertWeightsView weights;
+  kernels::ExpertGradsView grads;
+  bool accumulate = false;           // weight gradients added to (fp32) or written (bf16)
 };
 
 }  // namespace rdep

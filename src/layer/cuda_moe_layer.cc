@@ -23,8 +23,9 @@ using dispatch::bf16_bits;
 using dispatch::GroupedRow;
 
 
+using namespace cuda_layer;  // MarkPhase
+
 namespace {
-enum MarkPhase { kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine };
 constexpr size_t kEventsPerCall = 256;
 }  // namespace
 
@@ -66,6 +67,9 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
       case kMarkDispatch: t.dispatch_ms += ms; break;
       case kMarkExpert: t.expert_ms += ms; break;
       case kMarkReturn: t.return_ms += ms; break;
+      case kMarkPlan: t.plan_ms += ms; break;
+      case kMarkStream: t.stream_ms += ms; break;
+      case kMarkReduce: t.reduce_ms += ms; break;
       default: t.combine_ms += ms; break;
     }
   }
@@ -79,6 +83,9 @@ size_t CudaMoELayer::device_bytes(int32_t rank) const {
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
   b += (st.owner.count + st.local.count + st.local_to_global.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
+  if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
+  if (replica_w_ >= 0)  // the redundant slots' bf16 weights and fp32 gradients
+    b += static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
   return b + st.own_context.bytes();
 }
 
@@ -99,7 +106,17 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
-  RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(ownership_.num_local(rank), 1))));
+  RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
+  if (config_.balance.enabled()) {
+    RDEP_RETURN_IF_ERROR(saved->plan.Reserve(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config_.replica_slots()));
+    RDEP_RETURN_IF_ERROR(saved->dest_rank.Reserve(nk));
+    RDEP_RETURN_IF_ERROR(saved->dest_local.Reserve(nk));
+    RDEP_RETURN_IF_ERROR(saved->phys_global.Reserve(static_cast<size_t>(layout_.L)));
+    void* misc = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&misc, 4 * sizeof(int64_t), cudaHostAllocPortable));
+    saved->host_plan_misc = static_cast<int64_t*>(misc);
+    std::fill_n(saved->host_plan_misc, 4, int64_t{0});
+  }
   void* pinned = nullptr;
   RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(dispatch::RoutingFault), cudaHostAllocMapped | cudaHostAllocPortable));
   saved->host_fault = static_cast<dispatch::RoutingFault*>(pinned);
@@ -120,6 +137,8 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
+  for (RegionId id : {replica_w_, replica_g_})
+    if (id >= 0) domain_.FreeSymmetric(id);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
     RankState& st = *rank_state;
@@ -155,6 +174,10 @@ Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_
 Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, __nv_bfloat16>& w) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RDEP_RETURN_IF_ERROR(w.Validate(rank));
+  if (config_.balance.enabled() && w.dw1)
+    return FailedPrecondition("bf16 weight gradients bound to rank " + std::to_string(rank) + " with balancing (" +
+                              BalanceKindName(config_.balance.kind) +
+                              "): replica gradients are reduced into fp32 main gradients; bind fp32 gradients (grad_bf16 off)");
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   st.bound = {w.w1, w.w2, nullptr, nullptr};
   st.bound_dw1_bf16 = w.dw1;
@@ -167,9 +190,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   LayerConfig config = config_in;
   const LayerShape& s = config.shape;
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
-  if (config.balance.enabled())
-    return InvalidArgument("cuda layer: balancing (" + std::string(BalanceKindName(config.balance.kind)) +
-                         ") runs on the host backend only so far; create the CUDA layer with balance off");
+  if (config.balance.enabled() && config.balance.kind == BalanceKind::kUltraEp) {
+    auto can = GpuPlannerCanImplement(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config.balance.num_slots);
+    if (!can.ok()) return InvalidArgument("cuda layer: balance ultraep: " + can.status().message());
+  }
   if (config.nodes.nodes > 1)
     return InvalidArgument("cuda layer: the two-phase inter-node exchange (N=" + std::to_string(config.nodes.nodes) +
                            " nodes) runs on the host backend only so far");
@@ -180,24 +204,33 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     int64_t cf;
     std::memcpy(&cf, &config.capacity.capacity_factor, sizeof cf);
     fp.push_back(cf);
+    fp.push_back(static_cast<int64_t>(config.balance.kind));
+    fp.push_back(config.balance.enabled() ? config.balance.num_slots : 0);
+    fp.push_back(config.balance.enabled() ? config.balance.min_quota : 0);
     for (int32_t o : ownership.owners()) fp.push_back(o);
     std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), fp.data(), bytes.size());
     RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
       std::vector<int64_t> v(b.size() / sizeof(int64_t));
       std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
-      if (v.size() < 8) return std::string("a malformed config");
+      if (v.size() < 11) return std::string("a malformed config");
       double c;
       std::memcpy(&c, &v[7], sizeof c);
       return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
              std::to_string(v[3]) + " K=" + std::to_string(v[4]) + " W=" + std::to_string(v[5]) + " S=" + std::to_string(v[6]) +
-             " capacity=" + std::to_string(c) + (v.size() > 8 ? " (+ownership map)" : "");
+             " capacity=" + std::to_string(c) + " balance=" + BalanceKindName(static_cast<BalanceKind>(v[8])) + " N_slot=" +
+             std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + (v.size() > 11 ? " (+ownership map)" : "");
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
+  if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients
+    const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
+    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AllocateSymmetric(per_slot * sizeof(__nv_bfloat16), "replica.weights"));
+    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AllocateSymmetric(per_slot * sizeof(float), "replica.grads"));
+  }
 
   const int64_t T = s.tokens, K = s.topk, H = s.hidden, F = s.ffn, W = s.ranks;
   const auto n1 = static_cast<size_t>(H * 2 * F), n2 = static_cast<size_t>(F * H);
@@ -228,15 +261,17 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     const auto nk = static_cast<size_t>(std::max<int64_t>(T * K, 1));
     RDEP_RETURN_IF_ERROR(st->scratch.Reserve(nk));
     RDEP_RETURN_IF_ERROR(st->rank_in_expert.Reserve(nk));
-    RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(L, 1))));
+    const int32_t phys = layer->physical_experts(*st);  // L, or with balancing the layout's L (slots last)
+    RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(phys, 1))));
     void* pinned = nullptr;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(L + W + 1), cudaHostAllocPortable));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
     // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
     const int64_t seg_rows = l.S * l.slots_per_token;
     if (L > 0) {
       RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::MakeCublasLtExpertCompute({L, H, F, std::max<int64_t>(seg_rows, 1)}, st->device));
     }
+    if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
     // out_rows: forward outputs of a segment; in backward, dout rows then dx rows behind them.
     RDEP_RETURN_IF_ERROR(st->out_rows.Reserve(static_cast<size_t>(2 * std::max<int64_t>(seg_rows, 1) * H)));
     layer->ranks_.push_back(std::move(st));
@@ -349,18 +384,24 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
-  // Phase 1: counts into every owner's recv tables.
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
-  // Phase 2: owner scan, capacity, bases published back.
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
-                                                 sv.rows_per_expert.ptr, stream));
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
-  // Accept also copies the control words into the context: from here on the forward reads its own
-  // copy (backward reads the same copy; the live region belongs to the next forward).
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,
-                                              sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
+  if (config_.balance.enabled()) {
+    // The balancer's plan decides acceptance and each row's physical instance (cuda_balance.cc); it
+    // ends with the control words copied into the context, as Accept does below.
+    RDEP_RETURN_IF_ERROR(PlanBalanced(rank, st, sv));
+  } else {
+    // Phase 1: counts into every owner's recv tables.
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
+    RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
+    // Phase 2: owner scan, capacity, bases published back.
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
+                                                   sv.rows_per_expert.ptr, stream));
+    RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
+    // Accept also copies the control words into the context: from here on the forward reads its own
+    // copy (backward reads the same copy; the live region belongs to the next forward).
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,
+                                                sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
+  }
   if (layout_.S >= W * s.tokens) {
     sv.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed
   } else {
@@ -389,6 +430,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
@@ -406,7 +448,12 @@ Status CudaMoELayer::CheckRoutingInput(int32_t rank, const Saved& sv) {
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
   const volatile dispatch::RoutingFault* v = sv.host_fault;  // written by the device through the mapping
   const dispatch::RoutingFault f{v->key, v->expert, v->gate};
-  if (f.key == ~0ull) return Status::Ok();
+  if (f.key == ~0ull) {
+    if (sv.host_plan_misc && static_cast<const volatile int64_t*>(sv.host_plan_misc)[3] != 0)
+      return InternalError("forward on rank " + std::to_string(rank) +
+                           ": the device balance plan is inconsistent (its reroute found residual demand above residual quota)");
+    return Status::Ok();
+  }
   const auto i = static_cast<int64_t>(f.key >> 2), K = config_.shape.topk;
   return InvalidArgument("forward on rank " + std::to_string(rank) + ": routing " +
                          DescribeRouteSlotFault(static_cast<RouteSlotFault>(f.key & 3), i / K, i % K, f.expert, f.gate,
@@ -420,6 +467,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   if (!ranks_[static_cast<size_t>(rank)]->has_weights() || !ranks_[static_cast<size_t>(rank)]->has_grads())
     return FailedPrecondition("backward on rank " + std::to_string(rank) +
                               ": the layer was created without weights and no weights and gradients are bound");
+  if (ranks_[static_cast<size_t>(rank)]->grads().bf16() && config_.balance.enabled())
+    return FailedPrecondition("backward on rank " + std::to_string(rank) + " with balancing (" + BalanceKindName(config_.balance.kind) +
+                              "): bf16 weight gradients are not supported (replica gradients reduce into fp32 ones); bind fp32 gradients");
   if (ranks_[static_cast<size_t>(rank)]->grads().bf16()) {
     const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank);
     if (peek && peek->num_segments > 1)
@@ -443,7 +493,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2_bf16, 0, st.w2_count * 2, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
+  RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // another call may have used the slots since forward
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
+  RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   return Mark(rank, st, true, kMarkCombine);
@@ -456,6 +508,9 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
   const int64_t S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
+  // Each accepted slot goes to its expert's owner, or with balancing to the instance the plan gave it.
+  const dispatch::RouteTargets targets = config_.balance.enabled() ? dispatch::RouteTargets{own, sv.dest_rank.ptr, sv.dest_local.ptr}
+                                                                   : dispatch::RouteTargets{own};
   if (!backward) {
     sv.seg_rows.assign(static_cast<size_t>(sv.num_segments), {});
     sv.seg_base.assign(static_cast<size_t>(sv.num_segments), 0);
@@ -465,7 +520,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     const auto buf = static_cast<int32_t>(seg % 2);
     const int64_t lo = seg * S;
     RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
-                                                 sv.num_tokens, layout_, own, rank, sv.control.ptr, lo, buf,
+                                                 sv.num_tokens, layout_, targets, rank, sv.control.ptr, lo, buf,
                                                  domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
@@ -486,13 +541,14 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   const auto buf = static_cast<int32_t>(seg % 2);
   const int64_t base = sv.total_rows;
   RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
+  const int32_t phys = physical_experts(st);  // local experts, with balancing then the redundant slots
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
-                                              st.num_local, st.seg_counts.ptr, sv.grouped.ptr + base, stream));
-  if (st.num_local > 0)
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(st.num_local),
+                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, stream));
+  if (phys > 0)
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(phys),
                                               cudaMemcpyDeviceToHost, stream));
   RDEP_RETURN_IF_ERROR(domain_.Synchronize(rank));
-  std::vector<int64_t> counts(st.host_counts, st.host_counts + st.num_local);
+  std::vector<int64_t> counts(st.host_counts, st.host_counts + phys);
   int64_t m = 0;
   for (int64_t c : counts) m += c;
   sv.seg_rows[static_cast<size_t>(seg)] = counts;
@@ -503,11 +559,13 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   __nv_bfloat16* xr = sv.x_rows.ptr + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, false, Bits(xr), stream));
   if (kind_ == ExpertKind::kSentinel) {
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, st.local_to_global.ptr,
+    const int32_t* expert_of = config_.balance.enabled() ? sv.phys_global.ptr : st.local_to_global.ptr;  // physical -> logical
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, expert_of,
                                                       Bits(st.out_rows.ptr), stream));
   } else if (m > 0) {
-    const kernels::ExpertRows rows{st.seg_counts.ptr, m, counts.data()};  // the counts are on the host already
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward(rows, xr, st.weights(), sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr, stream));
+    for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts))  // the counts are on the host already
+      RDEP_RETURN_IF_ERROR(c.mlp->Forward(c.counts, xr + c.first * H, c.weights, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
+                                          st.out_rows.ptr + c.first * H, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr + base, m, layout_,
@@ -527,11 +585,16 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   for (int64_t c : counts) m += c;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
   const kernels::ExpertGradsView grads = st.grads();
+  if (seg == 0 && replica_g_ >= 0)  // this call's replica gradients accumulate from here (after the segment barrier:
+                                    // the owners' reductions of the previous backward read them before it)
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(domain_.region(rank, replica_g_), 0,
+                                              static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * H * s.ffn) * sizeof(float),
+                                              stream));
   if (m > 0) {  // dx rows go right behind the dout rows in out_rows
-    const kernels::ExpertRows rows{nullptr, m, counts.data()};  // saved by forward on the host
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward(rows, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * s.ffn, st.out_rows.ptr,
-                                          st.weights(), st.out_rows.ptr + m * H, grads,
-                                          /*accumulate=*/!grads.bf16(), stream));
+    for (const ExpertCall& c : ExpertCalls(rank, st, nullptr, counts))  // counts saved by forward on the host
+      RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
+                                           st.out_rows.ptr + c.first * H, c.weights, st.out_rows.ptr + (m + c.first) * H, c.grads,
+                                           c.accumulate, stream));
   } else if (grads.bf16() && st.w1_count) {  // no rows at this owner: its bf16 gradients are zero
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw1_bf16, 0, st.w1_count * 2, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw2_bf16, 0, st.w2_count * 2, stream));
@@ -597,10 +660,10 @@ StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank
 
 std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
   const Saved* sv = CheckLocalRank(rank).ok() ? last(rank) : nullptr;
-  std::vector<int64_t> total(sv ? static_cast<size_t>(ranks_[static_cast<size_t>(rank)]->num_local) : 0, 0);
+  std::vector<int64_t> total(sv ? static_cast<size_t>(physical_experts(*ranks_[static_cast<size_t>(rank)])) : 0, 0);
   if (sv)
     for (const auto& seg : sv->seg_rows)
-      for (size_t j = 0; j < seg.size(); ++j) total[j] += seg[j];
+      for (size_t j = 0; j < seg.size() && j < total.size(); ++j) total[j] += seg[j];
   return total;
 }
 

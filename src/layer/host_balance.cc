@@ -12,22 +12,6 @@
 
 namespace rdep {
 
-namespace {
-
-// The capacity rule on the load matrix [W][E]: per expert, rows admitted from each source in source
-// order (what the owner's phase 2 would decide from the same counts).
-std::vector<int64_t> AdmittedLoad(const std::vector<int64_t>& load, int64_t W, int64_t E, int64_t capacity) {
-  std::vector<int64_t> admitted(load.size()), counts(static_cast<size_t>(W)), kept(static_cast<size_t>(W));
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t r = 0; r < W; ++r) counts[static_cast<size_t>(r)] = load[static_cast<size_t>(r * E + e)];
-    AdmitBySourceOrder(counts.data(), W, capacity, kept.data());
-    for (int64_t r = 0; r < W; ++r) admitted[static_cast<size_t>(r * E + e)] = kept[static_cast<size_t>(r)];
-  }
-  return admitted;
-}
-
-}  // namespace
-
 Status HostMoELayer::PlanBalanced(int32_t rank, Saved& st) {
   const LayerShape& s = config_.shape;
   const int64_t W = s.ranks, K = s.topk, E = s.experts, L = layout_.L, n = st.num_tokens;
@@ -41,7 +25,7 @@ Status HostMoELayer::PlanBalanced(int32_t rank, Saved& st) {
   st.load.assign(lambda, lambda + W * E);
 
   // Every rank: the same admitted load and the same plan (deterministic; no further exchange).
-  const std::vector<int64_t> admitted = AdmittedLoad(st.load, W, E, config_.capacity.ExpertCapacity(s));
+  const std::vector<int64_t> admitted = AdmitLoadMatrix(st.load, W, E, config_.capacity.ExpertCapacity(s));
   RDEP_ASSIGN_OR_RETURN(BalancePlan plan, SolveLayerPlan(config_.balance, admitted, ownership_, rs.eplb_history));
   rs.eplb_history.assign(static_cast<size_t>(E), 0.0);
   for (int64_t r = 0; r < W; ++r)

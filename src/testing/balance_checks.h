@@ -19,10 +19,13 @@ struct RowPlacement {
 StatusOr<RowPlacement> ExpectedPlacement(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
                                          const std::vector<RankAcceptance>& reference);
 
-// A balanced run against the balancing-off run on the same inputs: y, dx, dgates bitwise; weight
-// gradients bitwise for experts without replicas and within 1e-5 relative for replicated experts
-// (their rows are summed in two parts, so fp32 rounding may differ).
-CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape);
+// A balanced run against the balancing-off run on the same inputs. rel_l2 = 0 (fp32 backends): y, dx,
+// dgates bitwise; weight gradients bitwise for experts without replicas and within 1e-5 relative for
+// replicated experts (their rows are summed in two parts, so fp32 rounding may differ). rel_l2 > 0
+// (bf16 backends: a replica's rows are a GEMM of their own, whose bf16 outputs may round differently):
+// y, dx, dgates each within ||on - off|| / ||off|| <= rel_l2, and every expert's dW1 and dW2 too
+// (bitwise zero where the run without balancing has zero); the detail says which were bitwise equal.
+CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape, double rel_l2 = 0);
 
 // The node of every expert's owner (N nodes of W/N consecutive ranks).
 std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cfg);

@@ -255,6 +255,13 @@ class CudaBackend final : public ValidationBackend {
       segs[i] = layer->segments(r);
       return Status::Ok();
     }));
+    if (cfg.balance.enabled()) {  // the plan is the same on every rank: any local one tells
+      const int32_t r0 = domain_->local_ranks().front();
+      RDEP_ASSIGN_OR_RETURN(out.balance, layer->balance_telemetry(r0));
+      RDEP_ASSIGN_OR_RETURN(BalancePlan plan, layer->balance_plan(r0));
+      for (int32_t e = 0; e < plan.num_experts; ++e)
+        out.instances.push_back(plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)]);
+    }
     struct Slot {
       std::vector<float> y, dx, dg, d1, d2;
       int64_t segments = 0;

@@ -73,6 +73,54 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"W8_small_segments", S(8, 48, 64, 64, 16, 2), "zipf:1.2", 0, 13, -1}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
+// The matrix with balancing (`rdep check --backend cuda --balance ...`): the dispatch check places every
+// row on the instance of the plan solved from the reference's accepted set, host agreement compares
+// the routing metadata and grouped placement with the balanced host layer bit for bit, and balancing
+// exactness compares with the same CUDA layer without balancing within the bf16 bound.
+struct BalanceCase {
+  const char* name;
+  LayerShape shape;
+  const char* routing;
+  double capacity;
+  int64_t segment;
+  BalanceKind kind;
+  int32_t slots;
+};
+
+void PrintTo(const BalanceCase& c, std::ostream* os) { *os << c.name; }
+
+class CudaBalanceValidation : public ::testing::TestWithParam<BalanceCase> {};
+
+TEST_P(CudaBalanceValidation, AllChecksPass) {
+  const BalanceCase& c = GetParam();
+  auto backend = MakeCudaBackend(c.shape.ranks, 5.0);
+  if (!backend.ok()) GTEST_SKIP() << backend.status().message();
+  ValidationOptions o;
+  o.layer.shape = c.shape;
+  o.layer.capacity.capacity_factor = c.capacity;
+  o.layer.segment_tokens = c.segment;
+  o.layer.balance = BalanceConfig{.kind = c.kind, .num_slots = c.slots};
+  o.routing = *RoutingSpec::Parse(c.routing);
+  o.routing.seed = 21;
+  o.seed = 9;
+  auto rep = RunValidation(o, **backend);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << c.name << ": " << check.name << ": " << check.detail;
+  EXPECT_EQ(rep->checks.size(), 8u);  // the 7 of the plain matrix and balancing exactness
+  EXPECT_TRUE(rep->balanced);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda_bf16, CudaBalanceValidation,
+    ::testing::Values(
+        BalanceCase{"W4_zipf2_ultraep", S(4, 64, 64, 64, 16, 4), "zipf:2", 0, 0, BalanceKind::kUltraEp, 2},
+        BalanceCase{"W4_zipf1_eplb", S(4, 64, 64, 64, 16, 4), "zipf:1", 0, 0, BalanceKind::kEplb, 2},
+        BalanceCase{"W4_one_expert_eplb_exact", S(4, 64, 64, 64, 16, 2), "one-expert", 0, 0, BalanceKind::kEplbExact, 2},
+        BalanceCase{"W4_zipf2_drops_small_segments_ultraep", S(4, 64, 64, 64, 16, 4), "zipf:2", 0.8, 37, BalanceKind::kUltraEp, 2},
+        BalanceCase{"W4_E10_not_divisible_ultraep", S(4, 64, 64, 64, 10, 3), "zipf:1.5", 0, 0, BalanceKind::kUltraEp, 1},
+        BalanceCase{"W8_zipf2_ultraep", S(8, 32, 64, 64, 32, 4), "zipf:2", 0, 0, BalanceKind::kUltraEp, 2}),
+    [](const ::testing::TestParamInfo<BalanceCase>& i) { return std::string(i.param.name); });
+
 }  // namespace
 }  // namespace rdep
 

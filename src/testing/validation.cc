@@ -379,6 +379,10 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     fp.device.push_back({"control region and token index (W*L words, W*T tokens)", {{"ranks", W}, {"experts", E}, {"tokens", T}},
                          16 * W * L + 32 * W + 4 * W * T + 16 * E});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
+    if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
+      fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
+                           {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},
+                           pos(o.layer.balance.num_slots) * 3 * H * F * 6 + S_dev * (8 * F + 4 * H) + 8.0 * (1 << 20)});
   }
   // Work: Gumbel top-K routing draws one key per expert per token; the MLP is 6*H*D_ff flops per row
   // forward and twice that backward, run by the fp64 reference and by the layer twice (host) or by the
@@ -521,7 +525,7 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
       off.balance = BalanceConfig{};
       auto plain = backend.ForwardBackward(off, own, w, routing, x, dy);
       if (!plain.ok()) return CheckResult{"balancing exactness", false, false, "run without balancing: " + plain.status().ToString(), 0};
-      return BalancingExactness(*run, *plain, s);
+      return BalancingExactness(*run, *plain, s, backend.bf16() ? o.rel_l2 : 0.0);
     });
   }
   timed([&] {

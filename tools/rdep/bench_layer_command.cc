@@ -6,6 +6,8 @@
 // the ratio. Example:
 //   rdep bench layer --tokens 4096 --hidden 2048 --ffn 1408 --experts 64 --topk 6 --json layer.json
 //                    --baseline-json torch.json
+//   rdep bench layer --routing zipf:1 --balance ultraep --slots 2   (replicas of hot experts: owner
+//                    max/mean before and after, replicas, bytes streamed, plan and streaming times)
 #include <iostream>
 
 #include "cli.h"
@@ -44,6 +46,11 @@ flags [defaults: the Moonlight shape]:
   --hidden H [2048]    --ffn F [1408]            --experts E [64]    --topk K [6]
   --routing R          uniform | zipf:ALPHA [uniform]
   --capacity-factor C  0 = dropless [0]          --segment S  token rows per segment; 0 = W*T [0]
+  --balance B          off | ultraep | eplb | eplb-exact: replicas of hot experts in redundant slots [off];
+                       reports owner max/mean before and after, replicas, weight bytes streamed, and the
+                       plan, streaming and gradient-reduction times (CUDA events)
+  --slots N            with --balance: redundant slots per rank, N_slot in [0, E] [2]
+  --min-quota U        with --balance ultraep: rows a replica carries at least [1]
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -80,6 +87,21 @@ struct LayerBenchOptions {
   rdep::cli::Limits limits;
 };
 
+// --balance, --slots, --min-quota into cfg.balance; 0 when good, else 2 naming the flag.
+int ReadBalanceFlags(const std::string& name, bool slots_given, bool min_quota_given, int64_t slots, rdep::LayerConfig& cfg) {
+  auto kind = rdep::ParseBalanceKind(name);
+  if (!kind.ok()) return Refuse("--balance: " + kind.status().message());
+  cfg.balance.kind = *kind;
+  if (!cfg.balance.enabled() && (slots_given || min_quota_given))
+    return Refuse(std::string(slots_given ? "--slots" : "--min-quota") + " needs --balance ultraep, eplb or eplb-exact");
+  if (min_quota_given && cfg.balance.kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-quota applies to --balance ultraep only");
+  if (slots < 0 || slots > cfg.shape.experts)
+    return Refuse("--slots must be in [0, E=" + std::to_string(cfg.shape.experts) + "], got " + std::to_string(slots));
+  cfg.balance.num_slots = static_cast<int32_t>(slots);
+  if (cfg.balance.min_quota < 1) return Refuse("--min-quota must be >= 1, got " + std::to_string(cfg.balance.min_quota));
+  return 0;
+}
+
 // Reads and checks the flags in the command's fixed order; 0 when `o` is good, else the exit code
 // (2: a refused flag or size, estimate included; 1: an unknown routing).
 int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
@@ -101,8 +123,13 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.json = f.get_string("json", "");
   o.baseline = f.get_string("baseline-json", "");
+  const std::string balance = f.get_string("balance", "off");
+  const bool slots_given = f.has("slots"), min_quota_given = f.has("min-quota");
+  const int64_t slots = f.get_int("slots", 2);
+  o.cfg.balance.min_quota = f.get_int("min-quota", 1);
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
+  if (int rc = ReadBalanceFlags(balance, slots_given, min_quota_given, slots, o.cfg); rc != 0) return rc;
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
   if (o.use_gpus < 1 || o.use_gpus > gpus)
     return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.use_gpus));
@@ -171,6 +198,7 @@ struct LayerBenchResults {
   rdep::PhaseTimes bf, bb;  // max over ranks of each phase's median
   double tflops_f = 0, tflops_fb = 0;
   size_t max_bytes = 0;
+  rdep::BalanceTelemetry balance;  // with --balance: what the last profiled forward's plan did
 };
 
 // Rank r's timed loop: pass 0 forward only, pass 1 forward + backward; each iteration a device barrier
@@ -228,6 +256,9 @@ rdep::PhaseTimes MedianPhaseTimes(const std::vector<rdep::PhaseTimes>& v) {
   m.expert_ms = med(&rdep::PhaseTimes::expert_ms);
   m.return_ms = med(&rdep::PhaseTimes::return_ms);
   m.combine_ms = med(&rdep::PhaseTimes::combine_ms);
+  m.plan_ms = med(&rdep::PhaseTimes::plan_ms);
+  m.stream_ms = med(&rdep::PhaseTimes::stream_ms);
+  m.reduce_ms = med(&rdep::PhaseTimes::reduce_ms);
   return m;
 }
 
@@ -242,6 +273,9 @@ void DeriveLayerStatistics(const rdep::LayerShape& s, LayerBenchResults& res) {
       dst->expert_ms = std::max(dst->expert_ms, src->expert_ms);
       dst->return_ms = std::max(dst->return_ms, src->return_ms);
       dst->combine_ms = std::max(dst->combine_ms, src->combine_ms);
+      dst->plan_ms = std::max(dst->plan_ms, src->plan_ms);
+      dst->stream_ms = std::max(dst->stream_ms, src->stream_ms);
+      dst->reduce_ms = std::max(dst->reduce_ms, src->reduce_ms);
     }
   }
   const auto W = static_cast<double>(s.ranks);
@@ -286,6 +320,9 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
     res.accepted_rows += a;
     return Status::Ok();
   }));
+  if (o.cfg.balance.enabled()) {
+    RDEP_ASSIGN_OR_RETURN(res.balance, layer.balance_telemetry(domain.local_ranks().front()));
+  }
   DeriveLayerStatistics(o.cfg.shape, res);
   return Status::Ok();
 }
@@ -313,6 +350,23 @@ rdep::StatusOr<LayerBenchContext> ReadLayerBenchContext(const LayerBenchOptions&
   return c;
 }
 
+// What balancing did and cost: the plan's telemetry and the max-rank medians of the plan, the replica
+// weight streaming (forward, and again in backward) and the gradient reduction.
+void PrintBalance(const rdep::LayerConfig& cfg, const LayerBenchResults& res) {
+  const rdep::BalanceTelemetry& t = res.balance;
+  const double mib = static_cast<double>(t.weight_bytes) / (1024.0 * 1024.0);
+  std::ostringstream name;
+  name << cfg.balance;
+  std::printf("  balance %s: owner max/mean %.3f before -> %.3f after, %d replicas in %d slots%s, %.3f MiB of weights streamed "
+              "per forward (and per backward)\n",
+              name.str().c_str(), t.imbalance_before, t.imbalance_after, t.replicas, t.slots,
+              t.slot_limited ? " (every slot used)" : "", mib);
+  const double gbps = res.bf.stream_ms > 0 ? static_cast<double>(t.weight_bytes) / (res.bf.stream_ms * 1e-3) / 1e9 : 0.0;
+  std::printf("  balance times (ms, max-rank median): plan %.3f, streaming %.3f forward (%.1f GB/s all replicas) + %.3f backward, "
+              "gradient reduction %.3f\n",
+              res.bf.plan_ms, res.bf.stream_ms, gbps, res.bb.stream_ms, res.bb.reduce_ms);
+}
+
 void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
                      const LayerBenchContext& c) {
   const auto& s = o.cfg.shape;
@@ -337,6 +391,7 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
   std::printf("    backward (routing = dgate)   %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bb.routing_ms, bb.dispatch_ms, bb.expert_ms, bb.return_ms, bb.combine_ms);
   std::printf("  layer device memory per rank (max): %.3f GiB; baseline peak allocated: %.3f GiB\n",
               static_cast<double>(res.max_bytes) / (1 << 30), c.base_mem);
+  if (cfg.balance.enabled()) PrintBalance(cfg, res);
 }
 
 void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
@@ -364,6 +419,16 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   j.key("breakdown_backward_ms").begin_object().field("dgate", bb.routing_ms).field("dispatch", bb.dispatch_ms);
   j.field("expert", bb.expert_ms).field("return", bb.return_ms).field("combine", bb.combine_ms).end_object();
   j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.max_bytes));
+  if (o.cfg.balance.enabled()) {
+    const rdep::BalanceTelemetry& t = res.balance;
+    j.key("balance").begin_object().field("balancer", rdep::BalanceKindName(o.cfg.balance.kind));
+    j.field("slots_per_rank", static_cast<int64_t>(o.cfg.balance.num_slots)).field("min_quota", o.cfg.balance.min_quota);
+    j.field("owner_max_over_mean_before", t.imbalance_before).field("max_over_mean_after", t.imbalance_after);
+    j.field("replicas", static_cast<int64_t>(t.replicas)).field("slots", static_cast<int64_t>(t.slots)).field("slot_limited", t.slot_limited);
+    j.field("weight_bytes_streamed_per_forward", t.weight_bytes).field("plan_ms", res.bf.plan_ms);
+    j.field("stream_forward_ms", res.bf.stream_ms).field("stream_backward_ms", res.bb.stream_ms).field("reduce_ms", res.bb.reduce_ms);
+    j.end_object();
+  }
   j.key("baseline").begin_object().field("receipt", o.baseline).field("fwd_p50_ms", c.base_f).field("fwdbwd_p50_ms", c.base_fb);
   j.field("peak_alloc_gib", c.base_mem).field("speedup_fwd", c.base_f / res.sf.p50).field("speedup_fwdbwd", c.base_fb / res.sfb.p50).end_object();
   j.end_object();

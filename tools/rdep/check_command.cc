@@ -37,6 +37,7 @@ table; exits 0 if every check passes, 1 if one fails, 2 on bad input (the messag
   finite outputs         every output and gradient finite on every rank
   balancing exactness    (with --balance) y, dx, dgate bitwise equal to the same layer without
                          balancing; dW bitwise for experts without replicas, within 1e-5 for replicated
+                         (cuda: y, dx, dgate and each expert's dW within the bf16 relative L2 bound)
   two-phase vs one domain (with --nodes N > 1) dgate and dW bitwise equal to the one-domain layer on the
                          same routing, y and dx within 1e-5 (relays sum a token's rows per node first);
                          inter-node rows = one per (token, remote node) of the routing
@@ -61,11 +62,12 @@ flags (defaults in brackets):
   --capacity-factor C    0 = dropless; else each expert admits ceil(C*W*T*K/E) rows [0]
   --segment S            token rows per owner per segment; 0 = T [0]
   --balance B            off | ultraep | eplb | eplb-exact: replicas of hot experts in redundant slots,
-                         planned by every rank from the load matrix after phase 1 (host backend) [off]
+                         planned by every rank from the load matrix after phase 1 (cuda: ultraep on
+                         each rank's GPU, the eplb baselines on the host after one sync) [off]
   --slots N              with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
-  --relay-above R        with --balance: experts with more than R replicas get their weights through
-                         sqrt(replicas) chunk relays (two stages); 0 = never [4]
+  --relay-above R        with --balance (host backend): experts with more than R replicas get their
+                         weights through sqrt(replicas) chunk relays (two stages); 0 = never [4]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; host backend) [1]
   --max-nodes M          node-limited routing: each token keeps the experts of its first M nodes (the
@@ -216,8 +218,8 @@ int CheckBalanceFlags(CheckOptions& c) {
                   " needs --balance ultraep, eplb or eplb-exact");
   if (!b.enabled()) return 0;
   if (c.min_quota_given && b.kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-quota applies to --balance ultraep only");
-  if (c.backend != "host")
-    return Refuse("--balance runs on the host backend only so far (the CUDA layer has no replicas yet); use --backend host");
+  if (c.relay_above_given && c.backend != "host")
+    return Refuse("--relay-above: chunk relays run on the host backend only; the CUDA layer streams every replica from its owner");
   const int64_t E = c.v.layer.shape.experts;
   if (c.slots < 0 || c.slots > E)
     return Refuse("--slots must be in [0, E=" + std::to_string(E) + "], got " + std::to_string(c.slots));

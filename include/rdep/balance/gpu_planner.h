@@ -82,6 +82,8 @@ struct DevicePlanView {
   const int32_t* slot_expert = nullptr;       // [R * N_slot]
   const int32_t* route = nullptr;             // [R][I] rows source r sends to instance i (int32)
   const int64_t* admitted_load = nullptr;     // [R][E] the load the plan was solved for
+  const int64_t* misc = nullptr;              // [4]: threshold tau, transfers, probes, fault flag (nonzero:
+                                              // the reroute found residual demand above residual quota)
 };
 
 // The planner of one layer, resident on the device: its buffers are allocated once at Create; each
@@ -127,5 +129,17 @@ Status LaunchStreamReplicaWeights(const DevicePlanView& plan, int32_t rank, int3
                                   const int32_t* local_of_expert, const void* w1, int64_t w1_bytes, const void* w2,
                                   int64_t w2_bytes, unsigned char* const* slots_of, int64_t tile_bytes, int blocks,
                                   CUstream_st* stream);
+
+// After every replica's weight gradient of a backward is final (a barrier after the replicas' wgrad),
+// rank `rank` adds them to its main experts' gradients, the device form of the host layer's
+// ReduceReplicaGradients: for each expert it owns, its replicas with a quota (slot >= 0, quota > 0)
+// in instance order, so dw = ((dw + g_1) + g_2) + ... per element (deterministic; replicas without
+// rows computed nothing and are skipped). slot_grads_of[r] (a device array of W device pointers,
+// peer-visible) is rank r's slot-gradient region, fp32 [N_slot][w1_count + w2_count] holding
+// [dw1 | dw2] per slot; dw1 [E_loc][w1_count] and dw2 [E_loc][w2_count] are this rank's fp32
+// gradients, local expert j at j * w1_count / j * w2_count. No synchronization.
+Status LaunchReduceReplicaGradients(const DevicePlanView& plan, int32_t rank, int32_t num_experts, const int32_t* owner_of_expert,
+                                    const int32_t* local_of_expert, float* dw1, int64_t w1_count, float* dw2, int64_t w2_count,
+                                    const float* const* slot_grads_of, CUstream_st* stream);
 
 }  // namespace rdep

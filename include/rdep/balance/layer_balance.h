@@ -46,6 +46,11 @@ std::ostream& operator<<(std::ostream& os, const BalanceConfig& c);
 StatusOr<BalancePlan> SolveLayerPlan(const BalanceConfig& config, const std::vector<int64_t>& admitted_load,
                                      const OwnershipMap& owners, const std::vector<double>& history);
 
+// The capacity rule on a load matrix [W][E] (rows each source routes to each expert): per expert, the
+// rows admitted from each source in source order (rdep::AdmitBySourceOrder), what the owners' phase 2
+// would decide from the same counts. The load every balanced layer plans for.
+std::vector<int64_t> AdmitLoadMatrix(const std::vector<int64_t>& load, int64_t W, int64_t E, int64_t capacity);
+
 // What balancing did for one forward (identical on every rank).
 struct BalanceTelemetry {
   double imbalance_before = 1.0;  // max owner load / mean (admitted rows), without replicas

@@ -30,6 +30,21 @@ struct OwnerMapView {
   const int32_t* local;  // [E]
 };
 
+// Where a source's route slot i (expert e) is computed: without balancing at its expert's owner and
+// local index (owner[e], local[e]); with balancing (dest_rank set) at the physical instance the plan
+// gave the slot, rank dest_rank[i] and physical local index dest_local[i] (the owner and local[e], or a
+// replica's slot_base + s), rank -1 for a dropped slot. The one rule the count, scatter and their
+// backward read.
+struct RouteTargets {
+  OwnerMapView own{nullptr, nullptr};
+  const int32_t* dest_rank = nullptr;   // [n*K] or null (no balancing)
+  const int32_t* dest_local = nullptr;  // [n*K]
+  RouteTargets(OwnerMapView o) : own(o) {}  // NOLINT: every owner map is a set of targets
+  RouteTargets(OwnerMapView o, const int32_t* rank, const int32_t* local) : own(o), dest_rank(rank), dest_local(local) {}
+  RDEP_HD int32_t rank(int64_t i, int32_t e) const { return dest_rank ? dest_rank[i] : own.owner[e]; }
+  RDEP_HD int32_t local(int64_t i, int32_t e) const { return dest_rank ? dest_local[i] : own.local[e]; }
+};
+
 // Before phase 1 at a source: checks every slot with rdep::CheckRouteSlot (expert in [0, E), gate
 // finite and >= 0, no expert twice in a token). *fault receives the first faulty slot (lowest
 // t*K + k) with the values it had, or key ~0 (it may be host-mapped memory: plain stores and a system
@@ -48,8 +63,10 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
                             int64_t* const* control_of, cudaStream_t s);
 // Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
 // that chose an expert of q (tok_index[q*n + t], -1 if none), the rows per q-local expert, published
-// into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank].
-Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, OwnerMapView own,
+// into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank]. With balancing (targets with
+// per-slot destinations, after the plan) the same per destination rank and physical local index,
+// counting only the slots the plan sends there (accepted ones).
+Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets,
                              int32_t rank, int32_t* tok_index, int64_t* const* control_of, cudaStream_t s);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
@@ -65,12 +82,16 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
                     uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s);
+// With balancing, at a source after the plan assigned the accepted set (rdep::LaunchAssignInstances):
+// effective gates by rdep::RenormalizeTokenGates over `accepted`, dropped rows added to *dropped.
+Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,
+                                 int64_t* dropped, cudaStream_t s);
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
-// this rank's tokens that falls in the window, into the owner's segment buffer `buf`. Row ids by
-// rdep::RowIdCodec.
+// this rank's tokens that falls in the window, into the owner's segment buffer `buf` (each accepted
+// slot to targets.rank, with local expert targets.local). Row ids by rdep::RowIdCodec.
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                      const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,
-                     OwnerMapView own, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                     RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
                      void* const* payload_of, void* const* sideband_of, cudaStream_t s);
 // Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
 // then the grouped rows (written at grouped + 0). counts is [num_local] int64.

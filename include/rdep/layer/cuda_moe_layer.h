@@ -9,6 +9,12 @@
 //             return rows to their front-ends by row_id -> ... -> barrier -> combine.
 //   Backward: dgate -> per segment: scatter dy -> barrier -> gate-scaled gather -> dgrad + wgrad ->
 //             return dx rows -> ... -> barrier -> sum dx rows.
+// With LayerConfig::balance (replicas of hot experts, src/layer/cuda_balance.cc): phase 1 publishes the
+// load matrix, every rank solves the same plan on its GPU (ultraep: DevicePlanner, no host round trip;
+// the EPLB baselines on the host after one sync), assigns its rows to physical instances and publishes
+// rows per (destination, physical index); owners stream their replicated experts' weights into the
+// replicas' slots before each forward's and backward's expert compute, and after backward add the
+// replicas' gradients (in instance order) to their own. bf16 weight gradients are refused with it.
 // Host synchronization inside a call: once per forward segment, because the grouped GEMMs take the
 // per-expert row counts on the host (cuBLASLt); and once after phase 2 only when the segment size is
 // smaller than the worst case W*T (to learn the number of segments). The default segment size on
@@ -44,7 +50,20 @@ struct PhaseTimes {
   double expert_ms = 0;    // expansion, gather and the expert MLP (forward) / dgrad + wgrad (backward)
   double return_ms = 0;    // rows back to their front-ends, final barrier
   double combine_ms = 0;   // gate-weighted combine (forward) / dx sum (backward)
-  double total_ms() const { return routing_ms + dispatch_ms + expert_ms + return_ms + combine_ms; }
+  // Balancing only (0 otherwise): the plan (solve, instance assignment, effective gates), the replica
+  // weight streaming before the expert compute, and (backward) the replica gradient reduction.
+  double plan_ms = 0;
+  double stream_ms = 0;
+  double reduce_ms = 0;
+  double total_ms() const {
+    return routing_ms + dispatch_ms + expert_ms + return_ms + combine_ms + plan_ms + stream_ms + reduce_ms;
+  }
+};
+
+// Where each route slot of a balanced forward is computed: rank and physical local index there (the
+// owner and lambda(e), or a replica's slot_base + s); -1 for a dropped slot. [n*K] each.
+struct RowInstances {
+  std::vector<int32_t> rank, local;
 };
 
 class CudaMoELayer {
@@ -131,6 +150,24 @@ class CudaMoELayer {
   StatusOr<std::vector<float>> CopyExpertOutputs(int32_t rank) const;  // [n*K][H]
   int64_t segments(int32_t rank) const;
 
+  // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
+  // what it did (telemetry as the host layer's; bytes count bf16 weights; no chunk relays on this
+  // backend), and where each of its route slots is computed. Synchronize the rank's stream;
+  // FailedPrecondition without a planned forward of this layer or with balancing off.
+  StatusOr<BalancePlan> balance_plan(const ForwardContext& ctx) const;
+  StatusOr<BalanceTelemetry> balance_telemetry(const ForwardContext& ctx) const;
+  StatusOr<RowInstances> CopyRowInstances(const ForwardContext& ctx) const;
+  // The same for the last forward made with the layer's own context on `rank`.
+  StatusOr<BalancePlan> balance_plan(int32_t rank) const;
+  StatusOr<BalanceTelemetry> balance_telemetry(int32_t rank) const;
+  StatusOr<RowInstances> CopyRowInstances(int32_t rank) const;
+  // The first index of the redundant slots in a rank's physical local experts (layout L - N_slot).
+  int64_t slot_base() const { return layout_.L - config_.replica_slots(); }
+  // Test hook: each forward and backward adds 8 to the first 8 weights (the first 16-byte vector) of
+  // the first replica with rows that each rank streams (a corrupted tile), so exactness tests can show
+  // that they catch a bad copy.
+  void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
+
   // Records CUDA events at phase boundaries of every later call (cheap; off by default).
   Status EnableProfiling(bool on);
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
@@ -157,12 +194,24 @@ class CudaMoELayer {
   Status CheckRowsSupported(const char* call) const;
   Status HostRecvCounts(int32_t rank, Saved& sv);
   Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;
+  // Balancing (cuda_balance.cc).
+  struct ExpertCall;
+  Status CreateBalancing(RankState& st);
+  Status PlanBalanced(int32_t rank, RankState& st, Saved& sv);
+  Status SolveBalancePlan(int32_t rank, RankState& st, Saved& sv);
+  Status StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward);
+  Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);
+  std::vector<ExpertCall> ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts, const std::vector<int64_t>& counts) const;
+  int32_t physical_experts(const RankState& st) const;
+  const Saved* balanced_saved(const ForwardContext& ctx, Status* why) const;
 
   CudaDomain& domain_;
   LayerConfig config_;
   OwnershipMap ownership_;
   RegionLayout layout_;
   LayerRegions regions_;
+  RegionId replica_w_ = -1, replica_g_ = -1;  // balancing: [N_slot][w1 | w2] per rank, bf16 weights, fp32 gradients
+  bool replica_fault_ = false;
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it
