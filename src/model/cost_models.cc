@@ -180,4 +180,60 @@ std::ostream& operator<<(std::ostream& os, const CrossNode& c) {
   return os;
 }
 
+StatusOr<TransportFloor> IntraDomainTransport(const TransportArgs& a) {
+  RDEP_RETURN_IF_ERROR(Positive("ranks", a.ranks));
+  RDEP_RETURN_IF_ERROR(Positive("experts", a.experts));
+  RDEP_RETURN_IF_ERROR(Positive("topk", a.topk));
+  RDEP_RETURN_IF_ERROR(NonNegative("tokens", a.tokens));
+  RDEP_RETURN_IF_ERROR(Positive("hidden", a.hidden));
+  RDEP_RETURN_IF_ERROR(Positive("bytes per element", a.bytes_per_element));
+  RDEP_RETURN_IF_ERROR(PositiveReal("peer bandwidth", a.peer_gbps));
+  if (a.topk > a.experts)
+    return InvalidArgument("topk (" + std::to_string(a.topk) + ") is larger than experts (" + std::to_string(a.experts) + ")");
+  if (a.ranks > (int64_t{1} << 20)) return InvalidArgument("ranks must be <= 2^20, got " + std::to_string(a.ranks));
+  // Owners hold E/W or E/W + 1 experts; P(no expert of a token on an owner of e experts) is the
+  // product over the K picks of (E - e - i) / (E - i).
+  auto miss = [&](int64_t owned) {
+    double p = 1;
+    for (int64_t i = 0; i < a.topk; ++i) p *= std::max(0.0, D(a.experts - owned - i) / D(a.experts - i));
+    return p;
+  };
+  const int64_t base = a.experts / a.ranks, more = a.experts % a.ranks;
+  TransportFloor t;
+  t.owners_per_token = D(more) * (1 - miss(base + 1)) + D(a.ranks - more) * (1 - miss(base));
+  const double remote_share = D(a.ranks - 1) / D(a.ranks);
+  t.remote_owners_per_token = remote_share * t.owners_per_token;
+  const double row = D(a.hidden) * D(a.bytes_per_element), T = D(a.tokens);
+  t.dispatch_rows = T * t.remote_owners_per_token;
+  t.dispatch_bytes = t.dispatch_rows * row;
+  t.slot_rows = T * D(a.topk) * remote_share;
+  t.sideband_bytes = 8 * t.dispatch_rows + 16 * t.slot_rows;
+  t.combine_slot_bytes = t.slot_rows * row;
+  t.combine_reduced_bytes = t.dispatch_rows * row;
+  const double bw = a.peer_gbps * 1e9;
+  t.dispatch_time_s = t.dispatch_bytes / bw;
+  t.combine_slot_time_s = t.combine_slot_bytes / bw;
+  t.combine_reduced_time_s = t.combine_reduced_bytes / bw;
+  t.dedup_saving = t.dispatch_rows > 0 ? t.slot_rows / t.dispatch_rows : 1;
+  return t;
+}
+
+std::ostream& operator<<(std::ostream& os, const TransportFloor& t) {
+  const auto flags = os.flags();
+  const auto prec = os.precision();
+  os << std::fixed << std::setprecision(2) << "  owners per token               " << t.owners_per_token << " (remote "
+     << t.remote_owners_per_token << ")\n"
+     << std::setprecision(0) << "  dispatch rows / rank           " << t.dispatch_rows << " (remote slots " << t.slot_rows
+     << std::setprecision(2) << ": deduplication sends " << t.dedup_saving << "x fewer rows)\n"
+     << std::setprecision(1) << "  dispatch bytes / rank          " << t.dispatch_bytes / 1e6 << " MB (+ sideband "
+     << t.sideband_bytes / 1e6 << " MB), floor " << t.dispatch_time_s * 1e6 << " us\n"
+     << "  combine, one row per slot      " << t.combine_slot_bytes / 1e6 << " MB, floor " << t.combine_slot_time_s * 1e6
+     << " us\n"
+     << "  combine, owner reduces first   " << t.combine_reduced_bytes / 1e6 << " MB, floor "
+     << t.combine_reduced_time_s * 1e6 << " us\n";
+  os.flags(flags);
+  os.precision(prec);
+  return os;
+}
+
 }  // namespace rdep::model

@@ -170,5 +170,51 @@ TEST(CostModelCrossNode, NodeCapForBudget) {
   EXPECT_FALSE(NodeCapForBudget(a, -1).ok());
 }
 
+// Moonlight at W = 4: P(owner hit) = 1 - C(48,6)/C(64,6) = 0.8363; 2.509 remote owners per token;
+// 4096 tokens x 2.509 x 4 KiB = 42.1 MB, 109 us at 386 GB/s (issue 19's ~110 us floor).
+TEST(CostModelTransport, MoonlightW4FloorAndDeduplication) {
+  auto t = IntraDomainTransport({});
+  ASSERT_TRUE(t.ok()) << t.status();
+  const double hit = 1 - (48.0 * 47 * 46 * 45 * 44 * 43) / (64.0 * 63 * 62 * 61 * 60 * 59);
+  EXPECT_NEAR(t->owners_per_token, 4 * hit, 1e-12);
+  EXPECT_NEAR(t->remote_owners_per_token, 3 * hit, 1e-12);
+  EXPECT_NEAR(t->dispatch_bytes, 4096 * 3 * hit * 2048 * 2, 1e-3);
+  EXPECT_NEAR(t->dispatch_time_s * 1e6, 109.3, 0.5);
+  EXPECT_NEAR(t->slot_rows, 4096 * 6 * 0.75, 1e-9);
+  EXPECT_NEAR(t->combine_slot_bytes, 4096 * 6 * 0.75 * 4096, 1e-3);
+  EXPECT_DOUBLE_EQ(t->combine_reduced_bytes, t->dispatch_bytes);
+  EXPECT_NEAR(t->dedup_saving, 6 * 0.75 / (3 * hit), 1e-12);
+}
+
+// Uneven ownership (E = 6 over W = 4: two ranks own 2, two own 1), one rank, and one expert per rank
+// with K = E (every token reaches every owner).
+TEST(CostModelTransport, UnevenOwnershipAndEdges) {
+  TransportArgs a;
+  a.ranks = 4;
+  a.experts = 6;
+  a.topk = 2;
+  auto t = IntraDomainTransport(a);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const double miss2 = (4.0 / 6) * (3.0 / 5), miss1 = (5.0 / 6) * (4.0 / 5);
+  EXPECT_NEAR(t->owners_per_token, 2 * (1 - miss2) + 2 * (1 - miss1), 1e-12);
+  a.ranks = 1;
+  t = IntraDomainTransport(a);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->dispatch_bytes, 0);
+  EXPECT_EQ(t->dedup_saving, 1);
+  a.ranks = 4;
+  a.experts = 4;
+  a.topk = 4;
+  t = IntraDomainTransport(a);
+  ASSERT_TRUE(t.ok());
+  EXPECT_DOUBLE_EQ(t->owners_per_token, 4);
+  EXPECT_DOUBLE_EQ(t->dedup_saving, 1);
+  a.topk = 5;
+  EXPECT_NE(IntraDomainTransport(a).status().message().find("topk (5) is larger than experts (4)"), std::string::npos);
+  a.topk = 1;
+  a.peer_gbps = 0;
+  EXPECT_NE(IntraDomainTransport(a).status().message().find("peer bandwidth"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace rdep::model

@@ -105,6 +105,8 @@ expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan
 expect 2 '--steps must be in \[2, 1000000\], got 4294967298' plan sim --steps 4294967298
 expect 2 '--slots must be in' plan bench --device host --slots -1
 expect 2 'count 0 is above 2\^40 rows' model padding --counts 9223372036854775807,1
+expect 2 'topk \(70\) is larger than experts \(64\)' model transport --topk 70
+expect 0 'dispatch bytes / rank +42.1 MB .*floor 109.1 us' model transport
 expect 2 "unknown command 'nosuch'" nosuch
 expect 2 "unknown subcommand 'nosuch'" plan nosuch
 
@@ -121,7 +123,7 @@ expect 2 '--json /nonexistent-dir/b.json: cannot open for writing' plan bench --
 
 # --- help: one convention, every page starts with its usage line, sources named by title ----------
 for args in "-h" "--help" "help" "check -h" "check --help" "help check" "route -h" "route --help" "help route" \
-            "model -h" "model --help" "help model" "model pooling -h" "help model barrier" "model cross-node --help" \
+            "model -h" "model --help" "help model" "model pooling -h" "help model barrier" "model cross-node --help" "model transport -h" \
             "plan -h" "plan --help" "help plan" "plan sim -h" "plan sim --help" "help plan sim" "plan record --help" \
             "plan bench -h" "plan show --help" "bench -h" "bench --help" "help bench" "bench layer --help" \
             "bench layer -h" "help bench layer" "bench dispatch --help" "bench gemm -h" "bench barrier --help"; do

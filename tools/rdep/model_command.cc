@@ -279,6 +279,31 @@ int CrossNodeCmd(Flags& f) {
   return 0;
 }
 
+int TransportCmd(Flags& f) {
+  rdep::model::TransportArgs a;
+  a.ranks = f.get_int("ranks", a.ranks);
+  a.experts = f.get_int("experts", a.experts);
+  a.topk = f.get_int("topk", a.topk);
+  a.tokens = f.get_int("tokens", a.tokens);
+  a.hidden = f.get_int("hidden", a.hidden);
+  a.bytes_per_element = f.get_int("bytes-per-element", a.bytes_per_element);
+  a.peer_gbps = f.get_double("peer-gbps", a.peer_gbps);
+  if (auto s = f.Finish(); !s.ok()) return Fail("transport", s.message());
+  if (auto m = FirstError({CheckInt("ranks", a.ranks), CheckInt("experts", a.experts), CheckInt("topk", a.topk),
+                           CheckInt("tokens", a.tokens, true), CheckInt("hidden", a.hidden),
+                           CheckInt("bytes-per-element", a.bytes_per_element), CheckReal("peer-gbps", a.peer_gbps)});
+      !m.empty())
+    return Fail("transport", m);
+  auto t = rdep::model::IntraDomainTransport(a);
+  if (!t.ok()) return Fail("transport", t.status().message());
+  std::cout << "transport floor inside one NVLink domain (uniform routing, owner deduplication): W=" << a.ranks << " E="
+            << a.experts << " K=" << a.topk << " T=" << a.tokens << " H=" << a.hidden << " b=" << a.bytes_per_element << ", "
+            << a.peer_gbps << " GB/s egress per GPU\n"
+            << "  P_q = 1 - C(E-E_q, K)/C(E, K); dispatch rows = T*(W-1)/W*sum_q P_q; bytes = rows*H*b; floor = bytes/bandwidth\n\n"
+            << *t;
+  return 0;
+}
+
 const std::map<std::string, Sub>& Subs() {
   static const std::map<std::string, Sub> subs = {
       {"pooling",
@@ -334,6 +359,16 @@ const std::map<std::string, Sub>& Subs() {
         "  Time = round-trip bytes / bandwidth; wall = max of the links. --budget-ms prints the least\n"
         "  restrictive M (scanning down from N) whose IB time fits. --max-nodes 0 skips the capped case.",
         &CrossNodeCmd}},
+      {"transport",
+       {"dispatch and combine bytes and floor time per GPU inside one NVLink domain (DESIGN.md's targets)",
+        "rdep model transport [--ranks 4] [--experts 64] [--topk 6] [--tokens 4096] [--hidden 2048]\n"
+        "                     [--bytes-per-element 2] [--peer-gbps 386]\n"
+        "  Uniform routing, K distinct experts of E over W owners (contiguous ownership). A token crosses to\n"
+        "  owner q once when any of its experts lives there: P_q = 1 - C(E - E_q, K)/C(E, K). Per rank:\n"
+        "  dispatch rows = T*(W-1)/W*sum_q P_q, bytes = rows*H*b, floor = bytes / egress bandwidth; combine\n"
+        "  returns one row per remote slot (T*K*(W-1)/W rows) or, when the owner reduces first, the dispatch's\n"
+        "  rows. Defaults: the Moonlight shape at W = 4, 386 GB/s (a copy between two H200s, measured).",
+        &TransportCmd}},
   };
   return subs;
 }
@@ -364,6 +399,6 @@ int RunModel(const Args& args) {
   return it->second.run(flags);
 }
 
-const bool kRegistered = rdep::cli::Register({"model", "cost models: pooling, capacity, padding, memory, dense bound, barrier, cross-node", &RunModel});
+const bool kRegistered = rdep::cli::Register({"model", "cost models: pooling, capacity, padding, memory, dense bound, barrier, cross-node, transport", &RunModel});
 
 }  // namespace

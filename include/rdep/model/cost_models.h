@@ -103,4 +103,35 @@ StatusOr<int64_t> NodeCapForBudget(CrossNodeArgs args, double budget_s);
 
 std::ostream& operator<<(std::ostream& os, const CrossNode& c);
 
+// ---- Transport floor inside one NVLink domain (DESIGN.md's target table; issue 19's floors) ----
+// Uniform routing: a token picks K distinct experts of E, owned by W ranks (contiguous ownership, the
+// first E mod W ranks own one more). A token crosses to owner q once (deduplication) when any of its
+// experts lives there: P_q = 1 - C(E - E_q, K) / C(E, K). Averaged over source ranks, a token crosses
+// to ((W-1)/W) * sum_q P_q remote owners and K*(W-1)/W of its slots are remote. The floor is the bytes
+// a GPU must send over its NVLink egress bandwidth (activations of bytes_per_element; the sideband of
+// 8 bytes per crossing token and 16 per remote slot counted apart).
+struct TransportArgs {
+  int64_t ranks = 4;              // W
+  int64_t experts = 64;           // E
+  int64_t topk = 6;               // K
+  int64_t tokens = 4096;          // T per rank
+  int64_t hidden = 2048;          // H
+  int64_t bytes_per_element = 2;  // bf16
+  double peer_gbps = 386;         // per-GPU egress GB/s (1e9 B/s): a copy between two H200s measured 386
+};
+struct TransportFloor {
+  double owners_per_token = 0;         // E[distinct owners] = sum_q P_q
+  double remote_owners_per_token = 0;  // ((W-1)/W) * sum_q P_q
+  double dispatch_rows = 0;            // T * remote owners: token rows sent per rank
+  double dispatch_bytes = 0;           // dispatch_rows * H * b
+  double sideband_bytes = 0;           // 8 * dispatch_rows + 16 * T*K*(W-1)/W
+  double slot_rows = 0;                // T*K*(W-1)/W remote slots
+  double combine_slot_bytes = 0;       // one returned row per remote slot: slot_rows * H * b
+  double combine_reduced_bytes = 0;    // the owner reduces its rows per token first: dispatch_rows * H * b
+  double dispatch_time_s = 0, combine_slot_time_s = 0, combine_reduced_time_s = 0;  // bytes / peer bandwidth
+  double dedup_saving = 0;             // slot_rows / dispatch_rows: how much deduplication saves
+};
+StatusOr<TransportFloor> IntraDomainTransport(const TransportArgs& args);
+std::ostream& operator<<(std::ostream& os, const TransportFloor& t);
+
 }  // namespace rdep::model
