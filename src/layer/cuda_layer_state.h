@@ -197,6 +197,10 @@ struct CudaMoELayer::RankState {
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
   // The context of calls made without one.
   ForwardContext own_context;
+  // The last collective step was a Plan: a peer may still be copying that plan's control words (its
+  // accept runs after the offsets barrier), so a Plan right after it starts with a barrier before it
+  // stores into the peers' control words. Any other step passes a barrier of its own first.
+  bool plan_copy_pending = false;
 };
 
 // One expert-compute call over a run of a segment's grouped rows (CudaMoELayer::ExpertCalls): the

@@ -368,6 +368,8 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const bool count_ok = num_tokens >= 0 && num_tokens <= s.tokens;
   const int64_t n = count_ok ? num_tokens : 0;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  if (st.plan_copy_pending) RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kPlanStart));
+  st.plan_copy_pending = true;
   cudaStream_t stream = domain_.stream(rank);
   auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, regions_.control));
   auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
@@ -430,6 +432,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  st.plan_copy_pending = false;
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
@@ -480,6 +483,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   Saved& sv = *saved;
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  st.plan_copy_pending = false;
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));

@@ -91,6 +91,7 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   const int64_t M = std::accumulate(sv.recv_counts.begin(), sv.recv_counts.end(), int64_t{0});
@@ -123,6 +124,7 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
@@ -150,6 +152,7 @@ Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
@@ -178,6 +181,7 @@ Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const _
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));

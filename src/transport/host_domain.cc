@@ -26,6 +26,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kInterNodeCopyDone: return "inter-node.copy.done";
     case Phase::kReturnStart: return "return.start";
     case Phase::kRowsTaken: return "rows.taken";
+    case Phase::kPlanStart: return "plan.start";
     case Phase::kTest: return "test";
   }
   return "unknown";

@@ -21,6 +21,7 @@ enum class Phase : uint16_t {
   kInterNodeCopyDone,     // device-copy inter-node exchange: every receiver has copied (senders may reuse)
   kReturnStart,           // dispatch/combine API: every rank finished reading its return rows of earlier calls
   kRowsTaken,             // dispatch/combine API: every owner took its received rows out of the segment buffers
+  kPlanStart,             // a plan right after a plan: every rank has copied the previous plan's control words
   kTest,                  // used by tests
 };
 
