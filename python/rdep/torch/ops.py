@@ -64,9 +64,11 @@ def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) ->
 def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
     """The weight gradients' dtype: bf16 for bf16 weights on CUDA when the forward ran in one segment
     (the layer's GEMMs write them directly), fp32 otherwise (fp32 master weights, the host backend,
-    or several segments, whose gradients accumulate in fp32)."""
+    several segments, whose gradients accumulate in fp32, or balancing, whose replica gradients are
+    added into fp32 ones)."""
     one_segment = layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
-    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and one_segment:
+    # With balancing, replica gradients are reduced into fp32 main-expert gradients (the layer refuses bf16 ones).
+    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and one_segment and layer.balance == "off":
         return torch.bfloat16
     return torch.float32
 
