@@ -84,7 +84,10 @@ typedef struct rdep_layer_spec {
   /* Nodes (host backend so far): N nodes of world_size/N ranks, the two-phase exchange, node cap M. */
   int32_t nodes;               /* N (0 or 1 = one domain) */
   int32_t max_nodes;           /* M: routing must keep each token on at most M nodes (0 = N) */
-  int32_t reserved_spec;       /* must be 0 */
+  /* Version 3. CUDA: the expert compute, 0 = cuBLASLt (the counts read on the host once per forward
+   * segment), 1 = CUTLASS grouped GEMMs for sm_90a (the counts read on the device: with one segment
+   * and no balancing, no host wait in the layer). The host backend ignores it. */
+  int32_t expert_compute;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

@@ -64,10 +64,11 @@ LAYER_SPEC_FIELDS = (
     ("balance_relay_above", "int32_t"),
     ("nodes", "int32_t"),
     ("max_nodes", "int32_t"),
-    ("reserved_spec", "int32_t"),
+    ("expert_compute", "int32_t"),
 )
 
 BALANCE_KINDS = {"off": 0, "ultraep": 1, "eplb": 2, "eplb-exact": 3}  # rdep_balance_kind
+EXPERT_COMPUTE = {"cublaslt": 0, "cutlass": 1}  # rdep_layer_spec.expert_compute
 
 RANK_IO_FIELDS = (
     ("num_tokens", "int64_t"),

@@ -101,7 +101,8 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
   if (s.balance_min_quota < 0) return InvalidArgument("layer spec: balance_min_quota must be >= 0 (0 = 1)");
   if (s.balance_relay_above < -1) return InvalidArgument("layer spec: balance_relay_above must be >= -1 (-1 = the default)");
   if (s.nodes < 0) return InvalidArgument("layer spec: nodes must be >= 0 (0 = one domain)");
-  if (s.reserved_spec != 0) return InvalidArgument("layer spec: reserved_spec must be 0");
+  if (s.expert_compute < 0 || s.expert_compute > 1)
+    return InvalidArgument("layer spec: expert_compute " + std::to_string(s.expert_compute) + " is not 0 (cublaslt) or 1 (cutlass)");
   return rdep::Status::Ok();
 }
 
@@ -300,6 +301,7 @@ int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out) {
     c.balance.min_quota = spec->balance_min_quota > 0 ? spec->balance_min_quota : 1;
     if (spec->balance_relay_above >= 0) c.balance.relay_above = spec->balance_relay_above;
     c.nodes = rdep::NodeConfig{spec->nodes > 0 ? spec->nodes : 1, spec->max_nodes};
+    c.expert_compute = spec->expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;
     RDEP_RETURN_IF_ERROR(c.Validate());
     RDEP_ASSIGN_OR_RETURN(l->ownership, rdep::OwnershipMap::Contiguous(spec->experts, spec->world_size));
     const double timeout = spec->barrier_timeout_s > 0 ? spec->barrier_timeout_s : 30.0;

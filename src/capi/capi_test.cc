@@ -151,9 +151,15 @@ TEST(CApi, SpecErrorsNameTheField) {
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("balance 7 is not 0 (off)"), std::string::npos) << rdep_last_error();
   spec = Spec(s, 0);
-  spec.reserved_spec = 1;
+  spec.expert_compute = 2;
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("reserved_spec"), std::string::npos);
+  EXPECT_NE(std::string(rdep_last_error()).find("expert_compute 2 is not 0 (cublaslt) or 1 (cutlass)"), std::string::npos)
+      << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.expert_compute = 1;  // the host backend ignores it
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  rdep_layer_destroy(l);
+  l = nullptr;
   spec = Spec(s, 0);
   spec.nodes = 3;
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);

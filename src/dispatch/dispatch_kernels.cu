@@ -3,6 +3,9 @@
 // the host backend's.
 #include <cuda_bf16.h>
 
+#include <string>
+
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "rdep/core/capacity_rules.h"
@@ -295,8 +298,14 @@ __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t 
   }
 }
 
-__global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped, int64_t M, int64_t H, bool scale,
-                                 bf16_bits* out) {
+// The rows a launch covers: M, or (device_rows non-null) the device count capped by it.
+__device__ __forceinline__ int64_t RowsNow(const int64_t* device_rows, int64_t M) {
+  return device_rows ? min(*device_rows, M) : M;
+}
+
+__global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped, int64_t M_bound, int64_t H, bool scale,
+                                 bf16_bits* out, const int64_t* device_rows) {
+  const int64_t M = RowsNow(device_rows, M_bound);
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
@@ -311,6 +320,15 @@ __global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped
   }
 }
 
+__global__ void SumCountsKernel(const int64_t* counts, int32_t n, int64_t* total) {
+  using Reduce = cub::BlockReduce<int64_t, 256>;
+  __shared__ typename Reduce::TempStorage tmp;
+  int64_t mine = 0;
+  for (int32_t i = static_cast<int32_t>(threadIdx.x); i < n; i += 256) mine += counts[i];
+  const int64_t sum = Reduce(tmp).Sum(mine);
+  if (threadIdx.x == 0) *total = sum;
+}
+
 __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                                    const int32_t* local_to_global, bf16_bits* out) {
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -323,8 +341,9 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
   }
 }
 
-__global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, RegionLayout l,
-                                 void* const* return_of) {
+__global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
+                                 void* const* return_of, const int64_t* device_rows) {
+  const int64_t M = RowsNow(device_rows, M_bound);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
@@ -462,9 +481,16 @@ Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const Regi
 }
 
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
-                        bool scale_by_gate, bf16_bits* out, cudaStream_t s) {
+                        bool scale_by_gate, bf16_bits* out, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
-  GatherRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_payload, grouped, M, H, scale_by_gate, out);
+  GatherRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_payload, grouped, M, H, scale_by_gate, out, device_rows);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchSumCounts(const int64_t* counts, int32_t n, int64_t* total, cudaStream_t s) {
+  if (n < 0 || n > (1 << 20)) return InvalidArgument("sum counts: n=" + std::to_string(n) + " outside [0, 2^20]");
+  SumCountsKernel<<<1, 256, 0, s>>>(counts, n, total);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -478,9 +504,9 @@ Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, in
 }
 
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
-                        void* const* return_of, cudaStream_t s) {
+                        void* const* return_of, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
-  ReturnRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(rows, grouped, M, l, return_of);
+  ReturnRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(rows, grouped, M, l, return_of, device_rows);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

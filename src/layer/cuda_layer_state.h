@@ -129,6 +129,11 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   // Dispatch/combine with the caller's experts: rows_per_expert on the host (read once per plan).
   std::vector<int64_t> recv_counts;
   bool have_recv_counts = false;
+  // Sync-free owner work (CudaMoELayer::SyncFree): the one segment's rows per physical expert and their
+  // total, on the device only [phys + 1]; the host never learns them during the call.
+  cuda_layer::DeviceBuffer<int64_t> dev_counts;
+  bool counts_on_device = false;
+  bool fault_unchecked = false;  // sync-free forward: the routing check had not completed when it returned
   // The plan's input check: the first faulty routing slot, written by the device into mapped pinned
   // memory; final when the event after the check has completed.
   dispatch::RoutingFault* host_fault = nullptr;
@@ -145,7 +150,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     if (fault_copied) cudaEventDestroy(fault_copied);
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
-    for (auto* b : {&dropped, &control, &rows_per_expert}) b->Free();
+    for (auto* b : {&dropped, &control, &rows_per_expert, &dev_counts}) b->Free();
     for (auto* b : {&saved_f, &x_rows, &h_rows}) b->Free();
     accepted.Free();
     grouped.Free();
@@ -153,7 +158,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   }
   size_t bytes() const override {
     return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
-           (dropped.count + control.count + rows_per_expert.count) * 8 + (saved_f.count + x_rows.count + h_rows.count) * 2 +
+           (dropped.count + control.count + rows_per_expert.count + dev_counts.count) * 8 +
+           (saved_f.count + x_rows.count + h_rows.count) * 2 +
            grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4;
   }
 };

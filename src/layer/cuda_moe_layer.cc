@@ -107,6 +107,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
+  if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
   if (config_.balance.enabled()) {
     RDEP_RETURN_IF_ERROR(saved->plan.Reserve(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config_.replica_slots()));
     RDEP_RETURN_IF_ERROR(saved->dest_rank.Reserve(nk));
@@ -269,7 +270,15 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
     const int64_t seg_rows = l.S * l.slots_per_token;
     if (L > 0) {
-      RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::MakeCublasLtExpertCompute({L, H, F, std::max<int64_t>(seg_rows, 1)}, st->device));
+      const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
+      if (config.expert_compute == ExpertComputeKind::kCutlass) {
+        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device);
+        if (!cutlass.ok())
+          return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
+        st->mlp = std::move(*cutlass);
+      } else {
+        RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::MakeCublasLtExpertCompute(desc, st->device));
+      }
     }
     if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
     // out_rows: forward outputs of a segment; in backward, dout rows then dx rows behind them.
@@ -439,7 +448,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
                                                sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
                                                domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
-  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv));
+  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/!sv.counts_on_device));
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
@@ -447,8 +456,20 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
 // The plan's device check of the routing (LaunchValidateRouting) as a Status naming rank, token,
 // slot and value. The forward has synchronized its stream by now (segment counts), so the wait on
 // the copy's event returns at once.
-Status CudaMoELayer::CheckRoutingInput(int32_t rank, const Saved& sv) {
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
+Status CudaMoELayer::CheckRoutingInput(int32_t rank, Saved& sv, bool wait) {
+  if (wait) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
+  } else {  // sync-free: read the record only if the device already wrote it (never inside a graph capture)
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
+    const cudaError_t ready = capture == cudaStreamCaptureStatusNone ? cudaEventQuery(sv.fault_copied) : cudaErrorNotReady;
+    if (ready == cudaErrorNotReady) {
+      sv.fault_unchecked = true;
+      return Status::Ok();
+    }
+    RDEP_CUDA_RETURN_IF_ERROR(ready);
+  }
+  sv.fault_unchecked = false;
   const volatile dispatch::RoutingFault* v = sv.host_fault;  // written by the device through the mapping
   const dispatch::RoutingFault f{v->key, v->expert, v->gate};
   if (f.key == ~0ull) {
@@ -502,7 +523,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
-  return Mark(rank, st, true, kMarkCombine);
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
+  // A sync-free forward whose routing check had not completed reports it here (after the collective).
+  return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
 }
 
 // Phase 3 per segment: scatter this rank's tokens in each owner's window, barrier, then the owner
@@ -539,6 +562,8 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
 // Owner, forward, one segment: expand into expert-grouped rows (the GEMMs need the per-expert counts
 // on the host), gather, expert MLP (or the sentinel echo), return rows to their front-ends.
 Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  if (SyncFree(st)) return OwnerForwardSyncFree(rank, st, sv, seg_payload);
+  sv.counts_on_device = false;
   const LayerShape& s = config_.shape;
   const int64_t H = s.hidden, S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
@@ -580,6 +605,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
 // Owner, backward, one segment: dout rows = gate * dy in the forward's grouped order, dgrad and
 // wgrad (accumulated over segments), dx rows back to their front-ends.
 Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  if (sv.counts_on_device) return OwnerBackwardSyncFree(rank, st, sv, seg_payload);
   const LayerShape& s = config_.shape;
   const int64_t H = s.hidden;
   cudaStream_t stream = domain_.stream(rank);
@@ -595,7 +621,13 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
                                               static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * H * s.ffn) * sizeof(float),
                                               stream));
   if (m > 0) {  // dx rows go right behind the dout rows in out_rows
-    for (const ExpertCall& c : ExpertCalls(rank, st, nullptr, counts))  // counts saved by forward on the host
+    const int64_t* dev_counts = nullptr;  // counts saved by forward on the host; a compute that reads them on the
+    if (st.mlp && st.mlp->graph_safe()) {  // device gets them back there (stream-ordered, staged by the copy)
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.seg_counts.ptr, counts.data(), counts.size() * sizeof(int64_t),
+                                                cudaMemcpyHostToDevice, stream));
+      dev_counts = st.seg_counts.ptr;
+    }
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts))
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                            st.out_rows.ptr + c.first * H, c.weights, st.out_rows.ptr + (m + c.first) * H, c.grads,
                                            c.accumulate, stream));
@@ -646,12 +678,17 @@ StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank
   if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  std::vector<GroupedRow> rows(static_cast<size_t>(sv->total_rows));
+  int64_t device_total = 0;  // a sync-free forward left its counts (and their total, last) on the device
+  if (sv->counts_on_device) {
+    RDEP_ASSIGN_OR_RETURN(const std::vector<int64_t> c, DeviceCounts(rank, *sv));
+    device_total = c.back();
+  }
+  std::vector<GroupedRow> rows(static_cast<size_t>(sv->counts_on_device ? device_total : sv->total_rows));
   if (!rows.empty())
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), sv->grouped.ptr, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
   std::vector<OwnerTraceEntry> trace;
   for (int64_t seg = 0; seg < sv->num_segments; ++seg) {
-    int64_t m = 0;
+    int64_t m = sv->counts_on_device ? device_total : 0;
     for (int64_t c : sv->seg_rows[static_cast<size_t>(seg)]) m += c;
     const int64_t base = sv->seg_base[static_cast<size_t>(seg)];
     for (int64_t g = 0; g < m; ++g) {
@@ -665,6 +702,11 @@ StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank
 std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
   const Saved* sv = CheckLocalRank(rank).ok() ? last(rank) : nullptr;
   std::vector<int64_t> total(sv ? static_cast<size_t>(physical_experts(*ranks_[static_cast<size_t>(rank)])) : 0, 0);
+  if (sv && sv->counts_on_device) {  // a sync-free forward: the counts are on the device (this waits)
+    auto c = DeviceCounts(rank, *sv);
+    if (c.ok()) std::copy_n(c->begin(), total.size(), total.begin());
+    return total;
+  }
   if (sv)
     for (const auto& seg : sv->seg_rows)
       for (size_t j = 0; j < seg.size() && j < total.size(); ++j) total[j] += seg[j];

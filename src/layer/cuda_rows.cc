@@ -134,7 +134,7 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
                                                stream));
-  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv));
+  RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/true));
   ContextAccess::FinishCombine(ctx);
   return guard.Done(Status::Ok());
 }

@@ -4,6 +4,16 @@
 
 namespace rdep {
 
+const char* ExpertComputeName(ExpertComputeKind k) {
+  return k == ExpertComputeKind::kCutlass ? "cutlass" : "cublaslt";
+}
+
+StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name) {
+  if (name == "cublaslt") return ExpertComputeKind::kCublasLt;
+  if (name == "cutlass") return ExpertComputeKind::kCutlass;
+  return InvalidArgument("expert compute: '" + name + "' is not cublaslt or cutlass");
+}
+
 Status LayerConfig::Validate() const {
   RDEP_RETURN_IF_ERROR(shape.Validate());
   RDEP_RETURN_IF_ERROR(capacity.Validate());
@@ -27,6 +37,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   else os << " S=auto";
   if (c.balance.enabled()) os << " balance=" << c.balance;
   if (c.nodes.nodes > 1) os << " nodes " << c.nodes;
+  if (c.expert_compute != ExpertComputeKind::kCublasLt) os << " experts=" << ExpertComputeName(c.expert_compute);
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 

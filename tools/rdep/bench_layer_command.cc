@@ -51,6 +51,10 @@ flags [defaults: the Moonlight shape]:
                        plan, streaming and gradient-reduction times (CUDA events)
   --slots N            with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U        with --balance ultraep: rows a replica carries at least [1]
+  --expert-compute X   cublaslt | cutlass: cutlass reads the per-expert counts on the GPU, so the layer
+                       never waits on the host (one segment, no balancing) [cublaslt]
+  --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
+                       replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -84,6 +88,7 @@ struct LayerBenchOptions {
   int64_t warmup = 0, iters = 0;
   uint64_t seed = 0;
   std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
+  bool graph = false;          // also time CUDA-graph replays
   rdep::cli::Limits limits;
 };
 
@@ -127,9 +132,18 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   const bool slots_given = f.has("slots"), min_quota_given = f.has("min-quota");
   const int64_t slots = f.get_int("slots", 2);
   o.cfg.balance.min_quota = f.get_int("min-quota", 1);
+  const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
+  o.graph = f.get_bool("graph");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
   if (int rc = ReadBalanceFlags(balance, slots_given, min_quota_given, slots, o.cfg); rc != 0) return rc;
+  auto compute = rdep::ParseExpertCompute(expert_compute);
+  if (!compute.ok()) return Refuse("--expert-compute: " + compute.status().message());
+  o.cfg.expert_compute = *compute;
+  if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled() ||
+                  (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.tokens)))
+    return Refuse("--graph needs --ranks 1, --expert-compute cutlass, one segment and no --balance (the layer must not wait "
+                  "on the host; capturing several ranks is not supported yet)");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
   if (o.use_gpus < 1 || o.use_gpus > gpus)
     return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.use_gpus));
@@ -190,6 +204,8 @@ void FreeRankBuffers(rdep::CudaDomain& domain, std::vector<RankBuffers>& bufs) {
 // Raw times per rank and what is derived from them.
 struct LayerBenchResults {
   std::vector<std::vector<double>> fwd, fwdbwd;                // [rank][iteration after warmup], ms
+  std::vector<std::vector<double>> graph_fwd, graph_fwdbwd;    // with --graph: replays of the captured calls, ms
+  rdep::Summary graph_sf, graph_sfb;
   std::vector<std::vector<rdep::PhaseTimes>> prof_f, prof_b;  // [rank][profiled iteration]
   std::vector<size_t> bytes;                                   // layer device bytes per rank
   int64_t accepted_rows = 0;                                   // over all ranks
@@ -216,6 +232,41 @@ Status TimeRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
     }
     RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+    for (int64_t i = warmup; i < total; ++i) {
+      float ms = 0;
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
+      (pass ? fwdbwd : fwd).push_back(ms);
+    }
+  }
+  return Status::Ok();
+}
+
+// With --graph (one rank): pass 0 captures one forward, pass 1 one forward + backward, each into a CUDA
+// graph on the rank's stream (the layer must not wait on the host inside: the capture would fail),
+// then times `total` replays with events, as TimeRankPasses times the eager calls.
+Status TimeGraphPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
+                       int64_t warmup, int64_t total, std::vector<double>& fwd, std::vector<double>& fwdbwd) {
+  cudaStream_t stream = domain.stream(r);
+  for (int pass = 0; pass < 2; ++pass) {
+    cudaGraph_t graph = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    Status captured = layer.Forward(r, b.experts, b.gates, n, b.x, b.y);
+    if (captured.ok() && pass == 1) captured = layer.Backward(r, b.dy, b.dx, b.dgates);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+    RDEP_RETURN_IF_ERROR(captured);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    RDEP_CUDA_RETURN_IF_ERROR(inst);
+    for (int64_t i = 0; i < total; ++i) {
+      cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, stream));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
+    }
+    const Status done = domain.Synchronize(r);
+    cudaGraphExecDestroy(exec);
+    RDEP_RETURN_IF_ERROR(done);
     for (int64_t i = warmup; i < total; ++i) {
       float ms = 0;
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
@@ -308,6 +359,17 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
     res.bytes[sr] = layer.device_bytes(r);
     return Status::Ok();
   }));
+  if (o.graph) {
+    res.graph_fwd.assign(W, {});
+    res.graph_fwdbwd.assign(W, {});
+    RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+      const auto sr = static_cast<size_t>(r);
+      return TimeGraphPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.graph_fwd[sr],
+                             res.graph_fwdbwd[sr]);
+    }));
+    res.graph_sf = rdep::Summarize(rdep::MaxOverRanks(res.graph_fwd));
+    res.graph_sfb = rdep::Summarize(rdep::MaxOverRanks(res.graph_fwdbwd));
+  }
   // Phase breakdown: a few profiled iterations after the timed ones (medians per rank, then max).
   RDEP_RETURN_IF_ERROR(layer.EnableProfiling(true));
   res.prof_f.assign(W, {});
@@ -379,6 +441,9 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
               static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
   std::printf("  placement: %s\n", setup.domain->placement().c_str());
+  if (cfg.expert_compute != rdep::ExpertComputeKind::kCublasLt)
+    std::printf("  expert compute: %s (the counts read on the GPU: no host wait in the layer)\n",
+                rdep::ExpertComputeName(cfg.expert_compute));
   std::printf("  load: expert max/mean %.2f (CV %.1f%%, %lld of %lld experts active), owner max/mean %.2f\n",
               tel.max_over_mean, 100 * tel.cv, static_cast<long long>(tel.active_experts),
               static_cast<long long>(tel.num_experts), c.owner_max_over_mean);
@@ -386,6 +451,12 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
   std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward", sf.p50, sf.p99, res.tflops_f, c.base_f, c.base_f / sf.p50);
   std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "forward+backward", sfb.p50, sfb.p99, res.tflops_fb, c.base_fb,
               c.base_fb / sfb.p50);
+  if (o.graph) {
+    std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "graph forward", res.graph_sf.p50, res.graph_sf.p99,
+                res.tflops_f * sf.p50 / res.graph_sf.p50, c.base_f, c.base_f / res.graph_sf.p50);
+    std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "graph fwd+bwd", res.graph_sfb.p50, res.graph_sfb.p99,
+                res.tflops_fb * sfb.p50 / res.graph_sfb.p50, c.base_fb, c.base_fb / res.graph_sfb.p50);
+  }
   std::printf("  breakdown (ms, max-rank median)  routing  dispatch  expert  return  combine\n");
   std::printf("    forward                      %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bf.routing_ms, bf.dispatch_ms, bf.expert_ms, bf.return_ms, bf.combine_ms);
   std::printf("    backward (routing = dgate)   %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bb.routing_ms, bb.dispatch_ms, bb.expert_ms, bb.return_ms, bb.combine_ms);
@@ -413,6 +484,11 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   j.key("owner_rows").value(std::vector<double>(tel.owner_loads.begin(), tel.owner_loads.end())).end_object();
   rdep::bench::WriteSummary(j, "forward", res.f_max);
   rdep::bench::WriteSummary(j, "forward_backward", res.fb_max);
+  j.field("expert_compute", rdep::ExpertComputeName(o.cfg.expert_compute));
+  if (o.graph) {
+    rdep::bench::WriteSummary(j, "graph_forward", rdep::MaxOverRanks(res.graph_fwd));
+    rdep::bench::WriteSummary(j, "graph_forward_backward", rdep::MaxOverRanks(res.graph_fwdbwd));
+  }
   j.field("forward_tflops_per_gpu", res.tflops_f).field("forward_backward_tflops_per_gpu", res.tflops_fb);
   j.key("breakdown_forward_ms").begin_object().field("routing", bf.routing_ms).field("dispatch", bf.dispatch_ms);
   j.field("expert", bf.expert_ms).field("return", bf.return_ms).field("combine", bf.combine_ms).end_object();

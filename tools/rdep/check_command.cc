@@ -61,6 +61,8 @@ flags (defaults in brackets):
   --empty-rank R         give rank R (0 <= R < W) zero tokens [none]
   --capacity-factor C    0 = dropless; else each expert admits ceil(C*W*T*K/E) rows [0]
   --segment S            token rows per owner per segment; 0 = T [0]
+  --expert-compute X     cuda: cublaslt | cutlass (grouped GEMMs reading the counts on the GPU: with one
+                         segment and no balancing the layer never waits on the host) [cublaslt]
   --balance B            off | ultraep | eplb | eplb-exact: replicas of hot experts in redundant slots,
                          planned by every rank from the load matrix after phase 1 (cuda: ultraep on
                          each rank's GPU, the eplb baselines on the host after one sync) [off]
@@ -156,6 +158,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.empty_rank = f.get_int("empty-rank", -1);
   o.layer.capacity.capacity_factor = f.get_double("capacity-factor", 0.0);
   o.layer.segment_tokens = f.get_int("segment", 0);
+  const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   c.balance = f.get_string("balance", "off");
   c.slots_given = f.has("slots");
   c.min_quota_given = f.has("min-quota");
@@ -173,6 +176,9 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   if (rdep::Status st = f.Finish(); !st.ok()) return Refuse(st.message() + "\n(see rdep check --help)");
   if (!f.positional().empty()) return Refuse("unexpected argument '" + f.positional().front() + "'\n(see rdep check --help)");
   if (!limits.ok()) return Refuse(limits.status().message());
+  auto compute = rdep::ParseExpertCompute(expert_compute);
+  if (!compute.ok()) return Refuse("--expert-compute: " + compute.status().message());
+  o.layer.expert_compute = *compute;
   if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0))
     return Refuse("--timeout must be a finite number of seconds > 0");
   c.limits = *limits;
@@ -202,6 +208,8 @@ int ResolveCheckBackend(CheckOptions& c) {
     return Refuse("--gpus must be in [1, " + std::to_string(rdep::CudaDeviceCount()) + "] on this machine, got " +
                   std::to_string(c.gpus));
   if (c.boot && c.backend != "cuda") return Refuse("--bootstrap mpi needs --backend cuda");
+  if (c.v.layer.expert_compute != rdep::ExpertComputeKind::kCublasLt && c.backend == "host")
+    return Refuse("--expert-compute chooses the CUDA backend's expert compute; the host backend computes on the host");
   c.leader = !c.boot || c.boot->rank() == 0;
   if (c.backend != "host" && c.backend != "cuda") return Refuse("unknown backend '" + c.backend + "' (host, cuda, auto)");
   return 0;

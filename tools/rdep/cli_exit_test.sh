@@ -106,6 +106,8 @@ expect 2 '--steps must be in \[2, 1000000\], got 4294967298' plan sim --steps 42
 expect 2 '--slots must be in' plan bench --device host --slots -1
 expect 2 'count 0 is above 2\^40 rows' model padding --counts 9223372036854775807,1
 expect 2 'topk \(70\) is larger than experts \(64\)' model transport --topk 70
+expect 2 "--expert-compute: expert compute: 'foo' is not cublaslt or cutlass" check --expert-compute foo
+expect 2 "--expert-compute chooses the CUDA backend's expert compute" check --backend host --expert-compute cutlass
 expect 0 'dispatch bytes / rank +42.1 MB .*floor 109.1 us' model transport
 expect 2 "unknown command 'nosuch'" nosuch
 expect 2 "unknown subcommand 'nosuch'" plan nosuch

@@ -97,15 +97,18 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 // then the grouped rows (written at grouped + 0). counts is [num_local] int64.
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
                     int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s);
-// out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M.
+// out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M. With device_rows (a
+// device int64), g < min(*device_rows, M): M is then the host's bound (it sizes the grid only).
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
-                        bool scale_by_gate, bf16_bits* out, cudaStream_t s);
+                        bool scale_by_gate, bf16_bits* out, cudaStream_t s, const int64_t* device_rows = nullptr);
+// *total = counts[0] + ... + counts[n-1] (device int64s; n <= 2^20): the rows a segment's expand wrote.
+Status LaunchSumCounts(const int64_t* counts, int32_t n, int64_t* total, cudaStream_t s);
 // Sentinel echo instead of the MLP: out[g] = SentinelField(row_id, rank, global expert) | x row.
 Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                           const int32_t* local_to_global, bf16_bits* out, cudaStream_t s);
 // Return: row g goes to its front-end's return region at (t*K+k), decoded from row_id (rdep::RowIdCodec).
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
-                        void* const* return_of, cudaStream_t s);
+                        void* const* return_of, cudaStream_t s, const int64_t* device_rows = nullptr);
 // Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
 // slots (w = effective gate, or 1 when weights is null). save (nullable) receives the accepted rows.
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,

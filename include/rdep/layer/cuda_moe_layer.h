@@ -94,6 +94,12 @@ class CudaMoELayer {
   // What backward needs is saved in ctx (caller-owned; bound to this layer and rank).
   Status Forward(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
                  const __nv_bfloat16* x, __nv_bfloat16* y);
+  // With LayerConfig::expert_compute = kCutlass, one segment per forward (S >= W*T, the default) and
+  // balancing off, neither Forward nor Backward waits on the host: the host can run ahead of the GPU
+  // and a call can be captured in a CUDA graph (rdep bench layer --graph). A routing fault is then
+  // reported by the forward only when the device has already checked it by the time Run returns,
+  // else by its Backward, or on demand by CheckRoutingFaults (which waits).
+  Status CheckRoutingFaults(int32_t rank, ForwardContext& ctx);
   // Collective, after the forward that filled ctx (every rank passes its context of the same forward):
   // dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates). Weight gradients of this call
   // (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
@@ -189,8 +195,15 @@ class CudaMoELayer {
   Status Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
+  // The owner work without host waits (expert compute reading device counts, one segment, no
+  // balancing, the SwiGLU kind): buffers sized for the segment's worst case at the context's creation.
+  bool SyncFree(const RankState& st) const;
+  Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload);
+  Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload);
+  Status ReserveSyncFree(const RankState& st, Saved& sv) const;
+  StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
-  Status CheckRoutingInput(int32_t rank, const Saved& sv);
+  Status CheckRoutingInput(int32_t rank, Saved& sv, bool wait);
   Status CheckRowsSupported(const char* call) const;
   Status HostRecvCounts(int32_t rank, Saved& sv);
   Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;

@@ -21,6 +21,16 @@ namespace rdep {
 
 inline constexpr int64_t kMaxLoadMatrixExperts = 8192;  // one rank's row is counted in shared memory
 
+// Which implementation computes the experts on the CUDA backend (rdep/experts/expert_compute.h).
+enum class ExpertComputeKind {
+  kCublasLt,  // cuBLASLt (counts on the host: one host wait per forward segment)
+  kCutlass,   // CUTLASS grouped GEMMs for sm_90a reading the counts on the device: with one segment per
+              // forward and no balancing, the layer then never waits on the host (graph-capturable)
+};
+const char* ExpertComputeName(ExpertComputeKind k);
+// "cublaslt" or "cutlass"; InvalidArgument naming the value otherwise.
+StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name);
+
 struct LayerConfig {
   LayerShape shape;
   CapacityPolicy capacity;         // dropless by default
@@ -30,6 +40,7 @@ struct LayerConfig {
                                    // (the balancer needs it; W*E words per rank; E <= kMaxLoadMatrixExperts)
   BalanceConfig balance;           // replicas of hot experts (host backend so far); on implies load_matrix
   NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (host backend so far)
+  ExpertComputeKind expert_compute = ExpertComputeKind::kCublasLt;  // CUDA backend (the host backend computes on the host)
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }

@@ -171,9 +171,12 @@ class Layer:
         relay_above: int = 4,
         nodes: int = 1,
         max_nodes: int = 0,
+        expert_compute: str = "cublaslt",
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
+        if expert_compute not in _capi.EXPERT_COMPUTE:
+            raise ValueError(f"expert_compute: expected one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
         resolved = _resolve_backend(backend, device, process_group)
         if device is not None:
             device = torch.device(device)
@@ -215,6 +218,7 @@ class Layer:
         spec.balance_relay_above = relay_above
         spec.nodes = nodes
         spec.max_nodes = max_nodes
+        spec.expert_compute = _capi.EXPERT_COMPUTE[expert_compute]
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -235,6 +239,7 @@ class Layer:
         self.capacity_factor = float(capacity_factor)
         self.segment_tokens = segment_tokens
         self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
+        self.expert_compute = expert_compute
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:

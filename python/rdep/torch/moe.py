@@ -13,11 +13,14 @@ dtype: fp32 on the host backend; on CUDA bf16 by default, or fp32 master weights
 gradients in fp32). Initialization is deterministic in `seed`: expert e's weights depend only on
 (seed, e), so the same seed gives the same model at any world size.
 
-Host backend only so far (the CUDA layer refuses them with a clear error):
   balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
-      hot experts inside the layer; y is bitwise the same, expert gradients equal to fp32 rounding
+      hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
+      rounding (on CUDA: written, not yet run on a GPU; relays host-only)
   nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
-      router keeps each token's experts on at most M nodes (node-limited routing, seeds 004)
+      router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); host only
+  expert_compute='cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs that
+      read the per-expert counts on the GPU, so the layer never waits on the host (one segment, no
+      balancing); not yet run on a GPU
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -116,6 +119,7 @@ class MoE(nn.Module):
         relay_above: int = 4,
         nodes: int = 1,
         max_nodes: int = 0,
+        expert_compute: str = "cublaslt",
     ):
         super().__init__()
         self._layer_args = dict(
@@ -123,7 +127,7 @@ class MoE(nn.Module):
             world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
-            max_nodes=max_nodes)
+            max_nodes=max_nodes, expert_compute=expert_compute)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device

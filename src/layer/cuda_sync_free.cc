@@ -1,0 +1,96 @@
+// The CUDA layer's owner work without host waits (CudaMoELayer::SyncFree): the expert compute reads
+// the per-expert counts in device memory (the CUTLASS grouped implementation), the forward runs in
+// one segment (S >= W*T), and every buffer the owner fills is sized for that segment's worst case
+// (S * slots_per_token rows) when the context is made, so nothing grows during a call. The launches
+// that took the row count from the host (gather, return) take the device total as their bound:
+//   forward   expand (counts per physical expert into the context) -> sum -> gather x rows ->
+//             expert compute (device counts) -> return rows by row_id
+//   backward  gather g' * dy rows -> expert compute backward (device counts) -> return dx rows
+// The host learns the counts only when asked (owner_rows_per_expert, CopyOwnerTrace: they wait).
+#include <algorithm>
+#include <string>
+
+#include "layer/context_access.h"
+#include "layer/cuda_layer_state.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+
+using cuda_layer::Bits;
+using dispatch::bf16_bits;
+
+bool CudaMoELayer::SyncFree(const RankState& st) const {
+  return st.mlp && st.mlp->graph_safe() && !config_.balance.enabled() && kind_ == ExpertKind::kSwiGLU &&
+         layout_.S >= config_.shape.ranks * config_.shape.tokens;
+}
+
+// What a sync-free forward fills, at its worst case: one segment's rows (S * slots_per_token).
+Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
+  const auto cap = static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1));
+  const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
+  RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(cap));
+  RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(cap * H));
+  RDEP_RETURN_IF_ERROR(sv.h_rows.Reserve(cap * 2 * F));
+  return sv.dev_counts.Reserve(static_cast<size_t>(physical_experts(st)) + 1);
+}
+
+Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
+  const int64_t H = config_.shape.hidden, cap = std::max<int64_t>(layout_.S * layout_.slots_per_token, 1);
+  const int32_t phys = physical_experts(st);
+  cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
+  int64_t* counts = sv.dev_counts.ptr;
+  const int64_t* total = counts + phys;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, phys, counts,
+                                              sv.grouped.ptr, stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
+  sv.counts_on_device = true;
+  sv.seg_rows.assign(1, {});  // the host does not know them
+  sv.seg_base.assign(1, 0);
+  sv.total_rows = 0;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, false, Bits(sv.x_rows.ptr), stream, total));
+  if (phys > 0)
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, sv.x_rows.ptr, st.weights(), sv.h_rows.ptr, st.out_rows.ptr, stream));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr, cap, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream, total));
+  return Mark(rank, st, false, cuda_layer::kMarkReturn);
+}
+
+Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
+  const int64_t H = config_.shape.hidden, cap = std::max<int64_t>(layout_.S * layout_.slots_per_token, 1);
+  const int32_t phys = physical_experts(st);
+  cudaStream_t stream = domain_.stream(rank);
+  const int64_t* counts = sv.dev_counts.ptr;
+  const int64_t* total = counts + phys;
+  // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, true, Bits(st.out_rows.ptr), stream, total));
+  const kernels::ExpertGradsView grads = st.grads();
+  if (phys > 0)
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, st.out_rows.ptr, st.weights(),
+                                          st.out_rows.ptr + cap * H, grads, /*accumulate=*/!grads.bf16(), stream));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + cap * H), sv.grouped.ptr, cap, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), stream, total));
+  return Mark(rank, st, true, cuda_layer::kMarkReturn);
+}
+
+// The counts a sync-free forward left on the device, for checks (waits for the rank's stream).
+StatusOr<std::vector<int64_t>> CudaMoELayer::DeviceCounts(int32_t rank, const Saved& sv) const {
+  const int32_t phys = physical_experts(*ranks_[static_cast<size_t>(rank)]);
+  std::vector<int64_t> c(static_cast<size_t>(phys) + 1, 0);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv.device));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(c.data(), sv.dev_counts.ptr, c.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  return c;
+}
+
+Status CudaMoELayer::CheckRoutingFaults(int32_t rank, ForwardContext& ctx) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  Saved* sv = ContextAccess::PeekMutable<Saved>(ctx, id_, rank);
+  if (!sv) return FailedPrecondition("check routing faults: the context holds no forward of this layer on rank " + std::to_string(rank));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
+  return CheckRoutingInput(rank, *sv, /*wait=*/true);
+}
+
+}  // namespace rdep

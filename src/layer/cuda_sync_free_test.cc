@@ -1,0 +1,201 @@
+// The CUDA layer with the CUTLASS expert compute (LayerConfig::expert_compute = kCutlass): no host
+// wait in Forward or Backward. Against the same layer with the cuBLASLt compute (W = 1 and W = 4 ranks
+// sharing the GPUs present, capacity drops): y, dx, dgates, dW1, dW2 within ||a-b||/||b|| <= 1e-2 and
+// the routing metadata (acceptance) bitwise; a W = 1 forward and backward captured in a CUDA graph
+// (any host synchronization inside would break the capture) and replayed on new inputs in the same
+// buffers equals eager calls bitwise. Skips without a GPU, CUTLASS or sm_90.
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "layer/cuda_test_util.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+struct Problem {
+  LayerShape shape;
+  OwnershipMap own;
+  MoEWeights w;
+  Routing routing;
+  std::vector<std::vector<float>> x, dy;
+  Problem(int32_t W, const char* spec, uint64_t seed)
+      : shape{.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = W},
+        own(*OwnershipMap::Contiguous(8, W)),
+        w(RandomWeights(shape, 1)),
+        routing(*GenerateRouting(shape, *RoutingSpec::Parse(spec))),
+        x(RandomActivations(shape, routing, seed)),
+        dy(RandomActivations(shape, routing, seed + 1)) {}
+};
+
+struct Outputs {
+  std::vector<std::vector<uint16_t>> y, dx;
+  std::vector<std::vector<float>> dg, dw1, dw2;
+  std::vector<RankAcceptance> acc;
+  explicit Outputs(size_t W) : y(W), dx(W), dg(W), dw1(W), dw2(W), acc(W) {}
+};
+
+// Skips (returning false) where the CUTLASS compute cannot be made here.
+bool CutlassLayerAvailable(std::string* why) {
+  if (cuda::DeviceCount() == 0) {
+    *why = "no CUDA device";
+    return false;
+  }
+  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
+  if (!c.ok()) *why = c.status().message();
+  return c.ok();
+}
+
+Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
+  const auto W = static_cast<size_t>(p.shape.ranks);
+  Outputs out(W);
+  const int gpus = cuda::DeviceCount();
+  auto domain = CudaDomain::CreateSingleProcess(p.shape.ranks, {.barrier_timeout_s = 20,
+                                                                .devices = RoundRobinDevices(p.shape.ranks, std::min<int>(static_cast<int>(W), gpus))});
+  EXPECT_TRUE(domain.ok()) << domain.status();
+  LayerConfig cfg = MakeLayerConfig(p.shape, {.capacity_factor = capacity});
+  cfg.expert_compute = kind;
+  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
+  EXPECT_TRUE(layer.ok()) << layer.status();
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const int64_t H = p.shape.hidden, F = p.shape.ffn;
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[i], p.x[i], p.dy[i], H, b));
+    RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.e, b.g, b.n, b.x, b.y));
+    RDEP_RETURN_IF_ERROR((*layer)->Backward(r, b.dy, b.dx, b.dg));
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_ASSIGN_OR_RETURN(out.acc[i], (*layer)->CopyAcceptance(r));
+    RDEP_ASSIGN_OR_RETURN(out.y[i], Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(b.n * H)));
+    RDEP_ASSIGN_OR_RETURN(out.dx[i], Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * H)));
+    RDEP_ASSIGN_OR_RETURN(out.dg[i], Download(b.dg, static_cast<size_t>(b.n * p.shape.topk)));
+    const auto L = static_cast<size_t>(p.own.num_local(r));
+    RDEP_ASSIGN_OR_RETURN(out.dw1[i], Download((*layer)->dw1(r), L * static_cast<size_t>(H * 2 * F)));
+    RDEP_ASSIGN_OR_RETURN(out.dw2[i], Download((*layer)->dw2(r), L * static_cast<size_t>(F * H)));
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+double RelL2(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    d += (a[i] - b[i]) * (a[i] - b[i]);
+    n += b[i] * b[i];
+  }
+  return n > 0 ? std::sqrt(d / n) : std::sqrt(d);
+}
+std::vector<double> Widen(const std::vector<uint16_t>& v) {
+  std::vector<double> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = Bf16BitsToFloat(v[i]);
+  return o;
+}
+std::vector<double> Widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+class CudaSyncFree : public ::testing::TestWithParam<std::tuple<int32_t, double>> {};
+
+TEST_P(CudaSyncFree, CutlassComputeMatchesCublasLt) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  const auto [W, capacity] = GetParam();
+  Problem p(W, "zipf:1.2", 3);
+  const Outputs lt = RunLayer(p, ExpertComputeKind::kCublasLt, capacity);
+  const Outputs cut = RunLayer(p, ExpertComputeKind::kCutlass, capacity);
+  for (size_t i = 0; i < static_cast<size_t>(W); ++i) {
+    EXPECT_EQ(cut.acc[i].accepted, lt.acc[i].accepted) << "rank " << i;
+    EXPECT_EQ(cut.acc[i].effective_gates, lt.acc[i].effective_gates) << "rank " << i;
+    EXPECT_LE(RelL2(Widen(cut.y[i]), Widen(lt.y[i])), 1e-2) << "y, rank " << i;
+    EXPECT_LE(RelL2(Widen(cut.dx[i]), Widen(lt.dx[i])), 2e-2) << "dx, rank " << i;
+    EXPECT_LE(RelL2(Widen(cut.dg[i]), Widen(lt.dg[i])), 2e-2) << "dgates, rank " << i;
+    EXPECT_LE(RelL2(Widen(cut.dw1[i]), Widen(lt.dw1[i])), 2e-2) << "dW1, rank " << i;
+    EXPECT_LE(RelL2(Widen(cut.dw2[i]), Widen(lt.dw2[i])), 2e-2) << "dW2, rank " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree, ::testing::Values(std::tuple{1, 0.0}, std::tuple{4, 0.0}, std::tuple{4, 0.8}),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, double>>& i) {
+                           return "W" + std::to_string(std::get<0>(i.param)) + (std::get<1>(i.param) > 0 ? "_capacity_drops" : "");
+                         });
+
+// W = 1: Forward + Backward captured once on the rank's stream (a host wait inside would end the
+// capture with an error), replayed after new routing and activations were written into the same
+// device buffers: bitwise the eager results on those inputs.
+TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  Problem first(1, "uniform", 5), second(1, "zipf:1.5", 9);
+  auto domain = CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {}});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  LayerConfig cfg = MakeLayerConfig(first.shape);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
+  ASSERT_EQ(second.routing[0].num_tokens, n);
+  Batch b;
+  ForwardContext ctx;
+  std::vector<uint16_t> y_graph, dx_graph, y_eager, dx_eager;
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    cudaStream_t stream = (*domain)->stream(r);
+    RDEP_RETURN_IF_ERROR(Upload(first.routing[0], first.x[0], first.dy[0], H, b));
+    auto step = [&]() -> Status {
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, ctx, b.e, b.g, n, b.x, b.y));
+      return (*layer)->Backward(r, ctx, b.dy, b.dx, b.dg);
+    };
+    RDEP_RETURN_IF_ERROR(step());  // eager first: the context's buffers are made outside the capture
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    cudaGraph_t graph = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status captured = step();
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+    RDEP_RETURN_IF_ERROR(captured);
+    cudaGraphExec_t exec = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+    // New inputs in the same buffers, then the replay.
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.e, second.routing[0].experts.data(), second.routing[0].experts.size() * 4, cudaMemcpyHostToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.g, second.routing[0].gates.data(), second.routing[0].gates.size() * 4, cudaMemcpyHostToDevice));
+    Batch fresh;
+    RDEP_RETURN_IF_ERROR(Upload(second.routing[0], second.x[0], second.dy[0], H, fresh));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, fresh.x, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, fresh.dy, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_ASSIGN_OR_RETURN(y_graph, Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(n * H)));
+    RDEP_ASSIGN_OR_RETURN(dx_graph, Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(n * H)));
+    RDEP_RETURN_IF_ERROR(step());  // eager on the same (second) inputs
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_ASSIGN_OR_RETURN(y_eager, Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(n * H)));
+    RDEP_ASSIGN_OR_RETURN(dx_eager, Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(n * H)));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(y_graph, y_eager);
+  EXPECT_EQ(dx_graph, dx_eager);
+}
+
+TEST(CudaSyncFree_Errors, CutlassOnANonHopperOrCutlassLessBuildIsNamed) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  std::string why;
+  if (CutlassLayerAvailable(&why)) GTEST_SKIP() << "the CUTLASS compute is available here";
+  Problem p(1, "uniform", 1);
+  auto domain = CudaDomain::CreateSingleProcess(1, {});
+  ASSERT_TRUE(domain.ok());
+  LayerConfig cfg = MakeLayerConfig(p.shape);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_NE(layer.status().message().find("expert compute cutlass"), std::string::npos) << layer.status();
+}
+
+}  // namespace
+}  // namespace rdep
+#endif
