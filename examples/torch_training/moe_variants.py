@@ -103,7 +103,7 @@ class RdepMoE(nn.Module):
     kind = "rdep"
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
-                 ranks: int = 1, seed: int = 0):
+                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt"):
         super().__init__()
         import rdep.torch as rt
 
@@ -111,7 +111,7 @@ class RdepMoE(nn.Module):
         kw = dict(max_tokens=tokens // ranks, score_function=cfg.score, num_groups=cfg.groups,
                   topk_groups=cfg.topk_groups, normalize_topk=True, scaling_factor=cfg.route_scale,
                   expert_bias=True, shared_ffn=cfg.shared_ffn, seed=seed, dtype=torch.float32,
-                  init_std=cfg.init_std)
+                  init_std=cfg.init_std, expert_compute=expert_compute)
         if group is not None:
             kw.update(process_group=group, device=device)
         else:

@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", choices=("auto", "torchtitan", "reference"), default="auto",
                    help="baseline for --moe both: auto = torchtitan if it imports, else the torch reference MoE")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--expert-compute", choices=("cublaslt", "cutlass"), default="cublaslt",
+                   help="rdep's expert compute on CUDA: cutlass reads the per-expert counts on the GPU, so the layer "
+                        "never waits on the host and the step can run ahead")
     p.add_argument("--ranks-per-process", type=int, default=1,
                    help="rdep ranks driven by this process (without torchrun): host threads / ranks sharing a GPU")
     m = p.add_argument_group("model (Moonlight architecture, scaled down)")
@@ -205,7 +208,8 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
     def make_moe(layer: int):
         if kind == "rdep":
             return RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
-                           ranks=a.ranks_per_process, seed=a.seed)
+                           ranks=a.ranks_per_process, seed=a.seed,
+                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt")
         if kind == "torchtitan":
             return TitanMoE(cfg, layer, group=dd.group, device=dd.device, bias_rate=a.bias_rate)
         return ReferenceMoE(cfg, layer, group=dd.group)
