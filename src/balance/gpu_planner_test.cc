@@ -1,5 +1,6 @@
-// GPU planner vs host planner: bitwise-equal plans over many seeded load matrices. Skips (with the
-// reason) when the build has no CUDA or no device is present.
+// GPU planner vs host planner: bitwise-equal plans over many seeded load matrices; the device plan's
+// consumers against host references (instance assignment, replica weight streaming, replica gradient
+// reduction). Skips (with the reason) when the build has no CUDA or no device is present.
 #include "rdep/balance/gpu_planner.h"
 
 #include <gtest/gtest.h>
@@ -13,9 +14,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "rdep/balance/load_trace.h"
 #include "rdep/core/capacity.h"
+#include "rdep/core/random.h"
 #include "rdep/core/routing.h"
 
 namespace rdep {
@@ -251,6 +254,96 @@ TEST(DevicePlanner, StreamsReplicaWeightsIntoEverySlot) {
     for (void* p : {static_cast<void*>(d_slots_of), static_cast<void*>(d_owner), static_cast<void*>(d_local), static_cast<void*>(d_load)})
       cudaFree(p);
   }
+}
+
+// Copies v to a new device array, kept in *keep for cudaFree at the end of the test.
+template <class T>
+T* Upload(const std::vector<T>& v, std::vector<void*>* keep) {
+  void* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, v.size() * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  keep->push_back(d);
+  return static_cast<T*>(d);
+}
+
+// Replica gradients reduced on every rank from a hand-built device plan equal the host layer's
+// ReduceReplicaGradients bit for bit: each owned expert gets its replicas' fp32 slot gradients added in
+// instance order, skipping replicas with quota 0 (their slots, and empty ones, hold NaN); experts
+// without such a replica, and those owned elsewhere, keep their random gradients.
+TEST(DevicePlanner, ReducesReplicaGradientsLikeTheHost) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  constexpr int32_t E = 8, R = 4, S = 2;
+  constexpr int64_t n1 = 2 * 7 * 45, n2 = n1 / 2, per = n1 + n2;  // 945 per slot: 4 blocks, a ragged tail
+  const OwnershipMap own = *OwnershipMap::Contiguous(E, R);     // rank r owns experts 2r and 2r + 1
+  // Expert 0: three replicas (not in rank order); 2: an idle replica (quota 0) before a busy one;
+  // 5: one replica; the others none. Slot 1 of rank 0 and slot 0 of rank 2 stay empty.
+  BalancePlan p;
+  p.instance_offsets = {0, 4, 5, 8, 9, 10, 12, 13, 14};
+  p.instance_expert = {0, 0, 0, 0, 1, 2, 2, 2, 3, 4, 5, 5, 6, 7};
+  p.instance_rank = {0, 3, 1, 2, 0, 1, 0, 3, 1, 2, 2, 1, 3, 3};
+  p.instance_slot = {-1, 0, 0, 1, -1, -1, 0, 1, -1, -1, -1, 1, -1, -1};
+  p.instance_quota = {4, 9, 5, 3, 8, 6, 0, 4, 2, 7, 1, 2, 5, 3};
+  for (int32_t e = 0; e < E; ++e) ASSERT_EQ(p.instance_rank[static_cast<size_t>(p.instance_offsets[e])], own.owner(e));
+  Rng rng(0x5EED0001);
+  auto normals = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = static_cast<float>(rng.normal());
+    return v;
+  };
+  std::vector<std::vector<float>> slot_g(R, std::vector<float>(S * per, std::nanf(""))), dw1(R), dw2(R);
+  for (int32_t i = 0; i < p.num_instances(); ++i) {
+    const auto u = static_cast<size_t>(i);
+    if (p.instance_slot[u] < 0 || p.instance_quota[u] == 0) continue;
+    const std::vector<float> g = normals(per);
+    std::copy(g.begin(), g.end(), slot_g[static_cast<size_t>(p.instance_rank[u])].begin() + p.instance_slot[u] * per);
+  }
+  std::vector<void*> keep;
+  DevicePlanView view;
+  view.instance_offsets = Upload(p.instance_offsets, &keep);
+  view.instance_rank = Upload(p.instance_rank, &keep);
+  view.instance_slot = Upload(p.instance_slot, &keep);
+  view.instance_quota = Upload(p.instance_quota, &keep);
+  std::vector<int32_t> local(E);
+  for (int32_t e = 0; e < E; ++e) local[static_cast<size_t>(e)] = own.local_index(e);
+  const int32_t *d_owner = Upload(own.owners(), &keep), *d_local = Upload(local, &keep);
+  std::vector<const float*> d_slot_g(R);
+  std::vector<float*> d_dw1(R), d_dw2(R);
+  for (int32_t r = 0; r < R; ++r) d_slot_g[static_cast<size_t>(r)] = Upload(slot_g[static_cast<size_t>(r)], &keep);
+  const float* const* d_slot_g_of = Upload(d_slot_g, &keep);
+  for (int32_t r = 0; r < R; ++r) {
+    const auto u = static_cast<size_t>(r);
+    dw1[u] = normals(own.num_local(r) * n1);
+    dw2[u] = normals(own.num_local(r) * n2);
+    d_dw1[u] = Upload(dw1[u], &keep);
+    d_dw2[u] = Upload(dw2[u], &keep);
+    ASSERT_TRUE(LaunchReduceReplicaGradients(view, r, E, d_owner, d_local, d_dw1[u], n1, d_dw2[u], n2, d_slot_g_of, nullptr).ok());
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int32_t r = 0; r < R; ++r) {
+    const auto u = static_cast<size_t>(r);
+    std::vector<float> want1 = dw1[u], want2 = dw2[u], got1(want1.size()), got2(want2.size());
+    std::vector<int> added(E, 0);
+    for (int32_t i = 0; i < p.num_instances(); ++i) {  // the host layer's ReduceReplicaGradients
+      const int32_t e = p.instance_expert[static_cast<size_t>(i)], slot = p.instance_slot[static_cast<size_t>(i)];
+      if (slot < 0 || own.owner(e) != r || p.instance_quota[static_cast<size_t>(i)] == 0) continue;
+      const float* src = slot_g[static_cast<size_t>(p.instance_rank[static_cast<size_t>(i)])].data() + slot * per;
+      const int64_t j = own.local_index(e);
+      for (int64_t c = 0; c < n1; ++c) want1[static_cast<size_t>(j * n1 + c)] += src[c];
+      for (int64_t c = 0; c < n2; ++c) want2[static_cast<size_t>(j * n2 + c)] += src[n1 + c];
+      ++added[static_cast<size_t>(e)];
+    }
+    ASSERT_EQ(cudaMemcpy(got1.data(), d_dw1[u], got1.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got2.data(), d_dw2[u], got2.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int32_t j = 0; j < own.num_local(r); ++j) {
+      const std::string what = "rank " + std::to_string(r) + " expert " + std::to_string(own.global_expert(r, j)) + ", " +
+                               std::to_string(added[static_cast<size_t>(own.global_expert(r, j))]) + " replica(s) added";
+      EXPECT_TRUE(std::equal(want1.begin() + j * n1, want1.begin() + (j + 1) * n1, got1.begin() + j * n1)) << what << " (dw1)";
+      EXPECT_TRUE(std::equal(want2.begin() + j * n2, want2.begin() + (j + 1) * n2, got2.begin() + j * n2)) << what << " (dw2)";
+    }
+  }
+  EXPECT_FALSE(LaunchReduceReplicaGradients(view, -1, E, d_owner, d_local, d_dw1[0], n1, d_dw2[0], n2, d_slot_g_of, nullptr).ok());
+  for (void* d : keep) cudaFree(d);
 }
 #endif
 

@@ -330,7 +330,7 @@ const CudaMoELayer::Saved* CudaMoELayer::balanced_saved(const ForwardContext& ct
     return nullptr;
   }
   const int32_t rank = ctx.rank();
-  const Saved* sv = CheckLocalRank(rank).ok() && ctx.planned() ? ContextAccess::Peek<Saved>(ctx, id_, rank) : nullptr;
+  const Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::Peek<Saved>(ctx, id_, rank) : nullptr;
   if (!sv) *why = FailedPrecondition("balance plan: the context holds no planned forward of this layer on a local rank");
   return sv;
 }
