@@ -9,8 +9,13 @@
 //             dW2 (+)= z^T.dout (TN),  dW1 (+)= x^T.dh (TN)  ->  zero the gradients of empty experts
 //             (overwrite mode only: their TN groups have no tiles)
 // Counts that sum beyond the call's rows.max_rows cannot be computed without overflowing the buffers:
-// the setup kernel then computes nothing (every group empty, outputs untouched) and raises a fault in
-// host-mapped memory that the next call reports once (FailedPrecondition naming the sum).
+// the setup kernel then computes nothing (every group empty, the total -1, outputs and gradients
+// untouched) and raises a fault in host-mapped memory that the next call reports once
+// (FailedPrecondition naming the sum). The scan caps each count at max_rows + 1, so corrupt counts
+// cannot wrap the int64 sum. A captured graph's replays are not calls: a fault raised there shows at
+// the next eager call (or CheckCall of a later one).
+// One object serves one stream at a time: its tables, total and internal buffers (z, dz, dh) are
+// shared by its calls, so calls on different streams must be ordered by the caller.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -47,7 +52,7 @@ struct ForwardSetup {
   const __nv_bfloat16 *x, *w1, *w2;
   __nv_bfloat16 *h, *z, *y;
   GemmTables g1, g2;
-  int64_t* total;  // device: the rows this call computes (0 after an overflow)
+  int64_t* total;  // device: the rows this call computes (-1 after an overflow)
   int64_t* fault;  // device view of a host-mapped word: the total that overflowed, sticky
 };
 
@@ -64,12 +69,20 @@ struct BackwardSetup {
   int64_t* fault;
 };
 
-// Exclusive scan of the counts in one block (thread e holds expert e); returns expert e's first row
-// and leaves the sum in *sum. Negative counts are read as 0.
-__device__ int64_t ExpertOffset(const int64_t* counts, int32_t experts, int64_t* sum) {
+// Expert e's rows as the setup kernels read them: negative counts are 0, counts above max_rows are
+// max_rows + 1 (already an overflow; the cap keeps the sum of up to kMaxExperts counts in int64).
+__device__ int64_t ClampedCount(const int64_t* counts, int32_t experts, int e, int64_t max_rows) {
+  if (e >= experts) return 0;
+  const int64_t c = counts[e];
+  return c <= 0 ? 0 : (c > max_rows ? max_rows + 1 : c);
+}
+
+// Exclusive scan of the clamped counts in one block (thread e holds expert e); returns expert e's
+// first row and leaves the sum in *sum.
+__device__ int64_t ExpertOffset(const int64_t* counts, int32_t experts, int64_t max_rows, int64_t* sum) {
   __shared__ int64_t scan[kMaxExperts];
   const int e = static_cast<int>(threadIdx.x);
-  const int64_t m = e < experts ? (counts[e] > 0 ? counts[e] : int64_t{0}) : 0;
+  const int64_t m = ClampedCount(counts, experts, e, max_rows);
   scan[e] = m;
   __syncthreads();
   for (int step = 1; step < kMaxExperts; step <<= 1) {
@@ -82,6 +95,16 @@ __device__ int64_t ExpertOffset(const int64_t* counts, int32_t experts, int64_t*
   return scan[e] - m;
 }
 
+// Thread 0 writes the call's total (-1 after an overflow, which it also raises); all learn whether it fits.
+__device__ bool PublishTotal(int64_t sum, int64_t max_rows, int64_t* total, int64_t* fault) {
+  const bool fits = sum <= max_rows;
+  if (threadIdx.x == 0) {
+    *total = fits ? sum : -1;
+    if (!fits) *reinterpret_cast<volatile int64_t*>(fault) = sum;
+  }
+  return fits;
+}
+
 __device__ void SetGroup(const GemmTables& t, int e, int32_t m, int32_t n, int32_t k, const void* a, const void* b, void* d) {
   t.problems[e] = GemmProblem{m, n, k};
   t.a[e] = a;
@@ -91,15 +114,11 @@ __device__ void SetGroup(const GemmTables& t, int e, int32_t m, int32_t n, int32
 
 __global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p) {
   int64_t sum = 0;
-  const int64_t off = ExpertOffset(p.counts, p.experts, &sum);
+  const int64_t off = ExpertOffset(p.counts, p.experts, p.max_rows, &sum);
   const int e = static_cast<int>(threadIdx.x);
-  const bool fits = sum <= p.max_rows;
-  if (e == 0) {
-    *p.total = fits ? sum : 0;
-    if (!fits) *reinterpret_cast<volatile int64_t*>(p.fault) = sum;
-  }
+  const bool fits = PublishTotal(sum, p.max_rows, p.total, p.fault);
   if (e >= p.experts) return;
-  const auto m = static_cast<int32_t>(fits ? (p.counts[e] > 0 ? p.counts[e] : int64_t{0}) : 0);
+  const auto m = static_cast<int32_t>(fits ? ClampedCount(p.counts, p.experts, e, p.max_rows) : 0);
   const int64_t H = p.H, F = p.F;
   SetGroup(p.g1, e, m, static_cast<int32_t>(2 * F), static_cast<int32_t>(H), p.x + off * H, p.w1 + e * H * 2 * F, p.h + off * 2 * F);
   SetGroup(p.g2, e, m, static_cast<int32_t>(H), static_cast<int32_t>(F), p.z + off * F, p.w2 + e * F * H, p.y + off * H);
@@ -107,15 +126,11 @@ __global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p
 
 __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup p) {
   int64_t sum = 0;
-  const int64_t off = ExpertOffset(p.counts, p.experts, &sum);
+  const int64_t off = ExpertOffset(p.counts, p.experts, p.max_rows, &sum);
   const int e = static_cast<int>(threadIdx.x);
-  const bool fits = sum <= p.max_rows;
-  if (e == 0) {
-    *p.total = fits ? sum : 0;
-    if (!fits) *reinterpret_cast<volatile int64_t*>(p.fault) = sum;
-  }
+  const bool fits = PublishTotal(sum, p.max_rows, p.total, p.fault);
   if (e >= p.experts) return;
-  const auto m = static_cast<int32_t>(fits ? (p.counts[e] > 0 ? p.counts[e] : int64_t{0}) : 0);
+  const auto m = static_cast<int32_t>(fits ? ClampedCount(p.counts, p.experts, e, p.max_rows) : 0);
   const int64_t H = p.H, F = p.F;
   auto* dw1 = static_cast<char*>(p.dw1) + e * H * 2 * F * p.grad_elem_bytes;
   auto* dw2 = static_cast<char*>(p.dw2) + e * F * H * p.grad_elem_bytes;
@@ -128,10 +143,11 @@ __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup
 }
 
 // Overwrite mode: an expert without rows gets zero weight gradients (its TN groups wrote nothing).
+// An overflowed call (total -1) computed nothing and leaves every gradient untouched.
 __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t* total, char* dw1, char* dw2, int64_t bytes1,
                                            int64_t bytes2) {
   const int e = static_cast<int>(blockIdx.y);
-  if (counts[e] > 0 && *total > 0) return;  // an overflowed call (total 0) computed nothing: zero all
+  if (counts[e] > 0 || *total < 0) return;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 16; i < bytes1 + bytes2;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * 16) {
     char* p = i < bytes1 ? dw1 + e * bytes1 + i : dw2 + e * bytes2 + (i - bytes1);
@@ -264,7 +280,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (const int64_t fault = *fault_word; fault >= 0) {
       *fault_word = -1;  // reported once
       return FailedPrecondition("cutlass expert compute: an earlier call's counts summed to " + std::to_string(fault) +
-                                " rows, more than its rows.max_rows; that call computed nothing (its outputs are stale)");
+                                " rows or more, beyond its rows.max_rows; that call computed nothing (its outputs are stale)");
     }
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return Status::Ok();

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "experts/experts_test_util.h"
 #include "rdep/core/random.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
@@ -17,29 +18,8 @@
 namespace rdep::kernels {
 namespace {
 
-// A device array freed at scope exit.
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
-  ~Dev() { cudaFree(p); }
-  void Upload(const std::vector<T>& v) { ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
-  std::vector<T> Download() const {
-    std::vector<T> v(n);
-    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  }
-  void Poison() { ASSERT_EQ(cudaMemset(p, 0xFF, n * sizeof(T)), cudaSuccess); }
-  __nv_bfloat16* bf() const { return reinterpret_cast<__nv_bfloat16*>(p); }
-};
-
-std::vector<uint16_t> RandomBf16(size_t n, uint64_t seed, float scale) {
-  Rng rng(seed);
-  std::vector<uint16_t> v(n);
-  for (auto& b : v) b = FloatToBf16Bits(scale * static_cast<float>(rng.uniform() * 2 - 1));
-  return v;
-}
+using test_util::Dev;
+using test_util::RandomBf16;
 
 TEST(ExpertCompute_Cuda_bf16, DeviceCountsEqualHostMirrorBitwise) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";

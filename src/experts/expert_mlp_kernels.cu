@@ -20,9 +20,10 @@ union Vec8 {
 
 __device__ __forceinline__ float Sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
 
-// The rows to process: the host count, or (device_rows non-null) the device count capped by it.
+// The rows to process: the host count, or (device_rows non-null) the device count capped by it (a
+// negative device count, an overflowed call's, is 0).
 __device__ __forceinline__ int64_t NumVec(const int64_t* device_rows, int64_t rows, int64_t vec_per_row) {
-  const int64_t r = device_rows ? min(*device_rows, rows) : rows;
+  const int64_t r = device_rows ? max(int64_t{0}, min(*device_rows, rows)) : rows;
   return r * vec_per_row;
 }
 

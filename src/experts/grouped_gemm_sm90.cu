@@ -125,7 +125,8 @@ class Runner final : public GroupedGemmSm90 {
     if (gemm_.can_implement(args) != cutlass::Status::kSuccess)
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS cannot implement lda=" +
                              std::to_string(lda) + " ldb=" + std::to_string(ldb) + " ldd=" + std::to_string(ldd));
-    return workspace_.Allocate(Gemm::get_workspace_size(args));
+    RDEP_RETURN_IF_ERROR(workspace_.Allocate(Gemm::get_workspace_size(args)));
+    return Prepare(0.0f, nullptr);
   }
 
   GroupedGemmKind kind() const override { return kind_; }
@@ -142,15 +143,23 @@ class Runner final : public GroupedGemmSm90 {
   Status Run(float beta, cudaStream_t stream) override {
     if (beta != 0.0f && !kHasSource)
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");
-    typename Gemm::Arguments args = Arguments(beta);
-    if (gemm_.initialize(args, workspace_.ptr, stream) != cutlass::Status::kSuccess)
-      return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS initialize failed");
+    if (beta != prepared_beta_) RDEP_RETURN_IF_ERROR(Prepare(beta, stream));
     if (gemm_.run(stream) != cutlass::Status::kSuccess)
       return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS run failed");
     return cuda::CudaStatus(cudaGetLastError(), "grouped GEMM launch", __FILE__, __LINE__);
   }
 
  private:
+  // Builds the kernel parameters (TMA descriptors, the shared-memory attribute) for `beta`. Every
+  // other argument is fixed at Create (the tables' addresses, strides, hardware), so a Run with the
+  // same beta launches the parameters built last: no host work beyond the launch. Launches nothing.
+  Status Prepare(float beta, cudaStream_t stream) {
+    if (gemm_.initialize(Arguments(beta), workspace_.ptr, stream) != cutlass::Status::kSuccess)
+      return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS initialize failed");
+    prepared_beta_ = beta;
+    return Status::Ok();
+  }
+
   typename Gemm::Arguments Arguments(float beta) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -183,6 +192,7 @@ class Runner final : public GroupedGemmSm90 {
   cutlass::KernelHardwareInfo hw_;
   DeviceBytes problems_, ptr_a_, ptr_b_, ptr_d_, stride_a_, stride_b_, stride_d_, workspace_;
   Gemm gemm_;
+  float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
 };
 
 template <class Cfg>

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "layer/cuda_test_util.h"
@@ -42,13 +43,19 @@ struct Outputs {
 };
 
 // Skips (returning false) where the CUTLASS compute cannot be made here.
+// Whether the CUTLASS compute runs here; with a GPU and RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh)
+// its absence is a test failure, not a skip.
 bool CutlassLayerAvailable(std::string* why) {
   if (cuda::DeviceCount() == 0) {
     *why = "no CUDA device";
     return false;
   }
   auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
-  if (!c.ok()) *why = c.status().message();
+  if (!c.ok()) {
+    *why = c.status().message();
+    const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
+    if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
+  }
   return c.ok();
 }
 

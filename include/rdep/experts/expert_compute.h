@@ -11,6 +11,8 @@
 //
 // Rows of local expert e are [off_e, off_e + m_e), off_e the exclusive prefix sum of the counts; the
 // math and layouts are those of rdep/experts/expert_mlp.h.
+// An object's calls share its internal buffers: they must run in stream order (one stream, or calls
+// on different streams ordered by the caller with events); use one object per concurrent stream.
 #pragma once
 
 #include <cuda_bf16.h>
