@@ -9,11 +9,17 @@
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts.
+# CUTLASS: carry the pinned wheel (.whl/, the device has no network: run with carry [".whl"]); the
+# CUTLASS tests then fail rather than skip when the build lacks it (RDEP_REQUIRE_CUTLASS=1; set 0 to
+# let them skip).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+export RDEP_REQUIRE_CUTLASS=${RDEP_REQUIRE_CUTLASS:-1}
+ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || [ -n "${RDEP_CUTLASS_DIR:-}" ] ||
+  echo "device.sh: no .whl/nvidia_cutlass-*.whl (not carried?) and no RDEP_CUTLASS_DIR: the build will lack CUTLASS" >&2
 TESTS="" TARGETS="" BENCH=() PYTEST=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -65,6 +71,7 @@ for cmd in "${BENCH[@]}"; do
 done
 t3=$(date +%s)
 echo "===== summary (build ${build_rc} in $((t1 - t0))s, tests ${test_rc} in $((t2 - t1))s, bench $((t3 - t2))s)"
+grep -E "^-- rdep: .*(NCCL|CUTLASS|MPI)" "$OUT/build.log" | head -4
 head -3 "$OUT/env.txt" | tail -2
 [ $build_rc -ne 0 ] && grep -E "error|FAILED" "$OUT/build.log" | head -30
 [ -f "$OUT/tests.log" ] && { grep -E "Failed|\*\*\*|Skipped|SKIPPED" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log"; }
