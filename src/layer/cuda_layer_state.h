@@ -134,6 +134,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<int64_t> dev_counts;
   bool counts_on_device = false;
   bool fault_unchecked = false;  // sync-free forward: the routing check had not completed when it returned
+  bool fault_in_capture = false;  // the plan ran in a stream capture: fault_copied is a graph node, not queryable
   // The plan's input check: the first faulty routing slot, written by the device into mapped pinned
   // memory; final when the event after the check has completed.
   dispatch::RoutingFault* host_fault = nullptr;

@@ -393,6 +393,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        sv.fault_dev, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  sv.fault_in_capture = capture != cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   if (config_.balance.enabled()) {
@@ -455,15 +458,21 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
 
 // The plan's device check of the routing (LaunchValidateRouting) as a Status naming rank, token,
 // slot and value. The forward has synchronized its stream by now (segment counts), so the wait on
-// the copy's event returns at once.
+// the copy's event returns at once. A plan recorded in a stream capture left a graph node, not an
+// event the host can wait on or query: the wait is then on the rank's stream (after replays), and
+// the non-blocking read leaves the check for later.
 Status CudaMoELayer::CheckRoutingInput(int32_t rank, Saved& sv, bool wait) {
-  if (wait) {
+  if (wait && sv.fault_in_capture) {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
+  } else if (wait) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.fault_copied));
   } else {  // sync-free: read the record only if the device already wrote it (never inside a graph capture)
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
-    const cudaError_t ready = capture == cudaStreamCaptureStatusNone ? cudaEventQuery(sv.fault_copied) : cudaErrorNotReady;
+    const bool queryable = capture == cudaStreamCaptureStatusNone && !sv.fault_in_capture;
+    const cudaError_t ready = queryable ? cudaEventQuery(sv.fault_copied) : cudaErrorNotReady;
     if (ready == cudaErrorNotReady) {
+      if (queryable) (void)cudaGetLastError();  // "not ready" is no error: leave none for the next launch's check
       sv.fault_unchecked = true;
       return Status::Ok();
     }

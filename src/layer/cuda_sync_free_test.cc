@@ -66,10 +66,12 @@ Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
   auto domain = CudaDomain::CreateSingleProcess(p.shape.ranks, {.barrier_timeout_s = 20,
                                                                 .devices = RoundRobinDevices(p.shape.ranks, std::min<int>(static_cast<int>(W), gpus))});
   EXPECT_TRUE(domain.ok()) << domain.status();
+  if (!domain.ok()) return out;
   LayerConfig cfg = MakeLayerConfig(p.shape, {.capacity_factor = capacity});
   cfg.expert_compute = kind;
   auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
   EXPECT_TRUE(layer.ok()) << layer.status();
+  if (!layer.ok()) return out;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     const auto i = static_cast<size_t>(r);
     const int64_t H = p.shape.hidden, F = p.shape.ffn;
@@ -161,8 +163,9 @@ TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
     cudaGraph_t graph = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     const Status captured = step();
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
-    RDEP_RETURN_IF_ERROR(captured);
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    RDEP_RETURN_IF_ERROR(captured);  // the layer's own error first: it names the cause
+    RDEP_CUDA_RETURN_IF_ERROR(ended);
     cudaGraphExec_t exec = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
     // New inputs in the same buffers, then the replay.
@@ -172,6 +175,7 @@ TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
     RDEP_RETURN_IF_ERROR(Upload(second.routing[0], second.x[0], second.dy[0], H, fresh));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, fresh.x, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, fresh.dy, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the legacy-stream copies landed before the non-blocking stream reads
     RDEP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
     RDEP_ASSIGN_OR_RETURN(y_graph, Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(n * H)));

@@ -252,8 +252,10 @@ Status TimeGraphPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int3
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status captured = layer.Forward(r, b.experts, b.gates, n, b.x, b.y);
     if (captured.ok() && pass == 1) captured = layer.Backward(r, b.dy, b.dx, b.dgates);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
-    RDEP_RETURN_IF_ERROR(captured);
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    if (!captured.ok() && graph) cudaGraphDestroy(graph);
+    RDEP_RETURN_IF_ERROR(captured);  // the layer's own error first: it names the cause
+    RDEP_CUDA_RETURN_IF_ERROR(ended);
     cudaGraphExec_t exec = nullptr;
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
