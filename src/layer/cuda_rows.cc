@@ -38,6 +38,28 @@ Status CudaMoELayer::CheckRows(const char* call, int32_t rank, const char* what,
                          " rows, expected " + formula + " = " + std::to_string(want));
 }
 
+// Before Combine, CombineBackward, DispatchBackward (once the context holds dispatched rows): the
+// caller's buffer of received rows and its buffer of per-token rows have the forward's sizes.
+Status CudaMoELayer::CheckCallerRows(const char* call, int32_t rank, const ForwardContext& ctx, const char* received,
+                                     int64_t received_rows, const char* per_token, int64_t token_rows) const {
+  const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank);
+  if (!peek || !ctx.rows_forward()) return Status::Ok();  // the step's Begin names what is missing
+  RDEP_RETURN_IF_ERROR(CheckRows(call, rank, received, received_rows, peek->total_rows, "the rows received"));
+  return CheckRows(call, rank, per_token, token_rows, peek->num_tokens, "num_tokens");
+}
+
+// Combine (backward false) and DispatchBackward: the caller's rows go back to their sources by row_id.
+// return.start first (a peer may still read its return rows after its last barrier), then
+// return.done or backward.done, after which every row sent to this rank has landed.
+Status CudaMoELayer::ReturnCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward) {
+  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(rows), sv.grouped.ptr, sv.total_rows, layout_,
+                                                  domain_.peer_table(rank, regions_.ret), domain_.stream(rank)));
+  return domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone);
+}
+
 // The plan's admitted rows per local expert, on the host: one synchronization of the rank's stream
 // per plan (the owner scan wrote them on the device).
 Status CudaMoELayer::HostRecvCounts(int32_t rank, Saved& sv) {
@@ -116,21 +138,13 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
                              int64_t y_rows) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RDEP_RETURN_IF_ERROR(CheckRowsSupported("combine"));
-  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
-    RDEP_RETURN_IF_ERROR(CheckRows("combine", rank, "the expert outputs", out_rows, peek->total_rows, "the rows received"));
-    RDEP_RETURN_IF_ERROR(CheckRows("combine", rank, "y", y_rows, peek->num_tokens, "num_tokens"));
-  }
+  RDEP_RETURN_IF_ERROR(CheckCallerRows("combine", rank, ctx, "the expert outputs", out_rows, "y", y_rows));
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
-  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr, sv.total_rows, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream));
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnDone));
+  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, sv, out, /*backward=*/false));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
                                                stream));
@@ -143,10 +157,7 @@ Status CudaMoELayer::CombineBackward(int32_t rank, ForwardContext& ctx, const __
                                      __nv_bfloat16* d_out, int64_t d_out_rows, float* dgates) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RDEP_RETURN_IF_ERROR(CheckRowsSupported("combine backward"));
-  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
-    RDEP_RETURN_IF_ERROR(CheckRows("combine backward", rank, "dy", dy_rows, peek->num_tokens, "num_tokens"));
-    RDEP_RETURN_IF_ERROR(CheckRows("combine backward", rank, "d_out", d_out_rows, peek->total_rows, "the rows received"));
-  }
+  RDEP_RETURN_IF_ERROR(CheckCallerRows("combine backward", rank, ctx, "d_out", d_out_rows, "dy", dy_rows));
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombineBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
@@ -173,23 +184,14 @@ Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const _
                                       __nv_bfloat16* dx, int64_t dx_rows) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RDEP_RETURN_IF_ERROR(CheckRowsSupported("dispatch backward"));
-  if (const Saved* peek = ContextAccess::Peek<Saved>(ctx, id_, rank); peek && ctx.rows_forward()) {
-    RDEP_RETURN_IF_ERROR(CheckRows("dispatch backward", rank, "d_recv", d_recv_rows, peek->total_rows, "the rows received"));
-    RDEP_RETURN_IF_ERROR(CheckRows("dispatch backward", rank, "dx", dx_rows, peek->num_tokens, "num_tokens"));
-  }
+  RDEP_RETURN_IF_ERROR(CheckCallerRows("dispatch backward", rank, ctx, "d_recv", d_recv_rows, "dx", dx_rows));
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
-  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
   const LayerShape& s = config_.shape;
-  cudaStream_t stream = domain_.stream(rank);
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(d_recv), sv.grouped.ptr, sv.total_rows, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream));
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardDone));
+  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, sv, d_recv, /*backward=*/true));
   return guard.Done(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                            nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+                                            nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, domain_.stream(rank)));
 }
 
 }  // namespace rdep

@@ -207,6 +207,9 @@ class CudaMoELayer {
   Status CheckRowsSupported(const char* call) const;
   Status HostRecvCounts(int32_t rank, Saved& sv);
   Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;
+  Status CheckCallerRows(const char* call, int32_t rank, const ForwardContext& ctx, const char* received, int64_t received_rows,
+                         const char* per_token, int64_t token_rows) const;
+  Status ReturnCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward);
   // Balancing (cuda_balance.cc).
   struct ExpertCall;
   Status CreateBalancing(RankState& st);
