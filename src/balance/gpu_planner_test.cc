@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "balance/plan_test_util.h"
 #include "rdep/balance/load_trace.h"
 #include "rdep/core/capacity.h"
 #include "rdep/core/random.h"
@@ -24,16 +25,7 @@
 namespace rdep {
 namespace {
 
-void ExpectSamePlan(const BalancePlan& g, const BalancePlan& h, const std::string& what) {
-  EXPECT_EQ(g.threshold, h.threshold) << what;
-  EXPECT_EQ(g.instance_offsets, h.instance_offsets) << what;
-  EXPECT_EQ(g.instance_expert, h.instance_expert) << what;
-  EXPECT_EQ(g.instance_rank, h.instance_rank) << what;
-  EXPECT_EQ(g.instance_slot, h.instance_slot) << what;
-  EXPECT_EQ(g.instance_quota, h.instance_quota) << what;
-  EXPECT_EQ(g.slot_expert, h.slot_expert) << what;
-  EXPECT_EQ(g.route, h.route) << what;
-}
+using test_util::ExpectSamePlan;
 
 #if defined(RDEP_HAVE_CUDA)
 // The planner resident on the device: one DevicePlanner solves several load matrices that live in

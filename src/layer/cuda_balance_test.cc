@@ -23,6 +23,7 @@
 #include <cstring>
 #include <string>
 
+#include "balance/plan_test_util.h"
 #include "layer/cuda_test_util.h"
 #include "rdep/balance/layer_balance.h"
 #include "rdep/cuda/bf16.h"
@@ -192,16 +193,7 @@ double WorstExpertRelL2(const std::vector<float>& a, const std::vector<float>& b
   return worst;
 }
 
-void ExpectSamePlan(const BalancePlan& a, const BalancePlan& b, const std::string& what) {
-  EXPECT_EQ(a.instance_offsets, b.instance_offsets) << what;
-  EXPECT_EQ(a.instance_expert, b.instance_expert) << what;
-  EXPECT_EQ(a.instance_rank, b.instance_rank) << what;
-  EXPECT_EQ(a.instance_slot, b.instance_slot) << what;
-  EXPECT_EQ(a.instance_quota, b.instance_quota) << what;
-  EXPECT_EQ(a.slot_expert, b.slot_expert) << what;
-  EXPECT_EQ(a.route, b.route) << what;
-  EXPECT_EQ(a.threshold, b.threshold) << what;
-}
+using test_util::ExpectSamePlan;
 
 // The routing metadata of `on` against `want` bit for bit.
 void ExpectSameAcceptance(const RankAcceptance& on, const RankAcceptance& want, const std::string& what) {

@@ -88,12 +88,16 @@ Status HostMoELayer::TakeSegmentRows(int32_t rank, Saved& st, int64_t seg, bool 
   return Status::Ok();
 }
 
-// Owner: each received row's counterpart in `rows` (the caller's expert output, or the gradient of
-// the received row) to its front-end's return slot, decoded from its row id.
-void HostMoELayer::ReturnCallerRows(int32_t rank, const Saved& st, std::span<const float> rows) {
+// Combine (backward false) and DispatchBackward: each received row's counterpart in `rows` (the
+// caller's expert output, or the gradient of the received row) to its front-end's return slot,
+// decoded from its row id; return.start first, then return.done or backward.done, after which every
+// row sent to this rank has landed.
+Status HostMoELayer::ReturnCallerRows(int32_t rank, const Saved& st, std::span<const float> rows, bool backward) {
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
   const int64_t H = config_.shape.hidden;
   for (size_t i = 0; i < st.recv_row_ids.size(); ++i)
     std::copy_n(rows.data() + static_cast<int64_t>(i) * H, H, ReturnRow(rank, st.recv_row_ids[i]));
+  return domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone);
 }
 
 Status HostMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, std::span<const float> x, std::span<float> recv) {
@@ -130,9 +134,7 @@ Status HostMoELayer::Combine(int32_t rank, ForwardContext& ctx, std::span<const 
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
   Saved& st = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
-  ReturnCallerRows(rank, st, out);
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnDone));
+  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, st, out, /*backward=*/false));
   CombineReturned(rank, st, y);
   ContextAccess::FinishCombine(ctx);
   return guard.Done(Status::Ok());
@@ -175,9 +177,7 @@ Status HostMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, std::sp
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
   Saved& st = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
-  ReturnCallerRows(rank, st, d_recv);
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kBackwardDone));
+  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, st, d_recv, /*backward=*/true));
   SumReturned(rank, st, dx);
   return guard.Done(Status::Ok());
 }

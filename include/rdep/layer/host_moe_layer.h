@@ -193,7 +193,7 @@ class HostMoELayer {
   Status CheckRowsSupported(const char* call) const;
   Status TakeSegmentRows(int32_t rank, Saved& st, int64_t segment, bool backward, std::span<float> rows,
                          std::vector<int64_t>& fill);
-  void ReturnCallerRows(int32_t rank, const Saved& st, std::span<const float> rows);
+  Status ReturnCallerRows(int32_t rank, const Saved& st, std::span<const float> rows, bool backward);
 
   HostDomain& domain_;
   LayerConfig config_;
