@@ -8,6 +8,8 @@
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
+#   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
+#                     limit): each stage runs under `timeout` with what is left, so logs always come back
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts.
 # CUTLASS: carry the pinned wheel (.whl/, the device has no network: run with carry [".whl"]); the
 # CUTLASS tests then fail rather than skip when the build lacks it (RDEP_REQUIRE_CUTLASS=1; set 0 to
@@ -20,17 +22,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export RDEP_REQUIRE_CUTLASS=${RDEP_REQUIRE_CUTLASS:-1}
 ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || [ -n "${RDEP_CUTLASS_DIR:-}" ] ||
   echo "device.sh: no .whl/nvidia_cutlass-*.whl (not carried?) and no RDEP_CUTLASS_DIR: the build will lack CUTLASS" >&2
-TESTS="" TARGETS="" BENCH=() PYTEST=1
+TESTS="" TARGETS="" BENCH=() PYTEST=1 BUDGET=570
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=$2; shift 2 ;;
     --targets) TARGETS=$2; shift 2 ;;
     --bench|--mpi) BENCH+=("$2"); shift 2 ;;
     --no-pytest) PYTEST=0; shift ;;
+    --budget) BUDGET=$2; shift 2 ;;
     *) echo "device.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 BUILD=build-dev
+T_END=$(($(date +%s) + BUDGET))
+left() { local l=$((T_END - $(date +%s) - ${1:-0})); [ $l -lt 5 ] && l=5; echo $l; }  # seconds left, less a reserve
 {
   echo "== $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m 2>/dev/null | head -12; nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
@@ -51,22 +56,22 @@ fi
 t1=$(date +%s)
 test_rc=-1
 if [ $build_rc -eq 0 ]; then
-  if [ -n "$TESTS" ]; then ctest --test-dir "$BUILD" -R "$TESTS" --timeout 240 --output-on-failure >"$OUT/tests.log" 2>&1
-  else ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/tests.log" 2>&1; fi
+  timeout "$(left 60)" ctest --test-dir "$BUILD" ${TESTS:+-R "$TESTS"} --timeout 240 --output-on-failure -j 4 \
+    >"$OUT/tests.log" 2>&1
   test_rc=$?
 fi
 # The Python package's tests (CUDA ones included) on the library just built, when torch is there.
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
-    python3 -m pytest python/tests -q -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    timeout "$(left 30)" python3 -m pytest python/tests -q -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
   pytest_rc=$?
 fi
 t2=$(date +%s)
 : >"$OUT/bench.log"
 for cmd in "${BENCH[@]}"; do
   echo "\$ $cmd" >>"$OUT/bench.log"
-  (eval "$cmd") >>"$OUT/bench.log" 2>&1
+  (eval "timeout $(left 10) $cmd") >>"$OUT/bench.log" 2>&1
   echo "[rc=$?]" >>"$OUT/bench.log"
 done
 t3=$(date +%s)
@@ -74,6 +79,6 @@ echo "===== summary (build ${build_rc} in $((t1 - t0))s, tests ${test_rc} in $((
 grep -E "^-- rdep: .*(NCCL|CUTLASS|MPI)" "$OUT/build.log" | head -4
 head -3 "$OUT/env.txt" | tail -2
 [ $build_rc -ne 0 ] && grep -E "error|FAILED" "$OUT/build.log" | head -30
-[ -f "$OUT/tests.log" ] && { grep -E "Failed|\*\*\*|Skipped|SKIPPED" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log"; }
+[ -f "$OUT/tests.log" ] && { grep -E "\((Failed|Timeout|Subprocess aborted|SEGFAULT)\)|\*\*\*" "$OUT/tests.log" | head -40; grep -E "tests passed|Total Test time" "$OUT/tests.log"; }
 [ -f "$OUT/pytest.log" ] && { echo "pytest rc ${pytest_rc}:"; grep -E "FAILED|SKIPPED|passed|failed" "$OUT/pytest.log" | tail -15; }
 tail -c 6000 "$OUT/bench.log"

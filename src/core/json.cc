@@ -44,11 +44,19 @@ JsonWriter& JsonWriter::begin_array() { comma(); out_ += "["; first_.push_back(t
 JsonWriter& JsonWriter::end_array() { out_ += "]"; first_.pop_back(); return *this; }
 JsonWriter& JsonWriter::key(const std::string& k) {
   comma();
-  out_ += "\"" + JsonEscape(k) + "\":";
+  out_ += '"';  // appended piecewise: GCC 12's -Wrestrict misfires on "..." + std::string&&
+  out_ += JsonEscape(k);
+  out_ += "\":";
   after_key_ = true;
   return *this;
 }
-JsonWriter& JsonWriter::value(const std::string& v) { comma(); out_ += "\"" + JsonEscape(v) + "\""; return *this; }
+JsonWriter& JsonWriter::value(const std::string& v) {
+  comma();
+  out_ += '"';
+  out_ += JsonEscape(v);
+  out_ += '"';
+  return *this;
+}
 JsonWriter& JsonWriter::value(double v) {
   comma();
   if (!std::isfinite(v)) { out_ += "null"; return *this; }

@@ -291,15 +291,18 @@ Status CudaMoELayer::ReduceReplicas(int32_t rank, RankState& st, const Saved& sv
 // The expert-compute calls of one segment's grouped rows, expert-major over physical indices (counts
 // [physical_experts]): the main experts' rows first, then (balancing) each slot's rows; the physical
 // indices between E_loc and slot_base (ranks with fewer experts than the most) never have rows.
+// Backward's first segment overwrites the main experts' gradients (an expert without rows gets zeros:
+// both computes do that), later segments add to them; replica gradients always add (their region is
+// zeroed at segment 0).
 std::vector<CudaMoELayer::ExpertCall> CudaMoELayer::ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts,
-                                                                const std::vector<int64_t>& counts) const {
+                                                                const std::vector<int64_t>& counts, bool first_segment) const {
   std::vector<ExpertCall> calls;
   const auto num_local = static_cast<size_t>(st.num_local);
   int64_t main_rows = 0;
   for (size_t j = 0; j < num_local && j < counts.size(); ++j) main_rows += counts[j];
   if (st.mlp && main_rows > 0) {
     const kernels::ExpertGradsView g = st.grads();
-    calls.push_back({st.mlp.get(), 0, main_rows, {dev_counts, main_rows, counts.data()}, st.weights(), g, /*accumulate=*/!g.bf16()});
+    calls.push_back({st.mlp.get(), 0, main_rows, {dev_counts, main_rows, counts.data()}, st.weights(), g, /*accumulate=*/!g.bf16() && !first_segment});
   }
   if (replica_w_ < 0 || !st.slot_mlp) return calls;
   const LayerShape& s = config_.shape;

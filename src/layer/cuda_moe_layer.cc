@@ -519,13 +519,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                              s.hidden, st.scratch.ptr, dgates, stream));
-  if (st.w1_count && !st.grads().bf16()) {  // fp32 gradients accumulate over segments; bf16 ones are written once
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw1, 0, st.w1_count * sizeof(float), stream));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2, 0, st.w2_count * sizeof(float), stream));
-  } else if (st.w1_count && sv.num_segments == 0) {  // bf16, and no segment will write them
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw1_bf16, 0, st.w1_count * 2, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.grads().dw2_bf16, 0, st.w2_count * 2, stream));
-  }
+  // The weight gradients are written by the first segment's expert compute (overwrite; later segments
+  // add to them), or zeroed there when this owner has no rows in it: no pass over them here.
+  if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // another call may have used the slots since forward
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
@@ -611,6 +607,19 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   return Mark(rank, st, false, kMarkReturn);
 }
 
+// Zeroes this rank's main-expert weight gradients (fp32 or bf16), for a backward whose expert compute
+// will not write them (no rows at this owner in the first segment, or no segment at all).
+Status CudaMoELayer::ZeroWeightGrads(RankState& st, cudaStream_t stream) {
+  if (!st.w1_count) return Status::Ok();
+  const kernels::ExpertGradsView g = st.grads();
+  const size_t elem = g.bf16() ? 2 : sizeof(float);
+  void* dw1 = g.bf16() ? static_cast<void*>(g.dw1_bf16) : static_cast<void*>(g.dw1);
+  void* dw2 = g.bf16() ? static_cast<void*>(g.dw2_bf16) : static_cast<void*>(g.dw2);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw1, 0, st.w1_count * elem, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw2, 0, st.w2_count * elem, stream));
+  return Status::Ok();
+}
+
 // Owner, backward, one segment: dout rows = gate * dy in the forward's grouped order, dgrad and
 // wgrad (accumulated over segments), dx rows back to their front-ends.
 Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
@@ -623,7 +632,6 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   int64_t m = 0;
   for (int64_t c : counts) m += c;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
-  const kernels::ExpertGradsView grads = st.grads();
   if (seg == 0 && replica_g_ >= 0)  // this call's replica gradients accumulate from here (after the segment barrier:
                                     // the owners' reductions of the previous backward read them before it)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(domain_.region(rank, replica_g_), 0,
@@ -636,13 +644,15 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
                                                 cudaMemcpyHostToDevice, stream));
       dev_counts = st.seg_counts.ptr;
     }
-    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts))
+    int64_t main_rows = 0;
+    for (int32_t j = 0; j < st.num_local && static_cast<size_t>(j) < counts.size(); ++j) main_rows += counts[static_cast<size_t>(j)];
+    if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));  // no call will write them
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0))
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                            st.out_rows.ptr + c.first * H, c.weights, st.out_rows.ptr + (m + c.first) * H, c.grads,
                                            c.accumulate, stream));
-  } else if (grads.bf16() && st.w1_count) {  // no rows at this owner: its bf16 gradients are zero
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw1_bf16, 0, st.w1_count * 2, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grads.dw2_bf16, 0, st.w2_count * 2, stream));
+  } else if (seg == 0) {  // no rows at this owner in the first segment: its gradients are zero so far
+    RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), sv.grouped.ptr + base, m, layout_,

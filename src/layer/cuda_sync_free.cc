@@ -68,7 +68,7 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   const kernels::ExpertGradsView grads = st.grads();
   if (phys > 0)
     RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, st.out_rows.ptr, st.weights(),
-                                          st.out_rows.ptr + cap * H, grads, /*accumulate=*/!grads.bf16(), stream));
+                                          st.out_rows.ptr + cap * H, grads, /*accumulate=*/false, stream));  // overwrite: one segment
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + cap * H), sv.grouped.ptr, cap, layout_,
                                                   domain_.peer_table(rank, regions_.ret), stream, total));

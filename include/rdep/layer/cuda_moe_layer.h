@@ -195,6 +195,7 @@ class CudaMoELayer {
   Status Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
+  Status ZeroWeightGrads(RankState& st, cudaStream_t stream);
   // The owner work without host waits (expert compute reading device counts, one segment, no
   // balancing, the SwiGLU kind): buffers sized for the segment's worst case at the context's creation.
   bool SyncFree(const RankState& st) const;
@@ -217,7 +218,8 @@ class CudaMoELayer {
   Status SolveBalancePlan(int32_t rank, RankState& st, Saved& sv);
   Status StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward);
   Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);
-  std::vector<ExpertCall> ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts, const std::vector<int64_t>& counts) const;
+  std::vector<ExpertCall> ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts, const std::vector<int64_t>& counts,
+                                      bool first_segment = false) const;
   int32_t physical_experts(const RankState& st) const;
   const Saved* balanced_saved(const ForwardContext& ctx, Status* why) const;
 
