@@ -21,6 +21,7 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "experts/expert_mlp_kernels.cuh"
@@ -34,6 +35,26 @@ namespace {
 using internal::GemmProblem;
 using internal::GroupedGemmKind;
 using internal::GroupedGemmSm90;
+using internal::GroupedGemmTile;
+
+// Each GEMM role's kernel configuration. The defaults were measured (docs/perf-notes.md, "CUTLASS tiles").
+struct RoleTiles {
+  GroupedGemmTile forward = GroupedGemmTile::kCoop128x128;
+  GroupedGemmTile dgrad = GroupedGemmTile::kCoop128x128;
+  GroupedGemmTile wgrad = GroupedGemmTile::kCoop128x128;
+};
+
+StatusOr<RoleTiles> ResolveTiles(const CutlassTiles& names) {
+  RoleTiles t;
+  for (auto [name, role, out] : {std::tuple{&names.forward, "forward", &t.forward}, {&names.dgrad, "dgrad", &t.dgrad},
+                                 {&names.wgrad, "wgrad", &t.wgrad}}) {
+    if (name->empty()) continue;
+    auto tile = internal::ParseGroupedGemmTile(*name);
+    if (!tile.ok()) return InvalidArgument(std::string("cutlass expert compute: tiles.") + role + ": " + tile.status().message());
+    *out = *tile;
+  }
+  return t;
+}
 
 constexpr int kMaxExperts = 1024;  // one setup block, a thread per local expert
 
@@ -157,7 +178,7 @@ __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t*
 
 class CutlassExpertCompute final : public ExpertCompute {
  public:
-  CutlassExpertCompute(const ExpertMlpDesc& d, int device) : desc_(d), device_(device) {}
+  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles) : desc_(d), device_(device), tiles_(tiles) {}
   ~CutlassExpertCompute() override {
     int current = 0;
     cudaGetDevice(&current);
@@ -173,7 +194,8 @@ class CutlassExpertCompute final : public ExpertCompute {
     const auto E = static_cast<int32_t>(desc_.num_experts);
     const int64_t H = desc_.hidden, F = desc_.ffn;
     auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, std::unique_ptr<GroupedGemmSm90>& out) -> Status {
-      RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_));
+      const GroupedGemmTile tile = k == GroupedGemmKind::kNN ? tiles_.forward : k == GroupedGemmKind::kNT ? tiles_.dgrad : tiles_.wgrad;
+      RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_, tile));
       return Status::Ok();
     };
     gemms_ = std::make_unique<Gemms>();
@@ -288,6 +310,7 @@ class CutlassExpertCompute final : public ExpertCompute {
 
   ExpertMlpDesc desc_;
   int device_;
+  RoleTiles tiles_;
   std::unique_ptr<Gemms> gemms_;
   __nv_bfloat16 *z_ = nullptr, *dz_ = nullptr, *dh_ = nullptr;
   int64_t* total_ = nullptr;
@@ -297,8 +320,16 @@ class CutlassExpertCompute final : public ExpertCompute {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device) {
+std::vector<std::string> CutlassTileNames() {
+  std::vector<std::string> names;
+  for (GroupedGemmTile t : internal::kGroupedGemmTiles) names.emplace_back(internal::GroupedGemmTileName(t));
+  return names;
+}
+
+StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
+                                                                  const CutlassTiles& tiles) {
   RDEP_RETURN_IF_ERROR(desc.Validate());
+  RDEP_ASSIGN_OR_RETURN(const RoleTiles roles, ResolveTiles(tiles));
   if (desc.num_experts > kMaxExperts)
     return InvalidArgument("cutlass expert compute: num_experts " + std::to_string(desc.num_experts) + " > " +
                            std::to_string(kMaxExperts) + " local experts");
@@ -307,7 +338,7 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
   std::string why;
   if (!internal::GroupedGemmSm90Available(device, &why)) return Unavailable("cutlass expert compute: " + why);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  auto c = std::make_unique<CutlassExpertCompute>(desc, device);
+  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles);
   RDEP_RETURN_IF_ERROR(c->Init());
   return std::unique_ptr<ExpertCompute>(std::move(c));
 }

@@ -87,12 +87,13 @@ bool RequireCutlass() {
 
 // Makes the CUTLASS compute, or says why the test cannot run here (a failure, not a skip, when a GPU
 // is present and RDEP_REQUIRE_CUTLASS=1).
-StatusOr<std::unique_ptr<ExpertCompute>> MakeOrSkipReason(const ExpertMlpDesc& desc, std::string* skip) {
+StatusOr<std::unique_ptr<ExpertCompute>> MakeOrSkipReason(const ExpertMlpDesc& desc, std::string* skip,
+                                                          const CutlassTiles& tiles = {}) {
   if (cuda::DeviceCount() == 0) {
     *skip = "no CUDA device";
     return Unavailable(*skip);
   }
-  auto ec = MakeCutlassExpertCompute(desc, 0);
+  auto ec = MakeCutlassExpertCompute(desc, 0, tiles);
   if (!ec.ok() && ec.status().code() == StatusCode::kUnavailable) {
     if (RequireCutlass()) ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << ec.status();
     *skip = ec.status().message();
@@ -101,11 +102,12 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeOrSkipReason(const ExpertMlpDesc& d
 }
 
 struct Case {
-  const char* name;
+  std::string name;
   int64_t H, F;
   std::vector<int64_t> counts;
   bool accumulate = false;
   bool bf16_grads = false;
+  std::string tile;  // every GEMM role on this tile ("" = the defaults)
 };
 
 // Forward and backward with both implementations on the same inputs.
@@ -115,7 +117,7 @@ void CompareWithCublasLt(const Case& c) {
   const auto h_n = static_cast<size_t>(M * 2 * F), y_n = static_cast<size_t>(M * H);
   const ExpertMlpDesc desc{E, H, F, M + pad};
   std::string skip;
-  auto cut = MakeOrSkipReason(desc, &skip);
+  auto cut = MakeOrSkipReason(desc, &skip, {c.tile, c.tile, c.tile});
   if (!skip.empty()) GTEST_SKIP() << skip;
   ASSERT_TRUE(cut.ok()) << cut.status();
   EXPECT_TRUE((*cut)->graph_safe());
@@ -185,12 +187,36 @@ TEST_P(CutlassExpertCompute, MatchesCublasLt) { CompareWithCublasLt(GetParam());
 
 INSTANTIATE_TEST_SUITE_P(
     Cuda_bf16, CutlassExpertCompute,
-    ::testing::Values(Case{"E5_H64_F48_empty_single_uneven", 64, 48, {37, 0, 1, 0, 90}},
-                      Case{"E4_one_expert_holds_every_row", 128, 64, {0, 0, 300, 0}},
-                      Case{"E3_not_tile_multiples_accumulate", 256, 136, {129, 255, 7}, true},
-                      Case{"E6_bf16_gradients", 128, 96, {64, 0, 200, 3, 0, 128}, false, true},
-                      Case{"E16_moonlight_expert", 2048, 1408, {384, 0, 512, 130, 768, 1, 256, 640, 96, 384, 0, 1024, 33, 512, 300, 200}}),
-    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+    ::testing::Values(Case{"E5_H64_F48_empty_single_uneven", 64, 48, {37, 0, 1, 0, 90}, false, false, ""},
+                      Case{"E4_one_expert_holds_every_row", 128, 64, {0, 0, 300, 0}, false, false, ""},
+                      Case{"E3_not_tile_multiples_accumulate", 256, 136, {129, 255, 7}, true, false, ""},
+                      Case{"E6_bf16_gradients", 128, 96, {64, 0, 200, 3, 0, 128}, false, true, ""},
+                      Case{"E16_moonlight_expert", 2048, 1408, {384, 0, 512, 130, 768, 1, 256, 640, 96, 384, 0, 1024, 33, 512, 300, 200}, false, false, ""}),
+    [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Every tile configuration built, on empty experts, counts that are not tile multiples (under and over
+// one tile), fp32 accumulation and bf16 gradients.
+std::vector<Case> TileCases() {
+  std::vector<Case> cases;
+  for (const std::string& t : CutlassTileNames()) {
+    cases.push_back({t + "_accumulate", 256, 136, {129, 0, 255, 7, 300, 0}, true, false, t});
+    cases.push_back({t + "_bf16_gradients", 128, 96, {64, 0, 200, 3, 0, 385}, false, true, t});
+  }
+  if (cases.empty()) cases.push_back({"no_cutlass_build", 64, 48, {1}, false, false, ""});  // skips without CUTLASS
+  return cases;
+}
+INSTANTIATE_TEST_SUITE_P(Tiles_bf16, CutlassExpertCompute, ::testing::ValuesIn(TileCases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+TEST(CutlassExpertCompute_TileNames, UnknownTileIsInvalidArgumentNamingTheRole) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto ec = MakeCutlassExpertCompute({2, 64, 48, 16}, 0, {"", "coop_64x64", ""});
+  if (!ec.ok() && ec.status().code() == StatusCode::kUnavailable && !RequireCutlass()) GTEST_SKIP() << ec.status();
+  ASSERT_FALSE(ec.ok());
+  EXPECT_EQ(ec.status().code(), StatusCode::kInvalidArgument) << ec.status();
+  EXPECT_NE(ec.status().message().find("tiles.dgrad"), std::string::npos) << ec.status();
+  EXPECT_NE(ec.status().message().find("coop_64x64"), std::string::npos) << ec.status();
+}
 
 TEST(CutlassExpertCompute_Faults, CountsAboveMaxRowsComputeNothingAndAreReported) {
   const int64_t E = 2, H = 64, F = 32;

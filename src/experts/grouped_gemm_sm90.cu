@@ -1,209 +1,16 @@
-// CUTLASS ptr-array grouped GEMMs for sm_90a with device-side problem sizes (grouped_gemm_sm90.h).
-// The kernel: KernelPtrArrayTmaWarpSpecializedCooperative (two consumer warpgroups, TMA loads whose
-// descriptors the kernel rewrites per group, wgmma), tile 128x128x64, cluster 1x1x1, a persistent
-// grid of one CTA per SM walking the tiles of every group (PersistentTileSchedulerSm90Group); with no
-// host copy of the problem sizes the grid is sized from the SM count. Epilogue: D = acc (+ beta*C for
-// the fp32 weight gradients, C = D) through TMA stores.
+// The sm_90a grouped GEMMs' host entry (grouped_gemm_sm90.h): kind and tile names, the availability
+// check, and Create, which hands the (kind, tile) to the tile's translation unit
+// (grouped_gemm_sm90_tile_*.cu; the kernel configurations are in grouped_gemm_sm90_runner.cuh).
 #include "experts/grouped_gemm_sm90.h"
 
 #include <cuda_runtime.h>
 
 #include <string>
-#include <vector>
+#include <utility>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
 #include "rdep/cuda/check.h"
 
 namespace rdep::kernels::internal {
-namespace {
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == sizeof(GemmProblem), "GemmProblem mirrors cute::Shape<int,int,int>");
-
-// One kernel configuration: bf16 A and B in the given layouts (CUTLASS's convention: A is M x K, B is
-// K x N), D row-major, C (void = no source) for beta.
-template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_>
-struct Config {
-  using ElementA = cutlass::bfloat16_t;
-  using ElementB = cutlass::bfloat16_t;
-  using ElementC = ElementC_;
-  using ElementD = ElementD_;
-  using LayoutA = LayoutA_;
-  using LayoutB = LayoutB_;
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignA = 8, kAlignB = 8;  // 16 bytes of bf16
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB, LayoutB*, kAlignB, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
-using RowMajor = cutlass::layout::RowMajor;
-using ColumnMajor = cutlass::layout::ColumnMajor;
-using ConfigNN = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void>;
-using ConfigNT = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void>;     // B stored [n][k]
-using ConfigTN_F32 = Config<float, ColumnMajor, RowMajor, float>;             // A stored [k][m]
-using ConfigTN_BF16 = Config<cutlass::bfloat16_t, ColumnMajor, RowMajor, void>;
-
-// A device allocation freed with its owner.
-struct DeviceBytes {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceBytes() = default;
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  ~DeviceBytes() {
-    if (ptr) cudaFree(ptr);
-  }
-  Status Allocate(size_t n) {
-    bytes = n;
-    return cuda::CudaStatus(cudaMalloc(&ptr, n > 0 ? n : 1), "cudaMalloc (grouped GEMM tables)", __FILE__, __LINE__);
-  }
-};
-
-// Every stride of these kernels has one dynamic entry (the leading dimension) beside a static 1 (and
-// a static 0 for the group mode); make_cute_packed_stride sets it from the shape's M (column-major
-// kinds) or K (row-major kinds): passing ld for both sets it to ld either way.
-template <class Stride>
-Stride LeadingDimStride(int64_t ld) {
-  return cutlass::make_cute_packed_stride(Stride{}, cute::make_shape(static_cast<int>(ld), static_cast<int>(ld), 1));
-}
-
-template <class Cfg>
-class Runner final : public GroupedGemmSm90 {
- public:
-  using Gemm = typename Cfg::Gemm;
-  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
-  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
-  using StrideC = typename Gemm::GemmKernel::InternalStrideC;
-  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
-  using ElementA = typename Cfg::ElementA;
-  using ElementB = typename Cfg::ElementB;
-  using ElementD = typename Cfg::ElementD;
-  using ElementC = cute::conditional_t<cute::is_void_v<typename Cfg::ElementC>, ElementD, typename Cfg::ElementC>;
-  static constexpr bool kHasSource = !cute::is_void_v<typename Cfg::ElementC>;
-
-  Runner(GroupedGemmKind kind, int32_t groups, int device) : kind_(kind), groups_(groups), device_(device) {}
-
-  Status Init(int64_t lda, int64_t ldb, int64_t ldd) {
-    const auto G = static_cast<size_t>(groups_);
-    RDEP_RETURN_IF_ERROR(problems_.Allocate(G * sizeof(GemmProblem)));
-    RDEP_RETURN_IF_ERROR(ptr_a_.Allocate(G * sizeof(void*)));
-    RDEP_RETURN_IF_ERROR(ptr_b_.Allocate(G * sizeof(void*)));
-    RDEP_RETURN_IF_ERROR(ptr_d_.Allocate(G * sizeof(void*)));
-    RDEP_RETURN_IF_ERROR(stride_a_.Allocate(G * sizeof(StrideA)));
-    RDEP_RETURN_IF_ERROR(stride_b_.Allocate(G * sizeof(StrideB)));
-    RDEP_RETURN_IF_ERROR(stride_d_.Allocate(G * sizeof(StrideD)));
-    const std::vector<StrideA> sa(G, LeadingDimStride<StrideA>(lda));
-    const std::vector<StrideB> sb(G, LeadingDimStride<StrideB>(ldb));
-    const std::vector<StrideD> sd(G, LeadingDimStride<StrideD>(ldd));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(stride_a_.ptr, sa.data(), G * sizeof(StrideA), cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(stride_b_.ptr, sb.data(), G * sizeof(StrideB), cudaMemcpyHostToDevice));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(stride_d_.ptr, sd.data(), G * sizeof(StrideD), cudaMemcpyHostToDevice));
-    // No group has rows yet: a Run before the caller fills the tables writes nothing.
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(problems_.ptr, 0, G * sizeof(GemmProblem)));
-    hw_ = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Gemm::GemmKernel>(device_);
-    typename Gemm::Arguments args = Arguments(0.0f);
-    if (gemm_.can_implement(args) != cutlass::Status::kSuccess)
-      return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS cannot implement lda=" +
-                             std::to_string(lda) + " ldb=" + std::to_string(ldb) + " ldd=" + std::to_string(ldd));
-    RDEP_RETURN_IF_ERROR(workspace_.Allocate(Gemm::get_workspace_size(args)));
-    return Prepare(0.0f, nullptr);
-  }
-
-  GroupedGemmKind kind() const override { return kind_; }
-  int32_t num_groups() const override { return groups_; }
-  size_t device_bytes() const override {
-    return problems_.bytes + ptr_a_.bytes + ptr_b_.bytes + ptr_d_.bytes + stride_a_.bytes + stride_b_.bytes + stride_d_.bytes +
-           workspace_.bytes;
-  }
-  GemmProblem* problems() override { return static_cast<GemmProblem*>(problems_.ptr); }
-  const void** ptr_a() override { return static_cast<const void**>(ptr_a_.ptr); }
-  const void** ptr_b() override { return static_cast<const void**>(ptr_b_.ptr); }
-  void** ptr_d() override { return static_cast<void**>(ptr_d_.ptr); }
-
-  Status Run(float beta, cudaStream_t stream) override {
-    if (beta != 0.0f && !kHasSource)
-      return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");
-    if (beta != prepared_beta_) RDEP_RETURN_IF_ERROR(Prepare(beta, stream));
-    if (gemm_.run(stream) != cutlass::Status::kSuccess)
-      return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS run failed");
-    return cuda::CudaStatus(cudaGetLastError(), "grouped GEMM launch", __FILE__, __LINE__);
-  }
-
- private:
-  // Builds the kernel parameters (TMA descriptors, the shared-memory attribute) for `beta`. Every
-  // other argument is fixed at Create (the tables' addresses, strides, hardware), so a Run with the
-  // same beta launches the parameters built last: no host work beyond the launch. Launches nothing.
-  Status Prepare(float beta, cudaStream_t stream) {
-    if (gemm_.initialize(Arguments(beta), workspace_.ptr, stream) != cutlass::Status::kSuccess)
-      return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS initialize failed");
-    prepared_beta_ = beta;
-    return Status::Ok();
-  }
-
-  typename Gemm::Arguments Arguments(float beta) {
-    typename Gemm::Arguments args;
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {groups_, static_cast<typename ProblemShape::UnderlyingProblemShape*>(problems_.ptr), nullptr};
-    args.mainloop.ptr_A = static_cast<const ElementA**>(ptr_a_.ptr);
-    args.mainloop.dA = static_cast<StrideA*>(stride_a_.ptr);
-    args.mainloop.ptr_B = static_cast<const ElementB**>(ptr_b_.ptr);
-    args.mainloop.dB = static_cast<StrideB*>(stride_b_.ptr);
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = 1.0f;
-    fusion.beta = beta;
-    fusion.alpha_ptr = nullptr;
-    fusion.beta_ptr = nullptr;
-    if constexpr (kHasSource) {  // C is D: the weight gradient accumulates in place
-      args.epilogue.ptr_C = static_cast<const ElementC**>(ptr_d_.ptr);
-      args.epilogue.dC = static_cast<StrideC*>(stride_d_.ptr);
-    } else {
-      args.epilogue.ptr_C = nullptr;
-      args.epilogue.dC = nullptr;
-    }
-    args.epilogue.ptr_D = static_cast<ElementD**>(ptr_d_.ptr);
-    args.epilogue.dD = static_cast<StrideD*>(stride_d_.ptr);
-    args.hw_info = hw_;
-    return args;
-  }
-
-  GroupedGemmKind kind_;
-  int32_t groups_;
-  int device_;
-  cutlass::KernelHardwareInfo hw_;
-  DeviceBytes problems_, ptr_a_, ptr_b_, ptr_d_, stride_a_, stride_b_, stride_d_, workspace_;
-  Gemm gemm_;
-  float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
-};
-
-template <class Cfg>
-StatusOr<std::unique_ptr<GroupedGemmSm90>> Make(GroupedGemmKind kind, int32_t groups, int64_t lda, int64_t ldb, int64_t ldd,
-                                                int device) {
-  auto r = std::make_unique<Runner<Cfg>>(kind, groups, device);
-  RDEP_RETURN_IF_ERROR(r->Init(lda, ldb, ldd));
-  return std::unique_ptr<GroupedGemmSm90>(std::move(r));
-}
-
-}  // namespace
 
 const char* GroupedGemmKindName(GroupedGemmKind k) {
   switch (k) {
@@ -236,8 +43,29 @@ bool GroupedGemmSm90Available(int device, std::string* why) {
   return true;
 }
 
+const char* GroupedGemmTileName(GroupedGemmTile t) {
+  switch (t) {
+    case GroupedGemmTile::kCoop128x128: return "coop_128x128";
+    case GroupedGemmTile::kCoop128x256: return "coop_128x256";
+    case GroupedGemmTile::kCoop128x128C1x2: return "coop_128x128_c1x2";
+    case GroupedGemmTile::kCoop256x128C1x2: return "coop_256x128_c1x2";
+    case GroupedGemmTile::kPing128x128: return "ping_128x128";
+    case GroupedGemmTile::kPing128x128C2x1: return "ping_128x128_c2x1";
+  }
+  return "?";
+}
+
+StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name) {
+  std::string known;
+  for (GroupedGemmTile t : kGroupedGemmTiles) {
+    if (name == GroupedGemmTileName(t)) return t;
+    known += (known.empty() ? "" : ", ") + std::string(GroupedGemmTileName(t));
+  }
+  return InvalidArgument("grouped GEMM tile '" + name + "' is not one of: " + known);
+}
+
 StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKind kind, int32_t num_groups, int64_t lda,
-                                                                   int64_t ldb, int64_t ldd, int device) {
+                                                                   int64_t ldb, int64_t ldd, int device, GroupedGemmTile tile) {
   const std::string what = std::string("grouped GEMM ") + GroupedGemmKindName(kind) + ": ";
   if (num_groups < 1) return InvalidArgument(what + "num_groups must be >= 1, got " + std::to_string(num_groups));
   for (const auto& [ld, name] : {std::pair{lda, "lda"}, {ldb, "ldb"}, {ldd, "ldd"}})
@@ -246,13 +74,18 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKi
   std::string why;
   if (!GroupedGemmSm90Available(device, &why)) return Unavailable(what + why);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  switch (kind) {
-    case GroupedGemmKind::kNN: return Make<ConfigNN>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kNT: return Make<ConfigNT>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kTN_F32: return Make<ConfigTN_F32>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kTN_BF16: return Make<ConfigTN_BF16>(kind, num_groups, lda, ldb, ldd, device);
+  switch (tile) {
+    case GroupedGemmTile::kCoop128x128: return MakeTiled<GroupedGemmTile::kCoop128x128>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop128x256: return MakeTiled<GroupedGemmTile::kCoop128x256>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop128x128C1x2:
+      return MakeTiled<GroupedGemmTile::kCoop128x128C1x2>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop256x128C1x2:
+      return MakeTiled<GroupedGemmTile::kCoop256x128C1x2>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kPing128x128: return MakeTiled<GroupedGemmTile::kPing128x128>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kPing128x128C2x1:
+      return MakeTiled<GroupedGemmTile::kPing128x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
   }
-  return InvalidArgument(what + "unknown kind");
+  return InvalidArgument(what + "unknown tile");
 }
 
 }  // namespace rdep::kernels::internal

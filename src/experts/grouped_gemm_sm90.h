@@ -1,6 +1,6 @@
 // Grouped GEMMs for sm_90a whose per-group problem sizes and operand pointers live in DEVICE memory
-// (CUTLASS 3 ptr-array kernels: TMA + wgmma, warp-specialized cooperative, persistent tile scheduler
-// over all groups), so a caller can fill them in a kernel from device-resident per-expert row counts
+// (CUTLASS 3 ptr-array kernels: TMA + wgmma, warp-specialized cooperative or pingpong, persistent tile
+// scheduler over all groups; the tile configuration is chosen at Create from GroupedGemmTile), so a caller can fill them in a kernel from device-resident per-expert row counts
 // and launch without a host round trip. bf16 operands, fp32 accumulation. Internal to rdep::experts.
 //
 // One GroupedGemmSm90 serves one GEMM of the expert MLP for G groups (local experts). Its kinds:
@@ -16,6 +16,7 @@
 // written into the tables 16-byte aligned.
 //
 // Exercised by: build/src/experts/experts_test --gtest_filter='GroupedGemmSm90*:CutlassExpertCompute*'
+// Tiles measured against each other: build/bin/rdep bench gemm --path cutlass --cutlass-tiles all
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,6 +32,16 @@ namespace rdep::kernels::internal {
 enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16 };
 const char* GroupedGemmKindName(GroupedGemmKind k);
 
+// The kernel configurations built (grouped_gemm_sm90_runner.cuh): CTA tile M x N (x 64 of K), cluster
+// (C<m>x<n>; none = 1x1), cooperative (two consumer warpgroups on one tile) or pingpong (a tile per
+// consumer warpgroup, alternating). Names: coop_128x128, coop_128x256, coop_128x128_c1x2, ...
+enum class GroupedGemmTile { kCoop128x128, kCoop128x256, kCoop128x128C1x2, kCoop256x128C1x2, kPing128x128, kPing128x128C2x1 };
+inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::kCoop128x128,     GroupedGemmTile::kCoop128x256,
+                                                       GroupedGemmTile::kCoop128x128C1x2, GroupedGemmTile::kCoop256x128C1x2,
+                                                       GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1};
+const char* GroupedGemmTileName(GroupedGemmTile t);
+StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name);
+
 // One group's problem size, as the kernel reads it (cute::Shape<int, int, int>: m, n, k).
 struct GemmProblem {
   int32_t m, n, k;
@@ -41,9 +52,11 @@ class GroupedGemmSm90 {
   // lda, ldb, ldd: the row lengths (elements) of A, B and D as stored (row-major), the same for every
   // group. device: the GPU the arrays and workspace live on.
   static StatusOr<std::unique_ptr<GroupedGemmSm90>> Create(GroupedGemmKind kind, int32_t num_groups, int64_t lda,
-                                                           int64_t ldb, int64_t ldd, int device);
+                                                           int64_t ldb, int64_t ldd, int device,
+                                                           GroupedGemmTile tile = GroupedGemmTile::kCoop128x128);
   virtual ~GroupedGemmSm90() = default;
   virtual GroupedGemmKind kind() const = 0;
+  virtual GroupedGemmTile tile() const = 0;
   virtual int32_t num_groups() const = 0;
   virtual size_t device_bytes() const = 0;
 
@@ -60,5 +73,10 @@ class GroupedGemmSm90 {
 
 // Whether this build has the CUTLASS kernels and the device can run them (sm_90); why not otherwise.
 bool GroupedGemmSm90Available(int device, std::string* why);
+
+// Create's work for one tile, defined in that tile's translation unit (grouped_gemm_sm90_tile_*.cu).
+template <GroupedGemmTile T>
+StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiled(GroupedGemmKind kind, int32_t groups, int64_t lda, int64_t ldb,
+                                                     int64_t ldd, int device);
 
 }  // namespace rdep::kernels::internal

@@ -49,6 +49,8 @@ constexpr const char* kHelp =
     "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
     "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
     "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n"
+    "--path cutlass:SPEC picks the CUTLASS kernels' tiles: all (one run per tile), TILE (every GEMM) or\n"
+    "FWD/DGRAD/WGRAD (a tile per GEMM role; empty = default), e.g. cutlass:coop_128x256//ping_128x128.\n"
     "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
     "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
 
@@ -203,6 +205,7 @@ struct BenchPath {
   std::string name;
   bool cutlass = false;
   rdep::kernels::GemmPath gemm = rdep::kernels::GemmPath::kAuto;
+  rdep::kernels::CutlassTiles tiles;  // cutlass: each role's tile ("" = default)
 };
 
 // What the flags ask for, checked.
@@ -235,18 +238,43 @@ rdep::StatusOr<double> ParseZipfAlpha(const std::string& routing) {
   return alpha;
 }
 
-// --path: a comma list of auto, lt, grouped (ExpertMlp's GEMM paths) and cutlass.
+// cutlass:SPEC of --path: SPEC = all (one path per tile, every role), TILE (every role) or
+// FWD/DGRAD/WGRAD (a tile per role; an empty field keeps that role's default).
+rdep::StatusOr<std::vector<BenchPath>> ParseCutlassPath(const std::string& spec) {
+  const std::vector<std::string> known = rdep::kernels::CutlassTileNames();
+  std::vector<BenchPath> paths;
+  if (spec == "all") {
+    for (const std::string& t : known) paths.push_back({"cutlass:" + t, true, {}, {t, t, t}});
+    if (paths.empty()) return rdep::InvalidArgument("--path cutlass:all: this build has no CUTLASS tiles");
+    return paths;
+  }
+  std::vector<std::string> f;
+  std::stringstream ss(spec);
+  for (std::string part; std::getline(ss, part, '/');) f.push_back(part);
+  if (f.size() == 1) f = {f[0], f[0], f[0]};
+  if (f.size() != 3) return rdep::InvalidArgument("--path cutlass:" + spec + ": give TILE, FWD/DGRAD/WGRAD or all");
+  for (const std::string& t : f)  // names are checked again by MakeCutlassExpertCompute; here for an early exit 2
+    if (!t.empty() && !known.empty() && std::find(known.begin(), known.end(), t) == known.end())
+      return rdep::InvalidArgument("--path cutlass:" + spec + ": unknown tile '" + t + "'");
+  paths.push_back({"cutlass:" + spec, true, {}, {f[0], f[1], f[2]}});
+  return paths;
+}
+
+// --path: a comma list of auto, lt, grouped (ExpertMlp's GEMM paths), cutlass and cutlass:SPEC.
 rdep::StatusOr<std::vector<BenchPath>> ParseGemmPaths(const std::string& paths_text) {
   using rdep::kernels::GemmPath;
   std::vector<BenchPath> paths;
   std::stringstream ss(paths_text);
   std::string p;
   while (std::getline(ss, p, ',')) {
-    if (p == "auto") paths.push_back({"auto", false, GemmPath::kAuto});
-    else if (p == "lt") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kLtPerExpert), false, GemmPath::kLtPerExpert});
-    else if (p == "grouped") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kGrouped), false, GemmPath::kGrouped});
-    else if (p == "cutlass") paths.push_back({"cutlass", true});
-    else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped or cutlass");
+    if (p == "auto") paths.push_back({"auto", false, GemmPath::kAuto, {}});
+    else if (p == "lt") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kLtPerExpert), false, GemmPath::kLtPerExpert, {}});
+    else if (p == "grouped") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kGrouped), false, GemmPath::kGrouped, {}});
+    else if (p == "cutlass") paths.push_back({"cutlass", true, {}, {}});
+    else if (p.rfind("cutlass:", 0) == 0) {
+      RDEP_ASSIGN_OR_RETURN(std::vector<BenchPath> more, ParseCutlassPath(p.substr(8)));
+      paths.insert(paths.end(), more.begin(), more.end());
+    } else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped, cutlass or cutlass:TILES");
   }
   if (paths.empty()) return rdep::InvalidArgument("--path: empty list");
   return paths;
@@ -374,7 +402,8 @@ rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, con
   using B = __nv_bfloat16;
   PathUnderTest t;
   if (path.cutlass) {
-    RDEP_ASSIGN_OR_RETURN(t.compute, rdep::kernels::MakeCutlassExpertCompute({o.E, o.H, o.F, std::max<int64_t>(M, 1)}, 0));
+    RDEP_ASSIGN_OR_RETURN(t.compute,
+                          rdep::kernels::MakeCutlassExpertCompute({o.E, o.H, o.F, std::max<int64_t>(M, 1)}, 0, path.tiles));
     rdep::kernels::ExpertCompute* c = t.compute.get();
     const rdep::kernels::ExpertRows rows{counts_dev, M, nullptr};
     const rdep::kernels::ExpertWeightsView w{b.w1.as<B>(), b.w2.as<B>()};

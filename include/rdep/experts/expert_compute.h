@@ -21,6 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "rdep/experts/expert_mlp.h"
 #include "rdep/status.h"
@@ -80,7 +82,18 @@ class ExpertCompute {
 // Requires hidden and ffn multiples of 8, num_experts <= 1024, 16-byte aligned pointers; weight
 // gradients fp32 (accumulate or overwrite) or bf16 (overwrite). Unavailable in a build without
 // CUTLASS (RDEP_HAVE_CUTLASS) or on a GPU other than sm_90.
-StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device);
+// tiles: the kernel configuration of each GEMM role by name (coop_128x128, coop_128x256,
+// coop_128x128_c1x2, coop_256x128_c1x2, ping_128x128, ping_128x128_c2x1; "" = the role's default,
+// chosen by measurement: docs/perf-notes.md); an unknown name is InvalidArgument.
+struct CutlassTiles {
+  std::string forward;  // h = x.W1 and y = z.W2
+  std::string dgrad;    // dz = dout.W2^T and dx = dh.W1^T
+  std::string wgrad;    // dW2 = z^T.dout and dW1 = x^T.dh
+};
+StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
+                                                                  const CutlassTiles& tiles = {});
+// The tile names this build has (empty without CUTLASS).
+std::vector<std::string> CutlassTileNames();
 
 // What MakeCublasLtExpertCompute(desc, ..., config) will allocate on the device.
 size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config = {});
