@@ -37,17 +37,23 @@ using internal::GroupedGemmKind;
 using internal::GroupedGemmSm90;
 using internal::GroupedGemmTile;
 
-// Each GEMM role's kernel configuration. The defaults were measured (docs/perf-notes.md, "CUTLASS tiles").
+// Each GEMM's kernel configuration. The defaults are the fastest of the six tiles per GEMM over mu in
+// 128..3072 at the Moonlight expert (E_loc 16, H 2048, F 1408) on an H100 (bench/lab/grouped_gemm_tiles;
+// docs/perf-notes.md, "CUTLASS tiles").
 struct RoleTiles {
-  GroupedGemmTile forward = GroupedGemmTile::kCoop128x128;
-  GroupedGemmTile dgrad = GroupedGemmTile::kCoop128x128;
-  GroupedGemmTile wgrad = GroupedGemmTile::kCoop128x128;
+  GroupedGemmTile g1 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile g2 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dz = GroupedGemmTile::kCoop128x128;
+  GroupedGemmTile dx = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dw2 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dw1 = GroupedGemmTile::kPing128x128C2x1;
 };
 
 StatusOr<RoleTiles> ResolveTiles(const CutlassTiles& names) {
   RoleTiles t;
-  for (auto [name, role, out] : {std::tuple{&names.forward, "forward", &t.forward}, {&names.dgrad, "dgrad", &t.dgrad},
-                                 {&names.wgrad, "wgrad", &t.wgrad}}) {
+  for (auto [name, role, out] : {std::tuple{&names.gemm1, "gemm1", &t.g1}, {&names.gemm2, "gemm2", &t.g2},
+                                 {&names.dgrad_z, "dgrad_z", &t.dz}, {&names.dgrad_x, "dgrad_x", &t.dx},
+                                 {&names.wgrad_w2, "wgrad_w2", &t.dw2}, {&names.wgrad_w1, "wgrad_w1", &t.dw1}}) {
     if (name->empty()) continue;
     auto tile = internal::ParseGroupedGemmTile(*name);
     if (!tile.ok()) return InvalidArgument(std::string("cutlass expert compute: tiles.") + role + ": " + tile.status().message());
@@ -193,21 +199,22 @@ class CutlassExpertCompute final : public ExpertCompute {
   Status Init() {
     const auto E = static_cast<int32_t>(desc_.num_experts);
     const int64_t H = desc_.hidden, F = desc_.ffn;
-    auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, std::unique_ptr<GroupedGemmSm90>& out) -> Status {
-      const GroupedGemmTile tile = k == GroupedGemmKind::kNN ? tiles_.forward : k == GroupedGemmKind::kNT ? tiles_.dgrad : tiles_.wgrad;
+    auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, GroupedGemmTile tile,
+                    std::unique_ptr<GroupedGemmSm90>& out) -> Status {
       RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_, tile));
       return Status::Ok();
     };
     gemms_ = std::make_unique<Gemms>();
     Gemms& g = *gemms_;
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, H, 2 * F, 2 * F, g.g1));      // h [m][2F] = x [m][H] . W1 [H][2F]
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, F, H, H, g.g2));              // y [m][H] = z [m][F] . W2 [F][H]
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, H, H, F, g.dz));              // dz [m][F] = dout [m][H] . (W2 [F][H])^T
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, 2 * F, 2 * F, H, g.dx));      // dx [m][H] = dh [m][2F] . (W1 [H][2F])^T
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, F, H, H, g.dw2));         // dW2 [F][H] = (z [m][F])^T . dout [m][H]
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, g.dw1)); // dW1 [H][2F] = (x [m][H])^T . dh [m][2F]
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, F, H, H, g.dw2_bf16));
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, H, 2 * F, 2 * F, g.dw1_bf16));
+    const RoleTiles& t = tiles_;
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, H, 2 * F, 2 * F, t.g1, g.g1));       // h [m][2F] = x [m][H] . W1 [H][2F]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, F, H, H, t.g2, g.g2));               // y [m][H] = z [m][F] . W2 [F][H]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, H, H, F, t.dz, g.dz));               // dz [m][F] = dout [m][H] . (W2 [F][H])^T
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, 2 * F, 2 * F, H, t.dx, g.dx));       // dx [m][H] = dh [m][2F] . (W1 [H][2F])^T
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, F, H, H, t.dw2, g.dw2));         // dW2 [F][H] = (z [m][F])^T . dout [m][H]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, t.dw1, g.dw1)); // dW1 [H][2F] = (x [m][H])^T . dh [m][2F]
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, F, H, H, t.dw2, g.dw2_bf16));
+    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, H, 2 * F, 2 * F, t.dw1, g.dw1_bf16));
     const auto rows = static_cast<size_t>(desc_.max_rows);
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&z_, rows * static_cast<size_t>(F) * 2));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dz_, rows * static_cast<size_t>(F) * 2));

@@ -50,7 +50,7 @@ constexpr const char* kHelp =
     "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
     "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n"
     "--path cutlass:SPEC picks the CUTLASS kernels' tiles: all (one run per tile), TILE (every GEMM) or\n"
-    "FWD/DGRAD/WGRAD (a tile per GEMM role; empty = default), e.g. cutlass:coop_128x256//ping_128x128.\n"
+    "G1/G2/DZ/DX/DW2/DW1 (a tile per GEMM, empty = its default), e.g. cutlass:////coop_128x256/.\n"
     "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
     "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
 
@@ -238,25 +238,27 @@ rdep::StatusOr<double> ParseZipfAlpha(const std::string& routing) {
   return alpha;
 }
 
-// cutlass:SPEC of --path: SPEC = all (one path per tile, every role), TILE (every role) or
-// FWD/DGRAD/WGRAD (a tile per role; an empty field keeps that role's default).
+// cutlass:SPEC of --path: SPEC = all (one path per tile, every GEMM), TILE (every GEMM) or six tiles
+// G1/G2/DZ/DX/DW2/DW1 (one per GEMM, CutlassTiles' order; an empty field keeps that GEMM's default).
 rdep::StatusOr<std::vector<BenchPath>> ParseCutlassPath(const std::string& spec) {
   const std::vector<std::string> known = rdep::kernels::CutlassTileNames();
   std::vector<BenchPath> paths;
   if (spec == "all") {
-    for (const std::string& t : known) paths.push_back({"cutlass:" + t, true, {}, {t, t, t}});
+    for (const std::string& t : known) paths.push_back({"cutlass:" + t, true, {}, {t, t, t, t, t, t}});
     if (paths.empty()) return rdep::InvalidArgument("--path cutlass:all: this build has no CUTLASS tiles");
     return paths;
   }
-  std::vector<std::string> f;
-  std::stringstream ss(spec);
-  for (std::string part; std::getline(ss, part, '/');) f.push_back(part);
-  if (f.size() == 1) f = {f[0], f[0], f[0]};
-  if (f.size() != 3) return rdep::InvalidArgument("--path cutlass:" + spec + ": give TILE, FWD/DGRAD/WGRAD or all");
+  std::vector<std::string> f(1);  // the '/'-separated fields, empty ones kept
+  for (char ch : spec) {
+    if (ch == '/') f.emplace_back();
+    else f.back() += ch;
+  }
+  if (f.size() == 1) f.assign(6, f[0]);
+  if (f.size() != 6) return rdep::InvalidArgument("--path cutlass:" + spec + ": give TILE, G1/G2/DZ/DX/DW2/DW1 or all");
   for (const std::string& t : f)  // names are checked again by MakeCutlassExpertCompute; here for an early exit 2
     if (!t.empty() && !known.empty() && std::find(known.begin(), known.end(), t) == known.end())
       return rdep::InvalidArgument("--path cutlass:" + spec + ": unknown tile '" + t + "'");
-  paths.push_back({"cutlass:" + spec, true, {}, {f[0], f[1], f[2]}});
+  paths.push_back({"cutlass:" + spec, true, {}, {f[0], f[1], f[2], f[3], f[4], f[5]}});
   return paths;
 }
 

@@ -82,13 +82,16 @@ class ExpertCompute {
 // Requires hidden and ffn multiples of 8, num_experts <= 1024, 16-byte aligned pointers; weight
 // gradients fp32 (accumulate or overwrite) or bf16 (overwrite). Unavailable in a build without
 // CUTLASS (RDEP_HAVE_CUTLASS) or on a GPU other than sm_90.
-// tiles: the kernel configuration of each GEMM role by name (coop_128x128, coop_128x256,
-// coop_128x128_c1x2, coop_256x128_c1x2, ping_128x128, ping_128x128_c2x1; "" = the role's default,
-// chosen by measurement: docs/perf-notes.md); an unknown name is InvalidArgument.
+// tiles: the kernel configuration of each GEMM by name (coop_128x128, coop_128x256, coop_128x128_c1x2,
+// coop_256x128_c1x2, ping_128x128, ping_128x128_c2x1; "" = that GEMM's default, chosen by measurement:
+// docs/perf-notes.md, "CUTLASS tiles"); an unknown name is InvalidArgument naming the field.
 struct CutlassTiles {
-  std::string forward;  // h = x.W1 and y = z.W2
-  std::string dgrad;    // dz = dout.W2^T and dx = dh.W1^T
-  std::string wgrad;    // dW2 = z^T.dout and dW1 = x^T.dh
+  std::string gemm1;     // h = x.W1
+  std::string gemm2;     // y = z.W2
+  std::string dgrad_z;   // dz = dout.W2^T
+  std::string dgrad_x;   // dx = dh.W1^T
+  std::string wgrad_w2;  // dW2 = z^T.dout (fp32 or bf16 gradients)
+  std::string wgrad_w1;  // dW1 = x^T.dh
 };
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
                                                                   const CutlassTiles& tiles = {});
