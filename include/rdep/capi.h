@@ -81,7 +81,8 @@ typedef struct rdep_layer_spec {
   int32_t balance_slots;       /* N_slot: redundant slots per rank */
   int64_t balance_min_quota;   /* u_min (ultraep; 0 = 1) */
   int32_t balance_relay_above; /* experts with more replicas stream through chunk relays; -1 = default (4), 0 = never */
-  /* Nodes (host backend so far): N nodes of world_size/N ranks, the two-phase exchange, node cap M. */
+  /* Nodes: N nodes of world_size/N ranks, the two-phase exchange, node cap M (CUDA: not with
+     expert_compute cutlass). */
   int32_t nodes;               /* N (0 or 1 = one domain) */
   int32_t max_nodes;           /* M: routing must keep each token on at most M nodes (0 = N) */
   /* Version 3. CUDA: the expert compute, 0 = cuBLASLt (the counts read on the host once per forward

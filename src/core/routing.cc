@@ -6,6 +6,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "rdep/core/node_rules.h"
 #include "rdep/core/random.h"
 #include "rdep/core/route_rules.h"
 
@@ -34,7 +35,9 @@ Status RankRouting::Validate(const LayerShape& shape) const {
 
 Status CheckNodeLimit(const RankRouting& r, const std::vector<int32_t>& node_of_expert, int64_t max_nodes) {
   std::vector<int32_t> seen;
+  const auto node_of = [&](int32_t e) { return static_cast<int64_t>(node_of_expert[static_cast<size_t>(e)]); };
   for (int64_t t = 0; t < r.num_tokens; ++t) {
+    if (CountTokenNodes(r.experts.data() + t * r.topk, r.topk, node_of) <= max_nodes) continue;  // the rule (node_rules.h)
     seen.clear();
     for (int64_t k = 0; k < r.topk; ++k) {
       const int32_t node = node_of_expert[static_cast<size_t>(r.experts[static_cast<size_t>(t * r.topk + k)])];

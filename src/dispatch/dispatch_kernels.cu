@@ -13,6 +13,7 @@
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
+#include "dispatch/warp_rows.cuh"
 
 namespace rdep::dispatch {
 namespace {
@@ -20,20 +21,9 @@ namespace {
 constexpr int kScanThreads = 512;
 using BlockScan = cub::BlockScan<int, kScanThreads>;
 
-__device__ __forceinline__ float Bf(bf16_bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-__device__ __forceinline__ bf16_bits ToBf(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
-
-// Copies one row of H bf16 by a warp: 16-byte vectors when aligned, else 2-byte elements.
-__device__ __forceinline__ void WarpCopyRow(const bf16_bits* src, bf16_bits* dst, int64_t H) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  if ((H % 8) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < H / 8; i += 32) d[i] = s[i];
-  } else {
-    for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
-  }
-}
+using detail::Bf;
+using detail::ToBf;
+using detail::WarpCopyRow;
 
 // One block: each thread takes tokens t = tid, tid + blockDim, ...; the block's minimum faulty-slot
 // key is reduced in shared memory, the first fault's values are recorded, then faulty tokens are
@@ -379,10 +369,7 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = t * K + k;
-      float dot = 0.f;
-      if (accepted[i])
-        for (int64_t c = lane; c < H; c += 32) dot += Bf(dy[t * H + c]) * Bf(f[i * H + c]);
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+      const float dot = accepted[i] ? detail::WarpDotBf16(dy + t * H, f + i * H, H) : 0.f;  // the relays' order too
       if (lane == 0) scratch[i] = dot;
     }
     __syncwarp();

@@ -94,6 +94,9 @@ struct DevicePlanCopy {
   }
 };
 
+struct TwoPhaseSaved;                          // layer/cuda_two_phase.h
+size_t TwoPhaseBytes(const TwoPhaseSaved* tp);  // 0 for null
+
 }  // namespace cuda_layer
 
 // What a forward saves for its backward on one rank (held by a ForwardContext; device buffers on
@@ -140,6 +143,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   dispatch::RoutingFault* host_fault = nullptr;
   dispatch::RoutingFault* fault_dev = nullptr;  // the device's view of host_fault
   cudaEvent_t fault_copied = nullptr;
+  // Two-phase exchange (LayerConfig::nodes > 1; cuda_two_phase.cc): bundles, relayed records, kept rows.
+  std::shared_ptr<cuda_layer::TwoPhaseSaved> two_phase;
   ~Saved() override {
     int current = 0;
     cudaGetDevice(&current);
@@ -161,7 +166,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
            (dropped.count + control.count + rows_per_expert.count + dev_counts.count) * 8 +
            (saved_f.count + x_rows.count + h_rows.count) * 2 +
-           grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4;
+           grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4 + cuda_layer::TwoPhaseBytes(two_phase.get());
   }
 };
 

@@ -108,6 +108,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
+  if (config_.nodes.nodes > 1) RDEP_RETURN_IF_ERROR(ReserveTwoPhase(*saved));
   if (config_.balance.enabled()) {
     RDEP_RETURN_IF_ERROR(saved->plan.Reserve(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config_.replica_slots()));
     RDEP_RETURN_IF_ERROR(saved->dest_rank.Reserve(nk));
@@ -195,9 +196,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     auto can = GpuPlannerCanImplement(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config.balance.num_slots);
     if (!can.ok()) return InvalidArgument("cuda layer: balance ultraep: " + can.status().message());
   }
-  if (config.nodes.nodes > 1)
-    return InvalidArgument("cuda layer: the two-phase inter-node exchange (N=" + std::to_string(config.nodes.nodes) +
-                           " nodes) runs on the host backend only so far");
+  if (config.nodes.nodes > 1 && config.expert_compute == ExpertComputeKind::kCutlass)
+    return InvalidArgument("cuda layer: nodes N=" + std::to_string(config.nodes.nodes) +
+                           " with expert_compute cutlass: the sync-free owner path has no two-phase exchange yet "
+                           "(use expert_compute cublaslt with nodes, or nodes 1)");
   if (config.segment_tokens == 0) config.segment_tokens = std::max<int64_t>(1, s.ranks * s.tokens);  // worst case: no sync
   {
     // Every process must build the same layer: shape, capacity, segment and ownership map.
@@ -208,22 +210,28 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     fp.push_back(static_cast<int64_t>(config.balance.kind));
     fp.push_back(config.balance.enabled() ? config.balance.num_slots : 0);
     fp.push_back(config.balance.enabled() ? config.balance.min_quota : 0);
+    fp.push_back(config.nodes.nodes);
+    fp.push_back(config.nodes.cap());
     for (int32_t o : ownership.owners()) fp.push_back(o);
     std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), fp.data(), bytes.size());
     RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
       std::vector<int64_t> v(b.size() / sizeof(int64_t));
       std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
-      if (v.size() < 11) return std::string("a malformed config");
+      if (v.size() < 13) return std::string("a malformed config");
       double c;
       std::memcpy(&c, &v[7], sizeof c);
       return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
              std::to_string(v[3]) + " K=" + std::to_string(v[4]) + " W=" + std::to_string(v[5]) + " S=" + std::to_string(v[6]) +
              " capacity=" + std::to_string(c) + " balance=" + BalanceKindName(static_cast<BalanceKind>(v[8])) + " N_slot=" +
-             std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + (v.size() > 11 ? " (+ownership map)" : "");
+             std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + " nodes N=" + std::to_string(v[11]) + " M=" +
+             std::to_string(v[12]) + (v.size() > 13 ? " (+ownership map)" : "");
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
+  if (config.nodes.nodes > 1) {  // phase A and the return hop: NCCL, or device copies for ranks sharing GPUs
+    RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeDeviceInterNodeExchange(domain, config.nodes));
+  }
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
@@ -445,6 +453,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   const LayerShape& s = config_.shape;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   st.plan_copy_pending = false;
+  if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
@@ -514,6 +523,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   st.plan_copy_pending = false;
+  if (config_.nodes.nodes > 1) return BackwardTwoPhase(rank, st, sv, dy, dx, dgates);  // cuda_two_phase.cc
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
@@ -602,8 +612,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
                                           st.out_rows.ptr + c.first * H, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr + base, m, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream));
+  RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr, sv, base, m, stream));
   return Mark(rank, st, false, kMarkReturn);
 }
 
@@ -655,8 +664,7 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + m * H), sv.grouped.ptr + base, m, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream));
+  RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr + m * H, sv, base, m, stream));
   return Mark(rank, st, true, kMarkReturn);
 }
 
@@ -734,6 +742,7 @@ std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
 
 StatusOr<std::vector<float>> CudaMoELayer::CopyExpertOutputs(int32_t rank) const {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  if (config_.nodes.nodes > 1) return CopyExpertOutputsTwoPhase(rank);  // the rows stayed at the relays
   const Saved* sv = last(rank);
   if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));

@@ -23,6 +23,10 @@ Status CudaMoELayer::CheckRowsSupported(const char* call) const {
     return FailedPrecondition(std::string(call) + ": the caller's experts cannot run with balancing (" +
                               BalanceKindName(config_.balance.kind) +
                               "): replicas compute on weights the layer streams; create the layer with balance off");
+  if (config_.nodes.nodes > 1)
+    return FailedPrecondition(std::string(call) + ": the caller's experts cannot run with nodes (N=" +
+                              std::to_string(config_.nodes.nodes) + "): the two-phase exchange keeps rows at the relays; "
+                              "create the layer with nodes 1");
   const int64_t worst = config_.shape.ranks * config_.shape.tokens;
   if (layout_.S < worst)
     return FailedPrecondition(std::string(call) + ": the caller's experts on the CUDA backend need one segment per forward "

@@ -17,6 +17,7 @@
 #include "layer/context_access.h"
 #include "layer/host_layer_state.h"
 #include "rdep/core/capacity.h"
+#include "rdep/core/node_rules.h"
 #include "rdep/core/row_id.h"
 
 namespace rdep {
@@ -76,9 +77,9 @@ float* HostMoELayer::ReturnRow(int32_t owner, uint64_t row_id) const {
   const int64_t T = config_.shape.tokens, K = config_.shape.topk, H = config_.shape.hidden;
   const RowKey key = RowIdCodec{T, K}.decode(row_id);
   if (config_.nodes.nodes == 1) return domain_.region_as<float>(static_cast<int32_t>(key.rank), regions_.ret) + (key.token * K + key.slot) * H;
-  const int64_t G = config_.nodes.ranks_per_node(config_.shape.ranks);
-  const auto relay = static_cast<int32_t>((owner / G) * G + key.rank % G);
-  return domain_.region_as<float>(relay, regions_.ret) + (((key.rank / G) * T + key.token) * K + key.slot) * H;
+  const NodeSplit split{config_.nodes.ranks_per_node(config_.shape.ranks)};  // the rule the CUDA kernels use too
+  const auto relay = static_cast<int32_t>(split.relay(owner, key.rank));
+  return domain_.region_as<float>(relay, regions_.ret) + split.relay_return_index(key, T, K) * H;
 }
 
 // The inter-node hop out: tokens (forward: with their rows and stream positions) to the relays; the

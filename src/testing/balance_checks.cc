@@ -242,7 +242,7 @@ double MaxRelative(const std::vector<std::vector<float>>& a, const std::vector<s
 
 }  // namespace
 
-CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expected_inter_rows) {
+CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expected_inter_rows, double value_tol) {
   CheckResult c{"two-phase vs one domain", false, false, "", 0};
   std::ostringstream os;
   int64_t sent = 0, back = 0;
@@ -253,12 +253,13 @@ CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expe
   const double ey = MaxRelative(two.y, one.y), edx = MaxRelative(two.dx, one.dx);
   if (!Bitwise(two.dgates, one.dgates)) os << "dgates differ from the one-domain layer";
   else if (two.dw1 != one.dw1 || two.dw2 != one.dw2) os << "weight gradients differ from the one-domain layer";
-  else if (!(ey <= 1e-5) || !(edx <= 1e-5)) os << "y or dx beyond 1e-5 of the one-domain layer's (y " << ey << ", dx " << edx << ")";
+  else if (!(ey <= value_tol) || !(edx <= value_tol))
+    os << "y or dx beyond " << value_tol << " of the one-domain layer's (y " << ey << ", dx " << edx << ")";
   else if (sent != expected_inter_rows || back != expected_inter_rows)
     os << "inter-node rows: dispatch sent " << sent << ", combine returned " << back << ", the routing has " << expected_inter_rows;
   c.passed = os.str().empty();
   if (c.passed)
-    os << "dgate, dW bitwise; y, dx within " << std::max(ey, edx) << " of max (<= 1e-5); inter-node rows " << sent
+    os << "dgate, dW bitwise; y, dx within " << std::max(ey, edx) << " of max (<= " << value_tol << "); inter-node rows " << sent
        << " = one per (token, remote node) of the routing";
   c.detail = os.str();
   return c;

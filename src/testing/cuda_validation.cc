@@ -176,10 +176,16 @@ class CudaBackend final : public ValidationBackend {
       RDEP_ASSIGN_OR_RETURN(sl.acc, layer->CopyAcceptance(r));
       RDEP_ASSIGN_OR_RETURN(sl.trace, layer->CopyOwnerTrace(r));
       sl.rows = layer->owner_rows_per_expert(r);
-      RDEP_ASSIGN_OR_RETURN(sl.out, layer->CopyExpertOutputs(r));
+      if (cfg.nodes.nodes <= 1) {
+        RDEP_ASSIGN_OR_RETURN(sl.out, layer->CopyExpertOutputs(r));
+      }
       sl.segments = layer->segments(r);
       return Status::Ok();
     }));
+    if (cfg.nodes.nodes > 1)  // two-phase: the rows stayed at the relays, read once every rank has finished
+      for (int32_t r : domain_->local_ranks()) {
+        RDEP_ASSIGN_OR_RETURN(slots[static_cast<size_t>(r)].out, layer->CopyExpertOutputs(r));
+      }
     RDEP_RETURN_IF_ERROR(GatherSlots(
         *domain_, slots,
         [](Blob& b, const Slot& sl) {
@@ -228,6 +234,7 @@ class CudaBackend final : public ValidationBackend {
     const size_t n1 = w.w1_per_expert(), n2 = w.w2_per_expert();
     std::vector<std::vector<float>> d1s(static_cast<size_t>(W)), d2s(static_cast<size_t>(W));
     std::vector<int64_t> segs(static_cast<size_t>(W), 0);
+    std::vector<NodeTraffic> traffic(static_cast<size_t>(W));
     RDEP_RETURN_IF_ERROR(domain_->Run([&](int32_t r) -> Status {
       const auto i = static_cast<size_t>(r);
       const auto n = static_cast<size_t>(routing[i].num_tokens);
@@ -253,6 +260,9 @@ class CudaBackend final : public ValidationBackend {
         RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(d2s[i].data(), layer->dw2(r), d2s[i].size() * 4, cudaMemcpyDeviceToHost));
       }
       segs[i] = layer->segments(r);
+      if (cfg.nodes.nodes > 1) {
+        RDEP_ASSIGN_OR_RETURN(traffic[i], layer->node_traffic(r));
+      }
       return Status::Ok();
     }));
     if (cfg.balance.enabled()) {  // the plan is the same on every rank: any local one tells
@@ -265,19 +275,23 @@ class CudaBackend final : public ValidationBackend {
     struct Slot {
       std::vector<float> y, dx, dg, d1, d2;
       int64_t segments = 0;
+      NodeTraffic traffic;
     };
     std::vector<Slot> slots(static_cast<size_t>(W));
     for (size_t q = 0; q < slots.size(); ++q)
-      slots[q] = {std::move(out.y[q]), std::move(out.dx[q]), std::move(out.dgates[q]), std::move(d1s[q]), std::move(d2s[q]), segs[q]};
+      slots[q] = {std::move(out.y[q]), std::move(out.dx[q]), std::move(out.dgates[q]), std::move(d1s[q]), std::move(d2s[q]), segs[q],
+                  traffic[q]};
     RDEP_RETURN_IF_ERROR(GatherSlots(
         *domain_, slots,
         [](Blob& b, const Slot& sl) {
           for (const auto* v : {&sl.y, &sl.dx, &sl.dg, &sl.d1, &sl.d2}) b.put(*v);
           b.put_value(sl.segments);
+          b.put_value(sl.traffic);
         },
         [](Blob& b, Slot& sl) {
           for (auto* v : {&sl.y, &sl.dx, &sl.dg, &sl.d1, &sl.d2}) *v = b.get<float>();
           sl.segments = b.get_value<int64_t>();
+          sl.traffic = b.get_value<NodeTraffic>();
         }));
     for (int32_t q = 0; q < W; ++q) {
       Slot& sl = slots[static_cast<size_t>(q)];
@@ -285,6 +299,7 @@ class CudaBackend final : public ValidationBackend {
       out.dx[static_cast<size_t>(q)] = std::move(sl.dx);
       out.dgates[static_cast<size_t>(q)] = std::move(sl.dg);
       out.segments = std::max(out.segments, sl.segments);
+      if (cfg.nodes.nodes > 1) out.traffic.push_back(sl.traffic);
       for (int32_t j = 0; j < own.num_local(q); ++j) {
         const auto e = static_cast<size_t>(own.global_expert(q, j));
         std::copy_n(sl.d1.data() + static_cast<size_t>(j) * n1, n1, out.dw1.data() + e * n1);

@@ -514,7 +514,8 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
       one.nodes = NodeConfig{};
       auto plain = backend.ForwardBackward(one, own, w, routing, x, dy);
       if (!plain.ok()) return CheckResult{"two-phase vs one domain", false, false, "one-domain run: " + plain.status().ToString(), 0};
-      return NodeAgreement(*run, *plain, rep.inter_rows_expected);
+      // bf16 outputs: the per-node reassociation may move an element by one bf16 rounding (2^-8 of it).
+      return NodeAgreement(*run, *plain, rep.inter_rows_expected, backend.bf16() ? 1e-2 : 1e-5);
     });
   }
   if (o.layer.balance.enabled()) {

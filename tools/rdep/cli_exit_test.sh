@@ -97,7 +97,7 @@ expect 2 '--relay-above needs --balance' check --backend host --relay-above 2
 expect 2 '--relay-above: chunk relays run on the host backend only' check --backend cuda --balance ultraep --relay-above 2
 expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), got 3' check --backend host --nodes 3
 expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
-expect 2 '--nodes runs on the host backend only' check --backend cuda --nodes 2
+expect 2 '--nodes with --expert-compute cutlass' check --backend cuda --nodes 2 --expert-compute cutlass
 expect 2 'K=4 experts do not fit on M=1 nodes' check --backend host --ranks 4 --experts 4 --nodes 4 --max-nodes 1
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1

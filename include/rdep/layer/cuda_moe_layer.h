@@ -15,6 +15,11 @@
 // rows per (destination, physical index); owners stream their replicated experts' weights into the
 // replicas' slots before each forward's and backward's expert compute, and after backward add the
 // replicas' gradients (in instance order) to their own. bf16 weight gradients are refused with it.
+// With LayerConfig::nodes (N nodes of W/N ranks, src/layer/cuda_two_phase.cc): the same plan; run and
+// backward move each token once per node with an accepted row there to the rank with its local index
+// (the device inter-node exchange), run the protocol inside each node from there, reduce a token's
+// rows per node at that relay and send one row per (token, node) back (one more host wait per forward:
+// the bundle counts). Not with balancing or the CUTLASS expert compute.
 // Host synchronization inside a call: once per forward segment, because the grouped GEMMs take the
 // per-expert row counts on the host (cuBLASLt); and once after phase 2 only when the segment size is
 // smaller than the worst case W*T (to learn the number of segments). The default segment size on
@@ -40,6 +45,7 @@
 #include "rdep/layer/layer_config.h"
 #include "rdep/status.h"
 #include "rdep/transport/cuda_domain.h"
+#include "rdep/transport/device_inter_node.h"
 
 namespace rdep {
 
@@ -174,6 +180,11 @@ class CudaMoELayer {
   // that they catch a bad copy.
   void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
 
+  // Two-phase exchange (LayerConfig::nodes > 1): what the last forward with the layer's own context
+  // moved on `rank` (rows, bytes of records with their metadata, and the device time of each hop).
+  // Synchronizes the rank's stream; FailedPrecondition without such a forward.
+  StatusOr<NodeTraffic> node_traffic(int32_t rank) const;
+
   // Records CUDA events at phase boundaries of every later call (cheap; off by default).
   Status EnableProfiling(bool on);
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
@@ -223,6 +234,18 @@ class CudaMoELayer {
   int32_t physical_experts(const RankState& st) const;
   const Saved* balanced_saved(const ForwardContext& ctx, Status* why) const;
 
+  // Two-phase exchange across nodes (LayerConfig::nodes > 1; cuda_two_phase.cc).
+  Status ReserveTwoPhase(Saved& sv) const;
+  Status RunTwoPhase(int32_t rank, ForwardContext& ctx, RankState& st, Saved& sv, const __nv_bfloat16* x, __nv_bfloat16* y);
+  Status BackwardTwoPhase(int32_t rank, RankState& st, Saved& sv, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
+  Status ExchangeTwoPhase(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload,
+                          __nv_bfloat16* out, float* dgates);
+  Status CheckNodeCap(int32_t rank, const Saved& sv) const;
+  StatusOr<std::vector<float>> CopyExpertOutputsTwoPhase(int32_t rank) const;
+  // Owner: a segment's rows [base, base+m) of the grouped rows back by row id, to their front-ends
+  // (one domain) or to their sources' relays in this node (nodes > 1).
+  Status ReturnRows(int32_t rank, const __nv_bfloat16* rows, const Saved& sv, int64_t base, int64_t m, cudaStream_t stream);
+
   CudaDomain& domain_;
   LayerConfig config_;
   OwnershipMap ownership_;
@@ -234,6 +257,7 @@ class CudaMoELayer {
   bool profiling_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it
   std::vector<std::unique_ptr<RankState>> ranks_;
+  std::unique_ptr<DeviceInterNodeExchange> inter_;  // nodes > 1: phase A and the return hop
 };
 
 }  // namespace rdep

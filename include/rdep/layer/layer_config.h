@@ -39,7 +39,8 @@ struct LayerConfig {
   bool load_matrix = false;        // phase 1 also gives every rank the full load matrix Lambda[W][E]
                                    // (the balancer needs it; W*E words per rank; E <= kMaxLoadMatrixExperts)
   BalanceConfig balance;           // replicas of hot experts (host backend so far); on implies load_matrix
-  NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (host backend so far)
+  NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (CUDA: not with
+                                   // expert_compute cutlass; not with balancing on either backend)
   ExpertComputeKind expert_compute = ExpertComputeKind::kCublasLt;  // CUDA backend (the host backend computes on the host)
 
   Status Validate() const;

@@ -17,7 +17,8 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
       rounding (on CUDA: written, not yet run on a GPU; relays host-only)
   nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
-      router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); host only
+      router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); on CUDA
+      written, not yet run on a GPU (not with expert_compute='cutlass')
   expert_compute='cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs that
       read the per-expert counts on the GPU, so the layer never waits on the host (one segment, no
       balancing); not yet run on a GPU

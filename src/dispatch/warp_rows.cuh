@@ -1,0 +1,38 @@
+// Device helpers on bf16 rows shared by the protocol kernels (dispatch_kernels.cu) and the two-phase
+// kernels (two_phase_kernels.cu): conversions, a warp's row copy, and a warp's dot product, whose
+// summation order is part of the exactness contract (the relay's dgate dot products equal the
+// one-domain DgateKernel's bit for bit only because both call WarpDotBf16). Internal to dispatch.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace rdep::dispatch::detail {
+
+__device__ __forceinline__ float Bf(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+__device__ __forceinline__ uint16_t ToBf(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
+
+// Copies one row of H bf16 by a warp: 16-byte vectors when aligned, else 2-byte elements.
+__device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, int64_t H) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if ((H % 8) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < H / 8; i += 32) d[i] = s[i];
+  } else {
+    for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
+  }
+}
+
+// <a, b> over H bf16 values by a full warp: lane-strided fp32 partial sums, then an xor butterfly;
+// every lane returns the same value.
+__device__ __forceinline__ float WarpDotBf16(const uint16_t* a, const uint16_t* b, int64_t H) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  float dot = 0.f;
+  for (int64_t c = lane; c < H; c += 32) dot += Bf(a[c]) * Bf(b[c]);
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+  return dot;
+}
+
+}  // namespace rdep::dispatch::detail
