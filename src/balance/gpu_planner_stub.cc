@@ -36,9 +36,19 @@ Status LaunchAssignInstances(const DevicePlanView&, int32_t, int32_t, const int3
   return Unavailable("assign instances: rdep was built without CUDA");
 }
 
+Status LaunchPlanRelays(const DevicePlanView&, int32_t, int32_t, int32_t, int64_t, double*, int32_t*, int32_t*, int32_t*, int64_t*, int32_t*,
+                        CUstream_st*) {
+  return Unavailable("plan relays: rdep was built without CUDA");
+}
+
 Status LaunchStreamReplicaWeights(const DevicePlanView&, int32_t, int32_t, const int32_t*, const int32_t*, const void*, int64_t,
-                                  const void*, int64_t, unsigned char* const*, int64_t, int, CUstream_st*) {
+                                  const void*, int64_t, unsigned char* const*, int64_t, int, CUstream_st*, const DeviceRelayView&) {
   return Unavailable("stream replicas: rdep was built without CUDA");
+}
+
+Status LaunchRelayReplicaChunks(const DevicePlanView&, const DeviceRelayView&, int32_t, int32_t, int64_t, unsigned char* const*, int64_t, int,
+                                CUstream_st*) {
+  return Unavailable("relay replicas: rdep was built without CUDA");
 }
 
 Status LaunchReduceReplicaGradients(const DevicePlanView&, int32_t, int32_t, const int32_t*, const int32_t*, float*, int64_t, float*,

@@ -5,6 +5,7 @@
 
 #include "rdep/balance/eplb.h"
 #include "rdep/balance/quota_planner.h"
+#include "rdep/balance/relay_rule.h"
 #include "rdep/core/capacity.h"
 
 namespace rdep {
@@ -101,46 +102,20 @@ namespace rdep {
 
 RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above) {
   RelayPlan out;
-  if (relay_above <= 0) return out;
-  const int32_t E = plan.num_experts;
-  // Replicas that compute rows (EPLB may place idle ones; they get no weights).
-  auto active = [&](int32_t i) { return plan.instance_slot[static_cast<size_t>(i)] >= 0 && plan.instance_quota[static_cast<size_t>(i)] > 0; };
-  auto replicas = [&](int32_t e) {
-    int32_t n = 0;
-    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)]; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i) n += active(i);
-    return n;
-  };
-  // Sending load per rank, in expert copies: owners start with what they send directly.
-  std::vector<double> load(static_cast<size_t>(plan.num_ranks), 0.0);
-  std::vector<int32_t> wide;
-  for (int32_t e = 0; e < E; ++e) {
-    const int32_t owner = plan.instance_rank[static_cast<size_t>(plan.instance_offsets[static_cast<size_t>(e)])];
-    if (replicas(e) > relay_above) {
-      wide.push_back(e);
-      load[static_cast<size_t>(owner)] += 1.0;  // stage 1: one copy, in chunks
-    } else {
-      load[static_cast<size_t>(owner)] += replicas(e);
-    }
-  }
-  std::stable_sort(wide.begin(), wide.end(), [&](int32_t a, int32_t b) { return replicas(a) > replicas(b); });
-  for (int32_t e : wide) {
-    const int32_t R = replicas(e);
-    const auto m = std::max<int32_t>(1, static_cast<int32_t>(std::lround(std::sqrt(static_cast<double>(R)))));
-    std::vector<int32_t> cand;
-    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)] + 1; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i)
-      if (active(i)) cand.push_back(i);
-    std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
-      const double la = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(a)])];
-      const double lb = load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(b)])];
-      if (la != lb) return la < lb;
-      return plan.instance_rank[static_cast<size_t>(a)] < plan.instance_rank[static_cast<size_t>(b)];
-    });
-    ExpertRelays er{e, std::vector<int32_t>(cand.begin(), cand.begin() + m)};
-    std::sort(er.relays.begin(), er.relays.end());
-    for (int32_t i : er.relays) load[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(i)])] += static_cast<double>(R - 1) / m;
+  if (relay_above <= 0 || plan.instance_offsets.empty()) return out;
+  const RelayRuleInputs in{plan.num_experts, plan.num_ranks, plan.instance_offsets.data(), plan.instance_rank.data(),
+                           plan.instance_slot.data(), plan.instance_quota.data()};
+  std::vector<double> load(static_cast<size_t>(plan.num_ranks));
+  std::vector<int32_t> wide(static_cast<size_t>(plan.num_experts)), chunks(static_cast<size_t>(plan.num_experts));
+  std::vector<int32_t> chunk_of(static_cast<size_t>(plan.num_instances()));
+  ComputeRelays(in, relay_above, load.data(), wide.data(), chunks.data(), chunk_of.data());
+  for (int32_t e = 0; e < plan.num_experts; ++e) {
+    if (chunks[static_cast<size_t>(e)] == 0) continue;
+    ExpertRelays er{e, std::vector<int32_t>(static_cast<size_t>(chunks[static_cast<size_t>(e)]))};
+    for (int32_t i = plan.instance_offsets[static_cast<size_t>(e)]; i < plan.instance_offsets[static_cast<size_t>(e) + 1]; ++i)
+      if (chunk_of[static_cast<size_t>(i)] >= 0) er.relays[static_cast<size_t>(chunk_of[static_cast<size_t>(i)])] = i;
     out.experts.push_back(std::move(er));
   }
-  std::sort(out.experts.begin(), out.experts.end(), [](const ExpertRelays& a, const ExpertRelays& b) { return a.expert < b.expert; });
   return out;
 }
 

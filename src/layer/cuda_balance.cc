@@ -38,11 +38,20 @@ constexpr int64_t kReplicaTileBytes = 64 << 10;  // streaming tile: read once fr
 
 namespace cuda_layer {
 
-Status DevicePlanCopy::Reserve(int32_t num_experts, int32_t num_ranks, int32_t num_slots) {
+Status DevicePlanCopy::Reserve(int32_t num_experts, int32_t num_ranks, int32_t num_slots, bool with_relays) {
   E = num_experts;
   W = num_ranks;
   slots = num_slots;
   const auto imax = static_cast<size_t>(max_instances()), w = static_cast<size_t>(W);
+  relays = with_relays;
+  if (relays) {
+    RDEP_RETURN_IF_ERROR(relay_chunks.Reserve(static_cast<size_t>(E)));
+    RDEP_RETURN_IF_ERROR(relay_wide.Reserve(static_cast<size_t>(E)));
+    RDEP_RETURN_IF_ERROR(relay_chunk_of.Reserve(imax));
+    RDEP_RETURN_IF_ERROR(relay_range.Reserve(2 * imax));
+    RDEP_RETURN_IF_ERROR(relay_count.Reserve(1));
+    RDEP_RETURN_IF_ERROR(relay_load.Reserve(w));
+  }
   RDEP_RETURN_IF_ERROR(offsets.Reserve(static_cast<size_t>(E) + 1));
   for (auto* b : {&expert, &rank, &slot}) RDEP_RETURN_IF_ERROR(b->Reserve(imax));
   RDEP_RETURN_IF_ERROR(quota.Reserve(imax));
@@ -145,6 +154,32 @@ StatusOr<BalancePlan> DevicePlanCopy::Download(cudaStream_t s) const {
   return p;
 }
 
+StatusOr<RelayPlan> DevicePlanCopy::DownloadRelays(cudaStream_t s) const {
+  RelayPlan out;
+  if (!relays) return out;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  std::vector<int32_t> off(static_cast<size_t>(E) + 1), chunks(static_cast<size_t>(E));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(off.data(), offsets.ptr, off.size() * 4, cudaMemcpyDeviceToHost));
+  const int32_t I = off.back();
+  if (I < E || I > max_instances()) return InternalError("balance relays: " + std::to_string(I) + " instances in the plan");
+  std::vector<int32_t> chunk_of(static_cast<size_t>(I));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(chunks.data(), relay_chunks.ptr, chunks.size() * 4, cudaMemcpyDeviceToHost));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(chunk_of.data(), relay_chunk_of.ptr, chunk_of.size() * 4, cudaMemcpyDeviceToHost));
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t m = chunks[static_cast<size_t>(e)];
+    if (m == 0) continue;
+    ExpertRelays er{e, std::vector<int32_t>(static_cast<size_t>(m), -1)};
+    for (int32_t i = off[static_cast<size_t>(e)]; i < off[static_cast<size_t>(e) + 1]; ++i) {
+      const int32_t c = chunk_of[static_cast<size_t>(i)];
+      if (c < 0) continue;
+      if (c >= m) return InternalError("balance relays: expert " + std::to_string(e) + " relays chunk " + std::to_string(c) + " of " + std::to_string(m));
+      er.relays[static_cast<size_t>(c)] = i;
+    }
+    out.experts.push_back(std::move(er));
+  }
+  return out;
+}
+
 StatusOr<std::vector<int64_t>> DevicePlanCopy::DownloadAdmitted(cudaStream_t s) const {
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   std::vector<int64_t> out(static_cast<size_t>(W) * static_cast<size_t>(E));
@@ -236,6 +271,12 @@ Status CudaMoELayer::SolveBalancePlan(int32_t rank, RankState& st, Saved& sv) {
       for (int64_t e = 0; e < E; ++e) st.eplb_history[static_cast<size_t>(e)] += static_cast<double>(admitted[static_cast<size_t>(r * E + e)]);
     RDEP_RETURN_IF_ERROR(sv.plan.Upload(plan, admitted, stream));
   }
+  // The chunk relays of the plan (relay_rule.h, the host layer's PlanRelays rule), on the device.
+  if (sv.plan.relays)
+    RDEP_RETURN_IF_ERROR(LaunchPlanRelays(sv.plan.view(), static_cast<int32_t>(E), static_cast<int32_t>(W), config_.balance.relay_above,
+                                          3 * s.hidden * s.ffn * static_cast<int64_t>(sizeof(__nv_bfloat16)), sv.plan.relay_load.ptr,
+                                          sv.plan.relay_wide.ptr, sv.plan.relay_chunks.ptr, sv.plan.relay_chunk_of.ptr,
+                                          sv.plan.relay_range.ptr, sv.plan.relay_count.ptr, stream));
   // The plan's status words reach the host with the routing check's fault record (CheckRoutingInput
   // reads both after fault_copied, re-recorded here).
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.host_plan_misc, sv.plan.misc.ptr, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
@@ -253,22 +294,32 @@ Status CudaMoELayer::SolveBalancePlan(int32_t rank, RankState& st, Saved& sv) {
 
 // ---- run and backward ----------------------------------------------------------------------------------
 
-// Owner: its replicated experts' weights into every replica's slot (through the peers' slot pointers).
+// Owner: its replicated experts' weights into every active replica's slot (through the peers' slot
+// pointers); with chunk relays (relays_possible_), stage 1 (a relayed expert's chunk c to relay c),
+// the relay barrier, and stage 2 on every rank (each relay's chunk into its expert's other replicas).
 // The caller's next barrier orders the stores before any replica computes; the previous call's last
-// barrier ordered them after every replica's previous use of its slot.
+// barrier (of this layer or of any other layer sharing the slots) ordered them after every replica's
+// previous use of its slot.
 Status CudaMoELayer::StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward) {
   if (replica_w_ < 0 || kind_ != ExpertKind::kSwiGLU) return Status::Ok();
+  const LayerShape& s = config_.shape;
+  const int64_t w1_bytes = 2 * s.hidden * s.ffn * 2, w2_bytes = s.ffn * s.hidden * 2;
+  auto* slots_of = reinterpret_cast<unsigned char* const*>(domain_.peer_table(rank, replica_w_));
+  cudaStream_t stream = domain_.stream(rank);
+  const DeviceRelayView relays = sv.plan.relay_view();
   if (st.num_local > 0) {  // a rank without experts owns no replicated expert
-    const LayerShape& s = config_.shape;
-    const int64_t w1_bytes = 2 * s.hidden * s.ffn * 2, w2_bytes = s.ffn * s.hidden * 2;
     const kernels::ExpertWeightsView w = st.weights();
-    auto* slots_of = reinterpret_cast<unsigned char* const*>(domain_.peer_table(rank, replica_w_));
-    cudaStream_t stream = domain_.stream(rank);
     RDEP_RETURN_IF_ERROR(LaunchStreamReplicaWeights(sv.plan.view(), rank, static_cast<int32_t>(s.experts), st.owner.ptr, st.local.ptr,
-                                                    w.w1, w1_bytes, w.w2, w2_bytes, slots_of, kReplicaTileBytes, 0, stream));
+                                                    w.w1, w1_bytes, w.w2, w2_bytes, slots_of, kReplicaTileBytes, 0, stream, relays));
     if (replica_fault_)
-      RDEP_RETURN_IF_ERROR(LaunchCorruptReplicaForTest(sv.plan.view(), rank, static_cast<int32_t>(s.experts), st.owner.ptr, slots_of,
+      RDEP_RETURN_IF_ERROR(LaunchCorruptReplicaForTest(sv.plan.view(), relays, rank, static_cast<int32_t>(s.experts), st.owner.ptr, slots_of,
                                                        w1_bytes + w2_bytes, 2 * s.hidden * s.ffn, stream));
+  }
+  if (relays_possible_) {  // every rank takes the barrier (the host cannot know whether this plan relays)
+    if (!relays.chunks) return InternalError("stream replicas on rank " + std::to_string(rank) + ": the context has no relay plan");
+    RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReplicaRelay));
+    RDEP_RETURN_IF_ERROR(LaunchRelayReplicaChunks(sv.plan.view(), relays, rank, static_cast<int32_t>(s.experts), w1_bytes + w2_bytes,
+                                                  slots_of, kReplicaTileBytes, 0, stream));
   }
   return Mark(rank, st, backward, kMarkStream);
 }
@@ -351,7 +402,18 @@ StatusOr<BalanceTelemetry> CudaMoELayer::balance_telemetry(const ForwardContext&
   const Saved* sv = ContextAccess::Peek<Saved>(ctx, id_, ctx.rank());
   RDEP_ASSIGN_OR_RETURN(std::vector<int64_t> admitted, sv->plan.DownloadAdmitted(domain_.stream(ctx.rank())));
   const LayerShape& s = config_.shape;
-  return ComputeBalanceTelemetry(plan, admitted, ownership_, 3 * s.hidden * s.ffn * static_cast<int64_t>(sizeof(__nv_bfloat16)));
+  BalanceTelemetry t = ComputeBalanceTelemetry(plan, admitted, ownership_, 3 * s.hidden * s.ffn * static_cast<int64_t>(sizeof(__nv_bfloat16)));
+  RDEP_ASSIGN_OR_RETURN(RelayPlan relays, sv->plan.DownloadRelays(domain_.stream(ctx.rank())));
+  t.relayed_experts = static_cast<int32_t>(relays.experts.size());
+  return t;
+}
+
+StatusOr<RelayPlan> CudaMoELayer::balance_relays(const ForwardContext& ctx) const {
+  Status why;
+  const Saved* sv = balanced_saved(ctx, &why);
+  if (!sv) return why;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
+  return sv->plan.DownloadRelays(domain_.stream(ctx.rank()));
 }
 
 StatusOr<RowInstances> CudaMoELayer::CopyRowInstances(const ForwardContext& ctx) const {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rdep/balance/gpu_planner.h"
+#include "rdep/balance/layer_balance.h"
 #include "rdep/balance/plan.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
@@ -74,7 +75,19 @@ struct DevicePlanCopy {
   int32_t E = 0, W = 0, slots = 0;
   DeviceBuffer<int32_t> offsets, expert, rank, slot, slot_expert, route;  // [E+1], [I_max] x3, [W*N_slot], [W*I_max]
   DeviceBuffer<int64_t> quota, admitted, misc;                             // [I_max], [W*E], [4]
-  Status Reserve(int32_t num_experts, int32_t num_ranks, int32_t num_slots);
+  // The plan's chunk relays (LaunchPlanRelays; only when the layer may relay): m per expert [E], the
+  // chunk each instance relays [I_max] and its byte range [I_max][2], the number of relayed experts [1]; the rule's scratch
+  // (load [W], wide [E]).
+  bool relays = false;
+  DeviceBuffer<int32_t> relay_chunks, relay_chunk_of, relay_count, relay_wide;
+  DeviceBuffer<int64_t> relay_range;  // [I_max][2]
+  DeviceBuffer<double> relay_load;
+  Status Reserve(int32_t num_experts, int32_t num_ranks, int32_t num_slots, bool with_relays);
+  DeviceRelayView relay_view() const {
+    return relays ? DeviceRelayView{relay_chunks.ptr, relay_chunk_of.ptr, relay_range.ptr} : DeviceRelayView{};
+  }
+  // The relays of the last plan on the host (synchronizes s); empty without relays.
+  StatusOr<RelayPlan> DownloadRelays(cudaStream_t s) const;
   int64_t max_instances() const { return static_cast<int64_t>(E) + static_cast<int64_t>(W) * slots; }
   // Enqueues device-to-device copies of a plan on the device (a DevicePlanner's view).
   Status CopyFrom(const DevicePlanView& v, cudaStream_t s);
@@ -85,12 +98,16 @@ struct DevicePlanCopy {
   StatusOr<BalancePlan> Download(cudaStream_t s) const;
   StatusOr<std::vector<int64_t>> DownloadAdmitted(cudaStream_t s) const;
   void Free() {
-    for (auto* b : {&offsets, &expert, &rank, &slot, &slot_expert, &route}) b->Free();
-    for (auto* b : {&quota, &admitted, &misc}) b->Free();
+    for (auto* b : {&offsets, &expert, &rank, &slot, &slot_expert, &route, &relay_chunks, &relay_chunk_of, &relay_count, &relay_wide})
+      b->Free();
+    for (auto* b : {&quota, &admitted, &misc, &relay_range}) b->Free();
+    relay_load.Free();
   }
   size_t bytes() const {
     return (offsets.count + expert.count + rank.count + slot.count + slot_expert.count + route.count) * 4 +
-           (quota.count + admitted.count + misc.count) * 8;
+           (quota.count + admitted.count + misc.count) * 8 +
+           (relay_chunks.count + relay_chunk_of.count + relay_count.count + relay_wide.count) * 4 +
+           (relay_load.count + relay_range.count) * 8;
   }
 };
 

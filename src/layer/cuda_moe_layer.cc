@@ -84,9 +84,7 @@ size_t CudaMoELayer::device_bytes(int32_t rank) const {
   b += (st.owner.count + st.local.count + st.local_to_global.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
-  if (replica_w_ >= 0)  // the redundant slots' bf16 weights and fp32 gradients
-    b += static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
-  return b + st.own_context.bytes();
+  return b + st.own_context.bytes();  // the shared replica slots are replica_slot_bytes()
 }
 
 CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership)
@@ -110,7 +108,8 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
   if (config_.nodes.nodes > 1) RDEP_RETURN_IF_ERROR(ReserveTwoPhase(*saved));
   if (config_.balance.enabled()) {
-    RDEP_RETURN_IF_ERROR(saved->plan.Reserve(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config_.replica_slots()));
+    RDEP_RETURN_IF_ERROR(saved->plan.Reserve(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config_.replica_slots(),
+                                             relays_possible_));
     RDEP_RETURN_IF_ERROR(saved->dest_rank.Reserve(nk));
     RDEP_RETURN_IF_ERROR(saved->dest_local.Reserve(nk));
     RDEP_RETURN_IF_ERROR(saved->phys_global.Reserve(static_cast<size_t>(layout_.L)));
@@ -140,7 +139,7 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
   for (RegionId id : {replica_w_, replica_g_})
-    if (id >= 0) domain_.FreeSymmetric(id);
+    if (id >= 0) domain_.ReleaseShared(id);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
     RankState& st = *rank_state;
@@ -212,20 +211,23 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     fp.push_back(config.balance.enabled() ? config.balance.min_quota : 0);
     fp.push_back(config.nodes.nodes);
     fp.push_back(config.nodes.cap());
+    fp.push_back(config.balance.enabled() ? config.balance.relay_above : 0);  // ranks take the relay barrier alike
+    fp.push_back(static_cast<int64_t>(config.expert_compute));                 // sync-free or not: the same barriers
     for (int32_t o : ownership.owners()) fp.push_back(o);
     std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), fp.data(), bytes.size());
     RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
       std::vector<int64_t> v(b.size() / sizeof(int64_t));
       std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
-      if (v.size() < 13) return std::string("a malformed config");
+      if (v.size() < 15) return std::string("a malformed config");
       double c;
       std::memcpy(&c, &v[7], sizeof c);
       return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
              std::to_string(v[3]) + " K=" + std::to_string(v[4]) + " W=" + std::to_string(v[5]) + " S=" + std::to_string(v[6]) +
              " capacity=" + std::to_string(c) + " balance=" + BalanceKindName(static_cast<BalanceKind>(v[8])) + " N_slot=" +
              std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + " nodes N=" + std::to_string(v[11]) + " M=" +
-             std::to_string(v[12]) + (v.size() > 13 ? " (+ownership map)" : "");
+             std::to_string(v[12]) + " relay_above=" + std::to_string(v[13]) + " expert_compute=" +
+             ExpertComputeName(static_cast<ExpertComputeKind>(v[14])) + (v.size() > 15 ? " (+ownership map)" : "");
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
@@ -233,12 +235,17 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeDeviceInterNodeExchange(domain, config.nodes));
   }
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
+  // Chunk relays need an expert with more than relay_above replicas; an expert has at most one
+  // instance per rank and at most W*N_slot replicas. Otherwise no relay plan and no relay barrier.
+  layer->relays_possible_ = config.replica_slots() > 0 && config.balance.relay_above > 0 &&
+                            std::min<int64_t>(s.ranks, s.ranks * config.replica_slots()) > config.balance.relay_above;
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
-  if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients
+  if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
+                                     // shared with every balanced layer of the same slot size on the domain
     const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
-    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AllocateSymmetric(per_slot * sizeof(__nv_bfloat16), "replica.weights"));
-    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AllocateSymmetric(per_slot * sizeof(float), "replica.grads"));
+    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AcquireShared("replica.weights", per_slot * sizeof(__nv_bfloat16)));
+    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AcquireShared("replica.grads", per_slot * sizeof(float)));
   }
 
   const int64_t T = s.tokens, K = s.topk, H = s.hidden, F = s.ffn, W = s.ranks;

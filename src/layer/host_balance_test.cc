@@ -282,6 +282,8 @@ TEST(HostBalanceConfig, BadValuesNameTheField) {
   EXPECT_NE(bad(-1, 1).find("N_slot"), std::string::npos);
   EXPECT_NE(bad(17, 1).find("E=16"), std::string::npos);
   EXPECT_NE(bad(2, 0).find("u_min"), std::string::npos);
+  const BalanceConfig bad_relay{.kind = BalanceKind::kUltraEp, .relay_above = -1};
+  EXPECT_NE(bad_relay.Validate(16).message().find("relay_above"), std::string::npos);
   const BalanceConfig off{.kind = BalanceKind::kOff, .num_slots = -1};
   EXPECT_TRUE(off.Validate(16).ok());  // ignored when off
   EXPECT_NE(ParseBalanceKind("greedy").status().message().find("off, ultraep, eplb, eplb-exact"), std::string::npos);

@@ -25,7 +25,7 @@ Status HostMoELayer::CheckRank(int32_t rank) const {
 HostMoELayer::~HostMoELayer() {
   regions_.Free(domain_);
   for (RegionId id : {replica_w_, replica_g_})
-    if (id >= 0) domain_.FreeSymmetric(id);
+    if (id >= 0) domain_.ReleaseShared(id);
 }
 
 StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::Create(HostDomain& domain, const LayerConfig& config,
@@ -47,10 +47,11 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::CreateLayer(HostDomain& do
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
-  if (config.replica_slots() > 0) {  // redundant slots: [N_slot][w1 | w2] and their gradients, per rank
-    const auto slot_bytes = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn) * sizeof(float);
-    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AllocateSymmetric(slot_bytes, "replica.weights"));
-    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AllocateSymmetric(slot_bytes, "replica.grads"));
+  if (config.replica_slots() > 0) {  // redundant slots: [N_slot][w1 | w2] and their gradients, per rank,
+                                     // shared with every balanced layer of the same slot size on the domain
+    const size_t slot_bytes = layer->replica_slot_bytes() / 2;
+    RDEP_ASSIGN_OR_RETURN(layer->replica_w_, domain.AcquireShared("replica.weights", slot_bytes));
+    RDEP_ASSIGN_OR_RETURN(layer->replica_g_, domain.AcquireShared("replica.grads", slot_bytes));
   }
   if (config.nodes.nodes > 1) {  // the inter-node hop and the node of each expert
     RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeHostInterNodeExchange(domain, config.nodes));

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 
 #include "rdep/cuda/device_count.h"
 #include "rdep/transport/host_domain.h"
@@ -11,6 +12,38 @@
 #endif
 
 namespace rdep {
+
+StatusOr<RegionId> Domain::AcquireShared(const std::string& name, size_t bytes) {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  for (SharedRegion& r : shared_) {
+    if (r.name == name && r.bytes == bytes) {
+      ++r.holders;
+      return r.id;
+    }
+  }
+  RDEP_ASSIGN_OR_RETURN(RegionId id, AllocateSymmetric(bytes, name));
+  shared_.push_back(SharedRegion{name, bytes, id, 1});
+  return id;
+}
+
+void Domain::ReleaseShared(RegionId id) {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  for (size_t i = 0; i < shared_.size(); ++i) {
+    if (shared_[i].id != id) continue;
+    if (--shared_[i].holders == 0) {
+      FreeSymmetric(id);
+      shared_.erase(shared_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    return;
+  }
+}
+
+int32_t Domain::shared_holders(RegionId id) const {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  for (const SharedRegion& r : shared_)
+    if (r.id == id) return r.holders;
+  return 0;
+}
 
 StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec) {
   if (!(spec.barrier_timeout_s > 0) || !std::isfinite(spec.barrier_timeout_s))

@@ -53,6 +53,39 @@ TEST_P(DomainKinds, W3_RegionsAndBarriersThroughTheInterface) {
   (*d)->FreeSymmetric(*region);
 }
 
+// Shared regions: the same (name, bytes) is one region counted per holder, freed with the last one;
+// another size or name is another region.
+TEST_P(DomainKinds, SharedRegionsAreCountedPerHolder) {
+  DomainSpec spec{.kind = GetParam(), .num_ranks = 2, .barrier_timeout_s = 1, .num_gpus = 0, .bootstrap = nullptr};
+  if (spec.kind != DomainSpec::Kind::kHost && CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto d = std::move(*MakeDomain(spec));
+  const size_t base = d->symmetric_bytes_per_rank();
+  auto a = d->AcquireShared("slots", 1024);
+  auto b = d->AcquireShared("slots", 1024);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, *b);
+  EXPECT_EQ(d->shared_holders(*a), 2);
+  EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 1024);
+  auto c = d->AcquireShared("slots", 2048), e = d->AcquireShared("grads", 1024);
+  ASSERT_TRUE(c.ok() && e.ok());
+  EXPECT_NE(*c, *a);
+  EXPECT_NE(*e, *a);
+  EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 1024 + 2048 + 1024);
+  d->ReleaseShared(*a);
+  EXPECT_EQ(d->shared_holders(*a), 1);
+  EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 1024 + 2048 + 1024);
+  d->ReleaseShared(*b);
+  EXPECT_EQ(d->shared_holders(*a), 0);
+  EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 2048 + 1024);
+  d->ReleaseShared(*c);
+  d->ReleaseShared(*e);
+  EXPECT_EQ(d->symmetric_bytes_per_rank(), base);
+  auto again = d->AcquireShared("slots", 1024);  // a fresh region after the last holder left
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(d->shared_holders(*again), 1);
+  d->ReleaseShared(*again);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, DomainKinds, ::testing::Values(DomainSpec::Kind::kHost, DomainSpec::Kind::kCudaOneProcess),
                          [](const ::testing::TestParamInfo<DomainSpec::Kind>& i) {
                            return std::string(i.param == DomainSpec::Kind::kHost ? "host" : "cuda_one_process");

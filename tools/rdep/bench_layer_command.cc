@@ -358,7 +358,7 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
     RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, total));
     RDEP_RETURN_IF_ERROR(TimeRankPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.fwd[sr],
                                         res.fwdbwd[sr]));
-    res.bytes[sr] = layer.device_bytes(r);
+    res.bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes();  // one layer: the shared slots are all its own
     return Status::Ok();
   }));
   if (o.graph) {

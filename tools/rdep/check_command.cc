@@ -69,8 +69,8 @@ flags (defaults in brackets):
                          each rank's GPU, the eplb baselines on the host after one sync) [off]
   --slots N              with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
-  --relay-above R        with --balance (host backend): experts with more than R replicas get their
-                         weights through sqrt(replicas) chunk relays (two stages); 0 = never [4]
+  --relay-above R        with --balance: experts with more than R replicas get their weights through
+                         sqrt(replicas) chunk relays (two stages and a barrier); 0 = never [4]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; cuda: device copies for ranks sharing a
                          GPU, NCCL otherwise; not with --expert-compute cutlass) [1]
@@ -228,8 +228,6 @@ int CheckBalanceFlags(CheckOptions& c) {
                   " needs --balance ultraep, eplb or eplb-exact");
   if (!b.enabled()) return 0;
   if (c.min_quota_given && b.kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-quota applies to --balance ultraep only");
-  if (c.relay_above_given && c.backend != "host")
-    return Refuse("--relay-above: chunk relays run on the host backend only; the CUDA layer streams every replica from its owner");
   const int64_t E = c.v.layer.shape.experts;
   if (c.slots < 0 || c.slots > E)
     return Refuse("--slots must be in [0, E=" + std::to_string(E) + "], got " + std::to_string(c.slots));

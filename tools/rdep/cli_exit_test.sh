@@ -94,7 +94,7 @@ expect 2 '--slots must be in \[0, E=16\], got 17' check --backend host --balance
 expect 2 '--min-quota must be >= 1, got 0' check --backend host --balance ultraep --min-quota 0
 expect 2 '--relay-above must be in \[0, 1000000\], got -1' check --backend host --balance ultraep --relay-above -1
 expect 2 '--relay-above needs --balance' check --backend host --relay-above 2
-expect 2 '--relay-above: chunk relays run on the host backend only' check --backend cuda --balance ultraep --relay-above 2
+expect 2 '--relay-above must be in \[0, 1000000\], got -1' check --backend cuda --balance ultraep --relay-above -1  # relays run on both backends
 expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), got 3' check --backend host --nodes 3
 expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
 expect 2 '--nodes with --expert-compute cutlass' check --backend cuda --nodes 2 --expert-compute cutlass

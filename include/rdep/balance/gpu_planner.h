@@ -119,16 +119,45 @@ Status LaunchAssignInstances(const DevicePlanView& plan, int32_t rank, int32_t n
                              const int32_t* rank_in_expert, int64_t rows, const int32_t* local_of_expert, int32_t slot_base,
                              uint8_t* accepted, int32_t* dest_rank, int32_t* dest_local, CUstream_st* stream);
 
+// The chunk relays of a plan on the device (rdep/balance/relay_rule.h, the rule of PlanRelays):
+// chunks [E] (m of a relayed expert, 0: streamed directly), chunk_of [I] (the chunk instance i relays,
+// -1: none), chunk_range [I][2] (the bytes [begin, end) of the slot image a relay's chunk covers,
+// RelayChunkBegin of its c and c + 1). Null chunks: no relays.
+struct DeviceRelayView {
+  const int32_t* chunks = nullptr;
+  const int32_t* chunk_of = nullptr;
+  const int64_t* chunk_range = nullptr;
+};
+
+// After the plan is in device memory on the same stream: ComputeRelays (relay_rule.h) in one device
+// thread, writing chunks [E], chunk_of [I_max], chunk_range [I_max][2] for a slot image of slot_bytes,
+// and *num_relayed; load [R] (double) and wide [E] are scratch. The same relays as PlanRelays of the
+// same plan. No synchronization.
+Status LaunchPlanRelays(const DevicePlanView& plan, int32_t num_experts, int32_t num_ranks, int32_t relay_above, int64_t slot_bytes,
+                        double* load, int32_t* wide, int32_t* chunks, int32_t* chunk_of, int64_t* chunk_range, int32_t* num_relayed,
+                        CUstream_st* stream);
+
 // After DevicePlanner::Solve on the same stream, rank `rank` stores each of its replicated experts'
-// weights into every replica's slot: slots_of[r] (a device array of W device pointers, peer-visible)
-// is rank r's slot region, slot s at s * (w1_bytes + w2_bytes), holding [w1 | w2]; w1/w2 are this
-// rank's weights, local expert j at j * w1_bytes / j * w2_bytes. Each tile of a source is read once
-// and stored to every replica (16-byte vectors where aligned). `blocks` persistent blocks (0 = two per
-// SM). No synchronization; the caller orders the replicas' reads after it (a barrier).
+// weights into every active replica's slot (slot >= 0, quota > 0: idle replicas compute nothing):
+// slots_of[r] (a device array of W device pointers, peer-visible) is rank r's slot region, slot s at
+// s * (w1_bytes + w2_bytes), holding [w1 | w2]; w1/w2 are this rank's weights, local expert j at
+// j * w1_bytes / j * w2_bytes. Each tile of a source is read once and stored to every replica
+// (16-byte vectors where aligned). With `relays`, this is stage 1 of the chunk relays: a relayed
+// expert's chunk c (RelayChunkBegin of its slot image) goes only to relay c; a barrier, then
+// LaunchRelayReplicaChunks on every rank, completes it. `blocks` persistent blocks (0 = two per SM).
+// No synchronization; the caller orders the replicas' reads after it (a barrier).
 Status LaunchStreamReplicaWeights(const DevicePlanView& plan, int32_t rank, int32_t num_experts, const int32_t* owner_of_expert,
                                   const int32_t* local_of_expert, const void* w1, int64_t w1_bytes, const void* w2,
                                   int64_t w2_bytes, unsigned char* const* slots_of, int64_t tile_bytes, int blocks,
-                                  CUstream_st* stream);
+                                  CUstream_st* stream, const DeviceRelayView& relays = {});
+
+// Stage 2 of the chunk relays, after a barrier that follows every owner's stage 1: each relay on rank
+// `rank` copies its chunk from its own slot into the same bytes of its expert's other active
+// replicas' slots (slot_bytes = w1_bytes + w2_bytes of one expert; slots_of as above). Nothing for a
+// rank that relays nothing. No synchronization; the caller orders the replicas' reads after it.
+Status LaunchRelayReplicaChunks(const DevicePlanView& plan, const DeviceRelayView& relays, int32_t rank, int32_t num_experts,
+                                int64_t slot_bytes, unsigned char* const* slots_of, int64_t tile_bytes, int blocks,
+                                CUstream_st* stream);
 
 // After every replica's weight gradient of a backward is final (a barrier after the replicas' wgrad),
 // rank `rank` adds them to its main experts' gradients, the device form of the host layer's

@@ -85,7 +85,8 @@ struct RelayPlan {
   bool empty() const { return experts.empty(); }
   static int64_t ChunkBegin(int64_t bytes, int64_t chunks, int64_t c) { return (bytes * c / chunks) / 16 * 16; }
 };
-// relay_above <= 0: no relays.
+// relay_above <= 0: no relays. The rule itself is ComputeRelays (rdep/balance/relay_rule.h), which the
+// CUDA layer runs on the device (LaunchPlanRelays): both layers relay through the same replicas.
 RelayPlan PlanRelays(const BalancePlan& plan, int32_t relay_above);
 
 }  // namespace rdep

@@ -13,13 +13,15 @@
 // load matrix, every rank solves the same plan on its GPU (ultraep: DevicePlanner, no host round trip;
 // the EPLB baselines on the host after one sync), assigns its rows to physical instances and publishes
 // rows per (destination, physical index); owners stream their replicated experts' weights into the
-// replicas' slots before each forward's and backward's expert compute, and after backward add the
+// replicas' slots before each forward's and backward's expert compute (experts with more than
+// relay_above replicas through chunk relays: two stages and a barrier), and after backward add the
 // replicas' gradients (in instance order) to their own. bf16 weight gradients are refused with it.
 // With LayerConfig::nodes (N nodes of W/N ranks, src/layer/cuda_two_phase.cc): the same plan; run and
 // backward move each token once per node with an accepted row there to the rank with its local index
 // (the device inter-node exchange), run the protocol inside each node from there, reduce a token's
 // rows per node at that relay and send one row per (token, node) back (one more host wait per forward:
 // the bundle counts). Not with balancing or the CUTLASS expert compute.
+// The slots are shared by every balanced layer of the same slot size on the domain (replica_slot_bytes).
 // Host synchronization inside a call: once per forward segment, because the grouped GEMMs take the
 // per-expert row counts on the host (cuBLASLt); and once after phase 2 only when the segment size is
 // smaller than the worst case W*T (to learn the number of segments). The default segment size on
@@ -163,12 +165,16 @@ class CudaMoELayer {
   int64_t segments(int32_t rank) const;
 
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
-  // what it did (telemetry as the host layer's; bytes count bf16 weights; no chunk relays on this
-  // backend), and where each of its route slots is computed. Synchronize the rank's stream;
+  // what it did (telemetry as the host layer's; bytes count bf16 weights), and where each of its route
+  // slots is computed. Synchronize the rank's stream;
   // FailedPrecondition without a planned forward of this layer or with balancing off.
   StatusOr<BalancePlan> balance_plan(const ForwardContext& ctx) const;
   StatusOr<BalanceTelemetry> balance_telemetry(const ForwardContext& ctx) const;
   StatusOr<RowInstances> CopyRowInstances(const ForwardContext& ctx) const;
+  // The chunk relays the forward in ctx streams its replicas' weights through (PlanRelays' rule,
+  // computed on the device from its plan; BalanceConfig::relay_above); empty when no expert has more
+  // than relay_above replicas. Synchronizes the rank's stream.
+  StatusOr<RelayPlan> balance_relays(const ForwardContext& ctx) const;
   // The same for the last forward made with the layer's own context on `rank`.
   StatusOr<BalancePlan> balance_plan(int32_t rank) const;
   StatusOr<BalanceTelemetry> balance_telemetry(int32_t rank) const;
@@ -176,8 +182,8 @@ class CudaMoELayer {
   // The first index of the redundant slots in a rank's physical local experts (layout L - N_slot).
   int64_t slot_base() const { return layout_.L - config_.replica_slots(); }
   // Test hook: each forward and backward adds 8 to the first 8 weights (the first 16-byte vector) of
-  // the first replica with rows that each rank streams (a corrupted tile), so exactness tests can show
-  // that they catch a bad copy.
+  // the first replica with rows that each rank streams (a corrupted tile; for a relayed expert, in the
+  // relay of chunk 0, before the relays pass it on), so exactness tests can show that they catch a bad copy.
   void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
 
   // Two-phase exchange (LayerConfig::nodes > 1): what the last forward with the layer's own context
@@ -190,8 +196,19 @@ class CudaMoELayer {
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
   StatusOr<PhaseTimes> LastPhaseTimes(int32_t rank, bool backward) const;
   // Device bytes this layer holds on the rank (symmetric regions, weights, workspaces, its own
-  // context); caller-owned contexts report theirs (ForwardContext::bytes).
+  // context), without the shared replica slots (replica_slot_bytes); caller-owned contexts report
+  // theirs (ForwardContext::bytes).
   size_t device_bytes(int32_t rank) const;
+  // Device bytes per rank of the redundant slots (bf16 weights and fp32 gradients, [N_slot][3*H*F]
+  // each; 0 with balancing off). Every balanced layer of the same slot size on the domain shares them
+  // (Domain::AcquireShared): count them once per domain and slot size, not once per layer
+  // (CudaDomain::symmetric_bytes_per_rank does). Sharing is safe because each call streams its
+  // replicas' weights before it computes (backward again), zeroes the slot gradients at its first
+  // backward segment and reduces them into the owners' gradients before its backward returns; the
+  // domain's barriers order one call's use of the slots before the next call's stores.
+  size_t replica_slot_bytes() const {
+    return static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
+  }
 
  private:
   struct RankState;
@@ -252,7 +269,9 @@ class CudaMoELayer {
   RegionLayout layout_;
   LayerRegions regions_;
   RegionId replica_w_ = -1, replica_g_ = -1;  // balancing: [N_slot][w1 | w2] per rank, bf16 weights, fp32 gradients
+                                              // (shared regions: Domain::AcquireShared)
   bool replica_fault_ = false;
+  bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it

@@ -140,6 +140,15 @@ class HostMoELayer {
   StatusOr<BalanceTelemetry> balance_telemetry(int32_t rank) const;
   // The first index of the redundant slots in a rank's physical local experts (layout L - N_slot).
   int64_t slot_base() const { return layout_.L - config_.replica_slots(); }
+  // Bytes per rank of the redundant slots' weights and gradients (fp32 [N_slot][3*H*F] each; 0 with
+  // balancing off). The slots are shared by every balanced layer of the same slot size on the domain
+  // (Domain::AcquireShared): a model of many such layers holds them once, not once per layer, and
+  // HostDomain::symmetric_bytes_per_rank counts them once. Sharing is safe because each call streams
+  // its replicas' weights before it computes (backward again), zeroes the slot gradients at its first
+  // backward segment and reduces them into the owners' gradients before its backward returns.
+  size_t replica_slot_bytes() const {
+    return 2 * static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * sizeof(float);
+  }
   // Test hook: each forward and backward adds 1 to one weight of the first replica it streams (a
   // corrupted tile), so exactness tests can show that they catch a bad copy.
   void set_replica_fault_for_test(bool on) { replica_fault_ = on; }
@@ -200,7 +209,7 @@ class HostMoELayer {
   OwnershipMap ownership_;
   RegionLayout layout_;
   LayerRegions regions_;
-  RegionId replica_w_ = -1, replica_g_ = -1;  // [N_slot][3*H*F] per rank: replica weights, their gradients
+  RegionId replica_w_ = -1, replica_g_ = -1;  // [N_slot][3*H*F] per rank: replica weights, their gradients (shared regions)
   bool replica_fault_ = false;
   int32_t delay_rank_ = -1;
   double delay_s_ = 0;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,17 @@ class Domain {
   virtual void* region_base(int32_t rank, RegionId id) const = 0;
   virtual size_t symmetric_bytes_per_rank() const = 0;
 
+  // A symmetric region shared by every holder that asks for the same name and size (the redundant
+  // replica slots that every balanced layer of a model reuses): the first AcquireShared allocates it
+  // (zero-filled, AllocateSymmetric), later calls with the same (name, bytes) return the same id and
+  // count one more holder; ReleaseShared drops a holder and frees the region with its last one. The
+  // contents are whatever the last user left: holders must write before they read, and must not use
+  // the region from two calls at once (calls on one domain run one after another on each rank).
+  // Not callable during Run. shared_holders: the current holders of id (0 if not shared).
+  StatusOr<RegionId> AcquireShared(const std::string& name, size_t bytes);
+  void ReleaseShared(RegionId id);
+  int32_t shared_holders(RegionId id) const;
+
   // Runs fn(rank) for every local rank on its own thread; the first failing rank's error.
   virtual Status Run(const std::function<Status(int32_t rank)>& fn) = 0;
   // A phase barrier of `rank` inside Run, bounded: a missing rank is a Timeout naming it and the phase.
@@ -51,6 +63,16 @@ class Domain {
   virtual Status Barrier(int32_t rank, Phase phase) = 0;
   // Waits for the rank's enqueued work and reports a deferred barrier failure (host: nothing to wait for).
   virtual Status Synchronize(int32_t rank) = 0;
+
+ private:
+  struct SharedRegion {
+    std::string name;
+    size_t bytes = 0;
+    RegionId id = -1;
+    int32_t holders = 0;
+  };
+  mutable std::mutex shared_mu_;
+  std::vector<SharedRegion> shared_;
 };
 
 // Which implementation, and its settings.

@@ -15,7 +15,8 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
 
   balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
-      rounding (on CUDA: written, not yet run on a GPU; relays host-only)
+      rounding (on CUDA: its tests passed on an H100; the device chunk relays are written, not yet run
+      on a GPU). Each module has a domain of its own, so modules do not share replica slots yet
   nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
       router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); on CUDA
       written, not yet run on a GPU (not with expert_compute='cutlass')
