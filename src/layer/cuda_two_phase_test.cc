@@ -204,13 +204,18 @@ void ExpectOneRounding(const std::vector<float>& a, const std::vector<float>& b,
     ASSERT_LE(std::abs(a[i] - b[i]), 0x1p-7f * std::abs(b[i]) + 1e-5f * scale) << what << " element " << i;
 }
 
-bool SameTrace(const std::vector<OwnerTraceEntry>& a, const std::vector<OwnerTraceEntry>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
+// Empty when the traces are equal entry for entry; else the first difference.
+std::string TraceDiff(const std::vector<OwnerTraceEntry>& a, const std::vector<OwnerTraceEntry>& b) {
+  auto str = [](const OwnerTraceEntry& e) {
+    return "{row " + std::to_string(e.row_id) + ", expert " + std::to_string(e.local_expert) + ", segment " +
+           std::to_string(e.segment) + ", position " + std::to_string(e.group_position) + "}";
+  };
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
     if (a[i].row_id != b[i].row_id || a[i].local_expert != b[i].local_expert || a[i].segment != b[i].segment ||
         a[i].group_position != b[i].group_position)
-      return false;
-  return true;
+      return "entry " + std::to_string(i) + ": " + str(a[i]) + " vs " + str(b[i]);
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+  return "";
 }
 
 // One per (token, remote node holding an accepted row of it), summed over ranks.
@@ -261,7 +266,7 @@ TEST_P(CudaTwoPhase, AgreesWithTheHostTwoPhaseAndTheOneDomainLayer) {
     EXPECT_LE(RelL2(a.dw2, h.dw2), kRelL2) << "dW2 vs host" << at;
     // The CUDA one-domain layer on the same routing.
     EXPECT_EQ(a.acc.accepted, o.acc.accepted) << "accepted set vs one domain" << at;
-    EXPECT_TRUE(SameTrace(a.trace, o.trace)) << "owner placement vs one domain" << at;
+    EXPECT_EQ(TraceDiff(a.trace, o.trace), "") << "owner placement vs one domain" << at;
     EXPECT_TRUE(Bitwise(a.dg, o.dg)) << "dgates vs one domain" << at;
     EXPECT_TRUE(Bitwise(a.dw1, o.dw1)) << "dW1 vs one domain" << at;
     EXPECT_TRUE(Bitwise(a.dw2, o.dw2)) << "dW2 vs one domain" << at;
@@ -316,10 +321,16 @@ TEST(CudaTwoPhaseSentinel, ExpertOutputsAndPlacementEqualTheHostTwoPhaseLayer) {
     ASSERT_TRUE(dev.ok()) << dev.status();
     auto host = RunHost(cfg, in, /*sentinel=*/true);
     ASSERT_TRUE(host.ok()) << host.status();
+    auto dev_one = RunCuda(ConfigOf(c, in.s, false), in, /*sentinel=*/true);  // the one-domain layers, to tell
+    ASSERT_TRUE(dev_one.ok()) << dev_one.status();                           // which side a difference is on
+    auto host_one = RunHost(ConfigOf(c, in.s, false), in, /*sentinel=*/true);
+    ASSERT_TRUE(host_one.ok()) << host_one.status();
     for (size_t r = 0; r < dev->size(); ++r) {
       const std::string at = ::testing::PrintToString(c) + " rank " + std::to_string(r);
       EXPECT_EQ((*dev)[r].acc.accepted, (*host)[r].acc.accepted) << at;
-      EXPECT_TRUE(SameTrace((*dev)[r].trace, (*host)[r].trace)) << "owner placement, " << at;
+      EXPECT_EQ(TraceDiff((*dev)[r].trace, (*host)[r].trace), "") << "owner placement, " << at;
+      EXPECT_EQ(TraceDiff((*dev)[r].trace, (*dev_one)[r].trace), "") << "owner placement vs the CUDA one-domain layer, " << at;
+      EXPECT_EQ(TraceDiff((*dev_one)[r].trace, (*host_one)[r].trace), "") << "one domain: CUDA vs host, " << at;
       EXPECT_TRUE(Bitwise((*dev)[r].expert_out, (*host)[r].expert_out)) << "sentinel rows, " << at;
     }
   }
