@@ -314,8 +314,11 @@ INSTANTIATE_TEST_SUITE_P(Nodes, CudaTwoPhase, ::testing::ValuesIn(Cases()), [](c
 // its relays, and every owner's grouped placement equal the host two-phase layer's bit for bit.
 TEST(CudaTwoPhaseSentinel, ExpertOutputsAndPlacementEqualTheHostTwoPhaseLayer) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  for (const NodeCase c : {NodeCase{2, 2, 0}, NodeCase{4, 2, 2, 0.9}, NodeCase{3, 1, 1, 0, 10}}) {
+  for (NodeCase c : {NodeCase{2, 2, 0}, NodeCase{4, 2, 2, 0.9}, NodeCase{3, 1, 1, 0, 10}}) {
     const Inputs in = MakeInputs(c);
+    // Placement is compared across backends, so both get the same segment size (their defaults differ:
+    // the host's is T, the CUDA layer's W*T).
+    if (c.segment == 0) c.segment = in.s.ranks * in.s.tokens;
     const LayerConfig cfg = ConfigOf(c, in.s, true);
     auto dev = RunCuda(cfg, in, /*sentinel=*/true);
     ASSERT_TRUE(dev.ok()) << dev.status();
