@@ -10,7 +10,8 @@
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
-# The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts.
+# The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts. Write the
+# hash literally into the command (RDEP_COMMIT=$(git rev-parse ...) would run there, on the old .git).
 # CUTLASS: carry the pinned wheel (.whl/, the device has no network: run with carry [".whl"]); the
 # CUTLASS tests then fail rather than skip when the build lacks it (RDEP_REQUIRE_CUTLASS=1; set 0 to
 # let them skip).
