@@ -1,6 +1,6 @@
 // The sm_90a grouped GEMMs' host entry (grouped_gemm_sm90.h): kind and tile names, the availability
 // check, and Create, which hands the (kind, tile) to the tile's translation unit
-// (grouped_gemm_sm90_tile_*.cu; the kernel configurations are in grouped_gemm_sm90_runner.cuh).
+// (generated from grouped_gemm_sm90_tile.cu.in per tile; the configurations are in grouped_gemm_sm90_runner.cuh).
 #include "experts/grouped_gemm_sm90.h"
 
 #include <cuda_runtime.h>

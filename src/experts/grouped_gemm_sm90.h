@@ -74,7 +74,8 @@ class GroupedGemmSm90 {
 // Whether this build has the CUTLASS kernels and the device can run them (sm_90); why not otherwise.
 bool GroupedGemmSm90Available(int device, std::string* why);
 
-// Create's work for one tile, defined in that tile's translation unit (grouped_gemm_sm90_tile_*.cu).
+// Create's work for one tile, defined in that tile's translation unit (generated from
+// grouped_gemm_sm90_tile.cu.in by src/experts/CMakeLists.txt).
 template <GroupedGemmTile T>
 StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiled(GroupedGemmKind kind, int32_t groups, int64_t lda, int64_t ldb,
                                                      int64_t ldd, int device);

@@ -1,7 +1,7 @@
 // The CUTLASS side of the sm_90a grouped GEMMs (grouped_gemm_sm90.h): one kernel configuration per
-// (kind, tile), the runner that owns its device tables, and MakeTiled<Tile>, which each
-// grouped_gemm_sm90_tile_*.cu instantiates for one tile (one translation unit per tile: the builds of
-// the configurations run in parallel). Include only from those files.
+// (kind, tile), the runner that owns its device tables, and MakeTiledImpl<Tile>, which the translation
+// unit of each tile (generated from grouped_gemm_sm90_tile.cu.in) instantiates; the builds of the
+// configurations run in parallel. Include only from those files.
 //
 // The kernels: KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong} (TMA loads whose descriptors the
 // kernel rewrites per group, wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
