@@ -53,6 +53,21 @@ std::vector<int64_t> Firsts(const std::vector<int64_t>& counts) {
 
 int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
 
+// The route rows of the records this relay received (their slots with an accepted row on its node):
+// the sidebands its scatter wrote. Reads the records' heads (token, source, expert[K]) from the device.
+StatusOr<int64_t> RelayedRows(const TwoPhaseSaved& tp, const dispatch::BundleLayout& bl) {
+  const int64_t num = Sum(tp.relayed), K = bl.K;
+  if (num == 0) return int64_t{0};
+  const auto head = static_cast<size_t>(8 + 4 * K);
+  std::vector<int32_t> words(static_cast<size_t>(num * (2 + K)));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(words.data(), head, tp.relay_in.ptr, static_cast<size_t>(bl.forward_stride()), head,
+                                         static_cast<size_t>(num), cudaMemcpyDeviceToHost));
+  int64_t rows = 0;
+  for (int64_t j = 0; j < num; ++j)
+    for (int64_t k = 0; k < K; ++k) rows += words[static_cast<size_t>(j * (2 + K) + 2 + k)] >= 0 ? 1 : 0;
+  return rows;
+}
+
 }  // namespace
 
 Status CudaMoELayer::ReserveTwoPhase(Saved& sv) const {
@@ -238,6 +253,17 @@ Status CudaMoELayer::CheckNodeCap(int32_t rank, const Saved& sv) const {
                          " (the token crossed to every node it chose so that every rank finished the call)");
 }
 
+// The records LaunchPackBundles and LaunchReduceAtRelay write (rdep/dispatch/two_phase_kernels.h:
+// fixed-size, bf16 rows, the metadata padded), and inside the node the scatter's payload row, row
+// count and sidebands, and the owners' returned bf16 rows.
+model::TwoPhaseWire CudaMoELayer::two_phase_wire() const {
+  const LayerShape& s = config_.shape;
+  const dispatch::BundleLayout bl{s.topk, config_.nodes.ranks_per_node(s.ranks), s.hidden};
+  constexpr int64_t kSideband = sizeof(RowSideband);
+  return {.bundle = bl.forward_stride(), .entry = 0, .row = 0, .combine = bl.reduced_stride(false), .pair = 2 * s.hidden + 8,
+          .intra_row = kSideband, .return_row = 2 * s.hidden};
+}
+
 StatusOr<NodeTraffic> CudaMoELayer::node_traffic(int32_t rank) const {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   const Saved* sv = last(rank);
@@ -257,6 +283,11 @@ StatusOr<NodeTraffic> CudaMoELayer::node_traffic(int32_t rank) const {
   t.inter_dispatch_bytes = t.inter_dispatch_rows * bl.forward_stride();
   t.inter_combine_bytes = t.inter_combine_rows * bl.reduced_stride(false);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&t.intra_dispatch_rows, tp.words.ptr + N + 1, sizeof(int64_t), cudaMemcpyDeviceToHost));
+  RDEP_ASSIGN_OR_RETURN(const int64_t relayed_rows, RelayedRows(tp, bl));
+  const model::TwoPhaseWire wire = two_phase_wire();
+  t.intra_dispatch_bytes = t.intra_dispatch_rows * wire.pair + relayed_rows * wire.intra_row;
+  t.intra_return_rows = sv->total_rows;  // the owner returned every row it received to a relay
+  t.intra_return_bytes = t.intra_return_rows * wire.return_row;
   float ms[3] = {0, 0, 0};
   for (int i = 0; i < 3; ++i) RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms[i], tp.events[i], tp.events[i + 1]));
   t.dispatch_s = ms[0] * 1e-3;

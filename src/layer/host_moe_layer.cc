@@ -514,6 +514,10 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     for (int64_t p = 0; p < n_seg; ++p)
       if (SegmentTokenRows(sideband, tsb, p) > 0) std::copy_n(payload + p * H, H, st.saved_x.data() + (lo + p) * H);
   const std::vector<GroupedRow> grouped = GroupSegment(rank, st, seg);
+  if (!backward && config_.nodes.nodes > 1) {  // every grouped row goes back to its relay
+    st.traffic.intra_return_rows += static_cast<int64_t>(grouped.size());
+    st.traffic.intra_return_bytes += static_cast<int64_t>(grouped.size()) * H * static_cast<int64_t>(sizeof(float));
+  }
   if (trace_ && !backward)
     for (size_t g = 0; g < grouped.size(); ++g)
       st.trace.push_back({grouped[g].row.row_id, grouped[g].row.local_expert, static_cast<int32_t>(seg), static_cast<int64_t>(g)});

@@ -165,9 +165,11 @@ Status HostMoELayer::SendToRelays(int32_t rank, Saved& st, bool backward, std::s
 
 // Inside the node, one segment: every relayed (token, owner) pair whose stream position falls in the
 // segment's window goes to the owner's payload and sideband, as the one-domain scatter places it.
-void HostMoELayer::ScatterRelayed(const Saved& st, int64_t seg, std::span<const float> relay_in) {
+// Returns the bytes written (payload rows, row counts, sidebands).
+int64_t HostMoELayer::ScatterRelayed(const Saved& st, int64_t seg, std::span<const float> relay_in) {
   const int64_t S = layout_.S, H = config_.shape.hidden, buf = seg % 2, lo = seg * S;
   const size_t tsb = layout_.token_sideband_bytes();
+  int64_t bytes = 0;
   for (size_t j = 0; j < st.relayed.size(); ++j)
     for (const auto& en : st.relayed[j].entries) {
       if (en.pos < lo || en.pos >= lo + S) continue;
@@ -177,7 +179,9 @@ void HostMoELayer::ScatterRelayed(const Saved& st, int64_t seg, std::span<const 
       const auto num_rows = static_cast<int64_t>(en.rows.size());
       std::memcpy(hdr, &num_rows, sizeof(int64_t));
       std::memcpy(hdr + sizeof(int64_t), en.rows.data(), en.rows.size() * sizeof(RowSideband));
+      bytes += H * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int64_t) + en.rows.size() * sizeof(RowSideband));
     }
+  return bytes;
 }
 
 // After every owner returned its rows to this relay: per relayed token, its rows on this node reduced
@@ -237,7 +241,8 @@ Status HostMoELayer::ExchangeTwoPhase(int32_t rank, Saved& st, bool backward, st
   if (!backward) st.traffic.dispatch_s = Since(t0);
   t0 = Clock::now();
   for (int64_t seg = 0; seg < st.num_segments; ++seg) {
-    ScatterRelayed(st, seg, relay_in);
+    const int64_t scattered = ScatterRelayed(st, seg, relay_in);
+    if (!backward) st.traffic.intra_dispatch_bytes += scattered;
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     OwnerSegment(rank, st, seg, backward);
   }
@@ -299,5 +304,15 @@ Status HostMoELayer::BackwardTwoPhase(int32_t rank, Saved& st, std::span<const f
 }
 
 const NodeTraffic& HostMoELayer::node_traffic(int32_t rank) const { return last(rank).traffic; }
+
+// The records SendToRelays and ReduceAtRelay write (fp32 rows): a bundle is int32 token, int32 entries,
+// per entry int32 owner, int32 rows, int64 stream position and the rows' sidebands, then the row; a
+// reduced record is int32 token and the row. Inside the node: ScatterRelayed, OwnerSegment's returns.
+model::TwoPhaseWire HostMoELayer::two_phase_wire() const {
+  const int64_t row = config_.shape.hidden * int64_t{sizeof(float)};
+  constexpr int64_t kI32 = sizeof(int32_t), kI64 = sizeof(int64_t), kSideband = sizeof(RowSideband);
+  return {.bundle = 2 * kI32 + row, .entry = 2 * kI32 + kI64, .row = kSideband, .combine = kI32 + row, .pair = row + kI64,
+          .intra_row = kSideband, .return_row = row};
+}
 
 }  // namespace rdep

@@ -201,25 +201,14 @@ std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cf
   return node;
 }
 
-int64_t InterNodeRows(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
-                      const std::vector<RankAcceptance>& reference) {
-  const std::vector<int32_t> node = NodeOfExpert(own, cfg);
-  const int32_t G = cfg.nodes.ranks_per_node(cfg.shape.ranks);
-  const int64_t K = cfg.shape.topk;
-  int64_t rows = 0;
-  std::vector<int32_t> seen;
-  for (size_t r = 0; r < routing.size(); ++r)
-    for (int64_t t = 0; t < routing[r].num_tokens; ++t) {
-      seen.clear();
-      for (int64_t k = 0; k < K; ++k) {
-        const auto i = static_cast<size_t>(t * K + k);
-        const int32_t nd = node[static_cast<size_t>(routing[r].experts[i])];
-        if (reference[r].accepted[i] && nd != static_cast<int32_t>(r) / G && std::find(seen.begin(), seen.end(), nd) == seen.end())
-          seen.push_back(nd);
-      }
-      rows += static_cast<int64_t>(seen.size());
-    }
-  return rows;
+CheckResult TwoPhaseTrafficCheck(const std::vector<NodeTraffic>& measured, const std::vector<model::RankPhaseTraffic>& predicted) {
+  CheckResult c{"two-phase traffic = rdep model", false, false, "", 0};
+  std::vector<model::RankPhaseTraffic> counts;
+  for (const auto& t : measured) counts.push_back(t.Counts());
+  c.detail = model::FirstTrafficMismatch(counts, predicted);
+  c.passed = c.detail.empty();
+  if (c.passed) c.detail = "rows and bytes of 4 phases on " + std::to_string(measured.size()) + " ranks equal the prediction for this routing";
+  return c;
 }
 
 namespace {

@@ -29,13 +29,13 @@ CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const La
 
 // The node of every expert's owner (N nodes of W/N consecutive ranks).
 std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cfg);
-// Inter-node rows of a routing: one per (token, remote node holding an accepted row of it).
-int64_t InterNodeRows(const LayerConfig& cfg, const OwnershipMap& own, const Routing& routing,
-                      const std::vector<RankAcceptance>& reference);
+// Every rank's measured two-phase traffic (rows and bytes per phase) against rdep model's prediction
+// for the same routing: equal integers, else the first differing rank, phase and count.
+CheckResult TwoPhaseTrafficCheck(const std::vector<NodeTraffic>& measured, const std::vector<model::RankPhaseTraffic>& predicted);
 // A two-phase run against the one-domain run on the same inputs: dgates and weight gradients
 // bitwise, y and dx within value_tol of their largest value (a relay sums a token's rows on its node
 // first; 1e-5 for fp32 outputs, one bf16 rounding for bf16 ones),
-// and the inter-node rows the ranks sent equal to the routing's count.
+// and the inter-node rows the ranks sent (and the relays sent back) equal to the routing's count.
 CheckResult NodeAgreement(const LayerRun& two, const LayerRun& one, int64_t expected_inter_rows, double value_tol = 1e-5);
 
 }  // namespace rdep

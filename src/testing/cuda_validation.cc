@@ -265,6 +265,7 @@ class CudaBackend final : public ValidationBackend {
       }
       return Status::Ok();
     }));
+    if (cfg.nodes.nodes > 1) out.wire = layer->two_phase_wire();
     if (cfg.balance.enabled()) {  // the plan is the same on every rank: any local one tells
       const int32_t r0 = domain_->local_ranks().front();
       RDEP_ASSIGN_OR_RETURN(out.balance, layer->balance_telemetry(r0));

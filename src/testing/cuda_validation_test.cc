@@ -44,6 +44,26 @@ LayerShape S(int64_t W, int64_t T, int64_t H, int64_t F, int64_t E, int64_t K) {
   return LayerShape{.tokens = T, .hidden = H, .ffn = F, .experts = E, .topk = K, .ranks = W};
 }
 
+// rdep check --nodes on the CUDA backend, ranks sharing one GPU (device copies between them): every
+// check passes, the two-phase traffic check included (each rank's rows and bytes per phase equal to
+// rdep model's prediction for the routing: bf16 records, BundleLayout's padded strides).
+TEST(CudaValidationNodes, W8_N4_M2_zipf_drops_TrafficEqualsModel) {
+  auto backend = MakeCudaBackend(8, 10.0, /*num_gpus=*/1);
+  if (!backend.ok()) GTEST_SKIP() << backend.status().message();
+  ValidationOptions o;
+  o.layer.shape = S(8, 32, 64, 64, 32, 4);
+  o.layer.capacity.capacity_factor = 0.9;
+  o.layer.nodes = NodeConfig{4, 2};
+  o.routing = *RoutingSpec::Parse("zipf:1.2");
+  o.routing.seed = 21;
+  auto rep = RunValidation(o, **backend);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << check.name << ": " << check.detail;
+  EXPECT_EQ(rep->checks.size(), 9u);  // the 7 of the plain matrix, two-phase traffic = rdep model, two-phase vs one domain
+  ASSERT_EQ(rep->traffic_model.size(), 8u);
+  for (size_t r = 0; r < 8; ++r) EXPECT_EQ(rep->traffic[r].Counts(), rep->traffic_model[r]) << "rank " << r;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cuda_bf16, CudaValidation,
     ::testing::Values(

@@ -152,8 +152,10 @@ class HostBackend final : public ValidationBackend {
       for (int32_t e = 0; e < plan.num_experts; ++e)
         out.instances.push_back(plan.instance_offsets[static_cast<size_t>(e) + 1] - plan.instance_offsets[static_cast<size_t>(e)]);
     }
-    if (cfg.nodes.nodes > 1)
+    if (cfg.nodes.nodes > 1) {
       for (int32_t q = 0; q < W; ++q) out.traffic.push_back(layer->node_traffic(q));
+      out.wire = layer->two_phase_wire();
+    }
     for (int32_t q = 0; q < W; ++q) {
       out.segments = std::max(out.segments, layer->segments(q));
       for (int32_t j = 0; j < own.num_local(q); ++j) {
@@ -319,6 +321,16 @@ CheckResult HostAgreement(const SentinelRun& run, const ValidationOptions& o, co
                             std::to_string(run.segment_size) + ")"
                       : "differs from host: " + diff;
   return c;
+}
+
+// The eight counts of one rank's traffic as fields PREFIX + "inter_dispatch_rows", ... (phase names
+// with '_' for ' ' and '-').
+void WriteTrafficCounts(JsonWriter& j, const std::string& prefix, const model::RankPhaseTraffic& t) {
+  for (const model::PhaseField& f : model::kTwoPhaseFields) {
+    std::string name = f.name;
+    std::replace_if(name.begin(), name.end(), [](char c) { return c == ' ' || c == '-'; }, '_');
+    j.field(prefix + name + "_rows", t.*f.rows).field(prefix + name + "_bytes", t.*f.bytes);
+  }
 }
 
 }  // namespace
@@ -506,10 +518,16 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
   }
   if (o.layer.nodes.nodes > 1) {
     rep.traffic = run->traffic;
-    timed([&] {
+    timed([&] {  // the prediction for this routing and accepted set, then the measured counts against it
       auto accepted = ApplyCapacity(s, routing, o.layer.capacity);
-      if (!accepted.ok()) return CheckResult{"two-phase vs one domain", false, false, accepted.status().ToString(), 0};
-      rep.inter_rows_expected = InterNodeRows(o.layer, own, routing, *accepted);
+      if (!accepted.ok()) return CheckResult{"two-phase traffic = rdep model", false, false, accepted.status().ToString(), 0};
+      auto predicted = model::PredictTwoPhaseTraffic(routing, *accepted, own, o.layer.nodes.nodes, run->wire);
+      if (!predicted.ok()) return CheckResult{"two-phase traffic = rdep model", false, false, predicted.status().ToString(), 0};
+      rep.traffic_model = std::move(*predicted);
+      for (const auto& t : rep.traffic_model) rep.inter_rows_expected += t.inter_dispatch_rows;
+      return TwoPhaseTrafficCheck(run->traffic, rep.traffic_model);
+    });
+    timed([&] {
       LayerConfig one = o.layer;
       one.nodes = NodeConfig{};
       auto plain = backend.ForwardBackward(one, own, w, routing, x, dy);
@@ -579,12 +597,13 @@ std::string ValidationReport::ToJson(const ValidationOptions& o) const {
   j.end_object();
   if (!traffic.empty()) {
     j.key("two_phase").begin_object().field("inter_rows_expected", inter_rows_expected);
-    j.key("per_rank").begin_array();
-    for (const auto& t : traffic) {
-      j.begin_object().field("inter_dispatch_rows", t.inter_dispatch_rows).field("inter_dispatch_bytes", t.inter_dispatch_bytes);
-      j.field("intra_dispatch_rows", t.intra_dispatch_rows).field("inter_combine_rows", t.inter_combine_rows);
-      j.field("inter_combine_bytes", t.inter_combine_bytes).field("dispatch_s", t.dispatch_s).field("intra_s", t.intra_s);
-      j.field("combine_s", t.combine_s).end_object();
+    j.key("per_rank").begin_array();  // measured beside rdep model's prediction for the same routing
+    for (size_t r = 0; r < traffic.size(); ++r) {
+      const auto& t = traffic[r];
+      j.begin_object();
+      WriteTrafficCounts(j, "", t.Counts());
+      if (r < traffic_model.size()) WriteTrafficCounts(j, "model_", traffic_model[r]);
+      j.field("dispatch_s", t.dispatch_s).field("intra_s", t.intra_s).field("combine_s", t.combine_s).end_object();
     }
     j.end_array().end_object();
   }

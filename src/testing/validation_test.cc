@@ -233,8 +233,10 @@ TEST_P(NodeValidation, AllChecksPass) {
   auto rep = RunHostValidation(o);
   ASSERT_TRUE(rep.ok()) << rep.status();
   for (const auto& check : rep->checks) EXPECT_TRUE(check.passed) << c.name << ": " << check.name << ": " << check.detail;
-  EXPECT_EQ(rep->checks.size(), 7u);
+  EXPECT_EQ(rep->checks.size(), 8u);  // the six of one domain, two-phase traffic = rdep model, two-phase vs one domain
   ASSERT_EQ(rep->traffic.size(), static_cast<size_t>(c.shape.ranks));
+  ASSERT_EQ(rep->traffic_model.size(), static_cast<size_t>(c.shape.ranks));
+  for (size_t r = 0; r < rep->traffic.size(); ++r) EXPECT_EQ(rep->traffic[r].Counts(), rep->traffic_model[r]) << c.name << " rank " << r;
   int64_t sent = 0;
   for (const auto& t : rep->traffic) sent += t.inter_dispatch_rows;
   EXPECT_EQ(sent, rep->inter_rows_expected);

@@ -18,10 +18,13 @@
 //   combine  = the reverse payload exchange (sizes already known).
 // NVLink multicast is never used: NCCL_NVLS_ENABLE=0 is forced before the communicators exist.
 //
+// With --nodes N the two-phase exchange instead (host or CUDA backend, no baseline): bench_dispatch_nodes.cc.
+//
 // Example (Moonlight shape, 4 GPUs):
 //   NCCL_NVLS_ENABLE=0 rdep bench dispatch --ranks 4 --hidden 2048 --experts 64 --topk 6 --json d.json
 #include <iostream>
 
+#include "bench_dispatch_nodes.h"
 #include "cli.h"
 
 #if defined(RDEP_HAVE_CUDA)
@@ -102,6 +105,28 @@ flags [defaults: the Moonlight shape]:
   -h, --help           this page
 The layer is built with D_ff = 16 (the sentinel expert never reads the expert weights; --ffn is not
 a flag here).
+
+With --nodes N: the two-phase exchange across N nodes of W/N ranks (seeds 004), on the host backend
+(threads of this process: for CI; times are wall times of rank threads, not a network) or the CUDA
+backend (one process; ranks sharing a GPU exchange by device copies, ranks on different GPUs by NCCL).
+No NCCL baseline. Per rank and phase, the rows and bytes of one forward beside rdep model's
+prediction for the same routing (after node limiting and capacity) and their ratio; the command
+fails (exit 1) if any iteration's counts differ from the prediction, naming iteration, rank and phase:
+  inter-node dispatch   as a source: one row per (token, remote node with an accepted row there)
+  intra-node dispatch   as a relay: one row per (relayed token, owner in its node), home node included
+  intra-node return     as an owner: its rows back to the relays
+  inter-node combine    as a relay: one reduced row per (token, remote source node)
+and the time of each hop (inter-node dispatch; scatter, echo and return inside the node; reduce and
+the hop back), max over ranks per iteration, p50/p99.
+  --nodes N            nodes, N >= 2 dividing W          --max-nodes M  node cap in [1, N] [N]
+  --backend B          host | cuda | auto (cuda with a GPU) [auto]
+  --ranks W [8]        --gpus G  cuda: ranks round-robin over G GPUs [min(W, GPUs)]
+  --tokens T           [host 256, cuda 4096]             --hidden H [host 256, cuda 2048]
+  --experts E [64]     --topk K [6]                      --routing R [uniform]
+  --capacity-factor C  0 = dropless [0]                  --timeout S  barrier bound [30]
+  --warmup N           [host 2, cuda 20]                 --iters N [host 20, cuda 200]
+  --seed N [1]         --json FILE                       --max-memory-gib G
+Example: rdep bench dispatch --backend host --ranks 8 --nodes 4 --max-nodes 2 --json nodes.json
 )";
 
 #if defined(RDEP_HAVE_CUDA)
@@ -709,6 +734,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     std::cout << kHelp;
     return 0;
   }
+  if (rdep::cli::Flags(args).has("nodes")) return rdep::bench::RunDispatchNodesBench(args);
   DispatchBenchOptions o;
   if (int rc = ParseDispatchBenchOptions(args, o); rc != 0) return rc;
   auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.cfg.shape.ranks));  // one GPU per rank (NCCL baseline)
@@ -750,7 +776,8 @@ int RunDispatchBench(const rdep::cli::Args& args) {
     std::cout << kHelp;
     return 0;
   }
-  std::cerr << "rdep bench dispatch: this build has no CUDA backend\n";
+  if (rdep::cli::Flags(args).has("nodes")) return rdep::bench::RunDispatchNodesBench(args);
+  std::cerr << "rdep bench dispatch: this build has no CUDA backend (the host backend runs only --nodes)\n";
   return 2;
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_receipt.h"
 #include "build_commit.h"
 #include "cli.h"
 #include "rdep/core/json.h"
@@ -33,12 +34,6 @@ inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
   j.field("sms", p.multiProcessorCount).field("memory_gib", static_cast<double>(p.totalGlobalMem) / (1 << 30)).end_object();
   j.key("software").begin_object().field("cuda_runtime", runtime).field("cuda_driver", driver);
   j.field("rdep_commit", rdep::cli::kBuildCommit).end_object();
-}
-
-inline void WriteSummary(JsonWriter& j, const std::string& name, const std::vector<double>& ms) {
-  const Summary s = Summarize(ms);
-  j.key(name).begin_object().field("p50_ms", s.p50).field("p99_ms", s.p99).field("min_ms", s.min).field("max_ms", s.max);
-  j.field("mean_ms", s.mean).field("count", s.count).key("per_iteration_ms").value(ms).end_object();
 }
 
 // Reads a number field `"key": value` from a small JSON file (the baselines' receipts); NaN if absent.
@@ -134,12 +129,6 @@ inline Status CheckLayerBenchPlan(const LayerConfig& cfg, int64_t iterations, in
   RDEP_RETURN_IF_ERROR(cfg.Validate());
   RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits));
   return cli::CheckOutputPath("json", json);
-}
-
-inline bool WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text << "\n";
-  return static_cast<bool>(out);
 }
 
 }  // namespace rdep::bench

@@ -21,6 +21,7 @@
 #include "rdep/testing/cuda_validation.h"
 #include "rdep/testing/validation.h"
 #include "rdep/transport/bootstrap.h"
+#include "two_phase_report.h"
 
 namespace {
 
@@ -42,6 +43,10 @@ table; exits 0 if every check passes, 1 if one fails, 2 on bad input (the messag
                          same routing, y and dx within 1e-5 of max (cuda: one bf16 rounding, 1e-2; relays
                          sum a token's rows per node first);
                          inter-node rows = one per (token, remote node) of the routing
+  two-phase traffic = rdep model (with --nodes N > 1) every rank's rows and bytes in each phase
+                         (inter-node dispatch, intra-node dispatch, intra-node return, inter-node
+                         combine) equal rdep model's prediction for the same routing and accepted set,
+                         integer for integer; the table prints both
   segment invariance     results bitwise equal with a different segment size S
 
 flags (defaults in brackets):
@@ -312,50 +317,35 @@ int MakeCheckBackend(const CheckOptions& c, std::unique_ptr<rdep::ValidationBack
   return 0;
 }
 
-// Per phase of the two-phase exchange: the largest rank's rows, bytes and seconds, and the cost
-// model's expectation for uniform routing at this shape (rdep model cross-node).
+// Per rank and phase of the two-phase exchange: the measured rows and bytes beside rdep model's
+// prediction for this routing (the "two-phase traffic = rdep model" check compares them), the largest
+// rank's time per phase, and for comparison the seed's closed form for uniform routing.
 void PrintTraffic(const rdep::ValidationReport& rep, const rdep::ValidationOptions& o) {
-  rdep::NodeTraffic mx;
-  int64_t sent = 0;
+  double dispatch_s = 0, intra_s = 0, combine_s = 0, sent = 0;
   for (const auto& t : rep.traffic) {
-    sent += t.inter_dispatch_rows;
-    mx.inter_dispatch_rows = std::max(mx.inter_dispatch_rows, t.inter_dispatch_rows);
-    mx.inter_dispatch_bytes = std::max(mx.inter_dispatch_bytes, t.inter_dispatch_bytes);
-    mx.intra_dispatch_rows = std::max(mx.intra_dispatch_rows, t.intra_dispatch_rows);
-    mx.inter_combine_rows = std::max(mx.inter_combine_rows, t.inter_combine_rows);
-    mx.inter_combine_bytes = std::max(mx.inter_combine_bytes, t.inter_combine_bytes);
-    mx.dispatch_s = std::max(mx.dispatch_s, t.dispatch_s);
-    mx.intra_s = std::max(mx.intra_s, t.intra_s);
-    mx.combine_s = std::max(mx.combine_s, t.combine_s);
+    dispatch_s = std::max(dispatch_s, t.dispatch_s);
+    intra_s = std::max(intra_s, t.intra_s);
+    combine_s = std::max(combine_s, t.combine_s);
+    sent += static_cast<double>(t.inter_dispatch_rows);
   }
   const auto& s = o.layer.shape;
-  const double W = static_cast<double>(s.ranks);
   const bool host = rep.backend == "host";
-  std::printf("  two-phase exchange, largest rank per phase (%s: not a network):\n",
-              host ? "host memory copies" : "device copies or NCCL between ranks of this machine; device time");
-  std::printf("    inter-node dispatch  %6lld rows  %10lld bytes  %8.3f ms\n", static_cast<long long>(mx.inter_dispatch_rows),
-              static_cast<long long>(mx.inter_dispatch_bytes), 1e3 * mx.dispatch_s);
-  std::printf("    intra-node protocol  %6lld (token, owner) rows scattered, experts and return  %8.3f ms\n",
-              static_cast<long long>(mx.intra_dispatch_rows), 1e3 * mx.intra_s);
-  std::printf("    inter-node combine   %6lld rows  %10lld bytes  %8.3f ms\n", static_cast<long long>(mx.inter_combine_rows),
-              static_cast<long long>(mx.inter_combine_bytes), 1e3 * mx.combine_s);
+  std::printf("  two-phase exchange per rank and phase, measured beside rdep model's prediction for this routing (%s):\n",
+              host ? "host memory copies, not a network" : "device copies or NCCL between ranks of this machine");
+  rdep::cli::PrintTwoPhaseTraffic(rdep::cli::TrafficCounts(rep.traffic), rep.traffic_model, 8);
+  std::printf("    time per phase, largest rank (%s): inter-node dispatch %.3f ms, intra-node scatter+experts+return %.3f ms, "
+              "inter-node combine %.3f ms\n",
+              host ? "wall time of rank threads" : "device time", 1e3 * dispatch_s, 1e3 * intra_s, 1e3 * combine_s);
   rdep::model::CrossNodeArgs args;
   args.nodes = o.layer.nodes.nodes;
   args.topk = s.topk;
   args.tokens = s.tokens;
   args.hidden = s.hidden;
-  args.bytes_per_element = host ? 4 : 2;  // fp32 rows on the host backend, bf16 on CUDA
   args.max_nodes = o.layer.nodes.cap() < o.layer.nodes.nodes ? o.layer.nodes.cap() : 0;
-  auto m = rdep::model::CrossNodeDispatch(args);
-  std::printf("    inter-node rows per rank: mean %.1f measured (the routing's count: %lld in all)", static_cast<double>(sent) / W,
-              static_cast<long long>(rep.inter_rows_expected));
-  if (m.ok()) std::printf("; rdep model cross-node, uniform routing: %.1f", m->ib_rows);
-  if (args.max_nodes == 0) {  // uniform routing, no cap: a token misses a remote node with probability (1-1/N)^K
-    const double N = static_cast<double>(args.nodes);
-    std::printf(" (it counts the home node as always visited; the uniform expectation T*(N-1)*(1-(1-1/N)^K) is %.1f)",
-                static_cast<double>(s.tokens) * (N - 1) * (1 - std::pow(1 - 1 / N, static_cast<double>(s.topk))));
-  }
-  std::printf("\n");
+  if (auto m = rdep::model::CrossNodeDispatch(args); m.ok())
+    std::printf("    for comparison only: mean inter-node rows per rank %.1f here; rdep model cross-node's closed form for "
+                "uniform routing %.1f (counts the home node as always visited)\n",
+                sent / static_cast<double>(s.ranks), m->ib_rows);
 }
 
 void PrintCheckTable(const rdep::ValidationReport& rep, const rdep::ValidationOptions& opts) {

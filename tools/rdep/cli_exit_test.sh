@@ -99,6 +99,24 @@ expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), go
 expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
 expect 2 '--nodes with --expert-compute cutlass' check --backend cuda --nodes 2 --expert-compute cutlass
 expect 2 'K=4 experts do not fit on M=1 nodes' check --backend host --ranks 4 --experts 4 --nodes 4 --max-nodes 1
+# bench dispatch --nodes: the two-phase exchange on the host backend (CI); bad node splits name the flag.
+expect 2 '--nodes must divide --ranks W=8 .*got 3' bench dispatch --backend host --ranks 8 --nodes 3
+expect 2 '--nodes must divide --ranks W=8 .*got 1' bench dispatch --backend host --ranks 8 --nodes 1
+expect 2 '--max-nodes must be in \[1, N=4\], got 5' bench dispatch --backend host --ranks 8 --nodes 4 --max-nodes 5
+expect 2 '--max-nodes must be in \[1, N=4\], got 0' bench dispatch --backend host --ranks 8 --nodes 4 --max-nodes 0
+expect 2 '--no-nccl belongs to the one-domain form' bench dispatch --backend host --ranks 8 --nodes 4 --no-nccl
+expect 2 '--gpus needs --backend cuda' bench dispatch --backend host --ranks 8 --nodes 4 --gpus 1
+expect 2 'unknown flag --bogus' bench dispatch --backend host --ranks 8 --nodes 4 --bogus 1
+expect 2 '--json' bench dispatch --backend host --ranks 8 --nodes 4 --json /nonexistent-dir/x.json
+expect 0 'traffic = rdep model: every iteration' bench dispatch --backend host --ranks 8 --experts 32 --topk 4 --nodes 4 \
+  --max-nodes 2 --tokens 32 --hidden 16 --warmup 1 --iters 3 --routing zipf:1.2 --capacity-factor 0.9 --json "$TMP/nodes.json"
+expect 0 'inter-node combine' bench dispatch --backend host --ranks 4 --nodes 2 --tokens 16 --hidden 16 --experts 8 --topk 2 \
+  --iters 2 --json "$TMP/nodes2.json"
+cases=$((cases + 1))
+if ! grep -Eq '"traffic_equals_model": ?true' "$TMP/nodes2.json" || ! grep -q '"model_bytes"' "$TMP/nodes2.json"; then
+  failures=$((failures + 1))
+  echo "FAIL: the bench dispatch --nodes receipt lacks traffic_equals_model true and the model's bytes"
+fi
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1
 expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan

@@ -190,6 +190,8 @@ class CudaMoELayer {
   // moved on `rank` (rows, bytes of records with their metadata, and the device time of each hop).
   // Synchronizes the rank's stream; FailedPrecondition without such a forward.
   StatusOr<NodeTraffic> node_traffic(int32_t rank) const;
+  // The byte sizes of this backend's two-phase records (bf16 rows), for rdep::model::PredictTwoPhaseTraffic.
+  model::TwoPhaseWire two_phase_wire() const;
 
   // Records CUDA events at phase boundaries of every later call (cheap; off by default).
   Status EnableProfiling(bool on);

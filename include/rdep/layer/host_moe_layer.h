@@ -25,6 +25,7 @@
 #include "rdep/core/routing.h"
 #include "rdep/layer/forward_context.h"
 #include "rdep/layer/layer_config.h"
+#include "rdep/model/two_phase_traffic.h"
 #include "rdep/status.h"
 #include "rdep/transport/host_domain.h"
 #include "rdep/transport/inter_node.h"
@@ -44,15 +45,24 @@ struct OwnerTraceEntry {
 };
 
 // What the two-phase exchange moved on one rank in one forward (nodes > 1): rows are activation rows
-// of H values; bytes count the activations (fp32 on the host backend) and the metadata beside them.
+// of H values; bytes count the activations (fp32 on the host backend, bf16 on CUDA) and the metadata
+// beside them. rdep::model::PredictTwoPhaseTraffic (rdep/model/two_phase_traffic.h) predicts every
+// count from the routing and the accepted set; Counts() gives them in its form.
 struct NodeTraffic {
   int64_t inter_dispatch_rows = 0;   // one per (token, remote node) with an accepted row there
   int64_t inter_combine_rows = 0;    // reduced rows this rank sent back across nodes as a relay
   int64_t intra_dispatch_rows = 0;   // one per (relayed token, owner in the node) this rank scattered
   int64_t inter_dispatch_bytes = 0;  // bytes sent to remote nodes (activations + metadata)
   int64_t inter_combine_bytes = 0;
+  int64_t intra_dispatch_bytes = 0;  // bytes scattered to the node's owners (payload rows, row counts, sidebands)
+  int64_t intra_return_rows = 0;     // rows this rank returned to relays as an owner
+  int64_t intra_return_bytes = 0;
   double dispatch_s = 0, intra_s = 0, combine_s = 0;  // wall time of the inter-node hop, of the node's
                                                       // protocol (scatter, experts, return), of the return hop
+  model::RankPhaseTraffic Counts() const {
+    return {inter_dispatch_rows, inter_dispatch_bytes, intra_dispatch_rows, intra_dispatch_bytes,
+            intra_return_rows,   intra_return_bytes,   inter_combine_rows,  inter_combine_bytes};
+  }
 };
 
 class HostMoELayer {
@@ -130,6 +140,8 @@ class HostMoELayer {
 
   // Two-phase exchange (LayerConfig::nodes): what the last forward with the layer's own context moved.
   const NodeTraffic& node_traffic(int32_t rank) const;
+  // The byte sizes of this backend's two-phase records (fp32 rows), for rdep::model::PredictTwoPhaseTraffic.
+  model::TwoPhaseWire two_phase_wire() const;
 
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
   // what it did; FailedPrecondition without a planned forward of this layer or with balancing off.
@@ -181,7 +193,7 @@ class HostMoELayer {
   Status ExchangeTwoPhase(int32_t rank, Saved& st, bool backward, std::span<const float> payload,
                           std::vector<std::vector<std::byte>>& returned);
   Status SendToRelays(int32_t rank, Saved& st, bool backward, std::span<const float> payload, std::vector<float>& relay_in);
-  void ScatterRelayed(const Saved& st, int64_t seg, std::span<const float> relay_in);
+  int64_t ScatterRelayed(const Saved& st, int64_t seg, std::span<const float> relay_in);  // bytes written
   void ReduceAtRelay(int32_t rank, Saved& st, bool backward, std::span<const float> relay_in,
                      std::vector<std::vector<std::byte>>& send);
   Status RunTwoPhase(int32_t rank, Saved& st, std::span<const float> x, std::span<float> y);

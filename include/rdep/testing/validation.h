@@ -8,6 +8,8 @@
 //   forward parity     y against the double-precision reference operator
 //   gradient parity    dx, dgates, dW1, dW2 against the reference
 //   finite             every output and gradient is finite on every rank
+//   two-phase traffic  (nodes > 1) every rank's rows and bytes per phase equal rdep model's prediction
+//                      for the same routing and accepted set (rdep/model/two_phase_traffic.h)
 //   segment invariance the same results with another segment size (host: bitwise; GPU: routing
 //                      bitwise, values within the parity tolerance, since GEMM tiling may change)
 #pragma once
@@ -60,7 +62,8 @@ struct ValidationReport {
   bool balanced = false;        // LayerConfig::balance was on: `balance` holds what it did
   BalanceTelemetry balance;
   std::vector<NodeTraffic> traffic;  // LayerConfig::nodes > 1: what each rank's two-phase forward moved
-  int64_t inter_rows_expected = 0;   // one per (token, remote node with an accepted row), counted from the routing
+  std::vector<model::RankPhaseTraffic> traffic_model;  // [W] rdep model's prediction for the same routing
+  int64_t inter_rows_expected = 0;   // the model's inter-node dispatch rows, summed over ranks
   bool passed() const;
   std::string ToJson(const ValidationOptions& options) const;
 };
@@ -84,6 +87,7 @@ struct LayerRun {
   BalanceTelemetry balance;                 // with LayerConfig::balance on
   std::vector<int32_t> instances;           // [E] instances per expert (main + replicas); empty when off
   std::vector<NodeTraffic> traffic;         // [W] with LayerConfig::nodes > 1
+  model::TwoPhaseWire wire;                 // with LayerConfig::nodes > 1: the layer's record sizes
 };
 
 // A backend the matrix can drive. Inputs are host data; a backend moves them to its devices.
