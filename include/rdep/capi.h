@@ -1,8 +1,12 @@
-/* rdep's C ABI: one MoE layer and its domain behind an opaque handle, for the Python package (ctypes,
- * no libtorch at build time) and any other foreign-function caller.
+/* rdep's C ABI: MoE layers and the domains they run on behind opaque handles, for the Python package
+ * (ctypes, no libtorch at build time) and any other foreign-function caller.
  *
- * A handle is a domain (host threads, or CUDA: ranks sharing GPUs in one process, or this process as
- * one rank of a world under a launcher) plus one layer over it. A process drives the ranks
+ * A domain (rdep_domain) is the ranks and their transport: host threads, or CUDA (ranks sharing GPUs in
+ * one process, or this process as one rank of a world under a launcher). A layer (rdep_layer) is one MoE
+ * layer over a domain. rdep_layer_create makes a layer with a domain of its own; rdep_domain_create and
+ * rdep_layer_create_on (version 4) put several layers on one domain, so that their balanced layers
+ * share one set of replica slots (the redundant expert slots' weights and gradients: a model of many
+ * balanced layers holds them once, not once per layer; rdep_domain_memory). A process drives the ranks
  * [first, first + count) of the W ranks (rdep_layer_local_ranks): all W on the host backend and in the
  * CUDA one-process mode, one in the per-process mode. Every call takes one rdep_rank_io per local rank,
  * in rank order, and runs the collective for all of them (one thread per rank inside; a single local rank
@@ -27,7 +31,10 @@
  * (its expert GEMMs take per-expert row counts on the host), and since its stream first waits for the
  * caller's, that wait also covers the caller's earlier work. Not capturable in a CUDA graph.
  *
- * Threads: calls on one layer are serialized (a second caller waits); layers are independent.
+ * Threads: calls on one domain are serialized (a second caller waits, whichever of the domain's layers
+ * it calls; creating and destroying a layer wait too); layers on different domains are independent.
+ * Layers on one domain may be used in any order (layer A forward, B forward, B backward, A backward):
+ * each call writes the shared slots before it reads them.
  * Errors: arguments are checked before any rank starts the collective. In the per-process mode an
  * argument error on one process therefore leaves the other processes to time out at their first
  * barrier (a Timeout naming the missing rank and phase), after which the layer must be recreated:
@@ -45,9 +52,10 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 3
+#define RDEP_CAPI_VERSION 4
 
 typedef struct rdep_layer rdep_layer;
+typedef struct rdep_domain rdep_domain;
 
 /* Caller-supplied allgather for the per-process mode: every rank calls it with `bytes` bytes; recv
  * gets world_size * bytes, rank-major. Returns 0 on success. */
@@ -58,6 +66,19 @@ enum rdep_backend_kind {
   RDEP_BACKEND_CUDA_ONE_PROCESS = 1, /* W ranks of this process over num_gpus local GPUs */
   RDEP_BACKEND_CUDA_PER_PROCESS = 2  /* this process is rank `process_rank` of W, on GPU `device` */
 };
+
+/* Version 4. A domain: the fields of rdep_layer_spec that place the ranks, with their meanings there. */
+typedef struct rdep_domain_spec {
+  int32_t struct_size;  /* sizeof(rdep_domain_spec) */
+  int32_t backend;      /* rdep_backend_kind */
+  int32_t world_size;   /* W */
+  int32_t num_gpus;     /* one-process CUDA: ranks round-robin over this many GPUs (0 = min(W, present)) */
+  int32_t process_rank; /* per-process CUDA: this process's rank */
+  int32_t device;       /* per-process CUDA: this process's GPU (-1: local rank mod the GPUs present) */
+  double barrier_timeout_s; /* 0 = the default (30 s) */
+  rdep_allgather_fn allgather; /* per-process CUDA; called while the domain and each layer on it are created */
+  void* allgather_user;
+} rdep_domain_spec;
 
 typedef struct rdep_layer_spec {
   int32_t struct_size; /* sizeof(rdep_layer_spec) */
@@ -137,8 +158,39 @@ const char* rdep_last_error(void);
 int32_t rdep_built_with_cuda(void);
 int32_t rdep_cuda_device_count(void);
 
+/* Version 4. Domains, reference-counted: rdep_domain_create returns the caller's reference, every layer
+ * created on the domain holds one more, and the domain is freed with the last (so it may be destroyed
+ * before or after its layers, in any order). rdep_domain_destroy drops the caller's reference; using
+ * that handle afterwards is undefined, as for any freed handle. In the per-process mode creating a
+ * domain, and each layer on it, is collective (every process, in the same order). */
+int rdep_domain_create(const rdep_domain_spec* spec, rdep_domain** out);
+void rdep_domain_destroy(rdep_domain* domain);
+int rdep_domain_local_ranks(const rdep_domain* domain, int32_t* first, int32_t* count);
+/* The rank's GPU, or -1 on the host backend (rank: one this process drives). */
+int rdep_domain_device(const rdep_domain* domain, int32_t rank, int32_t* device);
+/* The live layers on the domain. */
+int rdep_domain_num_layers(const rdep_domain* domain, int32_t* count);
+/* Bytes per rank of the domain's symmetric regions (every layer's, the shared replica slots counted
+ * once), and of its shared regions alone (the replica slots of its balanced layers: one set per slot
+ * size, whatever the number of layers). Either pointer may be null. */
+int rdep_domain_memory(const rdep_domain* domain, size_t* symmetric_bytes_per_rank, size_t* shared_bytes_per_rank);
+/* A printable description (backend, ranks, placement, transport), as rdep_layer_describe. */
+int rdep_domain_describe(const rdep_domain* domain, char* buf, size_t cap, size_t* needed);
+
+/* A layer with a domain of its own, made from spec's backend, world_size, num_gpus, process_rank,
+ * device, barrier_timeout_s, allgather and allgather_user. */
 int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out);
+/* Version 4. A layer on an existing domain (which it keeps alive). spec's backend and world_size must
+ * equal the domain's, and its other domain fields (num_gpus, process_rank, device, barrier_timeout_s,
+ * allgather, allgather_user) be 0 or equal to the domain's: otherwise InvalidArgument naming the field. */
+int rdep_layer_create_on(rdep_domain* domain, const rdep_layer_spec* spec, rdep_layer** out);
 void rdep_layer_destroy(rdep_layer* layer);
+/* Version 4. The layer's domain, as a new reference the caller drops with rdep_domain_destroy. */
+int rdep_layer_domain(rdep_layer* layer, rdep_domain** domain);
+/* Version 4. Bytes per rank of the replica slots this layer uses (weights and gradients; 0 with
+ * balancing off). They are the domain's, shared with its other balanced layers of the same slot size:
+ * sum them over layers only for layers on different domains (rdep_domain_memory counts them once). */
+int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

@@ -1,5 +1,5 @@
-"""ctypes binding of rdep's C ABI (include/rdep/capi.h): the library loader, mirrors of rdep_layer_spec,
-rdep_rank_io and rdep_rank_rows, the function prototypes, and the translation of status codes into Python exceptions.
+"""ctypes binding of rdep's C ABI (include/rdep/capi.h): the library loader, mirrors of rdep_domain_spec,
+rdep_layer_spec, rdep_rank_io and rdep_rank_rows, the function prototypes, and the translation of status codes into Python exceptions.
 
 Nothing here knows PyTorch: the torch side (rdep.torch) passes raw addresses.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 3  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 4  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -40,6 +40,18 @@ _CTYPE = {
     "size_t": ctypes.c_size_t,
     "rdep_allgather_fn": ALLGATHER_FN,
 }
+
+DOMAIN_SPEC_FIELDS = (
+    ("struct_size", "int32_t"),
+    ("backend", "int32_t"),
+    ("world_size", "int32_t"),
+    ("num_gpus", "int32_t"),
+    ("process_rank", "int32_t"),
+    ("device", "int32_t"),
+    ("barrier_timeout_s", "double"),
+    ("allgather", "rdep_allgather_fn"),
+    ("allgather_user", "void*"),
+)
 
 LAYER_SPEC_FIELDS = (
     ("struct_size", "int32_t"),
@@ -103,6 +115,12 @@ def _ctype(c_type: str):
     return ctypes.c_void_p if c_type.endswith("*") else _CTYPE[c_type]
 
 
+class DomainSpec(ctypes.Structure):
+    """Mirror of rdep_domain_spec."""
+
+    _fields_ = [(name, _ctype(t)) for name, t in DOMAIN_SPEC_FIELDS]
+
+
 class LayerSpec(ctypes.Structure):
     """Mirror of rdep_layer_spec."""
 
@@ -122,6 +140,7 @@ class RankRows(ctypes.Structure):
 
 
 LayerPtr = ctypes.c_void_p  # rdep_layer* (opaque)
+DomainPtr = ctypes.c_void_p  # rdep_domain* (opaque)
 
 # name: (restype, argtypes)
 _PROTOTYPES = {
@@ -129,8 +148,27 @@ _PROTOTYPES = {
     "rdep_last_error": (ctypes.c_char_p, []),
     "rdep_built_with_cuda": (ctypes.c_int32, []),
     "rdep_cuda_device_count": (ctypes.c_int32, []),
+    "rdep_domain_create": (ctypes.c_int, [ctypes.POINTER(DomainSpec), ctypes.POINTER(DomainPtr)]),
+    "rdep_domain_destroy": (None, [DomainPtr]),
+    "rdep_domain_local_ranks": (
+        ctypes.c_int,
+        [DomainPtr, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)],
+    ),
+    "rdep_domain_device": (ctypes.c_int, [DomainPtr, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]),
+    "rdep_domain_num_layers": (ctypes.c_int, [DomainPtr, ctypes.POINTER(ctypes.c_int32)]),
+    "rdep_domain_memory": (
+        ctypes.c_int,
+        [DomainPtr, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "rdep_domain_describe": (
+        ctypes.c_int,
+        [DomainPtr, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+    ),
     "rdep_layer_create": (ctypes.c_int, [ctypes.POINTER(LayerSpec), ctypes.POINTER(LayerPtr)]),
+    "rdep_layer_create_on": (ctypes.c_int, [DomainPtr, ctypes.POINTER(LayerSpec), ctypes.POINTER(LayerPtr)]),
     "rdep_layer_destroy": (None, [LayerPtr]),
+    "rdep_layer_domain": (ctypes.c_int, [LayerPtr, ctypes.POINTER(DomainPtr)]),
+    "rdep_layer_replica_slot_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_local_ranks": (
         ctypes.c_int,
         [LayerPtr, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)],

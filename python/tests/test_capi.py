@@ -39,7 +39,8 @@ def _header_struct(name: str) -> list[tuple[str, str]]:
 
 @needs_header
 @pytest.mark.no_library
-@pytest.mark.parametrize("struct, mirror", [("rdep_layer_spec", capi.LAYER_SPEC_FIELDS),
+@pytest.mark.parametrize("struct, mirror", [("rdep_domain_spec", capi.DOMAIN_SPEC_FIELDS),
+                                            ("rdep_layer_spec", capi.LAYER_SPEC_FIELDS),
                                             ("rdep_rank_io", capi.RANK_IO_FIELDS),
                                             ("rdep_rank_rows", capi.RANK_ROWS_FIELDS)])
 def test_struct_fields_match_the_header(struct, mirror):
@@ -53,7 +54,8 @@ def test_struct_layout_matches_the_c_compiler(tmp_path):
     if cc is None:
         pytest.skip("no C compiler on PATH")
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "rdep/capi.h"', "int main(void) {"]
-    for struct, fields in (("rdep_layer_spec", capi.LAYER_SPEC_FIELDS), ("rdep_rank_io", capi.RANK_IO_FIELDS),
+    for struct, fields in (("rdep_domain_spec", capi.DOMAIN_SPEC_FIELDS), ("rdep_layer_spec", capi.LAYER_SPEC_FIELDS),
+                           ("rdep_rank_io", capi.RANK_IO_FIELDS),
                            ("rdep_rank_rows", capi.RANK_ROWS_FIELDS)):
         lines.append(f'printf("{struct} sizeof %zu\\n", sizeof({struct}));')
         for name, _ in fields:
@@ -66,7 +68,8 @@ def test_struct_layout_matches_the_c_compiler(tmp_path):
     for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines():
         struct, field, value = line.split()
         got[(struct, field)] = int(value)
-    for struct, cls in (("rdep_layer_spec", capi.LayerSpec), ("rdep_rank_io", capi.RankIO), ("rdep_rank_rows", capi.RankRows)):
+    for struct, cls in (("rdep_domain_spec", capi.DomainSpec), ("rdep_layer_spec", capi.LayerSpec), ("rdep_rank_io", capi.RankIO),
+                        ("rdep_rank_rows", capi.RankRows)):
         assert got[(struct, "sizeof")] == ctypes.sizeof(cls), struct
         for name, _ in cls._fields_:
             assert got[(struct, name)] == getattr(cls, name).offset, f"{struct}.{name}"
@@ -82,7 +85,7 @@ def test_every_header_function_is_bound():
 
 def test_library_loads_with_the_expected_version():
     info = rdep.library_info()
-    assert info["capi_version"] == capi.CAPI_VERSION == 3
+    assert info["capi_version"] == capi.CAPI_VERSION == 4
     assert Path(info["path"]).is_file()
     assert isinstance(info["built_with_cuda"], bool)
 

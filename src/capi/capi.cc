@@ -1,5 +1,6 @@
-// rdep's C ABI (rdep/capi.h): handles, pooled contexts, argument checks naming the field and rank, and
-// errors as codes plus a per-thread message. No C++ exception crosses the ABI.
+// rdep's C ABI (rdep/capi.h): layer handles on domain handles (capi_domain.cc), pooled contexts,
+// argument checks naming the field and rank, and errors as codes plus a per-thread message. No C++
+// exception crosses the ABI.
 #include "rdep/capi.h"
 
 #include <algorithm>
@@ -12,18 +13,22 @@
 #include <string>
 #include <vector>
 
+#include "capi/capi_internal.h"
 #include "capi/layer_adapter.h"
 #include "rdep/cuda/device_count.h"
 
 namespace {
 
-thread_local std::string g_last_error;
+using rdep::capi::Fail;
+using rdep::capi::FailInvalid;
+using rdep::capi::Guard;
 
-int Fail(const rdep::Status& s) {
-  g_last_error = s.message();
-  return static_cast<int>(s.code());
+// A layer spec of another header version is refused before any field is read: 0 when its size fits.
+int CheckStructSize(const rdep_layer_spec& spec) {
+  if (spec.struct_size == static_cast<int32_t>(sizeof(rdep_layer_spec))) return 0;
+  return FailInvalid("layer spec: struct_size " + std::to_string(spec.struct_size) + " != " + std::to_string(sizeof(rdep_layer_spec)) +
+                     " (caller built against another rdep/capi.h)");
 }
-int FailInvalid(const std::string& m) { return Fail(rdep::InvalidArgument(m)); }
 
 // A forward's saved state for each local rank; pooled, its id = slot * 2^32 + generation.
 struct ContextSlot {
@@ -52,11 +57,26 @@ struct rdep_layer {
   rdep_layer_spec spec{};
   rdep::LayerConfig config;
   rdep::OwnershipMap ownership;
+  rdep_domain* domain = nullptr;  // a reference held (released after the adapter is gone)
   std::unique_ptr<rdep::capi::LayerAdapter> adapter;
   std::vector<int32_t> ranks;
-  std::mutex mu;       // contexts
-  std::mutex call_mu;  // one forward or backward of this layer at a time (binding and collective)
+  std::mutex mu;  // contexts
   std::deque<ContextSlot> slots;  // a deque: slots stay put while others are added
+
+  rdep_layer() = default;
+  rdep_layer(const rdep_layer&) = delete;
+  rdep_layer& operator=(const rdep_layer&) = delete;
+  ~rdep_layer() {
+    if (adapter) {  // the layer frees its regions (and drops its hold on shared ones) between the domain's calls
+      std::lock_guard<std::mutex> call(domain->call_mu);
+      adapter.reset();
+      --domain->layers;
+    }
+    rdep::capi::ReleaseDomain(domain);
+  }
+
+  // One collective on the layer's domain at a time (binding and collective): calls of any of its layers.
+  std::mutex& call_mu() { return domain->call_mu; }
 
   // The slot of a live id, or null.
   ContextSlot* Find(int64_t id) {
@@ -68,21 +88,6 @@ struct rdep_layer {
 };
 
 namespace {
-
-template <typename Fn>
-int Guard(Fn fn) {
-  try {
-    const rdep::Status s = fn();
-    if (s.ok()) return 0;
-    return Fail(s);
-  } catch (const std::bad_alloc&) {
-    return Fail(rdep::Unavailable("out of host memory"));
-  } catch (const std::exception& e) {
-    return Fail(rdep::InternalError(std::string("unexpected C++ exception: ") + e.what()));
-  } catch (...) {
-    return Fail(rdep::InternalError("unexpected C++ exception"));
-  }
-}
 
 rdep::Status CheckSpec(const rdep_layer_spec& s) {
   using rdep::InvalidArgument;
@@ -225,7 +230,7 @@ int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t cou
                        " ranks");
   return Guard([&]() -> rdep::Status {
     for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckRows(rows[i], l->ranks[static_cast<size_t>(i)], step));
-    std::lock_guard<std::mutex> call(l->call_mu);
+    std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     RDEP_RETURN_IF_ERROR(CheckRowCounts(*l, *slot, rows, step));
@@ -242,7 +247,7 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
                        " ranks");
   return Guard([&]() -> rdep::Status {
     for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckIo(*l, io[i], l->ranks[static_cast<size_t>(i)], backward));
-    std::lock_guard<std::mutex> call(l->call_mu);
+    std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot;
     {
       std::lock_guard<std::mutex> lock(l->mu);
@@ -260,12 +265,50 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
   });
 }
 
+// The layer's configuration from spec, checked.
+rdep::Status ConfigOf(const rdep_layer_spec& spec, rdep::LayerConfig& c) {
+  c.shape = {.tokens = spec.tokens, .hidden = spec.hidden, .ffn = spec.ffn, .experts = spec.experts,
+             .topk = spec.topk, .ranks = spec.world_size};
+  c.capacity.capacity_factor = spec.capacity_factor;
+  c.segment_tokens = spec.segment_tokens;
+  c.balance.kind = static_cast<rdep::BalanceKind>(spec.balance);
+  c.balance.num_slots = spec.balance_slots;
+  c.balance.min_quota = spec.balance_min_quota > 0 ? spec.balance_min_quota : 1;
+  if (spec.balance_relay_above >= 0) c.balance.relay_above = spec.balance_relay_above;
+  c.nodes = rdep::NodeConfig{spec.nodes > 0 ? spec.nodes : 1, spec.max_nodes};
+  c.expert_compute = spec.expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;
+  return c.Validate();
+}
+
+// A layer of spec (checked, matching d) on domain d, holding one more reference to it. The layer is
+// made between the domain's calls (its regions are allocated outside any Run).
+rdep::Status CreateOn(rdep_domain* d, const rdep_layer_spec& spec, rdep_layer** out) {
+  auto l = std::make_unique<rdep_layer>();
+  l->spec = spec;
+  RDEP_RETURN_IF_ERROR(ConfigOf(spec, l->config));
+  RDEP_ASSIGN_OR_RETURN(l->ownership, rdep::OwnershipMap::Contiguous(spec.experts, spec.world_size));
+  rdep::capi::RetainDomain(d);
+  l->domain = d;  // from here l's destructor releases the reference
+  {
+    std::lock_guard<std::mutex> call(d->call_mu);
+    if (spec.backend == RDEP_BACKEND_HOST) {
+      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeHostAdapter(*d->domain, l->config, l->ownership));
+    } else {
+      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeCudaAdapter(*d->domain, l->config, l->ownership));
+    }
+    ++d->layers;
+  }
+  l->ranks = l->adapter->local_ranks();
+  *out = l.release();
+  return rdep::Status::Ok();
+}
+
 }  // namespace
 
 extern "C" {
 
 int32_t rdep_capi_version(void) { return RDEP_CAPI_VERSION; }
-const char* rdep_last_error(void) { return g_last_error.c_str(); }
+const char* rdep_last_error(void) { return rdep::capi::LastError().c_str(); }
 int32_t rdep_built_with_cuda(void) {
 #if defined(RDEP_HAVE_CUDA)
   return 1;
@@ -284,36 +327,40 @@ int32_t rdep_cuda_device_count(void) {
 int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out) {
   if (!spec || !out) return FailInvalid("spec and out must not be null");
   *out = nullptr;
-  if (spec->struct_size != static_cast<int32_t>(sizeof(rdep_layer_spec)))
-    return FailInvalid("layer spec: struct_size " + std::to_string(spec->struct_size) + " != " +
-                       std::to_string(sizeof(rdep_layer_spec)) + " (caller built against another rdep/capi.h)");
+  if (const int rc = CheckStructSize(*spec)) return rc;
   return Guard([&]() -> rdep::Status {
     RDEP_RETURN_IF_ERROR(CheckSpec(*spec));
-    auto l = std::make_unique<rdep_layer>();
-    l->spec = *spec;
-    rdep::LayerConfig& c = l->config;
-    c.shape = {.tokens = spec->tokens, .hidden = spec->hidden, .ffn = spec->ffn, .experts = spec->experts,
-               .topk = spec->topk, .ranks = spec->world_size};
-    c.capacity.capacity_factor = spec->capacity_factor;
-    c.segment_tokens = spec->segment_tokens;
-    c.balance.kind = static_cast<rdep::BalanceKind>(spec->balance);
-    c.balance.num_slots = spec->balance_slots;
-    c.balance.min_quota = spec->balance_min_quota > 0 ? spec->balance_min_quota : 1;
-    if (spec->balance_relay_above >= 0) c.balance.relay_above = spec->balance_relay_above;
-    c.nodes = rdep::NodeConfig{spec->nodes > 0 ? spec->nodes : 1, spec->max_nodes};
-    c.expert_compute = spec->expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;
-    RDEP_RETURN_IF_ERROR(c.Validate());
-    RDEP_ASSIGN_OR_RETURN(l->ownership, rdep::OwnershipMap::Contiguous(spec->experts, spec->world_size));
-    const double timeout = spec->barrier_timeout_s > 0 ? spec->barrier_timeout_s : 30.0;
-    if (spec->backend == RDEP_BACKEND_HOST) {
-      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeHostAdapter(c, l->ownership, timeout));
-    } else {
-      RDEP_ASSIGN_OR_RETURN(l->adapter, rdep::capi::MakeCudaAdapter(*spec, c, l->ownership, timeout));
-    }
-    l->ranks = l->adapter->local_ranks();
-    *out = l.release();
-    return rdep::Status::Ok();
+    rdep::LayerConfig config;
+    RDEP_RETURN_IF_ERROR(ConfigOf(*spec, config));  // before the domain: a bad shape costs no bootstrap
+    RDEP_ASSIGN_OR_RETURN(rdep_domain * d, rdep::capi::CreateDomain(rdep::capi::DomainSpecOf(*spec), "layer spec"));
+    const rdep::Status s = CreateOn(d, *spec, out);
+    rdep::capi::ReleaseDomain(d);  // the layer holds the domain's only reference (none on failure)
+    return s;
   });
+}
+
+int rdep_layer_create_on(rdep_domain* domain, const rdep_layer_spec* spec, rdep_layer** out) {
+  if (!domain || !spec || !out) return FailInvalid("domain, spec and out must not be null");
+  *out = nullptr;
+  if (const int rc = CheckStructSize(*spec)) return rc;
+  return Guard([&]() -> rdep::Status {
+    RDEP_RETURN_IF_ERROR(CheckSpec(*spec));
+    RDEP_RETURN_IF_ERROR(rdep::capi::CheckLayerOnDomain(*spec, *domain));
+    return CreateOn(domain, *spec, out);
+  });
+}
+
+int rdep_layer_domain(rdep_layer* l, rdep_domain** domain) {
+  if (!l || !domain) return FailInvalid("layer and domain must not be null");
+  rdep::capi::RetainDomain(l->domain);
+  *domain = l->domain;
+  return 0;
+}
+
+int rdep_layer_replica_slot_bytes(const rdep_layer* l, size_t* bytes) {
+  if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
+  *bytes = l->adapter->replica_slot_bytes();
+  return 0;
 }
 
 void rdep_layer_destroy(rdep_layer* layer) {
@@ -422,7 +469,7 @@ int rdep_layer_plan(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t 
                        " ranks");
   return Guard([&]() -> rdep::Status {
     for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckPlanIo(*l, io[i], l->ranks[static_cast<size_t>(i)]));
-    std::lock_guard<std::mutex> call(l->call_mu);
+    std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     slot->holds_forward = false;
@@ -443,7 +490,7 @@ int rdep_context_recv_counts(rdep_layer* l, int64_t ctx, int32_t rank, int64_t* 
                        " experts rank " + std::to_string(rank) + " owns");
   if (want > 0 && !counts) return FailInvalid("recv counts: counts is null");
   return Guard([&]() -> rdep::Status {
-    std::lock_guard<std::mutex> call(l->call_mu);
+    std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     RDEP_ASSIGN_OR_RETURN(std::vector<int64_t> c, l->adapter->RecvCounts(slot->per_rank[static_cast<size_t>(i)], rank));
@@ -458,7 +505,7 @@ int rdep_context_recv_row_ids(rdep_layer* l, int64_t ctx, int32_t rank, int64_t*
   const int32_t i = LocalIndex(*l, rank);
   if (i < 0) return FailInvalid("rank " + std::to_string(rank) + " is not driven by this process");
   return Guard([&]() -> rdep::Status {
-    std::lock_guard<std::mutex> call(l->call_mu);
+    std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     RDEP_ASSIGN_OR_RETURN(std::vector<uint64_t> v, l->adapter->RecvRowIds(slot->per_rank[static_cast<size_t>(i)], rank));

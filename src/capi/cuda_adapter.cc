@@ -6,7 +6,6 @@
 #include "capi/layer_adapter.h"
 #include "rdep/cuda/check.h"
 #include "rdep/layer/cuda_moe_layer.h"
-#include "rdep/transport/bootstrap.h"
 #include "rdep/transport/cuda_domain.h"
 #include "rdep/transport/domain.h"
 
@@ -39,38 +38,15 @@ class CudaAdapter final : public LayerAdapter {
       cudaEventDestroy(in_[i]);
       if (i < out_.size()) cudaEventDestroy(out_[i]);
     }
-    domain_.reset();
   }
 
-  static StatusOr<std::unique_ptr<LayerAdapter>> Create(const rdep_layer_spec& spec, const LayerConfig& config,
-                                                        const OwnershipMap& ownership, double timeout_s) {
+  static StatusOr<std::unique_ptr<LayerAdapter>> Create(CudaDomain& domain, const LayerConfig& config, const OwnershipMap& ownership) {
     DeviceGuard guard;
-    std::unique_ptr<CudaAdapter> a(new CudaAdapter);
-    DomainSpec ds;
-    ds.barrier_timeout_s = timeout_s;
-    ds.num_ranks = config.shape.ranks;
-    if (spec.backend == RDEP_BACKEND_CUDA_PER_PROCESS) {
-      if (!spec.allgather) return InvalidArgument("layer spec: allgather is required by the per-process CUDA backend");
-      rdep_allgather_fn fn = spec.allgather;
-      void* user = spec.allgather_user;
-      a->bootstrap_ = std::make_unique<FunctionBootstrap>(
-          spec.process_rank, spec.world_size, [fn, user](const void* send, size_t bytes, void* recv) -> Status {
-            const int rc = fn(user, send, bytes, recv);
-            return rc == 0 ? Status::Ok() : InternalError("layer bootstrap: the caller's allgather failed (" + std::to_string(rc) + ")");
-          });
-      ds.kind = DomainSpec::Kind::kCudaPerProcess;
-      ds.bootstrap = a->bootstrap_.get();
-      ds.device = spec.device;
-    } else {
-      ds.kind = DomainSpec::Kind::kCudaOneProcess;
-      ds.num_gpus = spec.num_gpus;
-    }
-    RDEP_ASSIGN_OR_RETURN(auto domain, MakeDomain(ds));
-    a->domain_.reset(static_cast<CudaDomain*>(domain.release()));
-    RDEP_ASSIGN_OR_RETURN(a->layer_, CudaMoELayer::Create(*a->domain_, config, ownership));
-    a->ranks_ = a->domain_->local_ranks();
+    std::unique_ptr<CudaAdapter> a(new CudaAdapter(domain));
+    a->ranks_ = domain.local_ranks();
+    RDEP_ASSIGN_OR_RETURN(a->layer_, CudaMoELayer::Create(domain, config, ownership));
     for (int32_t r : a->ranks_) {
-      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(a->domain_->device(r)));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain.device(r)));
       cudaEvent_t in = nullptr, out = nullptr;
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&in, cudaEventDisableTiming));
       a->in_.push_back(in);
@@ -83,6 +59,7 @@ class CudaAdapter final : public LayerAdapter {
   std::vector<int32_t> local_ranks() const override { return ranks_; }
   int32_t device(int32_t rank) const override { return domain_->device(rank); }
   std::string placement() const override { return domain_->placement() + " (" + domain_->transport_name() + ")"; }
+  size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {
@@ -141,7 +118,7 @@ class CudaAdapter final : public LayerAdapter {
   }
 
  private:
-  CudaAdapter() = default;
+  explicit CudaAdapter(CudaDomain& domain) : domain_(&domain) {}
   static const __nv_bfloat16* bf(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
   // The ranks' streams wait for the callers' streams, the collective runs, the callers' streams wait
@@ -168,8 +145,7 @@ class CudaAdapter final : public LayerAdapter {
     return status;
   }
 
-  std::unique_ptr<Bootstrap> bootstrap_;
-  std::unique_ptr<CudaDomain> domain_;
+  CudaDomain* domain_;  // the rdep_domain's, which outlives the adapter
   std::unique_ptr<CudaMoELayer> layer_;
   std::vector<int32_t> ranks_;
   std::vector<cudaEvent_t> in_, out_;
@@ -177,9 +153,20 @@ class CudaAdapter final : public LayerAdapter {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(const rdep_layer_spec& spec, const LayerConfig& config,
-                                                        const OwnershipMap& ownership, double barrier_timeout_s) {
-  return CudaAdapter::Create(spec, config, ownership, barrier_timeout_s);
+StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(Domain& domain, const LayerConfig& config, const OwnershipMap& ownership) {
+  return CudaAdapter::Create(static_cast<CudaDomain&>(domain), config, ownership);  // made for a CUDA backend
+}
+
+StatusOr<std::unique_ptr<Domain>> MakeCudaDomain(const DomainSpec& spec, const std::string&) {
+  DeviceGuard guard;
+  return MakeDomain(spec);
+}
+
+int32_t CudaDomainDevice(const Domain& domain, int32_t rank) { return static_cast<const CudaDomain&>(domain).device(rank); }
+
+void WithCallerDevice(const std::function<void()>& fn) {
+  DeviceGuard guard;
+  fn();
 }
 
 }  // namespace rdep::capi

@@ -3,9 +3,16 @@
 
 namespace rdep::capi {
 
-StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(const rdep_layer_spec&, const LayerConfig&, const OwnershipMap&,
-                                                        double) {
+StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(Domain&, const LayerConfig&, const OwnershipMap&) {
   return Unavailable("layer spec: this build of rdep has no CUDA backend (configured without a CUDA compiler)");
 }
+
+StatusOr<std::unique_ptr<Domain>> MakeCudaDomain(const DomainSpec&, const std::string& what) {
+  return Unavailable(what + ": this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+
+int32_t CudaDomainDevice(const Domain&, int32_t) { return -1; }
+
+void WithCallerDevice(const std::function<void()>& fn) { fn(); }
 
 }  // namespace rdep::capi

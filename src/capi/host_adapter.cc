@@ -1,4 +1,5 @@
-// The C ABI's host backend: HostMoELayer over a HostDomain, fp32, the caller's weights bound per call.
+// The C ABI's host backend: HostMoELayer over a HostDomain (the rdep_domain's), fp32, the caller's
+// weights bound per call.
 #include <span>
 
 #include "capi/layer_adapter.h"
@@ -10,13 +11,12 @@ namespace {
 
 class HostAdapter final : public LayerAdapter {
  public:
-  HostAdapter(std::unique_ptr<HostDomain> domain, std::unique_ptr<HostMoELayer> layer)
-      : domain_(std::move(domain)), layer_(std::move(layer)) {}
-  ~HostAdapter() override { layer_.reset(); }
+  HostAdapter(HostDomain& domain, std::unique_ptr<HostMoELayer> layer) : domain_(&domain), layer_(std::move(layer)) {}
 
   std::vector<int32_t> local_ranks() const override { return domain_->local_ranks(); }
   int32_t device(int32_t) const override { return -1; }
   std::string placement() const override { return domain_->placement(); }
+  size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     const int64_t H = layer_->config().shape.hidden;
@@ -87,17 +87,16 @@ class HostAdapter final : public LayerAdapter {
     return routing;
   }
 
-  std::unique_ptr<HostDomain> domain_;
+  HostDomain* domain_;
   std::unique_ptr<HostMoELayer> layer_;
 };
 
 }  // namespace
 
-StatusOr<std::unique_ptr<LayerAdapter>> MakeHostAdapter(const LayerConfig& config, const OwnershipMap& ownership,
-                                                        double barrier_timeout_s) {
-  RDEP_ASSIGN_OR_RETURN(auto domain, HostDomain::Create(config.shape.ranks, {.barrier_timeout_s = barrier_timeout_s}));
-  RDEP_ASSIGN_OR_RETURN(auto layer, HostMoELayer::Create(*domain, config, ownership));
-  return std::unique_ptr<LayerAdapter>(new HostAdapter(std::move(domain), std::move(layer)));
+StatusOr<std::unique_ptr<LayerAdapter>> MakeHostAdapter(Domain& domain, const LayerConfig& config, const OwnershipMap& ownership) {
+  auto& host = static_cast<HostDomain&>(domain);  // the caller made it for RDEP_BACKEND_HOST
+  RDEP_ASSIGN_OR_RETURN(auto layer, HostMoELayer::Create(host, config, ownership));
+  return std::unique_ptr<LayerAdapter>(new HostAdapter(host, std::move(layer)));
 }
 
 }  // namespace rdep::capi

@@ -1,8 +1,10 @@
-// What the C ABI (rdep/capi.h) drives: one layer over its domain, behind an interface with a host and
-// a CUDA implementation, so capi.cc holds the ABI's bookkeeping (handles, contexts, errors) once.
+// What the C ABI (rdep/capi.h) drives: one layer over a domain it does not own (the rdep_domain handle
+// owns it, capi_internal.h), behind an interface with a host and a CUDA implementation, so capi.cc holds
+// the ABI's bookkeeping (handles, contexts, errors) once.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "rdep/layer/forward_context.h"
 #include "rdep/layer/layer_config.h"
 #include "rdep/status.h"
+#include "rdep/transport/domain.h"
 
 namespace rdep::capi {
 
@@ -21,6 +24,9 @@ class LayerAdapter {
   virtual std::vector<int32_t> local_ranks() const = 0;
   virtual int32_t device(int32_t rank) const = 0;  // -1 on the host
   virtual std::string placement() const = 0;
+  // Bytes per rank of the replica slots the layer uses (shared with the domain's other balanced layers
+  // of the same slot size; 0 with balancing off).
+  virtual size_t replica_slot_bytes() const = 0;
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
   virtual Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
@@ -36,13 +42,18 @@ class LayerAdapter {
 
 const char* RowsStepName(LayerAdapter::RowsStep step);
 
-// The host backend: W threads of this process, fp32.
-StatusOr<std::unique_ptr<LayerAdapter>> MakeHostAdapter(const LayerConfig& config, const OwnershipMap& ownership,
-                                                        double barrier_timeout_s);
+// The host backend: W threads of this process, fp32, on a host domain (HostDomain) that outlives it.
+StatusOr<std::unique_ptr<LayerAdapter>> MakeHostAdapter(Domain& domain, const LayerConfig& config, const OwnershipMap& ownership);
 
-// The CUDA backend, one process (spec.num_gpus) or per process (spec.process_rank, device, allgather).
+// The CUDA backend on a CUDA domain (CudaDomain, one process or per process) that outlives it.
 // Unavailable in a build without CUDA.
-StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(const rdep_layer_spec& spec, const LayerConfig& config,
-                                                        const OwnershipMap& ownership, double barrier_timeout_s);
+StatusOr<std::unique_ptr<LayerAdapter>> MakeCudaAdapter(Domain& domain, const LayerConfig& config, const OwnershipMap& ownership);
+// A CUDA domain (MakeDomain of a CUDA kind) made with the caller's current device restored afterwards;
+// Unavailable in a build without CUDA (the message starts with `what`).
+StatusOr<std::unique_ptr<Domain>> MakeCudaDomain(const DomainSpec& spec, const std::string& what);
+// The GPU of a local rank of a CUDA domain (-1 in a build without CUDA).
+int32_t CudaDomainDevice(const Domain& domain, int32_t rank);
+// Runs fn and restores the caller's current CUDA device (fn alone in a build without CUDA).
+void WithCallerDevice(const std::function<void()>& fn);
 
 }  // namespace rdep::capi

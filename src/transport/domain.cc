@@ -45,6 +45,13 @@ int32_t Domain::shared_holders(RegionId id) const {
   return 0;
 }
 
+size_t Domain::shared_bytes_per_rank() const {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  size_t bytes = 0;
+  for (const SharedRegion& r : shared_) bytes += r.bytes;
+  return bytes;
+}
+
 StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec) {
   if (!(spec.barrier_timeout_s > 0) || !std::isfinite(spec.barrier_timeout_s))
     return InvalidArgument("domain: barrier_timeout_s must be a finite number > 0");

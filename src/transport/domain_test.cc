@@ -71,6 +71,7 @@ TEST_P(DomainKinds, SharedRegionsAreCountedPerHolder) {
   EXPECT_NE(*c, *a);
   EXPECT_NE(*e, *a);
   EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 1024 + 2048 + 1024);
+  EXPECT_EQ(d->shared_bytes_per_rank(), 1024u + 2048u + 1024u);  // "slots" 1024 once, for its two holders
   d->ReleaseShared(*a);
   EXPECT_EQ(d->shared_holders(*a), 1);
   EXPECT_EQ(d->symmetric_bytes_per_rank(), base + 1024 + 2048 + 1024);
@@ -80,6 +81,7 @@ TEST_P(DomainKinds, SharedRegionsAreCountedPerHolder) {
   d->ReleaseShared(*c);
   d->ReleaseShared(*e);
   EXPECT_EQ(d->symmetric_bytes_per_rank(), base);
+  EXPECT_EQ(d->shared_bytes_per_rank(), 0u);
   auto again = d->AcquireShared("slots", 1024);  // a fresh region after the last holder left
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(d->shared_holders(*again), 1);

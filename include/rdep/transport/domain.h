@@ -55,6 +55,8 @@ class Domain {
   StatusOr<RegionId> AcquireShared(const std::string& name, size_t bytes);
   void ReleaseShared(RegionId id);
   int32_t shared_holders(RegionId id) const;
+  // Bytes per rank of the shared regions (each counted once, whatever its number of holders).
+  size_t shared_bytes_per_rank() const;
 
   // Runs fn(rank) for every local rank on its own thread; the first failing rank's error.
   virtual Status Run(const std::function<Status(int32_t rank)>& fn) = 0;

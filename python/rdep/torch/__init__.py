@@ -3,6 +3,7 @@
     rdep.torch.MoE        nn.Module: router, shared experts, rdep dispatch -> experts -> combine (moe.py)
     rdep.torch.Router     the router alone: scores, group-limited top-K, expert bias, losses (router.py)
     rdep.torch.Layer      one rdep layer over its ranks, the C ABI handle (layer.py)
+    rdep.torch.Domain     the ranks and placement several layers share, with their replica slots (domain.py)
     rdep.torch.moe        functional: y = moe(layer, x, experts, gates, w1, w2) with autograd (ops.py)
     rdep.torch.plan / dispatch / combine   the caller's own experts: rdep moves the rows (rows.py)
     torch.ops.rdep.moe_forward / moe_backward, moe_plan / moe_dispatch / moe_combine (+ backward ops)
@@ -10,11 +11,12 @@
 Importing this module registers the ops; the C library is loaded when the first Layer is made.
 """
 
+from .domain import Domain
 from .layer import Layer, get_layer
 from .moe import MoE, MoEOutput, SwiGLU
 from .ops import moe, moe_backward, moe_forward
 from .router import Router, RouterOutput
 from .rows import RoutingPlan, combine, dispatch, plan
 
-__all__ = ["Layer", "get_layer", "moe", "moe_forward", "moe_backward", "Router", "RouterOutput", "MoE",
+__all__ = ["Domain", "Layer", "get_layer", "moe", "moe_forward", "moe_backward", "Router", "RouterOutput", "MoE",
            "MoEOutput", "SwiGLU", "plan", "dispatch", "combine", "RoutingPlan"]

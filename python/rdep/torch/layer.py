@@ -1,7 +1,9 @@
-"""rdep.torch.Layer: one rdep MoE layer and its domain (the C ABI's rdep_layer handle) for PyTorch callers.
+"""rdep.torch.Layer: one rdep MoE layer on a domain (the C ABI's rdep_layer handle) for PyTorch callers.
 
 A Layer fixes the shape (hidden H, ffn F, num_experts E, topk K, max_tokens T per rank), the capacity rule
-and the placement of the W ranks:
+and the placement of the W ranks, which is its domain's (rdep.torch.Domain): `domain=` puts the layer on a
+domain shared with other layers (their balanced layers then share one set of replica slots); without it
+the layer gets a domain of its own (`layer.domain`) from these arguments:
   * backend 'host': all W ranks are threads of this process, fp32, CPU tensors;
   * backend 'cuda' without a process group: all W ranks are driven by this process, sharing GPU 0
     (num_gpus=1; the torch binding passes one tensor for all local ranks, so they must share a GPU);
@@ -30,8 +32,7 @@ from typing import Optional
 import torch
 
 from .. import _capi
-
-_BACKENDS = ("host", "cuda", "auto")
+from .domain import Domain, collector_paused, per_process_fields, raise_bootstrap_error, resolve_backend
 
 _registry: dict[int, "weakref.ref[Layer]"] = {}
 _registry_lock = threading.Lock()
@@ -53,7 +54,7 @@ class _Native:
 
     def __init__(self, ptr: int, keepalive: tuple):
         self.ptr: Optional[int] = ptr
-        self.keepalive = keepalive  # e.g. the allgather callback: C keeps its address
+        self.keepalive = keepalive  # the domain's native state (it keeps the allgather callback C calls alive)
         self.lock = threading.RLock()  # one C call on this layer at a time; guards `live`
         # Live forward contexts: token (the C slot index) -> C context id (layer_calls.py).
         self.live: dict[int, int] = {}
@@ -89,18 +90,6 @@ def _release_quietly(native: _Native, c_id: int, token: int) -> None:
         pass
 
 
-def _resolve_backend(backend: str, device, process_group) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    if process_group is not None:
-        return "cuda"
-    if device is not None and torch.device(device).type == "cuda":
-        return "cuda"
-    return "host"
-
-
 def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
     for name, v in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("topk", topk),
                     ("max_tokens", max_tokens)):
@@ -112,27 +101,6 @@ def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, s
         raise ValueError(f"capacity_factor: expected a finite number >= 0 (0 = dropless), got {capacity_factor!r}")
     if isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int) or segment_tokens < 0:
         raise ValueError(f"segment_tokens: expected an int >= 0 (0 = the backend's default), got {segment_tokens!r}")
-
-
-def _per_process_spec(spec, process_group, world_size, device) -> tuple[int, tuple]:
-    """Fills the per-process CUDA fields of spec from the group: rank = group rank, device = the given
-    CUDA device or the current one, allgather through the group. Returns (W, objects to keep alive)."""
-    from .distributed import ProcessGroupAllgather, group_rank_and_size
-
-    rank, size = group_rank_and_size(process_group)
-    if world_size is None:
-        world_size = size
-    if world_size != size:
-        raise ValueError(f"process_group: its size is {size} but world_size is {world_size} "
-                         "(one process per rank: they must agree)")
-    if not torch.cuda.is_available():
-        raise ValueError("process_group: the per-process CUDA backend needs CUDA, and torch.cuda.is_available() is False")
-    gather = ProcessGroupAllgather(process_group)
-    spec.backend = _capi.BACKEND_CUDA_PER_PROCESS
-    spec.process_rank = rank
-    spec.device = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    spec.allgather = gather.c_function
-    return world_size, (gather,)
 
 
 def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_nodes) -> None:
@@ -172,12 +140,21 @@ class Layer:
         nodes: int = 1,
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
+        domain: Optional[Domain] = None,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
         if expert_compute not in _capi.EXPERT_COMPUTE:
             raise ValueError(f"expert_compute: expected one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
-        resolved = _resolve_backend(backend, device, process_group)
+        if domain is not None:
+            if not isinstance(domain, Domain):
+                raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
+            domain.check_layer_arguments(world_size=world_size, backend=backend, device=device, num_gpus=num_gpus,
+                                         process_group=process_group, barrier_timeout_s=barrier_timeout_s)
+            resolved, world_size, process_group = domain.backend, domain.world_size, domain.process_group
+            device = domain.device
+        else:
+            resolved = resolve_backend(backend, device, process_group)
         if device is not None:
             device = torch.device(device)
             want = "cuda" if resolved == "cuda" else "cpu"
@@ -187,12 +164,14 @@ class Layer:
         spec = _capi.LayerSpec()
         spec.struct_size = ctypes.sizeof(_capi.LayerSpec)
         keepalive: tuple = ()
-        if process_group is not None:
+        if domain is not None:  # the domain fields: the domain's backend and W, the others left 0
+            spec.backend = domain._backend_code
+        elif process_group is not None:
             if resolved != "cuda":
                 raise ValueError(
                     "process_group: a process group selects the per-process CUDA backend; "
                     f"backend={backend!r} runs all ranks in this process (pass no process_group)")
-            world_size, keepalive = _per_process_spec(spec, process_group, world_size, device)
+            world_size, keepalive = per_process_fields(spec, process_group, world_size, device)
         else:
             if world_size is None:
                 world_size = 1
@@ -204,6 +183,8 @@ class Layer:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
         spec.world_size = world_size
+        if domain is None:
+            spec.barrier_timeout_s = float(barrier_timeout_s)
         spec.tokens = max_tokens
         spec.hidden = hidden
         spec.ffn = ffn
@@ -211,7 +192,6 @@ class Layer:
         spec.topk = topk
         spec.capacity_factor = float(capacity_factor)
         spec.segment_tokens = segment_tokens
-        spec.barrier_timeout_s = float(barrier_timeout_s)
         spec.balance = _capi.BALANCE_KINDS[balance]
         spec.balance_slots = balance_slots
         spec.balance_min_quota = balance_min_quota
@@ -222,17 +202,26 @@ class Layer:
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
-        code = L.rdep_layer_create(ctypes.byref(spec), ctypes.byref(ptr))
-        if code != 0 and keepalive and keepalive[0].error is not None:
-            err = keepalive[0].error  # the Python cause of a failed process-group allgather
-            raise RuntimeError(f"rdep_layer_create: the process-group allgather failed: {err!r}") from err
-        _capi.check(code, "rdep_layer_create")
-        self._native = _Native(ptr.value, keepalive)
+        if domain is not None:
+            with domain._native.lock, collector_paused(bool(domain._native.keepalive)):
+                code = L.rdep_layer_create_on(domain._live_ptr(), ctypes.byref(spec), ctypes.byref(ptr))
+                raise_bootstrap_error(code, domain._native.keepalive, "rdep_layer_create_on")
+            self._native = _Native(ptr.value, (domain._native,))
+        else:
+            code = L.rdep_layer_create(ctypes.byref(spec), ctypes.byref(ptr))
+            raise_bootstrap_error(code, keepalive, "rdep_layer_create")
+            self._native = _Native(ptr.value, keepalive)
         try:
+            if domain is None:  # the layer's own domain, as a Domain other layers can be made on
+                dptr = _capi.DomainPtr()
+                _capi.check(L.rdep_layer_domain(ptr.value, ctypes.byref(dptr)), "rdep_layer_domain")
+                domain = Domain._adopt(dptr.value, keepalive, resolved, world_size, spec, process_group, device)
+                self._native.keepalive = (domain._native,)
             self._query(resolved, device, world_size)
         except BaseException:
             self._native.close()
             raise
+        self.domain = domain
 
         self.hidden, self.ffn, self.num_experts, self.topk, self.max_tokens = hidden, ffn, num_experts, topk, max_tokens
         self.world_size = world_size
@@ -336,6 +325,15 @@ class Layer:
                 _capi.check(L.rdep_context_bytes(p, c_id, ctypes.byref(b)), "rdep_context_bytes")
                 total += b.value
         return total
+
+    def replica_slot_bytes(self) -> int:
+        """Bytes per rank of the replica slots this layer uses (weights and gradients; 0 with balancing off).
+        They belong to its domain and are shared with the domain's other balanced layers of the same slot
+        size: count them once per domain (Domain.memory()), not once per layer."""
+        b = ctypes.c_size_t()
+        _capi.check(_capi.lib().rdep_layer_replica_slot_bytes(self._live_ptr(), ctypes.byref(b)),
+                    "rdep_layer_replica_slot_bytes")
+        return b.value
 
     def close(self) -> None:
         """Frees the C layer now (contexts still alive become invalid; later calls raise ValueError)."""

@@ -16,7 +16,12 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
   balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
       rounding (on CUDA: its tests passed on an H100; the device chunk relays are written, not yet run
-      on a GPU). Each module has a domain of its own, so modules do not share replica slots yet
+      on a GPU). The replica slots belong to the module's domain: pass one rdep.torch.Domain to every
+      MoE of a model (domain=) and its balanced modules share one set of slots per slot size
+  domain=rdep.torch.Domain(...): the ranks and placement the module runs on, shared with other modules
+      (their layers' calls may interleave in any order); world_size, backend, device, num_gpus,
+      process_group and barrier_timeout_s are then the domain's (a different value is refused, naming
+      it). Without it the module gets a domain of its own (module.layer.domain)
   nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
       router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); on CUDA
       written, not yet run on a GPU (not with expert_compute='cutlass')
@@ -44,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
+from .domain import Domain
 from .layer import Layer
 from .router import Router
 
@@ -122,6 +128,7 @@ class MoE(nn.Module):
         nodes: int = 1,
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
+        domain: Optional[Domain] = None,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -129,7 +136,7 @@ class MoE(nn.Module):
             world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
-            max_nodes=max_nodes, expert_compute=expert_compute)
+            max_nodes=max_nodes, expert_compute=expert_compute, domain=domain)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
@@ -217,6 +224,9 @@ class MoE(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         dev = self.w1.device
         if dev.type != self.layer.device.type or (dev.type == "cuda" and dev != self.layer.device):
+            if self._layer_args["domain"] is not None:
+                raise ValueError(f"device: this MoE runs on an rdep.torch.Domain on {self.layer.device}; it cannot "
+                                 f"move to {dev} (build the modules on a Domain there)")
             if self._backend_arg != "auto":
                 raise ValueError(f"device: this MoE was built with backend={self._backend_arg!r} "
                                  f"(device {self.layer.device}); it cannot move to {dev}. Use backend='auto'.")
