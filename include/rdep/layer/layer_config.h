@@ -94,16 +94,31 @@ struct ExternalWeights {
 struct LayerRegions {
   RegionId control = -1, payload = -1, sideband = -1, ret = -1;
 
+  // A failure part-way frees what it had allocated (the domain may outlive the layer: C ABI v4).
   static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l) {
     LayerRegions r;
-    RDEP_ASSIGN_OR_RETURN(r.control, d.AllocateSymmetric(l.control_bytes(), "control"));
-    RDEP_ASSIGN_OR_RETURN(r.payload, d.AllocateSymmetric(l.payload_bytes(), "segment.payload"));
-    RDEP_ASSIGN_OR_RETURN(r.sideband, d.AllocateSymmetric(l.sideband_bytes(), "segment.sideband"));
-    RDEP_ASSIGN_OR_RETURN(r.ret, d.AllocateSymmetric(l.return_bytes(), "return"));
+    struct Part {
+      RegionId* id;
+      size_t bytes;
+      const char* name;
+    };
+    const Part parts[] = {{&r.control, l.control_bytes(), "control"},
+                          {&r.payload, l.payload_bytes(), "segment.payload"},
+                          {&r.sideband, l.sideband_bytes(), "segment.sideband"},
+                          {&r.ret, l.return_bytes(), "return"}};
+    for (const Part& p : parts) {
+      StatusOr<RegionId> got = d.AllocateSymmetric(p.bytes, p.name);
+      if (!got.ok()) {
+        r.Free(d);
+        return got.status();
+      }
+      *p.id = *got;
+    }
     return r;
   }
   void Free(Domain& d) const {
-    for (RegionId id : {control, payload, sideband, ret}) d.FreeSymmetric(id);
+    for (RegionId id : {control, payload, sideband, ret})
+      if (id >= 0) d.FreeSymmetric(id);
   }
 };
 
