@@ -162,7 +162,11 @@ int32_t rdep_cuda_device_count(void);
  * created on the domain holds one more, and the domain is freed with the last (so it may be destroyed
  * before or after its layers, in any order). rdep_domain_destroy drops the caller's reference; using
  * that handle afterwards is undefined, as for any freed handle. In the per-process mode creating a
- * domain, and each layer on it, is collective (every process, in the same order). */
+ * domain, and each layer on it, is collective (every process, in the same order); so is destroying a
+ * balanced layer: whether the next balanced layer allocates the shared replica slots (a collective)
+ * or reuses them depends on the layers this process still holds, so processes that free balanced
+ * layers in different orders and then create another can hang. The allgather callback must not
+ * destroy a layer of the same domain (the domain's lock is held while it runs). */
 int rdep_domain_create(const rdep_domain_spec* spec, rdep_domain** out);
 void rdep_domain_destroy(rdep_domain* domain);
 int rdep_domain_local_ranks(const rdep_domain* domain, int32_t* first, int32_t* count);
