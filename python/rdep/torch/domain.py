@@ -94,6 +94,29 @@ def collector_paused(paused: bool = True):
             gc.enable()
 
 
+class CHandle:
+    """What rdep.torch's handles to C state (Domain, Layer) share: copies and deep copies are the same
+    handle (modules copied with copy.deepcopy keep sharing it; a fresh one would be a collective only
+    one rank ran), pickling is refused with a hint, and `with` closes it."""
+
+    _pickle_hint = ""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError(f"an rdep.torch.{type(self).__name__} (a handle to C state) cannot be pickled; {self._pickle_hint}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class _DomainNative:
     """Owns one reference to the rdep_domain* and the Python objects its C side calls (the process-group
     allgather). Every Layer's native state holds this object, so the callback outlives every C layer on
@@ -117,13 +140,15 @@ class _DomainNative:
             pass
 
 
-class Domain:
+class Domain(CHandle):
     """W ranks and their placement, shared by the layers made on it (see the module docstring).
 
     backend 'host': all W ranks are threads of this process (fp32, CPU tensors); 'cuda' without a process
     group: all W ranks driven by this process, sharing one GPU (num_gpus=1); 'cuda' with a process group:
     this process is rank group.rank() of W = group.size(), on `device` or the current CUDA device; 'auto'
     picks 'cuda' when a process group is given or the device is a CUDA device, else 'host'."""
+
+    _pickle_hint = "build it again and pass it to the modules"
 
     def __init__(
         self,
@@ -273,23 +298,6 @@ class Domain:
         if barrier_timeout_s != 0 and float(barrier_timeout_s) != self.barrier_timeout_s:
             raise ValueError(f"barrier_timeout_s: {barrier_timeout_s!r} differs from the domain's "
                              f"barrier_timeout_s={self.barrier_timeout_s:g}")
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        # Deep-copied modules keep sharing their domain (and so their replica slots), like their layers.
-        return self
-
-    def __reduce__(self):
-        raise TypeError("an rdep.torch.Domain (a handle to C state) cannot be pickled; build it again and pass it "
-                        "to the modules")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .. import _capi
-from .domain import Domain, collector_paused, per_process_fields, raise_bootstrap_error, resolve_backend
+from .domain import CHandle, Domain, collector_paused, per_process_fields, raise_bootstrap_error, resolve_backend
 
 _registry: dict[int, "weakref.ref[Layer]"] = {}
 _registry_lock = threading.Lock()
@@ -114,8 +114,10 @@ def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_
         raise ValueError(f"max_nodes: expected 0 (no cap) or at most nodes={nodes}, got {max_nodes}")
 
 
-class Layer:
+class Layer(CHandle):
     """One rdep MoE layer (shape, capacity rule, ranks and their placement). See the module docstring."""
+
+    _pickle_hint = "save the module's state_dict() and build the module again"
 
     def __init__(
         self,
@@ -339,24 +341,6 @@ class Layer:
         """Frees the C layer now (contexts still alive become invalid; later calls raise ValueError)."""
         self._native.close()
         _registry.pop(self.id, None)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        # A deep-copied module shares its layer handle: a layer holds no parameters, calls on it are
-        # serialized, and a fresh one would be a collective (per-process CUDA) that only one rank ran.
-        return self
-
-    def __reduce__(self):
-        raise TypeError("an rdep.torch.Layer (a handle to C state) cannot be pickled; save the module's "
-                        "state_dict() and build the module again")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self) -> str:
         cap = "dropless" if self.capacity_factor == 0 else f"capacity_factor={self.capacity_factor:g}"
