@@ -401,13 +401,7 @@ int rdep_layer_describe(const rdep_layer* l, char* buf, size_t cap, size_t* need
   return Guard([&]() -> rdep::Status {
     std::ostringstream os;
     os << l->config << "; " << l->adapter->placement();
-    const std::string s = os.str();
-    if (needed) *needed = s.size();
-    if (buf && cap > 0) {
-      const size_t n = std::min(cap - 1, s.size());
-      std::memcpy(buf, s.data(), n);
-      buf[n] = '\0';
-    }
+    rdep::capi::CopyOutString(os.str(), buf, cap, needed);
     return rdep::Status::Ok();
   });
 }

@@ -189,13 +189,7 @@ int rdep_domain_describe(const rdep_domain* d, char* buf, size_t cap, size_t* ne
     std::ostringstream os;
     os << d->domain->backend_name() << " domain, W=" << d->domain->num_ranks() << ": " << d->domain->placement() << " ("
        << d->domain->transport_name() << ")";
-    const std::string s = os.str();
-    if (needed) *needed = s.size();
-    if (buf && cap > 0) {
-      const size_t n = std::min(cap - 1, s.size());
-      std::memcpy(buf, s.data(), n);
-      buf[n] = '\0';
-    }
+    rdep::capi::CopyOutString(os.str(), buf, cap, needed);
     return rdep::Status::Ok();
   });
 }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,17 @@ inline int Fail(const Status& s) {
   return static_cast<int>(s.code());
 }
 inline int FailInvalid(const std::string& m) { return Fail(InvalidArgument(m)); }
+
+// Writes s into the caller's buffer (truncated to cap - 1 bytes, NUL-terminated) and its full length
+// into *needed: the describe calls' contract.
+inline void CopyOutString(const std::string& s, char* buf, size_t cap, size_t* needed) {
+  if (needed) *needed = s.size();
+  if (buf && cap > 0) {
+    const size_t n = s.size() < cap - 1 ? s.size() : cap - 1;
+    std::memcpy(buf, s.data(), n);
+    buf[n] = '\0';
+  }
+}
 
 // Runs fn (returning a Status) and turns its error, or any C++ exception, into a code and message.
 template <typename Fn>

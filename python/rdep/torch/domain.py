@@ -71,6 +71,31 @@ def per_process_fields(spec, process_group, world_size, device) -> tuple[int, tu
     return world_size, (gather,)
 
 
+def placement_fields(spec, resolved: str, backend: str, world_size, num_gpus, process_group, device) -> tuple[int, tuple]:
+    """Fills the placement fields of spec (a DomainSpec or LayerSpec: backend, world size, GPUs, and the
+    per-process fields from a process group), checking each argument. Returns (W, objects to keep
+    alive)."""
+    keepalive: tuple = ()
+    if process_group is not None:
+        if resolved != "cuda":
+            raise ValueError(
+                "process_group: a process group selects the per-process CUDA backend; "
+                f"backend={backend!r} runs all ranks in this process (pass no process_group)")
+        world_size, keepalive = per_process_fields(spec, process_group, world_size, device)
+    else:
+        if world_size is None:
+            world_size = 1
+        spec.backend = _capi.BACKEND_HOST if resolved == "host" else _capi.BACKEND_CUDA_ONE_PROCESS
+        if resolved == "cuda":
+            if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 0:
+                raise ValueError(f"num_gpus: expected an int >= 0, got {num_gpus!r}")
+            spec.num_gpus = num_gpus
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    spec.world_size = world_size
+    return world_size, keepalive
+
+
 def raise_bootstrap_error(code: int, keepalive: tuple, what: str) -> None:
     """Re-raises a failed process-group allgather's Python exception (chained), else the C error."""
     if code != 0 and keepalive and keepalive[0].error is not None:
@@ -168,24 +193,7 @@ class Domain(CHandle):
                 raise ValueError(f"device: the {resolved} backend runs on {want} tensors, got device={device}")
         spec = _capi.DomainSpec()
         spec.struct_size = ctypes.sizeof(_capi.DomainSpec)
-        keepalive: tuple = ()
-        if process_group is not None:
-            if resolved != "cuda":
-                raise ValueError(
-                    "process_group: a process group selects the per-process CUDA backend; "
-                    f"backend={backend!r} runs all ranks in this process (pass no process_group)")
-            world_size, keepalive = per_process_fields(spec, process_group, world_size, device)
-        else:
-            if world_size is None:
-                world_size = 1
-            spec.backend = _capi.BACKEND_HOST if resolved == "host" else _capi.BACKEND_CUDA_ONE_PROCESS
-            if resolved == "cuda":
-                if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 0:
-                    raise ValueError(f"num_gpus: expected an int >= 0, got {num_gpus!r}")
-                spec.num_gpus = num_gpus
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-            raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
-        spec.world_size = world_size
+        world_size, keepalive = placement_fields(spec, resolved, backend, world_size, num_gpus, process_group, device)
         spec.barrier_timeout_s = float(barrier_timeout_s)
         ptr = _capi.DomainPtr()
         code = _capi.lib().rdep_domain_create(ctypes.byref(spec), ctypes.byref(ptr))

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .. import _capi
-from .domain import CHandle, Domain, collector_paused, per_process_fields, raise_bootstrap_error, resolve_backend
+from .domain import CHandle, Domain, collector_paused, placement_fields, raise_bootstrap_error, resolve_backend
 
 _registry: dict[int, "weakref.ref[Layer]"] = {}
 _registry_lock = threading.Lock()
@@ -168,23 +168,9 @@ class Layer(CHandle):
         keepalive: tuple = ()
         if domain is not None:  # the domain fields: the domain's backend and W, the others left 0
             spec.backend = domain._backend_code
-        elif process_group is not None:
-            if resolved != "cuda":
-                raise ValueError(
-                    "process_group: a process group selects the per-process CUDA backend; "
-                    f"backend={backend!r} runs all ranks in this process (pass no process_group)")
-            world_size, keepalive = per_process_fields(spec, process_group, world_size, device)
+            spec.world_size = world_size  # the domain's, checked when it was made
         else:
-            if world_size is None:
-                world_size = 1
-            spec.backend = _capi.BACKEND_HOST if resolved == "host" else _capi.BACKEND_CUDA_ONE_PROCESS
-            if resolved == "cuda":
-                if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 0:
-                    raise ValueError(f"num_gpus: expected an int >= 0, got {num_gpus!r}")
-                spec.num_gpus = num_gpus
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-            raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
-        spec.world_size = world_size
+            world_size, keepalive = placement_fields(spec, resolved, backend, world_size, num_gpus, process_group, device)
         if domain is None:
             spec.barrier_timeout_s = float(barrier_timeout_s)
         spec.tokens = max_tokens
