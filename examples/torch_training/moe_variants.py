@@ -341,6 +341,17 @@ def torchtitan_status() -> tuple[bool, str]:
         return True, "unknown version"
 
 
+def _shim_non_strict_tracing() -> bool:
+    """torchtitan 0.3.0's AllToAllTokenDispatcher (the path under torchrun) calls
+    torch.compiler._is_non_strict_tracing(), which some torch releases lack (2.11.0 raised
+    AttributeError under torchrun on a 2-GPU H100 machine; 2.15 has it). This eager training loop never
+    traces, so the answer is False: define it when missing and return True so the label records it."""
+    if hasattr(torch.compiler, "_is_non_strict_tracing"):
+        return False
+    torch.compiler._is_non_strict_tracing = lambda: False
+    return True
+
+
 class TitanMoE(nn.Module):
     """torchtitan.models.common.moe.MoE built from its Config classes with the Moonlight router settings
     (as torchtitan's own Moonlight config: sigmoid, route_norm, route_scale; load_balance_coeff = the bias
@@ -391,6 +402,8 @@ class TitanMoE(nn.Module):
             from torchtitan.distributed.utils import set_spmd_backend
 
             set_spmd_backend("dtensor")  # plain all_to_all_single on the mesh's group, no spmd_types checking
+            if _shim_non_strict_tracing():
+                self.label += f" [torch {torch.__version__} lacks torch.compiler._is_non_strict_tracing: shimmed to False]"
             mesh = DeviceMesh.from_group(group, device_type=device.type, mesh_dim_names=("ep",))
             self.moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
 

@@ -25,6 +25,7 @@ T* Upload(const std::vector<T>& h) {
   EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)), cudaSuccess);
   if (!h.empty()) {
     EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // landed before a non-blocking stream reads it
   }
   return static_cast<T*>(d);
 }
@@ -114,6 +115,7 @@ void Compare(const LayerShape& s, double capacity) {
     cudaMemset(d_dx[r], 0xff, static_cast<size_t>(routing[r].num_tokens * H) * 2);
     cudaMemset(d_dg[r], 0xff, static_cast<size_t>(routing[r].num_tokens * K) * 4);
   }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy-stream poison lands before the layer's streams write
 
   rdep_layer_spec spec{};
   spec.struct_size = sizeof spec;

@@ -44,13 +44,19 @@ class DeviceBuffer {
   void upload(const std::vector<T>& v) {
     ASSERT_EQ(v.size(), n_);
     ASSERT_EQ(cudaMemcpy(p_, v.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // done before work on a non-blocking stream reads it
   }
   std::vector<T> download() const {
     std::vector<T> v(n_);
     EXPECT_EQ(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return v;
   }
-  void poison() { ASSERT_EQ(cudaMemset(p_, 0xFF, n_ * sizeof(T)), cudaSuccess); }  // bf16 0xFFFF / fp32 NaN
+  // bf16 0xFFFF / fp32 NaN. cudaMemset runs on the legacy stream, which a non-blocking stream does not
+  // wait for: finish it before the code under test runs, or its overwrite can land before the poison.
+  void poison() {
+    ASSERT_EQ(cudaMemset(p_, 0xFF, n_ * sizeof(T)), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
 
  private:
   T* p_ = nullptr;

@@ -23,13 +23,21 @@ struct Dev {
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
-  void Upload(const std::vector<T>& v) { ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  // Upload and Poison finish before returning: the code under test runs on non-blocking streams, which
+  // do not wait for the legacy stream's copies and memsets.
+  void Upload(const std::vector<T>& v) {
+    ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   std::vector<T> Download() const {
     std::vector<T> v(n);
     EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return v;
   }
-  void Poison() { ASSERT_EQ(cudaMemset(p, 0xFF, n * sizeof(T)), cudaSuccess); }
+  void Poison() {
+    ASSERT_EQ(cudaMemset(p, 0xFF, n * sizeof(T)), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   __nv_bfloat16* bf() const { return reinterpret_cast<__nv_bfloat16*>(p); }
 };
 

@@ -123,6 +123,7 @@ Status PrepareExperts(const Problem& p, const CudaMoELayer& layer, int32_t r, in
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&ex.dw2, std::max<size_t>(w2.size(), 1) * 4));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ex.dw1, 0, std::max<size_t>(w1.size(), 1) * 4));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ex.dw2, 0, std::max<size_t>(w2.size(), 1) * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the domain's non-blocking streams do not wait for it
   return Status::Ok();
 }
 
@@ -132,6 +133,7 @@ Status AllocRows(int64_t M, int64_t H, int64_t F, CallerExperts& ex) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(q, rows * static_cast<size_t>(H) * 2));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&ex.h, rows * static_cast<size_t>(2 * F) * 2));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ex.recv, 0xFF, rows * static_cast<size_t>(H) * 2));  // poisoned (bf16 NaN)
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // landed before the domain's non-blocking streams write
   return Status::Ok();
 }
 
