@@ -9,9 +9,9 @@ fp32 from the layer and autograd casts them to the parameters' dtype, which this
 Routing: each token's K experts drawn uniformly without replacement, gates a softmax over them (the
 distribution of `rdep bench layer --routing uniform`, not the same draw).
 
-    python3 bench/torch_layer_bench.py --tokens 4096 --json out.json
-Compare with, in the same device call:
-    build-dev/bin/rdep bench layer --ranks 1 --json layer.json
+    python3 bench/torch_layer_bench.py --expert-compute cutlass --json out.json
+Compare with, in the same device call (bf16 weight gradients there too, the same work):
+    build-dev/bin/rdep bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json layer.json
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ def make_inputs(a, device):
 
 
 def time_loop(fn, warmup: int, iters: int) -> tuple[list[float], list[float]]:
-    """GPU time per call (events on the current stream) and host time per call (the Python call's wall
-    time, which includes the layer's one host wait for its per-expert counts)."""
+    """GPU time per call (events on the current stream around each call) and host time per call (the
+    Python call's wall time, which includes any host wait of the layer: with cuBLASLt one per forward for
+    the per-expert counts). As `rdep bench layer` does, the loop synchronizes only at its end, so a layer
+    that does not wait on the host lets the host run ahead and the events time the GPU's work."""
     for _ in range(warmup):
         fn()
-    times, host = [], []
+    torch.cuda.synchronize()
+    events, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -59,9 +62,9 @@ def time_loop(fn, warmup: int, iters: int) -> tuple[list[float], list[float]]:
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times, host
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events], host
 
 
 def main() -> int:
@@ -74,6 +77,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--expert-compute", default="cublaslt", choices=["cublaslt", "cutlass"],
+                   help="the layer's expert compute (cutlass: no host wait, as rdep bench layer --expert-compute cutlass)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -82,7 +87,8 @@ def main() -> int:
     import rdep.torch as rt
 
     device = torch.device("cuda", torch.cuda.current_device())
-    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend="cuda", device=device)
+    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend="cuda", device=device,
+                     expert_compute=a.expert_compute)
     x, experts, gates, w1, w2, dy = make_inputs(a, device)
 
     def forward():

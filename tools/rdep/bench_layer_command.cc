@@ -53,6 +53,9 @@ flags [defaults: the Moonlight shape]:
   --min-quota U        with --balance ultraep: rows a replica carries at least [1]
   --expert-compute X   cublaslt | cutlass: cutlass reads the per-expert counts on the GPU, so the layer
                        never waits on the host (one segment, no balancing) [cublaslt]
+  --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 binds bf16
+                       copies of the layer's weights with bf16 gradients, as rdep.torch does for bf16
+                       parameters (needs one segment and no --balance)
   --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
                        replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -89,6 +92,7 @@ struct LayerBenchOptions {
   uint64_t seed = 0;
   std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
   bool graph = false;          // also time CUDA-graph replays
+  bool bf16_grads = false;     // --grads bf16: bind bf16 weights with bf16 gradients (rdep.torch's case)
   rdep::cli::Limits limits;
 };
 
@@ -134,12 +138,17 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.cfg.balance.min_quota = f.get_int("min-quota", 1);
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
+  const std::string grads = f.get_string("grads", "fp32");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
   if (int rc = ReadBalanceFlags(balance, slots_given, min_quota_given, slots, o.cfg); rc != 0) return rc;
   auto compute = rdep::ParseExpertCompute(expert_compute);
   if (!compute.ok()) return Refuse("--expert-compute: " + compute.status().message());
   o.cfg.expert_compute = *compute;
+  if (grads != "fp32" && grads != "bf16") return Refuse("--grads must be fp32 or bf16, got '" + grads + "'");
+  o.bf16_grads = grads == "bf16";
+  if (o.bf16_grads && (o.cfg.balance.enabled() || (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.ranks * s.tokens)))
+    return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
   if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled() ||
                   (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.tokens)))
     return Refuse("--graph needs --ranks 1, --expert-compute cutlass, one segment and no --balance (the layer must not wait "
@@ -165,6 +174,8 @@ struct RankBuffers {
   int32_t* experts = nullptr;
   float *gates = nullptr, *dgates = nullptr;
   __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  // --grads bf16: bf16 copies of the layer's weights and their bf16 gradients, bound to the rank.
+  __nv_bfloat16 *w1 = nullptr, *w2 = nullptr, *dw1 = nullptr, *dw2 = nullptr;
   std::vector<cudaEvent_t> ev;
 };
 
@@ -189,11 +200,29 @@ Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std:
   return Status::Ok();
 }
 
+// --grads bf16, on rank r's thread: the layer's own weights copied to bf16 buffers of the bench, bound
+// with bf16 gradient buffers (ExternalWeights<bf16, bf16>), so backward writes bf16 gradients once.
+Status BindBf16Grads(rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b) {
+  for (int which = 0; which < 2; ++which) {
+    RDEP_ASSIGN_OR_RETURN(std::vector<float> w, layer.CopyWeights(r, which == 1));
+    std::vector<uint16_t> bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bits[i] = rdep::FloatToBf16Bits(w[i]);
+    __nv_bfloat16** dst = which ? &b.w2 : &b.w1;
+    __nv_bfloat16** grad = which ? &b.dw2 : &b.dw1;
+    const size_t bytes = std::max<size_t>(bits.size(), 1) * 2;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(dst, bytes));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(grad, bytes));
+    if (!bits.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(*dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+  }
+  return layer.BindExpertWeights(r, rdep::ExternalWeights<__nv_bfloat16, __nv_bfloat16>{b.w1, b.w2, b.dw1, b.dw2});
+}
+
 void FreeRankBuffers(rdep::CudaDomain& domain, std::vector<RankBuffers>& bufs) {
   for (size_t r = 0; r < bufs.size(); ++r) {
     cudaSetDevice(domain.device(static_cast<int32_t>(r)));
     for (void* p : {static_cast<void*>(bufs[r].experts), static_cast<void*>(bufs[r].gates), static_cast<void*>(bufs[r].dgates),
-                    static_cast<void*>(bufs[r].x), static_cast<void*>(bufs[r].y), static_cast<void*>(bufs[r].dy), static_cast<void*>(bufs[r].dx)})
+                    static_cast<void*>(bufs[r].x), static_cast<void*>(bufs[r].y), static_cast<void*>(bufs[r].dy), static_cast<void*>(bufs[r].dx),
+                    static_cast<void*>(bufs[r].w1), static_cast<void*>(bufs[r].w2), static_cast<void*>(bufs[r].dw1), static_cast<void*>(bufs[r].dw2)})
       cudaFree(p);
     for (auto e : bufs[r].ev) cudaEventDestroy(e);
   }
@@ -356,6 +385,7 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
   RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
     const auto sr = static_cast<size_t>(r);
     RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, total));
+    if (o.bf16_grads) RDEP_RETURN_IF_ERROR(BindBf16Grads(layer, r, bufs[sr]));
     RDEP_RETURN_IF_ERROR(TimeRankPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.fwd[sr],
                                         res.fwdbwd[sr]));
     res.bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes();  // one layer: the shared slots are all its own
@@ -443,6 +473,7 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
               static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
   std::printf("  placement: %s\n", setup.domain->placement().c_str());
+  if (o.bf16_grads) std::printf("  weight gradients: bf16 (bound bf16 copies of the weights, as rdep.torch's bf16 parameters)\n");
   if (cfg.expert_compute != rdep::ExpertComputeKind::kCublasLt)
     std::printf("  expert compute: %s (the counts read on the GPU: no host wait in the layer)\n",
                 rdep::ExpertComputeName(cfg.expert_compute));
@@ -486,7 +517,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   j.key("owner_rows").value(std::vector<double>(tel.owner_loads.begin(), tel.owner_loads.end())).end_object();
   rdep::bench::WriteSummary(j, "forward", res.f_max);
   rdep::bench::WriteSummary(j, "forward_backward", res.fb_max);
-  j.field("expert_compute", rdep::ExpertComputeName(o.cfg.expert_compute));
+  j.field("expert_compute", rdep::ExpertComputeName(o.cfg.expert_compute)).field("weight_grads", o.bf16_grads ? "bf16" : "fp32");
   if (o.graph) {
     rdep::bench::WriteSummary(j, "graph_forward", rdep::MaxOverRanks(res.graph_fwd));
     rdep::bench::WriteSummary(j, "graph_forward_backward", rdep::MaxOverRanks(res.graph_fwdbwd));
