@@ -110,3 +110,13 @@ def test_torchtitan_choice_is_labeled_honestly():
         assert run["kind"] == "reference" and run["label"] == REFERENCE_LABEL
         assert "torchtitan does not import" in run["note"]
     assert all(math.isfinite(x) for x in run["loss"])
+
+
+def test_compiled_rdep_model_trains_like_the_eager_one(both):
+    """--compile: torch.compile traces the model through rdep's custom ops (fake implementations) and the
+    compiled steps give the eager losses (the same ops; inductor may reorder fp32 sums, so a tolerance)."""
+    receipt, _ = both
+    compiled = train.main(TINY + ["--moe", "rdep", "--steps", "3", "--compile"])
+    assert compiled["config"]["args"]["compile"] is True
+    for a, b in zip(compiled["variants"][0]["loss"], receipt["variants"][0]["loss"][:3]):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-3)

@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--agree-to", type=int, default=200)
     o.add_argument("--warmup-steps-timing", type=int, default=5, help="steps left out of the tokens/s median")
     o.add_argument("--print-every", type=int, default=1)
+    o.add_argument("--compile", action="store_true",
+                   help="torch.compile each variant's model (nn.Module.compile; TorchTitan trains compiled by default)")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
@@ -293,6 +295,8 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dd.device)
     model = build_model(kind, cfg, a, dd)
+    if a.compile:
+        model.compile()  # in place: the module and its MoE layers stay reachable as before
     label = model.moe_layers()[0].label if model.moe_layers() else kind
     experts, dense = expert_and_dense(model)
     opt = make_optimizer(model, a, dd.device)
