@@ -343,6 +343,9 @@ __global__ void ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* groupe
   }
 }
 
+// y[t] = sum over k of (weights[t*K+k] or 1) * ret[t*K+k], fp32 in slot order k = 0..K-1 (one fused
+// multiply-add per slot, so the vector kernel below gives the same bits); save (when given) keeps each
+// returned row (zeros for a dropped slot), the rows dgate reads in backward.
 __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H,
                               bf16_bits* y, bf16_bits* save) {
   const int64_t t = blockIdx.x;
@@ -356,9 +359,38 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
       }
       const bf16_bits v = ret[i * H + c];
       if (save) save[i * H + c] = v;
-      acc += (weights ? weights[i] : 1.f) * Bf(v);
+      acc = __fmaf_rn(weights ? weights[i] : 1.f, Bf(v), acc);
     }
     y[t * H + c] = ToBf(acc);
+  }
+}
+
+// The same with 16-byte accesses (8 bf16 per thread and load) for H % 8 == 0 and 16-byte aligned rows:
+// the combine reads K rows and writes K saved rows and one output row per token, so it is bound by
+// bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md).
+__global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
+                                  uint4* y, uint4* save) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < H8; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = t * K + k;
+      if (!accepted[i]) {
+        if (save) save[i * H8 + c] = make_uint4(0u, 0u, 0u, 0u);
+        continue;
+      }
+      const uint4 v = ret[i * H8 + c];
+      if (save) save[i * H8 + c] = v;
+      const float w = weights ? weights[i] : 1.f;
+      const auto* b = reinterpret_cast<const bf16_bits*>(&v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+    }
+    uint4 out;
+    auto* o = reinterpret_cast<bf16_bits*>(&out);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
+    y[t * H8 + c] = out;
   }
 }
 
@@ -501,6 +533,15 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K, int64_t H,
                      bf16_bits* y, bf16_bits* save, cudaStream_t s) {
   if (n == 0) return Status::Ok();
+  const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
+    const int64_t H8 = H / 8;
+    const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
+    CombineKernelVec8<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
+                                                                    reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
+    RDEP_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
   const int threads = H >= 256 ? 256 : static_cast<int>(((H + 31) / 32) * 32);
   CombineKernel<<<static_cast<unsigned>(n), threads, 0, s>>>(ret, accepted, weights, K, H, y, save);
   RDEP_CUDA_CHECK_LAUNCH();

@@ -110,7 +110,9 @@ Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, in
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
                         void* const* return_of, cudaStream_t s, const int64_t* device_rows = nullptr);
 // Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
-// slots (w = effective gate, or 1 when weights is null). save (nullable) receives the accepted rows.
+// slots (w = effective gate, or 1 when weights is null; one fused multiply-add per slot, rounded to bf16
+// once). save (nullable) receives every slot's row, zeros for a dropped slot. 16-byte accesses when H % 8
+// == 0 and ret, y and save are 16-byte aligned, 2-byte ones otherwise (the same bits).
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
                      int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
 // dgate: dL/dg'_k = <dy_t, f_k> (fp32), then the chain rule through the capacity renormalization

@@ -1,0 +1,133 @@
+// The front-end combine (LaunchCombine) on the GPU against a host reference with the same arithmetic
+// (one fused multiply-add per slot in slot order, fp32, rounded once to bf16): y bitwise, the saved
+// rows bitwise (zeros for dropped slots), bytes past the outputs untouched. Fresh random rows, gates
+// and drops per case; outputs poisoned first. Covers the 16-byte kernel (H % 8 == 0, aligned) and the
+// 2-byte kernel (H % 8 != 0, or an output 2 bytes off alignment). Skips without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "rdep/cuda/bf16.h"
+#include "rdep/dispatch/dispatch_kernels.h"
+
+namespace rdep::dispatch {
+namespace {
+
+bool HaveGpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN
+
+struct CombineCase {
+  std::string name;
+  int64_t n, K, H;
+  bool weighted, with_save;
+  int64_t y_offset;  // elements: 1 puts y 2 bytes off 16-byte alignment
+};
+
+template <typename T>
+T* ToDevice(const std::vector<T>& h) {
+  void* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)), cudaSuccess);
+  if (!h.empty()) {
+    EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  return static_cast<T*>(d);
+}
+
+template <typename T>
+std::vector<T> ToHost(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n) {
+    EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  return h;
+}
+
+class CombineKernel : public ::testing::TestWithParam<CombineCase> {};
+
+TEST_P(CombineKernel, MatchesTheHostReferenceBitwise) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  const CombineCase& c = GetParam();
+  const auto nk = static_cast<size_t>(c.n * c.K), nh = static_cast<size_t>(c.n * c.H);
+  std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.K * 17 + c.H));
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> unit(0.f, 1.f);
+  std::vector<uint16_t> ret(nk * static_cast<size_t>(c.H));
+  for (auto& v : ret) v = FloatToBf16Bits(normal(rng));
+  std::vector<uint8_t> accepted(nk);
+  std::vector<float> weights(nk);
+  for (size_t i = 0; i < nk; ++i) {
+    accepted[i] = unit(rng) < 0.8f ? 1 : 0;  // about one slot in five dropped
+    weights[i] = unit(rng);
+  }
+  // Host reference: the kernel's arithmetic, slot by slot.
+  std::vector<uint16_t> want_y(nh), want_save(ret.size(), 0);
+  for (int64_t t = 0; t < c.n; ++t)
+    for (int64_t h = 0; h < c.H; ++h) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < c.K; ++k) {
+        const auto i = static_cast<size_t>(t * c.K + k), at = i * static_cast<size_t>(c.H) + static_cast<size_t>(h);
+        if (!accepted[i]) continue;
+        want_save[at] = ret[at];
+        acc = std::fmaf(c.weighted ? weights[i] : 1.f, Bf16BitsToFloat(ret[at]), acc);
+      }
+      want_y[static_cast<size_t>(t * c.H + h)] = FloatToBf16Bits(acc);
+    }
+
+  const size_t y_len = nh + static_cast<size_t>(c.y_offset) + 8, save_len = ret.size() + 8;  // 8 guard elements each
+  uint16_t* d_ret = ToDevice(ret);
+  uint8_t* d_acc = ToDevice(accepted);
+  float* d_w = ToDevice(weights);
+  uint16_t* d_y = ToDevice(std::vector<uint16_t>(y_len, kPoison));
+  uint16_t* d_save = ToDevice(std::vector<uint16_t>(save_len, kPoison));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const Status st = LaunchCombine(d_ret, d_acc, c.weighted ? d_w : nullptr, c.n, c.K, c.H, d_y + c.y_offset,
+                                  c.with_save ? d_save : nullptr, s);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const auto y = ToHost(d_y, y_len), save = ToHost(d_save, save_len);
+  for (int64_t i = 0; i < c.y_offset; ++i) ASSERT_EQ(y[static_cast<size_t>(i)], kPoison) << "y written before its start";
+  for (size_t i = 0; i < nh; ++i)
+    ASSERT_EQ(y[i + static_cast<size_t>(c.y_offset)], want_y[i]) << "y element " << i << " (token " << i / static_cast<size_t>(c.H) << ")";
+  for (size_t i = nh + static_cast<size_t>(c.y_offset); i < y_len; ++i) ASSERT_EQ(y[i], kPoison) << "y written past its end at " << i;
+  for (size_t i = 0; i < ret.size(); ++i) {
+    if (c.with_save) {
+      ASSERT_EQ(save[i], want_save[i]) << "saved row element " << i;
+    } else {
+      ASSERT_EQ(save[i], kPoison) << "save written without being asked at " << i;
+    }
+  }
+  for (size_t i = ret.size(); i < save_len; ++i) ASSERT_EQ(save[i], kPoison) << "save written past its end at " << i;
+  cudaStreamDestroy(s);
+  for (void* p : {static_cast<void*>(d_ret), static_cast<void*>(d_acc), static_cast<void*>(d_w), static_cast<void*>(d_y),
+                  static_cast<void*>(d_save)})
+    cudaFree(p);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CombineKernel,
+    ::testing::Values(CombineCase{"vec8_H2048_K6_weighted_save", 97, 6, 2048, true, true, 0},
+                      CombineCase{"vec8_H64_K2_unweighted", 33, 2, 64, false, false, 0},
+                      CombineCase{"vec8_H8_K1", 5, 1, 8, true, true, 0},
+                      CombineCase{"vec8_H4096_K8_more_columns_than_threads", 7, 8, 4096, true, true, 0},
+                      CombineCase{"scalar_H36_not_multiple_of_8", 29, 3, 36, true, true, 0},
+                      CombineCase{"scalar_H2050_K4", 11, 4, 2050, true, true, 0},
+                      CombineCase{"scalar_misaligned_y_H64", 21, 4, 64, true, true, 1}),
+    [](const ::testing::TestParamInfo<CombineCase>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace rdep::dispatch
