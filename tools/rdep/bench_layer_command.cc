@@ -162,7 +162,8 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.spec = *spec;
   o.limits = *limits;
   // Estimate before allocating; open the receipt before the work.
-  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(o.use_gpus), o.limits, o.json);
+  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(o.use_gpus), o.limits, o.json,
+                                                   o.bf16_grads);
       !st.ok())
     return Refuse(st.message());
   return 0;

@@ -76,7 +76,10 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
 // and inputs, the benchmark's events, and on each GPU the layer (the validation estimate's device
 // terms, times the ranks that share a GPU when W ranks run on num_gpus). Refuses (InvalidArgument
 // naming the flags) what exceeds the limits or the smallest of the GPUs used.
-inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits) {
+// bf16_grads: `rdep bench layer --grads bf16` also holds bf16 copies of each rank's expert weights and
+// their bf16 gradients on its GPU.
+inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits,
+                                       bool bf16_grads = false) {
   ValidationOptions vo;
   vo.layer = cfg;
   const Footprint est = EstimateValidationFootprint(vo, /*device_backend=*/true);
@@ -92,6 +95,12 @@ inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iteration
       term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
       term.factors.push_back({"gpus", static_cast<double>(num_gpus)});
     }
+  if (bf16_grads) {
+    const double e_loc = std::ceil(E / W);
+    fp.device.push_back({"bf16 expert weights and gradients of --grads bf16 (E_loc*3*H*D_ff*2*2 x ranks per GPU)",
+                         {{"local experts", e_loc}, {"hidden", H}, {"ffn", F}, {"ranks per GPU", per_gpu}},
+                         4 * e_loc * 3 * H * F * per_gpu});
+  }
   fp.host.push_back({"expert weights (E*3*H*D_ff fp32 and bf16)", {{"experts", E}, {"hidden", H}, {"ffn", F}}, 8 * E * 3 * H * F});
   fp.host.push_back({"routing and activations (W*T tokens)", {{"ranks", W}, {"tokens", T}, {"hidden", H}, {"topk", K}},
                      W * T * (8 * H + 16 * K)});
@@ -125,9 +134,9 @@ inline Status CheckBenchFlags(const cli::Flags& f, const StatusOr<cli::Limits>& 
 // The last checks of a layer benchmark before it allocates: the shape valid, the estimate within the
 // limits (CheckLayerBenchFootprint) and the receipt's path open for writing. The caller exits 2.
 inline Status CheckLayerBenchPlan(const LayerConfig& cfg, int64_t iterations, int num_gpus, const cli::Limits& limits,
-                                  const std::string& json) {
+                                  const std::string& json, bool bf16_grads = false) {
   RDEP_RETURN_IF_ERROR(cfg.Validate());
-  RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits));
+  RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits, bf16_grads));
   return cli::CheckOutputPath("json", json);
 }
 
