@@ -6,28 +6,20 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "experts/experts_test_util.h"
 #include "rdep/cuda/bf16.h"
+#include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 
 namespace rdep::dispatch {
 namespace {
 
-bool HaveGpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN
+constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN: what Dev::Poison writes
 
 struct CombineCase {
   std::string name;
@@ -36,29 +28,12 @@ struct CombineCase {
   int64_t y_offset;  // elements: 1 puts y 2 bytes off 16-byte alignment
 };
 
-template <typename T>
-T* ToDevice(const std::vector<T>& h) {
-  void* d = nullptr;
-  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)), cudaSuccess);
-  if (!h.empty()) {
-    EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  return static_cast<T*>(d);
-}
-
-template <typename T>
-std::vector<T> ToHost(const T* d, size_t n) {
-  std::vector<T> h(n);
-  if (n) {
-    EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  return h;
-}
+using kernels::test_util::Dev;
 
 class CombineKernel : public ::testing::TestWithParam<CombineCase> {};
 
 TEST_P(CombineKernel, MatchesTheHostReferenceBitwise) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const CombineCase& c = GetParam();
   const auto nk = static_cast<size_t>(c.n * c.K), nh = static_cast<size_t>(c.n * c.H);
   std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.K * 17 + c.H));
@@ -87,19 +62,21 @@ TEST_P(CombineKernel, MatchesTheHostReferenceBitwise) {
     }
 
   const size_t y_len = nh + static_cast<size_t>(c.y_offset) + 8, save_len = ret.size() + 8;  // 8 guard elements each
-  uint16_t* d_ret = ToDevice(ret);
-  uint8_t* d_acc = ToDevice(accepted);
-  float* d_w = ToDevice(weights);
-  uint16_t* d_y = ToDevice(std::vector<uint16_t>(y_len, kPoison));
-  uint16_t* d_save = ToDevice(std::vector<uint16_t>(save_len, kPoison));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Dev<uint16_t> d_ret(ret.size()), d_y(y_len), d_save(save_len);
+  Dev<uint8_t> d_acc(nk);
+  Dev<float> d_w(nk);
+  d_ret.Upload(ret);
+  d_acc.Upload(accepted);
+  d_w.Upload(weights);
+  d_y.Poison();
+  d_save.Poison();
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  const Status st = LaunchCombine(d_ret, d_acc, c.weighted ? d_w : nullptr, c.n, c.K, c.H, d_y + c.y_offset,
-                                  c.with_save ? d_save : nullptr, s);
+  const Status st = LaunchCombine(d_ret.p, d_acc.p, c.weighted ? d_w.p : nullptr, c.n, c.K, c.H, d_y.p + c.y_offset,
+                                  c.with_save ? d_save.p : nullptr, s);
   ASSERT_TRUE(st.ok()) << st;
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  const auto y = ToHost(d_y, y_len), save = ToHost(d_save, save_len);
+  const auto y = d_y.Download(), save = d_save.Download();
   for (int64_t i = 0; i < c.y_offset; ++i) ASSERT_EQ(y[static_cast<size_t>(i)], kPoison) << "y written before its start";
   for (size_t i = 0; i < nh; ++i)
     ASSERT_EQ(y[i + static_cast<size_t>(c.y_offset)], want_y[i]) << "y element " << i << " (token " << i / static_cast<size_t>(c.H) << ")";
@@ -113,9 +90,6 @@ TEST_P(CombineKernel, MatchesTheHostReferenceBitwise) {
   }
   for (size_t i = ret.size(); i < save_len; ++i) ASSERT_EQ(save[i], kPoison) << "save written past its end at " << i;
   cudaStreamDestroy(s);
-  for (void* p : {static_cast<void*>(d_ret), static_cast<void*>(d_acc), static_cast<void*>(d_w), static_cast<void*>(d_y),
-                  static_cast<void*>(d_save)})
-    cudaFree(p);
 }
 
 INSTANTIATE_TEST_SUITE_P(
