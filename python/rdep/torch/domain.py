@@ -96,6 +96,23 @@ def placement_fields(spec, resolved: str, backend: str, world_size, num_gpus, pr
     return world_size, keepalive
 
 
+def local_device(resolved: str, devs: list, device, what: str) -> torch.device:
+    """The torch device of a domain's or layer's local ranks (devs: each local rank's GPU): the CPU on the
+    host backend; on CUDA the one GPU they share, checked against the device the caller asked for.
+    what: "domain" or "layer", for the messages."""
+    if resolved == "host":
+        return torch.device("cpu")
+    if len(set(devs)) != 1:
+        raise ValueError(
+            f"num_gpus: the local ranks sit on GPUs {devs}; the torch binding passes one tensor for all "
+            "local ranks, so they must share one GPU (num_gpus=1), or run one process per GPU with a process_group")
+    if device is not None and device.index is not None and device.index != devs[0]:
+        raise ValueError(
+            f"device: the {what}'s ranks are on cuda:{devs[0]}, not {device} (one-process CUDA places ranks on "
+            "GPUs 0..num_gpus-1; use CUDA_VISIBLE_DEVICES, or a process_group for one process per GPU)")
+    return torch.device("cuda", devs[0])
+
+
 def raise_bootstrap_error(code: int, keepalive: tuple, what: str) -> None:
     """Re-raises a failed process-group allgather's Python exception (chained), else the C error."""
     if code != 0 and keepalive and keepalive[0].error is not None:
@@ -232,18 +249,7 @@ class Domain(CHandle):
         for rank in self.local_ranks:
             _capi.check(L.rdep_domain_device(p, rank, ctypes.byref(d)), "rdep_domain_device")
             devs.append(d.value)
-        if self.backend == "host":
-            self.device = torch.device("cpu")
-            return
-        if len(set(devs)) != 1:
-            raise ValueError(
-                f"num_gpus: the local ranks sit on GPUs {devs}; the torch binding passes one tensor for all "
-                "local ranks, so they must share one GPU (num_gpus=1), or run one process per GPU with a process_group")
-        self.device = torch.device("cuda", devs[0])
-        if device is not None and device.index is not None and device.index != devs[0]:
-            raise ValueError(
-                f"device: the domain's ranks are on cuda:{devs[0]}, not {device} (one-process CUDA places ranks on "
-                "GPUs 0..num_gpus-1; use CUDA_VISIBLE_DEVICES, or a process_group for one process per GPU)")
+        self.device = local_device(self.backend, devs, device, "domain")
 
     # --- what the domain is and holds ----------------------------------------------------------------
     @property

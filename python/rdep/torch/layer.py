@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from .. import _capi
-from .domain import CHandle, Domain, collector_paused, placement_fields, raise_bootstrap_error, resolve_backend
+from .domain import (CHandle, Domain, collector_paused, local_device, placement_fields, raise_bootstrap_error,
+                     resolve_backend)
 
 _registry: dict[int, "weakref.ref[Layer]"] = {}
 _registry_lock = threading.Lock()
@@ -240,18 +241,7 @@ class Layer(CHandle):
         for rank in self.local_ranks:
             _capi.check(L.rdep_layer_device(p, rank, ctypes.byref(d)), "rdep_layer_device")
             devs.append(d.value)
-        if resolved == "host":
-            self.device = torch.device("cpu")
-        else:
-            if len(set(devs)) != 1:
-                raise ValueError(
-                    f"num_gpus: the local ranks sit on GPUs {devs}; the torch binding passes one tensor for all "
-                    "local ranks, so they must share one GPU (num_gpus=1), or run one process per GPU with a process_group")
-            self.device = torch.device("cuda", devs[0])
-            if device is not None and device.index is not None and device.index != devs[0]:
-                raise ValueError(
-                    f"device: the layer's ranks are on cuda:{devs[0]}, not {device} (one-process CUDA places ranks on "
-                    "GPUs 0..num_gpus-1; use CUDA_VISIBLE_DEVICES, or a process_group for one process per GPU)")
+        self.device = local_device(resolved, devs, device, "layer")
         # Expert offsets of each local rank inside the local weights [E_local, ...] (ownership is contiguous).
         firsts = [self._owned[r][0] for r in self.local_ranks if self._owned[r][1] > 0]
         self.first_local_expert = firsts[0] if firsts else 0
