@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue 19's measurements on a 4-GPU machine (nvidia-h200-x4), in stages, after scripts/device.sh has
+# built build-dev:
+#   bash scripts/device.sh --bench 'bash scripts/receipts_w4.sh transport nodes layer skew'
+# Stages (each command's full output in $R/NAME.log, its summary lines in $OUT/receipts_w4.txt; every
+# JSON receipt and log in one archive, $OUT/receipts_w4.tgz, since the device tool returns 8 files):
+#   transport  rdep bench dispatch (rdep vs NCCL all-to-allv in the same call): Moonlight at W = 2, 4,
+#              DeepSeek-V3 at W = 4, uniform; Moonlight W = 4 at Zipf alpha 0.5, 1, 1.5, 2
+#   nodes      the two-phase exchange with two GPU groups as two "nodes" (W = 4, N = 2): rdep check
+#              --nodes, bench dispatch --nodes over NCCL's NVLink transport and over its network
+#              (socket) transport, traffic against rdep model's prediction
+#   layer      rdep bench layer (CUTLASS expert compute) beside the PyTorch EP baseline (torchrun) at
+#              W = 2 and 4, Moonlight shape, uniform
+#   skew       W = 4, Zipf alpha 0.5, 1, 1.5, 2: balancing off and ultraep, beside the baseline
+#   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
+#   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
+#              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
+# The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+R=/tmp/receipts_w4
+mkdir -p "$R" "$OUT"
+LOG=$OUT/receipts_w4.txt
+touch "$LOG"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+BASE=shared/baselines/torch_ep_moe.py
+RDEP=build-dev/bin/rdep
+[ -x "$RDEP" ] || { echo "receipts_w4: $RDEP missing (run through scripts/device.sh)" | tee -a "$LOG"; exit 2; }
+fails=0
+run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summary lines to $LOG
+  local name=$1; shift
+  echo "\$ $*" >>"$LOG"
+  local t0=$SECONDS
+  "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|nccl |balance|replica)|passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+      tail -n 6 "$R/$name.log"; } >>"$LOG"
+  echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
+  [ $rc -eq 0 ] || fails=$((fails + 1))
+  tar czf "$OUT/receipts_w4.tgz" -C "$R" .  # after every command: a timeout still returns what ran
+}
+layer() {  # layer TAG W ZIPF [rdep flags...]: the baseline, then rdep beside it
+  local tag=$1 w=$2 zipf=$3; shift 3
+  run torch_$tag torchrun --nproc-per-node="$w" "$BASE" --zipf "$zipf" --json "$R/torch_$tag.json"
+  run layer_$tag "$RDEP" bench layer --ranks "$w" --expert-compute cutlass "$@" --json "$R/layer_$tag.json" --baseline-json "$R/torch_$tag.json"
+}
+stage_transport() {
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  run dispatch_moonlight_w2 "$RDEP" bench dispatch --ranks 2 "${moon[@]}" --json "$R/dispatch_moonlight_w2.json"
+  run dispatch_moonlight_w4 "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --json "$R/dispatch_moonlight_w4.json"
+  run dispatch_dsv3_w4 "$RDEP" bench dispatch --ranks 4 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --warmup 20 --iters 100 --json "$R/dispatch_dsv3_w4.json"
+  for a in 0.5 1 1.5 2; do
+    run dispatch_zipf${a}_w4 "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --routing "zipf:$a" --json "$R/dispatch_zipf${a}_w4.json"
+  done
+}
+stage_nodes() {
+  run check_nodes_w4 "$RDEP" check --backend cuda --ranks 4 --gpus 4 --nodes 2 --max-nodes 2 --routing zipf:1 --json "$R/check_nodes_w4.json"
+  run check_nodes_w4_m1 "$RDEP" check --backend cuda --ranks 4 --gpus 4 --nodes 2 --max-nodes 1 --capacity-factor 1.0 --json "$R/check_nodes_w4_m1.json"
+  run dispatch_nodes_w4_nvlink "$RDEP" bench dispatch --backend cuda --ranks 4 --gpus 4 --nodes 2 --iters 100 --json "$R/dispatch_nodes_w4_nvlink.json"
+  run dispatch_nodes_w4_net env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+    "$RDEP" bench dispatch --backend cuda --ranks 4 --gpus 4 --nodes 2 --iters 50 --json "$R/dispatch_nodes_w4_net.json"
+}
+stage_layer() {
+  layer w2 2 0
+  layer w4 4 0
+}
+stage_skew() {
+  for a in 1 2 0.5 1.5; do
+    layer zipf${a}_w4 4 "$a" --routing "zipf:$a"
+    case $a in 1|2) run layer_zipf${a}_w4_ultraep "$RDEP" bench layer --ranks 4 --expert-compute cutlass --routing "zipf:$a" \
+      --balance ultraep --json "$R/layer_zipf${a}_w4_ultraep.json" --baseline-json "$R/torch_zipf${a}_w4.json" ;; esac
+  done
+}
+stage_dsv3() {
+  local ds=(--hidden 7168 --ffn 2048 --experts 256 --topk 8)
+  run torch_dsv3_w4 torchrun --nproc-per-node=4 "$BASE" "${ds[@]}" --iters 20 --json "$R/torch_dsv3_w4.json"
+  run layer_dsv3_w4 "$RDEP" bench layer --ranks 4 --expert-compute cutlass "${ds[@]}" --warmup 5 --iters 30 \
+    --json "$R/layer_dsv3_w4.json" --baseline-json "$R/torch_dsv3_w4.json"
+}
+stage_train() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+  local env=(env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1)
+  local tr=(torchrun --nproc-per-node=4 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass)
+  run train_w4 "${env[@]}" "${tr[@]}" --json "$R/train_w4.json" --png "$R/train_w4.png"
+  run train_w4_compile "${env[@]}" "${tr[@]}" --compile --json "$R/train_w4_compile.json" --png "$R/train_w4_compile.png"
+}
+[ $# -gt 0 ] || set -- transport nodes layer skew dsv3 train
+for stage in "$@"; do
+  declare -F "stage_$stage" >/dev/null || { echo "receipts_w4: unknown stage $stage" | tee -a "$LOG"; exit 2; }
+  echo "== stage $stage" >>"$LOG"
+  "stage_$stage"
+done
+{
+  echo "== receipts_w4: stages $*, $fails failed commands"
+  nvidia-smi --query-gpu=index,name --format=csv,noheader | head -4
+  nvidia-smi topo -m 2>/dev/null | head -5
+} >>"$LOG"
+cat "$LOG"
+[ "$fails" -eq 0 ]
