@@ -13,13 +13,33 @@ namespace rdep::dispatch::detail {
 __device__ __forceinline__ float Bf(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
 __device__ __forceinline__ uint16_t ToBf(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
 
+// Copies n16 16-byte vectors by a warp, kUnroll loads per lane issued before their stores, so a warp
+// keeps 32 * kUnroll * 16 bytes (4 KiB: a whole 2048-wide bf16 row) in flight instead of one load at a
+// time (a plain loop cannot hoist the next load above a store that may alias it). The source is read
+// through the non-coherent path: every caller's source is read-only while its kernel runs.
+constexpr int kCopyUnroll = 8;
+__device__ __forceinline__ void WarpCopyVec16(const int4* __restrict__ s, int4* __restrict__ d, int64_t n16) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for (int64_t base = 0; base < n16; base += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) v[u] = __ldg(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) d[i] = v[u];
+    }
+  }
+}
+
 // Copies one row of H bf16 by a warp: 16-byte vectors when aligned, else 2-byte elements.
 __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, int64_t H) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   if ((H % 8) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < H / 8; i += 32) d[i] = s[i];
+    WarpCopyVec16(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), H / 8);
   } else {
     for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
   }
