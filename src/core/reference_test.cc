@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "rdep/core/random.h"
+
 namespace rdep {
 namespace {
 
@@ -33,6 +35,30 @@ void CheckFd(Vec& param, const Grad& analytic, const std::function<double()>& lo
     const double fd = (lp - lm) / (2.0 * static_cast<double>(eps));
     EXPECT_NEAR(analytic[i], fd, 1e-3 * (1 + std::abs(fd))) << what << "[" << i << "]";
   }
+}
+
+TEST(Rng, SkipEqualsDrawing) {
+  Rng a(7, 3), b(7, 3);
+  for (int i = 0; i < 1000; ++i) a.next();
+  b.skip(1000);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(a.next(), b.next()) << "draw " << i << " after 1000";
+}
+
+// RandomWeights fills in parallel chunks (large shapes): the values must be one sequential stream,
+// w1 then w2, whatever the thread count.
+TEST(Reference, RandomWeightsAreOneSequentialStream) {
+  const LayerShape s{.tokens = 1, .hidden = 1024, .ffn = 1024, .experts = 5, .topk = 1, .ranks = 1};  // 15.7 M values
+  const MoEWeights w = RandomWeights(s, 11);
+  Rng rng(11, 1001);
+  const double s1 = 1.0 / std::sqrt(1024.0), s2 = 1.0 / std::sqrt(1024.0);
+  size_t bad = 0, first_bad = 0;
+  for (size_t i = 0; i < w.w1.size(); ++i)
+    if (w.w1[i] != static_cast<float>(rng.normal() * s1) && bad++ == 0) first_bad = i;
+  EXPECT_EQ(bad, 0u) << "w1 differs from the sequential stream, first at " << first_bad;
+  bad = 0;
+  for (size_t i = 0; i < w.w2.size(); ++i)
+    if (w.w2[i] != static_cast<float>(rng.normal() * s2) && bad++ == 0) first_bad = i;
+  EXPECT_EQ(bad, 0u) << "w2 differs from the sequential stream, first at " << first_bad;
 }
 
 TEST(Reference, GradientsMatchFiniteDifferences) {

@@ -17,6 +17,10 @@ class Rng {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
+  // Advances the stream by n draws of next() in O(1) (SplitMix64's state is a counter): a generator
+  // skipped by n then drawn gives what the (n+1)-th draw of the original would, so a stream can be
+  // filled in parallel chunks with the same values. normal() takes two draws.
+  void skip(uint64_t n) { state_ += n * 0x9E3779B97F4A7C15ull; }
   // Uniform in [0, 1) with 53 random bits.
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
   // Uniform in (0, 1): safe under log().
