@@ -191,6 +191,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   LayerConfig config = config_in;
   const LayerShape& s = config.shape;
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
+  if (config.owner_reduce)
+    return InvalidArgument("owner_reduce: not built on the CUDA backend yet (the host backend has it); create the layer without it");
   if (config.balance.enabled() && config.balance.kind == BalanceKind::kUltraEp) {
     auto can = GpuPlannerCanImplement(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config.balance.num_slots);
     if (!can.ok()) return InvalidArgument("cuda layer: balance ultraep: " + can.status().message());

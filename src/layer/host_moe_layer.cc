@@ -46,7 +46,7 @@ StatusOr<std::unique_ptr<HostMoELayer>> HostMoELayer::CreateLayer(HostDomain& do
   std::unique_ptr<HostMoELayer> layer(new HostMoELayer(domain, config, ownership));
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(float));
   const RegionLayout& l = layer->layout_;
-  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(double) : 0));
   if (config.replica_slots() > 0) {  // redundant slots: [N_slot][w1 | w2] and their gradients, per rank,
                                      // shared with every balanced layer of the same slot size on the domain
     const size_t slot_bytes = layer->replica_slot_bytes() / 2;
@@ -306,6 +306,9 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   if (kind_ == ExpertKind::kSwiGLU && !ranks_[static_cast<size_t>(rank)]->has_weights())
     return FailedPrecondition("forward on rank " + std::to_string(rank) +
                               ": the layer was created without weights and none are bound (BindExpertWeights)");
+  if (kind_ == ExpertKind::kSentinel && config_.owner_reduce)
+    return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                              ": the sentinel expert's rows carry identities, which owner_reduce would sum; use it without");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& st = *saved;
   const int64_t H = config_.shape.hidden, n = st.num_tokens;
@@ -318,7 +321,8 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   }
   if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // before the replicas' compute: first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
-  CombineReturned(rank, st, y);
+  if (config_.owner_reduce) CombineReduced(rank, st, y);
+  else CombineReturned(rank, st, y);
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
@@ -411,13 +415,18 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
     std::fill_n(rs.DW2(), rs.w2_count, 0.f);
     return BackwardTwoPhase(rank, st, dy, dx, dgates);
   }
-  ComputeDgates(st, dy, dgates);
+  if (!config_.owner_reduce) ComputeDgates(st, dy, dgates);  // else the owners' dots, after the exchange
   std::fill_n(rs.DW1(), rs.w1_count, 0.f);
   std::fill_n(rs.DW2(), rs.w2_count, 0.f);
   if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // rematerialized: another forward may have used the slots
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/true, dy));
   if (st.plan) ReduceReplicaGradients(rank, st);  // every replica finished before backward.done
-  SumReturned(rank, st, dx);
+  if (config_.owner_reduce) {
+    DgatesFromDots(rank, st, dgates);
+    SumReduced(rank, st, dx);
+  } else {
+    SumReturned(rank, st, dx);
+  }
   return Status::Ok();
 }
 
@@ -522,10 +531,12 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     for (size_t g = 0; g < grouped.size(); ++g)
       st.trace.push_back({grouped[g].row.row_id, grouped[g].row.local_expert, static_cast<int32_t>(seg), static_cast<int64_t>(g)});
 
+  const bool reduce = config_.owner_reduce;  // rows accumulate into the token's lead row (host_owner_reduce.cc)
+  if (reduce) ZeroLeadRows(rank, sideband, n_seg);
   std::vector<float> h(static_cast<size_t>(2 * F)), z(static_cast<size_t>(F)), o(static_cast<size_t>(H));
-  std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F));
+  std::vector<float> dout(static_cast<size_t>(H)), scratch(static_cast<size_t>(3 * F)), own_row(static_cast<size_t>(H));
   for (const GroupedRow& g : grouped) {
-    float* dst = ReturnRow(rank, g.row.row_id);
+    float* dst = reduce ? own_row.data() : ReturnRow(rank, g.row.row_id);
     const float* x = st.saved_x.data() + (lo + g.token) * H;
     const int64_t j = g.row.local_expert;
     const float* w1 = ExpertWeights(rank, st, j, 1);
@@ -541,6 +552,16 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data());
       mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), ExpertGrads(rank, j, 1), ExpertGrads(rank, j, 2), dst,
                            scratch.data());
+      if (reduce) {  // dgate's dot, in double as ComputeDgates takes it from the returned f_k
+        double dot = 0;
+        for (int64_t c = 0; c < H; ++c) dot += static_cast<double>(dy[c]) * o[static_cast<size_t>(c)];
+        WriteDot(g.row.row_id, dot);
+      }
+    }
+    if (reduce) {  // forward: g'_k f_k; backward: dx_k
+      float* lead = LeadRow(rank, sideband, g.token);
+      const float w = backward ? 1.f : g.row.gate;
+      for (int64_t c = 0; c < H; ++c) lead[c] += w * own_row[static_cast<size_t>(c)];
     }
   }
   // Two-phase: relays write only the stream positions of tokens with accepted rows here, so the

@@ -43,6 +43,9 @@ Status HostMoELayer::CheckRowsSupported(const char* call) const {
   if (config_.nodes.nodes > 1)
     return FailedPrecondition(std::string(call) + ": the caller's experts are not supported with the two-phase exchange (N=" +
                               std::to_string(config_.nodes.nodes) + " nodes) yet");
+  if (config_.owner_reduce)
+    return FailedPrecondition(std::string(call) + ": the caller's experts return one row per slot; create the layer "
+                              "without owner_reduce");
   return Status::Ok();
 }
 

@@ -26,6 +26,9 @@ Status LayerConfig::Validate() const {
   if (nodes.nodes > 1 && balance.enabled())
     return InvalidArgument("balance: replicas across nodes (N=" + std::to_string(nodes.nodes) +
                            ") are not supported yet; use balancing with one node");
+  if (owner_reduce && nodes.nodes > 1)
+    return InvalidArgument("owner_reduce: with nodes (N=" + std::to_string(nodes.nodes) +
+                           ") the relays already reduce each node's rows; use owner_reduce with one node");
   return Status::Ok();
 }
 
@@ -38,6 +41,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.balance.enabled()) os << " balance=" << c.balance;
   if (c.nodes.nodes > 1) os << " nodes " << c.nodes;
   if (c.expert_compute != ExpertComputeKind::kCublasLt) os << " experts=" << ExpertComputeName(c.expert_compute);
+  if (c.owner_reduce) os << " owner-reduce";
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 

@@ -164,12 +164,13 @@ CheckResult BalancingWithinTolerance(const LayerRun& on, const LayerRun& off, co
 
 }  // namespace
 
-CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& s, double rel_l2) {
+CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& s, double rel_l2, double yx_rel_l2) {
   if (rel_l2 > 0) return BalancingWithinTolerance(on, off, s, rel_l2);
   CheckResult c{"balancing exactness", false, false, "", 0};
+  const auto same = [&](const auto& a, const auto& b) { return yx_rel_l2 > 0 ? RelL2(a, b) <= yx_rel_l2 : Bitwise(a, b); };
   std::string bad;
-  if (!Bitwise(on.y, off.y)) bad = "y";
-  else if (!Bitwise(on.dx, off.dx)) bad = "dx";
+  if (!same(on.y, off.y)) bad = "y";
+  else if (!same(on.dx, off.dx)) bad = "dx";
   else if (!Bitwise(on.dgates, off.dgates)) bad = "dgates";
   double worst = 0;
   int replicated = 0, exact = 0, unused_r = 0, unused_e = 0;
@@ -182,7 +183,11 @@ CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const La
   if (!bad.empty()) {
     os << bad << " differs from the layer without balancing";
   } else {
-    os << "y, dx, dgate bitwise equal to balancing off; dW bitwise for " << exact << " experts, for the " << replicated
+    if (yx_rel_l2 > 0)
+      os << "y, dx within " << std::max(RelL2(on.y, off.y), RelL2(on.dx, off.dx)) << " (relative L2, passes <= " << yx_rel_l2
+         << "), dgate bitwise equal to balancing off; dW bitwise for " << exact << " experts, for the " << replicated;
+    else
+      os << "y, dx, dgate bitwise equal to balancing off; dW bitwise for " << exact << " experts, for the " << replicated
        << " replicated within 1e-5 (max |diff|/max|dW| " << worst << ")";
   }
   c.passed = bad.empty();

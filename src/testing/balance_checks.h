@@ -25,7 +25,10 @@ StatusOr<RowPlacement> ExpectedPlacement(const LayerConfig& cfg, const Ownership
 // (bf16 backends: a replica's rows are a GEMM of their own, whose bf16 outputs may round differently):
 // y, dx, dgates each within ||on - off|| / ||off|| <= rel_l2, and every expert's dW1 and dW2 too
 // (bitwise zero where the run without balancing has zero); the detail says which were bitwise equal.
-CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape, double rel_l2 = 0);
+// yx_rel_l2 > 0 with rel_l2 = 0 (fp32 with LayerConfig::owner_reduce, whose per-rank sums replicas
+// reassociate): y and dx within that relative L2 instead of bitwise, dgates and dW as for rel_l2 = 0.
+CheckResult BalancingExactness(const LayerRun& on, const LayerRun& off, const LayerShape& shape, double rel_l2 = 0,
+                               double yx_rel_l2 = 0);
 
 // The node of every expert's owner (N nodes of W/N consecutive ranks).
 std::vector<int32_t> NodeOfExpert(const OwnershipMap& own, const LayerConfig& cfg);

@@ -76,6 +76,9 @@ flags (defaults in brackets):
   --min-quota U          with --balance ultraep: rows a replica carries at least, u_min >= 1 [1]
   --relay-above R        with --balance: experts with more than R replicas get their weights through
                          sqrt(replicas) chunk relays (two stages and a barrier); 0 = never [4]
+  --owner-reduce         the owner sums a token's rows before they cross back (one row per (token, owner)
+                         instead of one per slot) and takes dgate's dot products in backward; host backend
+                         only so far (the sentinel checks run without it: they need a row per slot) [off]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; cuda: device copies for ranks sharing a
                          GPU, NCCL otherwise; not with --expert-compute cutlass) [1]
@@ -173,6 +176,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.relay_above = f.get_int("relay-above", 4);
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
+  o.layer.owner_reduce = f.get_bool("owner-reduce");
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
   c.max_nodes_given = f.has("max-nodes");
@@ -215,6 +219,8 @@ int ResolveCheckBackend(CheckOptions& c) {
     return Refuse("--gpus must be in [1, " + std::to_string(rdep::CudaDeviceCount()) + "] on this machine, got " +
                   std::to_string(c.gpus));
   if (c.boot && c.backend != "cuda") return Refuse("--bootstrap mpi needs --backend cuda");
+  if (c.v.layer.owner_reduce && c.backend != "host")
+    return Refuse("--owner-reduce runs on the host backend only so far (--backend host)");
   if (c.v.layer.expert_compute != rdep::ExpertComputeKind::kCublasLt && c.backend == "host")
     return Refuse("--expert-compute chooses the CUDA backend's expert compute; the host backend computes on the host");
   c.leader = !c.boot || c.boot->rank() == 0;
@@ -251,6 +257,8 @@ int CheckNodeFlags(CheckOptions& c) {
     return Refuse("--nodes must divide --ranks W=" + std::to_string(W) + " (N nodes x G ranks per node = W), got " + std::to_string(c.nodes));
   if (c.max_nodes_given && (c.max_nodes < 1 || c.max_nodes > c.nodes))
     return Refuse("--max-nodes must be in [1, N=" + std::to_string(c.nodes) + "], got " + std::to_string(c.max_nodes));
+  if (c.nodes > 1 && c.v.layer.owner_reduce)
+    return Refuse("--owner-reduce with --nodes: the relays already reduce each node's rows; use one of them");
   if (c.nodes > 1 && c.v.layer.expert_compute == rdep::ExpertComputeKind::kCutlass)
     return Refuse("--nodes with --expert-compute cutlass: the sync-free owner path has no two-phase exchange yet; use "
                   "--expert-compute cublaslt");

@@ -130,7 +130,8 @@ class HostMoELayer {
   const RankAcceptance& acceptance(int32_t rank) const;       // front-end: accepted set, g'
   int64_t segments(int32_t rank) const;                       // segments the last forward used
   const std::vector<OwnerTraceEntry>& owner_trace(int32_t rank) const;
-  const std::vector<float>& expert_outputs(int32_t rank) const;  // [n*K][H] returned rows f_k(x_t), 0 if dropped
+  const std::vector<float>& expert_outputs(int32_t rank) const;  // [n*K][H] returned rows f_k(x_t), 0 if dropped;
+                                                                 // empty with owner_reduce (the owners keep them)
   const std::vector<int64_t>& owner_rows_per_expert(int32_t rank) const;  // admitted rows per local expert
   std::span<const float> dw1(int32_t rank) const;             // [E_loc][H][2F] (the bound buffer, if any)
   // The full load matrix Lambda [W][E] (rows per source rank and expert) of the forward in ctx, as
@@ -211,6 +212,15 @@ class HostMoELayer {
   void CombineReturned(int32_t rank, Saved& st, std::span<float> y);
   void ComputeDgates(const Saved& st, std::span<const float> dy, std::span<float> dgates) const;
   void SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const;
+  // LayerConfig::owner_reduce (host_owner_reduce.cc): the front-end's side (lead slots, the sums, dgate
+  // from the owners' dot products) and the owner's (its token's lead row, accumulation, dots).
+  bool IsLeadSlot(const Saved& st, int64_t t, int64_t k) const;
+  void CombineReduced(int32_t rank, Saved& st, std::span<float> y) const;
+  void SumReduced(int32_t rank, const Saved& st, std::span<float> dx) const;
+  void DgatesFromDots(int32_t rank, const Saved& st, std::span<float> dgates) const;
+  void ZeroLeadRows(int32_t rank, const std::byte* sideband, int64_t n_seg) const;
+  float* LeadRow(int32_t rank, const std::byte* sideband, int64_t position) const;
+  void WriteDot(uint64_t row_id, double dot) const;
   Status CheckRowsSupported(const char* call) const;
   Status TakeSegmentRows(int32_t rank, Saved& st, int64_t segment, bool backward, std::span<float> rows,
                          std::vector<int64_t>& fill);

@@ -42,6 +42,12 @@ struct LayerConfig {
   NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (CUDA: not with
                                    // expert_compute cutlass; not with balancing on either backend)
   ExpertComputeKind expert_compute = ExpertComputeKind::kCublasLt;  // CUDA backend (the host backend computes on the host)
+  bool owner_reduce = false;       // the owner sums its rows of a token before they cross back (gate-weighted
+                                   // in forward, plain dx in backward): one row per (token, owner) returns, into
+                                   // the slot of the token's first row on that owner, instead of one per slot;
+                                   // dgate's dot products are then taken by the owner in backward and return as
+                                   // one value per (token, slot) (regions: LayerRegions::dots). Host backend so
+                                   // far; not with nodes > 1 (the relays reduce already), not the sentinel expert
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
@@ -90,12 +96,14 @@ struct ExternalWeights {
   }
 };
 
-// The protocol's four symmetric regions on a domain (host or CUDA), allocated by layout.
+// The protocol's four symmetric regions on a domain (host or CUDA), allocated by layout, and with
+// LayerConfig::owner_reduce a fifth: dots, one value per (token, slot) of dot_bytes each (the owners'
+// dgate dot products in backward).
 struct LayerRegions {
-  RegionId control = -1, payload = -1, sideband = -1, ret = -1;
+  RegionId control = -1, payload = -1, sideband = -1, ret = -1, dots = -1;
 
   // A failure part-way frees what it had allocated (the domain may outlive the layer: C ABI v4).
-  static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l) {
+  static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l, size_t dot_bytes = 0) {
     LayerRegions r;
     struct Part {
       RegionId* id;
@@ -105,8 +113,10 @@ struct LayerRegions {
     const Part parts[] = {{&r.control, l.control_bytes(), "control"},
                           {&r.payload, l.payload_bytes(), "segment.payload"},
                           {&r.sideband, l.sideband_bytes(), "segment.sideband"},
-                          {&r.ret, l.return_bytes(), "return"}};
+                          {&r.ret, l.return_bytes(), "return"},
+                          {&r.dots, static_cast<size_t>(l.T * l.K) * dot_bytes, "dots"}};
     for (const Part& p : parts) {
+      if (p.id == &r.dots && dot_bytes == 0) continue;
       StatusOr<RegionId> got = d.AllocateSymmetric(p.bytes, p.name);
       if (!got.ok()) {
         r.Free(d);
@@ -117,7 +127,7 @@ struct LayerRegions {
     return r;
   }
   void Free(Domain& d) const {
-    for (RegionId id : {control, payload, sideband, ret})
+    for (RegionId id : {control, payload, sideband, ret, dots})
       if (id >= 0) d.FreeSymmetric(id);
   }
 };
