@@ -23,6 +23,8 @@ using BlockScan = cub::BlockScan<int, kScanThreads>;
 
 using detail::Bf;
 using detail::ToBf;
+using detail::SegmentTokens;
+using detail::WarpBlocks;
 using detail::WarpCopyRow;
 
 // One block: each thread takes tokens t = tid, tid + blockDim, ...; the block's minimum faulty-slot
@@ -223,12 +225,6 @@ __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, 
   }
 }
 
-__device__ __forceinline__ int64_t SegmentTokens(const RegionLayout& l, const int64_t* my_control, int64_t lo) {
-  int64_t total = 0;
-  for (int64_t s = 0; s < l.W; ++s) total += my_control[l.recv_tokens(s)];
-  const int64_t rest = total - lo;
-  return rest < 0 ? 0 : (rest < l.S ? rest : l.S);
-}
 
 __global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
                                   int32_t num_local, int64_t* counts) {
@@ -249,7 +245,7 @@ __global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t 
 }
 
 __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
-                                  const int64_t* counts, GroupedRow* grouped) {
+                                  const int64_t* counts, GroupedRow* grouped, int32_t* inv) {
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ int64_t running_shared;
   const int j = static_cast<int>(blockIdx.x);
@@ -271,9 +267,6 @@ __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t 
       const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
       for (int64_t r = 0; r < num_rows; ++r)
         if (rows[r].local_expert == j) hit = r;
-      if (hit >= 0) {
-        // keep the row; written after the scan
-      }
     }
     int pos, total;
     BlockScan(scan).ExclusiveSum(hit >= 0 ? 1 : 0, pos, total);
@@ -281,6 +274,7 @@ __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t 
       const auto* rows = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t));
       const RowSideband rs = rows[hit];
       grouped[running_shared + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
+      if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(running_shared + pos);
     }
     __syncthreads();
     if (threadIdx.x == 0) running_shared += total;
@@ -395,13 +389,13 @@ __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, con
 }
 
 __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float* gates, const uint8_t* accepted, int64_t n,
-                            int64_t K, int64_t H, float* scratch, float* dgates) {
+                            int64_t K, int64_t H, float* scratch, float* dgates, const float* dots) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = t * K + k;
-      const float dot = accepted[i] ? detail::WarpDotBf16(dy + t * H, f + i * H, H) : 0.f;  // the relays' order too
+      const float dot = !accepted[i] ? 0.f : dots ? dots[i] : detail::WarpDotBf16(dy + t * H, f + i * H, H);  // the relays' order too
       if (lane == 0) scratch[i] = dot;
     }
     __syncwarp();
@@ -410,10 +404,6 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
   }
 }
 
-int WarpBlocks(int64_t items) {
-  const int64_t blocks = (items * 32 + 255) / 256;
-  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
-}
 
 }  // namespace
 
@@ -488,13 +478,13 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 }
 
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s) {
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s, int32_t* inv) {
   if (num_local == 0) return Status::Ok();
   ExpandCountKernel<<<1, 1024, static_cast<size_t>(num_local) * sizeof(int), s>>>(my_sideband, buf, lo, l, my_control,
                                                                                    num_local, counts);
   RDEP_CUDA_CHECK_LAUNCH();
   ExpandPlaceKernel<<<static_cast<unsigned>(num_local), kScanThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, counts,
-                                                                             grouped);
+                                                                             grouped, inv);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -549,9 +539,9 @@ Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float*
 }
 
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted, int64_t n,
-                   int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s) {
+                   int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s, const float* dots) {
   if (n == 0) return Status::Ok();
-  DgateKernel<<<WarpBlocks(n), 256, 0, s>>>(dy, saved_f, gates, accepted, n, K, H, scratch, dgates);
+  DgateKernel<<<WarpBlocks(n), 256, 0, s>>>(dy, saved_f, gates, accepted, n, K, H, scratch, dgates, dots);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -1,5 +1,6 @@
-// Device helpers on bf16 rows shared by the protocol kernels (dispatch_kernels.cu) and the two-phase
-// kernels (two_phase_kernels.cu): conversions, a warp's row copy, and a warp's dot product, whose
+// Device helpers on bf16 rows shared by the protocol kernels (dispatch_kernels.cu, owner_reduce_kernels.cu)
+// and the two-phase kernels (two_phase_kernels.cu): conversions, a warp's row copy, a segment's token
+// count, and a warp's dot product, whose
 // summation order is part of the exactness contract (the relay's dgate dot products equal the
 // one-domain DgateKernel's bit for bit only because both call WarpDotBf16). Internal to dispatch.
 #pragma once
@@ -7,6 +8,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+
+#include "rdep/dispatch/region_layout.h"
 
 namespace rdep::dispatch::detail {
 
@@ -43,6 +46,21 @@ __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, 
   } else {
     for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
   }
+}
+
+// Blocks of 256 threads for one warp per item, at most 4096 (the kernels loop over the rest).
+inline int WarpBlocks(int64_t items) {
+  const int64_t blocks = (items * 32 + 255) / 256;
+  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
+}
+
+// Tokens in an owner's segment window [lo, lo + S) of its stream (the stream's length from the control
+// words every source published).
+__device__ __forceinline__ int64_t SegmentTokens(const RegionLayout& l, const int64_t* my_control, int64_t lo) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < l.W; ++s) total += my_control[l.recv_tokens(s)];
+  const int64_t rest = total - lo;
+  return rest < 0 ? 0 : (rest < l.S ? rest : l.S);
 }
 
 // <a, b> over H bf16 values by a full warp: lane-strided fp32 partial sums, then an xor butterfly;

@@ -128,7 +128,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<float> gates, effective;
   cuda_layer::DeviceBuffer<uint8_t> accepted;
   cuda_layer::DeviceBuffer<int64_t> dropped, control;
-  cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate
+  cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate (not with owner_reduce)
+  cuda_layer::DeviceBuffer<uint8_t> lead;           // owner_reduce: [T*K] slots whose return rows carry an owner's sum
   // Owner: every segment's grouped rows, inputs and pre-activations.
   int64_t num_segments = 0;
   std::vector<std::vector<int64_t>> seg_rows;  // host: per segment, rows per local expert
@@ -136,6 +137,10 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   int64_t total_rows = 0;
   cuda_layer::DeviceBuffer<dispatch::GroupedRow> grouped;
   cuda_layer::DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
+  // owner_reduce: the expert outputs f_k (dgate's dots in backward) and, per segment, each token
+  // position's rows as grouped indices ([S][slots_per_token], LaunchExpand's inv).
+  cuda_layer::DeviceBuffer<__nv_bfloat16> f_rows;
+  cuda_layer::DeviceBuffer<int32_t> inv;
   cuda_layer::DeviceBuffer<int64_t> rows_per_expert;       // the plan's admitted rows per local expert (owner scan);
                                                            // with balancing per physical index [layout L]
   // Balancing (LayerConfig::balance): the plan, where each route slot is computed (rank and physical
@@ -174,15 +179,17 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
     for (auto* b : {&dropped, &control, &rows_per_expert, &dev_counts}) b->Free();
-    for (auto* b : {&saved_f, &x_rows, &h_rows}) b->Free();
+    for (auto* b : {&saved_f, &x_rows, &h_rows, &f_rows}) b->Free();
     accepted.Free();
+    lead.Free();
+    inv.Free();
     grouped.Free();
     cudaSetDevice(current);
   }
   size_t bytes() const override {
-    return (experts.count + tok_index.count + gates.count + effective.count) * 4 + accepted.count +
+    return (experts.count + tok_index.count + gates.count + effective.count + inv.count) * 4 + accepted.count + lead.count +
            (dropped.count + control.count + rows_per_expert.count + dev_counts.count) * 8 +
-           (saved_f.count + x_rows.count + h_rows.count) * 2 +
+           (saved_f.count + x_rows.count + h_rows.count + f_rows.count) * 2 +
            grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4 + cuda_layer::TwoPhaseBytes(two_phase.get());
   }
 };

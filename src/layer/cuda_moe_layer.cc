@@ -101,7 +101,8 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->effective.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->accepted.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
-  RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
+  if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
+  else RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
@@ -191,8 +192,6 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   LayerConfig config = config_in;
   const LayerShape& s = config.shape;
   if (s.topk > 1024) return InvalidArgument("cuda layer: K must be <= 1024");
-  if (config.owner_reduce)
-    return InvalidArgument("owner_reduce: not built on the CUDA backend yet (the host backend has it); create the layer without it");
   if (config.balance.enabled() && config.balance.kind == BalanceKind::kUltraEp) {
     auto can = GpuPlannerCanImplement(static_cast<int32_t>(s.experts), static_cast<int32_t>(s.ranks), config.balance.num_slots);
     if (!can.ok()) return InvalidArgument("cuda layer: balance ultraep: " + can.status().message());
@@ -242,7 +241,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   layer->relays_possible_ = config.replica_slots() > 0 && config.balance.relay_above > 0 &&
                             std::min<int64_t>(s.ranks, s.ranks * config.replica_slots()) > config.balance.relay_above;
   const RegionLayout& l = layer->layout_;
-  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l));
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0));
   if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
                                      // shared with every balanced layer of the same slot size on the domain
     const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
@@ -457,6 +456,9 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   if (kind_ == ExpertKind::kSwiGLU && !st.has_weights())
     return FailedPrecondition("forward on rank " + std::to_string(rank) +
                               ": the layer was created without weights and none are bound (BindExpertWeights)");
+  if (kind_ == ExpertKind::kSentinel && config_.owner_reduce)
+    return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                              ": the sentinel expert's rows carry identities, which owner_reduce would sum; use it without");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
@@ -465,9 +467,12 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                               sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
-                                               domain_.stream(rank)));
+  if (config_.owner_reduce)
+    RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
+  else
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                                 sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
+                                                 domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/!sv.counts_on_device));
   ContextAccess::FinishForward(ctx);
@@ -536,8 +541,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
-                                             s.hidden, st.scratch.ptr, dgates, stream));
+  if (!config_.owner_reduce)  // else from the owners' dots after the exchange
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
+                                               s.hidden, st.scratch.ptr, dgates, stream));
   // The weight gradients are written by the first segment's expert compute (overwrite; later segments
   // add to them), or zeroed there when this owner has no rows in it: no pass over them here.
   if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
@@ -545,8 +551,13 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // another call may have used the slots since forward
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
   RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                               nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+  if (config_.owner_reduce) {
+    RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
+    RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/true, dx));
+  } else {
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                                 nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+  }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
   // A sync-free forward whose routing check had not completed reports it here (after the collective).
   return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
@@ -594,9 +605,13 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   const auto buf = static_cast<int32_t>(seg % 2);
   const int64_t base = sv.total_rows;
   RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
+  const bool reduce = config_.owner_reduce;
+  if (reduce)
+    RDEP_RETURN_IF_ERROR(sv.inv.Grow(static_cast<size_t>((seg + 1) * S * layout_.slots_per_token),
+                                     static_cast<size_t>(seg * S * layout_.slots_per_token), stream));
   const int32_t phys = physical_experts(st);  // local experts, with balancing then the redundant slots
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
-                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, stream));
+                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, stream, reduce ? SegmentInv(sv, seg) : nullptr));
   if (phys > 0)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(phys),
                                               cudaMemcpyDeviceToHost, stream));
@@ -609,6 +624,8 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   sv.total_rows += m;
   RDEP_RETURN_IF_ERROR(sv.x_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
   RDEP_RETURN_IF_ERROR(sv.h_rows.Grow(static_cast<size_t>(sv.total_rows * 2 * s.ffn), static_cast<size_t>(base * 2 * s.ffn), stream));
+  if (reduce) RDEP_RETURN_IF_ERROR(sv.f_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
+  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : st.out_rows.ptr;  // owner_reduce keeps f_k for dgate
   __nv_bfloat16* xr = sv.x_rows.ptr + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, false, Bits(xr), stream));
   if (kind_ == ExpertKind::kSentinel) {
@@ -618,10 +635,11 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   } else if (m > 0) {
     for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts))  // the counts are on the host already
       RDEP_RETURN_IF_ERROR(c.mlp->Forward(c.counts, xr + c.first * H, c.weights, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
-                                          st.out_rows.ptr + c.first * H, stream));
+                                          out + c.first * H, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
-  RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr, sv, base, m, stream));
+  if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
+  else RDEP_RETURN_IF_ERROR(ReturnRows(rank, out, sv, base, m, stream));
   return Mark(rank, st, false, kMarkReturn);
 }
 
@@ -673,7 +691,12 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
-  RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr + m * H, sv, base, m, stream));
+  if (config_.owner_reduce) {
+    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, st.out_rows.ptr + m * H, sv, seg, base, /*backward=*/true));
+  } else {
+    RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr + m * H, sv, base, m, stream));
+  }
   return Mark(rank, st, true, kMarkReturn);
 }
 
@@ -752,6 +775,8 @@ std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
 StatusOr<std::vector<float>> CudaMoELayer::CopyExpertOutputs(int32_t rank) const {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   if (config_.nodes.nodes > 1) return CopyExpertOutputsTwoPhase(rank);  // the rows stayed at the relays
+  if (config_.owner_reduce)
+    return FailedPrecondition("rank " + std::to_string(rank) + ": with owner_reduce the front-end keeps no expert outputs (the owners do)");
   const Saved* sv = last(rank);
   if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));

@@ -27,6 +27,8 @@ Status CudaMoELayer::CheckRowsSupported(const char* call) const {
     return FailedPrecondition(std::string(call) + ": the caller's experts cannot run with nodes (N=" +
                               std::to_string(config_.nodes.nodes) + "): the two-phase exchange keeps rows at the relays; "
                               "create the layer with nodes 1");
+  if (config_.owner_reduce)
+    return FailedPrecondition(std::string(call) + ": the caller's experts return one row per slot; create the layer without owner_reduce");
   const int64_t worst = config_.shape.ranks * config_.shape.tokens;
   if (layout_.S < worst)
     return FailedPrecondition(std::string(call) + ": the caller's experts on the CUDA backend need one segment per forward "

@@ -31,6 +31,10 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
   RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(cap));
   RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(cap * H));
   RDEP_RETURN_IF_ERROR(sv.h_rows.Reserve(cap * 2 * F));
+  if (config_.owner_reduce) {  // the expert outputs stay for dgate; the token -> rows index of the one segment
+    RDEP_RETURN_IF_ERROR(sv.f_rows.Reserve(cap * H));
+    RDEP_RETURN_IF_ERROR(sv.inv.Reserve(static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1))));
+  }
   return sv.dev_counts.Reserve(static_cast<size_t>(physical_experts(st)) + 1);
 }
 
@@ -41,19 +45,24 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
   int64_t* counts = sv.dev_counts.ptr;
   const int64_t* total = counts + phys;
+  const bool reduce = config_.owner_reduce;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, phys, counts,
-                                              sv.grouped.ptr, stream));
+                                              sv.grouped.ptr, stream, reduce ? sv.inv.ptr : nullptr));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
   sv.counts_on_device = true;
   sv.seg_rows.assign(1, {});  // the host does not know them
   sv.seg_base.assign(1, 0);
   sv.total_rows = 0;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, false, Bits(sv.x_rows.ptr), stream, total));
+  __nv_bfloat16* out = reduce ? sv.f_rows.ptr : st.out_rows.ptr;  // owner_reduce keeps f_k for dgate
   if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, sv.x_rows.ptr, st.weights(), sv.h_rows.ptr, st.out_rows.ptr, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, sv.x_rows.ptr, st.weights(), sv.h_rows.ptr, out, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr), sv.grouped.ptr, cap, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream, total));
+  if (reduce)
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, /*seg=*/0, /*base=*/0, /*backward=*/false));
+  else
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr, cap, layout_, domain_.peer_table(rank, regions_.ret), stream,
+                                                    total));
   return Mark(rank, st, false, cuda_layer::kMarkReturn);
 }
 
@@ -70,8 +79,13 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
     RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, st.out_rows.ptr, st.weights(),
                                           st.out_rows.ptr + cap * H, grads, /*accumulate=*/false, stream));  // overwrite: one segment
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + cap * H), sv.grouped.ptr, cap, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream, total));
+  if (config_.owner_reduce) {
+    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, 0, cap, total));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, st.out_rows.ptr + cap * H, sv, /*seg=*/0, /*base=*/0, /*backward=*/true));
+  } else {
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + cap * H), sv.grouped.ptr, cap, layout_,
+                                                    domain_.peer_table(rank, regions_.ret), stream, total));
+  }
   return Mark(rank, st, true, cuda_layer::kMarkReturn);
 }
 

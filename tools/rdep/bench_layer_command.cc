@@ -56,6 +56,8 @@ flags [defaults: the Moonlight shape]:
   --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 binds bf16
                        copies of the layer's weights with bf16 gradients, as rdep.torch does for bf16
                        parameters (needs one segment and no --balance)
+  --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
+                       instead of one per slot) and takes dgate's dot products in backward [off]
   --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
                        replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -138,6 +140,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.cfg.balance.min_quota = f.get_int("min-quota", 1);
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
+  o.cfg.owner_reduce = f.get_bool("owner-reduce");
   const std::string grads = f.get_string("grads", "fp32");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
@@ -509,7 +512,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -77,8 +77,8 @@ flags (defaults in brackets):
   --relay-above R        with --balance: experts with more than R replicas get their weights through
                          sqrt(replicas) chunk relays (two stages and a barrier); 0 = never [4]
   --owner-reduce         the owner sums a token's rows before they cross back (one row per (token, owner)
-                         instead of one per slot) and takes dgate's dot products in backward; host backend
-                         only so far (the sentinel checks run without it: they need a row per slot) [off]
+                         instead of one per slot) and takes dgate's dot products in backward (the sentinel
+                         checks run without it: they need a row per slot) [off]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; cuda: device copies for ranks sharing a
                          GPU, NCCL otherwise; not with --expert-compute cutlass) [1]
@@ -219,8 +219,6 @@ int ResolveCheckBackend(CheckOptions& c) {
     return Refuse("--gpus must be in [1, " + std::to_string(rdep::CudaDeviceCount()) + "] on this machine, got " +
                   std::to_string(c.gpus));
   if (c.boot && c.backend != "cuda") return Refuse("--bootstrap mpi needs --backend cuda");
-  if (c.v.layer.owner_reduce && c.backend != "host")
-    return Refuse("--owner-reduce runs on the host backend only so far (--backend host)");
   if (c.v.layer.expert_compute != rdep::ExpertComputeKind::kCublasLt && c.backend == "host")
     return Refuse("--expert-compute chooses the CUDA backend's expert compute; the host backend computes on the host");
   c.leader = !c.boot || c.boot->rank() == 0;

@@ -98,7 +98,6 @@ expect 2 '--relay-above must be in \[0, 1000000\], got -1' check --backend cuda 
 expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), got 3' check --backend host --nodes 3
 expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
 expect 2 '--nodes with --expert-compute cutlass' check --backend cuda --nodes 2 --expert-compute cutlass
-expect 2 '--owner-reduce runs on the host backend only so far' check --backend cuda --owner-reduce
 expect 2 '--owner-reduce with --nodes' check --backend host --nodes 2 --owner-reduce
 expect 0 'S=auto owner-reduce, routing zipf:1' check --backend host --owner-reduce --routing zipf:1 --capacity-factor 0.8
 expect 0 'y, dx within .*dgate bitwise equal to balancing off' check --backend host --owner-reduce --balance ultraep --routing zipf:2

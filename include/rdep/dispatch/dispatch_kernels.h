@@ -94,9 +94,11 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
                      RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
                      void* const* payload_of, void* const* sideband_of, cudaStream_t s);
 // Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
-// then the grouped rows (written at grouped + 0). counts is [num_local] int64.
+// then the grouped rows (written at grouped + 0). counts is [num_local] int64. inv (nullable,
+// [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's
+// grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it).
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s);
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s, int32_t* inv = nullptr);
 // out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M. With device_rows (a
 // device int64), g < min(*device_rows, M): M is then the host's bound (it sizes the grid only).
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
@@ -116,8 +118,28 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
                      int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
 // dgate: dL/dg'_k = <dy_t, f_k> (fp32), then the chain rule through the capacity renormalization
-// (rdep::RenormalizeTokenGatesBackward: math in double, float in and out).
+// (rdep::RenormalizeTokenGatesBackward: math in double, float in and out). With dots (owner_reduce:
+// [n*K] floats the owners wrote, LaunchOwnerDots) the dot products are read from there and dy and
+// saved_f are not touched (they may be null).
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted,
-                   int64_t n, int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s);
+                   int64_t n, int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s, const float* dots = nullptr);
+
+// LayerConfig::owner_reduce (owner_reduce_kernels.cu). The owner sums a token's rows before they cross
+// back: one row per (token, owner) lands in the return row of the token's lead slot on that owner (its
+// first accepted slot there = its sideband's first row).
+// Owner: for each token of segment buffer `buf` with rows (positions p < the segment's token count, read
+// on the device), sum over its sideband rows r of w * rows[inv[p*slots_per_token + r]] in fp32 (w = the
+// row's effective gate when scale_by_gate, else 1), in r order, rounded to bf16 once, into the lead row.
+Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
+                              int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control, bool scale_by_gate,
+                              void* const* return_of, cudaStream_t s);
+// Owner, backward: for each grouped row g < M (or the device count), <dy of its token, f_rows[g]> (fp32,
+// detail::WarpDotBf16's order) into its front-end's dots region at (token, slot).
+Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M,
+                       const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows = nullptr);
+// Front-end: lead[t*K+k] = 1 when slot k is accepted and no earlier accepted slot of the token computes on
+// the same rank (targets), else 0: the slots whose return rows carry the owners' sums.
+Status LaunchLeadSlots(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets,
+                       uint8_t* lead, cudaStream_t s);
 
 }  // namespace rdep::dispatch

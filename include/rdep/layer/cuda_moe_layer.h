@@ -264,6 +264,14 @@ class CudaMoELayer {
   // Owner: a segment's rows [base, base+m) of the grouped rows back by row id, to their front-ends
   // (one domain) or to their sources' relays in this node (nodes > 1).
   Status ReturnRows(int32_t rank, const __nv_bfloat16* rows, const Saved& sv, int64_t base, int64_t m, cudaStream_t stream);
+  // LayerConfig::owner_reduce (cuda_owner_reduce.cc). Front-end: lead slots (forward) and the sum of the
+  // lead rows into out; dgates from the owners' dots. Owner: a segment's token sums into the lead rows
+  // (rows at grouped index [base, base + m) of the segment), and its rows' dots in backward.
+  Status CombineReduced(int32_t rank, Saved& sv, bool backward, __nv_bfloat16* out);
+  Status DgatesFromDots(int32_t rank, RankState& st, const Saved& sv, float* dgates);
+  Status ReturnReduced(int32_t rank, const __nv_bfloat16* rows, const Saved& sv, int64_t seg, int64_t base, bool backward);
+  Status OwnerDots(int32_t rank, const uint16_t* seg_dy, const Saved& sv, int64_t base, int64_t m, const int64_t* device_rows);
+  int32_t* SegmentInv(const Saved& sv, int64_t seg) const;
 
   CudaDomain& domain_;
   LayerConfig config_;

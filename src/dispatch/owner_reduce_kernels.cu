@@ -1,0 +1,133 @@
+// LayerConfig::owner_reduce's kernels (rdep/dispatch/dispatch_kernels.h): the owner sums a token's rows
+// before they cross back, takes dgate's dot products in backward, and the front-end marks the slots
+// whose return rows carry those sums. One warp per token (reduce) or per row (dots).
+#include <cuda_bf16.h>
+
+#include "rdep/core/row_id.h"
+#include "rdep/cuda/check.h"
+#include "rdep/dispatch/dispatch_kernels.h"
+#include "dispatch/warp_rows.cuh"
+
+namespace rdep::dispatch {
+namespace {
+
+using detail::Bf;
+using detail::SegmentTokens;
+using detail::ToBf;
+using detail::WarpBlocks;
+
+// The lead row of segment position p: the return row of its sideband's first row (slot order).
+__device__ __forceinline__ bf16_bits* LeadRow(const char* sideband_base, size_t tsb, int64_t p, const RegionLayout& l,
+                                             void* const* return_of) {
+  const auto* first = reinterpret_cast<const RowSideband*>(sideband_base + static_cast<size_t>(p) * tsb + sizeof(int64_t));
+  const RowKey key = RowIdCodec{l.T, l.K}.decode(first->row_id);
+  return static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
+}
+
+// One warp per token of the segment; each lane sums 8 columns at a time (16-byte loads and one 16-byte
+// store when `vec`), fp32, rows in sideband order, one bf16 rounding.
+__global__ void ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
+                                       int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
+                                       bool vec, void* const* return_of) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const int64_t n_seg = SegmentTokens(l, my_control, lo);
+  const size_t tsb = l.token_sideband_bytes();
+  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
+  const int64_t R = l.slots_per_token, H = l.H;
+  for (int64_t p = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; p < n_seg; p += warps) {
+    const int64_t num_rows = *reinterpret_cast<const int64_t*>(base + static_cast<size_t>(p) * tsb);
+    if (num_rows <= 0) continue;
+    bf16_bits* dst = LeadRow(base, tsb, p, l, return_of);
+    const int32_t* my_inv = inv + p * R;
+    if (vec) {
+      for (int64_t c = lane; c < H / 8; c += 32) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t r = 0; r < num_rows; ++r) {
+          const int64_t g = my_inv[r];
+          const float w = scale_by_gate ? grouped[g].gate : 1.f;
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c);
+          const auto* b = reinterpret_cast<const bf16_bits*>(&v);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+        }
+        uint4 out;
+        auto* o = reinterpret_cast<bf16_bits*>(&out);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
+        reinterpret_cast<uint4*>(dst)[c] = out;
+      }
+    } else {
+      for (int64_t c = lane; c < H; c += 32) {
+        float acc = 0.f;
+        for (int64_t r = 0; r < num_rows; ++r) {
+          const int64_t g = my_inv[r];
+          acc = __fmaf_rn(scale_by_gate ? grouped[g].gate : 1.f, Bf(rows[g * H + c]), acc);
+        }
+        dst[c] = ToBf(acc);
+      }
+    }
+  }
+}
+
+__global__ void OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
+                                RegionLayout l, void* const* dots_of, const int64_t* device_rows) {
+  const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const RowIdCodec codec{l.T, l.K};
+  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
+    const GroupedRow gr = grouped[g];
+    const float dot = detail::WarpDotBf16(segment_dy + static_cast<int64_t>(gr.token) * l.H, f_rows + g * l.H, l.H);
+    if ((threadIdx.x & 31) == 0) {
+      const RowKey key = codec.decode(gr.row_id);
+      static_cast<float*>(dots_of[key.rank])[key.token * l.K + key.slot] = dot;
+    }
+  }
+}
+
+__global__ void LeadSlotsKernel(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets,
+                                uint8_t* lead) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t i = t * K + k;
+    bool is_lead = accepted[i] != 0;
+    for (int64_t j = 0; j < k && is_lead; ++j) {
+      const int64_t ij = t * K + j;
+      if (accepted[ij] && targets.rank(ij, experts[ij]) == targets.rank(i, experts[i])) is_lead = false;
+    }
+    lead[i] = is_lead ? 1 : 0;
+  }
+}
+
+}  // namespace
+
+Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
+                              int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control, bool scale_by_gate,
+                              void* const* return_of, cudaStream_t s) {
+  if (l.S == 0) return Status::Ok();
+  // 16-byte rows: H % 8 == 0 and 16-byte aligned bases (return regions and row buffers are allocations).
+  const bool vec = l.H % 8 == 0 && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0;
+  ReduceReturnRowsKernel<<<WarpBlocks(l.S), 256, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate, vec,
+                                                       return_of);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M,
+                       const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows) {
+  if (M == 0) return Status::Ok();
+  OwnerDotsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchLeadSlots(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets, uint8_t* lead,
+                       cudaStream_t s) {
+  if (n == 0) return Status::Ok();
+  LeadSlotsKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, accepted, n, K, targets, lead);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace rdep::dispatch

@@ -1,0 +1,150 @@
+// LayerConfig::owner_reduce on the CUDA layer, W = 4 ranks on the GPUs present (sharing them when
+// fewer): the owner sums a token's rows into one return row per (token, owner) and takes dgate's dot
+// products. Against the same layer without it, on the same routing, weights and inputs, two forward
+// and backward calls per layer (the second finds the first's sums in the return rows): y, dx, dgates
+// and every rank's weight gradients within the CUDA checks' bf16 bound, ||a - b|| / ||b|| <= 1e-2 per
+// rank (the owner's partial sum is rounded to bf16 once more). Cases: uniform, Zipf 2, capacity drops,
+// several segments, one expert for every token, balancing with replicas, and the CUTLASS (sync-free)
+// compute. Outputs are poisoned with NaN first, so a value nobody wrote fails. Every test skips without
+// a GPU; the CUTLASS case also where that compute cannot be made (a failure under RDEP_REQUIRE_CUTLASS=1).
+//   exercise: build-*/src/layer/layer_test --gtest_filter='*CudaOwnerReduce*'
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "layer/cuda_test_util.h"
+#include "rdep/cuda/bf16.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+constexpr int32_t kW = 4;
+constexpr double kRelL2 = 1e-2;  // the CUDA checks' bf16 bound (ValidationOptions::rel_l2)
+
+struct Case {
+  std::string name;
+  std::string routing = "uniform";
+  double capacity_factor = 0;  // 0 = dropless
+  int64_t segment = 0;         // 0 = W*T (one segment)
+  bool balance = false;
+  bool cutlass = false;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+LayerShape Shape() { return LayerShape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 16, .topk = 4, .ranks = kW}; }
+
+struct RankOut {
+  std::vector<float> y, dx, dg, dw1, dw2;
+};
+
+StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
+  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
+  return out;
+}
+
+// Two forward+backward calls (routing seeds 1 and 2) on one layer; the second call's outputs per rank.
+StatusOr<std::vector<RankOut>> RunLayer(const Case& c, bool owner_reduce) {
+  const LayerShape s = Shape();
+  LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
+  cfg.owner_reduce = owner_reduce;
+  if (c.balance) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
+  if (c.cutlass) cfg.expert_compute = ExpertComputeKind::kCutlass;
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, kW);
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(
+                                         kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, cuda::DeviceCount()))}));
+  RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(*domain, cfg, own, RandomWeights(s, 7)));
+  std::vector<RankOut> out(kW);
+  for (uint64_t call = 1; call <= 2; ++call) {
+    RoutingSpec spec = *RoutingSpec::Parse(c.routing);
+    spec.seed = call;
+    RDEP_ASSIGN_OR_RETURN(Routing rt, GenerateRouting(s, spec));
+    const auto x = RandomActivations(s, rt, 8 + call);
+    const auto dy = RandomActivations(s, rt, 20 + call);
+    RDEP_RETURN_IF_ERROR(domain->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      Batch b;
+      RDEP_RETURN_IF_ERROR(Upload(rt[i], x[i], dy[i], s.hidden, b));
+      const auto nh = static_cast<size_t>(std::max<int64_t>(b.n * s.hidden, 1)), nk = static_cast<size_t>(std::max<int64_t>(b.n * s.topk, 1));
+      for (auto [p, bytes] : {std::pair<void*, size_t>{b.y, nh * 2}, {b.dx, nh * 2}, {b.dg, nk * 4}})
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0xFF, bytes));  // NaN in bf16 and fp32
+      RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());         // before the layer's non-blocking stream
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, b.e, b.g, b.n, b.x, b.y));
+      RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dg));
+      RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
+      RankOut& o = out[i];
+      const auto L = static_cast<size_t>(own.num_local(r));
+      RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(b.y, static_cast<size_t>(b.n * s.hidden)));
+      RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(b.dx, static_cast<size_t>(b.n * s.hidden)));
+      RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, static_cast<size_t>(b.n * s.topk)));
+      RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(r), L * static_cast<size_t>(2 * s.hidden * s.ffn)));
+      RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(r), L * static_cast<size_t>(s.ffn * s.hidden)));
+      return Status::Ok();
+    }));
+  }
+  return out;
+}
+
+// ||a - b|| / ||b||; +inf on a NaN or a size mismatch, 0 when both are zero.
+double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return INFINITY;
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return num == 0 ? 0 : (den == 0 ? INFINITY : std::sqrt(num / den));
+}
+
+bool CutlassHere(std::string* why) {
+  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
+  if (c.ok()) return true;
+  *why = c.status().message();
+  const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
+  if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
+  return false;
+}
+
+class CudaOwnerReduce : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaOwnerReduce, MatchesTheLayerThatReturnsEveryRow) {
+  const Case& c = GetParam();
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
+  std::string why;
+  if (c.cutlass && !CutlassHere(&why)) GTEST_SKIP() << why;
+  auto rows = RunLayer(c, false);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  auto reduced = RunLayer(c, true);
+  ASSERT_TRUE(reduced.ok()) << reduced.status();
+  for (int32_t r = 0; r < kW; ++r) {
+    const RankOut &a = (*reduced)[static_cast<size_t>(r)], &b = (*rows)[static_cast<size_t>(r)];
+    EXPECT_LE(RelL2(a.y, b.y), kRelL2) << "y, rank " << r;
+    EXPECT_LE(RelL2(a.dx, b.dx), kRelL2) << "dx, rank " << r;
+    EXPECT_LE(RelL2(a.dg, b.dg), kRelL2) << "dgates, rank " << r;
+    EXPECT_LE(RelL2(a.dw1, b.dw1), kRelL2) << "dW1, rank " << r;
+    EXPECT_LE(RelL2(a.dw2, b.dw2), kRelL2) << "dW2, rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,
+                         ::testing::Values(Case{.name = "uniform"}, Case{.name = "zipf2", .routing = "zipf:2"},
+                                           Case{.name = "capacity_drops", .routing = "zipf:1", .capacity_factor = 0.6},
+                                           Case{.name = "segments", .routing = "zipf:1", .segment = 20},
+                                           Case{.name = "one_expert", .routing = "one-expert"},
+                                           Case{.name = "balanced_zipf2", .routing = "zipf:2", .balance = true},
+                                           Case{.name = "cutlass_zipf1", .routing = "zipf:1", .cutlass = true}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace rdep
+#endif  // RDEP_HAVE_CUDA
