@@ -12,6 +12,8 @@
 #   layer      rdep bench layer (CUTLASS expert compute) beside the PyTorch EP baseline (torchrun) at
 #              W = 2 and 4, Moonlight shape, uniform
 #   skew       W = 4, Zipf alpha 0.5, 1, 1.5, 2: balancing off and ultraep, beside the baseline
+#   reduce     LayerConfig::owner_reduce: rdep check --backend cuda --owner-reduce (W = 4, with and without
+#              balancing), then rdep bench layer at W = 4 with and without --owner-reduce, alternated
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
@@ -70,6 +72,16 @@ stage_skew() {
     layer zipf${a}_w4 4 "$a" --routing "zipf:$a"
     case $a in 1|2) run layer_zipf${a}_w4_ultraep "$RDEP" bench layer --ranks 4 --expert-compute cutlass --routing "zipf:$a" \
       --balance ultraep --json "$R/layer_zipf${a}_w4_ultraep.json" --baseline-json "$R/torch_zipf${a}_w4.json" ;; esac
+  done
+}
+stage_reduce() {
+  run check_reduce_w4 "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 --experts 16 --topk 4 \
+    --routing zipf:1 --capacity-factor 0.9 --owner-reduce --json "$R/check_reduce_w4.json"
+  run check_reduce_w4_bal "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 --experts 16 --topk 4 \
+    --routing zipf:2 --balance ultraep --owner-reduce --json "$R/check_reduce_w4_bal.json"
+  for round in a b; do
+    run layer_w4_rows_$round "$RDEP" bench layer --ranks 4 --expert-compute cutlass --json "$R/layer_w4_rows_$round.json"
+    run layer_w4_reduce_$round "$RDEP" bench layer --ranks 4 --expert-compute cutlass --owner-reduce --json "$R/layer_w4_reduce_$round.json"
   done
 }
 stage_dsv3() {

@@ -3,6 +3,8 @@
 // whose return rows carry those sums. One warp per token (reduce) or per row (dots).
 #include <cuda_bf16.h>
 
+#include <string>
+
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
@@ -24,11 +26,11 @@ __device__ __forceinline__ bf16_bits* LeadRow(const char* sideband_base, size_t 
   return static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
 }
 
-// One warp per token of the segment; each lane sums 8 columns at a time (16-byte loads and one 16-byte
-// store when `vec`), fp32, rows in sideband order, one bf16 rounding.
+// One warp per token of the segment; each lane sums 8 columns at a time (16-byte loads, one 16-byte
+// store), fp32, rows in sideband order, one bf16 rounding.
 __global__ void ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
                                        int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
-                                       bool vec, void* const* return_of) {
+                                       void* const* return_of) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const int64_t n_seg = SegmentTokens(l, my_control, lo);
@@ -40,32 +42,21 @@ __global__ void ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* 
     if (num_rows <= 0) continue;
     bf16_bits* dst = LeadRow(base, tsb, p, l, return_of);
     const int32_t* my_inv = inv + p * R;
-    if (vec) {
-      for (int64_t c = lane; c < H / 8; c += 32) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int64_t r = 0; r < num_rows; ++r) {
-          const int64_t g = my_inv[r];
-          const float w = scale_by_gate ? grouped[g].gate : 1.f;
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c);
-          const auto* b = reinterpret_cast<const bf16_bits*>(&v);
+    for (int64_t c = lane; c < H / 8; c += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t g = my_inv[r];
+        const float w = scale_by_gate ? grouped[g].gate : 1.f;
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c);
+        const auto* b = reinterpret_cast<const bf16_bits*>(&v);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
-        }
-        uint4 out;
-        auto* o = reinterpret_cast<bf16_bits*>(&out);
+        for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+      }
+      uint4 out;
+      auto* o = reinterpret_cast<bf16_bits*>(&out);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
-        reinterpret_cast<uint4*>(dst)[c] = out;
-      }
-    } else {
-      for (int64_t c = lane; c < H; c += 32) {
-        float acc = 0.f;
-        for (int64_t r = 0; r < num_rows; ++r) {
-          const int64_t g = my_inv[r];
-          acc = __fmaf_rn(scale_by_gate ? grouped[g].gate : 1.f, Bf(rows[g * H + c]), acc);
-        }
-        dst[c] = ToBf(acc);
-      }
+      for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
+      reinterpret_cast<uint4*>(dst)[c] = out;
     }
   }
 }
@@ -104,11 +95,12 @@ __global__ void LeadSlotsKernel(const int32_t* experts, const uint8_t* accepted,
 
 Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
                               int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control, bool scale_by_gate,
-                              void* const* return_of, cudaStream_t s) {
+                              void* const* return_of, const void* my_return, cudaStream_t s) {
   if (l.S == 0) return Status::Ok();
-  // 16-byte rows: H % 8 == 0 and 16-byte aligned bases (return regions and row buffers are allocations).
-  const bool vec = l.H % 8 == 0 && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0;
-  ReduceReturnRowsKernel<<<WarpBlocks(l.S), 256, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate, vec,
+  const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if (l.H % 8 != 0 || !aligned16(rows) || !aligned16(my_return))  // the SwiGLU layer's rows always are (ExpertMlpDesc)
+    return InvalidArgument("reduce return rows: needs H % 8 == 0 (H=" + std::to_string(l.H) + ") and 16-byte aligned rows and return region");
+  ReduceReturnRowsKernel<<<WarpBlocks(l.S), 256, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate,
                                                        return_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();

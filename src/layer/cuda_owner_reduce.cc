@@ -44,7 +44,7 @@ Status CudaMoELayer::ReturnReduced(int32_t rank, const __nv_bfloat16* rows, cons
   return dispatch::LaunchReduceReturnRows(Bits(rows), sv.grouped.ptr + base, SegmentInv(sv, seg),
                                           domain_.region(rank, regions_.sideband), static_cast<int32_t>(seg % 2), seg * layout_.S, layout_,
                                           sv.control.ptr, /*scale_by_gate=*/!backward, domain_.peer_table(rank, regions_.ret),
-                                          domain_.stream(rank));
+                                          domain_.region(rank, regions_.ret), domain_.stream(rank));
 }
 
 // Owner, backward: <dy_t, f_k> of the segment's rows (grouped [base, base + m), or the device count),

@@ -1,12 +1,15 @@
 // LayerConfig::owner_reduce on the CUDA layer, W = 4 ranks on the GPUs present (sharing them when
 // fewer): the owner sums a token's rows into one return row per (token, owner) and takes dgate's dot
 // products. Against the same layer without it, on the same routing, weights and inputs, two forward
-// and backward calls per layer (the second finds the first's sums in the return rows): y, dx, dgates
-// and every rank's weight gradients within the CUDA checks' bf16 bound, ||a - b|| / ||b|| <= 1e-2 per
-// rank (the owner's partial sum is rounded to bf16 once more). Cases: uniform, Zipf 2, capacity drops,
-// several segments, one expert for every token, balancing with replicas, and the CUTLASS (sync-free)
-// compute. Outputs are poisoned with NaN first, so a value nobody wrote fails. Every test skips without
-// a GPU; the CUTLASS case also where that compute cannot be made (a failure under RDEP_REQUIRE_CUTLASS=1).
+// and backward calls per layer, both compared (the first grows the buffers, the second finds the
+// first's sums in the return rows): y and dx within the CUDA checks' bf16 bound, ||a - b|| / ||b|| <=
+// 1e-2 per rank (the owner's partial sum is rounded to bf16 once more); dgates and the weight gradients
+// bitwise (the same bf16 expert outputs, the same dot-product order, the same GEMMs). The reduced layer
+// must refuse CopyExpertOutputs (the mode is on: the front-end keeps no rows). Cases: uniform, Zipf 2,
+// capacity drops, several segments, one expert for every token, balancing with replicas, H = 40 (not a
+// multiple of 16) and the CUTLASS (sync-free) compute. Outputs are poisoned with NaN first, so a value
+// nobody wrote fails. Every test skips without a GPU; the CUTLASS case also where that compute cannot be
+// made (a failure under RDEP_REQUIRE_CUTLASS=1).
 //   exercise: build-*/src/layer/layer_test --gtest_filter='*CudaOwnerReduce*'
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -14,6 +17,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "layer/cuda_test_util.h"
@@ -35,11 +39,14 @@ struct Case {
   int64_t segment = 0;         // 0 = W*T (one segment)
   bool balance = false;
   bool cutlass = false;
+  int64_t hidden = 64;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-LayerShape Shape() { return LayerShape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 16, .topk = 4, .ranks = kW}; }
+LayerShape Shape(const Case& c) {
+  return LayerShape{.tokens = 48, .hidden = c.hidden, .ffn = 32, .experts = 16, .topk = 4, .ranks = kW};
+}
 
 struct RankOut {
   std::vector<float> y, dx, dg, dw1, dw2;
@@ -52,9 +59,9 @@ StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
   return out;
 }
 
-// Two forward+backward calls (routing seeds 1 and 2) on one layer; the second call's outputs per rank.
-StatusOr<std::vector<RankOut>> RunLayer(const Case& c, bool owner_reduce) {
-  const LayerShape s = Shape();
+// Two forward+backward calls (routing seeds 1 and 2) on one layer: [call][rank] outputs.
+StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool owner_reduce) {
+  const LayerShape s = Shape(c);
   LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
   cfg.owner_reduce = owner_reduce;
   if (c.balance) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
@@ -63,7 +70,7 @@ StatusOr<std::vector<RankOut>> RunLayer(const Case& c, bool owner_reduce) {
   RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(
                                          kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, cuda::DeviceCount()))}));
   RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(*domain, cfg, own, RandomWeights(s, 7)));
-  std::vector<RankOut> out(kW);
+  std::vector<std::vector<RankOut>> out(2, std::vector<RankOut>(kW));
   for (uint64_t call = 1; call <= 2; ++call) {
     RoutingSpec spec = *RoutingSpec::Parse(c.routing);
     spec.seed = call;
@@ -81,7 +88,9 @@ StatusOr<std::vector<RankOut>> RunLayer(const Case& c, bool owner_reduce) {
       RDEP_RETURN_IF_ERROR(layer->Forward(r, b.e, b.g, b.n, b.x, b.y));
       RDEP_RETURN_IF_ERROR(layer->Backward(r, b.dy, b.dx, b.dg));
       RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
-      RankOut& o = out[i];
+      RankOut& o = out[call - 1][i];
+      if (owner_reduce && layer->CopyExpertOutputs(r).ok())
+        return InternalError("owner_reduce is on but the front-end kept expert outputs (rank " + std::to_string(r) + ")");
       const auto L = static_cast<size_t>(own.num_local(r));
       RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(b.y, static_cast<size_t>(b.n * s.hidden)));
       RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(b.dx, static_cast<size_t>(b.n * s.hidden)));
@@ -106,6 +115,10 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
   return num == 0 ? 0 : (den == 0 ? INFINITY : std::sqrt(num / den));
 }
 
+bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
 bool CutlassHere(std::string* why) {
   auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
   if (c.ok()) return true;
@@ -126,14 +139,16 @@ TEST_P(CudaOwnerReduce, MatchesTheLayerThatReturnsEveryRow) {
   ASSERT_TRUE(rows.ok()) << rows.status();
   auto reduced = RunLayer(c, true);
   ASSERT_TRUE(reduced.ok()) << reduced.status();
-  for (int32_t r = 0; r < kW; ++r) {
-    const RankOut &a = (*reduced)[static_cast<size_t>(r)], &b = (*rows)[static_cast<size_t>(r)];
-    EXPECT_LE(RelL2(a.y, b.y), kRelL2) << "y, rank " << r;
-    EXPECT_LE(RelL2(a.dx, b.dx), kRelL2) << "dx, rank " << r;
-    EXPECT_LE(RelL2(a.dg, b.dg), kRelL2) << "dgates, rank " << r;
-    EXPECT_LE(RelL2(a.dw1, b.dw1), kRelL2) << "dW1, rank " << r;
-    EXPECT_LE(RelL2(a.dw2, b.dw2), kRelL2) << "dW2, rank " << r;
-  }
+  for (size_t call = 0; call < 2; ++call)
+    for (int32_t r = 0; r < kW; ++r) {
+      SCOPED_TRACE("call " + std::to_string(call + 1) + ", rank " + std::to_string(r));
+      const RankOut &a = (*reduced)[call][static_cast<size_t>(r)], &b = (*rows)[call][static_cast<size_t>(r)];
+      EXPECT_LE(RelL2(a.y, b.y), kRelL2) << "y";
+      EXPECT_LE(RelL2(a.dx, b.dx), kRelL2) << "dx";
+      EXPECT_TRUE(Bitwise(a.dg, b.dg)) << "dgates (relative L2 " << RelL2(a.dg, b.dg) << ")";
+      EXPECT_TRUE(Bitwise(a.dw1, b.dw1)) << "dW1 (relative L2 " << RelL2(a.dw1, b.dw1) << ")";
+      EXPECT_TRUE(Bitwise(a.dw2, b.dw2)) << "dW2 (relative L2 " << RelL2(a.dw2, b.dw2) << ")";
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,
@@ -142,6 +157,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,
                                            Case{.name = "segments", .routing = "zipf:1", .segment = 20},
                                            Case{.name = "one_expert", .routing = "one-expert"},
                                            Case{.name = "balanced_zipf2", .routing = "zipf:2", .balance = true},
+                                           Case{.name = "H40", .routing = "zipf:1", .hidden = 40},
                                            Case{.name = "cutlass_zipf1", .routing = "zipf:1", .cutlass = true}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 

@@ -321,8 +321,12 @@ Status HostMoELayer::Run(int32_t rank, ForwardContext& ctx, std::span<const floa
   }
   if (st.plan) RDEP_RETURN_IF_ERROR(PushReplicaWeights(rank, st));  // before the replicas' compute: first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, /*backward=*/false, x));
-  if (config_.owner_reduce) CombineReduced(rank, st, y);
-  else CombineReturned(rank, st, y);
+  if (config_.owner_reduce) {
+    st.expert_out.clear();  // the owners keep f_k: nothing per slot stays here
+    SumReturned(rank, st, y, /*lead_only=*/true);
+  } else {
+    CombineReturned(rank, st, y);
+  }
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
@@ -374,18 +378,20 @@ void HostMoELayer::ComputeDgates(const Saved& st, std::span<const float> dy, std
   }
 }
 
-// Front-end, backward, after every dx row returned: dx_t = sum_k of them in slot order, fp32.
-void HostMoELayer::SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const {
+// Front-end, after every row returned: out_t = the sum of its accepted slots' returned rows in slot order,
+// fp32 (backward's dx); lead_only (owner_reduce, forward y and backward dx): of its lead slots' rows,
+// which carry the owners' sums.
+void HostMoELayer::SumReturned(int32_t rank, const Saved& st, std::span<float> out, bool lead_only) const {
   TestDelay(rank);
   const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
   const float* ret = domain_.region_as<float>(rank, regions_.ret);
   for (int64_t t = 0; t < n; ++t) {
-    float* dxt = dx.data() + t * H;
-    std::fill(dxt, dxt + H, 0.f);
+    float* ot = out.data() + t * H;
+    std::fill(ot, ot + H, 0.f);
     for (int64_t k = 0; k < K; ++k) {
       const auto i = t * K + k;
-      if (!st.acceptance.accepted[static_cast<size_t>(i)]) continue;
-      for (int64_t c = 0; c < H; ++c) dxt[c] += ret[i * H + c];
+      if (lead_only ? !IsLeadSlot(st, t, k) : !st.acceptance.accepted[static_cast<size_t>(i)]) continue;
+      for (int64_t c = 0; c < H; ++c) ot[c] += ret[i * H + c];
     }
   }
 }
@@ -423,7 +429,7 @@ Status HostMoELayer::Backward(int32_t rank, ForwardContext& ctx, std::span<const
   if (st.plan) ReduceReplicaGradients(rank, st);  // every replica finished before backward.done
   if (config_.owner_reduce) {
     DgatesFromDots(rank, st, dgates);
-    SumReduced(rank, st, dx);
+    SumReturned(rank, st, dx, /*lead_only=*/true);
   } else {
     SumReturned(rank, st, dx);
   }

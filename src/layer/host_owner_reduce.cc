@@ -25,39 +25,6 @@ bool HostMoELayer::IsLeadSlot(const Saved& st, int64_t t, int64_t k) const {
   return true;
 }
 
-// Front-end, forward: y_t = the owners' partial sums, in slot order of their lead slots, fp32.
-void HostMoELayer::CombineReduced(int32_t rank, Saved& st, std::span<float> y) const {
-  TestDelay(rank);
-  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
-  const float* ret = domain_.region_as<float>(rank, regions_.ret);
-  st.expert_out.clear();  // the owners hold f_k; nothing per slot is kept here
-  for (int64_t t = 0; t < n; ++t) {
-    float* yt = y.data() + t * H;
-    std::fill(yt, yt + H, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
-      if (!IsLeadSlot(st, t, k)) continue;
-      const float* part = ret + (t * K + k) * H;
-      for (int64_t c = 0; c < H; ++c) yt[c] += part[c];
-    }
-  }
-}
-
-// Front-end, backward: dx_t = the owners' summed dx rows, in slot order of their lead slots, fp32.
-void HostMoELayer::SumReduced(int32_t rank, const Saved& st, std::span<float> dx) const {
-  TestDelay(rank);
-  const int64_t K = config_.shape.topk, H = config_.shape.hidden, n = st.num_tokens;
-  const float* ret = domain_.region_as<float>(rank, regions_.ret);
-  for (int64_t t = 0; t < n; ++t) {
-    float* dxt = dx.data() + t * H;
-    std::fill(dxt, dxt + H, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
-      if (!IsLeadSlot(st, t, k)) continue;
-      const float* part = ret + (t * K + k) * H;
-      for (int64_t c = 0; c < H; ++c) dxt[c] += part[c];
-    }
-  }
-}
-
 // Front-end, backward, after every owner wrote its dots: dL/dg'_k as ComputeDgates takes it (the same
 // dot in double, from the same f_k), then through the capacity renormalization.
 void HostMoELayer::DgatesFromDots(int32_t rank, const Saved& st, std::span<float> dgates) const {

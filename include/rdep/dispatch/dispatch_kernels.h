@@ -130,9 +130,11 @@ Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* g
 // Owner: for each token of segment buffer `buf` with rows (positions p < the segment's token count, read
 // on the device), sum over its sideband rows r of w * rows[inv[p*slots_per_token + r]] in fp32 (w = the
 // row's effective gate when scale_by_gate, else 1), in r order, rounded to bf16 once, into the lead row.
+// 16-byte accesses: InvalidArgument unless H % 8 == 0 and rows and my_return (this rank's return region;
+// every rank's is an allocation of the same kind) are 16-byte aligned, as the SwiGLU layer's always are.
 Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
                               int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control, bool scale_by_gate,
-                              void* const* return_of, cudaStream_t s);
+                              void* const* return_of, const void* my_return, cudaStream_t s);
 // Owner, backward: for each grouped row g < M (or the device count), <dy of its token, f_rows[g]> (fp32,
 // detail::WarpDotBf16's order) into its front-end's dots region at (token, slot).
 Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M,

@@ -211,12 +211,10 @@ class HostMoELayer {
   void ScatterSegment(int32_t rank, const Saved& st, int64_t segment, std::span<const float> payload);
   void CombineReturned(int32_t rank, Saved& st, std::span<float> y);
   void ComputeDgates(const Saved& st, std::span<const float> dy, std::span<float> dgates) const;
-  void SumReturned(int32_t rank, const Saved& st, std::span<float> dx) const;
-  // LayerConfig::owner_reduce (host_owner_reduce.cc): the front-end's side (lead slots, the sums, dgate
-  // from the owners' dot products) and the owner's (its token's lead row, accumulation, dots).
+  void SumReturned(int32_t rank, const Saved& st, std::span<float> out, bool lead_only = false) const;
+  // LayerConfig::owner_reduce (host_owner_reduce.cc): the front-end's side (lead slots, dgate from the
+  // owners' dot products; SumReturned sums the lead rows) and the owner's (a token's lead row, dots).
   bool IsLeadSlot(const Saved& st, int64_t t, int64_t k) const;
-  void CombineReduced(int32_t rank, Saved& st, std::span<float> y) const;
-  void SumReduced(int32_t rank, const Saved& st, std::span<float> dx) const;
   void DgatesFromDots(int32_t rank, const Saved& st, std::span<float> dgates) const;
   void ZeroLeadRows(int32_t rank, const std::byte* sideband, int64_t n_seg) const;
   float* LeadRow(int32_t rank, const std::byte* sideband, int64_t position) const;

@@ -46,8 +46,8 @@ struct LayerConfig {
                                    // in forward, plain dx in backward): one row per (token, owner) returns, into
                                    // the slot of the token's first row on that owner, instead of one per slot;
                                    // dgate's dot products are then taken by the owner in backward and return as
-                                   // one value per (token, slot) (regions: LayerRegions::dots). Host backend so
-                                   // far; not with nodes > 1 (the relays reduce already), not the sentinel expert
+                                   // one value per (token, slot) (regions: LayerRegions::dots). Not with nodes > 1
+                                   // (the relays reduce already), the sentinel expert or the caller's experts
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
