@@ -52,7 +52,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 4
+#define RDEP_CAPI_VERSION 5
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -110,6 +110,10 @@ typedef struct rdep_layer_spec {
    * segment), 1 = CUTLASS grouped GEMMs for sm_90a (the counts read on the device: with one segment
    * and no balancing, no host wait in the layer). The host backend ignores it. */
   int32_t expert_compute;
+  /* Version 5. 1 = the owner sums a token's rows before they cross back (one row per (token, owner)
+   * instead of one per slot; dgate's dot products taken by the owner): LayerConfig::owner_reduce. Not
+   * with nodes > 1. On CUDA written, not yet run on a GPU. */
+  int32_t owner_reduce;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

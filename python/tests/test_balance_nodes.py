@@ -93,3 +93,30 @@ def test_bad_options_name_the_argument():
         make(balance="ultraep", balance_slots=17)
     with pytest.raises(ValueError, match="topk: 4 exceeds the 2 experts of the max_nodes=1 smallest nodes"):
         make(E=4, K=4, nodes=2, max_nodes=1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=0.75), dict(balance="ultraep", balance_slots=2),
+                                dict(segment_tokens=10)])
+def test_owner_reduce_module_equals_the_per_slot_return(kw):
+    """owner_reduce=True: each owner sums a token's rows before they cross back. Against the module
+    without it (same weights, routing, inputs), with capacity drops, balancing or several segments: y,
+    dx and every gradient within fp32 reassociation (the loss's dy depends on y, so the gradients inherit
+    y's last-bit differences; the layer-level bitwise properties are checked in host_owner_reduce_test.cc)."""
+    torch.manual_seed(5)
+    x = torch.randn(4, 24, 16)
+    plain, red = make(**kw), make(owner_reduce=True, **kw)
+    red.load_state_dict(plain.state_dict())
+    skew(plain)
+    skew(red)
+    assert red.layer.owner_reduce and not plain.layer.owner_reduce
+    a, b = run(plain, x), run(red, x)
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "drouter"), a, b):
+        assert_rel_close(v, u, 1e-5, name)
+    assert not torch.equal(a[0], b[0]), "y reassociated per owner: some element should differ in its last bits"
+
+
+def test_owner_reduce_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="^owner_reduce: expected a bool"):
+        make(owner_reduce=1)
+    with pytest.raises(ValueError, match=r"^owner_reduce: with nodes=2"):
+        make(owner_reduce=True, nodes=2)

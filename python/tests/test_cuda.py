@@ -277,6 +277,27 @@ def test_dispatch_combine_need_one_segment_on_cuda():
     assert layer.live_contexts == 0
 
 
+def test_owner_reduce_on_cuda_matches_the_per_slot_return():
+    """The CUDA layer with owner_reduce (one row per (token, owner) back, dgate at the owner) against the
+    same module without it, with and without balancing: y and every gradient within the bf16 tolerances."""
+    for extra in (dict(), dict(balance="ultraep", balance_slots=2)):
+        args = dict(max_tokens=32, world_size=4, backend="cuda", seed=9, init_std=0.1, **extra)
+        off = rt.MoE(64, 32, 8, 2, **args)
+        on = rt.MoE(64, 32, 8, 2, owner_reduce=True, **args)
+        on.load_state_dict(off.state_dict())
+        x = torch.randn(4, 32, 64, device=DEV).bfloat16()
+        x[:, :, :8] += 3
+        outs = []
+        for m in (off, on):
+            xi = x.clone().requires_grad_(True)
+            o = m(xi)
+            (o.y.float() * torch.linspace(-1, 1, 64, device=DEV)).sum().backward()
+            outs.append((o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad))
+        for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
+            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"{name} ({extra or 'no balancing'})")
+        assert on.layer.live_contexts == 0
+
+
 def test_balancing_on_cuda_matches_balancing_off():
     """The CUDA layer with replicas of hot experts (ultraep, 2 slots) against the same module without:
     y and every gradient within the bf16 tolerances; bf16 expert weights get their gradients through

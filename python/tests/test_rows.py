@@ -293,3 +293,10 @@ def test_balancing_is_refused():
     _, x, ids, gates = _plan_args(W=2, E=4, K=2, n=6)
     with pytest.raises(rdep.FailedPreconditionError, match="cannot run with balancing"):
         rt.plan(layer, ids, gates)
+
+
+def test_owner_reduce_is_refused():
+    layer = rt.Layer(4, 4, 4, 2, 6, world_size=2, owner_reduce=True)
+    _, x, ids, gates = _plan_args(W=2, E=4, K=2, n=6)
+    with pytest.raises(rdep.FailedPreconditionError, match="without owner_reduce"):
+        rt.plan(layer, ids, gates)

@@ -108,6 +108,8 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
   if (s.nodes < 0) return InvalidArgument("layer spec: nodes must be >= 0 (0 = one domain)");
   if (s.expert_compute < 0 || s.expert_compute > 1)
     return InvalidArgument("layer spec: expert_compute " + std::to_string(s.expert_compute) + " is not 0 (cublaslt) or 1 (cutlass)");
+  if (s.owner_reduce != 0 && s.owner_reduce != 1)
+    return InvalidArgument("layer spec: owner_reduce " + std::to_string(s.owner_reduce) + " is not 0 (off) or 1 (on)");
   return rdep::Status::Ok();
 }
 
@@ -277,6 +279,7 @@ rdep::Status ConfigOf(const rdep_layer_spec& spec, rdep::LayerConfig& c) {
   if (spec.balance_relay_above >= 0) c.balance.relay_above = spec.balance_relay_above;
   c.nodes = rdep::NodeConfig{spec.nodes > 0 ? spec.nodes : 1, spec.max_nodes};
   c.expert_compute = spec.expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;
+  c.owner_reduce = spec.owner_reduce == 1;
   return c.Validate();
 }
 

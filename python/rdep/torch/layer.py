@@ -143,12 +143,17 @@ class Layer(CHandle):
         nodes: int = 1,
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
+        owner_reduce: bool = False,
         domain: Optional[Domain] = None,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
         if expert_compute not in _capi.EXPERT_COMPUTE:
             raise ValueError(f"expert_compute: expected one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
+        if not isinstance(owner_reduce, bool):
+            raise TypeError(f"owner_reduce: expected a bool, got {type(owner_reduce).__name__}")
+        if owner_reduce and nodes > 1:
+            raise ValueError(f"owner_reduce: with nodes={nodes} the relays already reduce each node's rows; use one of them")
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -188,6 +193,7 @@ class Layer(CHandle):
         spec.nodes = nodes
         spec.max_nodes = max_nodes
         spec.expert_compute = _capi.EXPERT_COMPUTE[expert_compute]
+        spec.owner_reduce = int(owner_reduce)
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -218,6 +224,7 @@ class Layer(CHandle):
         self.segment_tokens = segment_tokens
         self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
         self.expert_compute = expert_compute
+        self.owner_reduce = owner_reduce
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:

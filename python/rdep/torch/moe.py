@@ -24,10 +24,15 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       it). Without it the module gets a domain of its own (module.layer.domain)
   nodes=N, max_nodes=M: the ranks form N nodes and the layer runs the two-phase exchange; with M < N the
       router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); on CUDA
-      written, not yet run on a GPU (not with expert_compute='cutlass')
+      the C++ layer's exchange passed its GPU tests (NCCL between GPU groups), this module's CUDA path
+      with nodes has not run on a GPU (not with expert_compute='cutlass')
   expert_compute='cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs that
       read the per-expert counts on the GPU, so the layer never waits on the host (one segment, no
-      balancing); not yet run on a GPU
+      balancing; sm_90a only); the training example ran with it on H100s (BENCHMARKS.md)
+  owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
+      instead of one per slot; dgate's dot products are taken by the owner). Host backend tested against
+      the per-slot return; on CUDA written, not yet run on a GPU. Not with nodes > 1, nor with the
+      caller's-experts API (rdep.torch.dispatch/combine)
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -128,6 +133,7 @@ class MoE(nn.Module):
         nodes: int = 1,
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
+        owner_reduce: bool = False,
         domain: Optional[Domain] = None,
     ):
         super().__init__()
@@ -136,7 +142,7 @@ class MoE(nn.Module):
             world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
-            max_nodes=max_nodes, expert_compute=expert_compute, domain=domain)
+            max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, domain=domain)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
