@@ -161,6 +161,15 @@ TEST(CApi, SpecErrorsNameTheField) {
   rdep_layer_destroy(l);
   l = nullptr;
   spec = Spec(s, 0);
+  spec.owner_reduce = 2;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("owner_reduce 2 is not 0 (off) or 1 (on)"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.owner_reduce = 1;
+  spec.nodes = 2;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("owner_reduce: with nodes (N=2)"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
   spec.nodes = 3;
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("N=3 must be >= 1 and divide W=2"), std::string::npos) << rdep_last_error();
