@@ -3,13 +3,18 @@
 way TorchTitan's EP layer calls it (../shared/baselines/torch_ep_moe.py): w1 [El,H,2F], w2 [El,F,H],
 offs = int32 cumsum of the per-expert counts, h.chunk(2) -> silu(gate) * up.
 Same workload as rdep bench gemm: M = mu*El rows drawn by a multinomial over the experts (uniform or
-zipf:A), forward timed with CUDA events (p50/p99 over --iters after --warmup); useful TFLOP/s count
-6*M*H*F FLOPs (real rows only).
+zipf:A) or, with --counts-from, exactly the per-expert counts an `rdep bench gemm --json` receipt used for
+each mu; forward timed with CUDA events (p50/p99 over --iters after --warmup); with --backward also
+forward+backward (autograd.grad of the output against a fixed dout, for x, w1 and w2: bf16 weight
+gradients, where rdep writes fp32 ones); useful TFLOP/s count 6*M*H*F FLOPs forward, 3x that forward+
+backward (real rows only).
   python3 bench/torch_grouped_mm.py --experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072
+  python3 bench/torch_grouped_mm.py --counts-from gemm.json --backward --json torch.json
 """
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F_
@@ -40,54 +45,98 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default="")
+    ap.add_argument("--counts-from", default="", help="an rdep bench gemm receipt: its shape, routing, mu list and counts")
+    ap.add_argument("--backward", action="store_true", help="also time forward+backward")
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of this script: "
+                    "wall-clock times, no memory figures)")
     a = ap.parse_args()
+    given = {}  # mu -> counts, from an rdep receipt
+    if a.counts_from:
+        with open(a.counts_from) as f:
+            rec = json.load(f)
+        wl = rec["workload"] if "workload" in rec else rec
+        a.experts, a.hidden, a.ffn, a.routing = wl["experts_local"], wl["hidden"], wl["ffn"], wl["routing"]
+        for r in rec["results"]:
+            given.setdefault(int(r["mu"]), r["counts"])
+        a.mu = ",".join(str(m) for m in sorted(given))
     alpha = 0.0 if a.routing == "uniform" else float(a.routing.split(":", 1)[1])
     E, H, F = a.experts, a.hidden, a.ffn
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
     torch.manual_seed(a.seed)
-    w1 = (torch.rand(E, H, 2 * F, device=dev) * 2 - 1).mul_(H ** -0.5).to(torch.bfloat16)
-    w2 = (torch.rand(E, F, H, device=dev) * 2 - 1).mul_(F ** -0.5).to(torch.bfloat16)
+    w1 = (torch.rand(E, H, 2 * F, device=dev) * 2 - 1).mul_(H ** -0.5).to(torch.bfloat16).requires_grad_(a.backward)
+    w2 = (torch.rand(E, F, H, device=dev) * 2 - 1).mul_(F ** -0.5).to(torch.bfloat16).requires_grad_(a.backward)
 
     def forward(x, offs):
         h = torch._grouped_mm(x, w1, offs=offs)
         g, u = h.chunk(2, -1)
         return torch._grouped_mm(F_.silu(g) * u, w2, offs=offs)
 
-    print(f"torch._grouped_mm baseline: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"torch._grouped_mm baseline: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"E_loc={E} H={H} F={F}, routing {a.routing}, {a.warmup} warmup + {a.iters} iters")
-    print(f"{'mu':>6}{'M':>8}{'rho':>7}{'fwd p50':>11}{'fwd p99':>11}{'TFLOP/s':>10}{'peak MiB':>10}")
-    rows_out = []
-    for mu in [int(v) for v in a.mu.split(",")]:
-        M = mu * E
-        counts = counts_for(E, M, alpha, a.seed + mu)
-        rho = E * int(counts.max()) / M if M else 1.0
-        offs = counts.cumsum(0).to(torch.int32).to(dev)
-        x = (torch.rand(M, H, device=dev) * 2 - 1).to(torch.bfloat16)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(a.warmup):
-            forward(x, offs)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]
+    def timed(fn, iters):
+        if not cuda:
+            out = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e6)
+            return out
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for s, e in ev:
             s.record()
-            forward(x, offs)
+            fn()
             e.record()
         torch.cuda.synchronize()
-        us = [s.elapsed_time(e) * 1000.0 for s, e in ev]
+        return [s.elapsed_time(e) * 1000.0 for s, e in ev]
+
+    print(f"{'mu':>6}{'M':>8}{'rho':>7}{'fwd p50':>11}{'fwd p99':>11}{'TFLOP/s':>10}{'f+b p50':>11}{'TFLOP/s':>10}{'peak MiB':>10}")
+    rows_out = []
+    for mu in [int(v) for v in a.mu.split(",")]:
+        counts = torch.tensor(given[mu], dtype=torch.long) if given else counts_for(E, mu * E, alpha, a.seed + mu)
+        M = int(counts.sum())
+        rho = E * int(counts.max()) / M if M else 1.0
+        offs = counts.cumsum(0).to(torch.int32).to(dev)
+        x = (torch.rand(M, H, device=dev) * 2 - 1).to(torch.bfloat16).requires_grad_(a.backward)
+        dout = (torch.rand(M, H, device=dev) * 2 - 1).to(torch.bfloat16)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            for _ in range(a.warmup):
+                forward(x, offs)
+            us = timed(lambda: forward(x, offs), a.iters)
         p50, p99 = statistics.median(us), pct(us, 99)
         tf = 6.0 * M * H * F / (p50 * 1e-6) / 1e12 if M else 0.0
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        print(f"{mu:>6}{M:>8}{rho:>7.2f}{p50:>11.1f}{p99:>11.1f}{tf:>10.1f}{peak:>10.1f}")
-        rows_out.append({"mu": mu, "rows": M, "rho": rho, "counts": counts.tolist(), "p50_us": p50, "p99_us": p99,
-                         "tflops_forward": tf, "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "times_us": us})
-        del x
+        row = {"mu": mu, "rows": M, "rho": rho, "counts": counts.tolist(), "p50_us": p50, "p99_us": p99,
+               "tflops_forward": tf, "times_us": us}
+        fb50, tf_fb = float("nan"), float("nan")
+        if a.backward:
+            def fwd_bwd():
+                torch.autograd.grad(forward(x, offs), (x, w1, w2), dout)
+            for _ in range(a.warmup):
+                fwd_bwd()
+            fb = timed(fwd_bwd, a.iters)
+            fb50 = statistics.median(fb)
+            tf_fb = 18.0 * M * H * F / (fb50 * 1e-6) / 1e12 if M else 0.0
+            row.update({"forward_backward_p50_us": fb50, "forward_backward_p99_us": pct(fb, 99),
+                        "tflops_forward_backward": tf_fb, "forward_backward_times_us": fb})
+        peak_bytes = torch.cuda.max_memory_allocated() if cuda else 0
+        peak = peak_bytes / 2**20
+        row["peak_allocated_bytes"] = peak_bytes
+        print(f"{mu:>6}{M:>8}{rho:>7.2f}{p50:>11.1f}{p99:>11.1f}{tf:>10.1f}{fb50:>11.1f}{tf_fb:>10.1f}{peak:>10.1f}")
+        rows_out.append(row)
+        del x, dout
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"benchmark": "torch._grouped_mm expert MLP forward", "gpu": torch.cuda.get_device_name(),
+            json.dump({"benchmark": "torch._grouped_mm expert MLP forward" + (" and forward+backward" if a.backward else ""),
+                       "gpu": gpu, "counts_from": a.counts_from or None,
                        "torch": torch.__version__, "cuda": torch.version.cuda,
                        "workload": {"experts_local": E, "hidden": H, "ffn": F, "routing": a.routing,
                                     "warmup": a.warmup, "iters": a.iters, "seed": a.seed},
-                       "normalization": "useful TFLOP/s = 6*M*H*F over the p50 forward time, M = real rows",
+                       "normalization": "useful TFLOP/s = 6*M*H*F over the p50 forward time (18*M*H*F forward+backward), "
+                                        "M = real rows",
                        "results": rows_out}, f, indent=1)
         print("wrote", a.json)
 
