@@ -392,6 +392,9 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     fp.device.push_back({"control region and token index (W*L words, W*T tokens)", {{"ranks", W}, {"experts", E}, {"tokens", T}},
                          16 * W * L + 32 * W + 4 * W * T + 16 * E});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
+    if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
+      fp.device.push_back({"owner_reduce: kept expert outputs and dots (T*K rows of H, T*K floats)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
+                           T * K * (2 * H + 8)});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},
