@@ -14,6 +14,8 @@
 #   skew       W = 4, Zipf alpha 0.5, 1, 1.5, 2: balancing off and ultraep, beside the baseline
 #   reduce     LayerConfig::owner_reduce: rdep check --backend cuda --owner-reduce (W = 4, with and without
 #              balancing), then rdep bench layer at W = 4 with and without --owner-reduce, alternated
+#   scatter    the dispatch scatter's two shapes (RDEP_SCATTER=token, the default: a warp per token; pair: a
+#              warp per (token, owner)): rdep check --backend cuda with pair, then bench dispatch alternated
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
@@ -82,6 +84,20 @@ stage_reduce() {
   for round in a b; do
     run layer_w4_rows_$round "$RDEP" bench layer --ranks 4 --expert-compute cutlass --json "$R/layer_w4_rows_$round.json"
     run layer_w4_reduce_$round "$RDEP" bench layer --ranks 4 --expert-compute cutlass --owner-reduce --json "$R/layer_w4_reduce_$round.json"
+  done
+}
+stage_scatter() {
+  run check_scatter_pair_w4 env RDEP_SCATTER=pair "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 \
+    --experts 16 --topk 4 --routing zipf:1 --capacity-factor 0.9 --segment 40 --json "$R/check_scatter_pair_w4.json"
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  for round in a b; do
+    for k in token pair; do
+      run dispatch_w4_${k}_$round env RDEP_SCATTER=$k "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --json "$R/dispatch_w4_${k}_$round.json"
+    done
+  done
+  for k in token pair; do
+    run dispatch_dsv3_w4_$k env RDEP_SCATTER=$k "$RDEP" bench dispatch --ranks 4 --tokens 4096 --hidden 7168 --experts 256 --topk 8 \
+      --warmup 20 --iters 100 --json "$R/dispatch_dsv3_w4_$k.json"
   done
 }
 stage_dsv3() {

@@ -3,6 +3,7 @@
 // the host backend's.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
 #include <string>
 
 #include <cub/block/block_reduce.cuh>
@@ -186,45 +187,67 @@ __global__ void RenormalizeAcceptedKernel(const float* gates, const uint8_t* acc
   if (drops) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(drops));
 }
 
+// One (token t, owner q) pair of phase 3 by a warp: t's sideband entry in q's segment buffer (its rows on
+// q in slot order: row_id, physical local index, effective gate) and, when it has rows there, its payload
+// row. Nothing when t sends nothing to q or its stream position falls outside this segment's window.
+__device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const bf16_bits* payload, const int32_t* experts,
+                                                    const uint8_t* accepted, const float* effective, const int32_t* tok_index,
+                                                    int64_t n, const RegionLayout& l, const RouteTargets& targets, int32_t rank,
+                                                    const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of,
+                                                    void* const* sideband_of) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int32_t idx = tok_index[q * n + t];
+  if (idx < 0) return;
+  const int64_t slot = my_control[l.send_offsets(q)] + idx - lo;
+  if (slot < 0 || slot >= l.S) return;
+  const size_t tsb = l.token_sideband_bytes();
+  const RowIdCodec codec{l.T, l.K};
+  char* sb = static_cast<char*>(sideband_of[q]) + (static_cast<size_t>(buf) * l.S + slot) * tsb;
+  auto* rows = reinterpret_cast<RowSideband*>(sb + sizeof(int64_t));
+  int num_rows = 0;
+  for (int64_t k0 = 0; k0 < l.K; k0 += 32) {
+    const int64_t k = k0 + lane;
+    bool take = false;
+    int32_t e = 0;
+    if (k < l.K) {
+      e = experts[t * l.K + k];
+      take = targets.rank(t * l.K + k, e) == q && accepted[t * l.K + k];
+    }
+    const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
+    if (take) {
+      const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
+      rows[pos] = RowSideband{codec.encode(rank, t, k), targets.local(t * l.K + k, e), effective[t * l.K + k]};
+    }
+    num_rows += __popc(mask);
+  }
+  if (lane == 0) *reinterpret_cast<int64_t*>(sb) = num_rows;
+  if (num_rows > 0)
+    WarpCopyRow(payload + t * l.H, static_cast<bf16_bits*>(payload_of[q]) + (static_cast<int64_t>(buf) * l.S + slot) * l.H, l.H);
+}
+
+// A warp per token, its owners in order (the default).
 __global__ void ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                               const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
                               RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
                               void* const* payload_of, void* const* sideband_of) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
-  const size_t tsb = l.token_sideband_bytes();
-  const RowIdCodec codec{l.T, l.K};
-  for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
-    for (int64_t q = 0; q < l.W; ++q) {
-      const int32_t idx = tok_index[q * n + t];
-      if (idx < 0) continue;
-      const int64_t slot = my_control[l.send_offsets(q)] + idx - lo;
-      if (slot < 0 || slot >= l.S) continue;
-      char* sb = static_cast<char*>(sideband_of[q]) + (static_cast<size_t>(buf) * l.S + slot) * tsb;
-      auto* rows = reinterpret_cast<RowSideband*>(sb + sizeof(int64_t));
-      int num_rows = 0;
-      for (int64_t k0 = 0; k0 < l.K; k0 += 32) {
-        const int64_t k = k0 + lane;
-        bool take = false;
-        int32_t e = 0;
-        if (k < l.K) {
-          e = experts[t * l.K + k];
-          take = targets.rank(t * l.K + k, e) == q && accepted[t * l.K + k];
-        }
-        const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
-        if (take) {
-          const int pos = num_rows + __popc(mask & ((1u << lane) - 1u));
-          rows[pos] = RowSideband{codec.encode(rank, t, k), targets.local(t * l.K + k, e), effective[t * l.K + k]};
-        }
-        num_rows += __popc(mask);
-      }
-      if (lane == 0) *reinterpret_cast<int64_t*>(sb) = num_rows;
-      if (num_rows > 0)
-        WarpCopyRow(payload + t * l.H, static_cast<bf16_bits*>(payload_of[q]) + (static_cast<int64_t>(buf) * l.S + slot) * l.H, l.H);
-    }
-  }
+  for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps)
+    for (int64_t q = 0; q < l.W; ++q)
+      ScatterTokenToOwner(t, q, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
+                          payload_of, sideband_of);
 }
 
+// A warp per (token, owner) pair (RDEP_SCATTER=pair, for A/B timing): a token's stores to its owners
+// proceed in parallel, from neighbouring warps that read its row from L2.
+__global__ void ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
+                                  const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
+                                  RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                                  void* const* payload_of, void* const* sideband_of) {
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
+    ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
+                        payload_of, sideband_of);
+}
 
 __global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
                                   int32_t num_local, int64_t* counts) {
@@ -471,8 +494,17 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
                      const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
                      cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  ScatterKernel<<<WarpBlocks(n), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
-                                              my_control, lo, buf, payload_of, sideband_of);
+  static const char* const kind = std::getenv("RDEP_SCATTER");  // the kernel's shape, for A/B timing: token (default) | pair
+  const std::string k = kind ? kind : "token";
+  if (k == "pair") {
+    ScatterPairKernel<<<WarpBlocks(n * l.W), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
+                                                          my_control, lo, buf, payload_of, sideband_of);
+  } else if (k == "token") {
+    ScatterKernel<<<WarpBlocks(n), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
+                                                my_control, lo, buf, payload_of, sideband_of);
+  } else {
+    return InvalidArgument("RDEP_SCATTER='" + k + "': expected token (a warp per token, the default) or pair (a warp per (token, owner))");
+  }
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
