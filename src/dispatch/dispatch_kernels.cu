@@ -398,16 +398,9 @@ __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, con
       }
       const uint4 v = ret[i * H8 + c];
       if (save) save[i * H8 + c] = v;
-      const float w = weights ? weights[i] : 1.f;
-      const auto* b = reinterpret_cast<const bf16_bits*>(&v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+      detail::FmaBf16x8(acc, weights ? weights[i] : 1.f, v);
     }
-    uint4 out;
-    auto* o = reinterpret_cast<bf16_bits*>(&out);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
-    y[t * H8 + c] = out;
+    y[t * H8 + c] = detail::PackBf16x8(acc);
   }
 }
 
@@ -494,8 +487,10 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
                      const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
                      cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  static const char* const kind = std::getenv("RDEP_SCATTER");  // the kernel's shape, for A/B timing: token (default) | pair
-  const std::string k = kind ? kind : "token";
+  static const std::string k = [] {  // the kernel's shape, for A/B timing: token (default) | pair; read once
+    const char* v = std::getenv("RDEP_SCATTER");
+    return std::string(v ? v : "token");
+  }();
   if (k == "pair") {
     ScatterPairKernel<<<WarpBlocks(n * l.W), 256, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
                                                           my_control, lo, buf, payload_of, sideband_of);

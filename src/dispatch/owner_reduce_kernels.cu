@@ -13,9 +13,7 @@
 namespace rdep::dispatch {
 namespace {
 
-using detail::Bf;
 using detail::SegmentTokens;
-using detail::ToBf;
 using detail::WarpBlocks;
 
 // The lead row of segment position p: the return row of its sideband's first row (slot order).
@@ -46,17 +44,9 @@ __global__ void ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* 
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t g = my_inv[r];
-        const float w = scale_by_gate ? grouped[g].gate : 1.f;
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c);
-        const auto* b = reinterpret_cast<const bf16_bits*>(&v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+        detail::FmaBf16x8(acc, scale_by_gate ? grouped[g].gate : 1.f, __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c));
       }
-      uint4 out;
-      auto* o = reinterpret_cast<bf16_bits*>(&out);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
-      reinterpret_cast<uint4*>(dst)[c] = out;
+      reinterpret_cast<uint4*>(dst)[c] = detail::PackBf16x8(acc);
     }
   }
 }

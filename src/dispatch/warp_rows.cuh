@@ -48,6 +48,22 @@ __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, 
   }
 }
 
+// acc[j] += w * (the j-th bf16 of v), one fused multiply-add each (the combine's and the owner's sums).
+__device__ __forceinline__ void FmaBf16x8(float (&acc)[8], float w, const uint4& v) {
+  const auto* b = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, Bf(b[j]), acc[j]);
+}
+
+// Eight fp32 values rounded to bf16, as one 16-byte vector.
+__device__ __forceinline__ uint4 PackBf16x8(const float (&acc)[8]) {
+  uint4 out;
+  auto* o = reinterpret_cast<uint16_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = ToBf(acc[j]);
+  return out;
+}
+
 // Blocks of 256 threads for one warp per item, at most 4096 (the kernels loop over the rest).
 inline int WarpBlocks(int64_t items) {
   const int64_t blocks = (items * 32 + 255) / 256;

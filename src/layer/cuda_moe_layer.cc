@@ -565,16 +565,18 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
 }
 
+dispatch::RouteTargets CudaMoELayer::Targets(const RankState& st, const Saved& sv) const {
+  const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
+  return config_.balance.enabled() ? dispatch::RouteTargets{own, sv.dest_rank.ptr, sv.dest_local.ptr} : dispatch::RouteTargets{own};
+}
+
 // Phase 3 per segment: scatter this rank's tokens in each owner's window, barrier, then the owner
 // work on this rank's own segment and the return of its rows; the final barrier after which every
 // returned row has landed. Forward records the owner's grouped rows per segment into the context.
 Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
   const int64_t S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
-  const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
-  // Each accepted slot goes to its expert's owner, or with balancing to the instance the plan gave it.
-  const dispatch::RouteTargets targets = config_.balance.enabled() ? dispatch::RouteTargets{own, sv.dest_rank.ptr, sv.dest_local.ptr}
-                                                                   : dispatch::RouteTargets{own};
+  const dispatch::RouteTargets targets = Targets(st, sv);
   if (!backward) {
     sv.seg_rows.assign(static_cast<size_t>(sv.num_segments), {});
     sv.seg_base.assign(static_cast<size_t>(sv.num_segments), 0);

@@ -21,13 +21,9 @@ int32_t* CudaMoELayer::SegmentInv(const Saved& sv, int64_t seg) const {
 Status CudaMoELayer::CombineReduced(int32_t rank, Saved& sv, bool backward, __nv_bfloat16* out) {
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
-  if (!backward) {
-    const RankState& st = *ranks_[static_cast<size_t>(rank)];
-    const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
-    const dispatch::RouteTargets targets = config_.balance.enabled() ? dispatch::RouteTargets{own, sv.dest_rank.ptr, sv.dest_local.ptr}
-                                                                     : dispatch::RouteTargets{own};
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchLeadSlots(sv.experts.ptr, sv.accepted.ptr, sv.num_tokens, s.topk, targets, sv.lead.ptr, stream));
-  }
+  if (!backward)
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchLeadSlots(sv.experts.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
+                                                   Targets(*ranks_[static_cast<size_t>(rank)], sv), sv.lead.ptr, stream));
   return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.lead.ptr, nullptr, sv.num_tokens,
                                  s.topk, s.hidden, Bits(out), nullptr, stream);
 }

@@ -51,6 +51,10 @@
 
 namespace rdep {
 
+namespace dispatch {
+struct RouteTargets;  // rdep/dispatch/dispatch_kernels.h
+}  // namespace dispatch
+
 // Where a layer call's time goes (CUDA events at phase boundaries, summed over segments).
 struct PhaseTimes {
   double routing_ms = 0;   // forward: counts, owner scan, acceptance (2 barriers); backward: dgate
@@ -223,6 +227,8 @@ class CudaMoELayer {
   StatusOr<std::unique_ptr<Saved>> NewSaved(int32_t rank) const;
   const Saved* last(int32_t rank) const;
   Status Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
+  // Where each accepted slot computes: its expert's owner, or with balancing the instance the plan gave it.
+  dispatch::RouteTargets Targets(const RankState& st, const Saved& sv) const;
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ZeroWeightGrads(RankState& st, cudaStream_t stream);
