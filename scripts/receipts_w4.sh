@@ -14,8 +14,10 @@
 #   skew       W = 4, Zipf alpha 0.5, 1, 1.5, 2: balancing off and ultraep, beside the baseline
 #   reduce     LayerConfig::owner_reduce: rdep check --backend cuda --owner-reduce (W = 4, with and without
 #              balancing), then rdep bench layer at W = 4 with and without --owner-reduce, alternated
-#   scatter    the dispatch scatter's two shapes (RDEP_SCATTER=token, the default: a warp per token; pair: a
-#              warp per (token, owner)): rdep check --backend cuda with pair, then bench dispatch alternated
+#   scatter    the dispatch scatter's two shapes (RDEP_SCATTER=pair, the default: a warp per (token, owner);
+#              token: a warp per token): rdep check --backend cuda with token, then bench dispatch alternated
+#   sms        LayerConfig::transport_sms: rdep check with a budget, bench dispatch at W = 4 over budgets
+#              8 ... 132 SMs and unbudgeted, bench layer W = 4 with 32 SMs beside unbudgeted
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
@@ -38,7 +40,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|nccl |balance|replica)|passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|nccl |balance|replica|breakdown|transport SMs)|^    (forward|backward) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))
@@ -87,8 +89,8 @@ stage_reduce() {
   done
 }
 stage_scatter() {
-  run check_scatter_pair_w4 env RDEP_SCATTER=pair "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 \
-    --experts 16 --topk 4 --routing zipf:1 --capacity-factor 0.9 --segment 40 --json "$R/check_scatter_pair_w4.json"
+  run check_scatter_token_w4 env RDEP_SCATTER=token "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 \
+    --experts 16 --topk 4 --routing zipf:1 --capacity-factor 0.9 --segment 40 --json "$R/check_scatter_token_w4.json"
   local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
   for round in a b; do
     for k in token pair; do
@@ -98,6 +100,17 @@ stage_scatter() {
   for k in token pair; do
     run dispatch_dsv3_w4_$k env RDEP_SCATTER=$k "$RDEP" bench dispatch --ranks 4 --tokens 4096 --hidden 7168 --experts 256 --topk 8 \
       --warmup 20 --iters 100 --json "$R/dispatch_dsv3_w4_$k.json"
+  done
+}
+stage_sms() {
+  run check_sms_w4 "$RDEP" check --backend cuda --ranks 4 --tokens 64 --hidden 256 --ffn 128 --experts 16 --topk 4 \
+    --routing zipf:1 --capacity-factor 0.9 --segment 40 --transport-sms 2 --json "$R/check_sms_w4.json"
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  for sms in 0 8 16 32 64 132; do
+    run dispatch_w4_sms$sms "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --transport-sms "$sms" --json "$R/dispatch_w4_sms$sms.json"
+  done
+  for sms in 0 32; do
+    run layer_w4_sms$sms "$RDEP" bench layer --ranks 4 --expert-compute cutlass --transport-sms "$sms" --json "$R/layer_w4_sms$sms.json"
   done
 }
 stage_dsv3() {

@@ -52,7 +52,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 5
+#define RDEP_CAPI_VERSION 6
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -112,8 +112,12 @@ typedef struct rdep_layer_spec {
   int32_t expert_compute;
   /* Version 5. 1 = the owner sums a token's rows before they cross back (one row per (token, owner)
    * instead of one per slot; dgate's dot products taken by the owner): LayerConfig::owner_reduce. Not
-   * with nodes > 1. On CUDA written, not yet run on a GPU. */
+   * with nodes > 1. */
   int32_t owner_reduce;
+  /* Version 6. CUDA: the SM budget of the kernels that store into peer memory (scatter, return, the
+   * owner's reduce): that many blocks, one per SM, in [0, 1024]; 0 = grids sized by the work (every SM).
+   * LayerConfig::transport_sms. The host backend ignores it. */
+  int32_t transport_sms;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

@@ -115,6 +115,21 @@ def test_owner_reduce_module_equals_the_per_slot_return(kw):
     assert not torch.equal(a[0], b[0]), "y reassociated per owner: some element should differ in its last bits"
 
 
+def test_transport_sms_is_validated_and_kept():
+    """transport_sms (the CUDA SM budget of the peer-storing kernels): range-checked with the argument
+    named; the host backend accepts and ignores it (same results as without)."""
+    for bad in (-1, 1025, 2.0, True):
+        with pytest.raises(ValueError, match=r"^transport_sms: expected an int in \[0, 1024\]"):
+            make(transport_sms=bad)
+    torch.manual_seed(3)
+    x = torch.randn(4, 24, 16)
+    plain, budget = make(), make(transport_sms=4)
+    budget.load_state_dict(plain.state_dict())
+    assert budget.layer.transport_sms == 4 and plain.layer.transport_sms == 0
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "drouter"), run(plain, x), run(budget, x)):
+        assert torch.equal(u, v), name
+
+
 def test_owner_reduce_bad_arguments_are_named():
     with pytest.raises(TypeError, match="^owner_reduce: expected a bool"):
         make(owner_reduce=1)

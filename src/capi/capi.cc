@@ -280,6 +280,7 @@ rdep::Status ConfigOf(const rdep_layer_spec& spec, rdep::LayerConfig& c) {
   c.nodes = rdep::NodeConfig{spec.nodes > 0 ? spec.nodes : 1, spec.max_nodes};
   c.expert_compute = spec.expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;
   c.owner_reduce = spec.owner_reduce == 1;
+  c.transport_sms = spec.transport_sms;  // its range checked by Validate, naming the field
   return c.Validate();
 }
 

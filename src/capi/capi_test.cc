@@ -170,6 +170,19 @@ TEST(CApi, SpecErrorsNameTheField) {
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("owner_reduce: with nodes (N=2)"), std::string::npos) << rdep_last_error();
   spec = Spec(s, 0);
+  spec.transport_sms = 1025;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: 1025 is outside [0, 1024]"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.transport_sms = -1;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: -1 is outside"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.transport_sms = 8;  // the host backend ignores it
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  rdep_layer_destroy(l);
+  l = nullptr;
+  spec = Spec(s, 0);
   spec.nodes = 3;
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("N=3 must be >= 1 and divide W=2"), std::string::npos) << rdep_last_error();

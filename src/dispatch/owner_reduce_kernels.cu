@@ -14,7 +14,6 @@ namespace rdep::dispatch {
 namespace {
 
 using detail::SegmentTokens;
-using detail::WarpBlocks;
 
 // The lead row of segment position p: the return row of its sideband's first row (slot order).
 __device__ __forceinline__ bf16_bits* LeadRow(const char* sideband_base, size_t tsb, int64_t p, const RegionLayout& l,
@@ -24,34 +23,56 @@ __device__ __forceinline__ bf16_bits* LeadRow(const char* sideband_base, size_t 
   return static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
 }
 
-// One warp per token of the segment; each lane sums 8 columns at a time (16-byte loads, one 16-byte
-// store), fp32, rows in sideband order, one bf16 rounding.
-__global__ void ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
-                                       int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
-                                       void* const* return_of) {
+// One warp per token of the segment; each lane sums kReduceUnroll 16-byte column chunks per pass, two
+// rows at a time (the loads are independent of the sums, so 8 per lane are in flight, as in
+// WarpCopyVec16; 4 chunks keep the registers under __launch_bounds__(kTransportThreads) without
+// spilling), fp32, rows in sideband order, one bf16 rounding, and the pass's chunks stored into the
+// front-end's return row together.
+constexpr int kReduceUnroll = 4;
+__device__ __forceinline__ void WarpReduceRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* my_inv,
+                                               int64_t num_rows, bool scale_by_gate, int64_t H8, uint4* dst) {
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
-  const int64_t n_seg = SegmentTokens(l, my_control, lo);
-  const size_t tsb = l.token_sideband_bytes();
-  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
-  const int64_t R = l.slots_per_token, H = l.H;
-  for (int64_t p = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; p < n_seg; p += warps) {
-    const int64_t num_rows = *reinterpret_cast<const int64_t*>(base + static_cast<size_t>(p) * tsb);
-    if (num_rows <= 0) continue;
-    bf16_bits* dst = LeadRow(base, tsb, p, l, return_of);
-    const int32_t* my_inv = inv + p * R;
-    for (int64_t c = lane; c < H / 8; c += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int64_t r = 0; r < num_rows; ++r) {
-        const int64_t g = my_inv[r];
-        detail::FmaBf16x8(acc, scale_by_gate ? grouped[g].gate : 1.f, __ldg(reinterpret_cast<const uint4*>(rows + g * H) + c));
+  for (int64_t base = 0; base < H8; base += 32 * kReduceUnroll) {
+    float acc[kReduceUnroll][8] = {};
+#pragma unroll 2
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t g = my_inv[r];
+      const float w = scale_by_gate ? grouped[g].gate : 1.f;
+      const uint4* src = reinterpret_cast<const uint4*>(rows) + g * H8;
+      uint4 v[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int64_t c = base + u * 32 + lane;
+        if (c < H8) v[u] = __ldg(src + c);
       }
-      reinterpret_cast<uint4*>(dst)[c] = detail::PackBf16x8(acc);
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+        if (base + u * 32 + lane < H8) detail::FmaBf16x8(acc[u], w, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int64_t c = base + u * 32 + lane;
+      if (c < H8) dst[c] = detail::PackBf16x8(acc[u]);
     }
   }
 }
 
-__global__ void OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
+__global__ void __launch_bounds__(kTransportThreads) ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
+                                       int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
+                                       void* const* return_of) {
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
+  const int64_t n_seg = SegmentTokens(l, my_control, lo);
+  const size_t tsb = l.token_sideband_bytes();
+  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
+  for (int64_t p = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; p < n_seg; p += warps) {
+    const int64_t num_rows = *reinterpret_cast<const int64_t*>(base + static_cast<size_t>(p) * tsb);
+    if (num_rows <= 0) continue;
+    WarpReduceRows(rows, grouped, inv + p * l.slots_per_token, num_rows, scale_by_gate, l.H / 8,
+                   reinterpret_cast<uint4*>(LeadRow(base, tsb, p, l, return_of)));
+  }
+}
+
+__global__ void __launch_bounds__(kTransportThreads) OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
                                 RegionLayout l, void* const* dots_of, const int64_t* device_rows) {
   const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
@@ -90,8 +111,9 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   if (l.H % 8 != 0 || !aligned16(rows) || !aligned16(my_return))  // the SwiGLU layer's rows always are (ExpertMlpDesc)
     return InvalidArgument("reduce return rows: needs H % 8 == 0 (H=" + std::to_string(l.H) + ") and 16-byte aligned rows and return region");
-  ReduceReturnRowsKernel<<<WarpBlocks(l.S), 256, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate,
-                                                       return_of);
+  const detail::TransportGrid g = detail::TransportGridFor(l.S, l);
+  ReduceReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate,
+                                                        return_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -99,7 +121,8 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
 Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M,
                        const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
-  OwnerDotsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
+  const detail::TransportGrid g = detail::TransportGridFor(M, l);
+  OwnerDotsKernel<<<g.blocks, g.threads, 0, s>>>(segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

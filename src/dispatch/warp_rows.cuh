@@ -70,6 +70,20 @@ inline int WarpBlocks(int64_t items) {
   return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
 }
 
+// The grid of a kernel that stores into peer memory, one warp per item: under an SM budget
+// (l.transport_sms > 0) that many blocks of kTransportThreads (at most one per item's warps), which the
+// block scheduler places one per SM; else WarpBlocks of 256 threads. The kernels are grid-stride loops
+// over warps, correct for either shape, and carry __launch_bounds__(kTransportThreads).
+struct TransportGrid {
+  unsigned blocks, threads;
+};
+inline TransportGrid TransportGridFor(int64_t items, const RegionLayout& l) {
+  if (l.transport_sms <= 0) return {static_cast<unsigned>(WarpBlocks(items)), 256u};
+  const int64_t needed = (items * 32 + kTransportThreads - 1) / kTransportThreads;
+  const int64_t blocks = needed < l.transport_sms ? (needed < 1 ? 1 : needed) : l.transport_sms;
+  return {static_cast<unsigned>(blocks), static_cast<unsigned>(kTransportThreads)};
+}
+
 // Tokens in an owner's segment window [lo, lo + S) of its stream (the stream's length from the control
 // words every source published).
 __device__ __forceinline__ int64_t SegmentTokens(const RegionLayout& l, const int64_t* my_control, int64_t lo) {
@@ -79,12 +93,40 @@ __device__ __forceinline__ int64_t SegmentTokens(const RegionLayout& l, const in
   return rest < 0 ? 0 : (rest < l.S ? rest : l.S);
 }
 
-// <a, b> over H bf16 values by a full warp: lane-strided fp32 partial sums, then an xor butterfly;
-// every lane returns the same value.
+// <a, b> over H bf16 values by a full warp, in one fixed order whatever the alignment: lane l takes the
+// 8-column chunks l, l + 32, ..., each chunk's columns in order into one fp32 accumulator (fused
+// multiply-adds), then an xor butterfly; every lane returns the same value. Aligned rows with H % 8 == 0
+// are read as 16-byte vectors, 4 chunks of each row in flight per lane.
+__device__ __forceinline__ void FmaDotBf16x8(float& dot, const uint4& a, const uint4& b) {
+  const auto* x = reinterpret_cast<const uint16_t*>(&a);
+  const auto* y = reinterpret_cast<const uint16_t*>(&b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dot = __fmaf_rn(Bf(x[j]), Bf(y[j]), dot);
+}
+
 __device__ __forceinline__ float WarpDotBf16(const uint16_t* a, const uint16_t* b, int64_t H) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   float dot = 0.f;
-  for (int64_t c = lane; c < H; c += 32) dot += Bf(a[c]) * Bf(b[c]);
+  const int64_t chunks = (H + 7) / 8;
+  if ((H % 8) == 0 && (reinterpret_cast<uintptr_t>(a) % 16) == 0 && (reinterpret_cast<uintptr_t>(b) % 16) == 0) {
+    const auto* a16 = reinterpret_cast<const uint4*>(a);
+    const auto* b16 = reinterpret_cast<const uint4*>(b);
+    constexpr int kU = 4;
+    for (int64_t base = 0; base < chunks; base += 32 * kU) {
+      uint4 va[kU], vb[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t c = base + u * 32 + lane;
+        if (c < chunks) va[u] = __ldg(a16 + c), vb[u] = __ldg(b16 + c);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (base + u * 32 + lane < chunks) FmaDotBf16x8(dot, va[u], vb[u]);
+    }
+  } else {
+    for (int64_t c = lane; c < chunks; c += 32)
+      for (int64_t i = c * 8; i < c * 8 + 8 && i < H; ++i) dot = __fmaf_rn(Bf(a[i]), Bf(b[i]), dot);
+  }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
   return dot;
 }

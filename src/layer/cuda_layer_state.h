@@ -24,7 +24,10 @@ namespace cuda_layer {
 using dispatch::bf16_bits;
 
 // Profiling marks: the phase a recorded event closes (CudaMoELayer::Mark, LastPhaseTimes).
-enum MarkPhase { kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine, kMarkPlan, kMarkStream, kMarkReduce };
+enum MarkPhase {
+  kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine, kMarkPlan, kMarkStream, kMarkReduce,
+  kMarkRouteLocal, kMarkRouteCounts, kMarkRouteScan,  // parts of routing, with EnableProfiling(true, true)
+};
 
 // A device buffer that keeps its allocation across calls and grows only when asked for more.
 template <typename T>

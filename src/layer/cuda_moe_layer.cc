@@ -40,8 +40,9 @@ Status CudaMoELayer::Mark(int32_t rank, RankState& st, bool backward, int phase)
   return Status::Ok();
 }
 
-Status CudaMoELayer::EnableProfiling(bool on) {
+Status CudaMoELayer::EnableProfiling(bool on, bool routing_detail) {
   profiling_ = on;
+  routing_detail_ = on && routing_detail;
   if (!on) return Status::Ok();
   for (auto& st : ranks_) {
     if (!st || !st->events.empty()) continue;
@@ -70,6 +71,9 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
       case kMarkPlan: t.plan_ms += ms; break;
       case kMarkStream: t.stream_ms += ms; break;
       case kMarkReduce: t.reduce_ms += ms; break;
+      case kMarkRouteLocal: t.routing_ms += ms, t.route_local_ms += ms; break;
+      case kMarkRouteCounts: t.routing_ms += ms, t.route_counts_ms += ms; break;
+      case kMarkRouteScan: t.routing_ms += ms, t.route_scan_ms += ms; break;
       default: t.combine_ms += ms; break;
     }
   }
@@ -424,11 +428,14 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     // Phase 1: counts into every owner's recv tables.
     RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
     RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
+    if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));
+    if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteCounts));
     // Phase 2: owner scan, capacity, bases published back.
     RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, st.num_local, config_.capacity.ExpertCapacity(s), control_of,
                                                    sv.rows_per_expert.ptr, stream));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchOffsets));
+    if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteScan));
     // Accept also copies the control words into the context: from here on the forward reads its own
     // copy (backward reads the same copy; the live region belongs to the next forward).
     RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,

@@ -9,7 +9,9 @@
 // capacity drops, several segments, one expert for every token, balancing with replicas, H = 40 (not a
 // multiple of 16) and the CUTLASS (sync-free) compute. Outputs are poisoned with NaN first, so a value
 // nobody wrote fails. Every test skips without a GPU; the CUTLASS case also where that compute cannot be
-// made (a failure under RDEP_REQUIRE_CUTLASS=1).
+// made (a failure under RDEP_REQUIRE_CUTLASS=1). The same cases also check LayerConfig::transport_sms: an
+// SM budget (3 blocks of kTransportThreads for the peer-storing kernels) gives bitwise the outputs of the
+// grids sized by the work, with and without owner_reduce.
 //   exercise: build-*/src/layer/layer_test --gtest_filter='*CudaOwnerReduce*'
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -60,10 +62,11 @@ StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
 }
 
 // Two forward+backward calls (routing seeds 1 and 2) on one layer: [call][rank] outputs.
-StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool owner_reduce) {
+StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool owner_reduce, int32_t transport_sms = 0) {
   const LayerShape s = Shape(c);
   LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
   cfg.owner_reduce = owner_reduce;
+  cfg.transport_sms = transport_sms;
   if (c.balance) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
   if (c.cutlass) cfg.expert_compute = ExpertComputeKind::kCutlass;
   const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, kW);
@@ -149,6 +152,30 @@ TEST_P(CudaOwnerReduce, MatchesTheLayerThatReturnsEveryRow) {
       EXPECT_TRUE(Bitwise(a.dw1, b.dw1)) << "dW1 (relative L2 " << RelL2(a.dw1, b.dw1) << ")";
       EXPECT_TRUE(Bitwise(a.dw2, b.dw2)) << "dW2 (relative L2 " << RelL2(a.dw2, b.dw2) << ")";
     }
+}
+
+TEST_P(CudaOwnerReduce, AnSmBudgetGivesTheSameBits) {
+  const Case& c = GetParam();
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
+  std::string why;
+  if (c.cutlass && !CutlassHere(&why)) GTEST_SKIP() << why;
+  for (bool owner_reduce : {false, true}) {
+    auto wide = RunLayer(c, owner_reduce, 0);
+    ASSERT_TRUE(wide.ok()) << wide.status();
+    auto narrow = RunLayer(c, owner_reduce, 3);
+    ASSERT_TRUE(narrow.ok()) << narrow.status();
+    for (size_t call = 0; call < 2; ++call)
+      for (int32_t r = 0; r < kW; ++r) {
+        SCOPED_TRACE(std::string(owner_reduce ? "owner_reduce, " : "") + "call " + std::to_string(call + 1) + ", rank " +
+                     std::to_string(r));
+        const RankOut &a = (*narrow)[call][static_cast<size_t>(r)], &b = (*wide)[call][static_cast<size_t>(r)];
+        EXPECT_TRUE(Bitwise(a.y, b.y)) << "y (relative L2 " << RelL2(a.y, b.y) << ")";
+        EXPECT_TRUE(Bitwise(a.dx, b.dx)) << "dx (relative L2 " << RelL2(a.dx, b.dx) << ")";
+        EXPECT_TRUE(Bitwise(a.dg, b.dg)) << "dgates (relative L2 " << RelL2(a.dg, b.dg) << ")";
+        EXPECT_TRUE(Bitwise(a.dw1, b.dw1)) << "dW1";
+        EXPECT_TRUE(Bitwise(a.dw2, b.dw2)) << "dW2";
+      }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,

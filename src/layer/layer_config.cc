@@ -26,6 +26,9 @@ Status LayerConfig::Validate() const {
   if (nodes.nodes > 1 && balance.enabled())
     return InvalidArgument("balance: replicas across nodes (N=" + std::to_string(nodes.nodes) +
                            ") are not supported yet; use balancing with one node");
+  if (transport_sms < 0 || transport_sms > kMaxTransportSms)
+    return InvalidArgument("transport_sms: " + std::to_string(transport_sms) + " is outside [0, " + std::to_string(kMaxTransportSms) +
+                           "] (0 = every SM; else the SMs the peer-storing kernels may use)");
   if (owner_reduce && nodes.nodes > 1)
     return InvalidArgument("owner_reduce: with nodes (N=" + std::to_string(nodes.nodes) +
                            ") the relays already reduce each node's rows; use owner_reduce with one node");
@@ -42,6 +45,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.nodes.nodes > 1) os << " nodes " << c.nodes;
   if (c.expert_compute != ExpertComputeKind::kCublasLt) os << " experts=" << ExpertComputeName(c.expert_compute);
   if (c.owner_reduce) os << " owner-reduce";
+  if (c.transport_sms > 0) os << " transport-sms=" << c.transport_sms;
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
@@ -74,6 +78,7 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
   l.elem_bytes = static_cast<int64_t>(elem_bytes);
   l.E_load = c.has_load_matrix() ? c.shape.experts : 0;
   l.N = c.nodes.nodes;
+  l.transport_sms = c.transport_sms;
   return l;
 }
 

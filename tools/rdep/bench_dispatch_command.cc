@@ -67,7 +67,9 @@ dropless):
   combine  = return + combine phases: rows back to their front-ends, final barrier, gate-weighted sum
   forward  = the whole sentinel forward, end to end (includes the echo and one host sync for the
              per-expert row counts)
-  Phase times come from CUDA events at the layer's phase boundaries (EnableProfiling).
+  Phase times come from CUDA events at the layer's phase boundaries (EnableProfiling); the routing
+  phase's parts (validation, expert ranks and counts published; the counts barrier; the owner scan and
+  the offsets barrier; acceptance) from a separate pass with three more events inside it.
 NCCL baseline (ncclCommInitAll, the ranks' streams, NCCL_NVLS_ENABLE=0 forced):
   dispatch = grouped ncclSend/ncclRecv of the per-destination row counts, their copy to the host and
              a stream sync, then grouped ncclSend/ncclRecv of the rows: one row per (token, slot), as
@@ -98,6 +100,8 @@ flags [defaults: the Moonlight shape]:
   --launch-ahead-us U  before each iteration's barrier, block the stream U microseconds on a host
                        function so the host enqueues the iteration before the GPU starts it
                        (launch latency out of the timing); 0 = off [100]
+  --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
+                       one per SM; 0 = grids sized by the work, every SM [0]
   --no-nccl            skip the baseline
   --json FILE          write the receipt (raw per-iteration max-rank times included)
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -307,6 +311,7 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.launch_ahead_us = f.get_int("launch-ahead-us", 100);
   o.no_nccl = f.get_bool("no-nccl");
+  o.cfg.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
   o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
@@ -375,6 +380,8 @@ struct DispatchBenchResults {
   // rdep, per iteration max over ranks
   std::vector<double> rdep_dispatch, rdep_combine, rdep_fwd;
   std::vector<double> ph_routing, ph_scatter, ph_expert, ph_return, ph_combine;
+  // the routing phase in parts, from a separate pass with three more events (EnableProfiling's detail)
+  std::vector<double> rt_total, rt_local, rt_counts, rt_scan;
   // NCCL baseline, per iteration max over ranks
   std::string nccl_state, nccl_version;
   std::vector<double> nccl_dispatch, nccl_combine, nccl_counts;
@@ -456,7 +463,17 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
     const auto sr = static_cast<size_t>(r);
     return TimeRankPhases(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.phases[sr]);
   }));
+  std::vector<std::vector<rdep::PhaseTimes>> detail(W);
+  RDEP_RETURN_IF_ERROR(layer.EnableProfiling(true, /*routing_detail=*/true));
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    return TimeRankPhases(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, detail[sr]);
+  }));
   RDEP_RETURN_IF_ERROR(layer.EnableProfiling(false));
+  res.rt_total = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.routing_ms; });
+  res.rt_local = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_local_ms; });
+  res.rt_counts = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_counts_ms; });
+  res.rt_scan = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_scan_ms; });
 
   const auto& phases = res.phases;
   res.rdep_dispatch = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms + p.dispatch_ms; });
@@ -648,6 +665,7 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
               static_cast<long long>(rows.slots_total), static_cast<long long>(rows.slots_remote),
               static_cast<long long>(rows.pairs_total), static_cast<long long>(rows.pairs_remote),
               rows.slots_remote ? static_cast<double>(rows.pairs_remote) / static_cast<double>(rows.slots_remote) : 0.0);
+  rdep::bench::PrintTransportSms(o.cfg.transport_sms);
   std::printf("  %-26s %9s %9s %14s %11s %9s\n", "", "p50 us", "p99 us", "MB sent/GPU", "algbw GB/s", "speedup");
   auto line = [&](const char* name, const rdep::Summary& sm, double b, double speedup) {
     std::printf("  %-26s %9.1f %9.1f %14.2f %11.1f %8.2fx\n", name, sm.p50 * 1e3, sm.p99 * 1e3, b / static_cast<double>(s.ranks) / 1e6,
@@ -662,6 +680,11 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
               rdep::Percentile(res.ph_routing, 50) * 1e3, rdep::Percentile(res.ph_scatter, 50) * 1e3,
               rdep::Percentile(res.ph_expert, 50) * 1e3, rdep::Percentile(res.ph_return, 50) * 1e3,
               rdep::Percentile(res.ph_combine, 50) * 1e3);
+  const double rt = rdep::Percentile(res.rt_total, 50), rl = rdep::Percentile(res.rt_local, 50),
+               rc = rdep::Percentile(res.rt_counts, 50), rs = rdep::Percentile(res.rt_scan, 50);
+  std::printf("  routing in parts (a separate pass with 3 more events; p50 max-rank, us): %.1f = validate, ranks, counts "
+              "%.1f + counts barrier %.1f + owner scan, offsets barrier %.1f + accept %.1f\n",
+              rt * 1e3, rl * 1e3, rc * 1e3, rs * 1e3, (rt - rl - rc - rs) * 1e3);
   if (have_nccl)
     std::printf("  nccl: count exchange p50 %.1f us of the dispatch; round trip %s; NCCL %s\n", res.s_ncnt.p50 * 1e3,
                 res.round_trip_ok ? "bitwise exact" : "MISMATCH", res.nccl_version.c_str());
@@ -681,7 +704,7 @@ void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, i
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name()).field("capacity", "dropless");
   j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", segment);
   j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters);
-  j.field("launch_ahead_us", o.launch_ahead_us).end_object();
+  j.field("launch_ahead_us", o.launch_ahead_us).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).end_object();
   j.field("normalization",
           "max over ranks per iteration (ranks aligned by a device barrier); rdep dispatch = routing+dispatch phases, "
           "combine = return+combine phases (CUDA events at phase boundaries); algbw = bytes / W / p50 (1 GB = 1e9 B); "
@@ -708,6 +731,9 @@ void WriteDispatchReceipt(const DispatchBenchOptions& o, int64_t segment, const 
   j.key("rdep_phases_p50_ms").begin_object().field("routing", rdep::Percentile(res.ph_routing, 50));
   j.field("scatter", rdep::Percentile(res.ph_scatter, 50)).field("echo", rdep::Percentile(res.ph_expert, 50));
   j.field("return", rdep::Percentile(res.ph_return, 50)).field("combine", rdep::Percentile(res.ph_combine, 50)).end_object();
+  j.key("rdep_routing_parts_p50_ms").begin_object().field("routing", rdep::Percentile(res.rt_total, 50));
+  j.field("local", rdep::Percentile(res.rt_local, 50)).field("counts_barrier", rdep::Percentile(res.rt_counts, 50));
+  j.field("scan_offsets_barrier", rdep::Percentile(res.rt_scan, 50)).end_object();
   j.field("rdep_dispatch_algbw_gbps", AlgBw(bytes.rdep_dispatch, res.s_rd.p50, W));
   j.field("rdep_combine_algbw_gbps", AlgBw(bytes.rdep_combine, res.s_rc.p50, W));
   j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.layer_max));

@@ -58,6 +58,8 @@ flags [defaults: the Moonlight shape]:
                        parameters (needs one segment and no --balance)
   --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
                        instead of one per slot) and takes dgate's dot products in backward [off]
+  --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
+                       one per SM; 0 = grids sized by the work, every SM [0]
   --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
                        replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -141,6 +143,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
+  o.cfg.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
   const std::string grads = f.get_string("grads", "fp32");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
@@ -477,6 +480,7 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               cfg.capacity.dropless() ? "dropless" : std::to_string(cfg.capacity.capacity_factor).c_str(),
               static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
   std::printf("  placement: %s\n", setup.domain->placement().c_str());
+  rdep::bench::PrintTransportSms(cfg.transport_sms);
   if (o.bf16_grads) std::printf("  weight gradients: bf16 (bound bf16 copies of the weights, as rdep.torch's bf16 parameters)\n");
   if (cfg.expert_compute != rdep::ExpertComputeKind::kCublasLt)
     std::printf("  expert compute: %s (the counts read on the GPU: no host wait in the layer)\n",
@@ -512,7 +516,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -37,6 +37,14 @@ inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
 }
 
 // Reads a number field `"key": value` from a small JSON file (the baselines' receipts); NaN if absent.
+// The table's line for LayerConfig::transport_sms (printed by bench layer and bench dispatch).
+inline void PrintTransportSms(int32_t sms) {
+  if (sms > 0)
+    std::printf("  transport SMs: %d (peer-storing kernels: %d blocks of %d threads, one per SM)\n", sms, sms, kTransportThreads);
+  else
+    std::printf("  transport SMs: every SM (peer-storing kernels' grids sized by the work)\n");
+}
+
 inline double ReadJsonNumber(const std::string& path, const std::string& key) {
   std::ifstream in(path);
   std::stringstream ss;

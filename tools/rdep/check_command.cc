@@ -79,6 +79,8 @@ flags (defaults in brackets):
   --owner-reduce         the owner sums a token's rows before they cross back (one row per (token, owner)
                          instead of one per slot) and takes dgate's dot products in backward (the sentinel
                          checks run without it: they need a row per slot) [off]
+  --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
+                         blocks, one per SM; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; cuda: device copies for ranks sharing a
                          GPU, NCCL otherwise; not with --expert-compute cutlass) [1]
@@ -177,6 +179,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
   o.layer.owner_reduce = f.get_bool("owner-reduce");
+  o.layer.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
   c.max_nodes_given = f.has("max-nodes");

@@ -37,11 +37,16 @@ struct RowSideband {
 };
 static_assert(sizeof(RowSideband) == 16);
 
+// Threads per block of a peer-storing kernel under an SM budget (RegionLayout::transport_sms > 0): one
+// such block per SM, 16 warps, each with a whole 2048-wide row of loads in flight.
+inline constexpr int kTransportThreads = 512;
+
 struct RegionLayout {
   int64_t W = 0, L = 0, S = 0, H = 0, T = 0, K = 0, slots_per_token = 0;
   int64_t elem_bytes = 0;
   int64_t E_load = 0;  // E when every rank holds the full load matrix (LayerConfig::load_matrix), else 0
   int64_t N = 1;       // nodes: the return region holds rows for N sources (two-phase relays)
+  int64_t transport_sms = 0;  // LayerConfig::transport_sms: the peer-storing kernels' grid (0 = sized by work)
 
   // control offsets, in int64 words
   RDEP_HD int64_t recv_counts(int64_t src, int64_t j) const { return src * L + j; }

@@ -67,6 +67,12 @@ struct PhaseTimes {
   double plan_ms = 0;
   double stream_ms = 0;
   double reduce_ms = 0;
+  // With EnableProfiling(on, routing_detail = true), a forward's routing_ms in parts (balancing off;
+  // their sum and the acceptance after them make routing_ms): validation, expert ranks and the counts
+  // published; the counts barrier; the owner scan and the offsets barrier. 0 otherwise.
+  double route_local_ms = 0;
+  double route_counts_ms = 0;
+  double route_scan_ms = 0;
   double total_ms() const {
     return routing_ms + dispatch_ms + expert_ms + return_ms + combine_ms + plan_ms + stream_ms + reduce_ms;
   }
@@ -197,8 +203,10 @@ class CudaMoELayer {
   // The byte sizes of this backend's two-phase records (bf16 rows), for rdep::model::PredictTwoPhaseTraffic.
   model::TwoPhaseWire two_phase_wire() const;
 
-  // Records CUDA events at phase boundaries of every later call (cheap; off by default).
-  Status EnableProfiling(bool on);
+  // Records CUDA events at phase boundaries of every later call (cheap; off by default). routing_detail
+  // adds three events inside a forward's routing phase (PhaseTimes::route_*_ms), which cost a few
+  // microseconds of their own: time the phases without it, the parts in a separate pass.
+  Status EnableProfiling(bool on, bool routing_detail = false);
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
   StatusOr<PhaseTimes> LastPhaseTimes(int32_t rank, bool backward) const;
   // Device bytes this layer holds on the rank (symmetric regions, weights, workspaces, its own
@@ -290,6 +298,7 @@ class CudaMoELayer {
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;
+  bool routing_detail_ = false;
   uint64_t id_ = 0;  // process-unique; contexts remember it
   std::vector<std::unique_ptr<RankState>> ranks_;
   std::unique_ptr<DeviceInterNodeExchange> inter_;  // nodes > 1: phase A and the return hop

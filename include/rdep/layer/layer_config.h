@@ -20,6 +20,7 @@
 namespace rdep {
 
 inline constexpr int64_t kMaxLoadMatrixExperts = 8192;  // one rank's row is counted in shared memory
+inline constexpr int32_t kMaxTransportSms = 1024;        // LayerConfig::transport_sms's bound (no GPU has more)
 
 // Which implementation computes the experts on the CUDA backend (rdep/experts/expert_compute.h).
 enum class ExpertComputeKind {
@@ -42,6 +43,10 @@ struct LayerConfig {
   NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (CUDA: not with
                                    // expert_compute cutlass; not with balancing on either backend)
   ExpertComputeKind expert_compute = ExpertComputeKind::kCublasLt;  // CUDA backend (the host backend computes on the host)
+  int32_t transport_sms = 0;       // SM budget of the kernels that store into peer memory (scatter, return, the
+                                   // owner's reduce and dots): that many blocks of kTransportThreads, one per SM
+                                   // (at most kMaxTransportSms); 0 = grids sized by the work (every SM). For
+                                   // leaving SMs to overlapped compute; the host backend ignores it
   bool owner_reduce = false;       // the owner sums its rows of a token before they cross back (gate-weighted
                                    // in forward, plain dx in backward): one row per (token, owner) returns, into
                                    // the slot of the token's first row on that owner, instead of one per slot;

@@ -144,6 +144,7 @@ class Layer(CHandle):
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
         owner_reduce: bool = False,
+        transport_sms: int = 0,
         domain: Optional[Domain] = None,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
@@ -154,6 +155,8 @@ class Layer(CHandle):
             raise TypeError(f"owner_reduce: expected a bool, got {type(owner_reduce).__name__}")
         if owner_reduce and nodes > 1:
             raise ValueError(f"owner_reduce: with nodes={nodes} the relays already reduce each node's rows; use one of them")
+        if isinstance(transport_sms, bool) or not isinstance(transport_sms, int) or not 0 <= transport_sms <= 1024:
+            raise ValueError(f"transport_sms: expected an int in [0, 1024] (0 = every SM), got {transport_sms!r}")
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -194,6 +197,7 @@ class Layer(CHandle):
         spec.max_nodes = max_nodes
         spec.expert_compute = _capi.EXPERT_COMPUTE[expert_compute]
         spec.owner_reduce = int(owner_reduce)
+        spec.transport_sms = transport_sms
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -225,6 +229,7 @@ class Layer(CHandle):
         self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
         self.expert_compute = expert_compute
         self.owner_reduce = owner_reduce
+        self.transport_sms = transport_sms
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:

@@ -30,9 +30,11 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       read the per-expert counts on the GPU, so the layer never waits on the host (one segment, no
       balancing; sm_90a only); the training example ran with it on H100s (BENCHMARKS.md)
   owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
-      instead of one per slot; dgate's dot products are taken by the owner). Host backend tested against
-      the per-slot return; on CUDA written, not yet run on a GPU. Not with nodes > 1, nor with the
-      caller's-experts API (rdep.torch.dispatch/combine)
+      instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
+      return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
+      API (rdep.torch.dispatch/combine)
+  transport_sms=N (CUDA): the SM budget of the kernels that store into peer memory (scatter, return):
+      N blocks, one per SM, leaving the rest to other work; 0 (default) = grids sized by the work
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -134,6 +136,7 @@ class MoE(nn.Module):
         max_nodes: int = 0,
         expert_compute: str = "cublaslt",
         owner_reduce: bool = False,
+        transport_sms: int = 0,
         domain: Optional[Domain] = None,
     ):
         super().__init__()
@@ -142,7 +145,8 @@ class MoE(nn.Module):
             world_size=world_size, capacity_factor=capacity_factor, segment_tokens=segment_tokens,
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
-            max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, domain=domain)
+            max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
+            domain=domain)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
