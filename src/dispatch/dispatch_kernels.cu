@@ -227,10 +227,11 @@ __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const 
 
 // A warp per token, its owners in order (RDEP_SCATTER=token, kept for A/B timing: on 4x H100 the pair
 // kernel below took dispatch from 266 to 202 us at the Moonlight shape, 805 to 551 us at DeepSeek-V3's).
-__global__ void __launch_bounds__(kTransportThreads) ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
-                              const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
-                              RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
-                              void* const* payload_of, void* const* sideband_of) {
+__global__ void __launch_bounds__(kTransportThreads)
+ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
+              const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
+              RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+              void* const* payload_of, void* const* sideband_of) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps)
     for (int64_t q = 0; q < l.W; ++q)
@@ -240,10 +241,11 @@ __global__ void __launch_bounds__(kTransportThreads) ScatterKernel(const bf16_bi
 
 // A warp per (token, owner) pair (the default): a token's stores to its owners proceed in parallel, from
 // neighbouring warps that read its row from L2, so more peer stores are in flight per SM.
-__global__ void __launch_bounds__(kTransportThreads) ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
-                                  const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
-                                  RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
-                                  void* const* payload_of, void* const* sideband_of) {
+__global__ void __launch_bounds__(kTransportThreads)
+ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
+                  const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
+                  RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
+                  void* const* payload_of, void* const* sideband_of) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
     ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
@@ -349,8 +351,9 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
   }
 }
 
-__global__ void __launch_bounds__(kTransportThreads) ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
-                                 void* const* return_of, const int64_t* device_rows) {
+__global__ void __launch_bounds__(kTransportThreads)
+ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
+                 void* const* return_of, const int64_t* device_rows) {
   const int64_t M = RowsNow(device_rows, M_bound);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};

@@ -57,14 +57,24 @@ __device__ __forceinline__ void WarpReduceRows(const bf16_bits* rows, const Grou
   }
 }
 
-__global__ void __launch_bounds__(kTransportThreads) ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
-                                       int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
-                                       void* const* return_of) {
+__global__ void __launch_bounds__(kTransportThreads)
+ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
+                       int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
+                       void* const* return_of) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const int64_t n_seg = SegmentTokens(l, my_control, lo);
   const size_t tsb = l.token_sideband_bytes();
   const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
-  for (int64_t p = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; p < n_seg; p += warps) {
+  // Segment positions are grouped by source, so warps taking them in order would all store into one
+  // front-end at a time (one peer link's bandwidth). Warp w takes source w % W's (w / W)-th token instead:
+  // the resident warps store into every front-end at once.
+  int64_t most = 0;
+  for (int64_t s = 0; s < l.W; ++s) most = max(most, my_control[l.recv_tokens(s)]);
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < l.W * most; w += warps) {
+    const int64_t src = w % l.W, j = w / l.W;
+    if (j >= my_control[l.recv_tokens(src)]) continue;
+    const int64_t p = my_control[l.recv_offsets(src)] + j - lo;
+    if (p < 0 || p >= n_seg) continue;
     const int64_t num_rows = *reinterpret_cast<const int64_t*>(base + static_cast<size_t>(p) * tsb);
     if (num_rows <= 0) continue;
     WarpReduceRows(rows, grouped, inv + p * l.slots_per_token, num_rows, scale_by_gate, l.H / 8,
@@ -72,8 +82,9 @@ __global__ void __launch_bounds__(kTransportThreads) ReduceReturnRowsKernel(cons
   }
 }
 
-__global__ void __launch_bounds__(kTransportThreads) OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
-                                RegionLayout l, void* const* dots_of, const int64_t* device_rows) {
+__global__ void __launch_bounds__(kTransportThreads)
+OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
+                RegionLayout l, void* const* dots_of, const int64_t* device_rows) {
   const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};
