@@ -298,6 +298,32 @@ def test_owner_reduce_on_cuda_matches_the_per_slot_return():
         assert on.layer.live_contexts == 0
 
 
+def test_transport_sms_on_cuda_gives_the_same_bits():
+    """transport_sms=3 (the peer-storing kernels on 3 blocks, one per SM) against the default grids, with
+    owner_reduce too: y and the expert weight gradients bitwise equal (each row is one warp's work whatever
+    the grid); dx and the router's gradient, which also pass through PyTorch's own backward kernels, within
+    the bf16 tolerance (the layer's dx is compared bitwise in cuda_owner_reduce_test.cc)."""
+    for extra in (dict(), dict(owner_reduce=True)):
+        args = dict(max_tokens=32, world_size=4, backend="cuda", seed=9, init_std=0.1, **extra)
+        wide = rt.MoE(64, 32, 8, 2, **args)
+        narrow = rt.MoE(64, 32, 8, 2, transport_sms=3, **args)
+        narrow.load_state_dict(wide.state_dict())
+        assert narrow.layer.transport_sms == 3
+        x = torch.randn(4, 32, 64, device=DEV).bfloat16()
+        outs = []
+        for m in (wide, narrow):
+            xi = x.clone().requires_grad_(True)
+            o = m(xi)
+            (o.y.float() * torch.linspace(-1, 1, 64, device=DEV)).sum().backward()
+            outs.append((o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad))
+        for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
+            what = f"{name} ({extra or 'per-slot return'})"
+            if name in ("dx", "drouter"):
+                assert_bf16_close(a, b, GRAD_TOL, what)
+            else:
+                assert torch.equal(a, b), what
+
+
 def test_balancing_on_cuda_matches_balancing_off():
     """The CUDA layer with replicas of hot experts (ultraep, 2 slots) against the same module without:
     y and every gradient within the bf16 tolerances; bf16 expert weights get their gradients through

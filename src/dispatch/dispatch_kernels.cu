@@ -79,57 +79,74 @@ __global__ void PublishLoadRowKernel(const int32_t* experts, int64_t n, RegionLa
   for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) dst[e] = load_shared[e];
 }
 
+// The ordered scans (phase 1's counts and expert ranks, the owner's expansion) give each thread a
+// contiguous run of tokens or segment positions (ThreadRun): the thread counts its run, one block scan
+// gives the run its first position, and a second pass over the run writes positions in order: the
+// positions a block scan per blockDim items gives, with one scan instead of n / blockDim of them (each
+// with two block barriers, in sequence).
+struct ThreadRun {
+  int64_t begin, end;
+};
+// (The launches use kScanThreads threads, BlockScan's size: the runs are cut for that many.)
+__device__ __forceinline__ ThreadRun MyRun(int64_t n) {
+  const int64_t per = (n + kScanThreads - 1) / kScanThreads;
+  const int64_t b = min(n, static_cast<int64_t>(threadIdx.x) * per);
+  return {b, min(n, b + per)};
+}
+
+// Whether token t sends a row to owner q (its rows counted into rows_shared when count is set).
+__device__ __forceinline__ bool SendsTo(const int32_t* experts, int64_t t, int64_t K, const RouteTargets& targets, int q,
+                                        int* rows_shared, bool count) {
+  bool flag = false;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t i = t * K + k;
+    const int32_t e = experts[i];
+    if (targets.rank(i, e) != q) continue;
+    flag = true;
+    if (count) atomicAdd(&rows_shared[targets.local(i, e)], 1);
+  }
+  return flag;
+}
+
 __global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, RouteTargets targets, int32_t rank,
                                       int32_t* tok_index, int64_t* const* control_of) {
   extern __shared__ int rows_shared[];  // [L]
   __shared__ typename BlockScan::TempStorage scan;
-  __shared__ int running_shared;
   const int q = static_cast<int>(blockIdx.x);
   for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) rows_shared[j] = 0;
-  if (threadIdx.x == 0) running_shared = 0;
   __syncthreads();
-  for (int64_t base = 0; base < n; base += kScanThreads) {
-    const int64_t t = base + threadIdx.x;
-    int flag = 0;
-    if (t < n)
-      for (int64_t k = 0; k < l.K; ++k) {
-        const int64_t i = t * l.K + k;
-        const int32_t e = experts[i];
-        if (targets.rank(i, e) == q) {
-          flag = 1;
-          atomicAdd(&rows_shared[targets.local(i, e)], 1);
-        }
-      }
-    int pos, total;
-    BlockScan(scan).ExclusiveSum(flag, pos, total);
-    if (t < n) tok_index[static_cast<int64_t>(q) * n + t] = flag ? running_shared + pos : -1;
-    __syncthreads();
-    if (threadIdx.x == 0) running_shared += total;
-    __syncthreads();
-  }
+  const ThreadRun run = MyRun(n);
+  int mine = 0;
+  for (int64_t t = run.begin; t < run.end; ++t) mine += SendsTo(experts, t, l.K, targets, q, rows_shared, true) ? 1 : 0;
+  int pos, total;
+  BlockScan(scan).ExclusiveSum(mine, pos, total);
+  for (int64_t t = run.begin; t < run.end; ++t)
+    tok_index[static_cast<int64_t>(q) * n + t] = SendsTo(experts, t, l.K, targets, q, rows_shared, false) ? pos++ : -1;
+  __syncthreads();  // every row counted
   int64_t* c = control_of[q];
   for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) c[l.recv_counts(rank, j)] = rows_shared[j];
-  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = running_shared;
+  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = total;
+}
+
+// The slot of token t on expert e (the last one: a validated token's experts are distinct), or -1.
+__device__ __forceinline__ int64_t SlotOn(const int32_t* experts, int64_t t, int64_t K, int e) {
+  int64_t slot = -1;
+  for (int64_t k = 0; k < K; ++k)
+    if (experts[t * K + k] == e) slot = k;
+  return slot;
 }
 
 __global__ void ExpertRankKernel(const int32_t* experts, int64_t n, int64_t K, int32_t* rank_in_expert) {
   __shared__ typename BlockScan::TempStorage scan;
-  __shared__ int running_shared;
   const int e = static_cast<int>(blockIdx.x);
-  if (threadIdx.x == 0) running_shared = 0;
-  __syncthreads();
-  for (int64_t base = 0; base < n; base += kScanThreads) {
-    const int64_t t = base + threadIdx.x;
-    int64_t slot = -1;
-    if (t < n)
-      for (int64_t k = 0; k < K; ++k)
-        if (experts[t * K + k] == e) slot = k;
-    int pos, total;
-    BlockScan(scan).ExclusiveSum(slot >= 0 ? 1 : 0, pos, total);
-    if (slot >= 0) rank_in_expert[t * K + slot] = running_shared + pos;
-    __syncthreads();
-    if (threadIdx.x == 0) running_shared += total;
-    __syncthreads();
+  const ThreadRun run = MyRun(n);
+  int mine = 0;
+  for (int64_t t = run.begin; t < run.end; ++t) mine += SlotOn(experts, t, K, e) >= 0 ? 1 : 0;
+  int pos, total;
+  BlockScan(scan).ExclusiveSum(mine, pos, total);
+  for (int64_t t = run.begin; t < run.end; ++t) {
+    const int64_t slot = SlotOn(experts, t, K, e);
+    if (slot >= 0) rank_in_expert[t * K + slot] = pos++;
   }
 }
 
@@ -169,7 +186,7 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
     const int64_t i = t * K + k;
     const int32_t e = experts[i];
     const int64_t admitted = my_control[l.send_admitted(own.owner[e], own.local[e])];
-    const bool acc = rank_in_expert[i] < admitted;
+    const bool acc = rank_in_expert == nullptr || rank_in_expert[i] < admitted;  // null: dropless, every row admitted
     accepted[i] = acc ? 1 : 0;
     if (!acc) ++drops;
   }
@@ -270,41 +287,46 @@ __global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t 
   for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) counts[j] = hist[j];
 }
 
+// The sideband row of segment position p on local expert j (the last one: a token's rows on one owner
+// are on distinct experts), or -1.
+__device__ __forceinline__ int64_t RowOn(const char* base, size_t tsb, int64_t p, int j) {
+  const char* sb = base + static_cast<size_t>(p) * tsb;
+  const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
+  const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
+  int64_t hit = -1;
+  for (int64_t r = 0; r < num_rows; ++r)
+    if (rows[r].local_expert == j) hit = r;
+  return hit;
+}
+
+// Block j places local expert j's rows after experts 0..j-1's, in segment order (ThreadRun's two passes).
 __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
                                   const int64_t* counts, GroupedRow* grouped, int32_t* inv) {
   __shared__ typename BlockScan::TempStorage scan;
-  __shared__ int64_t running_shared;
+  __shared__ int64_t offset_shared;
   const int j = static_cast<int>(blockIdx.x);
   if (threadIdx.x == 0) {
     int64_t off = 0;
     for (int jj = 0; jj < j; ++jj) off += counts[jj];
-    running_shared = off;
+    offset_shared = off;
   }
   __syncthreads();
   const int64_t n_seg = SegmentTokens(l, my_control, lo);
   const size_t tsb = l.token_sideband_bytes();
   const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
-  for (int64_t b = 0; b < n_seg; b += kScanThreads) {
-    const int64_t p = b + threadIdx.x;
-    int64_t hit = -1;
-    if (p < n_seg) {
-      const char* sb = base + static_cast<size_t>(p) * tsb;
-      const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
-      const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
-      for (int64_t r = 0; r < num_rows; ++r)
-        if (rows[r].local_expert == j) hit = r;
-    }
-    int pos, total;
-    BlockScan(scan).ExclusiveSum(hit >= 0 ? 1 : 0, pos, total);
-    if (hit >= 0) {
-      const auto* rows = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t));
-      const RowSideband rs = rows[hit];
-      grouped[running_shared + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
-      if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(running_shared + pos);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) running_shared += total;
-    __syncthreads();
+  const ThreadRun run = MyRun(n_seg);
+  int mine = 0;
+  for (int64_t p = run.begin; p < run.end; ++p) mine += RowOn(base, tsb, p, j) >= 0 ? 1 : 0;
+  int pos, total;
+  BlockScan(scan).ExclusiveSum(mine, pos, total);
+  const int64_t off = offset_shared;
+  for (int64_t p = run.begin; p < run.end; ++p) {
+    const int64_t hit = RowOn(base, tsb, p, j);
+    if (hit < 0) continue;
+    const RowSideband rs = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t))[hit];
+    grouped[off + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
+    if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(off + pos);
+    ++pos;
   }
 }
 

@@ -419,7 +419,11 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   sv.fault_in_capture = capture != cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
+  // Ranks within each expert decide capacity acceptance and the balancer's instance assignment; a
+  // dropless layer without balancing admits every row and needs none.
+  const bool need_ranks = config_.balance.enabled() || !config_.capacity.dropless();
+  if (need_ranks)
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   if (config_.balance.enabled()) {
     // The balancer's plan decides acceptance and each row's physical instance (cuda_balance.cc); it
     // ends with the control words copied into the context, as Accept does below.
@@ -438,8 +442,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteScan));
     // Accept also copies the control words into the context: from here on the forward reads its own
     // copy (backward reads the same copy; the live region belongs to the next forward).
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, st.rank_in_expert.ptr, n, layout_, own, my_control,
-                                                sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream));
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, need_ranks ? st.rank_in_expert.ptr : nullptr, n,
+                                                layout_, own, my_control, sv.control.ptr, sv.accepted.ptr, sv.effective.ptr,
+                                                sv.dropped.ptr, stream));
   }
   if (layout_.S >= W * s.tokens) {
     sv.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed

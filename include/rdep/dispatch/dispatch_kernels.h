@@ -76,7 +76,9 @@ Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t nu
 // all published to the sources; rows_per_expert[j] = admitted rows (device).
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity,
                        int64_t* const* control_of, int64_t* rows_per_expert, cudaStream_t s);
-// At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local), effective
+// At a source after phase 2: accepted[t*K+k] = rank_in_expert < admitted(owner, local) (rank_in_expert
+// null: every row accepted; the caller guarantees a dropless layer, where the owner scan admits every
+// row, so the ranks need not be computed), effective
 // gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped;
 // and, when control_copy is not null, a copy of this rank's control words there (the forward's own).
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
