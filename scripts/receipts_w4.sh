@@ -18,6 +18,8 @@
 #              token: a warp per token): rdep check --backend cuda with token, then bench dispatch alternated
 #   sms        LayerConfig::transport_sms: rdep check with a budget, bench dispatch at W = 4 over budgets
 #              8 ... 132 SMs and unbudgeted, bench layer W = 4 with 32 SMs beside unbudgeted
+#   stack      rdep bench layer --layers 4 and 8 at W = 4 (per-rank memory of a stack of layers on one domain),
+#              with and without --owner-reduce
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
@@ -40,7 +42,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|nccl |balance|replica|breakdown|transport SMs)|^    (forward|backward) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))
@@ -111,6 +113,14 @@ stage_sms() {
   done
   for sms in 0 32; do
     run layer_w4_sms$sms "$RDEP" bench layer --ranks 4 --expert-compute cutlass --transport-sms "$sms" --json "$R/layer_w4_sms$sms.json"
+  done
+}
+stage_stack() {
+  for n in 4 8; do
+    run layer_w4_stack$n "$RDEP" bench layer --ranks 4 --expert-compute cutlass --layers "$n" --warmup 5 --iters 20 \
+      --json "$R/layer_w4_stack$n.json"
+    run layer_w4_stack${n}_reduce "$RDEP" bench layer --ranks 4 --expert-compute cutlass --owner-reduce --layers "$n" --warmup 5 \
+      --iters 20 --json "$R/layer_w4_stack${n}_reduce.json"
   done
 }
 stage_dsv3() {

@@ -114,10 +114,12 @@ typedef struct rdep_layer_spec {
    * instead of one per slot; dgate's dot products taken by the owner): LayerConfig::owner_reduce. Not
    * with nodes > 1. */
   int32_t owner_reduce;
-  /* Version 6. CUDA: the SM budget of the kernels that store into peer memory (scatter, return, the
-   * owner's reduce): that many blocks, one per SM, in [0, 1024]; 0 = grids sized by the work (every SM).
-   * LayerConfig::transport_sms. The host backend ignores it. */
+  /* Version 6. CUDA: the SM budget of the one-domain exchange's kernels that store into peer memory
+   * (scatter, return, the owner's reduce and dot products): that many blocks, so at most that many SMs,
+   * in [0, 1024]; 0 = grids sized by the work (every SM). Not with nodes > 1. LayerConfig::transport_sms.
+   * The host backend ignores it. */
   int32_t transport_sms;
+  int32_t reserved; /* must be 0 (version 6 made the struct 152 bytes, so a version-5 caller's struct_size differs) */
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

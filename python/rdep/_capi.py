@@ -79,6 +79,7 @@ LAYER_SPEC_FIELDS = (
     ("expert_compute", "int32_t"),
     ("owner_reduce", "int32_t"),
     ("transport_sms", "int32_t"),
+    ("reserved", "int32_t"),
 )
 
 BALANCE_KINDS = {"off": 0, "ultraep": 1, "eplb": 2, "eplb-exact": 3}  # rdep_balance_kind

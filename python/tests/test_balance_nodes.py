@@ -118,9 +118,14 @@ def test_owner_reduce_module_equals_the_per_slot_return(kw):
 def test_transport_sms_is_validated_and_kept():
     """transport_sms (the CUDA SM budget of the peer-storing kernels): range-checked with the argument
     named; the host backend accepts and ignores it (same results as without)."""
-    for bad in (-1, 1025, 2.0, True):
+    for bad in (-1, 1025):
         with pytest.raises(ValueError, match=r"^transport_sms: expected an int in \[0, 1024\]"):
             make(transport_sms=bad)
+    for bad in (2.0, True):
+        with pytest.raises(TypeError, match=r"^transport_sms: expected an int, got"):
+            make(transport_sms=bad)
+    with pytest.raises(ValueError, match=r"transport_sms: not with nodes"):
+        make(transport_sms=2, nodes=2)
     torch.manual_seed(3)
     x = torch.randn(4, 24, 16)
     plain, budget = make(), make(transport_sms=4)

@@ -299,7 +299,7 @@ def test_owner_reduce_on_cuda_matches_the_per_slot_return():
 
 
 def test_transport_sms_on_cuda_gives_the_same_bits():
-    """transport_sms=3 (the peer-storing kernels on 3 blocks, one per SM) against the default grids, with
+    """transport_sms=3 (the peer-storing kernels on 3 blocks, at most 3 SMs) against the default grids, with
     owner_reduce too: y and the expert weight gradients bitwise equal (each row is one warp's work whatever
     the grid); dx and the router's gradient, which also pass through PyTorch's own backward kernels, within
     the bf16 tolerance (the layer's dx is compared bitwise in cuda_owner_reduce_test.cc)."""

@@ -24,6 +24,8 @@ using rdep::capi::FailInvalid;
 using rdep::capi::Guard;
 
 // A layer spec of another header version is refused before any field is read: 0 when its size fits.
+// Every version changes the size (version 6 added transport_sms and reserved: 144 -> 152 bytes).
+static_assert(sizeof(rdep_layer_spec) == 152, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
 int CheckStructSize(const rdep_layer_spec& spec) {
   if (spec.struct_size == static_cast<int32_t>(sizeof(rdep_layer_spec))) return 0;
   return FailInvalid("layer spec: struct_size " + std::to_string(spec.struct_size) + " != " + std::to_string(sizeof(rdep_layer_spec)) +
@@ -110,6 +112,7 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
     return InvalidArgument("layer spec: expert_compute " + std::to_string(s.expert_compute) + " is not 0 (cublaslt) or 1 (cutlass)");
   if (s.owner_reduce != 0 && s.owner_reduce != 1)
     return InvalidArgument("layer spec: owner_reduce " + std::to_string(s.owner_reduce) + " is not 0 (off) or 1 (on)");
+  if (s.reserved != 0) return InvalidArgument("layer spec: reserved must be 0, got " + std::to_string(s.reserved));
   return rdep::Status::Ok();
 }
 

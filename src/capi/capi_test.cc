@@ -178,6 +178,15 @@ TEST(CApi, SpecErrorsNameTheField) {
   EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: -1 is outside"), std::string::npos) << rdep_last_error();
   spec = Spec(s, 0);
+  spec.reserved = 3;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("reserved must be 0, got 3"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
+  spec.transport_sms = 2;
+  spec.nodes = 2;
+  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: not with nodes"), std::string::npos) << rdep_last_error();
+  spec = Spec(s, 0);
   spec.transport_sms = 8;  // the host backend ignores it
   ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
   rdep_layer_destroy(l);

@@ -71,8 +71,8 @@ inline int WarpBlocks(int64_t items) {
 }
 
 // The grid of a kernel that stores into peer memory, one warp per item: under an SM budget
-// (l.transport_sms > 0) that many blocks of kTransportThreads (at most one per item's warps), which the
-// block scheduler places one per SM; else WarpBlocks of 256 threads. The kernels are grid-stride loops
+// (l.transport_sms > 0) that many blocks of kTransportThreads (fewer when the items need fewer), so at most
+// that many SMs; else WarpBlocks of 256 threads. The kernels are grid-stride loops
 // over warps, correct for either shape, and carry __launch_bounds__(kTransportThreads).
 struct TransportGrid {
   unsigned blocks, threads;

@@ -29,6 +29,9 @@ Status LayerConfig::Validate() const {
   if (transport_sms < 0 || transport_sms > kMaxTransportSms)
     return InvalidArgument("transport_sms: " + std::to_string(transport_sms) + " is outside [0, " + std::to_string(kMaxTransportSms) +
                            "] (0 = every SM; else the SMs the peer-storing kernels may use)");
+  if (transport_sms > 0 && nodes.nodes > 1)
+    return InvalidArgument("transport_sms: not with nodes (N=" + std::to_string(nodes.nodes) +
+                           ") yet: the two-phase exchange's kernels take no SM budget; use transport_sms 0");
   if (owner_reduce && nodes.nodes > 1)
     return InvalidArgument("owner_reduce: with nodes (N=" + std::to_string(nodes.nodes) +
                            ") the relays already reduce each node's rows; use owner_reduce with one node");

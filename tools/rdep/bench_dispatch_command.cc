@@ -101,7 +101,7 @@ flags [defaults: the Moonlight shape]:
                        function so the host enqueues the iteration before the GPU starts it
                        (launch latency out of the timing); 0 = off [100]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
-                       one per SM; 0 = grids sized by the work, every SM [0]
+                       so at most N SMs; 0 = grids sized by the work, every SM [0]
   --no-nccl            skip the baseline
   --json FILE          write the receipt (raw per-iteration max-rank times included)
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -311,10 +311,12 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.launch_ahead_us = f.get_int("launch-ahead-us", 100);
   o.no_nccl = f.get_bool("no-nccl");
-  o.cfg.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
+  auto transport_sms = rdep::bench::ReadTransportSms(f);
   o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
+  if (!transport_sms.ok()) return Refuse(transport_sms.status().message());
+  o.cfg.transport_sms = *transport_sms;
   if (o.warmup < 0 || o.iters < 1 || o.launch_ahead_us < 0)
     return Refuse("--warmup and --launch-ahead-us must be >= 0, --iters >= 1");
   if (s.ranks < 1 || s.ranks > gpus) return Refuse("--ranks must be in [1, " + std::to_string(gpus) + "] on this machine");
@@ -381,7 +383,7 @@ struct DispatchBenchResults {
   std::vector<double> rdep_dispatch, rdep_combine, rdep_fwd;
   std::vector<double> ph_routing, ph_scatter, ph_expert, ph_return, ph_combine;
   // the routing phase in parts, from a separate pass with three more events (EnableProfiling's detail)
-  std::vector<double> rt_total, rt_local, rt_counts, rt_scan;
+  std::vector<double> rt_total, rt_local, rt_counts, rt_scan, rt_accept;  // per iteration, the rank with the longest routing
   // NCCL baseline, per iteration max over ranks
   std::string nccl_state, nccl_version;
   std::vector<double> nccl_dispatch, nccl_combine, nccl_counts;
@@ -431,6 +433,23 @@ Status TimeRankPhases(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
   return domain.Synchronize(r);
 }
 
+// The routing phase's parts per iteration, all from the rank whose routing took longest in it (so the
+// parts add up to that rank's total; acceptance is the rest).
+void SplitRouting(const std::vector<std::vector<rdep::PhaseTimes>>& detail, DispatchBenchResults& res) {
+  const size_t iters = detail.empty() ? 0 : detail[0].size();
+  for (size_t i = 0; i < iters; ++i) {
+    size_t worst = 0;
+    for (size_t r = 1; r < detail.size(); ++r)
+      if (detail[r][i].routing_ms > detail[worst][i].routing_ms) worst = r;
+    const rdep::PhaseTimes& p = detail[worst][i];
+    res.rt_total.push_back(p.routing_ms);
+    res.rt_local.push_back(p.route_local_ms);
+    res.rt_counts.push_back(p.route_counts_ms);
+    res.rt_scan.push_back(p.route_scan_ms);
+    res.rt_accept.push_back(p.routing_ms - p.route_local_ms - p.route_counts_ms - p.route_scan_ms);
+  }
+}
+
 // 1. rdep: the whole sentinel forward, unprofiled (dropless: every row must be accepted); 2. the same
 // with phase marks; then the max over ranks per iteration.
 Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetup& setup, std::vector<RankBuffers>& bufs,
@@ -470,10 +489,7 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
     return TimeRankPhases(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, detail[sr]);
   }));
   RDEP_RETURN_IF_ERROR(layer.EnableProfiling(false));
-  res.rt_total = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.routing_ms; });
-  res.rt_local = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_local_ms; });
-  res.rt_counts = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_counts_ms; });
-  res.rt_scan = MaxOverRanksOf(detail, [](const rdep::PhaseTimes& p) { return p.route_scan_ms; });
+  SplitRouting(detail, res);
 
   const auto& phases = res.phases;
   res.rdep_dispatch = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.routing_ms + p.dispatch_ms; });
@@ -680,11 +696,12 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
               rdep::Percentile(res.ph_routing, 50) * 1e3, rdep::Percentile(res.ph_scatter, 50) * 1e3,
               rdep::Percentile(res.ph_expert, 50) * 1e3, rdep::Percentile(res.ph_return, 50) * 1e3,
               rdep::Percentile(res.ph_combine, 50) * 1e3);
-  const double rt = rdep::Percentile(res.rt_total, 50), rl = rdep::Percentile(res.rt_local, 50),
-               rc = rdep::Percentile(res.rt_counts, 50), rs = rdep::Percentile(res.rt_scan, 50);
-  std::printf("  routing in parts (a separate pass with 3 more events; p50 max-rank, us): %.1f = validate, ranks, counts "
-              "%.1f + counts barrier %.1f + owner scan, offsets barrier %.1f + accept %.1f\n",
-              rt * 1e3, rl * 1e3, rc * 1e3, rs * 1e3, (rt - rl - rc - rs) * 1e3);
+  std::printf("  routing in parts (a separate pass with 3 more events; per iteration the rank with the longest routing, "
+              "p50 of each part, us): %.1f = validate, ranks, counts %.1f + counts barrier %.1f + owner scan, offsets barrier "
+              "%.1f + accept %.1f\n",
+              rdep::Percentile(res.rt_total, 50) * 1e3, rdep::Percentile(res.rt_local, 50) * 1e3,
+              rdep::Percentile(res.rt_counts, 50) * 1e3, rdep::Percentile(res.rt_scan, 50) * 1e3,
+              rdep::Percentile(res.rt_accept, 50) * 1e3);
   if (have_nccl)
     std::printf("  nccl: count exchange p50 %.1f us of the dispatch; round trip %s; NCCL %s\n", res.s_ncnt.p50 * 1e3,
                 res.round_trip_ok ? "bitwise exact" : "MISMATCH", res.nccl_version.c_str());
@@ -733,7 +750,7 @@ void WriteDispatchReceipt(const DispatchBenchOptions& o, int64_t segment, const 
   j.field("return", rdep::Percentile(res.ph_return, 50)).field("combine", rdep::Percentile(res.ph_combine, 50)).end_object();
   j.key("rdep_routing_parts_p50_ms").begin_object().field("routing", rdep::Percentile(res.rt_total, 50));
   j.field("local", rdep::Percentile(res.rt_local, 50)).field("counts_barrier", rdep::Percentile(res.rt_counts, 50));
-  j.field("scan_offsets_barrier", rdep::Percentile(res.rt_scan, 50)).end_object();
+  j.field("scan_offsets_barrier", rdep::Percentile(res.rt_scan, 50)).field("accept", rdep::Percentile(res.rt_accept, 50)).end_object();
   j.field("rdep_dispatch_algbw_gbps", AlgBw(bytes.rdep_dispatch, res.s_rd.p50, W));
   j.field("rdep_combine_algbw_gbps", AlgBw(bytes.rdep_combine, res.s_rc.p50, W));
   j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.layer_max));

@@ -19,8 +19,10 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
+#include "bench_layer_stack.h"
 #include "bench_util.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
@@ -59,7 +61,10 @@ flags [defaults: the Moonlight shape]:
   --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
                        instead of one per slot) and takes dgate's dot products in backward [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
-                       one per SM; 0 = grids sized by the work, every SM [0]
+                       so at most N SMs; 0 = grids sized by the work, every SM [0]
+  --layers N           also stack N such layers on the domain (own weights and gradients each, a context
+                       per layer), run forward 1..N then backward N..1, and report the per-rank device
+                       memory (layers, contexts, the GPU's use) and the pass's time [1: one layer only]
   --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
                        replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -97,6 +102,7 @@ struct LayerBenchOptions {
   std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
   bool graph = false;          // also time CUDA-graph replays
   bool bf16_grads = false;     // --grads bf16: bind bf16 weights with bf16 gradients (rdep.torch's case)
+  int32_t layers = 1;          // --layers N: also the memory and time of N such layers on the domain
   rdep::cli::Limits limits;
 };
 
@@ -143,10 +149,13 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
-  o.cfg.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
+  auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
+  const int64_t layers = f.get_int("layers", 1);
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
+  if (!transport_sms.ok()) return Refuse(transport_sms.status().message());
+  o.cfg.transport_sms = *transport_sms;
   if (int rc = ReadBalanceFlags(balance, slots_given, min_quota_given, slots, o.cfg); rc != 0) return rc;
   auto compute = rdep::ParseExpertCompute(expert_compute);
   if (!compute.ok()) return Refuse("--expert-compute: " + compute.status().message());
@@ -160,6 +169,8 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
     return Refuse("--graph needs --ranks 1, --expert-compute cutlass, one segment and no --balance (the layer must not wait "
                   "on the host; capturing several ranks is not supported yet)");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
+  if (layers < 1 || layers > 1000) return Refuse("--layers must be in [1, 1000], got " + std::to_string(layers));
+  o.layers = static_cast<int32_t>(layers);
   if (o.use_gpus < 1 || o.use_gpus > gpus)
     return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.use_gpus));
   auto spec = rdep::RoutingSpec::Parse(routing_name);
@@ -169,7 +180,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.limits = *limits;
   // Estimate before allocating; open the receipt before the work.
   if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(o.use_gpus), o.limits, o.json,
-                                                   o.bf16_grads);
+                                                   o.bf16_grads, o.layers);
       !st.ok())
     return Refuse(st.message());
   return 0;
@@ -507,7 +518,7 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
 }
 
 void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
-                       const LayerBenchContext& c) {
+                       const LayerBenchContext& c, const rdep::bench::StackResult* stack) {
   const auto& s = o.cfg.shape;
   const auto& tel = c.tel;
   const auto &bf = res.bf, &bb = res.bb;
@@ -548,8 +559,19 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   }
   j.key("baseline").begin_object().field("receipt", o.baseline).field("fwd_p50_ms", c.base_f).field("fwdbwd_p50_ms", c.base_fb);
   j.field("peak_alloc_gib", c.base_mem).field("speedup_fwd", c.base_f / res.sf.p50).field("speedup_fwdbwd", c.base_fb / res.sfb.p50).end_object();
+  if (stack) rdep::bench::WriteLayerStack(j, *stack);
   j.end_object();
   if (!rdep::bench::WriteFile(o.json, j.str())) std::cerr << "rdep bench layer: could not write " << o.json << "\n";
+}
+
+// --layers N: the stack pass on the bench's buffers (bench_layer_stack.h).
+rdep::StatusOr<rdep::bench::StackResult> RunStack(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup& setup,
+                                                  const std::vector<RankBuffers>& bufs) {
+  std::vector<rdep::bench::StackRankIo> io(bufs.size());
+  for (size_t r = 0; r < bufs.size(); ++r)
+    io[r] = {bufs[r].experts, bufs[r].gates, bufs[r].x, bufs[r].y, bufs[r].dy, bufs[r].dx, bufs[r].dgates,
+             setup.routing[r].num_tokens};
+  return rdep::bench::RunLayerStack(*setup.domain, *setup.layer, o.cfg, setup.ownership, o.seed, o.layers, io);
 }
 
 // ---- the command -----------------------------------------------------------------------------------
@@ -569,7 +591,17 @@ int RunLayerBench(const rdep::cli::Args& args) {
   auto context = ReadLayerBenchContext(o, *setup);
   if (!context.ok()) return Fail(context.status());
   PrintLayerTable(o, *setup, res, *context);
-  if (!o.json.empty()) WriteLayerReceipt(o, *setup, res, *context);
+  std::optional<rdep::bench::StackResult> stack;
+  if (o.layers > 1) {
+    auto got = RunStack(o, *setup, bufs);
+    if (!got.ok()) {
+      FreeRankBuffers(*setup->domain, bufs);
+      return Fail(got.status());
+    }
+    stack = *got;
+    rdep::bench::PrintLayerStack(*stack);
+  }
+  if (!o.json.empty()) WriteLayerReceipt(o, *setup, res, *context, stack ? &*stack : nullptr);
   FreeRankBuffers(*setup->domain, bufs);
   return 0;
 }

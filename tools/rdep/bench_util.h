@@ -36,15 +36,25 @@ inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
   j.field("rdep_commit", rdep::cli::kBuildCommit).end_object();
 }
 
-// Reads a number field `"key": value` from a small JSON file (the baselines' receipts); NaN if absent.
 // The table's line for LayerConfig::transport_sms (printed by bench layer and bench dispatch).
 inline void PrintTransportSms(int32_t sms) {
   if (sms > 0)
-    std::printf("  transport SMs: %d (peer-storing kernels: %d blocks of %d threads, one per SM)\n", sms, sms, kTransportThreads);
+    std::printf("  transport SMs: %d (peer-storing kernels: %d blocks of %d threads, on at most that many SMs)\n", sms, sms,
+                kTransportThreads);
   else
     std::printf("  transport SMs: every SM (peer-storing kernels' grids sized by the work)\n");
 }
 
+// The --transport-sms flag's value, range-checked as given (before any narrowing), naming the flag.
+inline StatusOr<int32_t> ReadTransportSms(cli::Flags& f) {
+  const int64_t v = f.get_int("transport-sms", 0);
+  if (v < 0 || v > kMaxTransportSms)
+    return InvalidArgument("--transport-sms must be in [0, " + std::to_string(kMaxTransportSms) + "] (0 = every SM), got " +
+                           std::to_string(v));
+  return static_cast<int32_t>(v);
+}
+
+// Reads a number field `"key": value` from a small JSON file (the baselines' receipts); NaN if absent.
 inline double ReadJsonNumber(const std::string& path, const std::string& key) {
   std::ifstream in(path);
   std::stringstream ss;
@@ -85,9 +95,11 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
 // terms, times the ranks that share a GPU when W ranks run on num_gpus). Refuses (InvalidArgument
 // naming the flags) what exceeds the limits or the smallest of the GPUs used.
 // bf16_grads: `rdep bench layer --grads bf16` also holds bf16 copies of each rank's expert weights and
-// their bf16 gradients on its GPU.
+// their bf16 gradients on its GPU. layers > 1 (`--layers N`): N more layers' worth on each GPU (the stack's
+// N - 1 extra layers and N contexts, counted as N whole layers, next to the first layer's own context)
+// and one more set of fp32 host weights.
 inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits,
-                                       bool bf16_grads = false) {
+                                       bool bf16_grads = false, int32_t layers = 1) {
   ValidationOptions vo;
   vo.layer = cfg;
   const Footprint est = EstimateValidationFootprint(vo, /*device_backend=*/true);
@@ -103,6 +115,12 @@ inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iteration
       term.what += " x " + std::to_string(static_cast<int64_t>(per_gpu)) + " ranks per GPU";
       term.factors.push_back({"gpus", static_cast<double>(num_gpus)});
     }
+  if (layers > 1)
+    for (auto& term : fp.device) {
+      term.amount *= static_cast<double>(layers) + 1;
+      term.what += " x (--layers + 1)";
+      term.factors.push_back({"layers", static_cast<double>(layers)});
+    }
   if (bf16_grads) {
     const double e_loc = std::ceil(E / W);
     fp.device.push_back({"bf16 expert weights and gradients of --grads bf16 (E_loc*3*H*D_ff*2*2 x ranks per GPU)",
@@ -110,6 +128,8 @@ inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iteration
                          4 * e_loc * 3 * H * F * per_gpu});
   }
   fp.host.push_back({"expert weights (E*3*H*D_ff fp32 and bf16)", {{"experts", E}, {"hidden", H}, {"ffn", F}}, 8 * E * 3 * H * F});
+  if (layers > 1)
+    fp.host.push_back({"the stack's expert weights (E*3*H*D_ff fp32, --layers)", {{"experts", E}, {"hidden", H}, {"ffn", F}}, 4 * E * 3 * H * F});
   fp.host.push_back({"routing and activations (W*T tokens)", {{"ranks", W}, {"tokens", T}, {"hidden", H}, {"topk", K}},
                      W * T * (8 * H + 16 * K)});
   fp.host.push_back({"CUDA events (4 per iteration per rank)", {{"ranks", W}, {"warmup+iters", static_cast<double>(iterations)}},
@@ -142,9 +162,9 @@ inline Status CheckBenchFlags(const cli::Flags& f, const StatusOr<cli::Limits>& 
 // The last checks of a layer benchmark before it allocates: the shape valid, the estimate within the
 // limits (CheckLayerBenchFootprint) and the receipt's path open for writing. The caller exits 2.
 inline Status CheckLayerBenchPlan(const LayerConfig& cfg, int64_t iterations, int num_gpus, const cli::Limits& limits,
-                                  const std::string& json, bool bf16_grads = false) {
+                                  const std::string& json, bool bf16_grads = false, int32_t layers = 1) {
   RDEP_RETURN_IF_ERROR(cfg.Validate());
-  RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits, bf16_grads));
+  RDEP_RETURN_IF_ERROR(CheckLayerBenchFootprint(cfg, iterations, num_gpus, limits, bf16_grads, layers));
   return cli::CheckOutputPath("json", json);
 }
 

@@ -80,7 +80,7 @@ flags (defaults in brackets):
                          instead of one per slot) and takes dgate's dot products in backward (the sentinel
                          checks run without it: they need a row per slot) [off]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
-                         blocks, one per SM; 0 = grids sized by the work [0]
+                         blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
                          node, to the rank with its local index; cuda: device copies for ranks sharing a
                          GPU, NCCL otherwise; not with --expert-compute cutlass) [1]
@@ -179,7 +179,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
   o.layer.owner_reduce = f.get_bool("owner-reduce");
-  o.layer.transport_sms = static_cast<int32_t>(f.get_int("transport-sms", 0));
+  const int64_t transport_sms = f.get_int("transport-sms", 0);
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
   c.max_nodes_given = f.has("max-nodes");
@@ -193,6 +193,10 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   auto compute = rdep::ParseExpertCompute(expert_compute);
   if (!compute.ok()) return Refuse("--expert-compute: " + compute.status().message());
   o.layer.expert_compute = *compute;
+  if (transport_sms < 0 || transport_sms > rdep::kMaxTransportSms)
+    return Refuse("--transport-sms must be in [0, " + std::to_string(rdep::kMaxTransportSms) + "] (0 = every SM), got " +
+                  std::to_string(transport_sms));
+  o.layer.transport_sms = static_cast<int32_t>(transport_sms);
   if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0))
     return Refuse("--timeout must be a finite number of seconds > 0");
   c.limits = *limits;

@@ -37,8 +37,9 @@ struct RowSideband {
 };
 static_assert(sizeof(RowSideband) == 16);
 
-// Threads per block of a peer-storing kernel under an SM budget (RegionLayout::transport_sms > 0): one
-// such block per SM, 16 warps, each with a whole 2048-wide row of loads in flight.
+// Threads per block of a peer-storing kernel under an SM budget (RegionLayout::transport_sms > 0): N such
+// blocks occupy at most N SMs (the scheduler spreads them; two may share one), 16 warps each, each warp
+// with a whole 2048-wide row of loads in flight.
 inline constexpr int kTransportThreads = 512;
 
 struct RegionLayout {

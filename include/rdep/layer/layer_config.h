@@ -43,10 +43,11 @@ struct LayerConfig {
   NodeConfig nodes;                // N nodes of W/N ranks: two-phase exchange and node cap M (CUDA: not with
                                    // expert_compute cutlass; not with balancing on either backend)
   ExpertComputeKind expert_compute = ExpertComputeKind::kCublasLt;  // CUDA backend (the host backend computes on the host)
-  int32_t transport_sms = 0;       // SM budget of the kernels that store into peer memory (scatter, return, the
-                                   // owner's reduce and dots): that many blocks of kTransportThreads, one per SM
-                                   // (at most kMaxTransportSms); 0 = grids sized by the work (every SM). For
-                                   // leaving SMs to overlapped compute; the host backend ignores it
+  int32_t transport_sms = 0;       // SM budget of the one-domain exchange's kernels that store into peer memory
+                                   // (scatter, return, the owner's reduce and dots): that many blocks of
+                                   // kTransportThreads, so at most that many SMs (<= kMaxTransportSms); 0 = grids
+                                   // sized by the work (every SM). For leaving SMs to overlapped compute. Not with
+                                   // nodes > 1; the replica streaming kernels take none; the host backend ignores it
   bool owner_reduce = false;       // the owner sums its rows of a token before they cross back (gate-weighted
                                    // in forward, plain dx in backward): one row per (token, owner) returns, into
                                    // the slot of the token's first row on that owner, instead of one per slot;

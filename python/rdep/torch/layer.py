@@ -35,6 +35,8 @@ from .. import _capi
 from .domain import (CHandle, Domain, collector_paused, local_device, placement_fields, raise_bootstrap_error,
                      resolve_backend)
 
+_MAX_TRANSPORT_SMS = 1024  # rdep::kMaxTransportSms (include/rdep/layer/layer_config.h)
+
 _registry: dict[int, "weakref.ref[Layer]"] = {}
 _registry_lock = threading.Lock()
 _next_id = itertools.count(1)
@@ -155,8 +157,12 @@ class Layer(CHandle):
             raise TypeError(f"owner_reduce: expected a bool, got {type(owner_reduce).__name__}")
         if owner_reduce and nodes > 1:
             raise ValueError(f"owner_reduce: with nodes={nodes} the relays already reduce each node's rows; use one of them")
-        if isinstance(transport_sms, bool) or not isinstance(transport_sms, int) or not 0 <= transport_sms <= 1024:
-            raise ValueError(f"transport_sms: expected an int in [0, 1024] (0 = every SM), got {transport_sms!r}")
+        if isinstance(transport_sms, bool) or not isinstance(transport_sms, int):
+            raise TypeError(f"transport_sms: expected an int, got {type(transport_sms).__name__}")
+        if not 0 <= transport_sms <= _MAX_TRANSPORT_SMS:
+            raise ValueError(f"transport_sms: expected an int in [0, {_MAX_TRANSPORT_SMS}] (0 = every SM), got {transport_sms}")
+        if transport_sms and nodes > 1:
+            raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")

@@ -15,9 +15,9 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
 
   balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
-      rounding (on CUDA: its tests passed on an H100; the device chunk relays are written, not yet run
-      on a GPU). The replica slots belong to the module's domain: pass one rdep.torch.Domain to every
-      MoE of a model (domain=) and its balanced modules share one set of slots per slot size
+      rounding (on CUDA: its tests, the device chunk relays' included, passed on H100s). The replica
+      slots belong to the module's domain: pass one rdep.torch.Domain to every MoE of a model
+      (domain=) and its balanced modules share one set of slots per slot size
   domain=rdep.torch.Domain(...): the ranks and placement the module runs on, shared with other modules
       (their layers' calls may interleave in any order); world_size, backend, device, num_gpus,
       process_group and barrier_timeout_s are then the domain's (a different value is refused, naming
@@ -33,8 +33,10 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
       return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
       API (rdep.torch.dispatch/combine)
-  transport_sms=N (CUDA): the SM budget of the kernels that store into peer memory (scatter, return):
-      N blocks, one per SM, leaving the rest to other work; 0 (default) = grids sized by the work
+  transport_sms=N (CUDA): the SM budget of the kernels that store into peer memory (scatter, return,
+      the owner's reduce):
+      N blocks, so at most N SMs, leaving the rest to other work; 0 (default) = grids sized by the work;
+      not with nodes > 1
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one

@@ -1,0 +1,115 @@
+// `rdep bench layer --layers N` (bench_layer_stack.h).
+#include "bench_layer_stack.h"
+
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+
+#include "rdep/core/reference.h"
+#include "rdep/cuda/check.h"
+#include "rdep/layer/forward_context.h"
+
+namespace rdep::bench {
+namespace {
+
+// One pass on rank r: a device barrier, forward 1..N, an event, backward N..1, an event; then the two
+// times (ms) once the stream has finished.
+Status StackPass(CudaDomain& domain, const std::vector<CudaMoELayer*>& stack, std::vector<ForwardContext>& ctx, int32_t r,
+                 const StackRankIo& io, cudaEvent_t ev[3], double& fwd_ms, double& bwd_ms) {
+  cudaStream_t stream = domain.stream(r);
+  RDEP_RETURN_IF_ERROR(domain.Barrier(r, Phase::kTest));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[0], stream));
+  for (size_t l = 0; l < stack.size(); ++l)
+    RDEP_RETURN_IF_ERROR(stack[l]->Forward(r, ctx[l], io.experts, io.gates, io.num_tokens, io.x, io.y));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], stream));
+  for (size_t l = stack.size(); l-- > 0;) RDEP_RETURN_IF_ERROR(stack[l]->Backward(r, ctx[l], io.dy, io.dx, io.dgates));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[2], stream));
+  RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+  float f = 0, b = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&f, ev[0], ev[1]));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&b, ev[1], ev[2]));
+  fwd_ms = f;
+  bwd_ms = b;
+  return Status::Ok();
+}
+
+// The memory after a forward pass of the whole stack on rank r: the layers' and the contexts' own
+// counts, and the GPU's use as the driver reports it.
+Status StackMemory(const std::vector<CudaMoELayer*>& stack, std::vector<ForwardContext>& ctx, CudaDomain& domain, int32_t r,
+                   const StackRankIo& io, size_t& layer_bytes, size_t& context_bytes, size_t& gpu_used) {
+  for (size_t l = 0; l < stack.size(); ++l)
+    RDEP_RETURN_IF_ERROR(stack[l]->Forward(r, ctx[l], io.experts, io.gates, io.num_tokens, io.x, io.y));
+  RDEP_RETURN_IF_ERROR(domain.Synchronize(r));
+  layer_bytes = context_bytes = 0;
+  for (size_t l = 0; l < stack.size(); ++l) {
+    layer_bytes += stack[l]->device_bytes(r) + (l == 0 ? stack[l]->replica_slot_bytes() : 0);  // the slots are shared
+    context_bytes += ctx[l].bytes();
+  }
+  size_t free_b = 0, total_b = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
+  gpu_used = total_b - free_b;
+  for (size_t l = stack.size(); l-- > 0;) RDEP_RETURN_IF_ERROR(stack[l]->Backward(r, ctx[l], io.dy, io.dx, io.dgates));
+  return domain.Synchronize(r);
+}
+
+}  // namespace
+
+StatusOr<StackResult> RunLayerStack(CudaDomain& domain, CudaMoELayer& first, const LayerConfig& cfg, const OwnershipMap& ownership,
+                                    uint64_t seed, int32_t layers, const std::vector<StackRankIo>& io) {
+  if (layers < 1) return InvalidArgument("--layers must be >= 1, got " + std::to_string(layers));
+  std::vector<std::unique_ptr<CudaMoELayer>> more;
+  std::vector<CudaMoELayer*> stack{&first};
+  const MoEWeights weights = RandomWeights(cfg.shape, seed);
+  for (int32_t l = 1; l < layers; ++l) {
+    RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(domain, cfg, ownership, weights));
+    stack.push_back(layer.get());
+    more.push_back(std::move(layer));
+  }
+  const size_t W = io.size();
+  std::vector<double> fwd(W, 0), bwd(W, 0);
+  std::vector<size_t> lb(W, 0), cb(W, 0), used(W, 0);
+  RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
+    const auto sr = static_cast<size_t>(r);
+    std::vector<ForwardContext> ctx(static_cast<size_t>(layers));
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+    for (auto& e : ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+    Status st = StackMemory(stack, ctx, domain, r, io[sr], lb[sr], cb[sr], used[sr]);  // also the warm-up pass
+    if (st.ok()) st = StackPass(domain, stack, ctx, r, io[sr], ev, fwd[sr], bwd[sr]);
+    for (auto e : ev) cudaEventDestroy(e);
+    return st;
+  }));
+  StackResult res;
+  res.layers = layers;
+  res.layer_bytes_max_rank = *std::max_element(lb.begin(), lb.end());
+  res.context_bytes_max_rank = *std::max_element(cb.begin(), cb.end());
+  res.gpu_used_max = *std::max_element(used.begin(), used.end());
+  res.forward_ms = *std::max_element(fwd.begin(), fwd.end());
+  res.backward_ms = *std::max_element(bwd.begin(), bwd.end());
+  return res;
+}
+
+void PrintLayerStack(const StackResult& r) {
+  constexpr double kGiB = 1 << 30;
+  std::printf("  stack of %d layers on one domain (a context each; forward 1..%d, then backward %d..1):\n", r.layers, r.layers,
+              r.layers);
+  std::printf("    per rank (max): layers %.3f GiB + contexts after the forwards %.3f GiB = %.3f GiB; GPU memory in use "
+              "(cudaMemGetInfo, max over GPUs) %.3f GiB\n",
+              static_cast<double>(r.layer_bytes_max_rank) / kGiB, static_cast<double>(r.context_bytes_max_rank) / kGiB,
+              static_cast<double>(r.layer_bytes_max_rank + r.context_bytes_max_rank) / kGiB, static_cast<double>(r.gpu_used_max) / kGiB);
+  std::printf("    one pass (max over ranks): forwards %.3f ms, backwards %.3f ms\n", r.forward_ms, r.backward_ms);
+}
+
+void WriteLayerStack(JsonWriter& j, const StackResult& r) {
+  j.key("stack").begin_object().field("layers", static_cast<int64_t>(r.layers));
+  j.field("layer_bytes_max_rank", static_cast<int64_t>(r.layer_bytes_max_rank));
+  j.field("context_bytes_max_rank", static_cast<int64_t>(r.context_bytes_max_rank));
+  j.field("gpu_used_bytes_max", static_cast<int64_t>(r.gpu_used_max));
+  j.field("forward_ms", r.forward_ms).field("backward_ms", r.backward_ms).end_object();
+}
+
+}  // namespace rdep::bench
+#endif  // RDEP_HAVE_CUDA
