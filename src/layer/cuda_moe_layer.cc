@@ -289,8 +289,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
-    // Per-segment owner buffers (grouped rows of one segment are at most S * min(K, E_loc)).
-    const int64_t seg_rows = l.S * l.slots_per_token;
+    // Per-segment owner buffers (grouped rows of one segment: MaxSegmentRows, at most S * min(K, E_loc)).
+    const int64_t seg_rows = MaxSegmentRows(config, l);
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
@@ -620,7 +620,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   cudaStream_t stream = domain_.stream(rank);
   const auto buf = static_cast<int32_t>(seg % 2);
   const int64_t base = sv.total_rows;
-  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(base + S * layout_.slots_per_token), static_cast<size_t>(base), stream));
+  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(base + MaxSegmentRows(config_, layout_)), static_cast<size_t>(base), stream));
   const bool reduce = config_.owner_reduce;
   if (reduce)
     RDEP_RETURN_IF_ERROR(sv.inv.Grow(static_cast<size_t>((seg + 1) * S * layout_.slots_per_token),

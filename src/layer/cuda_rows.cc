@@ -128,7 +128,7 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
                                                sv.control.ptr, /*lo=*/0, /*buf=*/0, domain_.peer_table(rank, regions_.payload),
                                                domain_.peer_table(rank, regions_.sideband), stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchSegment));
-  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1)), 0, stream));
+  RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(MaxSegmentRows(config_, layout_)), 0, stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, st.num_local,
                                               st.seg_counts.ptr, sv.grouped.ptr, stream));
   const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));

@@ -1,7 +1,8 @@
 // The CUDA layer's owner work without host waits (CudaMoELayer::SyncFree): the expert compute reads
 // the per-expert counts in device memory (the CUTLASS grouped implementation), the forward runs in
 // one segment (S >= W*T), and every buffer the owner fills is sized for that segment's worst case
-// (S * slots_per_token rows) when the context is made, so nothing grows during a call. The launches
+// (MaxSegmentRows: S * slots_per_token rows, fewer with a capacity) when the context is made, so nothing
+// grows during a call. The launches
 // that took the row count from the host (gather, return) take the device total as their bound:
 //   forward   expand (counts per physical expert into the context) -> sum -> gather x rows ->
 //             expert compute (device counts) -> return rows by row_id
@@ -24,9 +25,9 @@ bool CudaMoELayer::SyncFree(const RankState& st) const {
          layout_.S >= config_.shape.ranks * config_.shape.tokens;
 }
 
-// What a sync-free forward fills, at its worst case: one segment's rows (S * slots_per_token).
+// What a sync-free forward fills, at its worst case: one segment's rows (MaxSegmentRows).
 Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
-  const auto cap = static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1));
+  const auto cap = static_cast<size_t>(MaxSegmentRows(config_, layout_));
   const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
   RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(cap));
   RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(cap * H));
@@ -39,7 +40,7 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
 }
 
 Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
-  const int64_t H = config_.shape.hidden, cap = std::max<int64_t>(layout_.S * layout_.slots_per_token, 1);
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_);
   const int32_t phys = physical_experts(st);
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
@@ -67,7 +68,7 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
 }
 
 Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
-  const int64_t H = config_.shape.hidden, cap = std::max<int64_t>(layout_.S * layout_.slots_per_token, 1);
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_);
   const int32_t phys = physical_experts(st);
   cudaStream_t stream = domain_.stream(rank);
   const int64_t* counts = sv.dev_counts.ptr;

@@ -85,4 +85,13 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
   return l;
 }
 
+int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l) {
+  int64_t rows = l.S * l.slots_per_token;
+  if (!c.capacity.dropless() && l.L > 0) {
+    const int64_t cap = c.capacity.ExpertCapacity(c.shape);
+    if (cap <= rows / l.L) rows = l.L * cap;  // (compared by division: cap may be huge)
+  }
+  return std::max<int64_t>(rows, 1);
+}
+
 }  // namespace rdep

@@ -387,14 +387,27 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
                          12 * L * 3 * H * F});
     fp.device.push_back({"segment buffers (2 segments of S = W*T tokens by default)", {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}},
                          2 * S_dev * (2 * H + 8 + 16 * slots)});
-    fp.device.push_back({"rows of one rank (T*K rows of H and 2*D_ff values)", {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}},
-                         T * K * (8 * H + 8 * F + 32)});
+    // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L),
+    // with a capacity at most L*capacity): the output rows (two sets of H, bf16) always; the saved x and
+    // SwiGLU-input rows by the rows received (T*K per owner, balanced), or, on the sync-free path (CUTLASS,
+    // one segment, no balancing), by that worst case too.
+    double seg_rows = std::max(1.0, S_dev * slots);
+    const double L_phys = L + (o.layer.balance.enabled() ? pos(o.layer.balance.num_slots) : 0.0);
+    if (!o.layer.capacity.dropless())
+      seg_rows = std::max(1.0, std::min(seg_rows, L_phys * static_cast<double>(o.layer.capacity.ExpertCapacity(s))));
+    const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() && S_dev >= W * T;
+    const double saved_rows = sync_free ? seg_rows : T * K;
+    fp.device.push_back({"output rows of one owner segment (2 x MaxSegmentRows rows of H)", {{"segment", S_dev}, {"topk", K}, {"hidden", H}},
+                         4 * seg_rows * H});
+    fp.device.push_back({sync_free ? "saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
+                                   : "saved rows of one rank (T*K rows of H and 2*D_ff values)",
+                         {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (4 * H + 8 * F + 32)});
     fp.device.push_back({"control region and token index (W*L words, W*T tokens)", {{"ranks", W}, {"experts", E}, {"tokens", T}},
                          16 * W * L + 32 * W + 4 * W * T + 16 * E});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
-      fp.device.push_back({"owner_reduce: kept expert outputs and dots (T*K rows of H, T*K floats)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
-                           T * K * (2 * H + 8)});
+      fp.device.push_back({"owner_reduce: kept expert outputs and dots (saved rows of H, T*K floats)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
+                           saved_rows * 2 * H + T * K * 8});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},

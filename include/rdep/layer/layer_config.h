@@ -76,6 +76,12 @@ inline LayerConfig MakeLayerConfig(const LayerShape& shape, const CapacityPolicy
 // The region layout of this config (rdep/dispatch/region_layout.h) for elements of elem_bytes.
 RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_t elem_bytes);
 
+// The most grouped rows one owner can hold from one segment (at least 1): S * slots_per_token, and with a
+// capacity no more than every physical expert (main and redundant, l.L) full, L * ExpertCapacity: the owner
+// scan admits at most the capacity per expert, and the balancer at most that per instance. The owner's
+// row buffers (and the sync-free layer's worst-case ones) are sized by it.
+int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l);
+
 // What every backend's layer checks at Create: a valid config, a domain of W ranks, an ownership
 // map and (when given) weights of the layer's shape.
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m);

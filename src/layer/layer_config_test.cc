@@ -1,0 +1,69 @@
+// MaxSegmentRows: the owner's per-segment row bound that sizes the CUDA layer's row buffers. Its
+// arithmetic, and that the rows the capacity rule admits to any owner never exceed it (the host
+// reference's acceptance on skewed routing, one segment).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "rdep/core/capacity.h"
+#include "rdep/core/routing.h"
+#include "rdep/layer/layer_config.h"
+
+namespace rdep {
+namespace {
+
+struct Layer {  // a config, its ownership and region layout
+  LayerConfig cfg;
+  OwnershipMap own;
+  RegionLayout l;
+};
+
+Layer Make(double capacity_factor, int32_t slots = 0) {
+  const LayerShape s{.tokens = 256, .hidden = 16, .ffn = 8, .experts = 16, .topk = 4, .ranks = 4};
+  LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = capacity_factor}, /*segment_tokens=*/s.ranks * s.tokens);
+  if (slots > 0) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = slots};
+  OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const RegionLayout l = MakeRegionLayout(cfg, own, 2);
+  return {cfg, own, l};
+}
+
+TEST(MaxSegmentRows, DroplessIsTheSegmentsWorstCase) {
+  const Layer u = Make(0);
+  EXPECT_EQ(MaxSegmentRows(u.cfg, u.l), u.l.S * u.l.slots_per_token);  // 1024 tokens x min(K, E_loc) = 4
+}
+
+TEST(MaxSegmentRows, ACapacityBoundsItByEveryExpertFull) {
+  const Layer u = Make(1.0);  // capacity ceil(1.0 * 4*256*4 / 16) = 256 rows per expert, 4 local experts
+  ASSERT_EQ(u.cfg.capacity.ExpertCapacity(u.cfg.shape), 256);
+  EXPECT_EQ(MaxSegmentRows(u.cfg, u.l), 4 * 256);
+  const Layer b = Make(1.0, /*slots=*/2);  // main experts and redundant slots: 6 physical instances
+  EXPECT_EQ(b.l.L, 6);
+  EXPECT_EQ(MaxSegmentRows(b.cfg, b.l), std::min<int64_t>(6 * 256, b.l.S * b.l.slots_per_token));
+  const Layer big = Make(1e30);  // a capacity past the worst case (saturated): the segment bound stands
+  EXPECT_EQ(MaxSegmentRows(big.cfg, big.l), big.l.S * big.l.slots_per_token);
+}
+
+TEST(MaxSegmentRows, NoOwnerIsAdmittedMoreRows) {
+  for (double c : {0.5, 1.0, 1.25, 2.0}) {
+    const Layer u = Make(c);
+    for (const char* routing : {"uniform", "zipf:1", "zipf:2", "one-expert"}) {
+      SCOPED_TRACE(std::string(routing) + ", capacity factor " + std::to_string(c));
+      auto spec = RoutingSpec::Parse(routing);
+      ASSERT_TRUE(spec.ok());
+      auto rt = GenerateRouting(u.cfg.shape, *spec);
+      ASSERT_TRUE(rt.ok());
+      auto acc = ApplyCapacity(u.cfg.shape, *rt, u.cfg.capacity);
+      ASSERT_TRUE(acc.ok()) << acc.status();
+      std::vector<int64_t> rows(static_cast<size_t>(u.cfg.shape.ranks), 0);
+      for (int32_t r = 0; r < u.cfg.shape.ranks; ++r) {
+        const RankRouting& rr = (*rt)[static_cast<size_t>(r)];
+        for (size_t i = 0; i < rr.experts.size(); ++i)
+          if ((*acc)[static_cast<size_t>(r)].accepted[i]) ++rows[static_cast<size_t>(u.own.owner(rr.experts[i]))];
+      }
+      for (int64_t owner_rows : rows) EXPECT_LE(owner_rows, MaxSegmentRows(u.cfg, u.l));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rdep
