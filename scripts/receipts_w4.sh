@@ -18,8 +18,9 @@
 #              token: a warp per token): rdep check --backend cuda with token, then bench dispatch alternated
 #   sms        LayerConfig::transport_sms: rdep check with a budget, bench dispatch at W = 4 over budgets
 #              8 ... 132 SMs and unbudgeted, bench layer W = 4 with 32 SMs beside unbudgeted
-#   stack      rdep bench layer --layers 4 and 8 at W = 4 (per-rank memory of a stack of layers on one domain),
-#              with and without --owner-reduce
+#   memory     rdep bench layer at W = 4 with capacity factors 1.0 and 1.25 (the owner's row buffers bounded by
+#              MaxSegmentRows), and --layers 4 and 8 (per-rank memory of a stack of layers on one domain), with
+#              and without --owner-reduce
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
@@ -115,7 +116,12 @@ stage_sms() {
     run layer_w4_sms$sms "$RDEP" bench layer --ranks 4 --expert-compute cutlass --transport-sms "$sms" --json "$R/layer_w4_sms$sms.json"
   done
 }
-stage_stack() {
+stage_memory() {
+  for c in 1.0 1.25; do
+    run layer_w4_cap$c "$RDEP" bench layer --ranks 4 --expert-compute cutlass --capacity-factor "$c" --json "$R/layer_w4_cap$c.json"
+    run layer_w4_cap${c}_reduce "$RDEP" bench layer --ranks 4 --expert-compute cutlass --capacity-factor "$c" --owner-reduce \
+      --json "$R/layer_w4_cap${c}_reduce.json"
+  done
   for n in 4 8; do
     run layer_w4_stack$n "$RDEP" bench layer --ranks 4 --expert-compute cutlass --layers "$n" --warmup 5 --iters 20 \
       --json "$R/layer_w4_stack$n.json"

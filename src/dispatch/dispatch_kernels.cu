@@ -301,7 +301,7 @@ __device__ __forceinline__ int64_t RowOn(const char* base, size_t tsb, int64_t p
 
 // Block j places local expert j's rows after experts 0..j-1's, in segment order (ThreadRun's two passes).
 __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
-                                  const int64_t* counts, GroupedRow* grouped, int32_t* inv) {
+                                  const int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* inv) {
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ int64_t offset_shared;
   const int j = static_cast<int>(blockIdx.x);
@@ -323,6 +323,7 @@ __global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t 
   for (int64_t p = run.begin; p < run.end; ++p) {
     const int64_t hit = RowOn(base, tsb, p, j);
     if (hit < 0) continue;
+    if (off + pos >= max_rows) break;  // beyond grouped's size (a broken capacity bound): the caller reports it
     const RowSideband rs = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t))[hit];
     grouped[off + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
     if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(off + pos);
@@ -533,13 +534,13 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 }
 
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s, int32_t* inv) {
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, cudaStream_t s, int32_t* inv) {
   if (num_local == 0) return Status::Ok();
   ExpandCountKernel<<<1, 1024, static_cast<size_t>(num_local) * sizeof(int), s>>>(my_sideband, buf, lo, l, my_control,
                                                                                    num_local, counts);
   RDEP_CUDA_CHECK_LAUNCH();
   ExpandPlaceKernel<<<static_cast<unsigned>(num_local), kScanThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, counts,
-                                                                             grouped, inv);
+                                                                             grouped, max_rows, inv);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -289,7 +289,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
-    // Per-segment owner buffers (grouped rows of one segment: MaxSegmentRows, at most S * min(K, E_loc)).
+    // Per-segment owner buffers (grouped rows of one segment: MaxSegmentRows, at most S * min(K, E_loc + N_slot)).
     const int64_t seg_rows = MaxSegmentRows(config, l);
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
@@ -627,7 +627,8 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
                                      static_cast<size_t>(seg * S * layout_.slots_per_token), stream));
   const int32_t phys = physical_experts(st);  // local experts, with balancing then the redundant slots
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
-                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, stream, reduce ? SegmentInv(sv, seg) : nullptr));
+                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, MaxSegmentRows(config_, layout_), stream,
+                                              reduce ? SegmentInv(sv, seg) : nullptr));
   if (phys > 0)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(phys),
                                               cudaMemcpyDeviceToHost, stream));
@@ -635,6 +636,9 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   std::vector<int64_t> counts(st.host_counts, st.host_counts + phys);
   int64_t m = 0;
   for (int64_t c : counts) m += c;
+  if (m > MaxSegmentRows(config_, layout_))  // the capacity rule bounds it; grouped rows were sized by it
+    return InternalError("rank " + std::to_string(rank) + " segment " + std::to_string(seg) + ": " + std::to_string(m) +
+                         " rows received, more than the " + std::to_string(MaxSegmentRows(config_, layout_)) + " the capacity allows");
   sv.seg_rows[static_cast<size_t>(seg)] = counts;
   sv.seg_base[static_cast<size_t>(seg)] = base;
   sv.total_rows += m;

@@ -3,6 +3,7 @@
 // reference's acceptance on skewed routing, one segment).
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "rdep/core/capacity.h"

@@ -342,7 +342,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   const double W = std::max(1.0, pos(s.ranks)), T = pos(s.tokens), H = pos(s.hidden), F = pos(s.ffn),
                E = std::max(1.0, pos(s.experts)), K = pos(s.topk);
   const double L = std::ceil(E / W);                   // most local experts on one rank
-  const double slots = std::max(1.0, std::min(K, L));  // sideband slots per token
+  const double slots = std::max(1.0, std::min(K, L + (o.layer.balance.enabled() ? pos(o.layer.balance.num_slots) : 0.0)));  // sideband slots per token
   const double S_host = o.layer.segment_tokens > 0 ? pos(o.layer.segment_tokens) : std::max(1.0, T);
   const double params = E * 3 * H * F;                 // W1 [H][2F] and W2 [F][H] per expert
   const double rows = W * T * K;                       // dropless route rows over the domain
@@ -387,27 +387,34 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
                          12 * L * 3 * H * F});
     fp.device.push_back({"segment buffers (2 segments of S = W*T tokens by default)", {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}},
                          2 * S_dev * (2 * H + 8 + 16 * slots)});
-    // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L),
-    // with a capacity at most L*capacity): the output rows (two sets of H, bf16) always; the saved x and
-    // SwiGLU-input rows by the rows received (T*K per owner, balanced), or, on the sync-free path (CUTLASS,
-    // one segment, no balancing), by that worst case too.
-    double seg_rows = std::max(1.0, S_dev * slots);
+    // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L +
+    // N_slot), with a capacity at most (L + N_slot)*capacity): the output rows (two sets of H, bf16) and the
+    // expert compute's workspace (z, dz, dh: 8*D_ff bytes a row, and 64 MiB of cuBLASLt workspace). What a
+    // forward saves for its backward (terms named "context: ..."; CheckLayerBenchFootprint counts one per
+    // context): the received rows' x and SwiGLU inputs by the rows received (T*K per owner, balanced), or,
+    // on the sync-free path (CUTLASS, one segment, no balancing), by the segment bound; the front-end's
+    // returned rows (not with owner_reduce).
     const double L_phys = L + (o.layer.balance.enabled() ? pos(o.layer.balance.num_slots) : 0.0);
+    double seg_rows = std::max(1.0, S_dev * std::max(1.0, std::min(K, L_phys)));
     if (!o.layer.capacity.dropless())
       seg_rows = std::max(1.0, std::min(seg_rows, L_phys * static_cast<double>(o.layer.capacity.ExpertCapacity(s))));
     const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() && S_dev >= W * T;
     const double saved_rows = sync_free ? seg_rows : T * K;
-    fp.device.push_back({"output rows of one owner segment (2 x MaxSegmentRows rows of H)", {{"segment", S_dev}, {"topk", K}, {"hidden", H}},
-                         4 * seg_rows * H});
-    fp.device.push_back({sync_free ? "saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
-                                   : "saved rows of one rank (T*K rows of H and 2*D_ff values)",
-                         {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (4 * H + 8 * F + 32)});
+    fp.device.push_back({"output rows and expert workspace of one owner segment (MaxSegmentRows rows)",
+                         {{"segment", S_dev}, {"topk", K}, {"hidden", H}, {"ffn", F}}, seg_rows * (4 * H + 8 * F) + 64.0 * (1 << 20)});
+    fp.device.push_back({"return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}}, 2 * T * K * H});
+    fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
+                                   : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
+                         {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});
+    if (!o.layer.owner_reduce)
+      fp.device.push_back({"context: the front-end's returned rows (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
+                           2 * T * K * H});
     fp.device.push_back({"control region and token index (W*L words, W*T tokens)", {{"ranks", W}, {"experts", E}, {"tokens", T}},
                          16 * W * L + 32 * W + 4 * W * T + 16 * E});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
-      fp.device.push_back({"owner_reduce: kept expert outputs and dots (saved rows of H, T*K floats)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
-                           saved_rows * 2 * H + T * K * 8});
+      fp.device.push_back({"context: owner_reduce's kept expert outputs and dots (saved rows of H, T*K floats)",
+                           {{"tokens", T}, {"topk", K}, {"hidden", H}}, saved_rows * 2 * H + T * K * 8});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},

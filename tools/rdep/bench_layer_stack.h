@@ -34,14 +34,16 @@ struct StackResult {
   size_t layer_bytes_max_rank = 0;    // the N layers' own device bytes (CudaMoELayer::device_bytes), summed
   size_t context_bytes_max_rank = 0;  // the N contexts after the forwards (ForwardContext::bytes), summed
   size_t gpu_used_max = 0;            // after the forwards: cudaMemGetInfo's total - free, largest over the GPUs
-  double forward_ms = 0, backward_ms = 0;  // the N forwards, the N backwards: max over ranks of the second pass
+  int64_t passes = 0;                      // timed passes after the untimed one
+  double forward_ms = 0, backward_ms = 0;  // the N forwards, the N backwards: p50 over the passes of the max over ranks
 };
 
 // Makes layers - 1 more layers like `first` (same config, ownership and seeded weights) on its domain,
-// then on every rank two passes of forward 1..N (contexts 1..N) and backward N..1. The caller checked
-// the memory estimate (CheckLayerBenchFootprint with layers).
+// then on every rank an untimed pass of forward 1..N (contexts 1..N, a synchronization after each: the
+// memory is read after the last) and backward N..1, and `passes` timed ones. The caller checked the memory
+// estimate (CheckLayerBenchFootprint with layers) and turned profiling off.
 StatusOr<StackResult> RunLayerStack(CudaDomain& domain, CudaMoELayer& first, const LayerConfig& cfg, const OwnershipMap& ownership,
-                                    uint64_t seed, int32_t layers, const std::vector<StackRankIo>& io);
+                                    uint64_t seed, int32_t layers, int64_t passes, const std::vector<StackRankIo>& io);
 
 void PrintLayerStack(const StackResult& r);
 void WriteLayerStack(JsonWriter& j, const StackResult& r);  // a "stack" object

@@ -95,9 +95,9 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
 // terms, times the ranks that share a GPU when W ranks run on num_gpus). Refuses (InvalidArgument
 // naming the flags) what exceeds the limits or the smallest of the GPUs used.
 // bf16_grads: `rdep bench layer --grads bf16` also holds bf16 copies of each rank's expert weights and
-// their bf16 gradients on its GPU. layers > 1 (`--layers N`): N more layers' worth on each GPU (the stack's
-// N - 1 extra layers and N contexts, counted as N whole layers, next to the first layer's own context)
-// and one more set of fp32 host weights.
+// their bf16 gradients on its GPU. layers > 1 (`--layers N`): N layers, each with its own context, and N
+// more contexts (the stack's): the estimate's terms named "context: ..." count 2N times, the activations
+// and replica slots (shared) once, every other term N times; and one more set of fp32 host weights.
 inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits,
                                        bool bf16_grads = false, int32_t layers = 1) {
   ValidationOptions vo;
@@ -117,8 +117,11 @@ inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iteration
     }
   if (layers > 1)
     for (auto& term : fp.device) {
-      term.amount *= static_cast<double>(layers) + 1;
-      term.what += " x (--layers + 1)";
+      const bool context = term.what.rfind("context:", 0) == 0;
+      const bool shared = term.what.rfind("activations", 0) == 0 || term.what.rfind("replica slots", 0) == 0;
+      if (shared) continue;
+      term.amount *= static_cast<double>(context ? 2 * layers : layers);
+      term.what += context ? " x 2*layers (own and stack contexts)" : " x layers";
       term.factors.push_back({"layers", static_cast<double>(layers)});
     }
   if (bf16_grads) {

@@ -98,9 +98,12 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 // Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
 // then the grouped rows (written at grouped + 0). counts is [num_local] int64. inv (nullable,
 // [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's
-// grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it).
+// grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it). Rows at
+// grouped indices >= max_rows (grouped's size) are not written (the counts still count them: the caller
+// checks the total against its bound, on the host or in the expert compute).
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, cudaStream_t s, int32_t* inv = nullptr);
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, cudaStream_t s,
+                    int32_t* inv = nullptr);
 // out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M. With device_rows (a
 // device int64), g < min(*device_rows, M): M is then the host's bound (it sizes the grid only).
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
