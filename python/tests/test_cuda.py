@@ -277,6 +277,15 @@ def test_dispatch_combine_need_one_segment_on_cuda():
     assert layer.live_contexts == 0
 
 
+def outputs_and_grads(m, x):
+    """One forward and backward of module m on a copy of x (a fixed linear loss over y): y, dx, dW1, dW2 and
+    the router's weight gradient."""
+    xi = x.clone().requires_grad_(True)
+    o = m(xi)
+    (o.y.float() * torch.linspace(-1, 1, x.shape[-1], device=DEV)).sum().backward()
+    return o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad
+
+
 def test_owner_reduce_on_cuda_matches_the_per_slot_return():
     """The CUDA layer with owner_reduce (one row per (token, owner) back, dgate at the owner) against the
     same module without it, with and without balancing: y and every gradient within the bf16 tolerances."""
@@ -287,12 +296,7 @@ def test_owner_reduce_on_cuda_matches_the_per_slot_return():
         on.load_state_dict(off.state_dict())
         x = torch.randn(4, 32, 64, device=DEV).bfloat16()
         x[:, :, :8] += 3
-        outs = []
-        for m in (off, on):
-            xi = x.clone().requires_grad_(True)
-            o = m(xi)
-            (o.y.float() * torch.linspace(-1, 1, 64, device=DEV)).sum().backward()
-            outs.append((o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad))
+        outs = [outputs_and_grads(m, x) for m in (off, on)]
         for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
             assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"{name} ({extra or 'no balancing'})")
         assert on.layer.live_contexts == 0
@@ -310,12 +314,7 @@ def test_transport_sms_on_cuda_gives_the_same_bits():
         narrow.load_state_dict(wide.state_dict())
         assert narrow.layer.transport_sms == 3
         x = torch.randn(4, 32, 64, device=DEV).bfloat16()
-        outs = []
-        for m in (wide, narrow):
-            xi = x.clone().requires_grad_(True)
-            o = m(xi)
-            (o.y.float() * torch.linspace(-1, 1, 64, device=DEV)).sum().backward()
-            outs.append((o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad))
+        outs = [outputs_and_grads(m, x) for m in (wide, narrow)]
         for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
             what = f"{name} ({extra or 'per-slot return'})"
             if name in ("dx", "drouter"):
@@ -334,12 +333,7 @@ def test_balancing_on_cuda_matches_balancing_off():
     on.load_state_dict(off.state_dict())
     x = torch.randn(4, 32, 64, device=DEV).bfloat16()
     x[:, :, :8] += 3  # skew the router toward a few experts, so that replicas are made
-    outs = []
-    for m in (off, on):
-        xi = x.clone().requires_grad_(True)
-        o = m(xi)
-        (o.y.float() * torch.linspace(-1, 1, 64, device=DEV)).sum().backward()
-        outs.append((o.y, xi.grad, m.w1.grad, m.w2.grad))
+    outs = [outputs_and_grads(m, x) for m in (off, on)]
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), outs[1], outs[0]):
         assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, name)
     assert on.layer.live_contexts == 0
