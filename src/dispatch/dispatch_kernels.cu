@@ -1,16 +1,15 @@
-// The RDEP protocol kernels (see rdep/dispatch/dispatch_kernels.h). Placement is computed by scans
-// in token order, never by atomics on positions, so every layout is deterministic and identical to
-// the host backend's.
+// The RDEP protocol kernels (see rdep/dispatch/dispatch_kernels.h) after phase 1 (routing_kernels.cu):
+// the owner scan and acceptance, the scatter, the gather, the return and the combine; the owner's
+// expansion is in expand_kernels.cu. Placement is computed by scans in token order, never by atomics on
+// positions, so every layout is deterministic and identical to the host backend's.
 #include <cuda_bf16.h>
 
 #include <cstdlib>
 #include <string>
 
 #include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 #include "rdep/core/capacity_rules.h"
-#include "rdep/core/route_rules.h"
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
@@ -19,136 +18,11 @@
 namespace rdep::dispatch {
 namespace {
 
-constexpr int kScanThreads = 512;
-using BlockScan = cub::BlockScan<int, kScanThreads>;
-
 using detail::Bf;
 using detail::ToBf;
 using detail::SegmentTokens;
 using detail::WarpBlocks;
 using detail::WarpCopyRow;
-
-// One block: each thread takes tokens t = tid, tid + blockDim, ...; the block's minimum faulty-slot
-// key is reduced in shared memory, the first fault's values are recorded, then faulty tokens are
-// rewritten (the record is taken before any rewrite: a barrier separates them).
-constexpr int kValidateThreads = 1024;
-__global__ void __launch_bounds__(kValidateThreads) ValidateRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K,
-                                                                          int32_t num_experts, RoutingFault* fault) {
-  __shared__ unsigned long long first_shared;
-  if (threadIdx.x == 0) first_shared = ~0ull;
-  __syncthreads();
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x)
-    for (int64_t k = 0; k < K; ++k) {
-      const RouteSlotFault f = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts);
-      if (f == RouteSlotFault::kNone) continue;
-      atomicMin(&first_shared, (static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(f));
-      break;
-    }
-  __syncthreads();
-  const unsigned long long first = first_shared;
-  if (threadIdx.x == 0) {
-    RoutingFault r{first, 0, 0.f};
-    if (first != ~0ull) {
-      r.expert = experts[first >> 2];
-      r.gate = gates[first >> 2];
-    }
-    *fault = r;
-    __threadfence_system();  // the record may be host memory
-  }
-  if (first == ~0ull) return;
-  __syncthreads();
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
-    bool bad = false;
-    for (int64_t k = 0; k < K && !bad; ++k) bad = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts) != RouteSlotFault::kNone;
-    if (!bad) continue;
-    for (int64_t j = 0; j < K; ++j) {  // a valid stand-in: distinct in-range experts, zero weight
-      experts[t * K + j] = static_cast<int32_t>(j);
-      gates[t * K + j] = 0.f;
-    }
-  }
-}
-
-__global__ void PublishLoadRowKernel(const int32_t* experts, int64_t n, RegionLayout l, int32_t rank,
-                                     int64_t* const* control_of) {
-  extern __shared__ int load_shared[];  // [E]
-  for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) load_shared[e] = 0;
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < n * l.K; i += blockDim.x) atomicAdd(&load_shared[experts[i]], 1);
-  __syncthreads();
-  int64_t* dst = control_of[blockIdx.x] + l.load(rank, 0);
-  for (int64_t e = threadIdx.x; e < l.E_load; e += blockDim.x) dst[e] = load_shared[e];
-}
-
-// The ordered scans (phase 1's counts and expert ranks, the owner's expansion) give each thread a
-// contiguous run of tokens or segment positions (ThreadRun): the thread counts its run, one block scan
-// gives the run its first position, and a second pass over the run writes positions in order: the
-// positions a block scan per blockDim items gives, with one scan instead of n / blockDim of them (each
-// with two block barriers, in sequence).
-struct ThreadRun {
-  int64_t begin, end;
-};
-// (The launches use kScanThreads threads, BlockScan's size: the runs are cut for that many.)
-__device__ __forceinline__ ThreadRun MyRun(int64_t n) {
-  const int64_t per = (n + kScanThreads - 1) / kScanThreads;
-  const int64_t b = min(n, static_cast<int64_t>(threadIdx.x) * per);
-  return {b, min(n, b + per)};
-}
-
-// Whether token t sends a row to owner q (its rows counted into rows_shared when count is set).
-__device__ __forceinline__ bool SendsTo(const int32_t* experts, int64_t t, int64_t K, const RouteTargets& targets, int q,
-                                        int* rows_shared, bool count) {
-  bool flag = false;
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t i = t * K + k;
-    const int32_t e = experts[i];
-    if (targets.rank(i, e) != q) continue;
-    flag = true;
-    if (count) atomicAdd(&rows_shared[targets.local(i, e)], 1);
-  }
-  return flag;
-}
-
-__global__ void CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l, RouteTargets targets, int32_t rank,
-                                      int32_t* tok_index, int64_t* const* control_of) {
-  extern __shared__ int rows_shared[];  // [L]
-  __shared__ typename BlockScan::TempStorage scan;
-  const int q = static_cast<int>(blockIdx.x);
-  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) rows_shared[j] = 0;
-  __syncthreads();
-  const ThreadRun run = MyRun(n);
-  int mine = 0;
-  for (int64_t t = run.begin; t < run.end; ++t) mine += SendsTo(experts, t, l.K, targets, q, rows_shared, true) ? 1 : 0;
-  int pos, total;
-  BlockScan(scan).ExclusiveSum(mine, pos, total);
-  for (int64_t t = run.begin; t < run.end; ++t)
-    tok_index[static_cast<int64_t>(q) * n + t] = SendsTo(experts, t, l.K, targets, q, rows_shared, false) ? pos++ : -1;
-  __syncthreads();  // every row counted
-  int64_t* c = control_of[q];
-  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) c[l.recv_counts(rank, j)] = rows_shared[j];
-  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = total;
-}
-
-// The slot of token t on expert e (the last one: a validated token's experts are distinct), or -1.
-__device__ __forceinline__ int64_t SlotOn(const int32_t* experts, int64_t t, int64_t K, int e) {
-  int64_t slot = -1;
-  for (int64_t k = 0; k < K; ++k)
-    if (experts[t * K + k] == e) slot = k;
-  return slot;
-}
-
-__global__ void ExpertRankKernel(const int32_t* experts, int64_t n, int64_t K, int32_t* rank_in_expert) {
-  __shared__ typename BlockScan::TempStorage scan;
-  const int e = static_cast<int>(blockIdx.x);
-  const ThreadRun run = MyRun(n);
-  int mine = 0;
-  for (int64_t t = run.begin; t < run.end; ++t) mine += SlotOn(experts, t, K, e) >= 0 ? 1 : 0;
-  int pos, total;
-  BlockScan(scan).ExclusiveSum(mine, pos, total);
-  for (int64_t t = run.begin; t < run.end; ++t) {
-    const int64_t slot = SlotOn(experts, t, K, e);
-    if (slot >= 0) rank_in_expert[t * K + slot] = pos++;
-  }
-}
 
 __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local, int64_t capacity,
                                 int64_t* const* control_of, int64_t* rows_per_expert) {
@@ -267,68 +141,6 @@ ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
     ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
                         payload_of, sideband_of);
-}
-
-__global__ void ExpandCountKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
-                                  int32_t num_local, int64_t* counts) {
-  extern __shared__ int hist[];
-  for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) hist[j] = 0;
-  __syncthreads();
-  const int64_t n_seg = SegmentTokens(l, my_control, lo);
-  const size_t tsb = l.token_sideband_bytes();
-  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
-  for (int64_t p = threadIdx.x; p < n_seg; p += blockDim.x) {
-    const char* sb = base + static_cast<size_t>(p) * tsb;
-    const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
-    const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
-    for (int64_t r = 0; r < num_rows; ++r) atomicAdd(&hist[rows[r].local_expert], 1);
-  }
-  __syncthreads();
-  for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) counts[j] = hist[j];
-}
-
-// The sideband row of segment position p on local expert j (the last one: a token's rows on one owner
-// are on distinct experts), or -1.
-__device__ __forceinline__ int64_t RowOn(const char* base, size_t tsb, int64_t p, int j) {
-  const char* sb = base + static_cast<size_t>(p) * tsb;
-  const int64_t num_rows = *reinterpret_cast<const int64_t*>(sb);
-  const auto* rows = reinterpret_cast<const RowSideband*>(sb + sizeof(int64_t));
-  int64_t hit = -1;
-  for (int64_t r = 0; r < num_rows; ++r)
-    if (rows[r].local_expert == j) hit = r;
-  return hit;
-}
-
-// Block j places local expert j's rows after experts 0..j-1's, in segment order (ThreadRun's two passes).
-__global__ void ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control,
-                                  const int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* inv) {
-  __shared__ typename BlockScan::TempStorage scan;
-  __shared__ int64_t offset_shared;
-  const int j = static_cast<int>(blockIdx.x);
-  if (threadIdx.x == 0) {
-    int64_t off = 0;
-    for (int jj = 0; jj < j; ++jj) off += counts[jj];
-    offset_shared = off;
-  }
-  __syncthreads();
-  const int64_t n_seg = SegmentTokens(l, my_control, lo);
-  const size_t tsb = l.token_sideband_bytes();
-  const char* base = static_cast<const char*>(my_sideband) + static_cast<size_t>(buf) * l.S * tsb;
-  const ThreadRun run = MyRun(n_seg);
-  int mine = 0;
-  for (int64_t p = run.begin; p < run.end; ++p) mine += RowOn(base, tsb, p, j) >= 0 ? 1 : 0;
-  int pos, total;
-  BlockScan(scan).ExclusiveSum(mine, pos, total);
-  const int64_t off = offset_shared;
-  for (int64_t p = run.begin; p < run.end; ++p) {
-    const int64_t hit = RowOn(base, tsb, p, j);
-    if (hit < 0) continue;
-    if (off + pos >= max_rows) break;  // beyond grouped's size (a broken capacity bound): the caller reports it
-    const RowSideband rs = reinterpret_cast<const RowSideband*>(base + static_cast<size_t>(p) * tsb + sizeof(int64_t))[hit];
-    grouped[off + pos] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
-    if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(off + pos);
-    ++pos;
-  }
 }
 
 // The rows a launch covers: M, or (device_rows non-null) the device count capped by it.
@@ -450,38 +262,6 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
 
 }  // namespace
 
-Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             RoutingFault* fault, cudaStream_t s) {
-  ValidateRoutingKernel<<<1, kValidateThreads, 0, s>>>(experts, gates, n, K, num_experts, fault);
-  RDEP_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
-Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayout& l, int32_t rank,
-                            int64_t* const* control_of, cudaStream_t s) {
-  if (l.E_load <= 0) return Status::Ok();
-  const size_t shared = static_cast<size_t>(l.E_load) * sizeof(int);
-  PublishLoadRowKernel<<<static_cast<unsigned>(l.W), 256, shared, s>>>(experts, n, l, rank, control_of);
-  RDEP_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
-Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
-                             int32_t* tok_index, int64_t* const* control_of, cudaStream_t s) {
-  CountAndPublishKernel<<<static_cast<unsigned>(l.W), kScanThreads, static_cast<size_t>(l.L) * sizeof(int), s>>>(
-      experts, n, l, targets, rank, tok_index, control_of);
-  RDEP_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
-Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
-                        cudaStream_t s) {
-  if (n == 0) return Status::Ok();
-  ExpertRankKernel<<<static_cast<unsigned>(num_experts), kScanThreads, 0, s>>>(experts, n, K, rank_in_expert);
-  RDEP_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity, int64_t* const* control_of,
                        int64_t* rows_per_expert, cudaStream_t s) {
   OwnerScanKernel<<<1, 256, 0, s>>>(l, rank, num_local, capacity, control_of, rows_per_expert);
@@ -529,18 +309,6 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
   } else {
     return InvalidArgument("RDEP_SCATTER='" + k + "': expected pair (a warp per (token, owner), the default) or token (a warp per token)");
   }
-  RDEP_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
-Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, cudaStream_t s, int32_t* inv) {
-  if (num_local == 0) return Status::Ok();
-  ExpandCountKernel<<<1, 1024, static_cast<size_t>(num_local) * sizeof(int), s>>>(my_sideband, buf, lo, l, my_control,
-                                                                                   num_local, counts);
-  RDEP_CUDA_CHECK_LAUNCH();
-  ExpandPlaceKernel<<<static_cast<unsigned>(num_local), kScanThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, counts,
-                                                                             grouped, max_rows, inv);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

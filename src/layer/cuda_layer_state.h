@@ -130,7 +130,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<int32_t> experts, tok_index;
   cuda_layer::DeviceBuffer<float> gates, effective;
   cuda_layer::DeviceBuffer<uint8_t> accepted;
-  cuda_layer::DeviceBuffer<int64_t> dropped, control;
+  cuda_layer::DeviceBuffer<int64_t> dropped, control;  // dropped: [0] rows dropped, [1] the routing check's word (both zeroed per plan)
   cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate (not with owner_reduce)
   cuda_layer::DeviceBuffer<uint8_t> lead;           // owner_reduce: [T*K] slots whose return rows carry an owner's sum
   // Owner: every segment's grouped rows, inputs and pre-activations.
@@ -229,6 +229,7 @@ struct CudaMoELayer::RankState {
   cuda_layer::DeviceBuffer<int32_t> rank_in_expert;
   cuda_layer::DeviceBuffer<float> scratch;
   cuda_layer::DeviceBuffer<int64_t> seg_counts;
+  cuda_layer::DeviceBuffer<int32_t> expand_scratch;  // LaunchExpand's (dispatch::ExpandScratchInts for the physical experts)
   cuda_layer::DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
   int64_t* host_counts = nullptr;  // pinned [max(num_local, physical experts) + W + 1]
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.

@@ -85,7 +85,7 @@ size_t CudaMoELayer::device_bytes(int32_t rank) const {
   size_t b = layout_.total_bytes();
   b += (st.w1.count + st.w2.count + st.out_rows.count) * 2;
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
-  b += (st.owner.count + st.local.count + st.local_to_global.count) * 4 + st.seg_counts.count * 8;
+  b += (st.owner.count + st.local.count + st.local_to_global.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
   return b + st.own_context.bytes();  // the shared replica slots are replica_slot_bytes()
@@ -107,7 +107,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
   else RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
-  RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(1));
+  RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
@@ -286,6 +286,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     RDEP_RETURN_IF_ERROR(st->rank_in_expert.Reserve(nk));
     const int32_t phys = layer->physical_experts(*st);  // L, or with balancing the layout's L (slots last)
     RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(phys, 1))));
+    RDEP_RETURN_IF_ERROR(st->expand_scratch.Reserve(static_cast<size_t>(dispatch::ExpandScratchInts(l, std::max(phys, 1)))));
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
     st->host_counts = static_cast<int64_t*>(pinned);
@@ -412,13 +413,14 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, 2 * sizeof(int64_t), stream));  // the drop count, the check's word
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
-                                                       sv.fault_dev, stream));
+                                                       reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
+                                                       stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   sv.fault_in_capture = capture != cudaStreamCaptureStatusNone;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, sizeof(int64_t), stream));
   // Ranks within each expert decide capacity acceptance and the balancer's instance assignment; a
   // dropless layer without balancing admits every row and needs none.
   const bool need_ranks = config_.balance.enabled() || !config_.capacity.dropless();
@@ -627,7 +629,8 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
                                      static_cast<size_t>(seg * S * layout_.slots_per_token), stream));
   const int32_t phys = physical_experts(st);  // local experts, with balancing then the redundant slots
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
-                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, MaxSegmentRows(config_, layout_), stream,
+                                              phys, st.seg_counts.ptr, sv.grouped.ptr + base, MaxSegmentRows(config_, layout_),
+                                              st.expand_scratch.ptr, stream,
                                               reduce ? SegmentInv(sv, seg) : nullptr));
   if (phys > 0)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(phys),

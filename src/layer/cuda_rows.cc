@@ -130,7 +130,8 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchSegment));
   RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(MaxSegmentRows(config_, layout_)), 0, stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, st.num_local,
-                                              st.seg_counts.ptr, sv.grouped.ptr, MaxSegmentRows(config_, layout_), stream));
+                                              st.seg_counts.ptr, sv.grouped.ptr, MaxSegmentRows(config_, layout_), st.expand_scratch.ptr,
+                                              stream));
   const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(payload, sv.grouped.ptr, M, s.hidden, false, Bits(recv), stream));
   sv.num_segments = 1;

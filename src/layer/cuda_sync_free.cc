@@ -48,7 +48,7 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   const int64_t* total = counts + phys;
   const bool reduce = config_.owner_reduce;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, phys, counts,
-                                              sv.grouped.ptr, cap, stream, reduce ? sv.inv.ptr : nullptr));
+                                              sv.grouped.ptr, cap, st.expand_scratch.ptr, stream, reduce ? sv.inv.ptr : nullptr));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
   sv.counts_on_device = true;
   sv.seg_rows.assign(1, {});  // the host does not know them

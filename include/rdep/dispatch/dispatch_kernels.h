@@ -49,16 +49,21 @@ struct RouteTargets {
 // finite and >= 0, no expert twice in a token). *fault receives the first faulty slot (lowest
 // t*K + k) with the values it had, or key ~0 (it may be host-mapped memory: plain stores and a system
 // fence); every token with a faulty slot is then rewritten in place to experts 0..K-1 with zero
-// gates, so the protocol still completes on every rank with in-bounds writes. One block. Needs K <= E.
+// gates, so the protocol still completes on every rank with in-bounds writes. Needs K <= E. A check
+// spread over the GPU (a thread per token), then one block for the record and the rewrite; `worst` is a
+// device word holding 0 before the launch (the check folds faults into it; the second kernel reads it
+// and leaves it 0 again).
 struct RoutingFault {
   unsigned long long key;  // (t*K + k) << 2 | RouteSlotFault; ~0 = none
   int32_t expert;          // the slot's expert id and gate as given
   float gate;
 };
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             RoutingFault* fault, cudaStream_t s);
+                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s);
 // Phase 1, with LayerConfig::load_matrix: this rank's row of the load matrix (rows per expert, from
 // its n*K expert ids) into every rank's control words at load(rank, 0..E) (one block per rank).
+// The counting kernels below stage their expert ids into shared memory by tiles; a shape whose tables
+// leave no room for one token's ids (E or L plus K above ~10k) is refused with InvalidArgument.
 Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayout& l, int32_t rank,
                             int64_t* const* control_of, cudaStream_t s);
 // Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
@@ -100,9 +105,11 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 // [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's
 // grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it). Rows at
 // grouped indices >= max_rows (grouped's size) are not written (the counts still count them: the caller
-// checks the total against its bound, on the host or in the expert compute).
+// checks the total against its bound, on the host or in the expert compute). scratch: device int32s,
+// ExpandScratchInts(l, num_local) of them (a counting sort over chunks of 32 positions, expand_kernels.cu).
+int64_t ExpandScratchInts(const RegionLayout& l, int32_t num_local);
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
-                    int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, cudaStream_t s,
+                    int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* scratch, cudaStream_t s,
                     int32_t* inv = nullptr);
 // out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M. With device_rows (a
 // device int64), g < min(*device_rows, M): M is then the host's bound (it sizes the grid only).
