@@ -22,6 +22,8 @@
 #              MaxSegmentRows), and --layers 4 and 8 (per-rank memory of a stack of layers on one domain), with
 #              and without --owner-reduce
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
+#   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
+#              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
@@ -134,6 +136,16 @@ stage_dsv3() {
   run torch_dsv3_w4 torchrun --nproc-per-node=4 "$BASE" "${ds[@]}" --iters 20 --json "$R/torch_dsv3_w4.json"
   run layer_dsv3_w4 "$RDEP" bench layer --ranks 4 --expert-compute cutlass "${ds[@]}" --warmup 5 --iters 30 \
     --json "$R/layer_dsv3_w4.json" --baseline-json "$R/torch_dsv3_w4.json"
+}
+stage_pair() {
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  run dispatch_moonlight_w2 "$RDEP" bench dispatch --ranks 2 "${moon[@]}" --json "$R/dispatch_moonlight_w2.json"
+  run dispatch_zipf1_w2 "$RDEP" bench dispatch --ranks 2 "${moon[@]}" --routing zipf:1 --json "$R/dispatch_zipf1_w2.json"
+  run dispatch_dsv3_w2 "$RDEP" bench dispatch --ranks 2 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --warmup 20 --iters 100 \
+    --json "$R/dispatch_dsv3_w2.json"
+  layer w2 2 0
+  run layer_w2_reduce "$RDEP" bench layer --ranks 2 --expert-compute cutlass --owner-reduce --json "$R/layer_w2_reduce.json" \
+    --baseline-json "$R/torch_w2.json"
 }
 stage_train() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
