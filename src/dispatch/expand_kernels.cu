@@ -73,9 +73,15 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandChunkCountKernel(const vo
   const int64_t p = c * kChunk + lane;
   PositionRows pr;
   pr.Load(SegmentSideband(my_sideband, buf, l), l.token_sideband_bytes(), p, p < SegmentTokens(l, my_control, lo));
-  for (int32_t j = 0; j < num_local; ++j) {
-    const unsigned m = __ballot_sync(0xFFFFFFFFu, pr.RowOn(j) >= 0);
-    if (lane == 0) chunk_rows[j * C + c] = __popc(m);
+  // Experts in groups of 32: lane jj keeps expert j0 + jj's count and stores it (one store per lane).
+  for (int32_t j0 = 0; j0 < num_local; j0 += kChunk) {
+    int mine = 0;
+    const int32_t group = min(kChunk, num_local - j0);
+    for (int32_t jj = 0; jj < group; ++jj) {
+      const unsigned m = __ballot_sync(0xFFFFFFFFu, pr.RowOn(j0 + jj) >= 0);
+      if (lane == jj) mine = __popc(m);
+    }
+    if (lane < group) chunk_rows[(j0 + lane) * C + c] = mine;
   }
 }
 
@@ -125,15 +131,23 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* m
   PositionRows pr;
   pr.Load(SegmentSideband(my_sideband, buf, l), tsb, p, p < SegmentTokens(l, my_control, lo));
   const unsigned below = (1u << lane) - 1u;
-  for (int32_t j = 0; j < num_local; ++j) {
-    const int64_t hit = pr.RowOn(j);
-    const unsigned m = __ballot_sync(0xFFFFFFFFu, hit >= 0);
-    if (hit < 0) continue;
-    const int64_t g = offset[j] + chunk_base[j * C + c] + __popc(m & below);
-    if (g >= max_rows) continue;  // beyond grouped's size (a broken capacity bound): the caller reports it
-    const RowSideband rs = pr.rows[hit];
-    grouped[g] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
-    if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(g);
+  // Experts in groups of 32: lane jj loads expert j0 + jj's chunk base up front (one load per lane, none
+  // waited on inside the loop), the loop reads it by shuffle.
+  for (int32_t j0 = 0; j0 < num_local; j0 += kChunk) {
+    const int32_t group = min(kChunk, num_local - j0);
+    const int32_t my_base = lane < group ? chunk_base[(j0 + lane) * C + c] : 0;
+    for (int32_t jj = 0; jj < group; ++jj) {
+      const int32_t j = j0 + jj;
+      const int64_t hit = pr.RowOn(j);
+      const unsigned m = __ballot_sync(0xFFFFFFFFu, hit >= 0);
+      const int32_t chunk_first = __shfl_sync(0xFFFFFFFFu, my_base, jj);
+      if (hit < 0) continue;
+      const int64_t g = offset[j] + chunk_first + __popc(m & below);
+      if (g >= max_rows) continue;  // beyond grouped's size (a broken capacity bound): the caller reports it
+      const RowSideband rs = pr.rows[hit];
+      grouped[g] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
+      if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(g);
+    }
   }
 }
 

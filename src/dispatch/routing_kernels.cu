@@ -124,51 +124,73 @@ __global__ void __launch_bounds__(kTileThreads) PublishLoadRowKernel(const int32
 }
 
 // ---- counts per owner, positions in its stream ----------------------------------------------------------
+// Two kernels over (block of kCountThreads tokens, owner q), a thread per token, so every owner's count is
+// spread over the GPU rather than one SM: the first counts each block's tokens and rows for q into the
+// scratch, the second gives each token its position (the earlier blocks' tokens + a block scan) and the
+// first block of each owner publishes the sums.
+constexpr int kCountThreads = 256;
+using CountScan = cub::BlockScan<int, kCountThreads>;
 
-// Whether the token whose K expert ids are at `ids` (shared) and whose first route slot is item i0 sends a
-// row to owner q; its rows counted into rows_shared when count is set.
-__device__ __forceinline__ bool SendsTo(const int32_t* ids, int64_t i0, int64_t K, const RouteTargets& targets, int q,
+// Whether token t (its ids at experts + t*K) sends a row to owner q; its rows counted into rows_shared
+// when count is set.
+__device__ __forceinline__ bool SendsTo(const int32_t* experts, int64_t t, int64_t K, const RouteTargets& targets, int q,
                                         int* rows_shared, bool count) {
   bool flag = false;
   for (int64_t k = 0; k < K; ++k) {
-    const int32_t e = ids[k];
-    if (targets.rank(i0 + k, e) != q) continue;
+    const int64_t i = t * K + k;
+    const int32_t e = experts[i];
+    if (targets.rank(i, e) != q) continue;
     flag = true;
-    if (count) atomicAdd(&rows_shared[targets.local(i0 + k, e)], 1);
+    if (count) atomicAdd(&rows_shared[targets.local(i, e)], 1);
   }
   return flag;
 }
 
-__global__ void __launch_bounds__(kTileThreads) CountAndPublishKernel(const int32_t* experts, int64_t n, RegionLayout l,
-                                                                      RouteTargets targets, int32_t rank, int64_t tile_tokens,
-                                                                      int32_t* tok_index, int64_t* const* control_of) {
-  extern __shared__ __align__(16) int smem[];
-  int* rows_shared = smem;                            // [L]
-  int* tile = smem + ((l.L + 3) & ~int64_t{3});       // [tile_tokens * K]
-  __shared__ typename TileScan::TempStorage scan;
-  const int q = static_cast<int>(blockIdx.x);
-  const int64_t K = l.K;
+// Block (b, q): part[(q * B + b) * (L + 1) + j] = the block's rows on q's local expert j, [... + L] its
+// tokens sending to q.
+__global__ void __launch_bounds__(kCountThreads) CountBlockKernel(const int32_t* experts, int64_t n, RegionLayout l,
+                                                                  RouteTargets targets, int32_t* part) {
+  extern __shared__ int rows_shared[];  // [L]
+  const int q = static_cast<int>(blockIdx.y);
+  const int64_t B = gridDim.x, b = blockIdx.x;
   for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) rows_shared[j] = 0;
-  int64_t base = 0;  // tokens of earlier tiles sending to q
-  for (int64_t t0 = 0; t0 < n; t0 += tile_tokens) {
-    const int64_t nt = min(tile_tokens, n - t0);
-    __syncthreads();  // the zeroing, the previous tile's reads and its scan storage are done
-    StageInts(experts + t0 * K, nt * K, tile);
-    __syncthreads();
-    const ThreadRun run = RunOf(nt);
-    int mine = 0;
-    for (int64_t t = run.begin; t < run.end; ++t) mine += SendsTo(tile + t * K, (t0 + t) * K, K, targets, q, rows_shared, true) ? 1 : 0;
-    int pos, total;
-    TileScan(scan).ExclusiveSum(mine, pos, total);
-    int32_t* out = tok_index + static_cast<int64_t>(q) * n + t0;
-    for (int64_t t = run.begin; t < run.end; ++t)
-      out[t] = SendsTo(tile + t * K, (t0 + t) * K, K, targets, q, rows_shared, false) ? static_cast<int32_t>(base + pos++) : -1;
-    base += total;
-  }
-  __syncthreads();  // every row counted
+  __syncthreads();
+  const int64_t t = b * kCountThreads + threadIdx.x;
+  const bool flag = t < n && SendsTo(experts, t, l.K, targets, q, rows_shared, true);
+  const int tokens = __syncthreads_count(flag);  // also orders the row counts before their reads
+  int32_t* mine = part + (q * B + b) * (l.L + 1);
+  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) mine[j] = rows_shared[j];
+  if (threadIdx.x == 0) mine[l.L] = tokens;
+}
+
+// Block (b, q): tok_index[q*n + t] for its tokens; block (0, q) publishes q's rows per local expert and
+// tokens into q's control words.
+__global__ void __launch_bounds__(kCountThreads) PlaceTokensKernel(const int32_t* experts, int64_t n, RegionLayout l,
+                                                                   RouteTargets targets, int32_t rank, const int32_t* part,
+                                                                   int32_t* tok_index, int64_t* const* control_of) {
+  extern __shared__ int sums_shared[];  // [L + 1], block 0 only
+  __shared__ typename CountScan::TempStorage scan;
+  const int q = static_cast<int>(blockIdx.y);
+  const int64_t B = gridDim.x, b = blockIdx.x, L = l.L;
+  const int32_t* of_q = part + q * B * (L + 1);
+  int before = 0;  // tokens of blocks < b sending to q: a block-wide sum
+  for (int64_t bb = threadIdx.x; bb < b; bb += blockDim.x) before += of_q[bb * (L + 1) + L];
+  int base, unused;
+  CountScan(scan).ExclusiveSum(before, unused, base);  // base: the block aggregate
+  __syncthreads();  // the scan storage is reused
+  const int64_t t = b * kCountThreads + threadIdx.x;
+  const bool flag = t < n && SendsTo(experts, t, l.K, targets, q, nullptr, false);
+  int pos;
+  CountScan(scan).ExclusiveSum(flag ? 1 : 0, pos);
+  if (t < n) tok_index[static_cast<int64_t>(q) * n + t] = flag ? base + pos : -1;
+  if (b != 0) return;
+  for (int64_t j = threadIdx.x; j <= L; j += blockDim.x) sums_shared[j] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < B * (L + 1); i += blockDim.x) atomicAdd(&sums_shared[i % (L + 1)], of_q[i]);
+  __syncthreads();
   int64_t* c = control_of[q];
-  for (int64_t j = threadIdx.x; j < l.L; j += blockDim.x) c[l.recv_counts(rank, j)] = rows_shared[j];
-  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = base;
+  for (int64_t j = threadIdx.x; j < L; j += blockDim.x) c[l.recv_counts(rank, j)] = sums_shared[j];
+  if (threadIdx.x == 0) c[l.recv_tokens(rank)] = sums_shared[L];
 }
 
 // ---- ranks per expert ------------------------------------------------------------------------------------
@@ -243,14 +265,20 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
   return Status::Ok();
 }
 
+int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens) {
+  const int64_t blocks = std::max<int64_t>((max_tokens + kCountThreads - 1) / kCountThreads, 1);
+  return l.W * blocks * (l.L + 1);
+}
+
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
-                             int32_t* tok_index, int64_t* const* control_of, cudaStream_t s) {
-  const int64_t tile = TileItems(l.L, l.K);
-  if (tile <= 0)
-    return InvalidArgument("phase 1 counts: L=" + std::to_string(l.L) + " local experts and K=" + std::to_string(l.K) +
-                           " slots per token do not fit the kernel's shared memory");
-  CountAndPublishKernel<<<static_cast<unsigned>(l.W), kTileThreads, StagedShared(l.L, tile * l.K), s>>>(
-      experts, n, l, targets, rank, tile, tok_index, control_of);
+                             int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, cudaStream_t s) {
+  const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
+  if (shared > kStageSharedBytes)
+    return InvalidArgument("phase 1 counts: L=" + std::to_string(l.L) + " local experts do not fit the kernel's shared memory");
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>((n + kCountThreads - 1) / kCountThreads, 1)), static_cast<unsigned>(l.W));
+  CountBlockKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, scratch);
+  RDEP_CUDA_CHECK_LAUNCH();
+  PlaceTokensKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, rank, scratch, tok_index, control_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -214,7 +214,9 @@ TEST_P(PhaseOneCounts, MatchTheHostExactly) {
   const OwnerMapView own{owner_dev.p, local_dev.p};
   const RouteTargets targets = c.per_slot_targets ? RouteTargets(own, dr.p, dl.p) : RouteTargets(own);
   const int32_t rank = static_cast<int32_t>(c.W - 1);
-  ASSERT_TRUE(LaunchCountAndPublish(e_ptr, c.n, l, targets, rank, tok.p, control_of.p, nullptr).ok());
+  Dev<int32_t> scratch(static_cast<size_t>(CountScratchInts(l, c.n)));
+  scratch.Poison();
+  ASSERT_TRUE(LaunchCountAndPublish(e_ptr, c.n, l, targets, rank, tok.p, control_of.p, scratch.p, nullptr).ok());
   ASSERT_TRUE(LaunchExpertRank(e_ptr, c.n, c.K, static_cast<int32_t>(c.E), ranks.p, nullptr).ok());
   ASSERT_TRUE(LaunchPublishLoadRow(e_ptr, c.n, l, rank, control_of.p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

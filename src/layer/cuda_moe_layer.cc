@@ -85,7 +85,7 @@ size_t CudaMoELayer::device_bytes(int32_t rank) const {
   size_t b = layout_.total_bytes();
   b += (st.w1.count + st.w2.count + st.out_rows.count) * 2;
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
-  b += (st.owner.count + st.local.count + st.local_to_global.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
+  b += (st.owner.count + st.local.count + st.local_to_global.count + st.count_scratch.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
   return b + st.own_context.bytes();  // the shared replica slots are replica_slot_bytes()
@@ -286,6 +286,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     RDEP_RETURN_IF_ERROR(st->rank_in_expert.Reserve(nk));
     const int32_t phys = layer->physical_experts(*st);  // L, or with balancing the layout's L (slots last)
     RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(phys, 1))));
+    RDEP_RETURN_IF_ERROR(st->count_scratch.Reserve(static_cast<size_t>(dispatch::CountScratchInts(l, T))));
     RDEP_RETURN_IF_ERROR(st->expand_scratch.Reserve(static_cast<size_t>(dispatch::ExpandScratchInts(l, std::max(phys, 1)))));
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
@@ -432,7 +433,8 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     RDEP_RETURN_IF_ERROR(PlanBalanced(rank, st, sv));
   } else {
     // Phase 1: counts into every owner's recv tables.
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of, stream));
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of,
+                                                         st.count_scratch.ptr, stream));
     RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
     if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));

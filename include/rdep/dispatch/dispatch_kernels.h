@@ -66,13 +66,16 @@ Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t 
 // leave no room for one token's ids (E or L plus K above ~10k) is refused with InvalidArgument.
 Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayout& l, int32_t rank,
                             int64_t* const* control_of, cudaStream_t s);
-// Phase 1 at a source: for each owner q (one block each) the position of each token among the tokens
+// Phase 1 at a source: for each owner q the position of each token among the tokens
 // that chose an expert of q (tok_index[q*n + t], -1 if none), the rows per q-local expert, published
 // into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank]. With balancing (targets with
 // per-slot destinations, after the plan) the same per destination rank and physical local index,
 // counting only the slots the plan sends there (accepted ones).
+// scratch: device int32s, CountScratchInts(l, max_tokens) of them for n <= max_tokens (per block of
+// 256 tokens and owner, its tokens and rows: two kernels, a thread per token).
+int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens);
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets,
-                             int32_t rank, int32_t* tok_index, int64_t* const* control_of, cudaStream_t s);
+                             int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, cudaStream_t s);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
