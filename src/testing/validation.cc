@@ -409,8 +409,12 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     if (!o.layer.owner_reduce)
       fp.device.push_back({"context: the front-end's returned rows (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
                            2 * T * K * H});
-    fp.device.push_back({"control region and token index (W*L words, W*T tokens)", {{"ranks", W}, {"experts", E}, {"tokens", T}},
-                         16 * W * L + 32 * W + 4 * W * T + 16 * E});
+    // Phase 1's count scratch (per 256-token block and owner, L + 1 words) and the expansion's (per
+    // 32-position chunk, one word per physical expert).
+    fp.device.push_back({"control region, token index and phase-1/expansion scratch (W*L words, W*T tokens)",
+                         {{"ranks", W}, {"experts", E}, {"tokens", T}},
+                         16 * W * L + 32 * W + 4 * W * T + 16 * E + 4 * W * std::ceil(T / 256.0) * (L + 1) +
+                             4 * std::ceil(S_dev / 32.0) * L_phys});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
       fp.device.push_back({"context: owner_reduce's kept expert outputs and dots (saved rows of H, T*K floats)",
