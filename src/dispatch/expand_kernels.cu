@@ -7,7 +7,9 @@
 //   3. per chunk, each row's grouped index: the expert's offset (a scan of the totals) + the chunk's
 //      base + the row's rank among the chunk's rows of that expert (the same ballot).
 // A chunk's rows of one expert come from distinct positions (a token has at most one row per expert on
-// an owner), so the ballot's rank is the segment order. The grid covers the host's bound (S positions);
+// an owner), so the ballot's rank is the segment order. That invariant is the protocol's (the scatter
+// writes a token's rows on distinct local experts): the counts count positions with a row on each expert,
+// which are its rows. The grid covers the host's bound (S positions);
 // chunks past the segment's token count (read on the device) count nothing.
 //
 // Speed: the previous kernels (one block counting, then a block per expert walking every position)
@@ -30,7 +32,8 @@ constexpr int kChunk = 32;           // positions per chunk: a warp
 constexpr int kChunkThreads = 256;   // 8 chunks per block
 constexpr int kScanThreads = 1024;   // kernel 2
 constexpr int kCachedRows = 8;       // a position's first rows kept in registers
-constexpr size_t kOffsetSharedBytes = 40 * 1024;  // kernel 3's expert offsets (int64 each)
+constexpr size_t kOffsetSharedBytes = kMaxExpandLocalExperts * sizeof(int64_t);  // kernel 3's expert offsets
+static_assert(kOffsetSharedBytes <= 40 * 1024, "under the 48 KiB a launch gets without opting in");
 
 int64_t Chunks(const RegionLayout& l) { return (l.S + kChunk - 1) / kChunk; }
 
@@ -161,10 +164,10 @@ Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const Regi
                     int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* scratch, cudaStream_t s,
                     int32_t* inv) {
   if (num_local == 0) return Status::Ok();
+  if (num_local < 0 || num_local > kMaxExpandLocalExperts)
+    return InvalidArgument("expand: " + std::to_string(num_local) + " local experts, outside [0, " +
+                           std::to_string(kMaxExpandLocalExperts) + "] (the kernel's shared memory)");
   const size_t offset_bytes = static_cast<size_t>(num_local) * sizeof(int64_t);
-  if (offset_bytes > kOffsetSharedBytes)
-    return InvalidArgument("expand: " + std::to_string(num_local) + " local experts exceed the kernel's shared memory (at most " +
-                           std::to_string(kOffsetSharedBytes / sizeof(int64_t)) + ")");
   const int64_t C = Chunks(l);
   const auto blocks = static_cast<unsigned>((C * kChunk + kChunkThreads - 1) / kChunkThreads);
   ExpandChunkCountKernel<<<blocks, kChunkThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, num_local, scratch);

@@ -270,11 +270,28 @@ int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens) {
   return l.W * blocks * (l.L + 1);
 }
 
+Status CheckKernelLimits(const RegionLayout& l) {
+  static_assert((kMaxCountLocalExperts + 1) * sizeof(int) <= kStageSharedBytes, "the counts' counters fit their shared memory");
+  if (l.L >= kMaxCountLocalExperts || l.L > kMaxExpandLocalExperts)
+    return InvalidArgument("L=" + std::to_string(l.L) + " physical experts per rank: phase 1's counts take fewer than " +
+                           std::to_string(kMaxCountLocalExperts) + " and the owner's expansion at most " +
+                           std::to_string(kMaxExpandLocalExperts) + " (shared memory)");
+  if (TileItems(0, l.K) <= 0)
+    return InvalidArgument("K=" + std::to_string(l.K) + " slots per token: the staged scans hold at least one token's ids (K < " +
+                           std::to_string(kStageSharedBytes / sizeof(int)) + ")");
+  if (l.W > 65535) return InvalidArgument("W=" + std::to_string(l.W) + " ranks: phase 1's grid takes at most 65535");
+  return Status::Ok();
+}
+
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
-                             int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, cudaStream_t s) {
+                             int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, int64_t scratch_ints,
+                             cudaStream_t s) {
+  if (l.L >= kMaxCountLocalExperts || l.W > 65535)
+    return InvalidArgument("phase 1 counts: L=" + std::to_string(l.L) + ", W=" + std::to_string(l.W) + " beyond the kernel's limits");
+  if (scratch_ints < CountScratchInts(l, n))
+    return InvalidArgument("phase 1 counts: " + std::to_string(scratch_ints) + " scratch ints for n=" + std::to_string(n) +
+                           " tokens, which need " + std::to_string(CountScratchInts(l, n)));
   const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
-  if (shared > kStageSharedBytes)
-    return InvalidArgument("phase 1 counts: L=" + std::to_string(l.L) + " local experts do not fit the kernel's shared memory");
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>((n + kCountThreads - 1) / kCountThreads, 1)), static_cast<unsigned>(l.W));
   CountBlockKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, scratch);
   RDEP_CUDA_CHECK_LAUNCH();

@@ -216,7 +216,8 @@ TEST_P(PhaseOneCounts, MatchTheHostExactly) {
   const int32_t rank = static_cast<int32_t>(c.W - 1);
   Dev<int32_t> scratch(static_cast<size_t>(CountScratchInts(l, c.n)));
   scratch.Poison();
-  ASSERT_TRUE(LaunchCountAndPublish(e_ptr, c.n, l, targets, rank, tok.p, control_of.p, scratch.p, nullptr).ok());
+  ASSERT_TRUE(LaunchCountAndPublish(e_ptr, c.n, l, targets, rank, tok.p, control_of.p, scratch.p,
+                                    static_cast<int64_t>(scratch.n), nullptr).ok());
   ASSERT_TRUE(LaunchExpertRank(e_ptr, c.n, c.K, static_cast<int32_t>(c.E), ranks.p, nullptr).ok());
   ASSERT_TRUE(LaunchPublishLoadRow(e_ptr, c.n, l, rank, control_of.p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -249,6 +250,36 @@ INSTANTIATE_TEST_SUITE_P(
                       CountCase{"per_slot_targets_W4", 6000, 6, 64, 4, true, false, 0},
                       CountCase{"per_slot_targets_W8_unaligned", 777, 8, 64, 8, true, true, 1}),
     [](const ::testing::TestParamInfo<CountCase>& i) { return i.param.name; });
+
+// The launchers' refusals come before any CUDA call, so they run without a GPU (in CI too).
+TEST(PhaseOneLimits, ShapesBeyondTheKernelsAreRefusedWithTheirNumbers) {
+  RegionLayout l;
+  l.W = 4, l.L = 16, l.S = 64, l.H = 8, l.T = 64, l.K = 6, l.slots_per_token = 6, l.elem_bytes = 2;
+  EXPECT_TRUE(CheckKernelLimits(l).ok());
+  RegionLayout wide = l;
+  wide.L = kMaxExpandLocalExperts + 1;
+  Status st = CheckKernelLimits(wide);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("L=5121"), std::string::npos) << st.message();
+  wide.L = kMaxExpandLocalExperts;
+  EXPECT_TRUE(CheckKernelLimits(wide).ok());
+  RegionLayout deep = l;
+  deep.K = 20000;
+  st = CheckKernelLimits(deep);
+  EXPECT_NE(st.message().find("K=20000"), std::string::npos) << st.message();
+  // A count scratch smaller than n tokens need: refused, naming both.
+  st = LaunchCountAndPublish(nullptr, 1000, l, RouteTargets(OwnerMapView{nullptr, nullptr}), 0, nullptr, nullptr, nullptr,
+                             CountScratchInts(l, 1000) - 1, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("n=1000"), std::string::npos) << st.message();
+  EXPECT_EQ(CountScratchInts(l, 1000), 4 * 4 * 17);  // ceil(1000/256) blocks of each of W owners, L + 1 words
+  EXPECT_EQ(CountScratchInts(l, 0), 4 * 1 * 17);     // n = 0 still launches one block per owner
+  // The expansion refuses more local experts than its offsets' shared memory holds.
+  st = LaunchExpand(nullptr, 0, 0, l, nullptr, static_cast<int32_t>(kMaxExpandLocalExperts + 1), nullptr, nullptr, 0, nullptr, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("5121 local experts"), std::string::npos) << st.message();
+  EXPECT_EQ(ExpandScratchInts(l, 16), 2 * 16);  // ceil(S/32) chunks of one word per expert
+}
 
 }  // namespace
 }  // namespace rdep::dispatch

@@ -237,7 +237,7 @@ Status CudaMoELayer::PlanBalanced(int32_t rank, RankState& st, Saved& sv) {
   // Rows per (destination, physical index) and tokens per destination, into the destinations.
   const dispatch::RouteTargets targets{{st.owner.ptr, st.local.ptr}, sv.dest_rank.ptr, sv.dest_local.ptr};
   RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, targets, rank, sv.tok_index.ptr, control_of,
-                                                       st.count_scratch.ptr, stream));
+                                                       st.count_scratch.ptr, static_cast<int64_t>(st.count_scratch.count), stream));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchRoute));
   // Phase 2's stream offsets as without balancing; every published row is admitted (no capacity left).
   RDEP_RETURN_IF_ERROR(dispatch::LaunchOwnerScan(layout_, rank, static_cast<int32_t>(layout_.L), INT64_MAX, control_of,

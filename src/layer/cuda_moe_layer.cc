@@ -242,6 +242,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeDeviceInterNodeExchange(domain, config.nodes));
   }
   layer->layout_ = MakeRegionLayout(config, ownership, sizeof(__nv_bfloat16));
+  RDEP_RETURN_IF_ERROR(dispatch::CheckKernelLimits(layer->layout_));  // every rank refuses the shape here, before any collective
   // Chunk relays need an expert with more than relay_above replicas; an expert has at most one
   // instance per rank and at most W*N_slot replicas. Otherwise no relay plan and no relay barrier.
   layer->relays_possible_ = config.replica_slots() > 0 && config.balance.relay_above > 0 &&
@@ -434,7 +435,7 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   } else {
     // Phase 1: counts into every owner's recv tables.
     RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, n, layout_, own, rank, sv.tok_index.ptr, control_of,
-                                                         st.count_scratch.ptr, stream));
+                                                         st.count_scratch.ptr, static_cast<int64_t>(st.count_scratch.count), stream));
     RDEP_RETURN_IF_ERROR(dispatch::LaunchPublishLoadRow(sv.experts.ptr, n, layout_, rank, control_of, stream));
     if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kDispatchCounts));

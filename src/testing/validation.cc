@@ -412,8 +412,8 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     // Phase 1's count scratch (per 256-token block and owner, L + 1 words) and the expansion's (per
     // 32-position chunk, one word per physical expert).
     fp.device.push_back({"control region, token index and phase-1/expansion scratch (W*L words, W*T tokens)",
-                         {{"ranks", W}, {"experts", E}, {"tokens", T}},
-                         16 * W * L + 32 * W + 4 * W * T + 16 * E + 4 * W * std::ceil(T / 256.0) * (L + 1) +
+                         {{"ranks", W}, {"experts", E}, {"tokens", T}, {"segment", S_dev}},
+                         16 * W * L + 32 * W + 4 * W * T + 16 * E + 4 * W * std::max(1.0, std::ceil(T / 256.0)) * (L_phys + 1) +
                              4 * std::ceil(S_dev / 32.0) * L_phys});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region

@@ -60,6 +60,13 @@ struct RoutingFault {
 };
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
                              unsigned long long* worst, RoutingFault* fault, cudaStream_t s);
+// The shared-memory limits of the kernels below on a layout: phase 1's counts hold L + 1 counters
+// (L < kMaxCountLocalExperts), the owner's expansion L expert offsets (L <= kMaxExpandLocalExperts), the
+// staged scans at least one token's K ids (K < 10240). InvalidArgument naming the limit; a layer checks
+// this when it is created, so every rank refuses the shape before any collective starts.
+inline constexpr int64_t kMaxCountLocalExperts = 10239;
+inline constexpr int64_t kMaxExpandLocalExperts = 5120;
+Status CheckKernelLimits(const RegionLayout& l);
 // Phase 1, with LayerConfig::load_matrix: this rank's row of the load matrix (rows per expert, from
 // its n*K expert ids) into every rank's control words at load(rank, 0..E) (one block per rank).
 // The counting kernels below stage their expert ids into shared memory by tiles; a shape whose tables
@@ -71,11 +78,12 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
 // into q's recv_counts_by_src[rank][*] and recv_tokens_by_src[rank]. With balancing (targets with
 // per-slot destinations, after the plan) the same per destination rank and physical local index,
 // counting only the slots the plan sends there (accepted ones).
-// scratch: device int32s, CountScratchInts(l, max_tokens) of them for n <= max_tokens (per block of
-// 256 tokens and owner, its tokens and rows: two kernels, a thread per token).
+// scratch: device int32s, scratch_ints of them, at least CountScratchInts(l, n) (per block of 256
+// tokens and owner, its tokens and rows: two kernels, a thread per token); fewer is InvalidArgument.
 int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens);
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets,
-                             int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, cudaStream_t s);
+                             int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch,
+                             int64_t scratch_ints, cudaStream_t s);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
