@@ -129,91 +129,44 @@ TEST(CApi, MatchesHostLayerOneRank) {
 
 TEST(CApi, SpecErrorsNameTheField) {
   const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 2};
-  rdep_layer* l = nullptr;
-  rdep_layer_spec spec = Spec(s, 0);
-  spec.struct_size = 8;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("struct_size"), std::string::npos);
-  spec = Spec(s, 0);
-  spec.topk = 9;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("K"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.backend = 7;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("backend"), std::string::npos);
-  spec = Spec(s, 0);
-  spec.capacity_factor = -1;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_EQ(l, nullptr);
-  spec = Spec(s, 0);
-  spec.balance = 7;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("balance 7 is not 0 (off)"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.expert_compute = 2;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("expert_compute 2 is not 0 (cublaslt) or 1 (cutlass)"), std::string::npos)
-      << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.expert_compute = 1;  // the host backend ignores it
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  rdep_layer_destroy(l);
-  l = nullptr;
-  spec = Spec(s, 0);
-  spec.owner_reduce = 2;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("owner_reduce 2 is not 0 (off) or 1 (on)"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.owner_reduce = 1;
-  spec.nodes = 2;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("owner_reduce: with nodes (N=2)"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.transport_sms = 1025;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: 1025 is outside [0, 1024]"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.transport_sms = -1;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: -1 is outside"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.reserved = 3;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("reserved must be 0, got 3"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.transport_sms = 2;
-  spec.nodes = 2;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("transport_sms: not with nodes"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);
-  spec.transport_sms = 8;  // the host backend ignores it
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  rdep_layer_destroy(l);
-  l = nullptr;
-  spec = Spec(s, 0);
-  spec.nodes = 3;
-  EXPECT_EQ(rdep_layer_create(&spec, &l), 1);
-  EXPECT_NE(std::string(rdep_last_error()).find("N=3 must be >= 1 and divide W=2"), std::string::npos) << rdep_last_error();
-  spec = Spec(s, 0);  // version-2 fields that are valid: a layer is made
-  spec.balance = RDEP_BALANCE_ULTRAEP;
-  spec.balance_slots = 1;
-  spec.balance_relay_above = -1;
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  rdep_layer_destroy(l);
-  l = nullptr;
-  spec = Spec(s, 0);
-  spec.nodes = 2;
-  spec.max_nodes = 1;
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  rdep_layer_destroy(l);
-  l = nullptr;
-  if (!rdep_built_with_cuda()) {
-    spec = Spec(s, 0);
-    spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
-    EXPECT_EQ(rdep_layer_create(&spec, &l), 4);  // Unavailable
-    EXPECT_NE(std::string(rdep_last_error()).find("no CUDA"), std::string::npos);
-  }
+  // The spec Spec(s, 0) changed by `edit`: create returns `code` and makes no layer, and the error
+  // contains `says`.
+  auto refused = [&](auto edit, const std::string& says, int code = 1) {
+    rdep_layer_spec spec = Spec(s, 0);
+    edit(spec);
+    rdep_layer* l = nullptr;
+    EXPECT_EQ(rdep_layer_create(&spec, &l), code) << says;
+    EXPECT_EQ(l, nullptr) << says;
+    EXPECT_NE(std::string(rdep_last_error()).find(says), std::string::npos) << rdep_last_error();
+  };
+  // The spec changed by `edit` is valid: a layer is made.
+  auto made = [&](auto edit, const char* what) {
+    rdep_layer_spec spec = Spec(s, 0);
+    edit(spec);
+    rdep_layer* l = nullptr;
+    ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << what << ": " << rdep_last_error();
+    rdep_layer_destroy(l);
+  };
+  refused([](rdep_layer_spec& x) { x.struct_size = 8; }, "struct_size");
+  refused([](rdep_layer_spec& x) { x.topk = 9; }, "K");
+  refused([](rdep_layer_spec& x) { x.backend = 7; }, "backend");
+  refused([](rdep_layer_spec& x) { x.capacity_factor = -1; }, "");
+  refused([](rdep_layer_spec& x) { x.balance = 7; }, "balance 7 is not 0 (off)");
+  refused([](rdep_layer_spec& x) { x.expert_compute = 2; }, "expert_compute 2 is not 0 (cublaslt) or 1 (cutlass)");
+  made([](rdep_layer_spec& x) { x.expert_compute = 1; }, "expert_compute 1 (the host backend ignores it)");
+  refused([](rdep_layer_spec& x) { x.owner_reduce = 2; }, "owner_reduce 2 is not 0 (off) or 1 (on)");
+  refused([](rdep_layer_spec& x) { x.owner_reduce = 1, x.nodes = 2; }, "owner_reduce: with nodes (N=2)");
+  refused([](rdep_layer_spec& x) { x.transport_sms = 1025; }, "transport_sms: 1025 is outside [0, 1024]");
+  refused([](rdep_layer_spec& x) { x.transport_sms = -1; }, "transport_sms: -1 is outside");
+  refused([](rdep_layer_spec& x) { x.reserved = 3; }, "reserved must be 0, got 3");
+  refused([](rdep_layer_spec& x) { x.transport_sms = 2, x.nodes = 2; }, "transport_sms: not with nodes");
+  made([](rdep_layer_spec& x) { x.transport_sms = 8; }, "transport_sms 8 (the host backend ignores it)");
+  refused([](rdep_layer_spec& x) { x.nodes = 3; }, "N=3 must be >= 1 and divide W=2");
+  made([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_relay_above = -1; },
+       "version-2 fields that are valid");
+  made([](rdep_layer_spec& x) { x.nodes = 2, x.max_nodes = 1; }, "nodes 2, max_nodes 1");
+  if (!rdep_built_with_cuda())
+    refused([](rdep_layer_spec& x) { x.backend = RDEP_BACKEND_CUDA_ONE_PROCESS; }, "no CUDA", /*code=*/4);  // Unavailable
 }
 
 TEST(CApi, CallErrorsNameRankFieldAndContext) {

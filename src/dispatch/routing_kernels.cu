@@ -265,10 +265,10 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
   return Status::Ok();
 }
 
-int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens) {
-  const int64_t blocks = std::max<int64_t>((max_tokens + kCountThreads - 1) / kCountThreads, 1);
-  return l.W * blocks * (l.L + 1);
-}
+// Blocks of the counts' grid per owner for n tokens (one block even for none: it publishes zeros).
+static int64_t CountBlocks(int64_t n) { return std::max<int64_t>((n + kCountThreads - 1) / kCountThreads, 1); }
+
+int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens) { return l.W * CountBlocks(max_tokens) * (l.L + 1); }
 
 Status CheckKernelLimits(const RegionLayout& l) {
   static_assert((kMaxCountLocalExperts + 1) * sizeof(int) <= kStageSharedBytes, "the counts' counters fit their shared memory");
@@ -286,13 +286,12 @@ Status CheckKernelLimits(const RegionLayout& l) {
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                              int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, int64_t scratch_ints,
                              cudaStream_t s) {
-  if (l.L >= kMaxCountLocalExperts || l.W > 65535)
-    return InvalidArgument("phase 1 counts: L=" + std::to_string(l.L) + ", W=" + std::to_string(l.W) + " beyond the kernel's limits");
+  RDEP_RETURN_IF_ERROR(CheckKernelLimits(l));
   if (scratch_ints < CountScratchInts(l, n))
     return InvalidArgument("phase 1 counts: " + std::to_string(scratch_ints) + " scratch ints for n=" + std::to_string(n) +
                            " tokens, which need " + std::to_string(CountScratchInts(l, n)));
   const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>((n + kCountThreads - 1) / kCountThreads, 1)), static_cast<unsigned>(l.W));
+  const dim3 grid(static_cast<unsigned>(CountBlocks(n)), static_cast<unsigned>(l.W));
   CountBlockKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, scratch);
   RDEP_CUDA_CHECK_LAUNCH();
   PlaceTokensKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, rank, scratch, tok_index, control_of);
