@@ -108,6 +108,9 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
   else RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
+  // Zero once, in the rank's stream order (a capture records it as a node that runs first); from then on
+  // the check's second kernel leaves [1] at 0 and zeroes [0] before each plan's acceptance.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(saved->dropped.ptr, 0, 2 * sizeof(int64_t), domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
@@ -415,10 +418,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, 2 * sizeof(int64_t), stream));  // the drop count, the check's word
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
-                                                       stream));
+                                                       stream, /*zero=*/sv.dropped.ptr));  // also zeroes the drop count
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
