@@ -73,9 +73,13 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandChunkCountKernel(const vo
   const int64_t c = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kChunk;
   if (c >= C) return;  // a whole warp
   const int lane = static_cast<int>(threadIdx.x % kChunk);
-  const int64_t p = c * kChunk + lane;
+  const int64_t p = c * kChunk + lane, n_seg = SegmentTokens(l, my_control, lo);
+  if (c * kChunk >= n_seg) {  // a chunk past the segment's tokens (the grid covers S): no rows
+    for (int32_t j = lane; j < num_local; j += kChunk) chunk_rows[j * C + c] = 0;
+    return;
+  }
   PositionRows pr;
-  pr.Load(SegmentSideband(my_sideband, buf, l), l.token_sideband_bytes(), p, p < SegmentTokens(l, my_control, lo));
+  pr.Load(SegmentSideband(my_sideband, buf, l), l.token_sideband_bytes(), p, p < n_seg);
   // Experts in groups of 32: lane jj keeps expert j0 + jj's count and stores it (one store per lane).
   for (int32_t j0 = 0; j0 < num_local; j0 += kChunk) {
     int mine = 0;
@@ -129,10 +133,11 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* m
   const int64_t c = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kChunk;
   if (c >= C) return;
   const int lane = static_cast<int>(threadIdx.x % kChunk);
-  const int64_t p = c * kChunk + lane;
+  const int64_t p = c * kChunk + lane, n_seg = SegmentTokens(l, my_control, lo);
+  if (c * kChunk >= n_seg) return;  // a chunk past the segment's tokens: nothing to place
   const size_t tsb = l.token_sideband_bytes();
   PositionRows pr;
-  pr.Load(SegmentSideband(my_sideband, buf, l), tsb, p, p < SegmentTokens(l, my_control, lo));
+  pr.Load(SegmentSideband(my_sideband, buf, l), tsb, p, p < n_seg);
   const unsigned below = (1u << lane) - 1u;
   // Experts in groups of 32: lane jj loads expert j0 + jj's chunk base up front (one load per lane, none
   // waited on inside the loop), the loop reads it by shuffle.

@@ -75,11 +75,12 @@ __global__ void CheckRoutingKernel(const int32_t* experts, const float* gates, i
 constexpr int kFinishThreads = 1024;
 __global__ void __launch_bounds__(kFinishThreads) FinishRoutingCheckKernel(int32_t* experts, float* gates, int64_t n, int64_t K,
                                                                            int32_t num_experts, unsigned long long* worst,
-                                                                           RoutingFault* fault) {
+                                                                           RoutingFault* fault, int64_t* zero) {
   const unsigned long long first = ~*worst;  // every thread reads it before thread 0 resets it
   __syncthreads();
   if (threadIdx.x == 0) {
     *worst = 0;
+    if (zero) *zero = 0;
     RoutingFault r{first, 0, 0.f};
     if (first != ~0ull) {
       r.expert = experts[first >> 2];
@@ -243,12 +244,12 @@ size_t StagedShared(int64_t table_ints, int64_t tile_ints) {
 }  // namespace
 
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s) {
+                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero) {
   if (n > 0) {
     CheckRoutingKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, n, K, num_experts, worst);
     RDEP_CUDA_CHECK_LAUNCH();
   }
-  FinishRoutingCheckKernel<<<1, kFinishThreads, 0, s>>>(experts, gates, n, K, num_experts, worst, fault);
+  FinishRoutingCheckKernel<<<1, kFinishThreads, 0, s>>>(experts, gates, n, K, num_experts, worst, fault, zero);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -91,8 +91,11 @@ TEST_P(RoutingCheck, NamesTheFirstFaultAndRewritesOnlyFaultyTokens) {
   ASSERT_EQ(cudaMemset(worst.p, 0, sizeof(unsigned long long)), cudaSuccess);
   fault.Poison();
   for (int pass = 0; pass < 2; ++pass) {  // the second pass sees the rewritten routing: no fault, and the word was reset
-    ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr).ok());
+    Dev<int64_t> zero(1);
+    zero.Poison();
+    ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr, zero.p).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(zero.Download()[0], 0) << "pass " << pass;
     const RoutingFault got = fault.Download()[0];
     EXPECT_EQ(worst.Download()[0], 0ull) << "pass " << pass;
     if (pass == 1) {

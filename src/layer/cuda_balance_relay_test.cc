@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -262,8 +263,13 @@ TEST(CudaSharedSlots, W8_ThreeLayersInterleavedEqualEachLayerAloneAndBalancingOf
   }
   const size_t slots = layers[0]->replica_slot_bytes();
   ASSERT_GT(slots, 0u);
-  EXPECT_EQ((*domain)->symmetric_bytes_per_rank(), base + 3 * layers[0]->layout().total_bytes() + slots)
-      << "the three layers hold one set of replica slots";
+  std::set<size_t> row_sizes;  // the owner's output rows: one shared region per size
+  for (const auto& layer : layers) row_sizes.insert(layer->shared_row_bytes());
+  size_t rows = 0;
+  for (size_t b : row_sizes) rows += b;
+  EXPECT_EQ((*domain)->symmetric_bytes_per_rank(), base + 3 * layers[0]->layout().total_bytes() + slots + rows)
+      << "the three layers hold one set of replica slots and one set of output rows per size";
+  EXPECT_EQ(layers[0]->shared_row_bytes(), layers[1]->shared_row_bytes()) << "layers 0 and 1 (same capacity) share their output rows";
 
   // A fwd, B fwd, B bwd, C fwd, A bwd, C bwd.
   auto shared = RunSchedule(**domain, {layers[0].get(), layers[1].get(), layers[2].get()}, in,

@@ -231,7 +231,6 @@ struct CudaMoELayer::RankState {
   cuda_layer::DeviceBuffer<int64_t> seg_counts;
   cuda_layer::DeviceBuffer<int32_t> count_scratch;   // LaunchCountAndPublish's (dispatch::CountScratchInts for T tokens)
   cuda_layer::DeviceBuffer<int32_t> expand_scratch;  // LaunchExpand's (dispatch::ExpandScratchInts for the physical experts)
-  cuda_layer::DeviceBuffer<__nv_bfloat16> out_rows;  // one segment's outputs (forward) / dout and dx rows (backward)
   int64_t* host_counts = nullptr;  // pinned [max(num_local, physical experts) + W + 1]
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;

@@ -83,12 +83,12 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
 size_t CudaMoELayer::device_bytes(int32_t rank) const {
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
   size_t b = layout_.total_bytes();
-  b += (st.w1.count + st.w2.count + st.out_rows.count) * 2;
+  b += (st.w1.count + st.w2.count) * 2;
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
   b += (st.owner.count + st.local.count + st.local_to_global.count + st.count_scratch.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
-  return b + st.own_context.bytes();  // the shared replica slots are replica_slot_bytes()
+  return b + st.own_context.bytes();  // the shared replica slots and output rows: replica_slot_bytes(), shared_row_bytes()
 }
 
 CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership)
@@ -108,6 +108,9 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
   else RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
+  // Zero once, in the rank's stream order (a capture records it as a node that runs first); from then on
+  // the check's second kernel leaves [1] at 0 and zeroes [0] before each plan's acceptance.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(saved->dropped.ptr, 0, 2 * sizeof(int64_t), domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
@@ -143,7 +146,7 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
-  for (RegionId id : {replica_w_, replica_g_})
+  for (RegionId id : {replica_w_, replica_g_, out_rows_})
     if (id >= 0) domain_.ReleaseShared(id);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
@@ -249,6 +252,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
                             std::min<int64_t>(s.ranks, s.ranks * config.replica_slots()) > config.balance.relay_above;
   const RegionLayout& l = layer->layout_;
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0));
+  // The owner's output rows: forward outputs of a segment; in backward, dout rows then dx rows behind
+  // them. No call keeps them past its return, so every layer of this size on the domain shares them.
+  layer->out_rows_bytes_ = static_cast<size_t>(2 * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) * sizeof(__nv_bfloat16);
+  RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
   if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
                                      // shared with every balanced layer of the same slot size on the domain
     const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
@@ -306,8 +313,6 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
       }
     }
     if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
-    // out_rows: forward outputs of a segment; in backward, dout rows then dx rows behind them.
-    RDEP_RETURN_IF_ERROR(st->out_rows.Reserve(static_cast<size_t>(2 * std::max<int64_t>(seg_rows, 1) * H)));
     layer->ranks_.push_back(std::move(st));
     // The own context's front-end buffers now (a warm cache for calls without a context).
     RDEP_RETURN_IF_ERROR(ContextAccess::BeginForward<Saved>(layer->ranks_.back()->own_context, layer->id_, q,
@@ -415,10 +420,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.dropped.ptr, 0, 2 * sizeof(int64_t), stream));  // the drop count, the check's word
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
-                                                       stream));
+                                                       stream, /*zero=*/sv.dropped.ptr));  // also zeroes the drop count
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
@@ -651,13 +655,13 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   RDEP_RETURN_IF_ERROR(sv.x_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
   RDEP_RETURN_IF_ERROR(sv.h_rows.Grow(static_cast<size_t>(sv.total_rows * 2 * s.ffn), static_cast<size_t>(base * 2 * s.ffn), stream));
   if (reduce) RDEP_RETURN_IF_ERROR(sv.f_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
-  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : st.out_rows.ptr;  // owner_reduce keeps f_k for dgate
+  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
   __nv_bfloat16* xr = sv.x_rows.ptr + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, false, Bits(xr), stream));
   if (kind_ == ExpertKind::kSentinel) {
     const int32_t* expert_of = config_.balance.enabled() ? sv.phys_global.ptr : st.local_to_global.ptr;  // physical -> logical
     RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, expert_of,
-                                                      Bits(st.out_rows.ptr), stream));
+                                                      Bits(OutRows(rank)), stream));
   } else if (m > 0) {
     for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts))  // the counts are on the host already
       RDEP_RETURN_IF_ERROR(c.mlp->Forward(c.counts, xr + c.first * H, c.weights, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
@@ -693,7 +697,7 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   const auto& counts = sv.seg_rows[static_cast<size_t>(seg)];
   int64_t m = 0;
   for (int64_t c : counts) m += c;
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(st.out_rows.ptr), stream));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, true, Bits(OutRows(rank)), stream));
   if (seg == 0 && replica_g_ >= 0)  // this call's replica gradients accumulate from here (after the segment barrier:
                                     // the owners' reductions of the previous backward read them before it)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(domain_.region(rank, replica_g_), 0,
@@ -711,7 +715,7 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));  // no call will write them
     for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0))
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
-                                           st.out_rows.ptr + c.first * H, c.weights, st.out_rows.ptr + (m + c.first) * H, c.grads,
+                                           OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (m + c.first) * H, c.grads,
                                            c.accumulate, stream));
   } else if (seg == 0) {  // no rows at this owner in the first segment: its gradients are zero so far
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
@@ -719,9 +723,9 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, st.out_rows.ptr + m * H, sv, seg, base, /*backward=*/true));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + m * H, sv, seg, base, /*backward=*/true));
   } else {
-    RDEP_RETURN_IF_ERROR(ReturnRows(rank, st.out_rows.ptr + m * H, sv, base, m, stream));
+    RDEP_RETURN_IF_ERROR(ReturnRows(rank, OutRows(rank) + m * H, sv, base, m, stream));
   }
   return Mark(rank, st, true, kMarkReturn);
 }

@@ -55,7 +55,7 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   sv.seg_base.assign(1, 0);
   sv.total_rows = 0;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, false, Bits(sv.x_rows.ptr), stream, total));
-  __nv_bfloat16* out = reduce ? sv.f_rows.ptr : st.out_rows.ptr;  // owner_reduce keeps f_k for dgate
+  __nv_bfloat16* out = reduce ? sv.f_rows.ptr : OutRows(rank);  // owner_reduce keeps f_k for dgate
   if (phys > 0)
     RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, sv.x_rows.ptr, st.weights(), sv.h_rows.ptr, out, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
@@ -74,17 +74,17 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   const int64_t* counts = sv.dev_counts.ptr;
   const int64_t* total = counts + phys;
   // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, true, Bits(st.out_rows.ptr), stream, total));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, true, Bits(OutRows(rank)), stream, total));
   const kernels::ExpertGradsView grads = st.grads();
   if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, st.out_rows.ptr, st.weights(),
-                                          st.out_rows.ptr + cap * H, grads, /*accumulate=*/false, stream));  // overwrite: one segment
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, OutRows(rank), st.weights(),
+                                          OutRows(rank) + cap * H, grads, /*accumulate=*/false, stream));  // overwrite: one segment
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, 0, cap, total));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, st.out_rows.ptr + cap * H, sv, /*seg=*/0, /*base=*/0, /*backward=*/true));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + cap * H, sv, /*seg=*/0, /*base=*/0, /*backward=*/true));
   } else {
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(st.out_rows.ptr + cap * H), sv.grouped.ptr, cap, layout_,
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(OutRows(rank) + cap * H), sv.grouped.ptr, cap, layout_,
                                                     domain_.peer_table(rank, regions_.ret), stream, total));
   }
   return Mark(rank, st, true, cuda_layer::kMarkReturn);

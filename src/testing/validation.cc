@@ -400,8 +400,10 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
       seg_rows = std::max(1.0, std::min(seg_rows, L_phys * static_cast<double>(o.layer.capacity.ExpertCapacity(s))));
     const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() && S_dev >= W * T;
     const double saved_rows = sync_free ? seg_rows : T * K;
-    fp.device.push_back({"output rows and expert workspace of one owner segment (MaxSegmentRows rows)",
-                         {{"segment", S_dev}, {"topk", K}, {"hidden", H}, {"ffn", F}}, seg_rows * (4 * H + 8 * F) + 64.0 * (1 << 20)});
+    fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of 2*H; one set for every layer of the size)",
+                         {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * 4 * H});
+    fp.device.push_back({"expert workspace of one owner segment (MaxSegmentRows rows)",
+                         {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F + 64.0 * (1 << 20)});
     fp.device.push_back({"return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}}, 2 * T * K * H});
     fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
                                    : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",

@@ -466,7 +466,7 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
     const auto sr = static_cast<size_t>(r);
     RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, o.warmup + o.iters));
     RDEP_RETURN_IF_ERROR(TimeRankForward(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.fwd[sr]));
-    res.layer_bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes();  // one layer: the shared slots are all its own
+    res.layer_bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes() + layer.shared_row_bytes();  // one layer: the shared slots are all its own
     RDEP_ASSIGN_OR_RETURN(auto acc, layer.CopyAcceptance(r));
     int64_t a = 0;
     for (auto v : acc.accepted) a += v;

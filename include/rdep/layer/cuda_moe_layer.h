@@ -223,6 +223,11 @@ class CudaMoELayer {
   size_t replica_slot_bytes() const {
     return static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
   }
+  // Device bytes per rank of the owner's output rows (one segment's expert outputs in forward; its dout and
+  // dx rows in backward): a scratch no call keeps past its return, shared by every layer of the same size
+  // on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers holds it once,
+  // not N times. Count it once per domain and size, like replica_slot_bytes.
+  size_t shared_row_bytes() const { return out_rows_bytes_; }
 
  private:
   struct RankState;
@@ -294,6 +299,9 @@ class CudaMoELayer {
   LayerRegions regions_;
   RegionId replica_w_ = -1, replica_g_ = -1;  // balancing: [N_slot][w1 | w2] per rank, bf16 weights, fp32 gradients
                                               // (shared regions: Domain::AcquireShared)
+  RegionId out_rows_ = -1;                    // the owner's output rows (shared: shared_row_bytes)
+  size_t out_rows_bytes_ = 0;
+  __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   bool replica_fault_ = false;
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;
