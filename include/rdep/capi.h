@@ -52,7 +52,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 6
+#define RDEP_CAPI_VERSION 7
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -184,9 +184,10 @@ int rdep_domain_local_ranks(const rdep_domain* domain, int32_t* first, int32_t* 
 int rdep_domain_device(const rdep_domain* domain, int32_t rank, int32_t* device);
 /* The live layers on the domain. */
 int rdep_domain_num_layers(const rdep_domain* domain, int32_t* count);
-/* Bytes per rank of the domain's symmetric regions (every layer's, the shared replica slots counted
- * once), and of its shared regions alone (the replica slots of its balanced layers: one set per slot
- * size, whatever the number of layers). Either pointer may be null. */
+/* Bytes per rank of the domain's symmetric regions (every layer's, the shared regions counted once),
+ * and of its shared regions alone (the replica slots of its balanced layers, one set per slot size, and
+ * on the CUDA backend the owner's output rows, one region per row-buffer size; whatever the number of
+ * layers). Either pointer may be null. */
 int rdep_domain_memory(const rdep_domain* domain, size_t* symmetric_bytes_per_rank, size_t* shared_bytes_per_rank);
 /* A printable description (backend, ranks, placement, transport), as rdep_layer_describe. */
 int rdep_domain_describe(const rdep_domain* domain, char* buf, size_t cap, size_t* needed);
@@ -205,6 +206,10 @@ int rdep_layer_domain(rdep_layer* layer, rdep_domain** domain);
  * balancing off). They are the domain's, shared with its other balanced layers of the same slot size:
  * sum them over layers only for layers on different domains (rdep_domain_memory counts them once). */
 int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
+/* Version 7. Bytes per rank of the CUDA owner's output rows (one segment's expert outputs, and the
+ * backward's dout and dx rows; 0 on the host backend). Like the replica slots they are the domain's,
+ * one region per size shared by every layer of that size (rdep_domain_memory counts them once). */
+int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

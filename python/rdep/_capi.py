@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 6  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 7  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -172,6 +172,7 @@ _PROTOTYPES = {
     "rdep_layer_destroy": (None, [LayerPtr]),
     "rdep_layer_domain": (ctypes.c_int, [LayerPtr, ctypes.POINTER(DomainPtr)]),
     "rdep_layer_replica_slot_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
+    "rdep_layer_shared_row_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_local_ranks": (
         ctypes.c_int,
         [LayerPtr, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)],

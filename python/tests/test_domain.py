@@ -110,6 +110,7 @@ def test_a_second_slot_size_and_an_unbalanced_module_on_the_domain():
     b = rt.MoE(H, FF, E, K, max_tokens=T, seed=7, balance="ultraep", balance_slots=3, domain=domain)
     off = rt.MoE(H, FF, E, K, max_tokens=T, seed=8, domain=domain)
     assert off.layer.replica_slot_bytes() == 0
+    assert all(m.layer.shared_row_bytes() == 0 for m in (a, b, off))  # the host backend shares no output rows
     assert b.layer.replica_slot_bytes() == a.layer.replica_slot_bytes() // 2 * 3
     assert domain.memory()["shared_bytes_per_rank"] == a.layer.replica_slot_bytes() + b.layer.replica_slot_bytes()
     # The unbalanced module on the shared domain equals itself on its own domain.
@@ -252,5 +253,6 @@ def test_cuda_balanced_modules_on_one_domain_interleaved_equal_each_on_its_own_d
             u, v = u.double().cpu(), v.double().cpu()
             scale = u.norm().item() or 1.0
             assert (u - v).norm().item() / scale <= 2e-2, f"CUDA module {i}: {name}"
-    slots = shared[0].layer.replica_slot_bytes()
-    assert slots > 0 and domain.memory()["shared_bytes_per_rank"] == slots
+    slots, rows = shared[0].layer.replica_slot_bytes(), shared[0].layer.shared_row_bytes()
+    assert all(m.layer.shared_row_bytes() == rows for m in shared)  # one shape: one region of output rows
+    assert slots > 0 and rows > 0 and domain.memory()["shared_bytes_per_rank"] == slots + rows

@@ -24,7 +24,8 @@ using rdep::capi::FailInvalid;
 using rdep::capi::Guard;
 
 // A layer spec of another header version is refused before any field is read: 0 when its size fits.
-// Every version changes the size (version 6 added transport_sms and reserved: 144 -> 152 bytes).
+// Every version that changes the spec changes its size (version 6 added transport_sms and reserved: 144 ->
+// 152 bytes; version 7 added a function only).
 static_assert(sizeof(rdep_layer_spec) == 152, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
 int CheckStructSize(const rdep_layer_spec& spec) {
   if (spec.struct_size == static_cast<int32_t>(sizeof(rdep_layer_spec))) return 0;
@@ -367,6 +368,12 @@ int rdep_layer_domain(rdep_layer* l, rdep_domain** domain) {
 int rdep_layer_replica_slot_bytes(const rdep_layer* l, size_t* bytes) {
   if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
   *bytes = l->adapter->replica_slot_bytes();
+  return 0;
+}
+
+int rdep_layer_shared_row_bytes(const rdep_layer* l, size_t* bytes) {
+  if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
+  *bytes = l->adapter->shared_row_bytes();
   return 0;
 }
 

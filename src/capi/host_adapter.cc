@@ -17,6 +17,7 @@ class HostAdapter final : public LayerAdapter {
   int32_t device(int32_t) const override { return -1; }
   std::string placement() const override { return domain_->placement(); }
   size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
+  size_t shared_row_bytes() const override { return 0; }  // the host owner's rows are per layer
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     const int64_t H = layer_->config().shape.hidden;

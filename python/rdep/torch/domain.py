@@ -9,7 +9,7 @@ size instead of one per module:
     domain = rdep.torch.Domain(world_size=4)                      # host backend: 4 ranks as threads
     blocks = [rdep.torch.MoE(64, 128, 16, 2, max_tokens=256, domain=domain, balance="ultraep")
               for _ in range(27)]
-    domain.memory()   # {'symmetric_bytes_per_rank': ..., 'shared_bytes_per_rank': one set of slots}
+    domain.memory()   # {'symmetric_bytes_per_rank': ..., 'shared_bytes_per_rank': one set of slots (CUDA: and of output rows)}
 
 A module made without `domain=` gets a domain of its own (its `layer.domain`), as before. The placement
 arguments are the Layer's (backend, world_size, device, num_gpus, process_group, barrier_timeout_s); a
@@ -269,9 +269,10 @@ class Domain(CHandle):
         return n.value
 
     def memory(self) -> dict:
-        """Bytes per rank of the domain's symmetric regions (every layer's, the shared replica slots counted
-        once) and of the shared regions alone (one set of replica slots per slot size, however many
-        balanced layers use them). To total a model, sum over its distinct domains."""
+        """Bytes per rank of the domain's symmetric regions (every layer's, the shared regions counted once)
+        and of the shared regions alone (one set of replica slots per slot size, however many balanced
+        layers use them; on CUDA also the owner's output rows, one region per size: Layer.shared_row_bytes).
+        To total a model, sum over its distinct domains."""
         sym, shared = ctypes.c_size_t(), ctypes.c_size_t()
         _capi.check(_capi.lib().rdep_domain_memory(self._live_ptr(), ctypes.byref(sym), ctypes.byref(shared)),
                     "rdep_domain_memory")
