@@ -22,6 +22,9 @@
 #              MaxSegmentRows), and --layers 4 and 8 (per-rank memory of a stack of layers on one domain), with
 #              and without --owner-reduce
 #   dsv3       the layer at the DeepSeek-V3 shape (H 7168, D_ff 2048, E 256, K 8), W = 4, with baseline
+#   combine    the per-slot return's row order (RDEP_RETURN_ORDER=grouped against the default spread,
+#              alternated) at W = 4, uniform and Zipf 1, 2; bench dispatch --owner-reduce (one reduced row per
+#              (token, owner) crosses back) at W = 2, 4, Zipf 1 and DeepSeek-V3, beside NCCL
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
@@ -136,6 +139,23 @@ stage_dsv3() {
   run torch_dsv3_w4 torchrun --nproc-per-node=4 "$BASE" "${ds[@]}" --iters 20 --json "$R/torch_dsv3_w4.json"
   run layer_dsv3_w4 "$RDEP" bench layer --ranks 4 --expert-compute cutlass "${ds[@]}" --warmup 5 --iters 30 \
     --json "$R/layer_dsv3_w4.json" --baseline-json "$R/torch_dsv3_w4.json"
+}
+stage_combine() {
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  for round in a b; do  # the per-slot return's row order, alternated (transport only, no baseline)
+    for ord in grouped spread; do
+      for r in uniform zipf:1 zipf:2; do
+        run dispatch_w4_${ord}_${r/:/}_$round env RDEP_RETURN_ORDER=$ord "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --routing "$r" \
+          --no-nccl --json "$R/dispatch_w4_${ord}_${r/:/}_$round.json"
+      done
+    done
+  done
+  run dispatch_reduce_w2 "$RDEP" bench dispatch --ranks 2 "${moon[@]}" --owner-reduce --json "$R/dispatch_reduce_w2.json"
+  run dispatch_reduce_w4 "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --owner-reduce --json "$R/dispatch_reduce_w4.json"
+  run dispatch_reduce_zipf1_w4 "$RDEP" bench dispatch --ranks 4 "${moon[@]}" --routing zipf:1 --owner-reduce \
+    --json "$R/dispatch_reduce_zipf1_w4.json"
+  run dispatch_reduce_dsv3_w4 "$RDEP" bench dispatch --ranks 4 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --warmup 20 \
+    --iters 100 --owner-reduce --json "$R/dispatch_reduce_dsv3_w4.json"
 }
 stage_pair() {
   local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)

@@ -186,13 +186,24 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
   }
 }
 
+// A prime (Knuth's multiplicative hash constant) above any segment's row count: ReturnRowsKernel's order.
+constexpr int64_t kReturnSpread = 2654435761LL;
+
 __global__ void __launch_bounds__(kTransportThreads)
 ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
-                 void* const* return_of, const int64_t* device_rows) {
+                 void* const* return_of, const int64_t* device_rows, bool spread_order) {
   const int64_t M = RowsNow(device_rows, M_bound);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};
-  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
+  // Grouped rows are ordered by expert, then by segment position, and positions by source, so a window of
+  // consecutive rows (what the resident warps hold at a time) goes mostly to one front-end when an expert
+  // has many rows (skewed routing): one peer link's bandwidth of W - 1. Warp w takes row (w * P) mod M
+  // instead (P prime and M < P, so a bijection on [0, M) and w * P < 2^63): each window spreads over the
+  // owner's rows, so over its destinations in their proportions. The rows land where they did.
+  // RDEP_RETURN_ORDER=grouped keeps the grouped order (A/B timing).
+  const bool spread = spread_order && M < kReturnSpread && M > 0;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < M; w += warps) {
+    const int64_t g = spread ? (w * kReturnSpread) % M : w;
     const RowKey key = codec.decode(grouped[g].row_id);
     bf16_bits* dst = static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H;
     WarpCopyRow(rows + g * l.H, dst, l.H);
@@ -339,8 +350,15 @@ Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, in
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
                         void* const* return_of, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
+  static const std::string order = [] {  // the rows' order, for A/B timing: spread (default) | grouped; read once
+    const char* v = std::getenv("RDEP_RETURN_ORDER");
+    return std::string(v ? v : "spread");
+  }();
+  if (order != "spread" && order != "grouped")
+    return InvalidArgument("RDEP_RETURN_ORDER='" + order + "': expected spread (rows in a prime-stride order, the default) or grouped");
+  const bool spread = order == "spread";
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  ReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of, device_rows);
+  ReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of, device_rows, spread);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -662,6 +662,9 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
     const int32_t* expert_of = config_.balance.enabled() ? sv.phys_global.ptr : st.local_to_global.ptr;  // physical -> logical
     RDEP_RETURN_IF_ERROR(dispatch::LaunchSentinelEcho(Bits(xr), sv.grouped.ptr + base, m, H, rank, expert_of,
                                                       Bits(OutRows(rank)), stream));
+  } else if (kind_ == ExpertKind::kIdentity) {  // f(x) = x (forward only): the rows as gathered
+    if (m > 0)
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, xr, static_cast<size_t>(m * H) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
   } else if (m > 0) {
     for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts))  // the counts are on the host already
       RDEP_RETURN_IF_ERROR(c.mlp->Forward(c.counts, xr + c.first * H, c.weights, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,

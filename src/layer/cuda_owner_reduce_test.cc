@@ -11,7 +11,8 @@
 // nobody wrote fails. Every test skips without a GPU; the CUTLASS case also where that compute cannot be
 // made (a failure under RDEP_REQUIRE_CUTLASS=1). The same cases also check LayerConfig::transport_sms: an
 // SM budget (3 blocks of kTransportThreads for the peer-storing kernels) gives bitwise the outputs of the
-// grids sized by the work, with and without owner_reduce.
+// grids sized by the work, with and without owner_reduce. And the identity expert (kIdentity), with and
+// without owner_reduce, against x times the token's gate sum.
 //   exercise: build-*/src/layer/layer_test --gtest_filter='*CudaOwnerReduce*'
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -175,6 +176,67 @@ TEST_P(CudaOwnerReduce, AnSmBudgetGivesTheSameBits) {
         EXPECT_TRUE(Bitwise(a.dw1, b.dw1)) << "dW1";
         EXPECT_TRUE(Bitwise(a.dw2, b.dw2)) << "dW2";
       }
+  }
+}
+
+// The identity expert (ExpertKind::kIdentity, what `rdep bench dispatch --owner-reduce` times): one
+// forward per mode, y against the host's x * (sum of the token's accepted effective gates) per element
+// within |x| * sum|g'| * 2^-7 (a bf16 rounding of the owner's partial sum and one of y: at most 2^-8 of
+// that in exact arithmetic), y poisoned with NaN first. A lost, doubled or misplaced row is off by a
+// whole gate's share.
+TEST_P(CudaOwnerReduce, TheIdentityExpertReturnsTheGateSumTimesX) {
+  const Case& c = GetParam();
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
+  const LayerShape s = Shape(c);
+  for (bool owner_reduce : {false, true}) {
+    SCOPED_TRACE(owner_reduce ? "owner_reduce" : "rows");
+    LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
+    cfg.owner_reduce = owner_reduce;
+    if (c.balance) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
+    if (c.cutlass) cfg.expert_compute = ExpertComputeKind::kCutlass;  // not used by the identity: the sync path
+    const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, kW);
+    auto domain = CudaDomain::CreateSingleProcess(kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, cuda::DeviceCount()))});
+    ASSERT_TRUE(domain.ok()) << domain.status();
+    auto layer = CudaMoELayer::Create(**domain, cfg, own, RandomWeights(s, 7));
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    (*layer)->set_expert_kind(ExpertKind::kIdentity);
+    RoutingSpec spec = *RoutingSpec::Parse(c.routing);
+    spec.seed = 3;
+    auto rt = GenerateRouting(s, spec);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    const auto x = RandomActivations(s, *rt, 11);
+    std::vector<std::string> errors(kW);
+    Status st = (*domain)->Run([&](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      Batch b;
+      RDEP_RETURN_IF_ERROR(Upload((*rt)[i], x[i], x[i], s.hidden, b));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.y, 0xFF, static_cast<size_t>(std::max<int64_t>(b.n * s.hidden, 1)) * 2));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.e, b.g, b.n, b.x, b.y));
+      RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+      RDEP_ASSIGN_OR_RETURN(RankAcceptance acc, (*layer)->CopyAcceptance(r));
+      RDEP_ASSIGN_OR_RETURN(std::vector<float> y, DownloadBf16(b.y, static_cast<size_t>(b.n * s.hidden)));
+      for (int64_t t = 0; t < b.n && errors[i].empty(); ++t) {
+        double gsum = 0, gabs = 0;
+        for (int64_t k = 0; k < s.topk; ++k) {
+          const auto j = static_cast<size_t>(t * s.topk + k);
+          if (acc.accepted[j]) gsum += acc.effective_gates[j], gabs += std::fabs(acc.effective_gates[j]);
+        }
+        for (int64_t col = 0; col < s.hidden; ++col) {
+          const double xv = Bf16BitsToFloat(FloatToBf16Bits(x[i][static_cast<size_t>(t * s.hidden + col)]));
+          const double want = xv * gsum, got = y[static_cast<size_t>(t * s.hidden + col)];
+          if (!(std::fabs(got - want) <= std::fabs(xv) * gabs * 0x1p-7 + 1e-30)) {
+            errors[i] = "token " + std::to_string(t) + " column " + std::to_string(col) + ": y " + std::to_string(got) +
+                        ", x * sum of gates " + std::to_string(want);
+            break;
+          }
+        }
+      }
+      return Status::Ok();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t r = 0; r < kW; ++r) EXPECT_TRUE(errors[static_cast<size_t>(r)].empty()) << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+    EXPECT_FALSE((*layer)->Backward(0, nullptr, nullptr, nullptr).ok()) << "the identity expert is forward only";
   }
 }
 

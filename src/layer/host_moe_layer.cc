@@ -550,6 +550,8 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     if (kind_ == ExpertKind::kSentinel) {
       const int32_t expert = ExpertAt(rank, st, j);
       for (int64_t c = 0; c < H; ++c) dst[c] = c < kSentinelFields ? SentinelField(g.row.row_id, rank, expert, c) : x[c];
+    } else if (kind_ == ExpertKind::kIdentity) {  // forward only (Backward refuses it)
+      std::copy_n(x, H, dst);
     } else if (!backward) {
       mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), dst);
     } else {

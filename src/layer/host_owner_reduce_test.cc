@@ -4,7 +4,8 @@
 // y and dx equal within fp32 summation-order tolerance (the sum is associated per owner first), for
 // W = 1 and 4, uniform and skewed routing, capacity drops, several segments and balancing with
 // replicas; two calls per layer (the second finds the first's sums in the return rows) and a rank that
-// reads late. Outputs start as NaN, so a value nobody wrote fails. Bad configurations are refused.
+// reads late. Outputs start as NaN, so a value nobody wrote fails. Bad configurations are refused. The
+// identity expert (forward only) gives x times the token's gate sum in both modes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -113,6 +114,49 @@ TEST_P(OwnerReduce, MatchesTheLayerThatReturnsEveryRow) {
     ExpectBitwise(rows.dg, reduced.dg, "dgates");
     ExpectBitwise(rows.dw1, reduced.dw1, "dw1");
     ExpectBitwise(rows.dw2, reduced.dw2, "dw2");
+  }
+}
+
+// The identity expert (ExpertKind::kIdentity, forward only), with and without owner_reduce: y = x * (sum of
+// the token's accepted effective gates) within fp32 summation order, y starting as NaN; Backward refuses.
+TEST_P(OwnerReduce, TheIdentityExpertReturnsTheGateSumTimesX) {
+  const Case& c = GetParam();
+  const LayerShape s = ShapeOf(c);
+  for (bool owner_reduce : {false, true}) {
+    SCOPED_TRACE(owner_reduce ? "owner_reduce" : "rows");
+    auto domain = std::move(*HostDomain::Create(static_cast<int32_t>(s.ranks), {.barrier_timeout_s = 10}));
+    LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment);
+    cfg.owner_reduce = owner_reduce;
+    if (c.balance) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
+    auto layer = std::move(*HostMoELayer::Create(*domain, cfg, *OwnershipMap::Contiguous(s.experts, s.ranks), RandomWeights(s, 7)));
+    layer->set_expert_kind(ExpertKind::kIdentity);
+    RoutingSpec spec = *RoutingSpec::Parse(c.routing);
+    spec.seed = 5;
+    const Routing rt = *GenerateRouting(s, spec);
+    const auto x = RandomActivations(s, rt, 9);
+    std::vector<std::vector<float>> y(static_cast<size_t>(s.ranks));
+    Status st = domain->Run([&](int32_t r) -> Status {  // the layer's own contexts: acceptance() reads them
+      const auto i = static_cast<size_t>(r);
+      y[i].assign(static_cast<size_t>(rt[i].num_tokens * s.hidden), NAN);
+      RDEP_RETURN_IF_ERROR(layer->Forward(r, rt[i], x[i], y[i]));
+      std::vector<float> dx(y[i].size()), dg(static_cast<size_t>(rt[i].num_tokens * s.topk));
+      if (layer->Backward(r, x[i], dx, dg).ok()) return InternalError("the identity expert's backward was not refused");
+      return Status::Ok();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t r = 0; r < static_cast<int32_t>(s.ranks); ++r) {
+      const RankAcceptance& acc = layer->acceptance(r);
+      const auto i = static_cast<size_t>(r);
+      for (int64_t t = 0; t < rt[i].num_tokens; ++t) {
+        double gsum = 0;
+        for (int64_t k = 0; k < s.topk; ++k)
+          if (acc.accepted[static_cast<size_t>(t * s.topk + k)]) gsum += acc.effective_gates[static_cast<size_t>(t * s.topk + k)];
+        for (int64_t col = 0; col < s.hidden; ++col) {
+          const double want = x[i][static_cast<size_t>(t * s.hidden + col)] * gsum, got = y[i][static_cast<size_t>(t * s.hidden + col)];
+          ASSERT_LE(std::fabs(got - want), 1e-5 * (1 + std::fabs(want))) << "rank " << r << " token " << t << " column " << col;
+        }
+      }
+    }
   }
 }
 

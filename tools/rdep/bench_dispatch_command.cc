@@ -3,7 +3,8 @@
 // all-to-allv baseline of the same rows measured in the same run.
 //
 // rdep side: CudaMoELayer with the sentinel expert (a cheap echo replaces the MLP, so only the
-// transport is left), profiling marks on. Per iteration and rank:
+// transport is left; with --owner-reduce the identity expert and LayerConfig::owner_reduce, every output
+// checked against x times the token's gate sum), profiling marks on. Per iteration and rank:
 //   dispatch = routing + dispatch phases (counts, owner scan, accept, scatter, segment barrier: from
 //              the aligned start until every token row has landed at its owner);
 //   combine  = return + combine phases (rows back to their front-ends, final barrier, weighted sum);
@@ -60,11 +61,15 @@ all-to-allv exchange of the same rows. Every time is the max over ranks per iter
 together after a device barrier), summarized as p50/p99 over --iters after --warmup.
 
 rdep (CudaMoELayer, sentinel expert: the MLP is replaced by an echo, so only the transport is left;
-dropless):
+dropless; with --owner-reduce the identity expert, below):
   dispatch = routing + dispatch phases of a forward: counts, owner scan, acceptance, scatter of the
              payload + sideband into the owners' buffers, segment barrier (from the aligned start to
              the moment every token row has landed at its owner)
   combine  = return + combine phases: rows back to their front-ends, final barrier, gate-weighted sum
+             (--owner-reduce: each owner first sums its rows of a token, gate-weighted, and one row per
+             (token, owner) crosses back, as DeepEP's combine returns one row per (token, rank); the
+             front-end sums those; the identity expert f(x) = x replaces the echo, whose rows carry
+             identities that a sum would mix, and every output is checked: y = x * sum of gates)
   forward  = the whole sentinel forward, end to end (includes the echo and one host sync for the
              per-expert row counts)
   Phase times come from CUDA events at the layer's phase boundaries (EnableProfiling); the routing
@@ -86,8 +91,10 @@ dropless, so every (token, slot) row is accepted):
   rdep dispatch bytes = P_x*(2H + 8) + R_x*16   (deduplicated payload: a token crosses once per
                         owner; sideband: an 8-byte row count per token and 16 bytes per row)
   rdep combine bytes  = R_x*2H                   (one returned row per (token, slot))
+                        --owner-reduce: P_x*2H     (one reduced row per (token, owner))
   NCCL dispatch bytes = R_x*2H + W*(W-1)*8       (payload + count exchange)
-  NCCL combine bytes  = R_x*2H
+  NCCL combine bytes  = R_x*2H                   (with --owner-reduce too: the baseline stays a standard
+                        EP exchange of one row per (token, slot))
   The few control words of rdep's phases 1-2 ((E_loc+2) int64 per rank pair) are left out.
   algbw (GB/s) = bytes / W / p50 time: average bytes each GPU sends per second of the max-rank time
   (1 GB = 1e9 bytes). Speedup = NCCL p50 / rdep p50.
@@ -102,6 +109,7 @@ flags [defaults: the Moonlight shape]:
                        (launch latency out of the timing); 0 = off [100]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
+  --owner-reduce       the owners reduce before the return (LayerConfig::owner_reduce), identity expert
   --no-nccl            skip the baseline
   --json FILE          write the receipt (raw per-iteration max-rank times included)
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -284,6 +292,7 @@ struct DispatchBenchOptions {
   uint64_t seed = 0;
   int64_t launch_ahead_us = 0;  // the timed loops take its address (LaunchAhead): it outlives them
   bool no_nccl = false;
+  bool owner_reduce = false;  // LayerConfig::owner_reduce and the identity expert (else the sentinel)
   std::string json;
   rdep::cli::Limits limits;
 };
@@ -311,6 +320,8 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.launch_ahead_us = f.get_int("launch-ahead-us", 100);
   o.no_nccl = f.get_bool("no-nccl");
+  o.owner_reduce = f.get_bool("owner-reduce");
+  o.cfg.owner_reduce = o.owner_reduce;
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
@@ -450,6 +461,32 @@ void SplitRouting(const std::vector<std::vector<rdep::PhaseTimes>>& detail, Disp
   }
 }
 
+// --owner-reduce: rank r's y (the identity expert's) against x * (sum of the token's accepted effective
+// gates), elementwise within |x| * sum|g'| * 2^-7 (two bf16 roundings, the owner's partial sum and y: at
+// most 2^-8 of that); the first element off names its token and column. A lost, doubled or misplaced row
+// is off by a whole gate's share.
+Status CheckIdentityOutput(const RankBuffers& b, const std::vector<float>& x, const rdep::RankAcceptance& acc, int64_t n,
+                           const rdep::LayerShape& s, int32_t r) {
+  const int64_t H = s.hidden, K = s.topk;
+  std::vector<uint16_t> y(static_cast<size_t>(n * H));
+  if (!y.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(y.data(), b.y, y.size() * 2, cudaMemcpyDeviceToHost));
+  for (int64_t t = 0; t < n; ++t) {
+    double gsum = 0, gabs = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const auto j = static_cast<size_t>(t * K + k);
+      if (acc.accepted[j]) gsum += acc.effective_gates[j], gabs += std::fabs(acc.effective_gates[j]);
+    }
+    for (int64_t c = 0; c < H; ++c) {
+      const auto i = static_cast<size_t>(t * H + c);
+      const double xv = rdep::Bf16BitsToFloat(rdep::FloatToBf16Bits(x[i])), got = rdep::Bf16BitsToFloat(y[i]);
+      if (!(std::fabs(got - xv * gsum) <= std::fabs(xv) * gabs * 0x1p-7 + 1e-30))
+        return rdep::InternalError("--owner-reduce: rank " + std::to_string(r) + " token " + std::to_string(t) + " column " +
+                                   std::to_string(c) + ": y " + std::to_string(got) + ", x * sum of gates " + std::to_string(xv * gsum));
+    }
+  }
+  return Status::Ok();
+}
+
 // 1. rdep: the whole sentinel forward, unprofiled (dropless: every row must be accepted); 2. the same
 // with phase marks; then the max over ranks per iteration.
 Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetup& setup, std::vector<RankBuffers>& bufs,
@@ -468,6 +505,7 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
     RDEP_RETURN_IF_ERROR(TimeRankForward(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.fwd[sr]));
     res.layer_bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes() + layer.shared_row_bytes();  // one layer: the shared slots are all its own
     RDEP_ASSIGN_OR_RETURN(auto acc, layer.CopyAcceptance(r));
+    if (o.owner_reduce) RDEP_RETURN_IF_ERROR(CheckIdentityOutput(bufs[sr], setup.x[sr], acc, routing[sr].num_tokens, o.cfg.shape, r));
     int64_t a = 0;
     for (auto v : acc.accepted) a += v;
     std::lock_guard<std::mutex> lock(mu);
@@ -654,11 +692,11 @@ struct TransportBytes {
   double rdep_dispatch = 0, rdep_combine = 0, nccl_dispatch = 0, nccl_combine = 0;
 };
 
-TransportBytes CountTransportBytes(const RowCounts& rows, int64_t H, int64_t W) {
+TransportBytes CountTransportBytes(const RowCounts& rows, int64_t H, int64_t W, bool owner_reduce) {
   const double row_b = 2.0 * static_cast<double>(H), Wd = static_cast<double>(W);
   TransportBytes b;
   b.rdep_dispatch = static_cast<double>(rows.pairs_remote) * (row_b + 8) + static_cast<double>(rows.slots_remote) * 16;
-  b.rdep_combine = static_cast<double>(rows.slots_remote) * row_b;
+  b.rdep_combine = static_cast<double>(owner_reduce ? rows.pairs_remote : rows.slots_remote) * row_b;
   b.nccl_dispatch = static_cast<double>(rows.slots_remote) * row_b + Wd * (Wd - 1) * 8;
   b.nccl_combine = static_cast<double>(rows.slots_remote) * row_b;
   return b;
@@ -671,10 +709,11 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
   const auto& s = o.cfg.shape;
   const auto& rows = res.rows;
   const bool have_nccl = res.have_nccl;
-  std::printf("rdep bench dispatch: %s, routing %s, dropless, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
+  std::printf("rdep bench dispatch: %s, routing %s, dropless%s, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
               [&] { std::ostringstream os; os << "W=" << s.ranks << " T=" << s.tokens << " H=" << s.hidden << " E=" << s.experts
                                               << " K=" << s.topk; return os.str(); }().c_str(),
-              o.spec.name().c_str(), static_cast<long long>(s.ranks), static_cast<long long>(o.warmup),
+              o.spec.name().c_str(), o.owner_reduce ? ", owner reduce (identity expert)" : "", static_cast<long long>(s.ranks),
+              static_cast<long long>(o.warmup),
               static_cast<long long>(o.iters), static_cast<long long>(o.launch_ahead_us));
   std::printf("  rows: slot rows R=%lld (remote R_x=%lld), token-owner pairs %lld (remote P_x=%lld): rdep sends %.3fx the "
               "payload rows of one-row-per-slot\n",
@@ -691,7 +730,8 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
   if (have_nccl) line("nccl all-to-allv dispatch", res.s_nd, bytes.nccl_dispatch, 1.0);
   line("rdep combine", res.s_rc, bytes.rdep_combine, have_nccl ? res.s_nc.p50 / res.s_rc.p50 : NAN);
   if (have_nccl) line("nccl all-to-allv combine", res.s_nc, bytes.nccl_combine, 1.0);
-  std::printf("  %-26s %9.1f %9.1f   (whole sentinel forward, unprofiled)\n", "rdep forward", res.s_rf.p50 * 1e3, res.s_rf.p99 * 1e3);
+  std::printf("  %-26s %9.1f %9.1f   (whole %s forward, unprofiled)\n", "rdep forward", res.s_rf.p50 * 1e3, res.s_rf.p99 * 1e3,
+              o.owner_reduce ? "identity" : "sentinel");
   std::printf("  rdep phases (p50 of the max-rank time, us): routing %.1f  scatter %.1f  echo %.1f  return %.1f  combine %.1f\n",
               rdep::Percentile(res.ph_routing, 50) * 1e3, rdep::Percentile(res.ph_scatter, 50) * 1e3,
               rdep::Percentile(res.ph_expert, 50) * 1e3, rdep::Percentile(res.ph_return, 50) * 1e3,
@@ -719,7 +759,8 @@ void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, i
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name()).field("capacity", "dropless");
-  j.field("layer_ffn", kLayerFfn).field("expert", "sentinel echo").field("segment", segment);
+  j.field("layer_ffn", kLayerFfn).field("expert", o.owner_reduce ? "identity" : "sentinel echo").field("segment", segment);
+  j.field("owner_reduce", o.owner_reduce);
   j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters);
   j.field("launch_ahead_us", o.launch_ahead_us).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).end_object();
   j.field("normalization",
@@ -731,9 +772,10 @@ void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, i
   j.key("bytes").begin_object();
   j.field("rdep_dispatch", bytes.rdep_dispatch).field("rdep_combine", bytes.rdep_combine);
   j.field("nccl_dispatch", bytes.nccl_dispatch).field("nccl_combine", bytes.nccl_combine);
-  j.field("formula",
-          "rdep dispatch = P_x*(2H+8) + R_x*16; rdep combine = R_x*2H; nccl dispatch = R_x*2H + W*(W-1)*8; "
-          "nccl combine = R_x*2H (R_x remote (token,slot) rows, P_x remote distinct (token,owner) pairs)");
+  j.field("formula", std::string("rdep dispatch = P_x*(2H+8) + R_x*16; rdep combine = ") +
+                         (o.owner_reduce ? "P_x*2H (owner reduce)" : "R_x*2H") +
+                         "; nccl dispatch = R_x*2H + W*(W-1)*8; nccl combine = R_x*2H (R_x remote (token,slot) rows, P_x "
+                         "remote distinct (token,owner) pairs)");
   j.end_object();
 }
 
@@ -782,7 +824,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   if (int rc = ParseDispatchBenchOptions(args, o); rc != 0) return rc;
   auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.cfg.shape.ranks));  // one GPU per rank (NCCL baseline)
   if (!setup.ok()) return Fail(setup.status());
-  setup->layer->set_expert_kind(rdep::ExpertKind::kSentinel);
+  setup->layer->set_expert_kind(o.owner_reduce ? rdep::ExpertKind::kIdentity : rdep::ExpertKind::kSentinel);
   DispatchBenchResults res;
   res.rows = CountRows(setup->routing, setup->ownership, o.cfg.shape.ranks);
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
@@ -801,7 +843,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   res.s_ncnt = rdep::Summarize(res.nccl_counts);
   for (auto b : res.layer_bytes) res.layer_max = std::max(res.layer_max, b);
 
-  const TransportBytes bytes = CountTransportBytes(res.rows, o.cfg.shape.hidden, o.cfg.shape.ranks);
+  const TransportBytes bytes = CountTransportBytes(res.rows, o.cfg.shape.hidden, o.cfg.shape.ranks, o.owner_reduce);
   PrintDispatchTable(o, res, bytes);
   if (!o.json.empty()) WriteDispatchReceipt(o, setup->layer->layout().S, res, bytes);
   FreeRankBuffers(*setup->domain, bufs);

@@ -33,8 +33,11 @@
 namespace rdep {
 
 // What owners compute. kSentinel replaces the MLP by the identity-revealing echo of
-// rdep/dispatch/region_layout.h (SentinelField) for the dispatch invariants check.
-enum class ExpertKind { kSwiGLU, kSentinel };
+// rdep/dispatch/region_layout.h (SentinelField) for the dispatch invariants check. kIdentity returns
+// each row as it came (f(x) = x, so y = (sum of the token's accepted gates) * x): a transport benchmark
+// that, unlike the sentinel, also runs with owner_reduce (`rdep bench dispatch --owner-reduce`). Both are
+// forward only.
+enum class ExpertKind { kSwiGLU, kSentinel, kIdentity };
 
 // One row as an owner grouped it (recorded when tracing is on).
 struct OwnerTraceEntry {
