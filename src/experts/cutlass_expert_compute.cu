@@ -19,6 +19,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -184,13 +186,15 @@ __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t*
 
 class CutlassExpertCompute final : public ExpertCompute {
  public:
-  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles) : desc_(d), device_(device), tiles_(tiles) {}
+  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles, void* scratch)
+      : desc_(d), device_(device), tiles_(tiles), external_scratch_(scratch) {}
   ~CutlassExpertCompute() override {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device_);
-    for (void* p : {static_cast<void*>(z_), static_cast<void*>(dz_), static_cast<void*>(dh_), static_cast<void*>(total_)})
-      if (p) cudaFree(p);
+    if (!external_scratch_)  // z, dz and dh are one allocation from z
+      if (z_) cudaFree(z_);
+    if (total_) cudaFree(total_);
     if (fault_host_) cudaFreeHost(fault_host_);
     gemms_.reset();
     cudaSetDevice(current);
@@ -216,9 +220,15 @@ class CutlassExpertCompute final : public ExpertCompute {
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, F, H, H, t.dw2, g.dw2_bf16));
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, H, 2 * F, 2 * F, t.dw1, g.dw1_bf16));
     const auto rows = static_cast<size_t>(desc_.max_rows);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&z_, rows * static_cast<size_t>(F) * 2));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dz_, rows * static_cast<size_t>(F) * 2));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dh_, rows * static_cast<size_t>(2 * F) * 2));
+    if (external_scratch_) {
+      z_ = static_cast<__nv_bfloat16*>(external_scratch_);
+    } else {
+      void* p = nullptr;
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(CutlassExpertScratchBytes(desc_), 16)));
+      z_ = static_cast<__nv_bfloat16*>(p);
+    }
+    dz_ = z_ + rows * static_cast<size_t>(F);  // z [rows][F], dz [rows][F], dh [rows][2F]: 16-byte aligned (F % 8 == 0)
+    dh_ = dz_ + rows * static_cast<size_t>(F);
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&total_, sizeof(int64_t)));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(total_, 0, sizeof(int64_t)));
     void* pinned = nullptr;
@@ -234,7 +244,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   const char* name() const override { return "cutlass-grouped-sm90"; }
   bool graph_safe() const override { return true; }
   size_t workspace_bytes() const override {
-    size_t b = static_cast<size_t>(desc_.max_rows) * static_cast<size_t>(4 * desc_.ffn) * 2 + sizeof(int64_t);
+    size_t b = (external_scratch_ ? 0 : CutlassExpertScratchBytes(desc_)) + sizeof(int64_t);
     if (gemms_)
       for (const auto* g : gemms_->all()) b += g->device_bytes();
     return b;
@@ -319,6 +329,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   int device_;
   RoleTiles tiles_;
   std::unique_ptr<Gemms> gemms_;
+  void* external_scratch_ = nullptr;  // the caller's z, dz, dh (MakeCutlassExpertCompute's scratch), or null
   __nv_bfloat16 *z_ = nullptr, *dz_ = nullptr, *dh_ = nullptr;
   int64_t* total_ = nullptr;
   int64_t* fault_host_ = nullptr;
@@ -334,7 +345,7 @@ std::vector<std::string> CutlassTileNames() {
 }
 
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
-                                                                  const CutlassTiles& tiles) {
+                                                                  const CutlassTiles& tiles, void* scratch) {
   RDEP_RETURN_IF_ERROR(desc.Validate());
   RDEP_ASSIGN_OR_RETURN(const RoleTiles roles, ResolveTiles(tiles));
   if (desc.num_experts > kMaxExperts)
@@ -345,7 +356,9 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
   std::string why;
   if (!internal::GroupedGemmSm90Available(device, &why)) return Unavailable("cutlass expert compute: " + why);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles);
+  if (reinterpret_cast<uintptr_t>(scratch) % 16 != 0)
+    return InvalidArgument("cutlass expert compute: scratch must be 16-byte aligned");
+  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, scratch);
   RDEP_RETURN_IF_ERROR(c->Init());
   return std::unique_ptr<ExpertCompute>(std::move(c));
 }

@@ -1,6 +1,7 @@
 // The cuBLASLt implementation of ExpertCompute: ExpertMlp behind the device-counts interface.
 #include "rdep/experts/expert_compute.h"
 
+#include <algorithm>
 #include <string>
 
 #include "rdep/cuda/check.h"
@@ -59,6 +60,10 @@ class CublasLtExpertCompute final : public ExpertCompute {
 
 size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config) {
   return ExpertMlp::WorkspaceBytes(desc, config);
+}
+
+size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc) {
+  return static_cast<size_t>(std::max<int64_t>(desc.max_rows, 0)) * static_cast<size_t>(4 * std::max<int64_t>(desc.ffn, 0)) * 2;
 }
 
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCublasLtExpertCompute(const ExpertMlpDesc& desc, int device,

@@ -146,13 +146,17 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
-  for (RegionId id : {replica_w_, replica_g_, out_rows_})
+  for (auto& rank_state : ranks_)  // the CUTLASS compute's scratch is a shared region: the objects go first
+    if (rank_state) {
+      cudaSetDevice(rank_state->device);
+      rank_state->mlp.reset();
+    }
+  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_})
     if (id >= 0) domain_.ReleaseShared(id);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
     RankState& st = *rank_state;
     cudaSetDevice(st.device);
-    st.mlp.reset();
     if (st.host_counts) cudaFreeHost(st.host_counts);
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
@@ -256,6 +260,11 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   // them. No call keeps them past its return, so every layer of this size on the domain shares them.
   layer->out_rows_bytes_ = static_cast<size_t>(2 * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) * sizeof(__nv_bfloat16);
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
+  if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, dz, dh) lives within a call too
+    const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
+    layer->expert_scratch_bytes_ = kernels::CutlassExpertScratchBytes(any);
+    RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));
+  }
   if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
                                      // shared with every balanced layer of the same slot size on the domain
     const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
@@ -304,7 +313,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
-        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device);
+        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, {}, domain.region(q, layer->expert_scratch_));
         if (!cutlass.ok())
           return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
         st->mlp = std::move(*cutlass);

@@ -3,7 +3,8 @@
 // sharing the GPUs present, capacity drops): y, dx, dgates, dW1, dW2 within ||a-b||/||b|| <= 1e-2 and
 // the routing metadata (acceptance) bitwise; a W = 1 forward and backward captured in a CUDA graph
 // (any host synchronization inside would break the capture) and replayed on new inputs in the same
-// buffers equals eager calls bitwise. Skips without a GPU, CUTLASS or sm_90.
+// buffers equals eager calls bitwise; two CUTLASS layers on one domain, sharing the compute's scratch, run
+// interleaved equal each alone bitwise. Skips without a GPU, CUTLASS or sm_90.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include "layer/cuda_test_util.h"
 #include "rdep/cuda/device_count.h"
@@ -59,6 +61,20 @@ bool CutlassLayerAvailable(std::string* why) {
   return c.ok();
 }
 
+// Rank r's results of its last forward and backward (b's outputs, the layer's gradients) into out.
+Status Collect(CudaMoELayer& layer, const Problem& p, const Batch& b, int32_t r, Outputs& out) {
+  const auto i = static_cast<size_t>(r);
+  const int64_t H = p.shape.hidden, F = p.shape.ffn;
+  RDEP_ASSIGN_OR_RETURN(out.acc[i], layer.CopyAcceptance(r));
+  RDEP_ASSIGN_OR_RETURN(out.y[i], Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(b.n * H)));
+  RDEP_ASSIGN_OR_RETURN(out.dx[i], Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * H)));
+  RDEP_ASSIGN_OR_RETURN(out.dg[i], Download(b.dg, static_cast<size_t>(b.n * p.shape.topk)));
+  const auto L = static_cast<size_t>(p.own.num_local(r));
+  RDEP_ASSIGN_OR_RETURN(out.dw1[i], Download(layer.dw1(r), L * static_cast<size_t>(H * 2 * F)));
+  RDEP_ASSIGN_OR_RETURN(out.dw2[i], Download(layer.dw2(r), L * static_cast<size_t>(F * H)));
+  return Status::Ok();
+}
+
 Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
   const auto W = static_cast<size_t>(p.shape.ranks);
   Outputs out(W);
@@ -73,21 +89,12 @@ Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
   EXPECT_TRUE(layer.ok()) << layer.status();
   if (!layer.ok()) return out;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
-    const auto i = static_cast<size_t>(r);
-    const int64_t H = p.shape.hidden, F = p.shape.ffn;
     Batch b;
-    RDEP_RETURN_IF_ERROR(Upload(p.routing[i], p.x[i], p.dy[i], H, b));
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[static_cast<size_t>(r)], p.x[static_cast<size_t>(r)], p.dy[static_cast<size_t>(r)], p.shape.hidden, b));
     RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.e, b.g, b.n, b.x, b.y));
     RDEP_RETURN_IF_ERROR((*layer)->Backward(r, b.dy, b.dx, b.dg));
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
-    RDEP_ASSIGN_OR_RETURN(out.acc[i], (*layer)->CopyAcceptance(r));
-    RDEP_ASSIGN_OR_RETURN(out.y[i], Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(b.n * H)));
-    RDEP_ASSIGN_OR_RETURN(out.dx[i], Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * H)));
-    RDEP_ASSIGN_OR_RETURN(out.dg[i], Download(b.dg, static_cast<size_t>(b.n * p.shape.topk)));
-    const auto L = static_cast<size_t>(p.own.num_local(r));
-    RDEP_ASSIGN_OR_RETURN(out.dw1[i], Download((*layer)->dw1(r), L * static_cast<size_t>(H * 2 * F)));
-    RDEP_ASSIGN_OR_RETURN(out.dw2[i], Download((*layer)->dw2(r), L * static_cast<size_t>(F * H)));
-    return Status::Ok();
+    return Collect(**layer, p, b, r, out);
   });
   EXPECT_TRUE(s.ok()) << s;
   return out;
@@ -191,6 +198,55 @@ TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(y_graph, y_eager);
   EXPECT_EQ(dx_graph, dx_eager);
+}
+
+// Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the
+// owner's output rows: run interleaved (A forward, B forward, A backward, B backward, so B's calls run
+// between A's two) they give bitwise what each gives alone on a domain of its own, W = 4 ranks sharing
+// the GPUs present. The domain holds the shared bytes once; a cuBLASLt layer of the same size on it shares
+// the output rows but has no scratch there.
+TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  Problem pa(4, "zipf:1.2", 3), pb(4, "uniform", 11);
+  const Outputs a_alone = RunLayer(pa, ExpertComputeKind::kCutlass, 0), b_alone = RunLayer(pb, ExpertComputeKind::kCutlass, 0);
+  auto domain = CudaDomain::CreateSingleProcess(4, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(4, std::min(4, cuda::DeviceCount()))});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  LayerConfig cfg = MakeLayerConfig(pa.shape);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  auto la = CudaMoELayer::Create(**domain, cfg, pa.own, pa.w);
+  ASSERT_TRUE(la.ok()) << la.status();
+  auto lb = CudaMoELayer::Create(**domain, cfg, pb.own, pb.w);
+  ASSERT_TRUE(lb.ok()) << lb.status();
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes()) << "two layers of one size: one set of shared rows";
+  Outputs a_shared(4), b_shared(4);
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    Batch ba, bb;
+    RDEP_RETURN_IF_ERROR(Upload(pa.routing[i], pa.x[i], pa.dy[i], pa.shape.hidden, ba));
+    RDEP_RETURN_IF_ERROR(Upload(pb.routing[i], pb.x[i], pb.dy[i], pb.shape.hidden, bb));
+    RDEP_RETURN_IF_ERROR((*la)->Forward(r, ba.e, ba.g, ba.n, ba.x, ba.y));
+    RDEP_RETURN_IF_ERROR((*lb)->Forward(r, bb.e, bb.g, bb.n, bb.x, bb.y));
+    RDEP_RETURN_IF_ERROR((*la)->Backward(r, ba.dy, ba.dx, ba.dg));
+    RDEP_RETURN_IF_ERROR((*lb)->Backward(r, bb.dy, bb.dx, bb.dg));
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_RETURN_IF_ERROR(Collect(**la, pa, ba, r, a_shared));
+    return Collect(**lb, pb, bb, r, b_shared);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (auto [shared, alone, name] : {std::tuple{&a_shared, &a_alone, "A"}, {&b_shared, &b_alone, "B"}})
+    for (size_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(shared->y[i], alone->y[i]) << name << " y, rank " << i;
+      EXPECT_EQ(shared->dx[i], alone->dx[i]) << name << " dx, rank " << i;
+      EXPECT_EQ(shared->dg[i], alone->dg[i]) << name << " dgates, rank " << i;
+      EXPECT_EQ(shared->dw1[i], alone->dw1[i]) << name << " dW1, rank " << i;
+      EXPECT_EQ(shared->dw2[i], alone->dw2[i]) << name << " dW2, rank " << i;
+    }
+  LayerConfig lt_cfg = MakeLayerConfig(pa.shape);  // cuBLASLt: the output rows only
+  auto lt = CudaMoELayer::Create(**domain, lt_cfg, pa.own, pa.w);
+  ASSERT_TRUE(lt.ok()) << lt.status();
+  EXPECT_LT((*lt)->shared_row_bytes(), (*la)->shared_row_bytes());
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes()) << "the cuBLASLt layer reuses the output rows";
 }
 
 TEST(CudaSyncFree_Errors, CutlassOnANonHopperOrCutlassLessBuildIsNamed) {

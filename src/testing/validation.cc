@@ -402,8 +402,14 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     const double saved_rows = sync_free ? seg_rows : T * K;
     fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of 2*H; one set for every layer of the size)",
                          {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * 4 * H});
-    fp.device.push_back({"expert workspace of one owner segment (MaxSegmentRows rows)",
-                         {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F + 64.0 * (1 << 20)});
+    if (o.layer.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch is shared like the output rows
+      fp.device.push_back({"shared expert scratch of one owner segment (MaxSegmentRows rows of 4*D_ff; one set for every CUTLASS layer of the size)",
+                           {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F});
+      fp.device.push_back({"expert compute's tables and GEMM workspace", {{"experts", E}}, 64.0 * (1 << 20)});
+    } else {
+      fp.device.push_back({"expert workspace of one owner segment (MaxSegmentRows rows)",
+                           {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F + 64.0 * (1 << 20)});
+    }
     fp.device.push_back({"return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}}, 2 * T * K * H});
     fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
                                    : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",

@@ -93,8 +93,15 @@ struct CutlassTiles {
   std::string wgrad_w2;  // dW2 = z^T.dout (fp32 or bf16 gradients)
   std::string wgrad_w1;  // dW1 = x^T.dh
 };
+// scratch: null (the object allocates its own), or CutlassExpertScratchBytes(desc) bytes of device memory on
+// `device`, 16-byte aligned, that it uses for the SwiGLU activations and their gradients (z, dz, dh: nothing
+// in them outlives a call) instead of allocating them. Objects whose calls never overlap (calls in one
+// stream's order) may share one scratch: the layers of one size on a domain do (CudaMoELayer,
+// "expert.scratch"). workspace_bytes() then leaves it out; the caller keeps it alive as long as the object.
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
-                                                                  const CutlassTiles& tiles = {});
+                                                                  const CutlassTiles& tiles = {}, void* scratch = nullptr);
+// The bytes of a CUTLASS expert compute's SwiGLU scratch: desc.max_rows rows of 4*ffn bf16 values.
+size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc);
 // The tile names this build has (empty without CUTLASS).
 std::vector<std::string> CutlassTileNames();
 

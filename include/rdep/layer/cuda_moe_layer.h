@@ -226,8 +226,10 @@ class CudaMoELayer {
   // Device bytes per rank of the owner's output rows (one segment's expert outputs in forward; its dout and
   // dx rows in backward): a scratch no call keeps past its return, shared by every layer of the same size
   // on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers holds it once,
-  // not N times. Count it once per domain and size, like replica_slot_bytes.
-  size_t shared_row_bytes() const { return out_rows_bytes_; }
+  // not N times. Count it once per domain and size, like replica_slot_bytes. With the CUTLASS expert
+  // compute also its SwiGLU scratch (z, dz, dh of one segment's rows: kernels::CutlassExpertScratchBytes),
+  // shared the same way ("expert.scratch").
+  size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
 
  private:
   struct RankState;
@@ -301,6 +303,8 @@ class CudaMoELayer {
                                               // (shared regions: Domain::AcquireShared)
   RegionId out_rows_ = -1;                    // the owner's output rows (shared: shared_row_bytes)
   size_t out_rows_bytes_ = 0;
+  RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, dz, dh (shared: shared_row_bytes)
+  size_t expert_scratch_bytes_ = 0;
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   bool replica_fault_ = false;
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
