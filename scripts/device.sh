@@ -10,6 +10,9 @@
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
+# The device tool brings back at most 8 files from $OUT: this script writes 5 (env.txt, build.log,
+# tests.log, pytest.log, bench.log), so a bench should leave at most 3 more there (archive the rest, as
+# receipts_w4.sh does) or the logs above are the ones left out.
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts. Write the
 # hash literally into the command (RDEP_COMMIT=$(git rev-parse ...) would run there, on the old .git).
 # CUTLASS: carry the pinned wheel (.whl/, the device has no network: run with carry [".whl"]); the
@@ -65,7 +68,7 @@ fi
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
-    timeout "$(left 30)" python3 -m pytest python/tests -q -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
   pytest_rc=$?
 fi
 t2=$(date +%s)
@@ -81,5 +84,6 @@ grep -E "^-- rdep: .*(NCCL|CUTLASS|MPI)" "$OUT/build.log" | head -4
 head -3 "$OUT/env.txt" | tail -2
 [ $build_rc -ne 0 ] && grep -E "error|FAILED" "$OUT/build.log" | head -30
 [ -f "$OUT/tests.log" ] && { grep -E "\((Failed|Timeout|Subprocess aborted|SEGFAULT)\)|\*\*\*" "$OUT/tests.log" | head -40; grep -E "tests passed|Total Test time" "$OUT/tests.log"; }
-[ -f "$OUT/pytest.log" ] && { echo "pytest rc ${pytest_rc}:"; grep -E "FAILED|SKIPPED|passed|failed" "$OUT/pytest.log" | tail -15; }
+# -rfE names every failed or erroring test in pytest's summary (FAILED/ERROR lines), so the summary here does.
+[ -f "$OUT/pytest.log" ] && { echo "pytest rc ${pytest_rc}:"; grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | head -15; grep -E "SKIPPED|passed|failed" "$OUT/pytest.log" | tail -6; }
 tail -c 6000 "$OUT/bench.log"

@@ -174,7 +174,7 @@ stage_train() {
   run train_w4 "${env[@]}" "${tr[@]}" --json "$R/train_w4.json" --png "$R/train_w4.png"
   run train_w4_compile "${env[@]}" "${tr[@]}" --compile --json "$R/train_w4_compile.json" --png "$R/train_w4_compile.png"
 }
-[ $# -gt 0 ] || set -- transport nodes layer skew dsv3 train
+[ $# -gt 0 ] || set -- transport combine nodes layer skew dsv3 train
 for stage in "$@"; do
   declare -F "stage_$stage" >/dev/null || { echo "receipts_w4: unknown stage $stage" | tee -a "$LOG"; exit 2; }
   echo "== stage $stage" >>"$LOG"
