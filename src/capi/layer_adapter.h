@@ -27,8 +27,8 @@ class LayerAdapter {
   // Bytes per rank of the replica slots the layer uses (shared with the domain's other balanced layers
   // of the same slot size; 0 with balancing off).
   virtual size_t replica_slot_bytes() const = 0;
-  // Bytes per rank of the owner's output rows, shared on the domain by layers of the same size (CUDA; 0
-  // on the host backend).
+  // Bytes per rank of the owner's shared row buffers: output rows, and the CUTLASS compute's scratch (CUDA;
+  // 0 on the host backend). Shared on the domain by layers of the same sizes.
   virtual size_t shared_row_bytes() const = 0;
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;

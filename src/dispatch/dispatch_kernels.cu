@@ -199,7 +199,9 @@ ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bou
   // consecutive rows (what the resident warps hold at a time) goes mostly to one front-end when an expert
   // has many rows (skewed routing): one peer link's bandwidth of W - 1. Warp w takes row (w * P) mod M
   // instead (P prime and M < P, so a bijection on [0, M) and w * P < 2^63): each window spreads over the
-  // owner's rows, so over its destinations in their proportions. The rows land where they did.
+  // owner's rows, so over its destinations in their proportions. The rows land where they did. Where
+  // P = ±1 mod M (M divides P - 1 = 2^4*3*5*17*31^2*677 or P + 1, e.g. M = 240 or 4080) the order is the
+  // grouped one or its reverse: still every row once, only without the spread.
   // RDEP_RETURN_ORDER=grouped keeps the grouped order (A/B timing).
   const bool spread = spread_order && M < kReturnSpread && M > 0;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < M; w += warps) {
@@ -349,13 +351,13 @@ Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, in
 
 Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_t M, const RegionLayout& l,
                         void* const* return_of, cudaStream_t s, const int64_t* device_rows) {
-  if (M == 0) return Status::Ok();
   static const std::string order = [] {  // the rows' order, for A/B timing: spread (default) | grouped; read once
     const char* v = std::getenv("RDEP_RETURN_ORDER");
     return std::string(v ? v : "spread");
   }();
   if (order != "spread" && order != "grouped")
     return InvalidArgument("RDEP_RETURN_ORDER='" + order + "': expected spread (rows in a prime-stride order, the default) or grouped");
+  if (M == 0) return Status::Ok();  // after the check: a rank without rows refuses a bad value as its peers do
   const bool spread = order == "spread";
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
   ReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of, device_rows, spread);

@@ -130,7 +130,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<int32_t> experts, tok_index;
   cuda_layer::DeviceBuffer<float> gates, effective;
   cuda_layer::DeviceBuffer<uint8_t> accepted;
-  cuda_layer::DeviceBuffer<int64_t> dropped, control;  // dropped: [0] rows dropped, [1] the routing check's word (both zeroed per plan)
+  cuda_layer::DeviceBuffer<int64_t> dropped, control;  // dropped: [0] rows dropped (zeroed by the routing check's second kernel), [1] the check's word (zeroed once when
+                                                       // the context is made; the check leaves it 0)
   cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate (not with owner_reduce)
   cuda_layer::DeviceBuffer<uint8_t> lead;           // owner_reduce: [T*K] slots whose return rows carry an owner's sum
   // Owner: every segment's grouped rows, inputs and pre-activations.

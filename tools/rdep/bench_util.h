@@ -97,7 +97,7 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
 // bf16_grads: `rdep bench layer --grads bf16` also holds bf16 copies of each rank's expert weights and
 // their bf16 gradients on its GPU. layers > 1 (`--layers N`): N layers, each with its own context, and N
 // more contexts (the stack's): the estimate's terms named "context: ..." count 2N times, the activations
-// and replica slots and the owner's output rows (shared) once, every other term N times; and one more set
+// and replica slots, the owner's output rows and the CUTLASS scratch (shared) once, every other term N times; and one more set
 // of fp32 host weights.
 inline Status CheckLayerBenchFootprint(const LayerConfig& cfg, int64_t iterations, int num_gpus, cli::Limits limits,
                                        bool bf16_grads = false, int32_t layers = 1) {

@@ -210,8 +210,8 @@ class CudaMoELayer {
   // Phase times of the rank's last forward or backward (synchronizes the rank's stream).
   StatusOr<PhaseTimes> LastPhaseTimes(int32_t rank, bool backward) const;
   // Device bytes this layer holds on the rank (symmetric regions, weights, workspaces, its own
-  // context), without the shared replica slots (replica_slot_bytes); caller-owned contexts report
-  // theirs (ForwardContext::bytes).
+  // context), without the shared regions (replica_slot_bytes, shared_row_bytes); caller-owned contexts
+  // report theirs (ForwardContext::bytes).
   size_t device_bytes(int32_t rank) const;
   // Device bytes per rank of the redundant slots (bf16 weights and fp32 gradients, [N_slot][3*H*F]
   // each; 0 with balancing off). Every balanced layer of the same slot size on the domain shares them
@@ -228,7 +228,9 @@ class CudaMoELayer {
   // on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers holds it once,
   // not N times. Count it once per domain and size, like replica_slot_bytes. With the CUTLASS expert
   // compute also its SwiGLU scratch (z, dz, dh of one segment's rows: kernels::CutlassExpertScratchBytes),
-  // shared the same way ("expert.scratch").
+  // shared the same way ("expert.scratch"). The two regions are matched by size separately (a cuBLASLt and a
+  // CUTLASS layer of one shape share the output rows only), so this sum is not a key to deduplicate layers
+  // by: the domain's shared_bytes_per_rank is the total.
   size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
 
  private:

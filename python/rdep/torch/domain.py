@@ -9,7 +9,8 @@ size instead of one per module:
     domain = rdep.torch.Domain(world_size=4)                      # host backend: 4 ranks as threads
     blocks = [rdep.torch.MoE(64, 128, 16, 2, max_tokens=256, domain=domain, balance="ultraep")
               for _ in range(27)]
-    domain.memory()   # {'symmetric_bytes_per_rank': ..., 'shared_bytes_per_rank': one set of slots (CUDA: and of output rows)}
+    domain.memory()   # {'symmetric_bytes_per_rank': ..., 'shared_bytes_per_rank': one set of slots}
+                      # (on CUDA the shared bytes also hold the owner's rows and the CUTLASS scratch, once)
 
 A module made without `domain=` gets a domain of its own (its `layer.domain`), as before. The placement
 arguments are the Layer's (backend, world_size, device, num_gpus, process_group, barrier_timeout_s); a
@@ -271,7 +272,8 @@ class Domain(CHandle):
     def memory(self) -> dict:
         """Bytes per rank of the domain's symmetric regions (every layer's, the shared regions counted once)
         and of the shared regions alone (one set of replica slots per slot size, however many balanced
-        layers use them; on CUDA also the owner's output rows, one region per size: Layer.shared_row_bytes).
+        layers use them; on CUDA also the owner's output rows and the CUTLASS compute's scratch, one region per
+        size: Layer.shared_row_bytes).
         To total a model, sum over its distinct domains."""
         sym, shared = ctypes.c_size_t(), ctypes.c_size_t()
         _capi.check(_capi.lib().rdep_domain_memory(self._live_ptr(), ctypes.byref(sym), ctypes.byref(shared)),
