@@ -48,7 +48,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))

@@ -27,6 +27,7 @@ using dispatch::bf16_bits;
 enum MarkPhase {
   kMarkStart, kMarkRouting, kMarkDispatch, kMarkExpert, kMarkReturn, kMarkCombine, kMarkPlan, kMarkStream, kMarkReduce,
   kMarkRouteLocal, kMarkRouteCounts, kMarkRouteScan,  // parts of routing, with EnableProfiling(true, true)
+  kMarkReturnWait,  // the one-domain exchange's final barrier: part of return_ms, also in return_wait_ms
 };
 
 // A device buffer that keeps its allocation across calls and grows only when asked for more.

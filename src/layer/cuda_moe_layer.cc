@@ -74,6 +74,7 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
       case kMarkRouteLocal: t.routing_ms += ms, t.route_local_ms += ms; break;
       case kMarkRouteCounts: t.routing_ms += ms, t.route_counts_ms += ms; break;
       case kMarkRouteScan: t.routing_ms += ms, t.route_scan_ms += ms; break;
+      case kMarkReturnWait: t.return_ms += ms, t.return_wait_ms += ms; break;
       default: t.combine_ms += ms; break;
     }
   }
@@ -625,7 +626,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     else RDEP_RETURN_IF_ERROR(OwnerBackwardSegment(rank, st, sv, seg, seg_payload));
   }
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
-  return Mark(rank, st, backward, kMarkReturn);
+  return Mark(rank, st, backward, kMarkReturnWait);
 }
 
 // Owner, forward, one segment: expand into expert-grouped rows (the GEMMs need the per-expert counts

@@ -74,7 +74,9 @@ dropless; with --owner-reduce the identity expert, below):
              per-expert row counts)
   Phase times come from CUDA events at the layer's phase boundaries (EnableProfiling); the routing
   phase's parts (validation, expert ranks and counts published; the counts barrier; the owner scan and
-  the offsets barrier; acceptance) from a separate pass with three more events inside it.
+  the offsets barrier; acceptance) from a separate pass with three more events inside it. The return's
+  own stores (from the end of a rank's echo to the end of its returns, before the final barrier; the
+  slowest rank's) are printed beside it: under skew the rest is the other ranks waiting for the hot owner.
 NCCL baseline (ncclCommInitAll, the ranks' streams, NCCL_NVLS_ENABLE=0 forced):
   dispatch = grouped ncclSend/ncclRecv of the per-destination row counts, their copy to the host and
              a stream sync, then grouped ncclSend/ncclRecv of the rows: one row per (token, slot), as
@@ -393,6 +395,7 @@ struct DispatchBenchResults {
   // rdep, per iteration max over ranks
   std::vector<double> rdep_dispatch, rdep_combine, rdep_fwd;
   std::vector<double> ph_routing, ph_scatter, ph_expert, ph_return, ph_combine;
+  std::vector<double> ph_return_own;  // the return without its final barrier: the slowest rank's own stores
   // the routing phase in parts, from a separate pass with three more events (EnableProfiling's detail)
   std::vector<double> rt_total, rt_local, rt_counts, rt_scan, rt_accept;  // per iteration, the rank with the longest routing
   // NCCL baseline, per iteration max over ranks
@@ -550,6 +553,7 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
   res.ph_scatter = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.dispatch_ms; });
   res.ph_expert = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.expert_ms; });
   res.ph_return = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms; });
+  res.ph_return_own = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.return_ms - p.return_wait_ms; });
   res.ph_combine = MaxOverRanksOf(phases, [](const rdep::PhaseTimes& p) { return p.combine_ms; });
   return Status::Ok();
 }
@@ -749,6 +753,9 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
               rdep::Percentile(res.ph_routing, 50) * 1e3, rdep::Percentile(res.ph_scatter, 50) * 1e3,
               rdep::Percentile(res.ph_expert, 50) * 1e3, rdep::Percentile(res.ph_return, 50) * 1e3,
               rdep::Percentile(res.ph_combine, 50) * 1e3);
+  std::printf("  return in parts (p50 of the max-rank time, us): own stores %.1f (the slowest rank's, before the final barrier; the "
+              "rest of the return is waiting there for the last peer)\n",
+              rdep::Percentile(res.ph_return_own, 50) * 1e3);
   std::printf("  routing in parts (a separate pass with 3 more events; per iteration the rank with the longest routing, "
               "p50 of each part, us): %.1f = validate, ranks, counts %.1f + counts barrier %.1f + owner scan, offsets barrier "
               "%.1f + accept %.1f\n",
@@ -802,7 +809,8 @@ void WriteDispatchReceipt(const DispatchBenchOptions& o, int64_t segment, const 
   rdep::bench::WriteSummary(j, "rdep_forward", res.rdep_fwd);
   j.key("rdep_phases_p50_ms").begin_object().field("routing", rdep::Percentile(res.ph_routing, 50));
   j.field("scatter", rdep::Percentile(res.ph_scatter, 50)).field("echo", rdep::Percentile(res.ph_expert, 50));
-  j.field("return", rdep::Percentile(res.ph_return, 50)).field("combine", rdep::Percentile(res.ph_combine, 50)).end_object();
+  j.field("return", rdep::Percentile(res.ph_return, 50)).field("return_own_stores", rdep::Percentile(res.ph_return_own, 50));
+  j.field("combine", rdep::Percentile(res.ph_combine, 50)).end_object();
   j.key("rdep_routing_parts_p50_ms").begin_object().field("routing", rdep::Percentile(res.rt_total, 50));
   j.field("local", rdep::Percentile(res.rt_local, 50)).field("counts_barrier", rdep::Percentile(res.rt_counts, 50));
   j.field("scan_offsets_barrier", rdep::Percentile(res.rt_scan, 50)).field("accept", rdep::Percentile(res.rt_accept, 50)).end_object();

@@ -61,6 +61,8 @@ struct PhaseTimes {
   double dispatch_ms = 0;  // scatter of payload + sideband, segment barrier
   double expert_ms = 0;    // expansion, gather and the expert MLP (forward) / dgrad + wgrad (backward)
   double return_ms = 0;    // rows back to their front-ends, final barrier
+  double return_wait_ms = 0;  // of return_ms, the one-domain exchange's final barrier: from the end of this rank's
+                              // own returns to the last peer's (the rest of return_ms is its own stores)
   double combine_ms = 0;   // gate-weighted combine (forward) / dx sum (backward)
   // Balancing only (0 otherwise): the plan (solve, instance assignment, effective gates), the replica
   // weight streaming before the expert compute, and (backward) the replica gradient reduction.
