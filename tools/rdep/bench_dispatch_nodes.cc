@@ -68,6 +68,8 @@ struct NodesOptions {
 int RefuseOneDomainFlags(const cli::Flags& f) {
   for (const char* flag : {"no-nccl", "launch-ahead-us"})
     if (f.has(flag)) return Refuse(std::string("--") + flag + " belongs to the one-domain form; --nodes has no NCCL baseline");
+  if (f.has("owner-reduce"))  // LayerConfig::owner_reduce is refused with nodes: the relays already reduce each node's rows
+    return Refuse("--owner-reduce belongs to the one-domain form; with --nodes the relays already reduce each node's rows");
   return 0;
 }
 

@@ -108,6 +108,7 @@ expect 2 '--nodes must divide --ranks W=8 .*got 1' bench dispatch --backend host
 expect 2 '--max-nodes must be in \[1, N=4\], got 5' bench dispatch --backend host --ranks 8 --nodes 4 --max-nodes 5
 expect 2 '--max-nodes must be in \[1, N=4\], got 0' bench dispatch --backend host --ranks 8 --nodes 4 --max-nodes 0
 expect 2 '--no-nccl belongs to the one-domain form' bench dispatch --backend host --ranks 8 --nodes 4 --no-nccl
+expect 2 '--owner-reduce belongs to the one-domain form' bench dispatch --backend host --ranks 8 --nodes 4 --owner-reduce
 expect 2 '--gpus needs --backend cuda' bench dispatch --backend host --ranks 8 --nodes 4 --gpus 1
 expect 2 'unknown flag --bogus' bench dispatch --backend host --ranks 8 --nodes 4 --bogus 1
 expect 2 '--json' bench dispatch --backend host --ranks 8 --nodes 4 --json /nonexistent-dir/x.json
