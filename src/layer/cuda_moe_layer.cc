@@ -147,21 +147,17 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 
 CudaMoELayer::~CudaMoELayer() {
   regions_.Free(domain_);
-  for (auto& rank_state : ranks_)  // the CUTLASS compute's scratch is a shared region: the objects go first
-    if (rank_state) {
-      cudaSetDevice(rank_state->device);
-      rank_state->mlp.reset();
-    }
-  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_})
-    if (id >= 0) domain_.ReleaseShared(id);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
     RankState& st = *rank_state;
     cudaSetDevice(st.device);
+    st.mlp.reset();
     if (st.host_counts) cudaFreeHost(st.host_counts);
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
+  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_})  // last: the computes above used the scratch
+    if (id >= 0) domain_.ReleaseShared(id);
 }
 
 StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::Create(CudaDomain& domain, const LayerConfig& config,
