@@ -39,7 +39,9 @@ constexpr const char* kHelp = R"(usage: rdep bench layer [flags]
 The whole MoE layer (router output -> dispatch -> expert MLP -> return -> combine, and backward) on
 W GPUs of this machine. Reports max-rank p50/p99 of forward and forward+backward, useful TFLOP/s per
 GPU (accepted rows only: forward 6*rows*H*D_ff FLOPs, backward twice that), a per-phase breakdown,
-the device memory the layer holds, and the ratio to a baseline receipt.
+the device memory the layer holds (and with the caller's tensors: weights and gradients it binds,
+inputs, outputs and their gradients, as a baseline's peak counts them), and the ratio to a baseline
+receipt.
 
 flags [defaults: the Moonlight shape]:
   --ranks W            ranks [all GPUs, at most 8]                --tokens T   tokens per rank [4096]
@@ -55,9 +57,9 @@ flags [defaults: the Moonlight shape]:
   --min-quota U        with --balance ultraep: rows a replica carries at least [1]
   --expert-compute X   cublaslt | cutlass: cutlass reads the per-expert counts on the GPU, so the layer
                        never waits on the host (one segment, no balancing) [cublaslt]
-  --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 binds bf16
-                       copies of the layer's weights with bf16 gradients, as rdep.torch does for bf16
-                       parameters (needs one segment and no --balance)
+  --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 makes the
+                       layer without weights of its own and binds bf16 weights with bf16 gradients, as
+                       rdep.torch does for bf16 parameters (needs one segment and no --balance)
   --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
                        instead of one per slot) and takes dgate's dot products in backward [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
@@ -194,9 +196,11 @@ struct RankBuffers {
   int32_t* experts = nullptr;
   float *gates = nullptr, *dgates = nullptr;
   __nv_bfloat16 *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
-  // --grads bf16: bf16 copies of the layer's weights and their bf16 gradients, bound to the rank.
+  // --grads bf16: bf16 copies of the rank's expert weights and their bf16 gradients, bound to the rank.
   __nv_bfloat16 *w1 = nullptr, *w2 = nullptr, *dw1 = nullptr, *dw2 = nullptr;
   std::vector<cudaEvent_t> ev;
+  size_t io_bytes = 0;      // x, y, dy, dx, experts, gates, dgates
+  size_t weight_bytes = 0;  // w1, w2, dw1, dw2 (--grads bf16)
 };
 
 // On rank r's thread: allocates `b`, uploads the routing and the activations (bf16), dy = 0.01 and
@@ -208,6 +212,7 @@ Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std:
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.gates, nk * 4));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dgates, nk * 4));
   for (auto** p : {&b.x, &b.y, &b.dy, &b.dx}) RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(p, nh * 2));
+  b.io_bytes = 3 * nk * 4 + 4 * nh * 2;
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.experts, rr.experts.data(), rr.experts.size() * 4, cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.gates, rr.gates.data(), rr.gates.size() * 4, cudaMemcpyHostToDevice));
   std::vector<uint16_t> bits(nh);
@@ -220,18 +225,26 @@ Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std:
   return Status::Ok();
 }
 
-// --grads bf16, on rank r's thread: the layer's own weights copied to bf16 buffers of the bench, bound
-// with bf16 gradient buffers (ExternalWeights<bf16, bf16>), so backward writes bf16 gradients once.
-Status BindBf16Grads(rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b) {
+// --grads bf16, on rank r's thread: bf16 copies of the rank's experts from the host weights (the layer
+// was created without weights of its own, as rdep.torch's is), bound with bf16 gradient buffers
+// (ExternalWeights<bf16, bf16>), so backward writes bf16 gradients once.
+Status BindBf16Grads(rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, const rdep::MoEWeights& weights,
+                     const rdep::OwnershipMap& ownership) {
+  const int32_t local = ownership.num_local(r);
   for (int which = 0; which < 2; ++which) {
-    RDEP_ASSIGN_OR_RETURN(std::vector<float> w, layer.CopyWeights(r, which == 1));
-    std::vector<uint16_t> bits(w.size());
-    for (size_t i = 0; i < w.size(); ++i) bits[i] = rdep::FloatToBf16Bits(w[i]);
+    const size_t per = which ? weights.w2_per_expert() : weights.w1_per_expert();
+    const std::vector<float>& w = which ? weights.w2 : weights.w1;
+    std::vector<uint16_t> bits(static_cast<size_t>(local) * per);
+    for (int32_t j = 0; j < local; ++j) {
+      const auto e = static_cast<size_t>(ownership.global_expert(r, j));
+      for (size_t i = 0; i < per; ++i) bits[static_cast<size_t>(j) * per + i] = rdep::FloatToBf16Bits(w[e * per + i]);
+    }
     __nv_bfloat16** dst = which ? &b.w2 : &b.w1;
     __nv_bfloat16** grad = which ? &b.dw2 : &b.dw1;
     const size_t bytes = std::max<size_t>(bits.size(), 1) * 2;
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(dst, bytes));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(grad, bytes));
+    b.weight_bytes += 2 * bytes;
     if (!bits.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(*dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
   }
   return layer.BindExpertWeights(r, rdep::ExternalWeights<__nv_bfloat16, __nv_bfloat16>{b.w1, b.w2, b.dw1, b.dw2});
@@ -257,12 +270,16 @@ struct LayerBenchResults {
   rdep::Summary graph_sf, graph_sfb;
   std::vector<std::vector<rdep::PhaseTimes>> prof_f, prof_b;  // [rank][profiled iteration]
   std::vector<size_t> bytes;                                   // layer device bytes per rank
+  // Per rank, the caller's device tensors: inputs, outputs and their gradients, and with --grads bf16
+  // the bound bf16 weights and gradients (what the baseline's peak also counts beside its activations).
+  std::vector<size_t> caller_bytes;
   int64_t accepted_rows = 0;                                   // over all ranks
   std::vector<double> f_max, fb_max;                           // per iteration, max over ranks
   rdep::Summary sf, sfb;
   rdep::PhaseTimes bf, bb;  // max over ranks of each phase's median
   double tflops_f = 0, tflops_fb = 0;
   size_t max_bytes = 0;
+  size_t max_rank_bytes = 0;  // max over ranks of bytes + caller_bytes
   rdep::BalanceTelemetry balance;  // with --balance: what the last profiled forward's plan did
 };
 
@@ -388,7 +405,10 @@ void DeriveLayerStatistics(const rdep::LayerShape& s, LayerBenchResults& res) {
   const double flops_fwd = 6.0 * static_cast<double>(res.accepted_rows) * static_cast<double>(s.hidden) * static_cast<double>(s.ffn);
   res.tflops_f = flops_fwd / W / (res.sf.p50 * 1e-3) / 1e12;
   res.tflops_fb = 3 * flops_fwd / W / (res.sfb.p50 * 1e-3) / 1e12;
-  for (auto b : res.bytes) res.max_bytes = std::max(res.max_bytes, b);
+  for (size_t r = 0; r < res.bytes.size(); ++r) {
+    res.max_bytes = std::max(res.max_bytes, res.bytes[r]);
+    res.max_rank_bytes = std::max(res.max_rank_bytes, res.bytes[r] + res.caller_bytes[r]);
+  }
 }
 
 // The timed passes on every rank, then the profiled iterations, then the statistics.
@@ -402,13 +422,15 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
   res.fwd.assign(W, {});
   res.fwdbwd.assign(W, {});
   res.bytes.assign(W, 0);
+  res.caller_bytes.assign(W, 0);
   RDEP_RETURN_IF_ERROR(domain.Run([&](int32_t r) -> Status {
     const auto sr = static_cast<size_t>(r);
     RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, total));
-    if (o.bf16_grads) RDEP_RETURN_IF_ERROR(BindBf16Grads(layer, r, bufs[sr]));
+    if (o.bf16_grads) RDEP_RETURN_IF_ERROR(BindBf16Grads(layer, r, bufs[sr], setup.weights, setup.ownership));
     RDEP_RETURN_IF_ERROR(TimeRankPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.fwd[sr],
                                         res.fwdbwd[sr]));
     res.bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes() + layer.shared_row_bytes();  // one layer: the shared slots are all its own
+    res.caller_bytes[sr] = bufs[sr].io_bytes + bufs[sr].weight_bytes;
     return Status::Ok();
   }));
   if (o.graph) {
@@ -494,7 +516,8 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
   std::printf("  placement: %s\n", setup.domain->placement().c_str());
   rdep::bench::PrintTransportSms(cfg.transport_sms);
-  if (o.bf16_grads) std::printf("  weight gradients: bf16 (bound bf16 copies of the weights, as rdep.torch's bf16 parameters)\n");
+  if (o.bf16_grads)
+    std::printf("  weight gradients: bf16 (the layer holds no weights; bf16 weights and gradients bound, as rdep.torch's bf16 parameters)\n");
   if (cfg.expert_compute != rdep::ExpertComputeKind::kCublasLt)
     std::printf("  expert compute: %s (the counts read on the GPU: no host wait in the layer)\n",
                 rdep::ExpertComputeName(cfg.expert_compute));
@@ -514,8 +537,11 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
   std::printf("  breakdown (ms, max-rank median)  routing  dispatch  expert  return  combine\n");
   std::printf("    forward                      %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bf.routing_ms, bf.dispatch_ms, bf.expert_ms, bf.return_ms, bf.combine_ms);
   std::printf("    backward (routing = dgate)   %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bb.routing_ms, bb.dispatch_ms, bb.expert_ms, bb.return_ms, bb.combine_ms);
-  std::printf("  layer device memory per rank (max): %.3f GiB; baseline peak allocated: %.3f GiB\n",
-              static_cast<double>(res.max_bytes) / (1 << 30), c.base_mem);
+  std::printf("  layer device memory per rank (max): %.3f GiB; with the caller's tensors (%s): %.3f GiB; baseline peak "
+              "allocated: %.3f GiB\n",
+              static_cast<double>(res.max_bytes) / (1 << 30),
+              o.bf16_grads ? "bf16 weights and gradients, inputs, outputs and their gradients" : "inputs, outputs and their gradients",
+              static_cast<double>(res.max_rank_bytes) / (1 << 30), c.base_mem);
   if (cfg.balance.enabled()) PrintBalance(cfg, res);
 }
 
@@ -549,6 +575,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   j.key("breakdown_backward_ms").begin_object().field("dgate", bb.routing_ms).field("dispatch", bb.dispatch_ms);
   j.field("expert", bb.expert_ms).field("return", bb.return_ms).field("combine", bb.combine_ms).end_object();
   j.field("layer_device_bytes_max_rank", static_cast<int64_t>(res.max_bytes));
+  j.field("rank_device_bytes_max", static_cast<int64_t>(res.max_rank_bytes));  // with the caller's tensors
   if (o.cfg.balance.enabled()) {
     const rdep::BalanceTelemetry& t = res.balance;
     j.key("balance").begin_object().field("balancer", rdep::BalanceKindName(o.cfg.balance.kind));
@@ -587,7 +614,7 @@ int RunLayerBench(const rdep::cli::Args& args) {
   }
   LayerBenchOptions o;
   if (int rc = ParseLayerBenchOptions(args, o); rc != 0) return rc;
-  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.use_gpus));
+  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.use_gpus), /*own_weights=*/!o.bf16_grads);
   if (!setup.ok()) return Fail(setup.status());
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
   LayerBenchResults res;

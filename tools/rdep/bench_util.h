@@ -74,19 +74,28 @@ struct LayerBenchSetup {
   std::vector<std::vector<float>> x;
   std::unique_ptr<CudaDomain> domain;
   std::unique_ptr<CudaMoELayer> layer;
+  MoEWeights weights;  // kept only for a layer without weights of its own (the caller binds copies)
 };
 
-inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const RoutingSpec& spec, uint64_t seed, int num_gpus) {
+// own_weights = false: the layer is created without weights (as rdep.torch's, whose parameters are the
+// caller's) and `weights` stays in the setup for the caller to copy and bind (BindExpertWeights).
+inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const RoutingSpec& spec, uint64_t seed, int num_gpus,
+                                                 bool own_weights = true) {
   RDEP_RETURN_IF_ERROR(cfg.Validate());
   const LayerShape& s = cfg.shape;
-  LayerBenchSetup b{*OwnershipMap::Contiguous(1, 1), {}, {}, nullptr, nullptr};
+  LayerBenchSetup b{*OwnershipMap::Contiguous(1, 1), {}, {}, nullptr, nullptr, {}};
   RDEP_ASSIGN_OR_RETURN(b.ownership, OwnershipMap::Contiguous(s.experts, s.ranks));
   RDEP_ASSIGN_OR_RETURN(b.routing, GenerateRouting(s, spec));
-  const MoEWeights weights = RandomWeights(s, seed);
+  MoEWeights weights = RandomWeights(s, seed);
   b.x = RandomActivations(s, b.routing, seed + 1);
   RDEP_ASSIGN_OR_RETURN(b.domain, CudaDomain::CreateSingleProcess(s.ranks, {.barrier_timeout_s = 10.0,
                                                                             .devices = RoundRobinDevices(s.ranks, num_gpus)}));
-  RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership, weights));
+  if (own_weights) {
+    RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership, weights));
+  } else {
+    RDEP_ASSIGN_OR_RETURN(b.layer, CudaMoELayer::Create(*b.domain, cfg, b.ownership));
+    b.weights = std::move(weights);
+  }
   return b;
 }
 
@@ -94,8 +103,8 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
 // and inputs, the benchmark's events, and on each GPU the layer (the validation estimate's device
 // terms, times the ranks that share a GPU when W ranks run on num_gpus). Refuses (InvalidArgument
 // naming the flags) what exceeds the limits or the smallest of the GPUs used.
-// bf16_grads: `rdep bench layer --grads bf16` also holds bf16 copies of each rank's expert weights and
-// their bf16 gradients on its GPU. layers > 1 (`--layers N`): N layers, each with its own context, and N
+// bf16_grads: `rdep bench layer --grads bf16` holds bf16 copies of each rank's expert weights and their
+// bf16 gradients on its GPU instead of the layer's own weights (the estimate still counts those: high). layers > 1 (`--layers N`): N layers, each with its own context, and N
 // more contexts (the stack's): the estimate's terms named "context: ..." count 2N times, the activations
 // and replica slots, the owner's output rows and the CUTLASS scratch (shared) once, every other term N times; and one more set
 // of fp32 host weights.
