@@ -29,6 +29,12 @@
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
+# Stages for one GPU (issues 14 and 15 on nvidia-h200; the archive keeps its name):
+#   one        the layer at W = 1 (Moonlight, CUTLASS compute, --graph) beside the baseline: fp32 weight
+#              gradients (the layer's own weights) and --grads bf16 (bound bf16 weights and gradients, as
+#              rdep.torch's), with the caller's tensors in the memory line
+#   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
+#   gemm1      rdep bench gemm (cutlass, cuBLASLt) beside torch._grouped_mm on the same counts, E_loc = 16
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -173,6 +179,22 @@ stage_train() {
   local tr=(torchrun --nproc-per-node=4 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass)
   run train_w4 "${env[@]}" "${tr[@]}" --json "$R/train_w4.json" --png "$R/train_w4.png"
   run train_w4_compile "${env[@]}" "${tr[@]}" --compile --json "$R/train_w4_compile.json" --png "$R/train_w4_compile.png"
+}
+stage_one() {
+  run torch_w1 torchrun --nproc-per-node=1 "$BASE" --json "$R/torch_w1.json"
+  run layer_w1 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --graph --json "$R/layer_w1.json" --baseline-json "$R/torch_w1.json"
+  run layer_w1_bf16 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json "$R/layer_w1_bf16.json" \
+    --baseline-json "$R/torch_w1.json"
+}
+stage_train1() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+  run train_w1 env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --json "$R/train_w1.json" --png "$R/train_w1.png"
+}
+stage_gemm1() {
+  run gemm_e16 "$RDEP" bench gemm --path lt,cutlass --iters 50 --warmup 10 --json "$R/gemm_e16.json"
+  run torch_gmm_e16 python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_e16.json" \
+    --json "$R/torch_gmm_e16.json"
 }
 [ $# -gt 0 ] || set -- transport combine nodes layer skew dsv3 train
 for stage in "$@"; do
