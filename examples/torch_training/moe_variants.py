@@ -98,12 +98,14 @@ def _update_bias(bias: Tensor, load: Tensor, rate: float, group) -> None:
 class RdepMoE(nn.Module):
     """rdep.torch.MoE in the model's slot. Under torchrun it takes the process group (one rank per
     process, experts sharded); in one process it drives `ranks` ranks (host backend threads on the CPU,
-    ranks sharing the GPU on CUDA), each given a contiguous 1/ranks of the process's tokens."""
+    ranks sharing the GPU on CUDA), each given a contiguous 1/ranks of the process's tokens. `domain` (the
+    first layer's, rdep.torch.Domain) puts every MoE layer of the model on one domain, which holds the
+    owner's output rows and the CUTLASS scratch once for all of them (rdep.torch.Layer.shared_row_bytes)."""
 
     kind = "rdep"
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
-                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt"):
+                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None):
         super().__init__()
         import rdep.torch as rt
 
@@ -116,6 +118,8 @@ class RdepMoE(nn.Module):
             kw.update(process_group=group, device=device)
         else:
             kw.update(world_size=ranks, device=device)
+        if domain is not None:  # the model's MoE layers share one domain: its shared regions are held once
+            kw.update(domain=domain)
         if tokens % ranks != 0:
             raise ValueError(f"--ranks-per-process: {ranks} must divide the {tokens} tokens of a process's batch")
         self.moe = rt.MoE(cfg.hidden, cfg.moe_ffn, cfg.experts, cfg.topk, **kw)

@@ -210,12 +210,16 @@ def resolve_kind(kind: str) -> tuple[str, str]:
 
 def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
     tokens = a.batch * cfg.seq_len
+    domain = []  # rdep: the first MoE layer's domain, shared by the others
 
     def make_moe(layer: int):
         if kind == "rdep":
-            return RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
-                           ranks=a.ranks_per_process, seed=a.seed,
-                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt")
+            moe = RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
+                          ranks=a.ranks_per_process, seed=a.seed,
+                          expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt",
+                          domain=domain[0] if domain else None)
+            domain[:] = [moe.moe.layer.domain]
+            return moe
         if kind == "torchtitan":
             return TitanMoE(cfg, layer, group=dd.group, device=dd.device, bias_rate=a.bias_rate)
         return ReferenceMoE(cfg, layer, group=dd.group)

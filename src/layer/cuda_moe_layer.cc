@@ -320,9 +320,13 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     }
     if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
     layer->ranks_.push_back(std::move(st));
-    // The own context's front-end buffers now (a warm cache for calls without a context).
-    RDEP_RETURN_IF_ERROR(ContextAccess::BeginForward<Saved>(layer->ranks_.back()->own_context, layer->id_, q,
-                                                            [&] { return layer->NewSaved(q); }).status());
+    // The own context's buffers now (a warm cache for calls without a context) when the layer holds its
+    // weights. A layer without weights is the C API's (rdep.torch's), whose calls bring pooled contexts:
+    // its own context is made at its first call without one, if any (a context holds a segment's worth of
+    // saved rows: x, h and the returned rows, ~170 MB at hidden 1024 and 4096 tokens top-6).
+    if (weights)
+      RDEP_RETURN_IF_ERROR(ContextAccess::BeginForward<Saved>(layer->ranks_.back()->own_context, layer->id_, q,
+                                                              [&] { return layer->NewSaved(q); }).status());
   }
   return layer;
 }
