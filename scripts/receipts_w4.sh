@@ -35,6 +35,9 @@
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt) beside torch._grouped_mm on the same counts, E_loc = 16
+#   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
+#              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
+#              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -185,6 +188,16 @@ stage_one() {
   run layer_w1 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --graph --json "$R/layer_w1.json" --baseline-json "$R/torch_w1.json"
   run layer_w1_bf16 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json "$R/layer_w1_bf16.json" \
     --baseline-json "$R/torch_w1.json"
+}
+stage_seg1() {
+  run check_seg_w4 "$RDEP" check --backend cuda --gpus 1 --ranks 4 --expert-compute cutlass --segment 24 --routing zipf:1.2 \
+    --json "$R/check_seg_w4.json"
+  run check_seg_w4_reduce "$RDEP" check --backend cuda --gpus 1 --ranks 4 --expert-compute cutlass --segment 40 --owner-reduce \
+    --capacity-factor 1.0 --json "$R/check_seg_w4_reduce.json"
+  [ -f "$R/torch_w1.json" ] || run torch_w1 torchrun --nproc-per-node=1 "$BASE" --json "$R/torch_w1.json"
+  run layer_w1_seg1024 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --segment 1024 --graph --json "$R/layer_w1_seg1024.json" \
+    --baseline-json "$R/torch_w1.json"
+  run layer_w1_seg1024_lt "$RDEP" bench layer --ranks 1 --segment 1024 --json "$R/layer_w1_seg1024_lt.json" --baseline-json "$R/torch_w1.json"
 }
 stage_train1() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1

@@ -27,9 +27,11 @@
  *
  * Streams (CUDA): io.stream is the caller's stream on the rank's device (0 for the legacy default
  * stream); the layer's work on the rank's own stream is ordered after the caller's stream's prior work
- * and before its later work (event joins). The layer itself waits on the host once per forward segment
- * (its expert GEMMs take per-expert row counts on the host), and since its stream first waits for the
- * caller's, that wait also covers the caller's earlier work. Not capturable in a CUDA graph.
+ * and before its later work (event joins). With the cuBLASLt expert compute (the default) the layer
+ * waits on the host once per forward segment (its expert GEMMs take per-expert row counts on the host),
+ * and since its stream first waits for the caller's, that wait also covers the caller's earlier work;
+ * with expert_compute CUTLASS and no balancing it waits nowhere (any segment size; with nodes > 1 one
+ * segment), so its calls can be captured in a CUDA graph.
  *
  * Threads: calls on one domain are serialized (a second caller waits, whichever of the domain's layers
  * it calls; creating and destroying a layer wait too); layers on different domains are independent.
@@ -107,8 +109,8 @@ typedef struct rdep_layer_spec {
   int32_t nodes;               /* N (0 or 1 = one domain) */
   int32_t max_nodes;           /* M: routing must keep each token on at most M nodes (0 = N) */
   /* Version 3. CUDA: the expert compute, 0 = cuBLASLt (the counts read on the host once per forward
-   * segment), 1 = CUTLASS grouped GEMMs for sm_90a (the counts read on the device: with one segment
-   * and no balancing, no host wait in the layer). The host backend ignores it. */
+   * segment), 1 = CUTLASS grouped GEMMs for sm_90a (the counts read on the device: with no
+   * balancing, no host wait in the layer; with nodes > 1 only in one segment). The host backend ignores it. */
   int32_t expert_compute;
   /* Version 5. 1 = the owner sums a token's rows before they cross back (one row per (token, owner)
    * instead of one per slot; dgate's dot products taken by the owner): LayerConfig::owner_reduce. Not

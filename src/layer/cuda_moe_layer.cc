@@ -467,6 +467,8 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   }
   if (layout_.S >= W * s.tokens) {
     sv.num_segments = 1;  // worst-case-sized segment: every owner's stream fits, no sync needed
+  } else if (SyncFree(st)) {
+    sv.num_segments = SyncFreeSegments();  // the worst case's count: the host never learns the owners' streams
   } else {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, sv.control.ptr + layout_.owner_tokens(0), sizeof(int64_t) * static_cast<size_t>(W),
                                               cudaMemcpyDeviceToHost, stream));
@@ -632,7 +634,7 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
 // Owner, forward, one segment: expand into expert-grouped rows (the GEMMs need the per-expert counts
 // on the host), gather, expert MLP (or the sentinel echo), return rows to their front-ends.
 Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
-  if (SyncFree(st)) return OwnerForwardSyncFree(rank, st, sv, seg_payload);
+  if (SyncFree(st)) return OwnerForwardSyncFree(rank, st, sv, seg, seg_payload);
   sv.counts_on_device = false;
   const LayerShape& s = config_.shape;
   const int64_t H = s.hidden, S = layout_.S;
@@ -702,7 +704,7 @@ Status CudaMoELayer::ZeroWeightGrads(RankState& st, cudaStream_t stream) {
 // Owner, backward, one segment: dout rows = gate * dy in the forward's grouped order, dgrad and
 // wgrad (accumulated over segments), dx rows back to their front-ends.
 Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
-  if (sv.counts_on_device) return OwnerBackwardSyncFree(rank, st, sv, seg_payload);
+  if (sv.counts_on_device) return OwnerBackwardSyncFree(rank, st, sv, seg, seg_payload);
   const LayerShape& s = config_.shape;
   const int64_t H = s.hidden;
   cudaStream_t stream = domain_.stream(rank);
@@ -780,21 +782,21 @@ StatusOr<std::vector<OwnerTraceEntry>> CudaMoELayer::CopyOwnerTrace(int32_t rank
   if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
-  int64_t device_total = 0;  // a sync-free forward left its counts (and their total, last) on the device
+  std::vector<int64_t> dev;  // a sync-free forward left its counts (per segment, phys and their total) on the device
   if (sv->counts_on_device) {
-    RDEP_ASSIGN_OR_RETURN(const std::vector<int64_t> c, DeviceCounts(rank, *sv));
-    device_total = c.back();
+    RDEP_ASSIGN_OR_RETURN(dev, DeviceCounts(rank, *sv));
   }
-  std::vector<GroupedRow> rows(static_cast<size_t>(sv->counts_on_device ? device_total : sv->total_rows));
-  if (!rows.empty())
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), sv->grouped.ptr, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
+  const auto stride = static_cast<size_t>(physical_experts(*ranks_[static_cast<size_t>(rank)])) + 1;
   std::vector<OwnerTraceEntry> trace;
   for (int64_t seg = 0; seg < sv->num_segments; ++seg) {
-    int64_t m = sv->counts_on_device ? device_total : 0;
+    int64_t m = sv->counts_on_device ? dev[static_cast<size_t>(seg + 1) * stride - 1] : 0;
     for (int64_t c : sv->seg_rows[static_cast<size_t>(seg)]) m += c;
     const int64_t base = sv->seg_base[static_cast<size_t>(seg)];
+    std::vector<GroupedRow> rows(static_cast<size_t>(m));
+    if (m > 0)
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(rows.data(), sv->grouped.ptr + base, rows.size() * sizeof(GroupedRow), cudaMemcpyDeviceToHost));
     for (int64_t g = 0; g < m; ++g) {
-      const GroupedRow& r = rows[static_cast<size_t>(base + g)];
+      const GroupedRow& r = rows[static_cast<size_t>(g)];
       trace.push_back({r.row_id, r.local_expert, static_cast<int32_t>(seg), g});
     }
   }
@@ -806,7 +808,9 @@ std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
   std::vector<int64_t> total(sv ? static_cast<size_t>(physical_experts(*ranks_[static_cast<size_t>(rank)])) : 0, 0);
   if (sv && sv->counts_on_device) {  // a sync-free forward: the counts are on the device (this waits)
     auto c = DeviceCounts(rank, *sv);
-    if (c.ok()) std::copy_n(c->begin(), total.size(), total.begin());
+    if (c.ok())
+      for (size_t at = 0; at < c->size(); at += total.size() + 1)
+        for (size_t j = 0; j < total.size(); ++j) total[j] += (*c)[at + j];
     return total;
   }
   if (sv)

@@ -1,12 +1,16 @@
 // The CUDA layer's owner work without host waits (CudaMoELayer::SyncFree): the expert compute reads
-// the per-expert counts in device memory (the CUTLASS grouped implementation), the forward runs in
-// one segment (S >= W*T), and every buffer the owner fills is sized for that segment's worst case
-// (MaxSegmentRows: S * slots_per_token rows, fewer with a capacity) when the context is made, so nothing
-// grows during a call. The launches
-// that took the row count from the host (gather, return) take the device total as their bound:
-//   forward   expand (counts per physical expert into the context) -> sum -> gather x rows ->
+// the per-expert counts in device memory (the CUTLASS grouped implementation), and every buffer the
+// owner fills is sized for the worst case when the context is made, so nothing grows during a call.
+// Segments: the host does not learn how many tokens an owner received, so a forward runs the worst
+// case's count, ceil(W*T / S) (one when S >= W*T); a segment past the tokens every owner received runs
+// empty (its kernels read zero counts on the device). Segment s's grouped rows, saved x and h rows (and
+// with owner_reduce its kept outputs) sit at s * MaxSegmentRows, its counts at s * (phys + 1), so backward
+// finds them without the host. The launches that took the row count from the host (gather, return) take
+// the segment's device total as their bound:
+//   forward   per segment: expand (counts per physical expert into the context) -> sum -> gather x rows ->
 //             expert compute (device counts) -> return rows by row_id
-//   backward  gather g' * dy rows -> expert compute backward (device counts) -> return dx rows
+//   backward  per segment: gather g' * dy rows -> expert compute backward (device counts; the first
+//             segment overwrites the weight gradients, later ones add to them) -> return dx rows
 // The host learns the counts only when asked (owner_rows_per_expert, CopyOwnerTrace: they wait).
 #include <algorithm>
 #include <string>
@@ -20,80 +24,90 @@ namespace rdep {
 using cuda_layer::Bits;
 using dispatch::bf16_bits;
 
+// Two-phase layers (nodes > 1) plan their segments from the relays' counts on the host: sync-free there
+// only in one segment.
 bool CudaMoELayer::SyncFree(const RankState& st) const {
   return st.mlp && st.mlp->graph_safe() && !config_.balance.enabled() && kind_ == ExpertKind::kSwiGLU &&
-         layout_.S >= config_.shape.ranks * config_.shape.tokens;
+         (layout_.S >= config_.shape.ranks * config_.shape.tokens || config_.nodes.nodes <= 1);
 }
 
-// What a sync-free forward fills, at its worst case: one segment's rows (MaxSegmentRows).
+int64_t CudaMoELayer::SyncFreeSegments() const {
+  const int64_t most = std::max<int64_t>(config_.shape.ranks * config_.shape.tokens, 1);  // tokens an owner can receive
+  return (most + layout_.S - 1) / layout_.S;
+}
+
+// What a sync-free forward fills, at its worst case: each segment's rows (MaxSegmentRows).
 Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
-  const auto cap = static_cast<size_t>(MaxSegmentRows(config_, layout_));
+  const auto segs = static_cast<size_t>(SyncFreeSegments());
+  const auto rows = segs * static_cast<size_t>(MaxSegmentRows(config_, layout_));
   const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
-  RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(cap));
-  RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(cap * H));
-  RDEP_RETURN_IF_ERROR(sv.h_rows.Reserve(cap * 2 * F));
-  if (config_.owner_reduce) {  // the expert outputs stay for dgate; the token -> rows index of the one segment
-    RDEP_RETURN_IF_ERROR(sv.f_rows.Reserve(cap * H));
-    RDEP_RETURN_IF_ERROR(sv.inv.Reserve(static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1))));
+  RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(rows));
+  RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(rows * H));
+  RDEP_RETURN_IF_ERROR(sv.h_rows.Reserve(rows * 2 * F));
+  if (config_.owner_reduce) {  // the expert outputs stay for dgate; the token -> rows index of each segment
+    RDEP_RETURN_IF_ERROR(sv.f_rows.Reserve(rows * H));
+    RDEP_RETURN_IF_ERROR(sv.inv.Reserve(segs * static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1))));
   }
-  return sv.dev_counts.Reserve(static_cast<size_t>(physical_experts(st)) + 1);
+  return sv.dev_counts.Reserve(segs * (static_cast<size_t>(physical_experts(st)) + 1));
 }
 
-Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
-  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_);
+Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
   const int32_t phys = physical_experts(st);
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
-  int64_t* counts = sv.dev_counts.ptr;
+  int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
   const int64_t* total = counts + phys;
   const bool reduce = config_.owner_reduce;
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, phys, counts,
-                                              sv.grouped.ptr, cap, st.expand_scratch.ptr, stream, reduce ? sv.inv.ptr : nullptr));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), static_cast<int32_t>(seg % 2), seg * layout_.S,
+                                              layout_, sv.control.ptr, phys, counts, sv.grouped.ptr + base, cap, st.expand_scratch.ptr,
+                                              stream, reduce ? SegmentInv(sv, seg) : nullptr));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
-  sv.counts_on_device = true;
-  sv.seg_rows.assign(1, {});  // the host does not know them
-  sv.seg_base.assign(1, 0);
-  sv.total_rows = 0;
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, false, Bits(sv.x_rows.ptr), stream, total));
-  __nv_bfloat16* out = reduce ? sv.f_rows.ptr : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  sv.counts_on_device = true;  // the host does not know the segment's rows (seg_rows stays empty)
+  sv.seg_base[static_cast<size_t>(seg)] = base;
+  __nv_bfloat16* x_rows = sv.x_rows.ptr + base * H;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, false, Bits(x_rows), stream, total));
+  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
   if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, sv.x_rows.ptr, st.weights(), sv.h_rows.ptr, out, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, x_rows, st.weights(), sv.h_rows.ptr + base * 2 * config_.shape.ffn, out,
+                                         stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
   if (reduce)
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, /*seg=*/0, /*base=*/0, /*backward=*/false));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
   else
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr, cap, layout_, domain_.peer_table(rank, regions_.ret), stream,
-                                                    total));
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr + base, cap, layout_, domain_.peer_table(rank, regions_.ret),
+                                                    stream, total));
   return Mark(rank, st, false, cuda_layer::kMarkReturn);
 }
 
-Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload) {
-  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_);
+Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
   const int32_t phys = physical_experts(st);
   cudaStream_t stream = domain_.stream(rank);
-  const int64_t* counts = sv.dev_counts.ptr;
+  const int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
   const int64_t* total = counts + phys;
   // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr, cap, H, true, Bits(OutRows(rank)), stream, total));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(OutRows(rank)), stream, total));
   const kernels::ExpertGradsView grads = st.grads();
-  if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr, sv.h_rows.ptr, OutRows(rank), st.weights(),
-                                          OutRows(rank) + cap * H, grads, /*accumulate=*/false, stream));  // overwrite: one segment
+  if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * config_.shape.ffn,
+                                          OutRows(rank), st.weights(), OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
-    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, 0, cap, total));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + cap * H, sv, /*seg=*/0, /*base=*/0, /*backward=*/true));
+    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + cap * H, sv, seg, base, /*backward=*/true));
   } else {
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(OutRows(rank) + cap * H), sv.grouped.ptr, cap, layout_,
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(OutRows(rank) + cap * H), sv.grouped.ptr + base, cap, layout_,
                                                     domain_.peer_table(rank, regions_.ret), stream, total));
   }
   return Mark(rank, st, true, cuda_layer::kMarkReturn);
 }
 
-// The counts a sync-free forward left on the device, for checks (waits for the rank's stream).
+// The counts a sync-free forward left on the device, for checks (waits for the rank's stream): per
+// segment, phys counts and their total.
 StatusOr<std::vector<int64_t>> CudaMoELayer::DeviceCounts(int32_t rank, const Saved& sv) const {
   const int32_t phys = physical_experts(*ranks_[static_cast<size_t>(rank)]);
-  std::vector<int64_t> c(static_cast<size_t>(phys) + 1, 0);
+  std::vector<int64_t> c(static_cast<size_t>(sv.num_segments) * (static_cast<size_t>(phys) + 1), 0);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv.device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(domain_.stream(rank)));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(c.data(), sv.dev_counts.ptr, c.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));

@@ -1,16 +1,20 @@
 // The CUDA layer with the CUTLASS expert compute (LayerConfig::expert_compute = kCutlass): no host
-// wait in Forward or Backward. Against the same layer with the cuBLASLt compute (W = 1 and W = 4 ranks
-// sharing the GPUs present, capacity drops): y, dx, dgates, dW1, dW2 within ||a-b||/||b|| <= 1e-2 and
-// the routing metadata (acceptance) bitwise; a W = 1 forward and backward captured in a CUDA graph
-// (any host synchronization inside would break the capture) and replayed on new inputs in the same
-// buffers equals eager calls bitwise; two CUTLASS layers on one domain, sharing the compute's scratch, run
+// wait in Forward or Backward, in one segment or several (S < W*T: the worst case's ceil(W*T/S)
+// segments, those past the rows received empty). Against the same layer with the cuBLASLt compute
+// (W = 1 and W = 4 ranks sharing the GPUs present, capacity drops, segments, owner_reduce): y, dx,
+// dgates, dW1, dW2 within ||a-b||/||b|| <= 2e-2 and the routing metadata (acceptance) bitwise; a W = 1
+// forward and backward captured in a CUDA graph (any host synchronization inside would break the
+// capture), in one segment and in four, and replayed on new inputs in the same buffers equals eager
+// calls bitwise; two CUTLASS layers on one domain, sharing the compute's scratch, run
 // interleaved equal each alone bitwise. Skips without a GPU, CUTLASS or sm_90.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <ostream>
 #include <string>
 #include <tuple>
 
@@ -41,8 +45,19 @@ struct Outputs {
   std::vector<std::vector<uint16_t>> y, dx;
   std::vector<std::vector<float>> dg, dw1, dw2;
   std::vector<RankAcceptance> acc;
-  explicit Outputs(size_t W) : y(W), dx(W), dg(W), dw1(W), dw2(W), acc(W) {}
+  std::vector<int64_t> segments, rows;  // per rank: the forward's segments, the rows its experts received
+  explicit Outputs(size_t W) : y(W), dx(W), dg(W), dw1(W), dw2(W), acc(W), segments(W), rows(W) {}
 };
+
+// A layer's setting in these tests: capacity factor (0 = dropless), segment tokens (0 = W*T), owner_reduce.
+struct Setting {
+  double capacity = 0;
+  int64_t segment = 0;
+  bool owner_reduce = false;
+};
+void PrintTo(const Setting& s, std::ostream* os) {
+  *os << "{capacity " << s.capacity << ", segment " << s.segment << ", owner_reduce " << s.owner_reduce << "}";
+}
 
 // Skips (returning false) where the CUTLASS compute cannot be made here.
 // Whether the CUTLASS compute runs here; with a GPU and RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh)
@@ -72,10 +87,12 @@ Status Collect(CudaMoELayer& layer, const Problem& p, const Batch& b, int32_t r,
   const auto L = static_cast<size_t>(p.own.num_local(r));
   RDEP_ASSIGN_OR_RETURN(out.dw1[i], Download(layer.dw1(r), L * static_cast<size_t>(H * 2 * F)));
   RDEP_ASSIGN_OR_RETURN(out.dw2[i], Download(layer.dw2(r), L * static_cast<size_t>(F * H)));
+  out.segments[i] = layer.segments(r);
+  for (int64_t c : layer.owner_rows_per_expert(r)) out.rows[i] += c;
   return Status::Ok();
 }
 
-Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
+Outputs RunLayer(Problem& p, ExpertComputeKind kind, const Setting& set) {
   const auto W = static_cast<size_t>(p.shape.ranks);
   Outputs out(W);
   const int gpus = cuda::DeviceCount();
@@ -83,8 +100,10 @@ Outputs RunLayer(Problem& p, ExpertComputeKind kind, double capacity) {
                                                                 .devices = RoundRobinDevices(p.shape.ranks, std::min<int>(static_cast<int>(W), gpus))});
   EXPECT_TRUE(domain.ok()) << domain.status();
   if (!domain.ok()) return out;
-  LayerConfig cfg = MakeLayerConfig(p.shape, {.capacity_factor = capacity});
+  LayerConfig cfg = MakeLayerConfig(p.shape, {.capacity_factor = set.capacity});
   cfg.expert_compute = kind;
+  cfg.segment_tokens = set.segment;
+  cfg.owner_reduce = set.owner_reduce;
   auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
   EXPECT_TRUE(layer.ok()) << layer.status();
   if (!layer.ok()) return out;
@@ -115,35 +134,53 @@ std::vector<double> Widen(const std::vector<uint16_t>& v) {
 }
 std::vector<double> Widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
-class CudaSyncFree : public ::testing::TestWithParam<std::tuple<int32_t, double>> {};
+class CudaSyncFree : public ::testing::TestWithParam<std::tuple<int32_t, Setting>> {};
 
 TEST_P(CudaSyncFree, CutlassComputeMatchesCublasLt) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
-  const auto [W, capacity] = GetParam();
+  const auto [W, set] = GetParam();
   Problem p(W, "zipf:1.2", 3);
-  const Outputs lt = RunLayer(p, ExpertComputeKind::kCublasLt, capacity);
-  const Outputs cut = RunLayer(p, ExpertComputeKind::kCutlass, capacity);
+  const Outputs lt = RunLayer(p, ExpertComputeKind::kCublasLt, set);
+  const Outputs cut = RunLayer(p, ExpertComputeKind::kCutlass, set);
+  const int64_t wt = W * p.shape.tokens, S = set.segment > 0 ? set.segment : wt;
   for (size_t i = 0; i < static_cast<size_t>(W); ++i) {
     EXPECT_EQ(cut.acc[i].accepted, lt.acc[i].accepted) << "rank " << i;
     EXPECT_EQ(cut.acc[i].effective_gates, lt.acc[i].effective_gates) << "rank " << i;
+    // The sync-free layer runs the worst case's segments; the cuBLASLt one those the owners' streams need.
+    EXPECT_EQ(cut.segments[i], (wt + S - 1) / S) << "rank " << i;
+    EXPECT_LE(lt.segments[i], cut.segments[i]) << "rank " << i;
+    EXPECT_EQ(cut.rows[i], lt.rows[i]) << "rows received, rank " << i;
     EXPECT_LE(RelL2(Widen(cut.y[i]), Widen(lt.y[i])), 1e-2) << "y, rank " << i;
     EXPECT_LE(RelL2(Widen(cut.dx[i]), Widen(lt.dx[i])), 2e-2) << "dx, rank " << i;
     EXPECT_LE(RelL2(Widen(cut.dg[i]), Widen(lt.dg[i])), 2e-2) << "dgates, rank " << i;
     EXPECT_LE(RelL2(Widen(cut.dw1[i]), Widen(lt.dw1[i])), 2e-2) << "dW1, rank " << i;
     EXPECT_LE(RelL2(Widen(cut.dw2[i]), Widen(lt.dw2[i])), 2e-2) << "dW2, rank " << i;
   }
+  if (set.segment > 0 && set.segment < wt) {  // several segments really ran with rows in more than one
+    int64_t most = 0;
+    for (int64_t g : lt.segments) most = std::max(most, g);
+    EXPECT_GT(most, 1) << "the routing left every owner's stream inside one segment: the case tests nothing more";
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree, ::testing::Values(std::tuple{1, 0.0}, std::tuple{4, 0.0}, std::tuple{4, 0.8}),
-                         [](const ::testing::TestParamInfo<std::tuple<int32_t, double>>& i) {
-                           return "W" + std::to_string(std::get<0>(i.param)) + (std::get<1>(i.param) > 0 ? "_capacity_drops" : "");
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree,
+                         ::testing::Values(std::tuple{1, Setting{}}, std::tuple{4, Setting{}}, std::tuple{4, Setting{.capacity = 0.8}},
+                                           std::tuple{1, Setting{.segment = 16}}, std::tuple{4, Setting{.segment = 24}},
+                                           std::tuple{4, Setting{.capacity = 0.8, .segment = 32}},
+                                           std::tuple{4, Setting{.segment = 40, .owner_reduce = true}}),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, Setting>>& i) {
+                           const Setting& s = std::get<1>(i.param);
+                           return "W" + std::to_string(std::get<0>(i.param)) + (s.capacity > 0 ? "_capacity_drops" : "") +
+                                  (s.segment > 0 ? "_S" + std::to_string(s.segment) : "") + (s.owner_reduce ? "_owner_reduce" : "");
                          });
 
 // W = 1: Forward + Backward captured once on the rank's stream (a host wait inside would end the
 // capture with an error), replayed after new routing and activations were written into the same
 // device buffers: bitwise the eager results on those inputs.
-TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
+class CudaSyncFree_Graph : public ::testing::TestWithParam<int64_t> {};  // the segment tokens
+
+TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem first(1, "uniform", 5), second(1, "zipf:1.5", 9);
@@ -151,6 +188,7 @@ TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(first.shape);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.segment_tokens = GetParam();
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
@@ -200,6 +238,11 @@ TEST(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   EXPECT_EQ(dx_graph, dx_eager);
 }
 
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph, ::testing::Values(int64_t{0}, int64_t{16}),
+                         [](const ::testing::TestParamInfo<int64_t>& i) {
+                           return i.param > 0 ? "S" + std::to_string(i.param) : std::string("one_segment");
+                         });
+
 // Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the
 // owner's output rows: run interleaved (A forward, B forward, A backward, B backward, so B's calls run
 // between A's two) they give bitwise what each gives alone on a domain of its own, W = 4 ranks sharing
@@ -209,7 +252,7 @@ TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem pa(4, "zipf:1.2", 3), pb(4, "uniform", 11);
-  const Outputs a_alone = RunLayer(pa, ExpertComputeKind::kCutlass, 0), b_alone = RunLayer(pb, ExpertComputeKind::kCutlass, 0);
+  const Outputs a_alone = RunLayer(pa, ExpertComputeKind::kCutlass, Setting{}), b_alone = RunLayer(pb, ExpertComputeKind::kCutlass, Setting{});
   auto domain = CudaDomain::CreateSingleProcess(4, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(4, std::min(4, cuda::DeviceCount()))});
   ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(pa.shape);

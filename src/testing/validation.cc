@@ -392,14 +392,16 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     // expert compute's workspace (z, dz, dh: 8*D_ff bytes a row, and 64 MiB of cuBLASLt workspace). What a
     // forward saves for its backward (terms named "context: ..."; CheckLayerBenchFootprint counts one per
     // context): the received rows' x and SwiGLU inputs by the rows received (T*K per owner, balanced), or,
-    // on the sync-free path (CUTLASS, one segment, no balancing), by the segment bound; the front-end's
+    // on the sync-free path (CUTLASS, no balancing), by the segment bound times the segments; the front-end's
     // returned rows (not with owner_reduce).
     const double L_phys = L + (o.layer.balance.enabled() ? pos(o.layer.balance.num_slots) : 0.0);
     double seg_rows = std::max(1.0, S_dev * std::max(1.0, std::min(K, L_phys)));
     if (!o.layer.capacity.dropless())
       seg_rows = std::max(1.0, std::min(seg_rows, L_phys * static_cast<double>(o.layer.capacity.ExpertCapacity(s))));
-    const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() && S_dev >= W * T;
-    const double saved_rows = sync_free ? seg_rows : T * K;
+    // Sync-free: CUTLASS, no balancing, and one segment or one node; ceil(W*T/S) segments of seg_rows each.
+    const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() &&
+                           (S_dev >= W * T || o.layer.nodes.nodes <= 1);
+    const double saved_rows = sync_free ? std::ceil(std::max(1.0, W * T) / S_dev) * seg_rows : T * K;
     fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of 2*H; one set for every layer of the size)",
                          {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * 4 * H});
     if (o.layer.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch is shared like the output rows
@@ -411,7 +413,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
                            {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F + 64.0 * (1 << 20)});
     }
     fp.device.push_back({"return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}}, 2 * T * K * H});
-    fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (MaxSegmentRows rows of H and 2*D_ff values)"
+    fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values)"
                                    : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
                          {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});
     if (!o.layer.owner_reduce)

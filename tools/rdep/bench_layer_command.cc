@@ -56,7 +56,7 @@ flags [defaults: the Moonlight shape]:
   --slots N            with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U        with --balance ultraep: rows a replica carries at least [1]
   --expert-compute X   cublaslt | cutlass: cutlass reads the per-expert counts on the GPU, so the layer
-                       never waits on the host (one segment, no balancing) [cublaslt]
+                       never waits on the host (any --segment, no balancing) [cublaslt]
   --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 makes the
                        layer without weights of its own and binds bf16 weights with bf16 gradients, as
                        rdep.torch does for bf16 parameters (needs one segment and no --balance)
@@ -167,9 +167,8 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.bf16_grads = grads == "bf16";
   if (o.bf16_grads && (o.cfg.balance.enabled() || (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.ranks * s.tokens)))
     return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
-  if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled() ||
-                  (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.tokens)))
-    return Refuse("--graph needs --ranks 1, --expert-compute cutlass, one segment and no --balance (the layer must not wait "
+  if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
+    return Refuse("--graph needs --ranks 1, --expert-compute cutlass and no --balance (the layer must not wait "
                   "on the host; capturing several ranks is not supported yet)");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
   if (layers < 1 || layers > 1000) return Refuse("--layers must be in [1, 1000], got " + std::to_string(layers));

@@ -67,8 +67,8 @@ flags (defaults in brackets):
   --empty-rank R         give rank R (0 <= R < W) zero tokens [none]
   --capacity-factor C    0 = dropless; else each expert admits ceil(C*W*T*K/E) rows [0]
   --segment S            token rows per owner per segment; 0 = T [0]
-  --expert-compute X     cuda: cublaslt | cutlass (grouped GEMMs reading the counts on the GPU: with one
-                         segment and no balancing the layer never waits on the host) [cublaslt]
+  --expert-compute X     cuda: cublaslt | cutlass (grouped GEMMs reading the counts on the GPU: with no
+                         balancing the layer never waits on the host, at any --segment) [cublaslt]
   --balance B            off | ultraep | eplb | eplb-exact: replicas of hot experts in redundant slots,
                          planned by every rank from the load matrix after phase 1 (cuda: ultraep on
                          each rank's GPU, the eplb baselines on the host after one sync) [off]

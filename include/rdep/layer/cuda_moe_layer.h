@@ -251,11 +251,13 @@ class CudaMoELayer {
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ZeroWeightGrads(RankState& st, cudaStream_t stream);
-  // The owner work without host waits (expert compute reading device counts, one segment, no
-  // balancing, the SwiGLU kind): buffers sized for the segment's worst case at the context's creation.
+  // The owner work without host waits (expert compute reading device counts, no balancing, the SwiGLU
+  // kind; with nodes > 1 only in one segment): buffers sized for the worst case at the context's creation,
+  // SyncFreeSegments() segments per call (cuda_sync_free.cc).
   bool SyncFree(const RankState& st) const;
-  Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload);
-  Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, const uint16_t* seg_payload);
+  int64_t SyncFreeSegments() const;
+  Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
+  Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ReserveSyncFree(const RankState& st, Saved& sv) const;
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);

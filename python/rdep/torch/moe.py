@@ -27,8 +27,8 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       the C++ layer's exchange passed its GPU tests (NCCL between GPU groups), this module's CUDA path
       with nodes has not run on a GPU (not with expert_compute='cutlass')
   expert_compute='cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs that
-      read the per-expert counts on the GPU, so the layer never waits on the host (one segment, no
-      balancing; sm_90a only); the training example ran with it on H100s (BENCHMARKS.md)
+      read the per-expert counts on the GPU, so the layer never waits on the host (any segment_tokens,
+      no balancing; sm_90a only); the training example ran with it on H100s (BENCHMARKS.md)
   owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
       instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
       return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
