@@ -208,12 +208,13 @@ int rdep_layer_domain(rdep_layer* layer, rdep_domain** domain);
  * balancing off). They are the domain's, shared with its other balanced layers of the same slot size:
  * sum them over layers only for layers on different domains (rdep_domain_memory counts them once). */
 int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
-/* Version 7. Bytes per rank of the CUDA owner's shared row buffers: its output rows (one segment's expert
- * outputs, and the backward's dout and dx rows) and, with the CUTLASS compute, that compute's SwiGLU
- * scratch; 0 on the host backend. Like the replica slots they are the domain's, one region per size shared
- * by every layer of that size (rdep_domain_memory counts them once). The two regions are matched by size
- * separately (a cuBLASLt and a CUTLASS layer of one shape share the output rows only): rdep_domain_memory, not
- * a sum of this over layers, is a domain's total. */
+/* Version 7. Bytes per rank of the CUDA layer's shared buffers: the owner's output rows (one segment's
+ * expert outputs, and the backward's dout and dx rows), with the CUTLASS compute that compute's SwiGLU
+ * scratch, and (one domain: nodes 0 or 1) the segment payload, its sideband and the return region; 0 on
+ * the host backend. Like the replica slots they are the domain's, one region per size shared by every layer
+ * of that size (rdep_domain_memory counts them once). The regions are matched by size separately (a
+ * cuBLASLt and a CUTLASS layer of one shape share the output rows and transport regions, not the scratch):
+ * rdep_domain_memory, not a sum of this over layers, is a domain's total. */
 int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);

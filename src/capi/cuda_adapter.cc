@@ -60,7 +60,7 @@ class CudaAdapter final : public LayerAdapter {
   int32_t device(int32_t rank) const override { return domain_->device(rank); }
   std::string placement() const override { return domain_->placement() + " (" + domain_->transport_name() + ")"; }
   size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
-  size_t shared_row_bytes() const override { return layer_->shared_row_bytes(); }
+  size_t shared_row_bytes() const override { return layer_->shared_row_bytes() + layer_->shared_transport_bytes(); }
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {

@@ -267,8 +267,10 @@ TEST(CudaSharedSlots, W8_ThreeLayersInterleavedEqualEachLayerAloneAndBalancingOf
   for (const auto& layer : layers) row_sizes.insert(layer->shared_row_bytes());
   size_t rows = 0;
   for (size_t b : row_sizes) rows += b;
-  EXPECT_EQ((*domain)->symmetric_bytes_per_rank(), base + 3 * layers[0]->layout().total_bytes() + slots + rows)
-      << "the three layers hold one set of replica slots and one set of output rows per size";
+  const size_t transport = layers[0]->shared_transport_bytes();  // the same sizes in all three layers
+  ASSERT_GT(transport, 0u);
+  EXPECT_EQ((*domain)->symmetric_bytes_per_rank(), base + 3 * (layers[0]->layout().total_bytes() - transport) + slots + rows + transport)
+      << "the three layers hold one set of replica slots, one set of output rows per size and one set of transport regions";
   EXPECT_EQ(layers[0]->shared_row_bytes(), layers[1]->shared_row_bytes()) << "layers 0 and 1 (same capacity) share their output rows";
 
   // A fwd, B fwd, B bwd, C fwd, A bwd, C bwd.

@@ -83,13 +83,13 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
 
 size_t CudaMoELayer::device_bytes(int32_t rank) const {
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  size_t b = layout_.total_bytes();
+  size_t b = layout_.total_bytes() - shared_transport_bytes();
   b += (st.w1.count + st.w2.count) * 2;
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
   b += (st.owner.count + st.local.count + st.local_to_global.count + st.count_scratch.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
-  return b + st.own_context.bytes();  // the shared replica slots and output rows: replica_slot_bytes(), shared_row_bytes()
+  return b + st.own_context.bytes();  // the shared regions: replica_slot_bytes(), shared_row_bytes(), shared_transport_bytes()
 }
 
 CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap ownership)
@@ -252,7 +252,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   layer->relays_possible_ = config.replica_slots() > 0 && config.balance.relay_above > 0 &&
                             std::min<int64_t>(s.ranks, s.ranks * config.replica_slots()) > config.balance.relay_above;
   const RegionLayout& l = layer->layout_;
-  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0));
+  // One domain: the segment payload, sideband and return region are shared by the layers of their size
+  // (LayerRegions::shared_transport); the two-phase exchange keeps its own.
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0,
+                                                                /*share_transport=*/config.nodes.nodes <= 1));
   // The owner's output rows: forward outputs of a segment; in backward, dout rows then dx rows behind
   // them. No call keeps them past its return, so every layer of this size on the domain shares them.
   layer->out_rows_bytes_ = static_cast<size_t>(2 * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) * sizeof(__nv_bfloat16);

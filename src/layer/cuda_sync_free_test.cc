@@ -261,7 +261,9 @@ TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
   ASSERT_TRUE(la.ok()) << la.status();
   auto lb = CudaMoELayer::Create(**domain, cfg, pb.own, pb.w);
   ASSERT_TRUE(lb.ok()) << lb.status();
-  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes()) << "two layers of one size: one set of shared rows";
+  ASSERT_GT((*la)->shared_transport_bytes(), 0u) << "one domain: the transport regions are shared";
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes() + (*la)->shared_transport_bytes())
+      << "two layers of one size: one set of shared rows and transport regions";
   Outputs a_shared(4), b_shared(4);
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     const auto i = static_cast<size_t>(r);
@@ -289,7 +291,9 @@ TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
   auto lt = CudaMoELayer::Create(**domain, lt_cfg, pa.own, pa.w);
   ASSERT_TRUE(lt.ok()) << lt.status();
   EXPECT_LT((*lt)->shared_row_bytes(), (*la)->shared_row_bytes());
-  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes()) << "the cuBLASLt layer reuses the output rows";
+  EXPECT_EQ((*lt)->shared_transport_bytes(), (*la)->shared_transport_bytes());
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes() + (*la)->shared_transport_bytes())
+      << "the cuBLASLt layer reuses the output rows and the transport regions";
 }
 
 TEST(CudaSyncFree_Errors, CutlassOnANonHopperOrCutlassLessBuildIsNamed) {

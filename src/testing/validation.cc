@@ -385,8 +385,11 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     const double S_dev = o.layer.segment_tokens > 0 ? pos(o.layer.segment_tokens) : std::max(1.0, W * T);
     fp.device.push_back({"expert weights and gradients of one rank (L*3*H*D_ff)", {{"experts", E}, {"ranks", W}, {"hidden", H}, {"ffn", F}},
                          12 * L * 3 * H * F});
-    fp.device.push_back({"segment buffers (2 segments of S = W*T tokens by default)", {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}},
-                         2 * S_dev * (2 * H + 8 + 16 * slots)});
+    // On one domain the segment buffers and the return region are shared by the layers of their size
+    // (LayerRegions::shared_transport): terms named "shared ..." (a stack's estimate counts them once).
+    const bool one_domain = o.layer.nodes.nodes <= 1;
+    fp.device.push_back({std::string(one_domain ? "shared " : "") + "segment buffers (2 segments of S = W*T tokens by default)",
+                         {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}}, 2 * S_dev * (2 * H + 8 + 16 * slots)});
     // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L +
     // N_slot), with a capacity at most (L + N_slot)*capacity): the output rows (two sets of H, bf16) and the
     // expert compute's workspace (z, dz, dh: 8*D_ff bytes a row, and 64 MiB of cuBLASLt workspace). What a
@@ -412,7 +415,8 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
       fp.device.push_back({"expert workspace of one owner segment (MaxSegmentRows rows)",
                            {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F + 64.0 * (1 << 20)});
     }
-    fp.device.push_back({"return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}}, 2 * T * K * H});
+    fp.device.push_back({std::string(one_domain ? "shared " : "") + "return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
+                         2 * T * K * H});
     fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values)"
                                    : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
                          {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});

@@ -234,6 +234,10 @@ class CudaMoELayer {
   // CUTLASS layer of one shape share the output rows only), so this sum is not a key to deduplicate layers
   // by: the domain's shared_bytes_per_rank is the total.
   size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
+  // Device bytes per rank of the segment payload, its sideband and the return region when they are shared
+  // by the domain's layers of their size (LayerRegions::shared_transport: one domain, nodes = 1; "layer.*"
+  // regions, held once however many layers use them), else 0 (then device_bytes counts them).
+  size_t shared_transport_bytes() const { return regions_.shared_transport ? LayerRegions::SharedTransportBytes(layout_) : 0; }
 
  private:
   struct RankState;

@@ -113,10 +113,17 @@ struct ExternalWeights {
 // dgate dot products in backward).
 struct LayerRegions {
   RegionId control = -1, payload = -1, sideband = -1, ret = -1, dots = -1;
+  // The segment payload, its sideband and the return region acquired as domain regions shared by every
+  // layer whose regions have the same sizes (Domain::AcquireShared, "layer.*"): nothing in them outlives
+  // a call (a call's peer stores into them all follow one of its own barriers or the previous call's
+  // final one, which every rank joins after its reads of that call), so the layers of a stack hold them
+  // once. The control words stay per layer (phase 1 publishes them before any barrier of the call).
+  bool shared_transport = false;
 
   // A failure part-way frees what it had allocated (the domain may outlive the layer: C ABI v4).
-  static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l, size_t dot_bytes = 0) {
+  static StatusOr<LayerRegions> Allocate(Domain& d, const RegionLayout& l, size_t dot_bytes = 0, bool share_transport = false) {
     LayerRegions r;
+    r.shared_transport = share_transport;
     struct Part {
       RegionId* id;
       size_t bytes;
@@ -129,7 +136,8 @@ struct LayerRegions {
                           {&r.dots, static_cast<size_t>(l.T * l.K) * dot_bytes, "dots"}};
     for (const Part& p : parts) {
       if (p.id == &r.dots && dot_bytes == 0) continue;
-      StatusOr<RegionId> got = d.AllocateSymmetric(p.bytes, p.name);
+      const bool shared = share_transport && (p.id == &r.payload || p.id == &r.sideband || p.id == &r.ret);
+      StatusOr<RegionId> got = shared ? d.AcquireShared(std::string("layer.") + p.name, p.bytes) : d.AllocateSymmetric(p.bytes, p.name);
       if (!got.ok()) {
         r.Free(d);
         return got.status();
@@ -139,9 +147,13 @@ struct LayerRegions {
     return r;
   }
   void Free(Domain& d) const {
-    for (RegionId id : {control, payload, sideband, ret, dots})
+    for (RegionId id : {control, dots})
       if (id >= 0) d.FreeSymmetric(id);
+    for (RegionId id : {payload, sideband, ret})
+      if (id >= 0) shared_transport ? d.ReleaseShared(id) : d.FreeSymmetric(id);
   }
+  // Bytes per rank of the shared transport regions (0 when they are the layer's own).
+  static size_t SharedTransportBytes(const RegionLayout& l) { return l.payload_bytes() + l.sideband_bytes() + l.return_bytes(); }
 };
 
 }  // namespace rdep

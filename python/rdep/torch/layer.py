@@ -332,10 +332,10 @@ class Layer(CHandle):
         return b.value
 
     def shared_row_bytes(self) -> int:
-        """Bytes per rank of the CUDA owner's shared row buffers: its output rows and, with the CUTLASS
-        compute, that compute's SwiGLU scratch (0 on the host backend). Like the replica slots they belong
-        to the domain, one region per size shared by every layer of that size: count them once per domain
-        (Domain.memory())."""
+        """Bytes per rank of the CUDA layer's shared buffers: the owner's output rows, with the CUTLASS
+        compute that compute's SwiGLU scratch, and on one domain (nodes 1) the segment payload, its sideband
+        and the return region (0 on the host backend). Like the replica slots they belong to the domain, one
+        region per size shared by every layer of that size: count them once per domain (Domain.memory())."""
         b = ctypes.c_size_t()
         _capi.check(_capi.lib().rdep_layer_shared_row_bytes(self._live_ptr(), ctypes.byref(b)),
                     "rdep_layer_shared_row_bytes")
