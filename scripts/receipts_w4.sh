@@ -35,6 +35,7 @@
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt) beside torch._grouped_mm on the same counts, E_loc = 16
+#   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
@@ -188,6 +189,9 @@ stage_one() {
   run layer_w1 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --graph --json "$R/layer_w1.json" --baseline-json "$R/torch_w1.json"
   run layer_w1_bf16 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json "$R/layer_w1_bf16.json" \
     --baseline-json "$R/torch_w1.json"
+}
+stage_stack1() {
+  run layer_w1_stack4 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --layers 4 --warmup 5 --iters 20 --json "$R/layer_w1_stack4.json"
 }
 stage_seg1() {
   run check_seg_w4 "$RDEP" check --backend cuda --gpus 1 --ranks 4 --expert-compute cutlass --segment 24 --routing zipf:1.2 \
