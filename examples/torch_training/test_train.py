@@ -31,7 +31,7 @@ TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--layers", "2", "-
         "--print-every", "100"]
 
 VARIANT_FIELDS = {"kind", "label", "loss", "tokens_per_s", "step_ms", "peak_mem_mib", "val_loss",
-                  "tokens_per_s_median", "peak_mem_mib_max"}
+                  "tokens_per_s_median", "peak_mem_mib_max", "peak_whole_mib", "peak_whole_mib_max"}
 
 
 def _rdep_available() -> bool:
@@ -81,9 +81,12 @@ def test_receipt_fields(both):
     assert on_disk["corpus"]["bytes"] > 100_000 and len(on_disk["corpus"]["sha256"]) == 64
     for run in on_disk["variants"]:
         assert VARIANT_FIELDS <= set(run), VARIANT_FIELDS - set(run)
-        assert run["peak_mem_mib"] == [None] * 6  # CPU: n/a
+        assert run["peak_mem_mib"] == [None] * 6 and run["peak_whole_mib"] == [None] * 6  # CPU: n/a
+        assert run["peak_whole_mib_max"] is None
         assert all(t > 0 for t in run["tokens_per_s"])
-    ag = on_disk["comparison"]["agreement"]
+    cmp = on_disk["comparison"]
+    assert cmp["peak_ratio"] is None and cmp["torch_peak_ratio"] is None  # CPU: no device memory to compare
+    ag = cmp["agreement"]
     assert ag["agree"] is True and ag["window"] == [3, 6], ag
     # The plot is written, or the receipt says why not (matplotlib missing).
     assert Path(on_disk["png"]).exists() or "matplotlib is not installed" in on_disk["png"]

@@ -54,7 +54,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 7
+#define RDEP_CAPI_VERSION 8
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -216,6 +216,18 @@ int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
  * cuBLASLt and a CUTLASS layer of one shape share the output rows and transport regions, not the scratch):
  * rdep_domain_memory, not a sum of this over layers, is a domain's total. */
 int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
+/* Version 8. CUDA: where the saved rows of contexts acquired from now on come from (nearly all of a
+ * context's bytes: the front-end's returned rows kept for dgate and, with expert_compute CUTLASS, the
+ * owner's x rows, SwiGLU inputs and kept outputs). alloc(user, bytes, device, stream) returns device
+ * memory usable in stream order after `stream` (the caller's stream of the call that asks, io.stream),
+ * NULL when it has none (the call fails naming the bytes); free(user, ptr, bytes, device) gives a block
+ * back, from rdep_context_release, after the last call that used it in that stream's order. With an
+ * allocator (PyTorch's caching allocator in rdep.torch) the rows are the caller's memory between a
+ * context's release and its next forward; without one (both NULL, the default) they stay with the pooled
+ * context. Call while no context of the layer is acquired. The host backend refuses (FailedPrecondition). */
+typedef void* (*rdep_alloc_fn)(void* user, size_t bytes, int32_t device, void* stream);
+typedef void (*rdep_free_fn)(void* user, void* ptr, size_t bytes, int32_t device);
+int rdep_layer_set_row_allocator(rdep_layer* layer, rdep_alloc_fn alloc, rdep_free_fn free_fn, void* user);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 7  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 8  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -29,6 +29,10 @@ BACKEND_CUDA_PER_PROCESS = 2
 
 # typedef int (*rdep_allgather_fn)(void* user, const void* send, size_t bytes, void* recv);
 ALLGATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+# typedef void* (*rdep_alloc_fn)(void* user, size_t bytes, int32_t device, void* stream);
+# typedef void (*rdep_free_fn)(void* user, void* ptr, size_t bytes, int32_t device);
+ROW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_void_p)
+ROW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32)
 
 # C type of each field, in header order; tests/test_capi.py checks these against include/rdep/capi.h.
 # Pointers are mirrored as c_void_p (same size and alignment as any object pointer) so that fields take
@@ -173,6 +177,7 @@ _PROTOTYPES = {
     "rdep_layer_domain": (ctypes.c_int, [LayerPtr, ctypes.POINTER(DomainPtr)]),
     "rdep_layer_replica_slot_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_shared_row_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
+    "rdep_layer_set_row_allocator": (ctypes.c_int, [LayerPtr, ROW_ALLOC_FN, ROW_FREE_FN, ctypes.c_void_p]),
     "rdep_layer_local_ranks": (
         ctypes.c_int,
         [LayerPtr, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)],

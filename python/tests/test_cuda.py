@@ -337,3 +337,43 @@ def test_balancing_on_cuda_matches_balancing_off():
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), outs[1], outs[0]):
         assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, name)
     assert on.layer.live_contexts == 0
+
+
+@pytest.mark.parametrize("compute", ["cublaslt", "cutlass"])
+def test_context_rows_come_from_torch_and_go_back(compute):
+    """C ABI version 8's row allocator as the binding sets it: a context's saved rows come from torch's caching
+    allocator during the forward (torch's allocated bytes grow by at least the front-end's kept rows, T*K*H
+    bf16 per rank, over a layer keeping them in its pooled contexts) and go back when backward releases the
+    context (the same bytes allocated after backward as with torch_rows=False); y and every gradient bitwise
+    the torch_rows=False layer's (the same kernels)."""
+    W, n, H, F, E, K = 4, 32, 64, 32, 8, 2
+    try:
+        layers = [rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, expert_compute=compute, torch_rows=t)
+                  for t in (True, False)]
+    except Exception as e:  # the CUTLASS compute needs sm_90 and a CUTLASS build
+        if compute == "cutlass" and "cutlass" in str(e).lower():
+            pytest.skip(f"the CUTLASS compute is not available here: {e}")
+        raise
+    x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, "zipf")
+    results, grew, after = [], [], []
+    for layer in layers:
+        for step in range(2):  # the second step reuses the released (pooled) context
+            leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(DEV)
+            y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+            torch.cuda.synchronize()
+            if step == 1:
+                grew.append(torch.cuda.memory_allocated(DEV) - before)
+            y.float().square().sum().backward()
+            torch.cuda.synchronize()
+            assert layer.live_contexts == 0
+            if step == 1:
+                after.append(torch.cuda.memory_allocated(DEV) - before)
+                results.append([y] + [t.grad for t in leaves])
+            del y, leaves
+    kept_rows = W * n * K * H * 2
+    assert grew[0] - grew[1] >= kept_rows, f"torch_rows: the forward took {grew[0]} bytes from torch, own rows {grew[1]}"
+    assert after[0] == after[1], f"after backward: {after[0]} bytes (torch rows) != {after[1]} (own rows)"
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), results[0], results[1]):
+        assert torch.equal(a, b), f"{name} ({compute})"

@@ -377,6 +377,16 @@ int rdep_layer_shared_row_bytes(const rdep_layer* l, size_t* bytes) {
   return 0;
 }
 
+int rdep_layer_set_row_allocator(rdep_layer* l, rdep_alloc_fn alloc, rdep_free_fn free_fn, void* user) {
+  if (!l) return FailInvalid("layer is null");
+  if ((alloc == nullptr) != (free_fn == nullptr)) return FailInvalid("row allocator: alloc and free must both be set or both be null");
+  std::lock_guard<std::mutex> call(l->call_mu());
+  std::lock_guard<std::mutex> lock(l->mu);
+  for (const auto& s : l->slots)
+    if (s.in_use) return Fail(rdep::FailedPrecondition("row allocator: set it while no context of the layer is acquired"));
+  return Guard([&]() -> rdep::Status { return l->adapter->SetRowAllocator(alloc, free_fn, user); });
+}
+
 void rdep_layer_destroy(rdep_layer* layer) {
   try {
     delete layer;
@@ -442,6 +452,7 @@ int rdep_context_release(rdep_layer* l, int64_t ctx) {
   std::lock_guard<std::mutex> lock(l->mu);
   ContextSlot* s = l->Find(ctx);
   if (!s) return 0;  // stale: already released
+  l->adapter->ReleaseRows(s->per_rank);  // rows from the caller's allocator go back to it (CUDA, version 8)
   s->in_use = false;
   s->holds_forward = false;
   s->plan_tokens.clear();

@@ -1,11 +1,15 @@
 // The C ABI on the CUDA backend (skips without a GPU): W = 1 and W = 4 ranks sharing GPU 0, results
 // bitwise equal to CudaMoELayer with its own copy of the same weights (y, dx, dgates, dw1, dw2), with
-// capacity drops, the caller's work on its own stream ordered before and after the layer's.
+// capacity drops, the caller's work on its own stream ordered before and after the layer's; and with a
+// row allocator (version 8): the same bits, the contexts' saved rows taken from it in each forward and all
+// given back by each release.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "rdep/capi.h"
@@ -49,7 +53,31 @@ struct Out {
   std::vector<std::vector<float>> dg, dw1, dw2;
 };
 
-void Compare(const LayerShape& s, double capacity) {
+// A row allocator over cudaMalloc that counts what it handed out and what came back (the ranks' threads
+// call it concurrently).
+struct RowCounter {
+  std::mutex mu;
+  int64_t allocs = 0, frees = 0;
+  size_t live = 0;
+  static void* Alloc(void* user, size_t bytes, int32_t device, void* /*stream*/) {
+    auto* c = static_cast<RowCounter*>(user);
+    void* p = nullptr;
+    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
+    std::lock_guard<std::mutex> lock(c->mu);
+    ++c->allocs;
+    c->live += bytes;
+    return p;
+  }
+  static void Free(void* user, void* ptr, size_t bytes, int32_t /*device*/) {
+    auto* c = static_cast<RowCounter*>(user);
+    cudaFree(ptr);
+    std::lock_guard<std::mutex> lock(c->mu);
+    ++c->frees;
+    c->live -= bytes;
+  }
+};
+
+void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const auto W = static_cast<size_t>(s.ranks);
   const MoEWeights w = RandomWeights(s, 11);
@@ -127,6 +155,10 @@ void Compare(const LayerShape& s, double capacity) {
   spec.barrier_timeout_s = 20;
   rdep_layer* l = nullptr;
   ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  RowCounter rows;
+  if (row_allocator) {
+    ASSERT_EQ(rdep_layer_set_row_allocator(l, &RowCounter::Alloc, &RowCounter::Free, &rows), 0) << rdep_last_error();
+  }
   cudaStream_t caller = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
   std::vector<rdep_rank_io> io(W);
@@ -145,7 +177,17 @@ void Compare(const LayerShape& s, double capacity) {
   // Only the caller's stream is synchronized: the layer's work must be ordered before it.
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
   fetch(abi);
+  if (row_allocator) {
+    EXPECT_GE(rows.allocs, static_cast<int64_t>(W)) << "every rank's context took its saved rows from the allocator";
+    EXPECT_GT(rows.live, 0u);
+    EXPECT_NE(rdep_layer_set_row_allocator(l, nullptr, nullptr, nullptr), 0) << "ctx is acquired: the allocator cannot change";
+    EXPECT_NE(std::string(rdep_last_error()).find("no context of the layer is acquired"), std::string::npos) << rdep_last_error();
+  }
   EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  if (row_allocator) {
+    EXPECT_EQ(rows.live, 0u) << "the release gave every row back";
+    EXPECT_EQ(rows.frees, rows.allocs);
+  }
   // bf16 weight gradients (the gradients of bf16 parameters): within bf16 rounding of the fp32 ones.
   std::vector<uint16_t*> d_bw1(W), d_bw2(W);
   for (size_t r = 0; r < W; ++r) {
@@ -160,7 +202,12 @@ void Compare(const LayerShape& s, double capacity) {
   ASSERT_EQ(rdep_layer_forward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
   ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), static_cast<int32_t>(W)), 0) << rdep_last_error();
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  const int64_t allocs_before_release = rows.allocs;
   EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  if (row_allocator) {  // the pooled context took its rows again for the second forward, and gave them back
+    EXPECT_GE(allocs_before_release, 2 * static_cast<int64_t>(W));
+    EXPECT_EQ(rows.live, 0u);
+  }
   for (size_t r = 0; r < W; ++r) {
     const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
     for (int which = 0; which < 2; ++which) {
@@ -195,6 +242,10 @@ TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ff
 
 TEST(CApi_Cuda, W4_SharedGpu_CapacityDrops_MatchesCudaLayer) {
   Compare({.tokens = 48, .hidden = 64, .ffn = 96, .experts = 10, .topk = 3, .ranks = 4}, 0.8);
+}
+
+TEST(CApi_Cuda, W4_SharedGpu_RowAllocator_MatchesCudaLayer) {
+  Compare({.tokens = 48, .hidden = 64, .ffn = 96, .experts = 10, .topk = 3, .ranks = 4}, 0.8, /*row_allocator=*/true);
 }
 
 }  // namespace

@@ -240,6 +240,17 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   io[0].reserved = 3;
   EXPECT_EQ(rdep_layer_forward(l, again, io.data(), 2), 1);
   io[0].reserved = 0;
+  // Version 8's row allocator: both functions or neither, and CUDA only.
+  auto alloc = [](void*, size_t, int32_t, void*) -> void* { return nullptr; };
+  auto free_fn = [](void*, void*, size_t, int32_t) {};
+  EXPECT_EQ(rdep_layer_set_row_allocator(nullptr, alloc, free_fn, nullptr), 1);
+  EXPECT_EQ(rdep_layer_set_row_allocator(l, alloc, nullptr, nullptr), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("both be set or both be null"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_layer_set_row_allocator(l, alloc, free_fn, nullptr), 2);  // contexts are acquired
+  EXPECT_EQ(rdep_context_release(l, again), 0);
+  EXPECT_EQ(rdep_context_release(l, b), 0);
+  EXPECT_EQ(rdep_layer_set_row_allocator(l, alloc, free_fn, nullptr), 2);
+  EXPECT_NE(std::string(rdep_last_error()).find("CUDA only"), std::string::npos) << rdep_last_error();
   rdep_layer_destroy(l);
 }
 

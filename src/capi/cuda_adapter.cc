@@ -61,6 +61,12 @@ class CudaAdapter final : public LayerAdapter {
   std::string placement() const override { return domain_->placement() + " (" + domain_->transport_name() + ")"; }
   size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
   size_t shared_row_bytes() const override { return layer_->shared_row_bytes() + layer_->shared_transport_bytes(); }
+  Status SetRowAllocator(rdep_alloc_fn alloc, rdep_free_fn free, void* user) override {
+    return layer_->SetRowAllocator(RowAllocator{alloc, free, user});
+  }
+  void ReleaseRows(std::vector<ForwardContext>& ctx) override {
+    for (auto& c : ctx) (void)layer_->ReleaseRows(c);
+  }
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {
@@ -130,6 +136,7 @@ class CudaAdapter final : public LayerAdapter {
     DeviceGuard guard;
     for (size_t i = 0; i < ranks_.size(); ++i) {
       RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));
+      layer_->SetCallerStream(ranks_[i], static_cast<cudaStream_t>(io[i].stream));  // a RowAllocator's stream
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(in_[i], static_cast<cudaStream_t>(io[i].stream)));
       RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(domain_->stream(ranks_[i]), in_[i], 0));
     }

@@ -18,6 +18,10 @@ class HostAdapter final : public LayerAdapter {
   std::string placement() const override { return domain_->placement(); }
   size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
   size_t shared_row_bytes() const override { return 0; }  // the host owner's rows are per layer
+  Status SetRowAllocator(rdep_alloc_fn, rdep_free_fn, void*) override {
+    return FailedPrecondition("row allocator: the host backend keeps its contexts in host memory (CUDA only)");
+  }
+  void ReleaseRows(std::vector<ForwardContext>&) override {}
 
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     const int64_t H = layer_->config().shape.hidden;

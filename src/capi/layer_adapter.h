@@ -30,6 +30,10 @@ class LayerAdapter {
   // Bytes per rank of the owner's shared row buffers: output rows, and the CUTLASS compute's scratch (CUDA;
   // 0 on the host backend). Shared on the domain by layers of the same sizes.
   virtual size_t shared_row_bytes() const = 0;
+  // Where contexts' saved rows come from (capi.h version 8; CUDA only: the host backend refuses), and
+  // giving a released context's rows back to it.
+  virtual Status SetRowAllocator(rdep_alloc_fn alloc, rdep_free_fn free, void* user) = 0;
+  virtual void ReleaseRows(std::vector<ForwardContext>& ctx) = 0;
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
   virtual Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -39,13 +40,29 @@ struct DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { Free(); }
+  // Set while ptr came from a caller's allocator (ReserveWith): Free gives it back there.
+  RowAllocator ext{};
+  int ext_device = 0;
   Status Reserve(size_t n) {
     if (n <= count) return Status::Ok();
-    if (ptr) RDEP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
-    ptr = nullptr;
-    count = 0;
+    Free();
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)));
     count = n;
+    return Status::Ok();
+  }
+  // The same from the caller's allocator a (its alloc ordered on the caller's stream s of device d).
+  Status ReserveWith(size_t n, const RowAllocator& a, int d, cudaStream_t s) {
+    if (n <= count) return Status::Ok();
+    Free();
+    const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
+    void* p = a.alloc(a.user, bytes, d, static_cast<void*>(s));
+    if (!p)
+      return Unavailable("the caller's row allocator returned no memory for " + std::to_string(bytes) + " bytes on device " +
+                         std::to_string(d));
+    ptr = static_cast<T*>(p);
+    count = n;
+    ext = a;
+    ext_device = d;
     return Status::Ok();
   }
   // Grows keeping the first `keep` elements (stream-ordered copy, then a sync before the free).
@@ -56,17 +73,26 @@ struct DeviceBuffer {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&fresh, want * sizeof(T)));
     if (keep) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(fresh, ptr, keep * sizeof(T), cudaMemcpyDeviceToDevice, s));
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
-    if (ptr) RDEP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
+    Free();
     ptr = fresh;
     count = want;
     return Status::Ok();
   }
   void Free() {
-    if (ptr) cudaFree(ptr);
+    if (ptr && ext.free) ext.free(ext.user, ptr, count * sizeof(T), ext_device);
+    else if (ptr) cudaFree(ptr);
     ptr = nullptr;
     count = 0;
+    ext = {};
   }
 };
+
+// A context's saved-row buffer (CudaMoELayer::SetRowAllocator): from the caller's allocator when the rank
+// has one (on the caller's stream), else cudaMalloc.
+template <typename T>
+Status ReserveRows(DeviceBuffer<T>& b, size_t n, const RowAllocator& a, int device, cudaStream_t caller) {
+  return a.alloc ? b.ReserveWith(n, a, device, caller) : b.Reserve(n);
+}
 
 inline const bf16_bits* Bits(const __nv_bfloat16* p) { return reinterpret_cast<const bf16_bits*>(p); }
 inline bf16_bits* Bits(__nv_bfloat16* p) { return reinterpret_cast<bf16_bits*>(p); }
@@ -202,6 +228,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
 // The layer's own state per rank: weights, gradients, workspaces reused by every call.
 struct CudaMoELayer::RankState {
   int device = 0;
+  RowAllocator rows;                   // SetRowAllocator: where contexts' saved rows come from (all-null: cudaMalloc)
+  cudaStream_t caller_stream = nullptr;  // SetCallerStream: the caller's stream of the next calls
   int32_t num_local = 0;
   std::unique_ptr<kernels::ExpertCompute> mlp;  // expert compute (cuBLASLt implementation)
   // Balancing: the rank's device planner (ultraep), the expert compute of one redundant slot (one

@@ -107,7 +107,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->accepted.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
-  else RDEP_RETURN_IF_ERROR(saved->saved_f.Reserve(nk * static_cast<size_t>(s.hidden)));
+  else RDEP_RETURN_IF_ERROR(ReserveSavedF(*ranks_[static_cast<size_t>(rank)], *saved));
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
   // Zero once, in the rank's stream order (a capture records it as a node that runs first); from then on
   // the check's second kernel leaves [1] at 0 and zeroes [0] before each plan's acceptance.
@@ -428,6 +428,7 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   sv.num_tokens = n;
   sv.have_recv_counts = false;
+  if (!config_.owner_reduce) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
   if (n > 0) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));

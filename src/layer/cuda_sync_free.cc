@@ -42,10 +42,10 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
   const auto rows = segs * static_cast<size_t>(MaxSegmentRows(config_, layout_));
   const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
   RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(rows));
-  RDEP_RETURN_IF_ERROR(sv.x_rows.Reserve(rows * H));
-  RDEP_RETURN_IF_ERROR(sv.h_rows.Reserve(rows * 2 * F));
+  RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.x_rows, rows * H, st.rows, st.device, st.caller_stream));
+  RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.h_rows, rows * 2 * F, st.rows, st.device, st.caller_stream));
   if (config_.owner_reduce) {  // the expert outputs stay for dgate; the token -> rows index of each segment
-    RDEP_RETURN_IF_ERROR(sv.f_rows.Reserve(rows * H));
+    RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.f_rows, rows * H, st.rows, st.device, st.caller_stream));
     RDEP_RETURN_IF_ERROR(sv.inv.Reserve(segs * static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1))));
   }
   return sv.dev_counts.Reserve(segs * (static_cast<size_t>(physical_experts(st)) + 1));

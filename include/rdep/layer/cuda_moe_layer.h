@@ -80,6 +80,17 @@ struct PhaseTimes {
   }
 };
 
+// Where a context's saved rows come from when the caller brings its own allocator (rdep.torch: PyTorch's
+// caching allocator), so that they are the caller's memory to reuse between a context's backward and its
+// next forward: alloc returns `bytes` of device memory on `device`, usable in stream order after the
+// caller's `stream` (the caller's stream of the call that asks: CudaMoELayer::SetCallerStream), null
+// when it has none; free gives a block back (after the call that used it, in the caller's stream order).
+struct RowAllocator {
+  void* (*alloc)(void* user, size_t bytes, int32_t device, void* stream) = nullptr;  // stream: a cudaStream_t
+  void (*free)(void* user, void* ptr, size_t bytes, int32_t device) = nullptr;
+  void* user = nullptr;
+};
+
 // Where each route slot of a balanced forward is computed: rank and physical local index there (the
 // owner and lambda(e), or a replica's slot_base + s); -1 for a dropped slot. [n*K] each.
 struct RowInstances {
@@ -103,6 +114,16 @@ class CudaMoELayer {
   // The same with bf16 weight gradients (the gradients of bf16 parameters: written once, each GEMM
   // accumulating in fp32 and rounding once), for forwards that ran in one segment (the default S).
   Status BindExpertWeights(int32_t rank, const ExternalWeights<__nv_bfloat16, __nv_bfloat16>& weights);
+  // The saved rows of contexts made or re-filled from now on (the front-end's returned rows kept for
+  // dgate and, on the sync-free path, the owner's x rows, SwiGLU inputs and kept outputs: nearly all of
+  // a context's bytes) come from `a` (all-null: cudaMalloc, kept with the context, the default), and
+  // ReleaseRows gives them back. Call between calls, on every local rank's thread or before any call.
+  Status SetRowAllocator(const RowAllocator& a);
+  // The caller's stream of the rank's next calls (the stream a RowAllocator allocates for); default 0.
+  void SetCallerStream(int32_t rank, cudaStream_t stream);
+  // Gives the saved rows of ctx that came from a RowAllocator back to it (after ctx's backward, or when
+  // the caller drops ctx without one); the context's next forward takes them again. A no-op otherwise.
+  Status ReleaseRows(ForwardContext& ctx);
   ~CudaMoELayer();
 
   // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:
@@ -263,6 +284,7 @@ class CudaMoELayer {
   Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ReserveSyncFree(const RankState& st, Saved& sv) const;
+  Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
   Status CheckRoutingInput(int32_t rank, Saved& sv, bool wait);

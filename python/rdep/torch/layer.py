@@ -12,6 +12,11 @@ the layer gets a domain of its own (`layer.domain`) from these arguments:
     through the group (rdep.torch.distributed.ProcessGroupAllgather).
 'auto' picks 'cuda' when a process group is given or the device is a CUDA device, else 'host'.
 
+On CUDA a forward context's saved rows (nearly all its bytes) come from PyTorch's caching allocator, on the
+caller's stream, and go back to it when the context is released after its backward (C ABI version 8's row
+allocator): between steps they are torch's to reuse, as an MoE written in torch would leave its saved
+activations; `torch_rows=False` keeps them in the pooled contexts (cudaMalloc'd once) instead.
+
 The custom ops (rdep.torch.ops) take the layer by its integer `id`, so a compiled graph holds a plain
 int; the registry maps ids to live layers. The C handle is freed when the Layer is closed or collected
 and no forward context of it is still alive (contexts hold the native handle).
@@ -93,6 +98,27 @@ def _release_quietly(native: _Native, c_id: int, token: int) -> None:
         pass
 
 
+def _torch_row_alloc(user, nbytes, device, stream):
+    """The C layer's RowAllocator (C ABI version 8): a context's saved rows from PyTorch's caching allocator,
+    on the caller's stream of the call (so its later work, the optimizer's say, reuses them once released).
+    None (NULL) when torch has no memory: the C call then fails naming the bytes."""
+    try:
+        return torch.cuda.caching_allocator_alloc(int(nbytes), device=int(device), stream=int(stream or 0))
+    except Exception:
+        return None
+
+
+def _torch_row_free(user, ptr, nbytes, device):
+    try:
+        torch.cuda.caching_allocator_delete(int(ptr))
+    except Exception:  # interpreter shutdown: torch may be gone; the process frees the device memory
+        pass
+
+
+_ROW_ALLOC = _capi.ROW_ALLOC_FN(_torch_row_alloc)  # module-lifetime C callbacks (ctypes keeps no reference)
+_ROW_FREE = _capi.ROW_FREE_FN(_torch_row_free)
+
+
 def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
     for name, v in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("topk", topk),
                     ("max_tokens", max_tokens)):
@@ -148,8 +174,11 @@ class Layer(CHandle):
         owner_reduce: bool = False,
         transport_sms: int = 0,
         domain: Optional[Domain] = None,
+        torch_rows: bool = True,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
+        if not isinstance(torch_rows, bool):
+            raise TypeError(f"torch_rows: expected a bool, got {type(torch_rows).__name__}")
         _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
         if expert_compute not in _capi.EXPERT_COMPUTE:
             raise ValueError(f"expert_compute: expected one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
@@ -223,6 +252,8 @@ class Layer(CHandle):
                 domain = Domain._adopt(dptr.value, keepalive, resolved, world_size, spec, process_group, device)
                 self._native.keepalive = (domain._native,)
             self._query(resolved, device, world_size)
+            if resolved == "cuda" and torch_rows:  # contexts' saved rows from torch's caching allocator
+                _capi.check(L.rdep_layer_set_row_allocator(ptr.value, _ROW_ALLOC, _ROW_FREE, None), "rdep_layer_set_row_allocator")
         except BaseException:
             self._native.close()
             raise

@@ -1,0 +1,41 @@
+// Where a CUDA context's saved rows come from (CudaMoELayer::SetRowAllocator): the caller's allocator
+// (rdep.torch: PyTorch's caching allocator, on the caller's stream) or cudaMalloc. With an allocator the
+// rows are the caller's memory between a context's ReleaseRows and its next forward (which takes them
+// again), so a training step's other work (the optimizer) can reuse them; without one they stay with the
+// context, as pooled contexts keep them.
+#include <string>
+
+#include "layer/context_access.h"
+#include "layer/cuda_layer_state.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+
+Status CudaMoELayer::SetRowAllocator(const RowAllocator& a) {
+  if ((a.alloc == nullptr) != (a.free == nullptr))
+    return InvalidArgument("row allocator: alloc and free must both be set or both be null");
+  for (auto& st : ranks_)
+    if (st) st->rows = a;
+  return Status::Ok();
+}
+
+void CudaMoELayer::SetCallerStream(int32_t rank, cudaStream_t stream) {
+  if (rank >= 0 && rank < config_.shape.ranks && ranks_[static_cast<size_t>(rank)]) ranks_[static_cast<size_t>(rank)]->caller_stream = stream;
+}
+
+Status CudaMoELayer::ReserveSavedF(const RankState& st, Saved& sv) const {
+  const auto n = static_cast<size_t>(std::max<int64_t>(config_.shape.tokens * config_.shape.topk, 1)) * static_cast<size_t>(config_.shape.hidden);
+  return cuda_layer::ReserveRows(sv.saved_f, n, st.rows, st.device, st.caller_stream);
+}
+
+Status CudaMoELayer::ReleaseRows(ForwardContext& ctx) {
+  const int32_t rank = ctx.rank();
+  if (CheckLocalRank(rank).ok()) {
+    if (Saved* sv = ContextAccess::PeekMutable<Saved>(ctx, id_, rank))
+      for (auto* b : {&sv->saved_f, &sv->x_rows, &sv->h_rows, &sv->f_rows})
+        if (b->ext.free) b->Free();
+  }
+  return Status::Ok();
+}
+
+}  // namespace rdep
