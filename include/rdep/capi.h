@@ -224,7 +224,14 @@ int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
  * back, from rdep_context_release, after the last call that used it in that stream's order. With an
  * allocator (PyTorch's caching allocator in rdep.torch) the rows are the caller's memory between a
  * context's release and its next forward; without one (both NULL, the default) they stay with the pooled
- * context. Call while no context of the layer is acquired. The host backend refuses (FailedPrecondition). */
+ * context. Call while no context of the layer is acquired. The host backend refuses (FailedPrecondition).
+ * A released context's rows are taken again on the calling thread before its next forward or plan, so an
+ * allocator with no memory fails that call before the collective (in a one-rank-per-process domain the
+ * other processes then wait at its first barrier until barrier_timeout_s). Requirements: alloc and free
+ * are thread-safe (the ranks' threads may call them at once), never call back into rdep, and outlive the
+ * layer and its contexts (destroying the layer frees through them); a context's forward, backward and
+ * release use one caller stream (its rows were allocated on it); release a context whose calls a CUDA
+ * graph captured only with that graph. */
 typedef void* (*rdep_alloc_fn)(void* user, size_t bytes, int32_t device, void* stream);
 typedef void (*rdep_free_fn)(void* user, void* ptr, size_t bytes, int32_t device);
 int rdep_layer_set_row_allocator(rdep_layer* layer, rdep_alloc_fn alloc, rdep_free_fn free_fn, void* user);

@@ -68,7 +68,17 @@ class CudaAdapter final : public LayerAdapter {
     for (auto& c : ctx) (void)layer_->ReleaseRows(c);
   }
 
+  // Before a call that forwards or plans in ctx: each rank's caller stream, and a released context's rows
+  // taken again from the row allocator on this thread (CudaMoELayer::PrepareRows).
+  Status PrepareRows(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) {
+    DeviceGuard guard;
+    for (size_t i = 0; i < ranks_.size(); ++i)
+      RDEP_RETURN_IF_ERROR(layer_->PrepareRows(ranks_[i], ctx[i], static_cast<cudaStream_t>(io[i].stream)));
+    return Status::Ok();
+  }
+
   Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    RDEP_RETURN_IF_ERROR(PrepareRows(ctx, io));
     for (size_t i = 0; i < ranks_.size(); ++i) {
       const rdep_rank_io& a = io[i];
       RDEP_RETURN_IF_ERROR(layer_->BindExpertWeights(ranks_[i], ExternalWeights<__nv_bfloat16, float>{bf(a.w1), bf(a.w2), nullptr, nullptr}));
@@ -98,6 +108,7 @@ class CudaAdapter final : public LayerAdapter {
   }
 
   Status Plan(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
+    RDEP_RETURN_IF_ERROR(PrepareRows(ctx, io));
     return Call(io, [&](size_t i, int32_t r) { return layer_->Plan(r, ctx[i], io[i].experts, io[i].gates, io[i].num_tokens); });
   }
   StatusOr<std::vector<int64_t>> RecvCounts(ForwardContext& ctx, int32_t) override {

@@ -143,6 +143,13 @@ class ContextAccess {
   static S* PeekMutable(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
     return const_cast<S*>(Peek<S>(ctx, layer_id, rank));
   }
+  // The saved state this layer made on this rank in whatever step ctx is (a failed or abandoned one
+  // included), else null: for managing its memory, not for reading a forward.
+  template <typename S>
+  static S* StateOf(ForwardContext& ctx, uint64_t layer_id, int32_t rank) {
+    if (ctx.layer_id_ != layer_id || ctx.rank_ != rank) return nullptr;
+    return static_cast<S*>(ctx.state_.get());
+  }
 
  private:
   static Status CheckOwner(const ForwardContext& ctx, uint64_t layer_id, int32_t rank, const char* call) {

@@ -28,13 +28,33 @@ Status CudaMoELayer::ReserveSavedF(const RankState& st, Saved& sv) const {
   return cuda_layer::ReserveRows(sv.saved_f, n, st.rows, st.device, st.caller_stream);
 }
 
+// Before a call that may plan a forward in ctx, on the caller's thread: the caller's stream, and the rows
+// a released context gave back taken again here rather than inside the collective, so that an allocator
+// with no memory fails the call before any rank starts it (a context's first rows come with the context,
+// inside the call, as cudaMalloc'd ones always did).
+Status CudaMoELayer::PrepareRows(int32_t rank, ForwardContext& ctx, cudaStream_t caller) {
+  RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
+  RankState& st = *ranks_[static_cast<size_t>(rank)];
+  st.caller_stream = caller;
+  Saved* sv = st.rows.alloc ? ContextAccess::StateOf<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv) return Status::Ok();
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
+  if (!config_.owner_reduce) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, *sv));
+  if (SyncFree(st)) RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, *sv));
+  return Status::Ok();
+}
+
 Status CudaMoELayer::ReleaseRows(ForwardContext& ctx) {
   const int32_t rank = ctx.rank();
-  if (CheckLocalRank(rank).ok()) {
-    if (Saved* sv = ContextAccess::PeekMutable<Saved>(ctx, id_, rank))
-      for (auto* b : {&sv->saved_f, &sv->x_rows, &sv->h_rows, &sv->f_rows})
-        if (b->ext.free) b->Free();
-  }
+  Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::StateOf<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv) return Status::Ok();
+  bool freed = false;
+  for (auto* b : {&sv->saved_f, &sv->x_rows, &sv->h_rows, &sv->f_rows})
+    if (b->ext.free) {
+      b->Free();
+      freed = true;
+    }
+  if (freed) ContextAccess::Abandon(ctx);  // its forward's rows are gone: a backward is refused, not run on null rows
   return Status::Ok();
 }
 

@@ -121,8 +121,15 @@ class CudaMoELayer {
   Status SetRowAllocator(const RowAllocator& a);
   // The caller's stream of the rank's next calls (the stream a RowAllocator allocates for); default 0.
   void SetCallerStream(int32_t rank, cudaStream_t stream);
+  // SetCallerStream, then, with a RowAllocator, the rows ctx gave back (ReleaseRows) taken again on the
+  // caller's thread before a call that forwards in ctx (so an allocator with no memory fails that call
+  // before the collective starts). The C API calls it before every forward and plan.
+  Status PrepareRows(int32_t rank, ForwardContext& ctx, cudaStream_t caller);
   // Gives the saved rows of ctx that came from a RowAllocator back to it (after ctx's backward, or when
-  // the caller drops ctx without one); the context's next forward takes them again. A no-op otherwise.
+  // the caller drops ctx without one) and abandons ctx's forward (a backward is then refused); its next
+  // forward takes them again. A no-op without a RowAllocator. The rows were allocated on the caller's
+  // stream of the forward: release them only after the calls that used them, in that stream's order
+  // (the C API joins the layer's streams back into the caller's at the end of each call).
   Status ReleaseRows(ForwardContext& ctx);
   ~CudaMoELayer();
 

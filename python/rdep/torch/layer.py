@@ -28,6 +28,7 @@ and no forward context of it is still alive (contexts hold the native handle).
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 import math
 import threading
@@ -56,6 +57,37 @@ def get_layer(layer_id: int) -> "Layer":
     return layer
 
 
+class _CallLock:
+    """The layer's re-entrant lock (one C call on the layer at a time). With `pause_gc` (set when the layer's
+    contexts take their rows from torch's caching allocator, whose callbacks run Python code on the C call's
+    threads) it also pauses Python's cyclic collector while held: a collection inside a callback could run a
+    context's finalizer, which would wait for this lock from a rank thread, or re-enter rdep_context_release
+    while the C layer holds its context lock."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._was_enabled = False
+        self.pause_gc = False
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._depth += 1
+        if self._depth == 1 and self.pause_gc:
+            self._was_enabled = gc.isenabled()
+            if self._was_enabled:
+                gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0 and self._was_enabled:
+            self._was_enabled = False
+            gc.enable()
+        self._lock.release()
+        return False
+
+
 class _Native:
     """Owns the rdep_layer* and the per-layer Python state the C calls need. The Layer and every live
     forward context (through its finalizer) hold a reference, so the C handle outlives its contexts."""
@@ -63,7 +95,7 @@ class _Native:
     def __init__(self, ptr: int, keepalive: tuple):
         self.ptr: Optional[int] = ptr
         self.keepalive = keepalive  # the domain's native state (it keeps the allgather callback C calls alive)
-        self.lock = threading.RLock()  # one C call on this layer at a time; guards `live`
+        self.lock = _CallLock()  # one C call on this layer at a time; guards `live`
         # Live forward contexts: token (the C slot index) -> C context id (layer_calls.py).
         self.live: dict[int, int] = {}
 
@@ -79,9 +111,9 @@ class _Native:
     def close(self) -> None:
         with self.lock:
             if self.ptr is not None:
-                _capi.lib().rdep_layer_destroy(self.ptr)
-                self.ptr = None
+                ptr, self.ptr = self.ptr, None  # cleared first: a finalizer the destruction runs finds the layer gone
                 self.live.clear()
+                _capi.lib().rdep_layer_destroy(ptr)
 
     def __del__(self):
         try:
@@ -254,6 +286,8 @@ class Layer(CHandle):
             self._query(resolved, device, world_size)
             if resolved == "cuda" and torch_rows:  # contexts' saved rows from torch's caching allocator
                 _capi.check(L.rdep_layer_set_row_allocator(ptr.value, _ROW_ALLOC, _ROW_FREE, None), "rdep_layer_set_row_allocator")
+                self._native.lock.pause_gc = True
+                self._native.keepalive = self._native.keepalive + ((_ROW_ALLOC, _ROW_FREE),)
         except BaseException:
             self._native.close()
             raise
