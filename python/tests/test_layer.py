@@ -84,3 +84,32 @@ def test_close_and_context_manager():
         assert layer.describe()
     with pytest.raises(ValueError, match="was closed"):
         layer.describe()
+
+
+def test_call_lock_pauses_the_collector_only_when_asked():
+    """The layer's call lock (rdep.torch.layer._CallLock): with pause_gc (a CUDA layer whose contexts take
+    their rows from torch's caching allocator, whose callbacks run Python on the C call's threads) Python's
+    cyclic collector is off while the lock is held, re-entrantly, and back on after; without it the lock
+    leaves the collector alone; a collector the caller had disabled stays disabled."""
+    from rdep.torch.layer import _CallLock
+
+    assert gc.isenabled()
+    lock = _CallLock()
+    with lock:
+        assert gc.isenabled()
+    lock.pause_gc = True
+    with lock:
+        assert not gc.isenabled()
+        with lock:  # re-entrant: still paused, and not re-enabled by the inner exit
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with lock:
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the caller's choice is kept
+    finally:
+        gc.enable()
+    layer = rt.Layer(8, 6, 4, 2, 8, world_size=2)  # the host backend: no row allocator, no pause
+    assert layer._native.lock.pause_gc is False
