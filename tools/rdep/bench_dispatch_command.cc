@@ -518,7 +518,7 @@ Status RunRdepTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
     const auto sr = static_cast<size_t>(r);
     RDEP_RETURN_IF_ERROR(UploadRankBuffers(bufs[sr], routing[sr], setup.x[sr], o.cfg.shape, o.warmup + o.iters));
     RDEP_RETURN_IF_ERROR(TimeRankForward(domain, layer, r, bufs[sr], routing[sr].num_tokens, o, res.fwd[sr]));
-    res.layer_bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes() + layer.shared_row_bytes() + layer.shared_transport_bytes();  // one layer: the shared slots are all its own
+    res.layer_bytes[sr] = layer.device_bytes(r) + layer.shared_bytes();  // one layer: the shared slots are all its own
     if (o.owner_reduce)
       RDEP_RETURN_IF_ERROR(VerifyIdentityForward(domain, layer, r, bufs[sr], setup.x[sr], routing[sr].num_tokens, o.cfg.shape));
     RDEP_ASSIGN_OR_RETURN(auto acc, layer.CopyAcceptance(r));

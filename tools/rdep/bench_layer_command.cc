@@ -428,7 +428,7 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
     if (o.bf16_grads) RDEP_RETURN_IF_ERROR(BindBf16Grads(layer, r, bufs[sr], setup.weights, setup.ownership));
     RDEP_RETURN_IF_ERROR(TimeRankPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.fwd[sr],
                                         res.fwdbwd[sr]));
-    res.bytes[sr] = layer.device_bytes(r) + layer.replica_slot_bytes() + layer.shared_row_bytes() + layer.shared_transport_bytes();  // one layer: the shared slots are all its own
+    res.bytes[sr] = layer.device_bytes(r) + layer.shared_bytes();  // one layer: the shared slots are all its own
     res.caller_bytes[sr] = bufs[sr].io_bytes + bufs[sr].weight_bytes;
     return Status::Ok();
   }));

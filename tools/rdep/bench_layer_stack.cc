@@ -48,7 +48,7 @@ Status StackMemory(const std::vector<CudaMoELayer*>& stack, std::vector<ForwardC
   }
   layer_bytes = context_bytes = 0;
   for (size_t l = 0; l < stack.size(); ++l) {
-    layer_bytes += stack[l]->device_bytes(r) + (l == 0 ? stack[l]->replica_slot_bytes() + stack[l]->shared_row_bytes() + stack[l]->shared_transport_bytes() : 0);  // shared by the stack's layers (same size)
+    layer_bytes += stack[l]->device_bytes(r) + (l == 0 ? stack[l]->shared_bytes() : 0);  // shared by the stack's layers (same size)
     context_bytes += ctx[l].bytes();
   }
   size_t free_b = 0, total_b = 0;

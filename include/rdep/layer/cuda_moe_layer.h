@@ -266,6 +266,9 @@ class CudaMoELayer {
   // by the domain's layers of their size (LayerRegions::shared_transport: one domain, nodes = 1; "layer.*"
   // regions, held once however many layers use them), else 0 (then device_bytes counts them).
   size_t shared_transport_bytes() const { return regions_.shared_transport ? LayerRegions::SharedTransportBytes(layout_) : 0; }
+  // Every shared region this layer uses (replica slots, output rows and scratch, transport regions): what
+  // a layer alone, or the first of a stack of layers of one size, adds to device_bytes.
+  size_t shared_bytes() const { return replica_slot_bytes() + shared_row_bytes() + shared_transport_bytes(); }
 
  private:
   struct RankState;
