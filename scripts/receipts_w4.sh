@@ -27,6 +27,9 @@
 #              (token, owner) crosses back) at W = 2, 4, Zipf 1 and DeepSeek-V3, beside NCCL
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
+#   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
+#   stack2     per-rank memory of stacks of 4 and 8 Moonlight layers at W = 2 (CUTLASS compute)
+#   train2     examples/torch_training under torchrun --nproc-per-node=2 (eager), rdep's MoE beside TorchTitan's
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
 #              (eager and --compile); needs the wheels in .whl/ (torchtitan and its dependencies)
 # Stages for one GPU (issues 14 and 15 on nvidia-h200; the archive keeps its name):
@@ -176,6 +179,25 @@ stage_pair() {
   layer w2 2 0
   run layer_w2_reduce "$RDEP" bench layer --ranks 2 --expert-compute cutlass --owner-reduce --json "$R/layer_w2_reduce.json" \
     --baseline-json "$R/torch_w2.json"
+}
+stage_pairskew() {
+  for a in 1 2; do
+    run layer_zipf${a}_w2 "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --json "$R/layer_zipf${a}_w2.json"
+    run layer_zipf${a}_w2_ultraep "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
+      --json "$R/layer_zipf${a}_w2_ultraep.json"
+  done
+}
+stage_stack2() {
+  for n in 4 8; do
+    run layer_w2_stack$n "$RDEP" bench layer --ranks 2 --expert-compute cutlass --layers "$n" --warmup 5 --iters 20 \
+      --json "$R/layer_w2_stack$n.json"
+  done
+}
+stage_train2() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+  run train_w2 env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    torchrun --nproc-per-node=2 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass \
+    --json "$R/train_w2.json" --png "$R/train_w2.png"
 }
 stage_train() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
