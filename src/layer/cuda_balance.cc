@@ -314,9 +314,8 @@ Status CudaMoELayer::SolveBalancePlan(int32_t rank, RankState& st, Saved& sv) {
 // barrier (of this layer or of any other layer sharing the slots) ordered them after every replica's
 // previous use of its slot.
 // A layer that cannot relay has a side stream (st.side): the streaming goes there, forked from the
-// rank's stream, and overlaps the rank's work up to its first segment's replica compute: the scatter,
-// the segment barrier and the main experts' GEMMs (in backward dgate too). ReplicaWeightsReady joins it
-// there, behind a barrier every rank takes, before any rank's slots compute.
+// rank's stream and joined (JoinSide) before the first segment barrier, so that what the rank does in
+// between (the scatter; in backward dgate too) overlaps it.
 Status CudaMoELayer::StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward) {
   if (replica_w_ < 0 || kind_ != ExpertKind::kSwiGLU) return Status::Ok();
   const LayerShape& s = config_.shape;
@@ -324,6 +323,7 @@ Status CudaMoELayer::StreamReplicas(int32_t rank, RankState& st, const Saved& sv
   auto* slots_of = reinterpret_cast<unsigned char* const*>(domain_.peer_table(rank, replica_w_));
   const DeviceRelayView relays = sv.plan.relay_view();
   const int work = backward ? RankState::kSideStreamBackward : RankState::kSideStreamForward;
+  if (backward) st.side_timed[RankState::kSideReduce] = false;  // until this backward's reduction forks
   if (st.side) RDEP_RETURN_IF_ERROR(ForkSide(rank, st, work));
   cudaStream_t stream = st.side ? st.side : domain_.stream(rank);
   if (st.num_local > 0) {  // a rank without experts owns no replicated expert
@@ -367,19 +367,17 @@ Status CudaMoELayer::JoinSide(RankState& st, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// The first segment, between the main experts' compute and the slots': the side stream's streaming
-// joined into the rank's stream, then a barrier (every rank's stores into every slot are done). Every
-// rank calls it once per call with a side stream (no-op otherwise, and after the first segment).
-Status CudaMoELayer::ReplicaWeightsReady(int32_t rank, RankState& st, int64_t seg) {
-  if (!st.side_pending || seg != 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(JoinSide(st, domain_.stream(rank)));
-  return domain_.Barrier(rank, Phase::kReplicaWeights);
-}
-
-// Owner, after backward.done: its replicas' gradients (peer reads) added to its own, in instance order.
-// (Beside the return on a side stream it measured no faster: both move bytes over the same links.)
+// Owner: its replicas' gradients (peer reads) added to its own, in instance order. In the rank's stream
+// after backward.done or, with the side stream, forked after the last segment's expert compute: a
+// barrier there (every rank's replicas are final) and the reduction overlap the return.
 Status CudaMoELayer::ReduceReplicas(int32_t rank, RankState& st, const Saved& sv) {
   if (replica_g_ < 0) return Status::Ok();
+  cudaStream_t stream = domain_.stream(rank);
+  if (st.side) {
+    RDEP_RETURN_IF_ERROR(ForkSide(rank, st, RankState::kSideReduce));
+    stream = st.side;
+    RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReplicaGrads, stream));
+  }
   if (st.num_local > 0) {
     const LayerShape& s = config_.shape;
     const kernels::ExpertGradsView g = st.grads();  // fp32 (bf16 gradients are refused with balancing)
@@ -387,9 +385,9 @@ Status CudaMoELayer::ReduceReplicas(int32_t rank, RankState& st, const Saved& sv
     RDEP_RETURN_IF_ERROR(LaunchReduceReplicaGradients(sv.plan.view(), rank, static_cast<int32_t>(s.experts), st.owner.ptr, st.local.ptr,
                                                       g.dw1, 2 * s.hidden * s.ffn, g.dw2, s.ffn * s.hidden,
                                                       reinterpret_cast<const float* const*>(domain_.peer_table(rank, replica_g_)),
-                                                      domain_.stream(rank)));
+                                                      stream));
   }
-  return Mark(rank, st, true, kMarkReduce);
+  return st.side ? EndSide(st, RankState::kSideReduce) : Mark(rank, st, true, kMarkReduce);
 }
 
 // The expert-compute calls of one segment's grouped rows, expert-major over physical indices (counts

@@ -9,7 +9,7 @@
 //     may change with the rows per expert), so bf16 outputs may round differently. The accepted set
 //     and gates, the same computation either way, are also compared bitwise with balancing off;
 //   - a corrupted streamed tile (set_replica_fault_for_test) fails that comparison;
-//   - the replica weight streaming on side streams equals it in the ranks' streams bit for bit;
+//   - the replica work on side streams equals it in the ranks' streams bit for bit;
 //   - several steps on one layer (slots reused, EPLB's history, an all-empty step) and two forwards in
 //     flight keep these properties; bf16 weight gradients and the caller's-experts steps are refused.
 // Every test skips, saying so, without a GPU.
@@ -302,11 +302,11 @@ TEST(CudaBalanceFaults, W4_CorruptedStreamedTileIsCaught) {
   EXPECT_GT(RelL2(y_bad, y_off), kRelL2) << "a corrupted replica tile must fail the comparison with balancing off";
 }
 
-// The replica weight streaming on side streams (beside the scatter, dgate and the main experts' GEMMs,
-// joined behind a barrier before the slots compute) against the same layer streaming in the ranks'
-// streams before the exchange (RDEP_REPLICA_OVERLAP=0): the same kernels on the same inputs, so y, dx,
-// dgates and the main experts' weight gradients are equal bit for bit; in one segment and in several
-// (the slots compute in every segment after the first segment's barrier), with drops.
+// The replica work on side streams (the weight streaming beside the scatter and dgate, the gradient
+// reduction after its own barrier beside the return) against the same layer with it in the ranks'
+// streams (RDEP_REPLICA_OVERLAP=0): the same kernels on the same inputs in the same order per buffer,
+// so y, dx, dgates and the main experts' weight gradients are equal bit for bit; in one segment and in
+// several (the replica gradients accumulated over segments, reduced after the last), with drops.
 TEST(CudaBalanceOverlap, W4_SideStreamsEqualTheSequentialReplicaWorkBitwise) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer's balancing runs on a GPU";
   for (const Case& c : {Case{.name = "zipf2"}, Case{.name = "zipf2_drops_segments", .capacity_factor = 1.0, .segment = 20},
@@ -321,7 +321,7 @@ TEST(CudaBalanceOverlap, W4_SideStreamsEqualTheSequentialReplicaWorkBitwise) {
     auto side = RunCuda(ConfigOf(c, true), rt, x, dy);
     ASSERT_TRUE(side.ok()) << c.name << ": " << side.status();
     EXPECT_FALSE(seq->overlapped) << c.name;
-    ASSERT_TRUE(side->overlapped) << c.name << ": a W = 4 layer cannot relay, so its streaming overlaps";
+    ASSERT_TRUE(side->overlapped) << c.name << ": a W = 4 layer cannot relay, so its replica work overlaps";
     ASSERT_GT(side->telemetry.replicas, 0) << c.name;
     for (size_t r = 0; r < kW; ++r) {
       const std::string at = c.name + ", rank " + std::to_string(r);

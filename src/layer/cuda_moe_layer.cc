@@ -87,6 +87,7 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
     return Status::Ok();
   };
   RDEP_RETURN_IF_ERROR(side_ms(backward ? RankState::kSideStreamBackward : RankState::kSideStreamForward, t.stream_ms));
+  if (backward) RDEP_RETURN_IF_ERROR(side_ms(RankState::kSideReduce, t.reduce_ms));
   return t;
 }
 
@@ -607,7 +608,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   if (!st.side) RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // with relays: in the rank's stream
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
-  RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
+  if (!st.side) RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/true, dx));
@@ -643,13 +644,14 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
                                                  sv.num_tokens, layout_, targets, rank, sv.control.ptr, lo, buf,
                                                  domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
+    RDEP_RETURN_IF_ERROR(JoinSide(st, stream));  // the replicas' weights before any replica computes
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * config_.shape.hidden;
     if (!backward) RDEP_RETURN_IF_ERROR(OwnerForwardSegment(rank, st, sv, seg, seg_payload));
     else RDEP_RETURN_IF_ERROR(OwnerBackwardSegment(rank, st, sv, seg, seg_payload));
   }
-  RDEP_RETURN_IF_ERROR(JoinSide(st, stream));  // with no segment, the streaming is still joined inside the call
+  RDEP_RETURN_IF_ERROR(JoinSide(st, stream));  // the reduction (or, with no segment, the streaming) inside the call
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
   return Mark(rank, st, backward, kMarkReturnWait);
 }
@@ -701,13 +703,10 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
     if (m > 0)
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, xr, static_cast<size_t>(m * H) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
   } else if (m > 0) {
-    for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts)) {  // the counts are on the host already
-      if (c.mlp == st.slot_mlp.get()) RDEP_RETURN_IF_ERROR(ReplicaWeightsReady(rank, st, seg));
+    for (const ExpertCall& c : ExpertCalls(rank, st, st.seg_counts.ptr, counts))  // the counts are on the host already
       RDEP_RETURN_IF_ERROR(c.mlp->Forward(c.counts, xr + c.first * H, c.weights, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                           out + c.first * H, stream));
-    }
   }
-  RDEP_RETURN_IF_ERROR(ReplicaWeightsReady(rank, st, seg));  // every rank takes its barrier, with slot rows or not
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
   if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
   else RDEP_RETURN_IF_ERROR(ReturnRows(rank, out, sv, base, m, stream));
@@ -754,17 +753,16 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     int64_t main_rows = 0;
     for (int32_t j = 0; j < st.num_local && static_cast<size_t>(j) < counts.size(); ++j) main_rows += counts[static_cast<size_t>(j)];
     if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));  // no call will write them
-    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {
-      if (c.mlp == st.slot_mlp.get()) RDEP_RETURN_IF_ERROR(ReplicaWeightsReady(rank, st, seg));
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0))
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                            OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (m + c.first) * H, c.grads,
                                            c.accumulate, stream));
-    }
   } else if (seg == 0) {  // no rows at this owner in the first segment: its gradients are zero so far
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
-  RDEP_RETURN_IF_ERROR(ReplicaWeightsReady(rank, st, seg));  // every rank takes its barrier, with slot rows or not
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
+  if (st.side && seg + 1 == sv.num_segments)  // the replicas' gradients are final once every rank is here
+    RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + m * H, sv, seg, base, /*backward=*/true));

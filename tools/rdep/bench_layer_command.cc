@@ -500,7 +500,8 @@ void PrintBalance(const rdep::LayerConfig& cfg, const LayerBenchResults& res, bo
   std::printf("  balance times (ms, max-rank median): plan %.3f, streaming %.3f forward (%.1f GB/s all replicas) + %.3f backward, "
               "gradient reduction %.3f%s\n",
               res.bf.plan_ms, res.bf.stream_ms, gbps, res.bb.stream_ms, res.bb.reduce_ms,
-              overlapped ? " (the streaming on a side stream, beside the scatter and the main experts' GEMMs; the reduction in sequence)"
+              overlapped ? " (on a side stream: the streaming beside the scatter, and dgate in backward; the reduction, with its "
+                           "barrier, beside the return)"
                          : " (in sequence)");
 }
 

@@ -250,10 +250,10 @@ class CudaMoELayer {
   // replicas' weights before it computes (backward again), zeroes the slot gradients at its first
   // backward segment and reduces them into the owners' gradients before its backward returns; the
   // domain's barriers order one call's use of the slots before the next call's stores.
-  // Whether the replica weight streaming overlaps the rank's own work (on a side stream, beside the
-  // scatter and the main experts' GEMMs, in backward dgate too; an extra barrier before the slots
-  // compute): balancing on a layer that cannot relay, unless RDEP_REPLICA_OVERLAP=0. Otherwise the
-  // rank's stream streams in sequence before the exchange.
+  // Whether the replica work overlaps the rank's own (a side stream: the weight streaming beside the
+  // scatter, in backward dgate too; the gradient reduction beside the return): balancing on a layer
+  // that cannot relay, unless RDEP_REPLICA_OVERLAP=0. Otherwise the rank's stream streams and reduces
+  // in sequence.
   bool overlaps_replica_work() const { return replica_overlap_; }
   size_t replica_slot_bytes() const {
     return static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
@@ -318,7 +318,6 @@ class CudaMoELayer {
   Status ForkSide(int32_t rank, RankState& st, int work);  // the side stream after the rank's stream's work so far
   Status JoinSide(RankState& st, cudaStream_t stream);  // the side stream's work into stream (no-op unless forked)
   Status EndSide(RankState& st, int work);
-  Status ReplicaWeightsReady(int32_t rank, RankState& st, int64_t seg);
   Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);
   std::vector<ExpertCall> ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts, const std::vector<int64_t>& counts,
                                       bool first_segment = false) const;
