@@ -28,8 +28,6 @@
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
-#   overlap2   the replica work on side streams against it in sequence (RDEP_REPLICA_OVERLAP=0, alternated) at
-#              W = 2, Zipf 1 and 2, ultraep; rdep check --balance on two GPUs (device barriers) and four ranks on two
 #   stack2     per-rank memory of stacks of 4 and 8 Moonlight layers at W = 2 (CUTLASS compute)
 #   train2     examples/torch_training under torchrun --nproc-per-node=2 (eager), rdep's MoE beside TorchTitan's
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
@@ -187,20 +185,6 @@ stage_pairskew() {
     run layer_zipf${a}_w2 "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --json "$R/layer_zipf${a}_w2.json"
     run layer_zipf${a}_w2_ultraep "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
       --json "$R/layer_zipf${a}_w2_ultraep.json"
-  done
-}
-stage_overlap2() {
-  run check_bal_w2 "$RDEP" check --backend cuda --ranks 2 --gpus 2 --routing zipf:2 --balance ultraep --json "$R/check_bal_w2.json"
-  run check_bal_w2_seg "$RDEP" check --backend cuda --ranks 2 --gpus 2 --routing zipf:1.5 --balance ultraep --segment 40 \
-    --capacity-factor 1.0 --json "$R/check_bal_w2_seg.json"
-  run check_bal_w4g2 "$RDEP" check --backend cuda --ranks 4 --gpus 2 --routing zipf:2 --balance ultraep --json "$R/check_bal_w4g2.json"
-  for round in a b; do
-    for a in 1 2; do
-      for ov in 0 1; do
-        run layer_zipf${a}_w2_ov${ov}_$round env RDEP_REPLICA_OVERLAP=$ov "$RDEP" bench layer --ranks 2 --expert-compute cutlass \
-          --routing "zipf:$a" --balance ultraep --json "$R/layer_zipf${a}_w2_ov${ov}_$round.json"
-      done
-    done
   done
 }
 stage_stack2() {

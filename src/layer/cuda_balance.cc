@@ -16,7 +16,6 @@
 //             build-*/bin/rdep check --backend cuda --ranks 4 --routing zipf:2 --balance ultraep
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <string>
 
 #include "layer/context_access.h"
@@ -204,17 +203,6 @@ Status CudaMoELayer::CreateBalancing(RankState& st) {
     RDEP_ASSIGN_OR_RETURN(st.planner, DevicePlanner::Create(ownership_, QuotaConfig{config_.balance.num_slots, config_.balance.min_quota,
                                                                                      /*locality=*/true}));
   }
-  // The side stream of the replica work (overlaps_replica_work); RDEP_REPLICA_OVERLAP=0 keeps it in the
-  // rank's stream, in sequence (an A/B switch for the benches: same results).
-  const char* overlap = std::getenv("RDEP_REPLICA_OVERLAP");
-  if (config_.replica_slots() > 0 && !relays_possible_ && !(overlap && std::string(overlap) == "0")) {
-    replica_overlap_ = true;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st.side, cudaStreamNonBlocking));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&st.side_fork, cudaEventDisableTiming));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&st.side_join, cudaEventDisableTiming));
-    for (auto& pair : st.side_marks)
-      for (cudaEvent_t& e : pair) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  }
   if (config_.replica_slots() > 0) {
     kernels::ExpertMlpConfig one_expert;
     one_expert.num_streams = 1;  // one expert per call: nothing to spread over side streams
@@ -313,19 +301,13 @@ Status CudaMoELayer::SolveBalancePlan(int32_t rank, RankState& st, Saved& sv) {
 // The caller's next barrier orders the stores before any replica computes; the previous call's last
 // barrier (of this layer or of any other layer sharing the slots) ordered them after every replica's
 // previous use of its slot.
-// A layer that cannot relay has a side stream (st.side): the streaming goes there, forked from the
-// rank's stream and joined (JoinSide) before the first segment barrier, so that what the rank does in
-// between (the scatter; in backward dgate too) overlaps it.
 Status CudaMoELayer::StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward) {
   if (replica_w_ < 0 || kind_ != ExpertKind::kSwiGLU) return Status::Ok();
   const LayerShape& s = config_.shape;
   const int64_t w1_bytes = 2 * s.hidden * s.ffn * 2, w2_bytes = s.ffn * s.hidden * 2;
   auto* slots_of = reinterpret_cast<unsigned char* const*>(domain_.peer_table(rank, replica_w_));
+  cudaStream_t stream = domain_.stream(rank);
   const DeviceRelayView relays = sv.plan.relay_view();
-  const int work = backward ? RankState::kSideStreamBackward : RankState::kSideStreamForward;
-  if (backward) st.side_timed[RankState::kSideReduce] = false;  // until this backward's reduction forks
-  if (st.side) RDEP_RETURN_IF_ERROR(ForkSide(rank, st, work));
-  cudaStream_t stream = st.side ? st.side : domain_.stream(rank);
   if (st.num_local > 0) {  // a rank without experts owns no replicated expert
     const kernels::ExpertWeightsView w = st.weights();
     RDEP_RETURN_IF_ERROR(LaunchStreamReplicaWeights(sv.plan.view(), rank, static_cast<int32_t>(s.experts), st.owner.ptr, st.local.ptr,
@@ -340,44 +322,12 @@ Status CudaMoELayer::StreamReplicas(int32_t rank, RankState& st, const Saved& sv
     RDEP_RETURN_IF_ERROR(LaunchRelayReplicaChunks(sv.plan.view(), relays, rank, static_cast<int32_t>(s.experts), w1_bytes + w2_bytes,
                                                   slots_of, kReplicaTileBytes, 0, stream));
   }
-  return st.side ? EndSide(st, work) : Mark(rank, st, backward, kMarkStream);
+  return Mark(rank, st, backward, kMarkStream);
 }
 
-Status CudaMoELayer::ForkSide(int32_t rank, RankState& st, int work) {
-  RDEP_RETURN_IF_ERROR(JoinSide(st, domain_.stream(rank)));  // a call that failed after its fork left it unjoined
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.side_fork, domain_.stream(rank)));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(st.side, st.side_fork, 0));
-  st.side_pending = true;
-  st.side_timed[work] = profiling_;
-  if (profiling_) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.side_marks[work][0], st.side));
-  return Status::Ok();
-}
-
-// After the side stream's work: its end mark and the event JoinSide waits on.
-Status CudaMoELayer::EndSide(RankState& st, int work) {
-  if (profiling_) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.side_marks[work][1], st.side));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(st.side_join, st.side));
-  return Status::Ok();
-}
-
-Status CudaMoELayer::JoinSide(RankState& st, cudaStream_t stream) {
-  if (!st.side_pending) return Status::Ok();
-  st.side_pending = false;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, st.side_join, 0));
-  return Status::Ok();
-}
-
-// Owner: its replicas' gradients (peer reads) added to its own, in instance order. In the rank's stream
-// after backward.done or, with the side stream, forked after the last segment's expert compute: a
-// barrier there (every rank's replicas are final) and the reduction overlap the return.
+// Owner, after backward.done: its replicas' gradients (peer reads) added to its own, in instance order.
 Status CudaMoELayer::ReduceReplicas(int32_t rank, RankState& st, const Saved& sv) {
   if (replica_g_ < 0) return Status::Ok();
-  cudaStream_t stream = domain_.stream(rank);
-  if (st.side) {
-    RDEP_RETURN_IF_ERROR(ForkSide(rank, st, RankState::kSideReduce));
-    stream = st.side;
-    RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReplicaGrads, stream));
-  }
   if (st.num_local > 0) {
     const LayerShape& s = config_.shape;
     const kernels::ExpertGradsView g = st.grads();  // fp32 (bf16 gradients are refused with balancing)
@@ -385,9 +335,9 @@ Status CudaMoELayer::ReduceReplicas(int32_t rank, RankState& st, const Saved& sv
     RDEP_RETURN_IF_ERROR(LaunchReduceReplicaGradients(sv.plan.view(), rank, static_cast<int32_t>(s.experts), st.owner.ptr, st.local.ptr,
                                                       g.dw1, 2 * s.hidden * s.ffn, g.dw2, s.ffn * s.hidden,
                                                       reinterpret_cast<const float* const*>(domain_.peer_table(rank, replica_g_)),
-                                                      stream));
+                                                      domain_.stream(rank)));
   }
-  return st.side ? EndSide(st, RankState::kSideReduce) : Mark(rank, st, true, kMarkReduce);
+  return Mark(rank, st, true, kMarkReduce);
 }
 
 // The expert-compute calls of one segment's grouped rows, expert-major over physical indices (counts

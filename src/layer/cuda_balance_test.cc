@@ -9,7 +9,6 @@
 //     may change with the rows per expert), so bf16 outputs may round differently. The accepted set
 //     and gates, the same computation either way, are also compared bitwise with balancing off;
 //   - a corrupted streamed tile (set_replica_fault_for_test) fails that comparison;
-//   - the replica work on side streams equals it in the ranks' streams bit for bit;
 //   - several steps on one layer (slots reused, EPLB's history, an all-empty step) and two forwards in
 //     flight keep these properties; bf16 weight gradients and the caller's-experts steps are refused.
 // Every test skips, saying so, without a GPU.
@@ -21,7 +20,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -75,7 +73,6 @@ struct CudaRun {
   std::vector<RankResult> ranks;
   std::vector<BalancePlan> plans;  // balanced: every rank's plan
   BalanceTelemetry telemetry;      // balanced: rank 0's
-  bool overlapped = false;         // the layer's replica work ran on side streams (overlaps_replica_work)
 };
 
 StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
@@ -124,7 +121,6 @@ StatusOr<CudaRun> RunCuda(const LayerConfig& cfg, const Routing& rt, const Activ
   RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(*domain, cfg, Owners(), RandomWeights(cfg.shape, 7)));
   layer->set_replica_fault_for_test(fault);
   CudaRun out;
-  out.overlapped = layer->overlaps_replica_work();
   RDEP_RETURN_IF_ERROR(ForwardBackward(*domain, *layer, rt, x, dy, out));
   return out;
 }
@@ -300,39 +296,6 @@ TEST(CudaBalanceFaults, W4_CorruptedStreamedTileIsCaught) {
     y_off.insert(y_off.end(), off->ranks[r].y.begin(), off->ranks[r].y.end());
   }
   EXPECT_GT(RelL2(y_bad, y_off), kRelL2) << "a corrupted replica tile must fail the comparison with balancing off";
-}
-
-// The replica work on side streams (the weight streaming beside the scatter and dgate, the gradient
-// reduction after its own barrier beside the return) against the same layer with it in the ranks'
-// streams (RDEP_REPLICA_OVERLAP=0): the same kernels on the same inputs in the same order per buffer,
-// so y, dx, dgates and the main experts' weight gradients are equal bit for bit; in one segment and in
-// several (the replica gradients accumulated over segments, reduced after the last), with drops.
-TEST(CudaBalanceOverlap, W4_SideStreamsEqualTheSequentialReplicaWorkBitwise) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer's balancing runs on a GPU";
-  for (const Case& c : {Case{.name = "zipf2"}, Case{.name = "zipf2_drops_segments", .capacity_factor = 1.0, .segment = 20},
-                        Case{.name = "one_expert", .routing = "one-expert"}}) {
-    const LayerShape s = Shape();
-    const Routing rt = *GenerateRouting(s, *RoutingSpec::Parse(c.routing));
-    const Activations x = RandomActivations(s, rt, 8), dy = RandomActivations(s, rt, 9);
-    setenv("RDEP_REPLICA_OVERLAP", "0", 1);
-    auto seq = RunCuda(ConfigOf(c, true), rt, x, dy);
-    unsetenv("RDEP_REPLICA_OVERLAP");
-    ASSERT_TRUE(seq.ok()) << c.name << ": " << seq.status();
-    auto side = RunCuda(ConfigOf(c, true), rt, x, dy);
-    ASSERT_TRUE(side.ok()) << c.name << ": " << side.status();
-    EXPECT_FALSE(seq->overlapped) << c.name;
-    ASSERT_TRUE(side->overlapped) << c.name << ": a W = 4 layer cannot relay, so its replica work overlaps";
-    ASSERT_GT(side->telemetry.replicas, 0) << c.name;
-    for (size_t r = 0; r < kW; ++r) {
-      const std::string at = c.name + ", rank " + std::to_string(r);
-      const RankResult &a = side->ranks[r], &b = seq->ranks[r];
-      EXPECT_TRUE(Bitwise(a.y, b.y)) << at << ": y";
-      EXPECT_TRUE(Bitwise(a.dx, b.dx)) << at << ": dx";
-      EXPECT_TRUE(Bitwise(a.dg, b.dg)) << at << ": dgates";
-      EXPECT_TRUE(Bitwise(a.dw1, b.dw1)) << at << ": dW1";
-      EXPECT_TRUE(Bitwise(a.dw2, b.dw2)) << at << ": dW2";
-    }
-  }
 }
 
 // Several steps on one layer per balancer (the slots and their gradient buffers reused, EPLB's history

@@ -265,19 +265,6 @@ struct CudaMoELayer::RankState {
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
-  // Balancing without relays: a side stream of the rank, forked from its stream and joined back inside
-  // the call (JoinSide), for the replica work that can overlap the rank's own: the weight streaming
-  // (joined before the first segment barrier: it overlaps the scatter, in backward dgate too) and the
-  // backward's replica-gradient reduction (forked after the last segment's expert compute, joined before
-  // the final barrier: it overlaps the return). fork/join order the streams; side_marks[kSide*][begin|end]
-  // time the side work when profiling (side_timed: this call's pair was recorded). side_pending: forked,
-  // not joined.
-  enum SideWork { kSideStreamForward = 0, kSideStreamBackward = 1, kSideReduce = 2 };
-  cudaStream_t side = nullptr;
-  cudaEvent_t side_fork = nullptr, side_join = nullptr;
-  cudaEvent_t side_marks[3][2] = {};
-  bool side_pending = false;
-  bool side_timed[3] = {false, false, false};
   // The context of calls made without one.
   ForwardContext own_context;
   // The last collective step was a Plan: a peer may still be copying that plan's control words (its

@@ -78,16 +78,6 @@ StatusOr<PhaseTimes> CudaMoELayer::LastPhaseTimes(int32_t rank, bool backward) c
       default: t.combine_ms += ms; break;
     }
   }
-  // The side stream's work (overlapped: not between the marks above).
-  const auto side_ms = [&](int work, double& into) -> Status {
-    if (!st.side_timed[work]) return Status::Ok();
-    float ms = 0;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, st.side_marks[work][0], st.side_marks[work][1]));
-    into += ms;
-    return Status::Ok();
-  };
-  RDEP_RETURN_IF_ERROR(side_ms(backward ? RankState::kSideStreamBackward : RankState::kSideStreamForward, t.stream_ms));
-  if (backward) RDEP_RETURN_IF_ERROR(side_ms(RankState::kSideReduce, t.reduce_ms));
   return t;
 }
 
@@ -164,12 +154,6 @@ CudaMoELayer::~CudaMoELayer() {
     st.mlp.reset();
     if (st.host_counts) cudaFreeHost(st.host_counts);
     for (auto e : st.events) cudaEventDestroy(e);
-    for (cudaEvent_t e : {st.side_fork, st.side_join})
-      if (e) cudaEventDestroy(e);
-    for (auto& pair : st.side_marks)
-      for (cudaEvent_t e : pair)
-        if (e) cudaEventDestroy(e);
-    if (st.side) cudaStreamDestroy(st.side);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
   for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_})  // last: the computes above used the scratch
@@ -520,7 +504,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   st.plan_copy_pending = false;
   if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
-  RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // joined before the first segment barrier
+  RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
   if (config_.owner_reduce)
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
@@ -596,9 +580,6 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
-  // Another call may have used the slots since forward: stream again (on the side stream, overlapping
-  // dgate and the first scatter, when the layer cannot relay).
-  if (st.side) RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));
   if (!config_.owner_reduce)  // else from the owners' dots after the exchange
     RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                                s.hidden, st.scratch.ptr, dgates, stream));
@@ -606,9 +587,9 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   // add to them), or zeroed there when this owner has no rows in it: no pass over them here.
   if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
-  if (!st.side) RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // with relays: in the rank's stream
+  RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // another call may have used the slots since forward
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
-  if (!st.side) RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
+  RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));  // after backward.done: every replica's gradient is final
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/true, dx));
@@ -644,14 +625,12 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
                                                  sv.num_tokens, layout_, targets, rank, sv.control.ptr, lo, buf,
                                                  domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
-    RDEP_RETURN_IF_ERROR(JoinSide(st, stream));  // the replicas' weights before any replica computes
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * config_.shape.hidden;
     if (!backward) RDEP_RETURN_IF_ERROR(OwnerForwardSegment(rank, st, sv, seg, seg_payload));
     else RDEP_RETURN_IF_ERROR(OwnerBackwardSegment(rank, st, sv, seg, seg_payload));
   }
-  RDEP_RETURN_IF_ERROR(JoinSide(st, stream));  // the reduction (or, with no segment, the streaming) inside the call
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
   return Mark(rank, st, backward, kMarkReturnWait);
 }
@@ -761,8 +740,6 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
-  if (st.side && seg + 1 == sv.num_segments)  // the replicas' gradients are final once every rank is here
-    RDEP_RETURN_IF_ERROR(ReduceReplicas(rank, st, sv));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + m * H, sv, seg, base, /*backward=*/true));

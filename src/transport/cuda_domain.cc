@@ -597,20 +597,18 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
   return Status(s.code(), os.str());
 }
 
-Status CudaDomain::Barrier(int32_t rank, Phase phase) { return Barrier(rank, phase, stream(rank)); }
-
-Status CudaDomain::Barrier(int32_t rank, Phase phase, cudaStream_t on) {
+Status CudaDomain::Barrier(int32_t rank, Phase phase) {
   const uint64_t epoch = ++epoch_[static_cast<size_t>(rank)];
-  if (shared_) return JoinBarrier(rank, phase, epoch, on);
+  if (shared_) return JoinBarrier(rank, phase, epoch);
   return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, epoch, phase,
-                            options_.barrier_timeout_s, errors_dev_[static_cast<size_t>(rank)], on);
+                            options_.barrier_timeout_s, errors_dev_[static_cast<size_t>(rank)], stream(rank));
 }
 
-Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch, cudaStream_t on) {
+Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {
   JoinState& j = *join_;
   const auto me = static_cast<size_t>(rank);
   const size_t parity = epoch & 1;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(j.events[me][parity], on));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(j.events[me][parity], stream(rank)));
   {
     std::unique_lock<std::mutex> lock(j.mu);
     j.arrived[me] = epoch;
@@ -644,7 +642,7 @@ Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch, cudaSt
       }
   }
   for (size_t p = 0; p < j.events.size(); ++p)
-    if (p != me) RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(on, j.events[p][parity], 0));
+    if (p != me) RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream(rank), j.events[p][parity], 0));
   return Status::Ok();
 }
 

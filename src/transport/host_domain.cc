@@ -27,7 +27,6 @@ const char* PhaseName(Phase phase) {
     case Phase::kReturnStart: return "return.start";
     case Phase::kRowsTaken: return "rows.taken";
     case Phase::kPlanStart: return "plan.start";
-    case Phase::kReplicaGrads: return "backward.replica_grads";
     case Phase::kTest: return "test";
   }
   return "unknown";

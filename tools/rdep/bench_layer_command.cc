@@ -487,7 +487,7 @@ rdep::StatusOr<LayerBenchContext> ReadLayerBenchContext(const LayerBenchOptions&
 
 // What balancing did and cost: the plan's telemetry and the max-rank medians of the plan, the replica
 // weight streaming (forward, and again in backward) and the gradient reduction.
-void PrintBalance(const rdep::LayerConfig& cfg, const LayerBenchResults& res, bool overlapped) {
+void PrintBalance(const rdep::LayerConfig& cfg, const LayerBenchResults& res) {
   const rdep::BalanceTelemetry& t = res.balance;
   const double mib = static_cast<double>(t.weight_bytes) / (1024.0 * 1024.0);
   std::ostringstream name;
@@ -498,11 +498,8 @@ void PrintBalance(const rdep::LayerConfig& cfg, const LayerBenchResults& res, bo
               t.slot_limited ? " (every slot used)" : "", mib);
   const double gbps = res.bf.stream_ms > 0 ? static_cast<double>(t.weight_bytes) / (res.bf.stream_ms * 1e-3) / 1e9 : 0.0;
   std::printf("  balance times (ms, max-rank median): plan %.3f, streaming %.3f forward (%.1f GB/s all replicas) + %.3f backward, "
-              "gradient reduction %.3f%s\n",
-              res.bf.plan_ms, res.bf.stream_ms, gbps, res.bb.stream_ms, res.bb.reduce_ms,
-              overlapped ? " (on a side stream: the streaming beside the scatter, and dgate in backward; the reduction, with its "
-                           "barrier, beside the return)"
-                         : " (in sequence)");
+              "gradient reduction %.3f\n",
+              res.bf.plan_ms, res.bf.stream_ms, gbps, res.bb.stream_ms, res.bb.reduce_ms);
 }
 
 void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
@@ -544,7 +541,7 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               static_cast<double>(res.max_bytes) / (1 << 30),
               o.bf16_grads ? "bf16 weights and gradients, inputs, outputs and their gradients" : "inputs, outputs and their gradients",
               static_cast<double>(res.max_rank_bytes) / (1 << 30), c.base_mem);
-  if (cfg.balance.enabled()) PrintBalance(cfg, res, setup.layer->overlaps_replica_work());
+  if (cfg.balance.enabled()) PrintBalance(cfg, res);
 }
 
 void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBenchSetup& setup, const LayerBenchResults& res,
@@ -582,7 +579,6 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
     const rdep::BalanceTelemetry& t = res.balance;
     j.key("balance").begin_object().field("balancer", rdep::BalanceKindName(o.cfg.balance.kind));
     j.field("slots_per_rank", static_cast<int64_t>(o.cfg.balance.num_slots)).field("min_quota", o.cfg.balance.min_quota);
-    j.field("replica_work_overlapped", setup.layer->overlaps_replica_work());
     j.field("owner_max_over_mean_before", t.imbalance_before).field("max_over_mean_after", t.imbalance_after);
     j.field("replicas", static_cast<int64_t>(t.replicas)).field("slots", static_cast<int64_t>(t.slots)).field("slot_limited", t.slot_limited);
     j.field("weight_bytes_streamed_per_forward", t.weight_bytes).field("plan_ms", res.bf.plan_ms);

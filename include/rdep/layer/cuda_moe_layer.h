@@ -250,11 +250,6 @@ class CudaMoELayer {
   // replicas' weights before it computes (backward again), zeroes the slot gradients at its first
   // backward segment and reduces them into the owners' gradients before its backward returns; the
   // domain's barriers order one call's use of the slots before the next call's stores.
-  // Whether the replica work overlaps the rank's own (a side stream: the weight streaming beside the
-  // scatter, in backward dgate too; the gradient reduction beside the return): balancing on a layer
-  // that cannot relay, unless RDEP_REPLICA_OVERLAP=0. Otherwise the rank's stream streams and reduces
-  // in sequence.
-  bool overlaps_replica_work() const { return replica_overlap_; }
   size_t replica_slot_bytes() const {
     return static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
   }
@@ -315,9 +310,6 @@ class CudaMoELayer {
   Status PlanBalanced(int32_t rank, RankState& st, Saved& sv);
   Status SolveBalancePlan(int32_t rank, RankState& st, Saved& sv);
   Status StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward);
-  Status ForkSide(int32_t rank, RankState& st, int work);  // the side stream after the rank's stream's work so far
-  Status JoinSide(RankState& st, cudaStream_t stream);  // the side stream's work into stream (no-op unless forked)
-  Status EndSide(RankState& st, int work);
   Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);
   std::vector<ExpertCall> ExpertCalls(int32_t rank, RankState& st, const int64_t* dev_counts, const std::vector<int64_t>& counts,
                                       bool first_segment = false) const;
@@ -357,7 +349,6 @@ class CudaMoELayer {
   size_t expert_scratch_bytes_ = 0;
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   bool replica_fault_ = false;
-  bool replica_overlap_ = false;  // the ranks have side streams for the replica work (CreateBalancing)
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;
   bool profiling_ = false;

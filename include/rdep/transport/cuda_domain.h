@@ -113,9 +113,6 @@ class CudaDomain final : public Domain {
   // Enqueues a phase barrier on rank's stream: a one-block kernel with in-kernel bounded waits, or,
   // where ranks share a GPU, a host rendezvous of the ranks' threads and stream waits on their events.
   Status Barrier(int32_t rank, Phase phase) override;
-  // The same barrier enqueued on `on`, a stream of rank's device other than its own (a side stream whose
-  // work waits for every rank while the rank's stream goes on). It takes the next epoch like any barrier.
-  Status Barrier(int32_t rank, Phase phase, cudaStream_t on);
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
   Status Synchronize(int32_t rank) override;
   Status CheckErrors(int32_t rank);
@@ -134,7 +131,7 @@ class CudaDomain final : public Domain {
   struct JoinState;  // ranks sharing a GPU: the host rendezvous and each rank's barrier events
   CudaDomain();
   Status InitJoin();
-  Status JoinBarrier(int32_t rank, Phase phase, uint64_t epoch, cudaStream_t on);
+  Status JoinBarrier(int32_t rank, Phase phase, uint64_t epoch);
   Status AllocateLocal(Region& r, size_t bytes);
   Status OpenPeers(Region& r);
   Status ProbeFabric(std::string* why_not);

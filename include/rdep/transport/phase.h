@@ -22,7 +22,6 @@ enum class Phase : uint16_t {
   kReturnStart,           // dispatch/combine API: every rank finished reading its return rows of earlier calls
   kRowsTaken,             // dispatch/combine API: every owner took its received rows out of the segment buffers
   kPlanStart,             // a plan right after a plan: every rank has copied the previous plan's control words
-  kReplicaGrads,          // balancing, backward: every replica's weight gradient is final (the owners reduce them)
   kTest,                  // used by tests
 };
 
