@@ -28,6 +28,10 @@
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
+#   gate2      the layer at W = 2 under Zipf alpha 1 and 2: balancing off, ultraep, and ultraep with the gain gate
+#              (--min-gain 2500)
+#   binding1   what rdep.torch adds to the layer (bench/torch_layer_bench.py beside rdep bench layer --ranks 1
+#              --grads bf16, CUTLASS compute, alternated a/b) on one GPU
 #   stack2     per-rank memory of stacks of 4 and 8 Moonlight layers at W = 2 (CUTLASS compute)
 #   train2     examples/torch_training under torchrun --nproc-per-node=2 (eager), rdep's MoE beside TorchTitan's
 #   train      examples/torch_training under torchrun --nproc-per-node=4, rdep's MoE beside TorchTitan's
@@ -185,6 +189,22 @@ stage_pairskew() {
     run layer_zipf${a}_w2 "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --json "$R/layer_zipf${a}_w2.json"
     run layer_zipf${a}_w2_ultraep "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
       --json "$R/layer_zipf${a}_w2_ultraep.json"
+  done
+}
+stage_gate2() {
+  for a in 1 2; do
+    run gate_zipf${a}_w2_off "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --json "$R/gate_zipf${a}_w2_off.json"
+    run gate_zipf${a}_w2_ultraep "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
+      --json "$R/gate_zipf${a}_w2_ultraep.json"
+    run gate_zipf${a}_w2_gain "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
+      --min-gain 2500 --json "$R/gate_zipf${a}_w2_gain.json"
+  done
+}
+stage_binding1() {
+  local env=(env RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1)
+  for round in a b; do
+    run binding_torch_$round "${env[@]}" python3 bench/torch_layer_bench.py --expert-compute cutlass --json "$R/binding_torch_$round.json"
+    run binding_layer_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --grads bf16 --json "$R/binding_layer_$round.json"
   done
 }
 stage_stack2() {

@@ -54,7 +54,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 8
+#define RDEP_CAPI_VERSION 9
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -122,6 +122,10 @@ typedef struct rdep_layer_spec {
    * The host backend ignores it. */
   int32_t transport_sms;
   int32_t reserved; /* must be 0 (version 6 made the struct 152 bytes, so a version-5 caller's struct_size differs) */
+  /* Version 9. UltraEP's gain gate: no replicas unless they lower the busiest rank's rows by at least this
+   * many rows each (a replica's weight streaming and gradient reduction cost the same whatever it carries);
+   * 0 = off. Only with balance = ultraep. BalanceConfig::min_gain. */
+  int64_t balance_min_gain;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

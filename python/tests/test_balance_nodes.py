@@ -45,6 +45,20 @@ def test_balanced_module_equals_unbalanced(balance, relay_above):
         assert_rel_close(v, u, 1e-5, name)
 
 
+def test_gain_gate_module_runs_and_equals_unbalanced():
+    # balance_min_gain travels through the C API (version 9): a gate no plan meets leaves every row on its
+    # owner, so even the expert gradients equal the unbalanced module's bit for bit.
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, 16)
+    plain, gated = make(), make(balance="ultraep", balance_slots=2, balance_min_gain=10**9)
+    gated.load_state_dict(plain.state_dict())
+    skew(plain)
+    skew(gated)
+    a, b = run(plain, x), run(gated, x)
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "drouter"), a, b):
+        assert torch.equal(u, v), name
+
+
 def node_limited_topk(sel, node_of_expert, max_nodes, K):
     """Plain node-limited top-K: per token, the max_nodes nodes with the largest top-2 sum of sel."""
     N = max(node_of_expert) + 1
@@ -85,6 +99,10 @@ def test_bad_options_name_the_argument():
         make(balance="greedy")
     with pytest.raises(ValueError, match="balance_slots: expected an int >= 0"):
         make(balance="ultraep", balance_slots=-1)
+    with pytest.raises(ValueError, match="balance_min_gain: expected an int >= 0"):
+        make(balance="ultraep", balance_min_gain=-1)
+    with pytest.raises(ValueError, match="balance_min_gain: UltraEP's gain gate needs balance='ultraep'"):
+        make(balance="eplb", balance_min_gain=16)
     with pytest.raises(ValueError, match="max_nodes: expected 0 \\(no cap\\) or at most nodes=2"):
         make(nodes=2, max_nodes=3)
     with pytest.raises(rdep.InvalidArgumentError, match="N=3 must be >= 1 and divide W=4"):

@@ -156,6 +156,7 @@ Status PrepareBuffers(const OwnershipMap& owners, const QuotaConfig& config, Pre
     a.rtab_cap = std::min(a.rtab_cap, std::atoi(env));
   a.staged = p->cfg.staged_load ? 1 : 0;
   a.umin = config.min_quota;
+  a.min_gain = config.min_gain;
   a.locality = config.locality ? 1 : 0;
   a.out_misc = b.misc;
   a.tr_expert = b.tr_expert;

@@ -387,6 +387,55 @@ TEST(GpuPlanner, MatchesHostOverSeededLoads) {
   EXPECT_GT(cases, 300);
 }
 
+// The gain gate on the device: at the edge (min_gain = the host plan's gain per replica, kept) and one
+// row past it (dropped), the GPU plan equals the host's, over shapes that take both search paths.
+TEST(GpuPlanner, MatchesHostAtTheGainGatesEdge) {
+  std::string why;
+  if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
+  struct Shape {
+    int32_t E, R;
+  };
+  int dropped = 0, kept = 0;
+  for (Shape sh : {Shape{64, 2}, Shape{64, 4}, Shape{256, 64}, Shape{160, 40}}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      SyntheticLoadSpec spec;
+      spec.experts = sh.E;
+      spec.ranks = sh.R;
+      spec.alpha = 1.2;
+      spec.seed = seed;
+      spec.tokens = 4096;
+      spec.topk = std::min(6, sh.E);
+      auto trace = GenerateSyntheticLoads(spec, 1);
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      const auto& load = trace->steps[0];
+      auto own = OwnershipMap::Contiguous(sh.E, sh.R);
+      ASSERT_TRUE(own.ok());
+      auto none = NoBalancePlan(load, *own);
+      ASSERT_TRUE(none.ok());
+      QuotaConfig cfg;
+      auto open = SolveQuotaPlan(load, *own, cfg);
+      ASSERT_TRUE(open.ok()) << open.status();
+      const int64_t n = open->num_replicas();
+      if (n == 0) continue;
+      const int64_t max0 = ComputeMetrics(*none).max_rank_load;
+      const int64_t per = (max0 - open->threshold) / n;
+      for (int64_t g : {per, per + 1}) {
+        cfg.min_gain = g;
+        auto host = SolveQuotaPlan(load, *own, cfg);
+        ASSERT_TRUE(host.ok()) << host.status();
+        auto gpu = SolveQuotaPlanGpu(load, *own, cfg);
+        ASSERT_TRUE(gpu.ok()) << gpu.status();
+        const std::string what = "E=" + std::to_string(sh.E) + " R=" + std::to_string(sh.R) + " seed=" + std::to_string(seed) +
+                                 " min_gain=" + std::to_string(g);
+        ExpectSamePlan(*gpu, *host, what);
+        (host->num_replicas() == 0 ? dropped : kept)++;
+      }
+    }
+  }
+  EXPECT_GT(dropped, 0);
+  EXPECT_GT(kept, 0);
+}
+
 TEST(GpuPlanner, MatchesHostOnEdgeCases) {
   std::string why;
   if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;

@@ -34,12 +34,18 @@ Status BalanceConfig::Validate(int32_t num_experts) const {
   if (min_quota < 1) return InvalidArgument("balance: u_min (rows a replica carries at least) " + std::to_string(min_quota) +
                                             " must be >= 1");
   if (relay_above < 0) return InvalidArgument("balance: relay_above " + std::to_string(relay_above) + " must be >= 0 (0 = no relays)");
+  if (min_gain < 0) return InvalidArgument("balance: min_gain (rows a replica must take off the busiest rank) " + std::to_string(min_gain) +
+                                           " must be >= 0 (0 = off)");
+  if (min_gain != 0 && kind != BalanceKind::kUltraEp)
+    return InvalidArgument(std::string("balance: min_gain is UltraEP's gain gate; balancer ") + BalanceKindName(kind) + " has none (use 0)");
   return Status::Ok();
 }
 
 std::ostream& operator<<(std::ostream& os, const BalanceConfig& c) {
   os << BalanceKindName(c.kind);
-  if (c.enabled()) os << "(N_slot=" << c.num_slots << (c.kind == BalanceKind::kUltraEp ? ", u_min=" + std::to_string(c.min_quota) : "") << ")";
+  if (c.enabled())
+    os << "(N_slot=" << c.num_slots << (c.kind == BalanceKind::kUltraEp ? ", u_min=" + std::to_string(c.min_quota) : "")
+       << (c.min_gain > 0 ? ", min_gain=" + std::to_string(c.min_gain) : "") << ")";
   return os;
 }
 
@@ -52,7 +58,7 @@ StatusOr<BalancePlan> SolveLayerPlan(const BalanceConfig& config, const std::vec
     case BalanceKind::kOff:
       return NoBalancePlan(load, owners);
     case BalanceKind::kUltraEp:
-      return SolveQuotaPlan(load, owners, QuotaConfig{config.num_slots, config.min_quota, /*locality=*/true});
+      return SolveQuotaPlan(load, owners, QuotaConfig{config.num_slots, config.min_quota, /*locality=*/true, config.min_gain});
     case BalanceKind::kEplb:
       if (!history.empty()) return EplbPlan(history, load, owners, eplb);
       return EplbExactPlan(load, owners, eplb);

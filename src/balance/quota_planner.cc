@@ -98,11 +98,12 @@ Status QuotaConfig::Validate(int32_t num_experts) const {
     return InvalidArgument("quota planner: N_slot " + std::to_string(num_slots) + " exceeds the number of experts E=" +
                            std::to_string(num_experts));
   if (min_quota < 1) return InvalidArgument("quota planner: u_min " + std::to_string(min_quota) + " must be >= 1");
+  if (min_gain < 0) return InvalidArgument("quota planner: min_gain " + std::to_string(min_gain) + " must be >= 0 (0 = off)");
   return Status::Ok();
 }
 
 std::ostream& operator<<(std::ostream& os, const QuotaConfig& c) {
-  return os << "QuotaConfig{N_slot=" << c.num_slots << ", u_min=" << c.min_quota
+  return os << "QuotaConfig{N_slot=" << c.num_slots << ", u_min=" << c.min_quota << ", min_gain=" << c.min_gain
             << ", locality=" << (c.locality ? "on" : "off") << "}";
 }
 
@@ -138,6 +139,13 @@ StatusOr<ReplicationResult> SolveReplication(const std::vector<int64_t>& load, c
   res.threshold = hi;
   // Re-run the last feasible probe to record its transfers (the probe is a pure function of tau).
   if (any_feasible) Probe(p, hi, config.num_slots, config.min_quota, slk, used, dup, &res.transfers);
+  // The gain gate (QuotaConfig::min_gain): the GPU planner applies the same rule to the same numbers.
+  const int64_t max_load = *std::max_element(p.ell.begin(), p.ell.end());
+  const auto replicas = static_cast<int64_t>(res.transfers.size());
+  if (config.min_gain > 0 && replicas > 0 && max_load - res.threshold < replicas * config.min_gain) {
+    res.transfers.clear();
+    res.threshold = max_load;
+  }
   return res;
 }
 

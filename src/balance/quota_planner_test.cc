@@ -137,6 +137,41 @@ TEST(QuotaPlanner, MinQuotaRespected) {
   }
 }
 
+// The gain gate: a plan whose replicas take fewer than min_gain rows each off the busiest rank is
+// dropped (every row stays on its owner, the threshold is the maximum rank load); at exactly
+// min_gain rows each it is kept. Negative min_gain is refused.
+TEST(QuotaPlanner, GainGateDropsPlansThatMoveTooFewRowsPerReplica) {
+  auto own = OwnershipMap::Contiguous(64, 16);
+  ASSERT_TRUE(own.ok());
+  const auto load = Synthetic(64, 16, 1.2, 11);
+  auto none = NoBalancePlan(load, *own);
+  ASSERT_TRUE(none.ok());
+  const int64_t max0 = MaxRankLoad(*none);
+  QuotaConfig cfg;
+  auto open = SolveQuotaPlan(load, *own, cfg);
+  ASSERT_TRUE(open.ok()) << open.status();
+  const int64_t n = open->num_replicas(), gain = max0 - open->threshold;
+  ASSERT_GT(n, 0);
+  ASSERT_GT(gain, n) << "the skewed load must be worth more than one row per replica";
+  cfg.min_gain = gain / n;  // the edge: kept
+  auto kept = SolveQuotaPlan(load, *own, cfg);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->num_replicas(), n);
+  EXPECT_EQ(kept->threshold, open->threshold);
+  EXPECT_EQ(MaxRankLoad(*kept), MaxRankLoad(*open));
+  cfg.min_gain = gain / n + 1;  // past it: dropped
+  auto dropped = SolveQuotaPlan(load, *own, cfg);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->num_replicas(), 0);
+  EXPECT_EQ(dropped->threshold, max0);
+  EXPECT_EQ(MaxRankLoad(*dropped), max0);
+  EXPECT_TRUE(CheckPlan(*dropped, load, *own, cfg.min_quota).ok()) << CheckPlan(*dropped, load, *own, cfg.min_quota);
+  cfg.min_gain = -1;
+  auto bad = SolveQuotaPlan(load, *own, cfg);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("min_gain"), std::string::npos) << bad.status();
+}
+
 TEST(QuotaPlanner, TokensAssignedExactlyOnce) {
   const int32_t E = 16, R = 4, K = 2;
   auto own = OwnershipMap::Contiguous(E, R);

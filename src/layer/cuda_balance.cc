@@ -201,7 +201,7 @@ Status CudaMoELayer::CreateBalancing(RankState& st) {
   if (s.tokens > INT32_MAX) return InvalidArgument("cuda layer: balancing counts rows in int32; T must be below 2^31");
   if (config_.balance.kind == BalanceKind::kUltraEp) {
     RDEP_ASSIGN_OR_RETURN(st.planner, DevicePlanner::Create(ownership_, QuotaConfig{config_.balance.num_slots, config_.balance.min_quota,
-                                                                                     /*locality=*/true}));
+                                                                                     /*locality=*/true, config_.balance.min_gain}));
   }
   if (config_.replica_slots() > 0) {
     kernels::ExpertMlpConfig one_expert;

@@ -223,13 +223,14 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     fp.push_back(config.balance.enabled() ? config.balance.relay_above : 0);  // ranks take the relay barrier alike
     fp.push_back(static_cast<int64_t>(config.expert_compute));                 // sync-free or not: the same barriers
     fp.push_back(config.owner_reduce ? 1 : 0);                                 // the dots region exists on all or none
+    fp.push_back(config.balance.enabled() ? config.balance.min_gain : 0);       // every rank solves the same plan
     for (int32_t o : ownership.owners()) fp.push_back(o);
     std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), fp.data(), bytes.size());
     RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
       std::vector<int64_t> v(b.size() / sizeof(int64_t));
       std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
-      if (v.size() < 16) return std::string("a malformed config");
+      if (v.size() < 17) return std::string("a malformed config");
       double c;
       std::memcpy(&c, &v[7], sizeof c);
       return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
@@ -238,7 +239,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
              std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + " nodes N=" + std::to_string(v[11]) + " M=" +
              std::to_string(v[12]) + " relay_above=" + std::to_string(v[13]) + " expert_compute=" +
              ExpertComputeName(static_cast<ExpertComputeKind>(v[14])) + " owner_reduce=" + std::to_string(v[15]) +
-             (v.size() > 16 ? " (+ownership map)" : "");
+             " min_gain=" + std::to_string(v[16]) + (v.size() > 17 ? " (+ownership map)" : "");
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));

@@ -275,6 +275,26 @@ TEST(HostBalanceFaults, NoSlotsMeansRowsStayWithTheirOwnersAndTelemetrySaysSo) {
   EXPECT_DOUBLE_EQ(on.telemetry[0].imbalance_after, on.telemetry[0].imbalance_before);
 }
 
+// The gain gate in the layer: on skewed routing UltraEP replicates; with a min_gain no plan can meet,
+// the layer makes no replica (every rank solves the same gated plan) and computes the unbalanced
+// layer's results bit for bit.
+TEST(HostBalanceGainGate, AGateNoPlanMeetsKeepsEveryRowOnItsOwner) {
+  const Case c{.name = "gate"};
+  const Routing rt = *GenerateRouting(ShapeOf(c), *RoutingSpec::Parse(c.routing));
+  const Result open = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp}, rt);
+  ASSERT_GT(open.telemetry[0].replicas, 0);
+  const Result gated = RunLayer(c, BalanceConfig{.kind = BalanceKind::kUltraEp, .min_gain = 1'000'000}, rt);
+  const Result off = RunLayer(c, BalanceConfig{}, rt);
+  for (size_t r = 0; r < gated.telemetry.size(); ++r) {
+    EXPECT_EQ(gated.telemetry[r].replicas, 0) << "rank " << r;
+    EXPECT_DOUBLE_EQ(gated.telemetry[r].imbalance_after, gated.telemetry[r].imbalance_before) << "rank " << r;
+    EXPECT_EQ(gated.plans[r].num_replicas(), 0) << "rank " << r;
+    EXPECT_EQ(gated.y[r], off.y[r]) << "rank " << r;
+    EXPECT_EQ(gated.dx[r], off.dx[r]) << "rank " << r;
+    EXPECT_EQ(gated.dw1[r], off.dw1[r]) << "rank " << r;
+  }
+}
+
 TEST(HostBalanceConfig, BadValuesNameTheField) {
   auto bad = [](int32_t slots, int64_t min_quota) {
     return BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = slots, .min_quota = min_quota}.Validate(16).message();
@@ -284,6 +304,10 @@ TEST(HostBalanceConfig, BadValuesNameTheField) {
   EXPECT_NE(bad(2, 0).find("u_min"), std::string::npos);
   const BalanceConfig bad_relay{.kind = BalanceKind::kUltraEp, .relay_above = -1};
   EXPECT_NE(bad_relay.Validate(16).message().find("relay_above"), std::string::npos);
+  const BalanceConfig bad_gain{.kind = BalanceKind::kUltraEp, .min_gain = -1};
+  EXPECT_NE(bad_gain.Validate(16).message().find("min_gain"), std::string::npos);
+  const BalanceConfig eplb_gain{.kind = BalanceKind::kEplb, .min_gain = 8};
+  EXPECT_NE(eplb_gain.Validate(16).message().find("min_gain is UltraEP's gain gate"), std::string::npos);
   const BalanceConfig off{.kind = BalanceKind::kOff, .num_slots = -1};
   EXPECT_TRUE(off.Validate(16).ok());  // ignored when off
   EXPECT_NE(ParseBalanceKind("greedy").status().message().find("off, ultraep, eplb, eplb-exact"), std::string::npos);

@@ -55,6 +55,8 @@ flags [defaults: the Moonlight shape]:
                        plan, streaming and gradient-reduction times (CUDA events)
   --slots N            with --balance: redundant slots per rank, N_slot in [0, E] [2]
   --min-quota U        with --balance ultraep: rows a replica carries at least [1]
+  --min-gain G         with --balance ultraep: no replicas unless each takes at least G rows off the
+                       busiest rank (the gain gate); 0 = off [0]
   --expert-compute X   cublaslt | cutlass: cutlass reads the per-expert counts on the GPU, so the layer
                        never waits on the host (any --segment, no balancing) [cublaslt]
   --grads G            fp32 | bf16: the expert weight gradients backward writes [fp32]; bf16 makes the
@@ -109,8 +111,10 @@ struct LayerBenchOptions {
   rdep::cli::Limits limits;
 };
 
-// --balance, --slots, --min-quota into cfg.balance; 0 when good, else 2 naming the flag.
+// --balance, --slots, --min-quota, --min-gain into cfg.balance; 0 when good, else 2 naming the flag.
 int ReadBalanceFlags(const std::string& name, bool slots_given, bool min_quota_given, int64_t slots, rdep::LayerConfig& cfg) {
+  if (cfg.balance.min_gain != 0 && name != "ultraep") return Refuse("--min-gain applies to --balance ultraep only");
+  if (cfg.balance.min_gain < 0) return Refuse("--min-gain must be >= 0 (0 = off), got " + std::to_string(cfg.balance.min_gain));
   auto kind = rdep::ParseBalanceKind(name);
   if (!kind.ok()) return Refuse("--balance: " + kind.status().message());
   cfg.balance.kind = *kind;
@@ -149,6 +153,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   const bool slots_given = f.has("slots"), min_quota_given = f.has("min-quota");
   const int64_t slots = f.get_int("slots", 2);
   o.cfg.balance.min_quota = f.get_int("min-quota", 1);
+  o.cfg.balance.min_gain = f.get_int("min-gain", 0);
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
@@ -579,6 +584,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
     const rdep::BalanceTelemetry& t = res.balance;
     j.key("balance").begin_object().field("balancer", rdep::BalanceKindName(o.cfg.balance.kind));
     j.field("slots_per_rank", static_cast<int64_t>(o.cfg.balance.num_slots)).field("min_quota", o.cfg.balance.min_quota);
+    j.field("min_gain", o.cfg.balance.min_gain);
     j.field("owner_max_over_mean_before", t.imbalance_before).field("max_over_mean_after", t.imbalance_after);
     j.field("replicas", static_cast<int64_t>(t.replicas)).field("slots", static_cast<int64_t>(t.slots)).field("slot_limited", t.slot_limited);
     j.field("weight_bytes_streamed_per_forward", t.weight_bytes).field("plan_ms", res.bf.plan_ms);

@@ -96,6 +96,7 @@ Prints one UltraEP plan for a synthetic load matrix, beside no balancing.
 flags [defaults]:
   --experts E [16]       --ranks R [4]       --slots N [1]      --alpha A [1.2]
   --tokens T [256]       --topk K [2]        --min-quota U [1]  --seed N [1]
+  --min-gain G [0]       the gain gate: no replicas unless each takes G rows off the busiest rank
   --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
   -h, --help             this page
 )";
@@ -494,6 +495,7 @@ int RunShow(const Args& args) {
   spec.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   rdep::QuotaConfig qc;
   qc.min_quota = f.get_int("min-quota", 1);
+  qc.min_gain = f.get_int("min-gain", 0);
   auto limits = rdep::cli::ReadLimits(f);
   if (auto st = f.Finish(); !st.ok()) return Fail(st);
   if (!f.positional().empty()) return Fail(rdep::InvalidArgument("show: unexpected argument '" + f.positional().front() + "'"));

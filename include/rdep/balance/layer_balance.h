@@ -32,9 +32,13 @@ struct BalanceConfig {
   int32_t num_slots = 2;  // N_slot: redundant slots per rank
   int64_t min_quota = 1;  // u_min (UltraEP): a replica carries at least this many rows
   int32_t relay_above = 4;  // experts with more replicas than this stream through chunk relays (0: never)
+  // UltraEP's gain gate (QuotaConfig::min_gain): no replicas unless they lower the maximum rank load by at
+  // least this many rows each; 0 = off. Measured at the Moonlight shape on 2x H200 (docs/perf-notes.md,
+  // 2026-11-28 third session): one replica costs about as much as ~2,500 rows of expert compute.
+  int64_t min_gain = 0;
 
   bool enabled() const { return kind != BalanceKind::kOff; }
-  // With balancing on: 0 <= N_slot <= E, u_min >= 1. Names the field.
+  // With balancing on: 0 <= N_slot <= E, u_min >= 1, min_gain >= 0 (and 0 unless ultraep). Names the field.
   Status Validate(int32_t num_experts) const;
 };
 std::ostream& operator<<(std::ostream& os, const BalanceConfig& c);

@@ -22,8 +22,13 @@ struct QuotaConfig {
   int32_t num_slots = 2;   // N_slot: redundant slots per rank (0 disables replication)
   int64_t min_quota = 1;   // u_min: a new replica must carry at least this many rows (>= 1)
   bool locality = true;    // a host's own rows consume its instance's quota first
+  // The gain gate: a solved plan whose replicas lower the maximum rank load by fewer than min_gain rows
+  // per replica is dropped (no replicas; the threshold stays the maximum rank load). A replica costs its
+  // weight streaming (forward and backward) and its gradient reduction whatever it carries, so a plan
+  // that moves few rows can cost more than it saves. 0 = off (every feasible plan is kept).
+  int64_t min_gain = 0;
 
-  // Rejects negative slots, more slots than experts, min_quota < 1.
+  // Rejects negative slots, more slots than experts, min_quota < 1, min_gain < 0.
   Status Validate(int32_t num_experts) const;
 };
 std::ostream& operator<<(std::ostream& os, const QuotaConfig& c);

@@ -164,13 +164,15 @@ def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, s
         raise ValueError(f"segment_tokens: expected an int >= 0 (0 = the backend's default), got {segment_tokens!r}")
 
 
-def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_nodes) -> None:
+def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_nodes, min_gain=0) -> None:
     if balance not in _capi.BALANCE_KINDS:
         raise ValueError(f"balance: expected one of {tuple(_capi.BALANCE_KINDS)}, got {balance!r}")
     for name, v, lo in (("balance_slots", slots, 0), ("balance_min_quota", min_quota, 1), ("relay_above", relay_above, 0),
-                        ("nodes", nodes, 1), ("max_nodes", max_nodes, 0)):
+                        ("nodes", nodes, 1), ("max_nodes", max_nodes, 0), ("balance_min_gain", min_gain, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    if min_gain > 0 and balance != "ultraep":
+        raise ValueError(f"balance_min_gain: UltraEP's gain gate needs balance='ultraep', got balance={balance!r}")
     if max_nodes > nodes:
         raise ValueError(f"max_nodes: expected 0 (no cap) or at most nodes={nodes}, got {max_nodes}")
 
@@ -207,11 +209,12 @@ class Layer(CHandle):
         transport_sms: int = 0,
         domain: Optional[Domain] = None,
         torch_rows: bool = True,
+        balance_min_gain: int = 0,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
             raise TypeError(f"torch_rows: expected a bool, got {type(torch_rows).__name__}")
-        _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes)
+        _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes, balance_min_gain)
         if expert_compute not in _capi.EXPERT_COMPUTE:
             raise ValueError(f"expert_compute: expected one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
         if not isinstance(owner_reduce, bool):
@@ -259,6 +262,7 @@ class Layer(CHandle):
         spec.balance = _capi.BALANCE_KINDS[balance]
         spec.balance_slots = balance_slots
         spec.balance_min_quota = balance_min_quota
+        spec.balance_min_gain = balance_min_gain
         spec.balance_relay_above = relay_above
         spec.nodes = nodes
         spec.max_nodes = max_nodes

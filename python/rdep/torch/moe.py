@@ -13,7 +13,10 @@ dtype: fp32 on the host backend; on CUDA bf16 by default, or fp32 master weights
 gradients in fp32). Initialization is deterministic in `seed`: expert e's weights depend only on
 (seed, e), so the same seed gives the same model at any world size.
 
-  balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above): replicas of
+  balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above; with ultraep
+      balance_min_gain=N, the gain gate: no replicas unless each takes at least N rows off the busiest rank,
+      0 = off; one replica cost about as much as ~2,500 rows of expert compute at the Moonlight shape on
+      2x H200, docs/perf-notes.md): replicas of
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
       rounding (on CUDA: its tests, the device chunk relays' included, passed on H100s). The replica
       slots belong to the module's domain: pass one rdep.torch.Domain to every MoE of a model
@@ -140,6 +143,7 @@ class MoE(nn.Module):
         owner_reduce: bool = False,
         transport_sms: int = 0,
         domain: Optional[Domain] = None,
+        balance_min_gain: int = 0,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -148,7 +152,7 @@ class MoE(nn.Module):
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
             max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
-            domain=domain)
+            domain=domain, balance_min_gain=balance_min_gain)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device

@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
     if (lane == 0) {
       s.misc64[0] = (total + R - 1) / R;  // lo
       s.misc64[1] = hi;
+      s.misc64[2] = hi;  // the maximum rank load, for the gain gate (reused for phase ends from phase 4)
       s.misc32[kFastProbe] = (a.pt > 0 && R <= 64 && hi < kFastLoadLimit && E < (1 << 24) && a.S <= 256) ? 1 : 0;
     }
   } else {
@@ -278,6 +279,13 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   }
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   RDEP_FINE_MAX(17);
+  __syncthreads();
+  // The gain gate (QuotaConfig::min_gain), as the host planner applies it.
+  if (tid == 0 && a.min_gain > 0 && s.misc32[kNumRec] > 0 &&
+      s.misc64[2] - s.misc64[1] < static_cast<int64_t>(s.misc32[kNumRec]) * a.min_gain) {
+    s.misc32[kNumRec] = 0;
+    s.misc64[1] = s.misc64[2];
+  }
   __syncthreads();
   stamp(3);
   const int nrec = s.misc32[kNumRec];

@@ -126,6 +126,7 @@ struct KernelArgs {
   int rtab_cap;                 // replicated experts whose per-source reroute table fits the ovf area
   int route_tile;               // the replicated columns go through a shared tile (whole-row route writes)
   int64_t umin;
+  int64_t min_gain;  // QuotaConfig::min_gain (0 = off)
   int locality;
   int64_t* out_misc;        // [4]: tau, num transfers, num probes, error flag
   int64_t* out_phase;       // [8] clock64 at phase boundaries (thread 0), or null
