@@ -54,6 +54,7 @@ def test_gain_gate_module_runs_and_equals_unbalanced():
     gated.load_state_dict(plain.state_dict())
     skew(plain)
     skew(gated)
+    assert "min_gain=1000000000" in gated.layer.describe()  # the field reached the C++ layer
     a, b = run(plain, x), run(gated, x)
     for name, u, v in zip(("y", "dx", "dw1", "dw2", "drouter"), a, b):
         assert torch.equal(u, v), name
@@ -103,6 +104,8 @@ def test_bad_options_name_the_argument():
         make(balance="ultraep", balance_min_gain=-1)
     with pytest.raises(ValueError, match="balance_min_gain: UltraEP's gain gate needs balance='ultraep'"):
         make(balance="eplb", balance_min_gain=16)
+    with pytest.raises(ValueError, match="balance_min_gain: expected an int below 2\\*\\*63"):
+        make(balance="ultraep", balance_min_gain=2**63)
     with pytest.raises(ValueError, match="max_nodes: expected 0 \\(no cap\\) or at most nodes=2"):
         make(nodes=2, max_nodes=3)
     with pytest.raises(rdep.InvalidArgumentError, match="N=3 must be >= 1 and divide W=4"):

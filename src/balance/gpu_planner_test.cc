@@ -388,7 +388,8 @@ TEST(GpuPlanner, MatchesHostOverSeededLoads) {
 }
 
 // The gain gate on the device: at the edge (min_gain = the host plan's gain per replica, kept) and one
-// row past it (dropped), the GPU plan equals the host's, over shapes that take both search paths.
+// row past it (dropped), the GPU plan equals the host's, over shapes that take both search paths (the
+// thread search up to R = 64, the warp search above).
 TEST(GpuPlanner, MatchesHostAtTheGainGatesEdge) {
   std::string why;
   if (!GpuPlannerAvailable(&why)) GTEST_SKIP() << "GPU planner not testable here: " << why;
@@ -396,7 +397,7 @@ TEST(GpuPlanner, MatchesHostAtTheGainGatesEdge) {
     int32_t E, R;
   };
   int dropped = 0, kept = 0;
-  for (Shape sh : {Shape{64, 2}, Shape{64, 4}, Shape{256, 64}, Shape{160, 40}}) {
+  for (Shape sh : {Shape{64, 2}, Shape{64, 4}, Shape{256, 64}, Shape{160, 40}, Shape{128, 72}}) {  // R = 72: the warp search
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       SyntheticLoadSpec spec;
       spec.experts = sh.E;

@@ -142,7 +142,7 @@ StatusOr<ReplicationResult> SolveReplication(const std::vector<int64_t>& load, c
   // The gain gate (QuotaConfig::min_gain): the GPU planner applies the same rule to the same numbers.
   const int64_t max_load = *std::max_element(p.ell.begin(), p.ell.end());
   const auto replicas = static_cast<int64_t>(res.transfers.size());
-  if (config.min_gain > 0 && replicas > 0 && max_load - res.threshold < replicas * config.min_gain) {
+  if (config.min_gain > 0 && replicas > 0 && (max_load - res.threshold) / replicas < config.min_gain) {  // no overflow
     res.transfers.clear();
     res.threshold = max_load;
   }

@@ -166,6 +166,10 @@ TEST(QuotaPlanner, GainGateDropsPlansThatMoveTooFewRowsPerReplica) {
   EXPECT_EQ(dropped->threshold, max0);
   EXPECT_EQ(MaxRankLoad(*dropped), max0);
   EXPECT_TRUE(CheckPlan(*dropped, load, *own, cfg.min_quota).ok()) << CheckPlan(*dropped, load, *own, cfg.min_quota);
+  cfg.min_gain = INT64_MAX;  // "never": no overflow turns it into "always"
+  auto never = SolveQuotaPlan(load, *own, cfg);
+  ASSERT_TRUE(never.ok()) << never.status();
+  EXPECT_EQ(never->num_replicas(), 0);
   cfg.min_gain = -1;
   auto bad = SolveQuotaPlan(load, *own, cfg);
   ASSERT_FALSE(bad.ok());

@@ -165,6 +165,12 @@ TEST(CApi, SpecErrorsNameTheField) {
   made([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_relay_above = -1; },
        "version-2 fields that are valid");
   made([](rdep_layer_spec& x) { x.nodes = 2, x.max_nodes = 1; }, "nodes 2, max_nodes 1");
+  refused([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_min_gain = -1; },
+          "balance_min_gain must be >= 0");
+  refused([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_EPLB, x.balance_slots = 1, x.balance_min_gain = 4; },
+          "balance_min_gain is UltraEP's gain gate");
+  made([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_min_gain = 2500; },
+       "version-9 balance_min_gain with ultraep");
   if (!rdep_built_with_cuda())
     refused([](rdep_layer_spec& x) { x.backend = RDEP_BACKEND_CUDA_ONE_PROCESS; }, "no CUDA", /*code=*/4);  // Unavailable
 }

@@ -113,10 +113,10 @@ struct LayerBenchOptions {
 
 // --balance, --slots, --min-quota, --min-gain into cfg.balance; 0 when good, else 2 naming the flag.
 int ReadBalanceFlags(const std::string& name, bool slots_given, bool min_quota_given, int64_t slots, rdep::LayerConfig& cfg) {
-  if (cfg.balance.min_gain != 0 && name != "ultraep") return Refuse("--min-gain applies to --balance ultraep only");
-  if (cfg.balance.min_gain < 0) return Refuse("--min-gain must be >= 0 (0 = off), got " + std::to_string(cfg.balance.min_gain));
   auto kind = rdep::ParseBalanceKind(name);
   if (!kind.ok()) return Refuse("--balance: " + kind.status().message());
+  if (cfg.balance.min_gain != 0 && *kind != rdep::BalanceKind::kUltraEp) return Refuse("--min-gain applies to --balance ultraep only");
+  if (cfg.balance.min_gain < 0) return Refuse("--min-gain must be >= 0 (0 = off), got " + std::to_string(cfg.balance.min_gain));
   cfg.balance.kind = *kind;
   if (!cfg.balance.enabled() && (slots_given || min_quota_given))
     return Refuse(std::string(slots_given ? "--slots" : "--min-quota") + " needs --balance ultraep, eplb or eplb-exact");

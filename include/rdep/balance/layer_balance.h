@@ -34,7 +34,7 @@ struct BalanceConfig {
   int32_t relay_above = 4;  // experts with more replicas than this stream through chunk relays (0: never)
   // UltraEP's gain gate (QuotaConfig::min_gain): no replicas unless they lower the maximum rank load by at
   // least this many rows each; 0 = off. Measured at the Moonlight shape on 2x H200 (docs/perf-notes.md,
-  // 2026-11-28 third session): one replica costs about as much as ~2,500 rows of expert compute.
+  // 2026-11-28 third session): one replica costs about as much as ~2,900 rows of expert compute.
   int64_t min_gain = 0;
 
   bool enabled() const { return kind != BalanceKind::kOff; }

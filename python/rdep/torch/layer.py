@@ -171,6 +171,8 @@ def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_
                         ("nodes", nodes, 1), ("max_nodes", max_nodes, 0), ("balance_min_gain", min_gain, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    if min_gain >= 2**63:
+        raise ValueError(f"balance_min_gain: expected an int below 2**63 (int64), got {min_gain!r}")
     if min_gain > 0 and balance != "ultraep":
         raise ValueError(f"balance_min_gain: UltraEP's gain gate needs balance='ultraep', got balance={balance!r}")
     if max_nodes > nodes:

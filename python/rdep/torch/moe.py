@@ -15,7 +15,7 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
 
   balance='ultraep' | 'eplb' | 'eplb-exact' (balance_slots, balance_min_quota, relay_above; with ultraep
       balance_min_gain=N, the gain gate: no replicas unless each takes at least N rows off the busiest rank,
-      0 = off; one replica cost about as much as ~2,500 rows of expert compute at the Moonlight shape on
+      0 = off; one replica costs about as much as ~2,900 rows of expert compute at the Moonlight shape on
       2x H200, docs/perf-notes.md): replicas of
       hot experts inside the layer; y is bitwise the same (host backend), expert gradients equal to fp32
       rounding (on CUDA: its tests, the device chunk relays' included, passed on H100s). The replica

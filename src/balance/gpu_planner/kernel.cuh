@@ -280,13 +280,14 @@ __global__ void __launch_bounds__(kThreads, 1) QuotaPlanKernel(KernelArgs a) {
   for (int e = tid; e < E; e += kThreads) s.rep_count[e] = 0;
   RDEP_FINE_MAX(17);
   __syncthreads();
-  // The gain gate (QuotaConfig::min_gain), as the host planner applies it.
-  if (tid == 0 && a.min_gain > 0 && s.misc32[kNumRec] > 0 &&
-      s.misc64[2] - s.misc64[1] < static_cast<int64_t>(s.misc32[kNumRec]) * a.min_gain) {
-    s.misc32[kNumRec] = 0;
-    s.misc64[1] = s.misc64[2];
+  // The gain gate (QuotaConfig::min_gain), as the host planner applies it (a.min_gain is uniform).
+  if (a.min_gain > 0) {
+    if (tid == 0 && s.misc32[kNumRec] > 0 && (s.misc64[2] - s.misc64[1]) / s.misc32[kNumRec] < a.min_gain) {
+      s.misc32[kNumRec] = 0;
+      s.misc64[1] = s.misc64[2];
+    }
+    __syncthreads();
   }
-  __syncthreads();
   stamp(3);
   const int nrec = s.misc32[kNumRec];
   if (tid == 0) {
