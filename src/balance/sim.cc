@@ -40,6 +40,7 @@ Status SimSequence(const LoadTrace& t, int32_t S, double alpha, const SimConfig&
     qc.num_slots = S;
     qc.min_quota = std::max<int64_t>(
         1, static_cast<int64_t>(std::floor(cfg.umin_frac * static_cast<double>(total) / t.num_ranks)));
+    qc.min_gain = cfg.min_gain;
     EplbConfig ec;
     ec.num_slots = S;
     ec.ranks_per_node = cfg.ranks_per_node;

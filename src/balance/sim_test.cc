@@ -100,6 +100,35 @@ TEST(PlanSim, SyntheticGridScoresAllPlanners) {
   std::remove(json.c_str());
 }
 
+// The gain gate through the simulator: a gate no plan meets leaves UltraEP with no replicas and the
+// unbalanced imbalance; without it the same grid replicates.
+TEST(PlanSim, GainGateReachesTheUltraEpPlanner) {
+  SimConfig cfg;
+  cfg.experts = {32};
+  cfg.ranks = {8};
+  cfg.slots = {2};
+  cfg.alphas = {1.2};
+  cfg.steps = 2;
+  cfg.tokens = 256;
+  for (int64_t gain : {int64_t{0}, int64_t{1} << 40}) {
+    cfg.min_gain = gain;
+    auto rep = RunSyntheticSim(cfg);
+    ASSERT_TRUE(rep.ok()) << rep.status();
+    double none = -1;
+    for (const auto& r : rep->records)
+      if (r.planner == "none") none = r.imbalance;
+    for (const auto& r : rep->records) {
+      if (r.planner != "ultraep") continue;
+      if (gain == 0) {
+        EXPECT_GT(r.replicas, 0);
+      } else {
+        EXPECT_EQ(r.replicas, 0);
+        EXPECT_DOUBLE_EQ(r.imbalance, none);
+      }
+    }
+  }
+}
+
 TEST(PlanSim, RejectsBadGrid) {
   SimConfig cfg;
   cfg.steps = 1;

@@ -50,6 +50,7 @@ flags [defaults]:
   --steps N [8]          load matrices per grid point (>= 2; the first seeds EPLB's history)
   --tokens T [4096]      tokens per rank and step      --topk K [8]
   --umin-frac X [0.01]   u_min = max(1, floor(X * mean rank load)), X in [0, 1]
+  --min-gain G [0]       UltraEP's gain gate: no replicas unless each takes G rows off the busiest rank
   --history N [4]        EPLB's window       --ranks-per-node N [8]       --seed N [1]
   --no-check             skip verifying every plan
   --trace FILE           use a recorded trace (rdep plan record) instead of the grid; one --slots value
@@ -82,6 +83,7 @@ flags [defaults]:
   --device D             host | gpu | both [both]
   --experts E [256]      --ranks R [64]      --slots N [2]      --alpha A [1.0]
   --tokens T [4096]      --topk K [8]        --umin-frac X [0.01]
+  --min-gain G [0]       the gain gate (no replicas unless each takes G rows off the busiest rank)
   --matrices N [8]       --warmup N [20]     --iters N [200]    --seed N [1]
   --json FILE            write the receipt (opened before the run)
   --max-memory-gib G     host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]
@@ -153,6 +155,7 @@ rdep::Status ParseSimOptions(const Args& args, SimOptions& o) {
   cfg.tokens = f.get_int("tokens", cfg.tokens);
   const int64_t topk = f.get_int("topk", cfg.topk);
   cfg.umin_frac = f.get_double("umin-frac", cfg.umin_frac);
+  cfg.min_gain = f.get_int("min-gain", 0);
   const int64_t history = f.get_int("history", cfg.history);
   const int64_t ranks_per_node = f.get_int("ranks-per-node", cfg.ranks_per_node);
   cfg.seed = static_cast<uint64_t>(f.get_int("seed", 1));
@@ -182,6 +185,7 @@ rdep::Status ParseSimOptions(const Args& args, SimOptions& o) {
                   InRange("ranks-per-node", ranks_per_node, 1, kInt32Max), InRange("tokens", cfg.tokens, 0, int64_t{1} << 40)})
     RDEP_RETURN_IF_ERROR(st);
   if (!(cfg.umin_frac >= 0 && cfg.umin_frac <= 1)) return rdep::InvalidArgument("--umin-frac must be in [0, 1]");
+  if (cfg.min_gain < 0) return rdep::InvalidArgument("--min-gain must be >= 0 (0 = off), got " + std::to_string(cfg.min_gain));
   cfg.steps = static_cast<int32_t>(steps);
   cfg.topk = static_cast<int32_t>(topk);
   cfg.history = static_cast<int32_t>(history);
@@ -325,6 +329,7 @@ rdep::Status ParsePlanBenchOptions(const Args& args, PlanBenchOptions& o) {
   const int64_t topk64 = f.get_int("topk", 8), matrices64 = f.get_int("matrices", 8), warmup64 = f.get_int("warmup", 20),
                 iters64 = f.get_int("iters", 200);
   o.umin_frac = f.get_double("umin-frac", 0.01);
+  o.qc.min_gain = f.get_int("min-gain", 0);
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
@@ -340,6 +345,7 @@ rdep::Status ParsePlanBenchOptions(const Args& args, PlanBenchOptions& o) {
     RDEP_RETURN_IF_ERROR(st);
   if (!(std::isfinite(o.alpha) && o.alpha >= 0)) return rdep::InvalidArgument("--alpha must be a finite number >= 0");
   if (!(o.umin_frac >= 0 && o.umin_frac <= 1)) return rdep::InvalidArgument("--umin-frac must be in [0, 1]");
+  if (o.qc.min_gain < 0) return rdep::InvalidArgument("--min-gain must be >= 0 (0 = off), got " + std::to_string(o.qc.min_gain));
   o.E = static_cast<int32_t>(E64);
   o.R = static_cast<int32_t>(R64);
   o.topk = static_cast<int32_t>(topk64);
@@ -429,7 +435,8 @@ rdep::Status RunPlanBenchTimings(const rdep::LoadTrace& trace, const rdep::Owner
 
 void PrintPlanBench(const PlanBenchOptions& o, const PlanBenchResults& res) {
   std::cout << "UltraEP planner, E=" << o.E << " R=" << o.R << " N_slot=" << o.qc.num_slots << " u_min=" << o.qc.min_quota
-            << " alpha=" << o.alpha << ", " << o.matrices << " load matrices, mean imbalance "
+            << (o.qc.min_gain > 0 ? " min_gain=" + std::to_string(o.qc.min_gain) : std::string()) << " alpha=" << o.alpha
+            << ", " << o.matrices << " load matrices, mean imbalance "
             << rdep::Summarize(res.imbalance).mean << "\n";
   const rdep::Summary hs = rdep::Summarize(res.host_us), gs = rdep::Summarize(res.gpu_us);
   if (!res.host_us.empty())
@@ -448,7 +455,8 @@ rdep::Status WritePlanBenchReceipt(const PlanBenchOptions& o, const PlanBenchRes
   out << "{\"rdep_commit\": \"" << rdep::cli::kBuildCommit << "\",\n \"workload\": {\"experts\": " << o.E << ", \"ranks\": " << o.R
       << ", \"slots\": " << o.qc.num_slots
       << ", \"alpha\": " << o.alpha << ", \"tokens\": " << o.tokens << ", \"topk\": " << o.topk
-      << ", \"min_quota\": " << o.qc.min_quota << ", \"matrices\": " << o.matrices << ", \"warmup\": " << o.warmup
+      << ", \"min_quota\": " << o.qc.min_quota << ", \"min_gain\": " << o.qc.min_gain << ", \"matrices\": " << o.matrices
+      << ", \"warmup\": " << o.warmup
       << ", \"iters\": " << o.iters << "},\n \"imbalance_mean\": " << rdep::Summarize(res.imbalance).mean;
   if (!res.host_us.empty())
     out << ",\n \"host\": {\"p50_us\": " << hs.p50 << ", \"p99_us\": " << hs.p99 << ", \"mean_us\": " << hs.mean

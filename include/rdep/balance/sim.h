@@ -27,6 +27,7 @@ struct SimConfig {
   int64_t tokens = 4096;        // per rank and step
   int32_t topk = 8;
   double umin_frac = 0.01;      // u_min = max(1, floor(umin_frac * mean rank load))
+  int64_t min_gain = 0;         // UltraEP's gain gate (QuotaConfig::min_gain), rows per replica; 0 = off
   int32_t history = 4;          // EPLB's window of past steps
   int32_t ranks_per_node = 8;   // hierarchical EPLB's node size
   uint64_t seed = 1;
