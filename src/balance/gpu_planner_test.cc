@@ -50,16 +50,9 @@ TEST(DevicePlanner, SolvesDeviceLoadsWithCapacityLikeTheHost) {
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
     for (uint64_t seed = 1; seed <= 3; ++seed) {
-      SyntheticLoadSpec spec;
-      spec.experts = sh.E;
-      spec.ranks = sh.R;
-      spec.alpha = 1.2;
-      spec.seed = seed;
-      spec.tokens = 512;
-      spec.topk = std::min(4, sh.E);
-      auto trace = GenerateSyntheticLoads(spec, 1);
-      ASSERT_TRUE(trace.ok()) << trace.status();
-      const auto& load = trace->steps[0];
+      auto synthetic = test_util::SyntheticLoad(sh.E, sh.R, 1.2, seed, 512, std::min(4, sh.E));
+      ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+      const auto& load = *synthetic;
       ASSERT_EQ(cudaMemcpy(d_load, load.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice), cudaSuccess);
       int64_t total = 0;
       for (int64_t v : load) total += v;
@@ -352,16 +345,9 @@ TEST(GpuPlanner, MatchesHostOverSeededLoads) {
       if (S > sh.E) continue;
       for (double alpha : {0.6, 1.0, 1.4}) {
         for (uint64_t seed = 1; seed <= 4; ++seed) {
-          SyntheticLoadSpec spec;
-          spec.experts = sh.E;
-          spec.ranks = sh.R;
-          spec.alpha = alpha;
-          spec.seed = seed * 7919 + static_cast<uint64_t>(S);
-          spec.tokens = 1024;
-          spec.topk = std::min(8, sh.E);
-          auto trace = GenerateSyntheticLoads(spec, 1);
-          ASSERT_TRUE(trace.ok()) << trace.status();
-          const auto& load = trace->steps[0];
+          auto synthetic = test_util::SyntheticLoad(sh.E, sh.R, alpha, seed * 7919 + static_cast<uint64_t>(S), 1024, std::min(8, sh.E));
+          ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+          const auto& load = *synthetic;
           auto own = OwnershipMap::Contiguous(sh.E, sh.R);
           ASSERT_TRUE(own.ok());
           for (bool locality : {true, false}) {
@@ -399,16 +385,9 @@ TEST(GpuPlanner, MatchesHostAtTheGainGatesEdge) {
   int dropped = 0, kept = 0;
   for (Shape sh : {Shape{64, 2}, Shape{64, 4}, Shape{256, 64}, Shape{160, 40}, Shape{128, 72}}) {  // R = 72: the warp search
     for (uint64_t seed = 1; seed <= 3; ++seed) {
-      SyntheticLoadSpec spec;
-      spec.experts = sh.E;
-      spec.ranks = sh.R;
-      spec.alpha = 1.2;
-      spec.seed = seed;
-      spec.tokens = 4096;
-      spec.topk = std::min(6, sh.E);
-      auto trace = GenerateSyntheticLoads(spec, 1);
-      ASSERT_TRUE(trace.ok()) << trace.status();
-      const auto& load = trace->steps[0];
+      auto synthetic = test_util::SyntheticLoad(sh.E, sh.R, 1.2, seed, 4096, std::min(6, sh.E));
+      ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+      const auto& load = *synthetic;
       auto own = OwnershipMap::Contiguous(sh.E, sh.R);
       ASSERT_TRUE(own.ok());
       auto none = NoBalancePlan(load, *own);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "balance/plan_test_util.h"
 #include "rdep/balance/load_trace.h"
 #include "rdep/core/random.h"
 
@@ -12,16 +13,9 @@ namespace rdep {
 namespace {
 
 std::vector<int64_t> Synthetic(int32_t E, int32_t R, double alpha, uint64_t seed, int64_t tokens = 512) {
-  SyntheticLoadSpec s;
-  s.experts = E;
-  s.ranks = R;
-  s.alpha = alpha;
-  s.seed = seed;
-  s.tokens = tokens;
-  s.topk = std::min(8, E);
-  auto t = GenerateSyntheticLoads(s, 1);
-  EXPECT_TRUE(t.ok()) << t.status();
-  return t->steps[0];
+  auto load = test_util::SyntheticLoad(E, R, alpha, seed, tokens, std::min(8, E));
+  EXPECT_TRUE(load.ok()) << load.status();
+  return load.ok() ? *load : std::vector<int64_t>{};
 }
 
 int64_t MaxRankLoad(const BalancePlan& p) {
