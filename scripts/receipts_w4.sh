@@ -41,7 +41,9 @@
 #              gradients (the layer's own weights) and --grads bf16 (bound bf16 weights and gradients, as
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
+#   train1c    the same, both models compiled (--compile)
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt) beside torch._grouped_mm on the same counts, E_loc = 16
+#   tiles1     each CUTLASS GEMM of the expert MLP alone per tile configuration (bench/lab/grouped_gemm_tiles)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
@@ -249,6 +251,15 @@ stage_train1() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
   run train_w1 env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
     python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --json "$R/train_w1.json" --png "$R/train_w1.png"
+}
+stage_train1c() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+  run train_w1_compile env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile \
+    --json "$R/train_w1_compile.json" --png "$R/train_w1_compile.png"
+}
+stage_tiles1() {
+  run tiles_e16 build-dev/bench/lab/grouped_gemm_tiles --mu 128,384,768,1536,3072,6144 --iters 30 --warmup 5
 }
 stage_gemm1() {
   run gemm_e16 "$RDEP" bench gemm --path lt,cutlass --iters 50 --warmup 10 --json "$R/gemm_e16.json"

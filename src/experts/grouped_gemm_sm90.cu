@@ -51,6 +51,8 @@ const char* GroupedGemmTileName(GroupedGemmTile t) {
     case GroupedGemmTile::kCoop256x128C1x2: return "coop_256x128_c1x2";
     case GroupedGemmTile::kPing128x128: return "ping_128x128";
     case GroupedGemmTile::kPing128x128C2x1: return "ping_128x128_c2x1";
+    case GroupedGemmTile::kCoop256x128C2x1: return "coop_256x128_c2x1";
+    case GroupedGemmTile::kCoop128x256C2x1: return "coop_128x256_c2x1";
   }
   return "?";
 }
@@ -84,6 +86,10 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKi
     case GroupedGemmTile::kPing128x128: return MakeTiled<GroupedGemmTile::kPing128x128>(kind, num_groups, lda, ldb, ldd, device);
     case GroupedGemmTile::kPing128x128C2x1:
       return MakeTiled<GroupedGemmTile::kPing128x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop256x128C2x1:
+      return MakeTiled<GroupedGemmTile::kCoop256x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop128x256C2x1:
+      return MakeTiled<GroupedGemmTile::kCoop128x256C2x1>(kind, num_groups, lda, ldb, ldd, device);
   }
   return InvalidArgument(what + "unknown tile");
 }

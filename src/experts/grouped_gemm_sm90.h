@@ -35,10 +35,20 @@ const char* GroupedGemmKindName(GroupedGemmKind k);
 // The kernel configurations built (grouped_gemm_sm90_runner.cuh): CTA tile M x N (x 64 of K), cluster
 // (C<m>x<n>; none = 1x1), cooperative (two consumer warpgroups on one tile) or pingpong (a tile per
 // consumer warpgroup, alternating). Names: coop_128x128, coop_128x256, coop_128x128_c1x2, ...
-enum class GroupedGemmTile { kCoop128x128, kCoop128x256, kCoop128x128C1x2, kCoop256x128C1x2, kPing128x128, kPing128x128C2x1 };
+enum class GroupedGemmTile {
+  kCoop128x128,
+  kCoop128x256,
+  kCoop128x128C1x2,
+  kCoop256x128C1x2,
+  kPing128x128,
+  kPing128x128C2x1,
+  kCoop256x128C2x1,
+  kCoop128x256C2x1,
+};
 inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::kCoop128x128,     GroupedGemmTile::kCoop128x256,
                                                        GroupedGemmTile::kCoop128x128C1x2, GroupedGemmTile::kCoop256x128C1x2,
-                                                       GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1};
+                                                       GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1,
+                                                       GroupedGemmTile::kCoop256x128C2x1, GroupedGemmTile::kCoop128x256C2x1};
 const char* GroupedGemmTileName(GroupedGemmTile t);
 StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name);
 

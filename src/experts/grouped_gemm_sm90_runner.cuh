@@ -49,6 +49,8 @@ template <> struct TileOf<GroupedGemmTile::kCoop128x128C1x2> : TileConfig<128, 1
 template <> struct TileOf<GroupedGemmTile::kCoop256x128C1x2> : TileConfig<256, 128, 1, 2, false> {};
 template <> struct TileOf<GroupedGemmTile::kPing128x128> : TileConfig<128, 128, 1, 1, true> {};
 template <> struct TileOf<GroupedGemmTile::kPing128x128C2x1> : TileConfig<128, 128, 2, 1, true> {};
+template <> struct TileOf<GroupedGemmTile::kCoop256x128C2x1> : TileConfig<256, 128, 2, 1, false> {};
+template <> struct TileOf<GroupedGemmTile::kCoop128x256C2x1> : TileConfig<128, 256, 2, 1, false> {};
 
 namespace tiled {
 
