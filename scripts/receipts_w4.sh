@@ -42,7 +42,8 @@
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
 #   train1c    the same, both models compiled (--compile)
-#   gemm1      rdep bench gemm (cutlass, cuBLASLt) beside torch._grouped_mm on the same counts, E_loc = 16
+#   gemm1      rdep bench gemm (cutlass, cuBLASLt; fp32 and bf16 weight gradients) beside torch._grouped_mm on the
+#              same counts (bf16 gradients), E_loc = 16
 #   tiles1     each CUTLASS GEMM of the expert MLP alone per tile configuration (bench/lab/grouped_gemm_tiles)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
@@ -263,6 +264,7 @@ stage_tiles1() {
 }
 stage_gemm1() {
   run gemm_e16 "$RDEP" bench gemm --path lt,cutlass --iters 50 --warmup 10 --json "$R/gemm_e16.json"
+  run gemm_e16_bf16 "$RDEP" bench gemm --path lt,cutlass --grads bf16 --iters 50 --warmup 10 --json "$R/gemm_e16_bf16.json"
   run torch_gmm_e16 python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_e16.json" \
     --json "$R/torch_gmm_e16.json"
 }

@@ -44,13 +44,15 @@ using rdep::cli::Flags;
 constexpr const char* kHelp =
     "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
     "         [--routing uniform|zipf:A] [--path auto,lt,grouped,cutlass] [--streams 8] [--workspace-mib 8]\n"
-    "         [--no-backward]\n"
+    "         [--no-backward] [--grads fp32|bf16]\n"
     "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
     "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
     "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
     "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n"
     "--path cutlass:SPEC picks the CUTLASS kernels' tiles: all (one run per tile), TILE (every GEMM) or\n"
     "G1/G2/DZ/DX/DW2/DW1 (a tile per GEMM, empty = its default), e.g. cutlass:////coop_128x256/.\n"
+    "--grads: the expert weight gradients backward writes (overwritten): fp32 [default], or bf16 as\n"
+    "rdep.torch's bf16 parameters and torch._grouped_mm's autograd have them.\n"
     "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
     "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
 
@@ -219,6 +221,7 @@ struct GemmBenchOptions {
   int streams = 0;
   int64_t workspace_mib = 0;
   bool no_backward = false;
+  bool bf16_grads = false;  // --grads bf16
   int warmup = 0, iters = 0;
   int64_t dense_n = 0;
   uint64_t seed = 0;
@@ -295,6 +298,7 @@ rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
   o.streams = static_cast<int>(f.get_int("streams", defaults.num_streams));
   o.workspace_mib = f.get_int("workspace-mib", static_cast<int64_t>(defaults.lt_workspace_bytes >> 20));
   o.no_backward = f.get_bool("no-backward");
+  const std::string grads = f.get_string("grads", "fp32");
   o.warmup = static_cast<int>(f.get_int("warmup", 20));
   o.iters = static_cast<int>(f.get_int("iters", 200));
   o.dense_n = f.get_int("dense", 8192);
@@ -307,6 +311,8 @@ rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
   if (o.E < 1 || o.H < 1 || o.F < 1 || o.dense_n < 1)
     return rdep::InvalidArgument("--experts, --hidden, --ffn and --dense must be >= 1");
   if (o.iters < 1 || o.warmup < 0) return rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0");
+  if (grads != "fp32" && grads != "bf16") return rdep::InvalidArgument("--grads must be fp32 or bf16, got '" + grads + "'");
+  o.bf16_grads = grads == "bf16";
   for (int64_t mu : *mus)
     if (mu < 0) return rdep::InvalidArgument("--mu: values must be >= 0");
   RDEP_ASSIGN_OR_RETURN(o.alpha, ParseZipfAlpha(o.routing));
@@ -402,6 +408,7 @@ struct PathUnderTest {
 rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, const std::vector<int64_t>& counts,
                                        const int64_t* counts_dev, const BenchPath& path, const GemmBuffers& b, cudaStream_t stream) {
   using B = __nv_bfloat16;
+  const bool bf16 = o.bf16_grads;
   PathUnderTest t;
   if (path.cutlass) {
     RDEP_ASSIGN_OR_RETURN(t.compute,
@@ -412,8 +419,10 @@ rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, con
     t.fwd = [=, &b]() { return c->Forward(rows, b.x.as<B>(), w, b.h.as<B>(), b.y.as<B>(), stream); };
     t.fb = [=, &b]() -> rdep::Status {
       RDEP_RETURN_IF_ERROR(c->Forward(rows, b.x.as<B>(), w, b.h.as<B>(), b.y.as<B>(), stream));
-      return c->Backward(rows, b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), w, b.dx.as<B>(), {b.dw1.as<float>(), b.dw2.as<float>()},
-                         false, stream);
+      const rdep::kernels::ExpertGradsView g =
+          bf16 ? rdep::kernels::ExpertGradsView{nullptr, nullptr, b.dw1.as<B>(), b.dw2.as<B>()}
+               : rdep::kernels::ExpertGradsView{b.dw1.as<float>(), b.dw2.as<float>()};
+      return c->Backward(rows, b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), w, b.dx.as<B>(), g, false, stream);
     };
     t.workspace = c->workspace_bytes();
     return t;
@@ -428,6 +437,9 @@ rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, con
   t.fwd = [=, &b]() { return mlp->Forward(b.x.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream); };
   t.fb = [=, &b]() -> rdep::Status {
     RDEP_RETURN_IF_ERROR(mlp->Forward(b.x.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream));
+    if (bf16)  // the gradient buffers are sized for fp32: bf16 ones fit
+      return mlp->Backward(b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.dx.as<B>(), b.dw1.as<B>(),
+                           b.dw2.as<B>(), stream);
     return mlp->Backward(b.x.as<B>(), b.h.as<B>(), b.dout.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.dx.as<B>(),
                          b.dw1.as<float>(), b.dw2.as<float>(), false, stream);
   };
@@ -454,9 +466,9 @@ rdep::StatusOr<Row> MeasureGemmRow(const GemmBenchOptions& o, int64_t mu, const 
   cudaMemGetInfo(&free1, &env.total);
   r.device_used = env.free0 - free1;
   r.workspace = t.workspace;
-  // What this mu holds live: weights + fp32 grads + x, h, y, dout, dx of M rows + workspace.
+  // What this mu holds live: weights + grads (fp32 or bf16) + x, h, y, dout, dx of M rows + workspace.
   const size_t Hs = static_cast<size_t>(o.H), Fs = static_cast<size_t>(o.F);
-  r.live = (b.w1n + b.w2n) * 6 + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;
+  r.live = (b.w1n + b.w2n) * (o.bf16_grads ? 4 : 6) + static_cast<size_t>(M) * (Hs * 2 * 4 + 2 * Fs * 2) + r.workspace;
   const double flops = 6.0 * static_cast<double>(M) * static_cast<double>(o.H) * static_cast<double>(o.F);
   r.fwd_p50 = rdep::Summarize(r.fwd_us).p50;
   r.tflops_fwd = M > 0 ? flops / (r.fwd_p50 * 1e-6) / 1e12 : 0;
@@ -471,7 +483,8 @@ void PrintGemmHeader(const GemmBenchOptions& o, const GemmBenchEnv& env, const D
                      bool l2_exceeded) {
   const cudaDeviceProp& prop = env.prop;
   std::cout << "rdep bench gemm: " << prop.name << ", CUDA runtime " << env.runtime << ", E_loc=" << o.E << " H=" << o.H
-            << " F=" << o.F << ", routing " << o.routing << ", " << o.warmup << " warmup + " << o.iters << " iters\n";
+            << " F=" << o.F << ", routing " << o.routing << ", weight gradients " << (o.bf16_grads ? "bf16" : "fp32") << ", "
+            << o.warmup << " warmup + " << o.iters << " iters\n";
   std::cout << "dense ceiling: " << o.dense_n << "^3 bf16 cuBLASLt GEMM p50 " << std::fixed << std::setprecision(1)
             << rdep::Summarize(dense.us).p50 << " us = " << dense.tflops << " TFLOP/s\n";
   std::cout << "L2: " << (l2_exceeded ? "no input rotation: the weights alone (" : "WARNING: working set may fit L2 (")
@@ -499,7 +512,7 @@ void WriteGemmHead(rdep::JsonWriter& j, const GemmBenchOptions& o, const GemmBen
   j.key("workload").begin_object();
   j.field("experts_local", o.E).field("hidden", o.H).field("ffn", o.F).field("routing", o.routing);
   j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters).field("streams", o.streams);
-  j.field("paths", o.paths_text);
+  j.field("paths", o.paths_text).field("weight_gradients", o.bf16_grads ? "bf16" : "fp32");
   j.end_object();
   j.key("hardware").begin_object();
   j.field("gpu", std::string(prop.name)).field("sm_count", prop.multiProcessorCount);

@@ -157,6 +157,8 @@ for args in "-h" "--help" "help" "check -h" "check --help" "help check" "route -
   expect_not 0 'seeds 00[0-9] (Table|eq|section)' $args
 done
 expect 0 'the RDEP paper \(seeds 000\), Table 18' help check
+# bench gemm's flags are checked before any device is looked for (a build without CUDA refuses first)
+expect 2 "(--grads must be fp32 or bf16, got 'fp16'|built without CUDA)" bench gemm --grads fp16
 expect_not 0 'usage: rdep plan (record|bench|show)' plan sim --help
 expect 0 'usage: rdep plan sim' plan sim --trace x --help
 expect 2 '^usage: rdep plan <sim' plan
