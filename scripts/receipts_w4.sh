@@ -44,6 +44,9 @@
 #   train1c    the same, both models compiled (--compile)
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt; fp32 and bf16 weight gradients) beside torch._grouped_mm on the
 #              same counts (bf16 gradients), E_loc = 16
+#   stash      the paged stash (--stash-rows): its cost at W = 1 (the layer with and without, alternating), and
+#              a stack of 4 Moonlight layers' memory per rank at W = 4 ranks sharing GPU 0, without and with a
+#              pool for the 4 layers' rows (4 x 26,624)
 #   tiles1     each CUTLASS GEMM of the expert MLP alone per tile configuration (bench/lab/grouped_gemm_tiles)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
@@ -258,6 +261,18 @@ stage_train1c() {
   run train_w1_compile env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
     python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile \
     --json "$R/train_w1_compile.json" --png "$R/train_w1_compile.png"
+}
+stage_stash() {
+  for round in a b; do
+    run layer_w1_nostash_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --warmup 10 --iters 100 \
+      --json "$R/layer_w1_nostash_$round.json"
+    run layer_w1_stash_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --stash-rows 24576 --warmup 10 --iters 100 \
+      --json "$R/layer_w1_stash_$round.json"
+  done
+  run stack_w4_nostash "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass --layers 4 --warmup 2 --iters 3 \
+    --json "$R/stack_w4_nostash.json"
+  run stack_w4_stash "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass --layers 4 --stash-rows 106496 --warmup 2 --iters 3 \
+    --json "$R/stack_w4_stash.json"
 }
 stage_tiles1() {
   run tiles_e16 build-dev/bench/lab/grouped_gemm_tiles --mu 128,384,768,1536,3072,6144 --iters 30 --warmup 5

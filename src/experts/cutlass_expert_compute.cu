@@ -39,13 +39,14 @@ using internal::GroupedGemmKind;
 using internal::GroupedGemmSm90;
 using internal::GroupedGemmTile;
 
-// Each GEMM's kernel configuration. The defaults are the fastest of the eight tiles per GEMM over mu in
-// 128..6144 (geometric mean of the times) at the Moonlight expert (E_loc 16, H 2048, F 1408) on an H200
-// (bench/lab/grouped_gemm_tiles; docs/perf-notes.md, "CUTLASS tiles on an H200").
+// Each GEMM's kernel configuration. The defaults are the fastest of the tiles per GEMM over mu in
+// 128..3072 at the Moonlight expert (E_loc 16, H 2048, F 1408) on an H100 (bench/lab/grouped_gemm_tiles;
+// docs/perf-notes.md, "CUTLASS tiles"). An H200 sweep favoured ping_128x128 for the first three GEMMs
+// alone, but the whole MLP and the layer were slower with it (docs/perf-notes.md, "CUTLASS tiles on an H200").
 struct RoleTiles {
-  GroupedGemmTile g1 = GroupedGemmTile::kPing128x128;
-  GroupedGemmTile g2 = GroupedGemmTile::kPing128x128;
-  GroupedGemmTile dz = GroupedGemmTile::kPing128x128;
+  GroupedGemmTile g1 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile g2 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dz = GroupedGemmTile::kCoop128x128;
   GroupedGemmTile dx = GroupedGemmTile::kCoop128x256;
   GroupedGemmTile dw2 = GroupedGemmTile::kCoop128x256;
   GroupedGemmTile dw1 = GroupedGemmTile::kPing128x128C2x1;

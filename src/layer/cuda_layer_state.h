@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -189,6 +190,16 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   // total, on the device only [phys + 1]; the host never learns them during the call.
   cuda_layer::DeviceBuffer<int64_t> dev_counts;
   bool counts_on_device = false;
+  // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the pool pages this context's owner rows
+  // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows), a
+  // host-mapped word the overflow writes (the rows needed; -1 none), the event after the pages were taken.
+  cuda_layer::DeviceBuffer<int32_t> stash_pages;
+  cuda_layer::DeviceBuffer<int64_t> stash_state;
+  int64_t* stash_fault_host = nullptr;
+  int64_t* stash_fault_dev = nullptr;
+  cudaEvent_t stash_taken = nullptr;
+  bool stash_held = false;  // a forward stashed rows that neither a backward nor ReleaseRows gave back yet
+  std::function<void()> stash_give_back;  // gives held pages back when the context is freed (a no-op once the layer is gone)
   bool fault_unchecked = false;  // sync-free forward: the routing check had not completed when it returned
   bool fault_in_capture = false;  // the plan ran in a stream capture: fault_copied is a graph node, not queryable
   // The plan's input check: the first faulty routing slot, written by the device into mapped pinned
@@ -204,6 +215,11 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     cudaSetDevice(device);
     if (host_fault) cudaFreeHost(host_fault);
     if (host_plan_misc) cudaFreeHost(host_plan_misc);
+    if (stash_held && stash_give_back) stash_give_back();  // before the page table is freed (cudaFree waits for the kernel)
+    if (stash_fault_host) cudaFreeHost(stash_fault_host);
+    if (stash_taken) cudaEventDestroy(stash_taken);
+    stash_pages.Free();
+    stash_state.Free();
     plan.Free();
     for (auto* b : {&dest_rank, &dest_local, &phys_global}) b->Free();
     if (fault_copied) cudaEventDestroy(fault_copied);
@@ -219,7 +235,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   }
   size_t bytes() const override {
     return (experts.count + tok_index.count + gates.count + effective.count + inv.count) * 4 + accepted.count + lead.count +
-           (dropped.count + control.count + rows_per_expert.count + dev_counts.count) * 8 +
+           (dropped.count + control.count + rows_per_expert.count + dev_counts.count + stash_state.count) * 8 + stash_pages.count * 4 +
            (saved_f.count + x_rows.count + h_rows.count + f_rows.count) * 2 +
            grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4 + cuda_layer::TwoPhaseBytes(two_phase.get());
   }

@@ -146,6 +146,7 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 }
 
 CudaMoELayer::~CudaMoELayer() {
+  *alive_ = false;  // a context freed from here on leaves its stash pages taken (cuda_stash.cc)
   regions_.Free(domain_);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
@@ -156,7 +157,7 @@ CudaMoELayer::~CudaMoELayer() {
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
-  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_})  // last: the computes above used the scratch
+  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_, stash_rows_, stash_pool_, stash_ring_})  // last: the computes above used them
     if (id >= 0) domain_.ReleaseShared(id);
 }
 
@@ -266,6 +267,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     layer->expert_scratch_bytes_ = kernels::CutlassExpertScratchBytes(any);
     RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));
   }
+  RDEP_RETURN_IF_ERROR(layer->AcquireStash());  // LayerConfig::stash_rows (cuda_stash.cc)
   if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
                                      // shared with every balanced layer of the same slot size on the domain
     const auto per_slot = static_cast<size_t>(config.replica_slots()) * static_cast<size_t>(3 * s.hidden * s.ffn);
@@ -413,6 +415,13 @@ Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* e
 Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
+  if (Stashing(st)) {  // every rank refuses alike, before the collective
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                                ": the paged stash (stash_rows) cannot run inside a CUDA graph capture (its overflow is checked on the host)");
+  }
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [&] { return NewSaved(rank); }));
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
@@ -507,6 +516,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
+  if (Stashing(st)) RDEP_RETURN_IF_ERROR(StashSaved(rank, st, sv));  // the owner rows into the pool's pages
   if (config_.owner_reduce)
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
   else
@@ -581,6 +591,8 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
+  Status overflow;  // the paged stash's pool overflowed at forward: reported after the collective
+  if (Stashing(st)) RDEP_RETURN_IF_ERROR(UnstashSaved(rank, st, sv, &overflow));
   if (!config_.owner_reduce)  // else from the owners' dots after the exchange
     RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                                s.hidden, st.scratch.ptr, dgates, stream));
@@ -599,6 +611,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
                                                  nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
+  RDEP_RETURN_IF_ERROR(overflow);
   // A sync-free forward whose routing check had not completed reports it here (after the collective).
   return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
 }

@@ -46,7 +46,8 @@ Status CudaMoELayer::ReturnReduced(int32_t rank, const __nv_bfloat16* rows, cons
 // Owner, backward: <dy_t, f_k> of the segment's rows (grouped [base, base + m), or the device count),
 // into their front-ends' dots.
 Status CudaMoELayer::OwnerDots(int32_t rank, const uint16_t* seg_dy, const Saved& sv, int64_t base, int64_t m, const int64_t* device_rows) {
-  return dispatch::LaunchOwnerDots(seg_dy, Bits(sv.f_rows.ptr + base * config_.shape.hidden), sv.grouped.ptr + base, m, layout_,
+  const __nv_bfloat16* f = SavedOwnerRows(rank, *ranks_[static_cast<size_t>(rank)], sv).f;  // the pool's rows are back by now
+  return dispatch::LaunchOwnerDots(seg_dy, Bits(f + base * config_.shape.hidden), sv.grouped.ptr + base, m, layout_,
                                    domain_.peer_table(rank, regions_.dots), domain_.stream(rank), device_rows);
 }
 

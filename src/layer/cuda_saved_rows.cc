@@ -54,6 +54,10 @@ Status CudaMoELayer::ReleaseRows(ForwardContext& ctx) {
       b->Free();
       freed = true;
     }
+  if (sv->stash_held) {  // the pool's pages go back (cuda_stash.cc)
+    RDEP_RETURN_IF_ERROR(ReleaseStash(rank, *sv));
+    freed = true;
+  }
   if (freed) ContextAccess::Abandon(ctx);  // its forward's rows are gone: a backward is refused, not run on null rows
   return Status::Ok();
 }

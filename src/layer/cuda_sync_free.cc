@@ -42,10 +42,15 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
   const auto rows = segs * static_cast<size_t>(MaxSegmentRows(config_, layout_));
   const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
   RDEP_RETURN_IF_ERROR(sv.grouped.Reserve(rows));
-  RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.x_rows, rows * H, st.rows, st.device, st.caller_stream));
-  RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.h_rows, rows * 2 * F, st.rows, st.device, st.caller_stream));
-  if (config_.owner_reduce) {  // the expert outputs stay for dgate; the token -> rows index of each segment
-    RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.f_rows, rows * H, st.rows, st.device, st.caller_stream));
+  if (Stashing(st)) {  // the rows live in the shared transient rows and the pool (cuda_stash.cc)
+    RDEP_RETURN_IF_ERROR(ReserveStash(sv));
+  } else {
+    RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.x_rows, rows * H, st.rows, st.device, st.caller_stream));
+    RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.h_rows, rows * 2 * F, st.rows, st.device, st.caller_stream));
+    if (config_.owner_reduce)  // the expert outputs stay for dgate
+      RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.f_rows, rows * H, st.rows, st.device, st.caller_stream));
+  }
+  if (config_.owner_reduce) {  // the token -> rows index of each segment
     RDEP_RETURN_IF_ERROR(sv.inv.Reserve(segs * static_cast<size_t>(std::max<int64_t>(layout_.S * layout_.slots_per_token, 1))));
   }
   return sv.dev_counts.Reserve(segs * (static_cast<size_t>(physical_experts(st)) + 1));
@@ -65,12 +70,12 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
   sv.counts_on_device = true;  // the host does not know the segment's rows (seg_rows stays empty)
   sv.seg_base[static_cast<size_t>(seg)] = base;
-  __nv_bfloat16* x_rows = sv.x_rows.ptr + base * H;
+  const OwnerRows saved = SavedOwnerRows(rank, st, sv);
+  __nv_bfloat16* x_rows = saved.x + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, false, Bits(x_rows), stream, total));
-  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  __nv_bfloat16* out = reduce ? saved.f + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
   if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, x_rows, st.weights(), sv.h_rows.ptr + base * 2 * config_.shape.ffn, out,
-                                         stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, x_rows, st.weights(), saved.h + base * 2 * config_.shape.ffn, out, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
   if (reduce)
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
@@ -90,8 +95,9 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(OutRows(rank)), stream, total));
   const kernels::ExpertGradsView grads = st.grads();
   if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, sv.x_rows.ptr + base * H, sv.h_rows.ptr + base * 2 * config_.shape.ffn,
-                                          OutRows(rank), st.weights(), OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, SavedOwnerRows(rank, st, sv).x + base * H,
+                                          SavedOwnerRows(rank, st, sv).h + base * 2 * config_.shape.ffn, OutRows(rank), st.weights(),
+                                          OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));

@@ -35,6 +35,12 @@ Status LayerConfig::Validate() const {
   if (owner_reduce && nodes.nodes > 1)
     return InvalidArgument("owner_reduce: with nodes (N=" + std::to_string(nodes.nodes) +
                            ") the relays already reduce each node's rows; use owner_reduce with one node");
+  if (stash_rows < 0) return InvalidArgument("stash_rows: " + std::to_string(stash_rows) + " must be >= 0 (0 = no stash)");
+  if (stash_rows > 0 && (expert_compute != ExpertComputeKind::kCutlass || balance.enabled() || nodes.nodes > 1))
+    return InvalidArgument("stash_rows: " + std::to_string(stash_rows) +
+                           " needs the sync-free layer: expert_compute cutlass, no balancing and one node (got expert_compute " +
+                           ExpertComputeName(expert_compute) + ", balance " + BalanceKindName(balance.kind) + ", nodes " +
+                           std::to_string(nodes.nodes) + ")");
   return Status::Ok();
 }
 
@@ -49,6 +55,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.expert_compute != ExpertComputeKind::kCublasLt) os << " experts=" << ExpertComputeName(c.expert_compute);
   if (c.owner_reduce) os << " owner-reduce";
   if (c.transport_sms > 0) os << " transport-sms=" << c.transport_sms;
+  if (c.stash_rows > 0) os << " stash-rows=" << c.stash_rows;
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 

@@ -417,9 +417,22 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     }
     fp.device.push_back({std::string(one_domain ? "shared " : "") + "return region (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
                          2 * T * K * H});
-    fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values)"
-                                   : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
-                         {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});
+    // The paged stash (LayerConfig::stash_rows): the worst case once, as transient rows shared by the
+    // domain's layers, and the pool's pages; a context then keeps only its page table.
+    const bool stash = sync_free && o.layer.stash_rows > 0;
+    const double f_bytes = o.layer.owner_reduce ? 2 * H : 0.0;  // owner_reduce's kept outputs ride in the stash's rows
+    if (stash) {
+      fp.device.push_back({"shared stash transient rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values, + H with owner_reduce)",
+                           {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + f_bytes)});
+      const double pool_rows = 64.0 * std::ceil(static_cast<double>(o.layer.stash_rows) / 64.0);
+      fp.device.push_back({"shared stash pool (--stash-rows rows of H and 2*D_ff values, + H with owner_reduce)",
+                           {{"stash rows", pool_rows}, {"hidden", H}, {"ffn", F}}, pool_rows * (2 * H + 4 * F + f_bytes) + 4 * pool_rows / 64 + 16});
+      fp.device.push_back({"context: saved rows' index and page table", {{"tokens", T}, {"topk", K}}, saved_rows * 32 + 4 * saved_rows / 64});
+    } else {
+      fp.device.push_back({sync_free ? "context: saved rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values)"
+                                     : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
+                           {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});
+    }
     if (!o.layer.owner_reduce)
       fp.device.push_back({"context: the front-end's returned rows (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
                            2 * T * K * H});
@@ -432,7 +445,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
       fp.device.push_back({"context: owner_reduce's kept expert outputs and dots (saved rows of H, T*K floats)",
-                           {{"tokens", T}, {"topk", K}, {"hidden", H}}, saved_rows * 2 * H + T * K * 8});
+                           {{"tokens", T}, {"topk", K}, {"hidden", H}}, (stash ? 0.0 : saved_rows * 2 * H) + T * K * 8});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},

@@ -66,6 +66,11 @@ flags [defaults: the Moonlight shape]:
                        instead of one per slot) and takes dgate's dot products in backward [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
+  --stash-rows N       the paged stash: a forward's saved owner rows move into pages of a pool of N rows
+                       per rank, shared by the domain's layers of the shape, and back at backward, so a
+                       context holds only the rows that arrived (needs --expert-compute cutlass and no
+                       --balance; not with --graph); a forward that overflows the pool fails its
+                       backward naming the rows; 0 = off [0]
   --layers N           also stack N such layers on the domain (own weights and gradients each, a context
                        per layer), run forward 1..N then backward N..1, and report the per-rank device
                        memory (layers, contexts, the GPU's use) and the pass's time (p50 over min(--iters,
@@ -157,6 +162,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   const std::string expert_compute = f.get_string("expert-compute", "cublaslt");
   o.graph = f.get_bool("graph");
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
+  o.cfg.stash_rows = f.get_int("stash-rows", 0);
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
   const int64_t layers = f.get_int("layers", 1);
@@ -175,6 +181,8 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
     return Refuse("--graph needs --ranks 1, --expert-compute cutlass and no --balance (the layer must not wait "
                   "on the host; capturing several ranks is not supported yet)");
+  if (o.graph && o.cfg.stash_rows > 0)
+    return Refuse("--graph with --stash-rows: the paged stash checks its pool's overflow on the host, so it is not captured");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
   if (layers < 1 || layers > 1000) return Refuse("--layers must be in [1, 1000], got " + std::to_string(layers));
   if (layers > 1 && o.bf16_grads) return Refuse("--layers with --grads bf16 is not supported (the stack's layers keep fp32 gradients)");
@@ -559,7 +567,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -84,7 +84,7 @@ class ExpertCompute {
 // CUTLASS (RDEP_HAVE_CUTLASS) or on a GPU other than sm_90.
 // tiles: the kernel configuration of each GEMM by name (coop_128x128, coop_128x256, coop_128x128_c1x2,
 // coop_256x128_c1x2, ping_128x128, ping_128x128_c2x1, coop_256x128_c2x1, coop_128x256_c2x1; "" = that
-// GEMM's default, chosen by measurement: docs/perf-notes.md, "CUTLASS tiles on an H200"); an unknown
+// GEMM's default, chosen by measurement: docs/perf-notes.md, "CUTLASS tiles"); an unknown
 // name is InvalidArgument naming the field.
 struct CutlassTiles {
   std::string gemm1;     // h = x.W1

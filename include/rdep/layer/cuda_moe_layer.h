@@ -97,6 +97,11 @@ struct RowInstances {
   std::vector<int32_t> rank, local;
 };
 
+namespace cuda_layer {
+struct StashRows;  // the paged stash's views (src/layer/cuda_stash_kernels.h)
+struct StashPool;
+}  // namespace cuda_layer
+
 class CudaMoELayer {
  public:
   // Copies each rank's experts' slices of `weights` to its GPU as bf16.
@@ -268,7 +273,11 @@ class CudaMoELayer {
   size_t shared_transport_bytes() const { return regions_.shared_transport ? LayerRegions::SharedTransportBytes(layout_) : 0; }
   // Every shared region this layer uses (replica slots, output rows and scratch, transport regions): what
   // a layer alone, or the first of a stack of layers of one size, adds to device_bytes.
-  size_t shared_bytes() const { return replica_slot_bytes() + shared_row_bytes() + shared_transport_bytes(); }
+  // Device bytes per rank of the paged stash (LayerConfig::stash_rows): the transient owner rows of the worst
+  // case and the page pool with its free list, both shared by the domain's layers of one shape and pool size
+  // (Domain::AcquireShared, "stash.*"); 0 without a stash.
+  size_t stash_bytes() const { return stash_rows_bytes_ + stash_pool_bytes_ + stash_ring_bytes_; }
+  size_t shared_bytes() const { return replica_slot_bytes() + shared_row_bytes() + shared_transport_bytes() + stash_bytes(); }
 
  private:
   struct RankState;
@@ -295,6 +304,21 @@ class CudaMoELayer {
   Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ReserveSyncFree(const RankState& st, Saved& sv) const;
   Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
+  // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
+  // live in the shared transient rows during a call and in pool pages between forward and backward.
+  struct OwnerRows {
+    __nv_bfloat16 *x, *h, *f;  // f: null without owner_reduce
+  };
+  bool Stashing(const RankState& st) const;
+  Status AcquireStash();
+  OwnerRows SavedOwnerRows(int32_t rank, const RankState& st, const Saved& sv) const;
+  Status ReserveStash(Saved& sv) const;
+  cuda_layer::StashRows StashView(int32_t rank, const RankState& st, Saved& sv) const;
+  cuda_layer::StashPool StashPoolOf(int32_t rank) const;
+  Status StashSaved(int32_t rank, const RankState& st, Saved& sv);
+  // Refuses inside a capture; the pool's overflow at forward goes to *overflow, for the end of the call.
+  Status UnstashSaved(int32_t rank, const RankState& st, Saved& sv, Status* overflow);
+  Status ReleaseStash(int32_t rank, Saved& sv);
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
   Status CheckRoutingInput(int32_t rank, Saved& sv, bool wait);
@@ -348,6 +372,9 @@ class CudaMoELayer {
   RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, dz, dh (shared: shared_row_bytes)
   size_t expert_scratch_bytes_ = 0;
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
+  RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1;  // the paged stash (shared: stash_bytes)
+  size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // false from the destructor's start (contexts' stash hooks)
   bool replica_fault_ = false;
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;

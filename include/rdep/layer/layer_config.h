@@ -54,6 +54,15 @@ struct LayerConfig {
                                    // dgate's dot products are then taken by the owner in backward and return as
                                    // one value per (token, slot) (regions: LayerRegions::dots). Not with nodes > 1
                                    // (the relays reduce already), the sentinel expert or the caller's experts
+  int64_t stash_rows = 0;          // the paged stash (seeds 002): > 0 keeps a CUDA sync-free forward's saved owner
+                                   // rows (x, the SwiGLU inputs h, with owner_reduce the outputs f) in pages of a
+                                   // pool of this many rows per rank, shared by the domain's layers of one shape
+                                   // and pool size, instead of each context holding the worst case; the worst
+                                   // case is then one transient buffer shared by those layers. A forward whose rows
+                                   // do not fit the free pages still returns its output; its backward fails naming
+                                   // the rows and the pool (its weight gradients and dx are NaN). 0 = off. Needs
+                                   // expert_compute cutlass, no balancing, one node; not inside a CUDA graph
+                                   // capture. The host backend ignores it
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }

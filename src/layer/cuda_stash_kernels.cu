@@ -1,0 +1,163 @@
+// The paged stash's kernels (cuda_stash_kernels.h). Copies move 16-byte vectors: H and F are multiples
+// of 8 (the layer checks it before it stashes), so every row's arrays start on 16-byte boundaries.
+#include "layer/cuda_stash_kernels.h"
+
+#include <cstdint>
+
+#include "rdep/cuda/check.h"
+
+namespace rdep::cuda_layer {
+namespace {
+
+constexpr int kVec = 8;  // bf16 per 16-byte vector
+constexpr int kCopyThreads = 256;
+constexpr int kRingThreads = 128;
+
+// Segment s's rows, as the sync-free forward left them: [0, seg_cap].
+__device__ int64_t SegmentRows(const StashRows& r, int64_t s) {
+  const int64_t m = r.counts[s * r.count_stride + r.count_at];
+  return m < 0 ? 0 : (m > r.seg_cap ? r.seg_cap : m);
+}
+
+__device__ int64_t PagesFor(int64_t rows) { return (rows + kStashPageRows - 1) / kStashPageRows; }
+
+// Takes the pages for every segment's rows, in segment order, or none (state[0] = -1) when too few are free.
+__global__ void TakePagesKernel(StashPool pool, StashRows r) {
+  __shared__ int64_t need, first;
+  __shared__ bool fits;
+  if (threadIdx.x == 0) {
+    int64_t rows = 0, pages = 0;
+    for (int64_t s = 0; s < r.segments; ++s) {
+      const int64_t m = SegmentRows(r, s);
+      rows += m;
+      pages += PagesFor(m);
+    }
+    const uint64_t taken = pool.counters[0], returned = pool.counters[1];
+    const auto free_pages = static_cast<int64_t>(pool.num_pages) - static_cast<int64_t>(taken - returned);
+    fits = pages <= free_pages;
+    need = pages;
+    first = static_cast<int64_t>(taken);
+    r.state[1] = rows;
+    if (fits) {
+      r.state[0] = pages;
+      pool.counters[0] = taken + static_cast<uint64_t>(pages);
+    } else {
+      r.state[0] = -1;
+      *reinterpret_cast<volatile int64_t*>(r.fault) = rows;
+    }
+  }
+  __syncthreads();
+  if (!fits) return;
+  for (int64_t i = threadIdx.x; i < need; i += blockDim.x) {
+    const int64_t k = (first + i) % pool.num_pages;
+    r.page_table[i] = pool.ring[k] ^ static_cast<int32_t>(k);
+  }
+}
+
+// Gives back the pages a context holds (state[0] > 0) and leaves it holding none.
+__global__ void GivePagesKernel(StashPool pool, StashRows r) {
+  __shared__ int64_t held, first;
+  if (threadIdx.x == 0) {
+    held = r.state[0];
+    first = static_cast<int64_t>(pool.counters[1]);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < held; i += blockDim.x) {
+    const int64_t k = (first + i) % pool.num_pages;
+    pool.ring[k] = r.page_table[i] ^ static_cast<int32_t>(k);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (held > 0) pool.counters[1] = static_cast<uint64_t>(first + held);
+    r.state[0] = 0;
+  }
+}
+
+// One block per page of the context (blockIdx.x = its index in the page table): copies the page's rows
+// between the pool and the transient rows. to_pool false with state[0] = -1 (the pool overflowed at
+// forward) fills the rows the forward computed with NaN instead, so that a backward the host could not
+// stop (other ranks' calls need this rank's) yields NaN gradients, not plausible wrong ones.
+__global__ void CopyPagesKernel(StashPool pool, StashRows r, int64_t row_elems, bool to_pool) {
+  const int64_t held = r.state[0];
+  const bool poison = !to_pool && held < 0;
+  const auto p = static_cast<int64_t>(blockIdx.x);
+  if (!poison && p >= held) return;
+  // The segment of page p and its first row there: the pages of segment s follow those of s - 1.
+  int64_t seg = 0, row0 = -1, rows = 0;
+  for (int64_t s = 0, before = 0; s < r.segments; ++s) {
+    const int64_t m = SegmentRows(r, s), n = PagesFor(m);
+    if (p < before + n) {
+      seg = s;
+      row0 = (p - before) * kStashPageRows;
+      rows = m - row0 < kStashPageRows ? m - row0 : kStashPageRows;
+      break;
+    }
+    before += n;
+  }
+  if (row0 < 0) return;
+  const int64_t t0 = seg * r.seg_cap + row0;  // the page's first transient row
+  const int64_t H = r.H, F2 = 2 * r.F, vec_per_row = row_elems / kVec;
+  __nv_bfloat16* page = poison ? nullptr : pool.pages + static_cast<int64_t>(r.page_table[p]) * kStashPageRows * row_elems;
+  uint4 nan_vec;
+  {
+    const uint32_t two = 0x7FC07FC0u;  // two bf16 quiet NaNs
+    nan_vec = make_uint4(two, two, two, two);
+  }
+  for (int64_t v = threadIdx.x; v < rows * vec_per_row; v += blockDim.x) {
+    const int64_t i = v / vec_per_row, c = (v - i * vec_per_row) * kVec, t = t0 + i;
+    __nv_bfloat16* row = c < H ? r.x + t * H + c : (c < H + F2 ? r.h + t * F2 + (c - H) : r.f + t * H + (c - H - F2));
+    auto* rv = reinterpret_cast<uint4*>(row);
+    if (poison) {
+      *rv = nan_vec;
+      continue;
+    }
+    auto* pv = reinterpret_cast<uint4*>(page + i * row_elems + c);
+    if (to_pool) *pv = *rv;
+    else *rv = *pv;
+  }
+}
+
+int64_t RowElems(const StashRows& r) { return StashRowElems(r.H, r.F, r.f != nullptr); }
+
+Status CheckArgs(const StashPool& pool, const StashRows& r) {
+  if (pool.num_pages < 1 || !pool.pages || !pool.ring || !pool.counters)
+    return InvalidArgument("stash: the pool has no pages");
+  if (r.H % kVec != 0 || r.F % kVec != 0)
+    return InvalidArgument("stash: hidden " + std::to_string(r.H) + " and ffn " + std::to_string(r.F) + " must be multiples of 8");
+  if (!r.x || !r.h || !r.counts || !r.page_table || !r.state || !r.fault || r.segments < 0 || r.seg_cap < 0)
+    return InvalidArgument("stash: a context's rows, counts, page table or state is missing");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
+  RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
+  TakePagesKernel<<<1, kRingThreads, 0, stream>>>(pool, r);
+  RDEP_CUDA_CHECK_LAUNCH();
+  if (r.max_pages > 0) {
+    CopyPagesKernel<<<static_cast<unsigned>(r.max_pages), kCopyThreads, 0, stream>>>(pool, r, RowElems(r), /*to_pool=*/true);
+    RDEP_CUDA_CHECK_LAUNCH();
+  }
+  return Status::Ok();
+}
+
+Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
+  RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
+  if (r.max_pages > 0) {
+    CopyPagesKernel<<<static_cast<unsigned>(r.max_pages), kCopyThreads, 0, stream>>>(pool, r, RowElems(r), /*to_pool=*/false);
+    RDEP_CUDA_CHECK_LAUNCH();
+  }
+  GivePagesKernel<<<1, kRingThreads, 0, stream>>>(pool, r);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchReleaseStash(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
+  RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
+  GivePagesKernel<<<1, kRingThreads, 0, stream>>>(pool, r);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace rdep::cuda_layer

@@ -1,0 +1,350 @@
+// The paged stash (LayerConfig::stash_rows): the sync-free layer's saved owner rows in pages of a pool
+// shared by a domain's layers, moved there at the end of forward and back at the start of backward.
+// Bitwise equal to the layer without it (the moves are copies): W = 1 and W = 4 ranks sharing the GPUs
+// present, dropless and with capacity drops, in several segments, with owner_reduce; three layers in
+// flight at once (forward all, backward in reverse) sharing one pool; a pool too small for a forward
+// (its output still right, its backward failing naming rows and pool with NaN gradients, the pool whole
+// again afterwards); a context's pages given back by ReleaseRows and by freeing the context; refusals
+// (config, capture). Skips without a GPU, CUTLASS or sm_90. The config checks run everywhere.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "rdep/layer/layer_config.h"
+
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <tuple>
+#include <vector>
+
+#include "layer/cuda_test_util.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
+#endif
+
+namespace rdep {
+namespace {
+
+LayerConfig StashConfig(int64_t stash_rows) {
+  LayerConfig c = MakeLayerConfig({.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = 4});
+  c.expert_compute = ExpertComputeKind::kCutlass;
+  c.stash_rows = stash_rows;
+  return c;
+}
+
+TEST(StashConfig, NegativeRowsAreRefusedNamingTheField) {
+  const Status s = StashConfig(-1).Validate();
+  ASSERT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("stash_rows: -1"), std::string::npos) << s;
+}
+
+TEST(StashConfig, NeedsTheSyncFreeLayer) {
+  EXPECT_TRUE(StashConfig(4096).Validate().ok());
+  LayerConfig lt = StashConfig(4096);
+  lt.expert_compute = ExpertComputeKind::kCublasLt;
+  Status s = lt.Validate();
+  ASSERT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("expert_compute cublaslt"), std::string::npos) << s;
+  LayerConfig two = StashConfig(4096);
+  two.nodes.nodes = 2;
+  s = two.Validate();
+  ASSERT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("stash_rows"), std::string::npos) << s;
+  LayerConfig off = StashConfig(0);
+  off.expert_compute = ExpertComputeKind::kCublasLt;
+  EXPECT_TRUE(off.Validate().ok()) << "0 is off, with any compute";
+}
+
+#if defined(RDEP_HAVE_CUDA)
+
+struct Problem {
+  LayerShape shape;
+  OwnershipMap own;
+  MoEWeights w;
+  Routing routing;
+  std::vector<std::vector<float>> x, dy;
+  Problem(int32_t W, const char* spec, uint64_t seed)
+      : shape{.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = W},
+        own(*OwnershipMap::Contiguous(8, W)),
+        w(RandomWeights(shape, seed)),
+        routing(*GenerateRouting(shape, *RoutingSpec::Parse(spec))),
+        x(RandomActivations(shape, routing, seed + 2)),
+        dy(RandomActivations(shape, routing, seed + 3)) {}
+};
+
+struct Setting {
+  int64_t stash_rows = 0;
+  double capacity = 0;
+  int64_t segment = 0;
+  bool owner_reduce = false;
+};
+
+// Per rank: y, dx, dgates, dW1, dW2 and the backward's status.
+struct Outputs {
+  std::vector<std::vector<uint16_t>> y, dx;
+  std::vector<std::vector<float>> dg, dw1, dw2;
+  std::vector<Status> backward;
+  explicit Outputs(size_t W) : y(W), dx(W), dg(W), dw1(W), dw2(W), backward(W) {}
+};
+
+bool CutlassHere(std::string* why) {
+  if (cuda::DeviceCount() == 0) {
+    *why = "no CUDA device";
+    return false;
+  }
+  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
+  if (!c.ok()) {
+    *why = c.status().message();
+    const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
+    if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
+  }
+  return c.ok();
+}
+
+StatusOr<std::unique_ptr<CudaDomain>> MakeDomain(int32_t W) {
+  return CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
+}
+
+LayerConfig ConfigOf(const Problem& p, const Setting& set) {
+  LayerConfig cfg = MakeLayerConfig(p.shape, {.capacity_factor = set.capacity});
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.segment_tokens = set.segment;
+  cfg.owner_reduce = set.owner_reduce;
+  cfg.stash_rows = set.stash_rows;
+  return cfg;
+}
+
+Status Collect(CudaMoELayer& layer, const Problem& p, const Batch& b, int32_t r, Outputs& out) {
+  const auto i = static_cast<size_t>(r);
+  const int64_t H = p.shape.hidden, F = p.shape.ffn;
+  RDEP_ASSIGN_OR_RETURN(out.y[i], Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(b.n * H)));
+  RDEP_ASSIGN_OR_RETURN(out.dx[i], Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * H)));
+  RDEP_ASSIGN_OR_RETURN(out.dg[i], Download(b.dg, static_cast<size_t>(b.n * p.shape.topk)));
+  const auto L = static_cast<size_t>(p.own.num_local(r));
+  RDEP_ASSIGN_OR_RETURN(out.dw1[i], Download(layer.dw1(r), L * static_cast<size_t>(H * 2 * F)));
+  RDEP_ASSIGN_OR_RETURN(out.dw2[i], Download(layer.dw2(r), L * static_cast<size_t>(F * H)));
+  return Status::Ok();
+}
+
+// One layer, forward then backward on every rank; each rank's backward status kept, not returned.
+Outputs RunOne(const Problem& p, const Setting& set) {
+  const auto W = static_cast<size_t>(p.shape.ranks);
+  Outputs out(W);
+  auto domain = MakeDomain(static_cast<int32_t>(p.shape.ranks));
+  EXPECT_TRUE(domain.ok()) << domain.status();
+  if (!domain.ok()) return out;
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, set), p.own, p.w);
+  EXPECT_TRUE(layer.ok()) << layer.status();
+  if (!layer.ok()) return out;
+  const Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[i], p.x[i], p.dy[i], p.shape.hidden, b));
+    RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.e, b.g, b.n, b.x, b.y));
+    out.backward[i] = (*layer)->Backward(r, b.dy, b.dx, b.dg);
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    return Collect(**layer, p, b, r, out);
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+void ExpectSame(const Outputs& a, const Outputs& b, const std::string& what) {
+  for (size_t i = 0; i < a.y.size(); ++i) {
+    EXPECT_EQ(a.y[i], b.y[i]) << what << ": y, rank " << i;
+    EXPECT_EQ(a.dx[i], b.dx[i]) << what << ": dx, rank " << i;
+    EXPECT_EQ(a.dg[i], b.dg[i]) << what << ": dgates, rank " << i;
+    EXPECT_EQ(a.dw1[i], b.dw1[i]) << what << ": dW1, rank " << i;
+    EXPECT_EQ(a.dw2[i], b.dw2[i]) << what << ": dW2, rank " << i;
+  }
+}
+
+class CudaStash : public ::testing::TestWithParam<std::tuple<int32_t, Setting>> {};
+
+TEST_P(CudaStash, BitwiseTheLayerWithoutIt) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  const auto [W, set] = GetParam();
+  Problem p(W, "zipf:1.2", 7);
+  Setting off = set;
+  off.stash_rows = 0;
+  const Outputs with = RunOne(p, set), without = RunOne(p, off);
+  for (size_t i = 0; i < with.backward.size(); ++i) EXPECT_TRUE(with.backward[i].ok()) << "rank " << i << ": " << with.backward[i];
+  ExpectSame(with, without, "stash on vs off");
+}
+
+// The pool: the rows a forward can bring to one owner (W*T*K), so nothing overflows; in segments each
+// segment's rows round up to whole pages (S = 24: 11 segments of <= 48 rows, S = 40: 7 of <= 80).
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaStash,
+                         ::testing::Values(std::tuple{1, Setting{.stash_rows = 128}}, std::tuple{4, Setting{.stash_rows = 512}},
+                                           std::tuple{4, Setting{.stash_rows = 512, .capacity = 0.8}},
+                                           std::tuple{4, Setting{.stash_rows = 1024, .segment = 24}},
+                                           std::tuple{4, Setting{.stash_rows = 1024, .segment = 40, .owner_reduce = true}}),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, Setting>>& i) {
+                           const Setting& s = std::get<1>(i.param);
+                           return "W" + std::to_string(std::get<0>(i.param)) + (s.capacity > 0 ? "_capacity_drops" : "") +
+                                  (s.segment > 0 ? "_S" + std::to_string(s.segment) : "") + (s.owner_reduce ? "_owner_reduce" : "");
+                         });
+
+// Three layers of one shape on a domain, one pool: forward A, B, C, then backward C, B, A, so that all
+// three contexts hold pages at once and the transient rows serve each in turn. Each equals its layer
+// alone without a stash, bitwise; the domain holds the pool once, and each layer's own context holds
+// no owner rows.
+TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  const std::vector<Problem> ps = {Problem(4, "zipf:1.2", 3), Problem(4, "uniform", 11), Problem(4, "zipf:2", 19)};
+  std::vector<Outputs> alone;
+  for (const Problem& p : ps) alone.push_back(RunOne(p, Setting{}));
+  auto domain = MakeDomain(4);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  std::vector<std::unique_ptr<CudaMoELayer>> layers, plain;
+  for (const Problem& p : ps) {
+    auto l = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 3 * 512}), p.own, p.w);
+    ASSERT_TRUE(l.ok()) << l.status();
+    layers.push_back(std::move(*l));
+  }
+  const size_t one_stash = layers[0]->stash_bytes();
+  ASSERT_GT(one_stash, 0u);
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), layers[0]->shared_bytes()) << "three layers of one shape: one pool, one transient";
+  std::vector<Outputs> stacked(3, Outputs(4));
+  const Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    std::vector<Batch> b(3);
+    for (size_t l = 0; l < 3; ++l) RDEP_RETURN_IF_ERROR(Upload(ps[l].routing[i], ps[l].x[i], ps[l].dy[i], ps[l].shape.hidden, b[l]));
+    for (size_t l = 0; l < 3; ++l) RDEP_RETURN_IF_ERROR(layers[l]->Forward(r, b[l].e, b[l].g, b[l].n, b[l].x, b[l].y));
+    for (size_t l = 3; l-- > 0;) RDEP_RETURN_IF_ERROR(layers[l]->Backward(r, b[l].dy, b[l].dx, b[l].dg));
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    for (size_t l = 0; l < 3; ++l) RDEP_RETURN_IF_ERROR(Collect(*layers[l], ps[l], b[l], r, stacked[l]));
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t l = 0; l < 3; ++l) ExpectSame(stacked[l], alone[l], "layer " + std::to_string(l));
+  // The same layer without a stash: its own context holds the worst case of x and h rows (W*T*K rows
+  // of H + 2F bf16 values), which the stashed layer's context does not.
+  auto lone = MakeDomain(4);
+  ASSERT_TRUE(lone.ok());
+  auto unstashed = CudaMoELayer::Create(**lone, ConfigOf(ps[0], Setting{}), ps[0].own, ps[0].w);
+  ASSERT_TRUE(unstashed.ok()) << unstashed.status();
+  const Status run = (*lone)->Run([&](int32_t r) -> Status {
+    Batch b;
+    const auto i = static_cast<size_t>(r);
+    RDEP_RETURN_IF_ERROR(Upload(ps[0].routing[i], ps[0].x[i], ps[0].dy[i], ps[0].shape.hidden, b));
+    RDEP_RETURN_IF_ERROR((*unstashed)->Forward(r, b.e, b.g, b.n, b.x, b.y));
+    return (*lone)->Synchronize(r);
+  });
+  ASSERT_TRUE(run.ok()) << run;
+  const size_t worst_rows = 4 * 64 * 2 * (128 + 2 * 64) * 2;
+  EXPECT_GE((*unstashed)->device_bytes(0), layers[0]->device_bytes(0) + worst_rows)
+      << "the stashed layer's context holds no owner rows of its own";
+}
+
+// A pool of 2 pages (128 rows) where one owner receives more under Zipf routing: that rank's forward
+// output is still bitwise right, its backward fails naming rows and pool (its gradients NaN), the
+// other ranks' backward succeeds; the next forward and backward with a pool that fits is exact again.
+TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  Problem p(4, "zipf:2", 5);
+  const Outputs without = RunOne(p, Setting{});
+  const Outputs small = RunOne(p, Setting{.stash_rows = 128});
+  int failed = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(small.y[i], without.y[i]) << "forward output, rank " << i;
+    if (small.backward[i].ok()) continue;
+    ++failed;
+    EXPECT_EQ(small.backward[i].code(), StatusCode::kFailedPrecondition) << small.backward[i];
+    const std::string& m = small.backward[i].message();
+    EXPECT_NE(m.find("rank " + std::to_string(i)), std::string::npos) << m;
+    EXPECT_NE(m.find("stash_rows 128"), std::string::npos) << m;
+    EXPECT_NE(m.find("owner rows did not fit"), std::string::npos) << m;
+    const bool nan = std::any_of(small.dw1[i].begin(), small.dw1[i].end(), [](float v) { return std::isnan(v); });
+    EXPECT_TRUE(nan) << "rank " << i << ": the failed backward's weight gradients are NaN, not plausible values";
+  }
+  EXPECT_GE(failed, 1) << "Zipf 2 puts more than 128 rows on the first owner";
+  EXPECT_LT(failed, 4) << "the lightly loaded owners fit in 2 pages";
+}
+
+// W = 1 (all 128 rows on the one owner: 2 pages) with a pool of exactly 2 pages and caller-owned
+// contexts: A's pages come back by ReleaseRows (B then fits and is exact), by freeing a context, and
+// a forward again in the same context gives back its previous pages first. Without a release, B
+// overflows while A holds the pool.
+TEST(CudaStash_Release, W1_PagesComeBackByReleaseRowsFreeingOrAForwardAgain) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  Problem p(1, "uniform", 9);
+  const Outputs without = RunOne(p, Setting{});
+  auto domain = MakeDomain(1);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 128}), p.own, p.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b));
+    auto y_of = [&]() { return Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(b.n * p.shape.hidden)); };
+    auto dx_of = [&]() { return Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * p.shape.hidden)); };
+    {
+      ForwardContext a, c;
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, a, b.e, b.g, b.n, b.x, b.y));
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, c, b.e, b.g, b.n, b.x, b.y));  // the pool is A's: C overflows
+      const Status c_back = (*layer)->Backward(r, c, b.dy, b.dx, b.dg);
+      EXPECT_EQ(c_back.code(), StatusCode::kFailedPrecondition) << c_back;
+      RDEP_RETURN_IF_ERROR((*layer)->ReleaseRows(a));                           // A's pages back
+      EXPECT_FALSE((*layer)->Backward(r, a, b.dy, b.dx, b.dg).ok()) << "a released context has no rows for a backward";
+      ForwardContext d;
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, d, b.e, b.g, b.n, b.x, b.y));
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, d, b.e, b.g, b.n, b.x, b.y));  // again: D's earlier pages come back first
+      RDEP_RETURN_IF_ERROR((*layer)->Backward(r, d, b.dy, b.dx, b.dg));
+      RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+      RDEP_ASSIGN_OR_RETURN(auto y, y_of());
+      RDEP_ASSIGN_OR_RETURN(auto dx, dx_of());
+      EXPECT_EQ(y, without.y[0]);
+      EXPECT_EQ(dx, without.dx[0]);
+      ForwardContext e;
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, e, b.e, b.g, b.n, b.x, b.y));  // E holds the pool as the scope ends
+    }
+    ForwardContext f;  // E was freed with its pages taken: they came back
+    RDEP_RETURN_IF_ERROR((*layer)->Forward(r, f, b.e, b.g, b.n, b.x, b.y));
+    RDEP_RETURN_IF_ERROR((*layer)->Backward(r, f, b.dy, b.dx, b.dg));
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_ASSIGN_OR_RETURN(auto dx, dx_of());
+    EXPECT_EQ(dx, without.dx[0]) << "after a freed context's pages came back";
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+TEST(CudaStash_Capture, AForwardInsideACaptureIsRefusedBeforeTheCollective) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  Problem p(1, "uniform", 4);
+  auto domain = MakeDomain(1);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 128}), p.own, p.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b));
+    cudaStream_t stream = (*domain)->stream(r);
+    ForwardContext ctx;
+    cudaGraph_t graph = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status f = (*layer)->Forward(r, ctx, b.e, b.g, b.n, b.x, b.y);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+    if (graph) cudaGraphDestroy(graph);
+    EXPECT_EQ(f.code(), StatusCode::kFailedPrecondition) << f;
+    EXPECT_NE(f.message().find("CUDA graph capture"), std::string::npos) << f;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+#endif  // RDEP_HAVE_CUDA
+
+}  // namespace
+}  // namespace rdep
