@@ -54,7 +54,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 9
+#define RDEP_CAPI_VERSION 10
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -126,6 +126,13 @@ typedef struct rdep_layer_spec {
    * many rows each (a replica's weight streaming and gradient reduction cost the same whatever it carries);
    * 0 = off. Only with balance = ultraep. BalanceConfig::min_gain. */
   int64_t balance_min_gain;
+  /* Version 10. CUDA: the paged stash, LayerConfig::stash_rows: > 0 keeps a sync-free forward's saved owner
+   * rows in pages of a pool of this many rows per rank, shared by the domain's layers of one shape and pool
+   * size, so that a context holds only the rows that arrived (the worst case is then one transient buffer
+   * shared by those layers); a forward that overflows the pool fails its backward naming the rows. 0 = off.
+   * Needs expert_compute 1 (CUTLASS), no balancing, one node; not inside a CUDA graph capture. The host
+   * backend ignores it. */
+  int64_t stash_rows;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

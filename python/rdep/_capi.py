@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 9  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 10  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -85,6 +85,7 @@ LAYER_SPEC_FIELDS = (
     ("transport_sms", "int32_t"),
     ("reserved", "int32_t"),
     ("balance_min_gain", "int64_t"),
+    ("stash_rows", "int64_t"),  # version 10
 )
 
 BALANCE_KINDS = {"off": 0, "ultraep": 1, "eplb": 2, "eplb-exact": 3}  # rdep_balance_kind

@@ -161,3 +161,25 @@ def test_owner_reduce_bad_arguments_are_named():
         make(owner_reduce=1)
     with pytest.raises(ValueError, match=r"^owner_reduce: with nodes=2"):
         make(owner_reduce=True, nodes=2)
+
+
+def test_stash_rows_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="^stash_rows: expected an int"):
+        make(stash_rows=1.5)
+    with pytest.raises(ValueError, match=r"^stash_rows: expected an int >= 0"):
+        make(stash_rows=-1, expert_compute="cutlass")
+    with pytest.raises(ValueError, match=r"^stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass'"):
+        make(stash_rows=4096)  # cublaslt, the default
+    with pytest.raises(ValueError, match=r"^stash_rows: .*balance='ultraep'"):
+        make(stash_rows=4096, expert_compute="cutlass", balance="ultraep", balance_slots=1)
+
+
+def test_stash_rows_is_ignored_by_the_host_backend():
+    """The host backend keeps its rows on the host; stash_rows (CUDA's paged stash) changes nothing there."""
+    plain, stashed = make(expert_compute="cutlass"), make(expert_compute="cutlass", stash_rows=4096)
+    stashed.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 24, 16, generator=torch.Generator().manual_seed(1))
+    for m in (plain, stashed):
+        m.zero_grad()
+    ys = [m(x).y for m in (plain, stashed)]
+    assert torch.equal(ys[0], ys[1])

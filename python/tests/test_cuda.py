@@ -302,6 +302,30 @@ def test_owner_reduce_on_cuda_matches_the_per_slot_return():
         assert on.layer.live_contexts == 0
 
 
+def test_stash_rows_on_cuda_gives_the_same_bits():
+    """The paged stash (stash_rows, CUTLASS compute): the saved expert rows go to pool pages at forward and
+    back at backward, copies only, so y and the expert weight gradients are bitwise the module without it,
+    dx and the router's gradient within the bf16 tolerance (they also pass through PyTorch's kernels), at
+    W = 1 and W = 4 ranks sharing GPU 0, two steps (the pages come back at each backward)."""
+    for W in (1, 4):
+        args = dict(max_tokens=32, world_size=W, backend="cuda", seed=9, init_std=0.1, expert_compute="cutlass")
+        plain = rt.MoE(64, 32, 8, 2, **args)
+        stashed = rt.MoE(64, 32, 8, 2, stash_rows=W * 32 * 2, **args)
+        stashed.load_state_dict(plain.state_dict())
+        for step in range(2):
+            x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
+            for m in (plain, stashed):
+                m.zero_grad()
+            outs = [outputs_and_grads(m, x) for m in (plain, stashed)]
+            for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
+                what = f"{name} (W={W}, step {step})"
+                if name in ("dx", "drouter"):
+                    assert_bf16_close(a, b, GRAD_TOL, what)
+                else:
+                    assert torch.equal(a, b), what
+        assert stashed.layer.live_contexts == 0
+
+
 def test_transport_sms_on_cuda_gives_the_same_bits():
     """transport_sms=3 (the peer-storing kernels on 3 blocks, at most 3 SMs) against the default grids, with
     owner_reduce too: y and the expert weight gradients bitwise equal (each row is one warp's work whatever

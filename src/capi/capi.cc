@@ -25,8 +25,9 @@ using rdep::capi::Guard;
 
 // A layer spec of another header version is refused before any field is read: 0 when its size fits.
 // Every version that changes the spec changes its size (version 6 added transport_sms and reserved: 144 ->
-// 152 bytes; versions 7 and 8 added functions only; version 9 added balance_min_gain: 160 bytes).
-static_assert(sizeof(rdep_layer_spec) == 160, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
+// 152 bytes; versions 7 and 8 added functions only; version 9 added balance_min_gain: 160 bytes; version 10
+// stash_rows: 168 bytes).
+static_assert(sizeof(rdep_layer_spec) == 168, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
 int CheckStructSize(const rdep_layer_spec& spec) {
   if (spec.struct_size == static_cast<int32_t>(sizeof(rdep_layer_spec))) return 0;
   return FailInvalid("layer spec: struct_size " + std::to_string(spec.struct_size) + " != " + std::to_string(sizeof(rdep_layer_spec)) +
@@ -110,6 +111,9 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
   if (s.balance_min_gain < 0) return InvalidArgument("layer spec: balance_min_gain must be >= 0 (0 = off)");
   if (s.balance_min_gain > 0 && s.balance != RDEP_BALANCE_ULTRAEP)
     return InvalidArgument("layer spec: balance_min_gain is UltraEP's gain gate; set balance = 1 (ultraep) or leave it 0");
+  if (s.stash_rows < 0) return InvalidArgument("layer spec: stash_rows must be >= 0 (0 = no paged stash)");
+  if (s.stash_rows > 0 && s.backend != RDEP_BACKEND_HOST && s.expert_compute != 1)
+    return InvalidArgument("layer spec: stash_rows (the paged stash) needs expert_compute = 1 (CUTLASS: the sync-free layer)");
   if (s.balance_relay_above < -1) return InvalidArgument("layer spec: balance_relay_above must be >= -1 (-1 = the default)");
   if (s.nodes < 0) return InvalidArgument("layer spec: nodes must be >= 0 (0 = one domain)");
   if (s.expert_compute < 0 || s.expert_compute > 1)
@@ -284,6 +288,7 @@ rdep::Status ConfigOf(const rdep_layer_spec& spec, rdep::LayerConfig& c) {
   c.balance.num_slots = spec.balance_slots;
   c.balance.min_quota = spec.balance_min_quota > 0 ? spec.balance_min_quota : 1;
   c.balance.min_gain = spec.balance_min_gain;
+  c.stash_rows = spec.backend == RDEP_BACKEND_HOST ? 0 : spec.stash_rows;  // the host backend ignores it
   if (spec.balance_relay_above >= 0) c.balance.relay_above = spec.balance_relay_above;
   c.nodes = rdep::NodeConfig{spec.nodes > 0 ? spec.nodes : 1, spec.max_nodes};
   c.expert_compute = spec.expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;

@@ -171,6 +171,8 @@ TEST(CApi, SpecErrorsNameTheField) {
           "balance_min_gain is UltraEP's gain gate");
   made([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_min_gain = 2500; },
        "version-9 balance_min_gain with ultraep");
+  refused([](rdep_layer_spec& x) { x.stash_rows = -1; }, "stash_rows must be >= 0");
+  made([](rdep_layer_spec& x) { x.stash_rows = 4096; }, "version-10 stash_rows (the host backend ignores it)");
   if (!rdep_built_with_cuda())
     refused([](rdep_layer_spec& x) { x.backend = RDEP_BACKEND_CUDA_ONE_PROCESS; }, "no CUDA", /*code=*/4);  // Unavailable
 }

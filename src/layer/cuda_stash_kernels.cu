@@ -10,7 +10,7 @@ namespace rdep::cuda_layer {
 namespace {
 
 constexpr int kVec = 8;  // bf16 per 16-byte vector
-constexpr int kCopyThreads = 256;
+constexpr int kCopyThreads = 256;  // H = 2048: one column of x per thread
 constexpr int kRingThreads = 128;
 
 // Segment s's rows, as the sync-free forward left them: [0, seg_cap].
@@ -73,6 +73,30 @@ __global__ void GivePagesKernel(StashPool pool, StashRows r) {
   }
 }
 
+constexpr int kRowsInFlight = 8;  // rows each thread loads before it stores (bytes in flight per SM)
+
+// Moves one array of a page's rows: `vecs` 16-byte vectors per row, row i at t + i * t_stride in the
+// transient rows and at p + i * p_stride in the page (strides in vectors). Thread c takes column c of
+// kRowsInFlight rows at a time: a row's vectors are adjacent threads' (coalesced), the loads of those
+// rows in flight together. p null: fill the transient rows with `fill`.
+__device__ void MoveArray(uint4* t, int64_t t_stride, uint4* p, int64_t p_stride, int64_t vecs, int64_t rows, bool to_pool,
+                          uint4 fill) {
+  for (int64_t c = threadIdx.x; c < vecs; c += blockDim.x) {
+    for (int64_t i0 = 0; i0 < rows; i0 += kRowsInFlight) {
+      uint4 v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u)
+        if (i0 + u < rows) v[u] = !p ? fill : (to_pool ? t[(i0 + u) * t_stride + c] : p[(i0 + u) * p_stride + c]);
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u)
+        if (i0 + u < rows) {
+          if (to_pool) p[(i0 + u) * p_stride + c] = v[u];
+          else t[(i0 + u) * t_stride + c] = v[u];
+        }
+    }
+  }
+}
+
 // One block per page of the context (blockIdx.x = its index in the page table): copies the page's rows
 // between the pool and the transient rows. to_pool false with state[0] = -1 (the pool overflowed at
 // forward) fills the rows the forward computed with NaN instead, so that a backward the host could not
@@ -96,25 +120,13 @@ __global__ void CopyPagesKernel(StashPool pool, StashRows r, int64_t row_elems, 
   }
   if (row0 < 0) return;
   const int64_t t0 = seg * r.seg_cap + row0;  // the page's first transient row
-  const int64_t H = r.H, F2 = 2 * r.F, vec_per_row = row_elems / kVec;
-  __nv_bfloat16* page = poison ? nullptr : pool.pages + static_cast<int64_t>(r.page_table[p]) * kStashPageRows * row_elems;
-  uint4 nan_vec;
-  {
-    const uint32_t two = 0x7FC07FC0u;  // two bf16 quiet NaNs
-    nan_vec = make_uint4(two, two, two, two);
-  }
-  for (int64_t v = threadIdx.x; v < rows * vec_per_row; v += blockDim.x) {
-    const int64_t i = v / vec_per_row, c = (v - i * vec_per_row) * kVec, t = t0 + i;
-    __nv_bfloat16* row = c < H ? r.x + t * H + c : (c < H + F2 ? r.h + t * F2 + (c - H) : r.f + t * H + (c - H - F2));
-    auto* rv = reinterpret_cast<uint4*>(row);
-    if (poison) {
-      *rv = nan_vec;
-      continue;
-    }
-    auto* pv = reinterpret_cast<uint4*>(page + i * row_elems + c);
-    if (to_pool) *pv = *rv;
-    else *rv = *pv;
-  }
+  const int64_t hv = r.H / kVec, fv = 2 * r.F / kVec, pv = row_elems / kVec;
+  auto* page = poison ? nullptr : reinterpret_cast<uint4*>(pool.pages + static_cast<int64_t>(r.page_table[p]) * kStashPageRows * row_elems);
+  const uint32_t two = 0x7FC07FC0u;  // two bf16 quiet NaNs
+  const uint4 nan_vec = make_uint4(two, two, two, two);
+  MoveArray(reinterpret_cast<uint4*>(r.x) + t0 * hv, hv, page, pv, hv, rows, to_pool, nan_vec);
+  MoveArray(reinterpret_cast<uint4*>(r.h) + t0 * fv, fv, page ? page + hv : nullptr, pv, fv, rows, to_pool, nan_vec);
+  if (r.f) MoveArray(reinterpret_cast<uint4*>(r.f) + t0 * hv, hv, page ? page + hv + fv : nullptr, pv, hv, rows, to_pool, nan_vec);
 }
 
 int64_t RowElems(const StashRows& r) { return StashRowElems(r.H, r.F, r.f != nullptr); }

@@ -212,6 +212,7 @@ class Layer(CHandle):
         domain: Optional[Domain] = None,
         torch_rows: bool = True,
         balance_min_gain: int = 0,
+        stash_rows: int = 0,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -229,6 +230,13 @@ class Layer(CHandle):
             raise ValueError(f"transport_sms: expected an int in [0, {_MAX_TRANSPORT_SMS}] (0 = every SM), got {transport_sms}")
         if transport_sms and nodes > 1:
             raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
+        if isinstance(stash_rows, bool) or not isinstance(stash_rows, int):
+            raise TypeError(f"stash_rows: expected an int, got {type(stash_rows).__name__}")
+        if not 0 <= stash_rows < 2**63:
+            raise ValueError(f"stash_rows: expected an int >= 0 (0 = no paged stash), got {stash_rows}")
+        if stash_rows and (expert_compute != "cutlass" or balance != "off" or nodes > 1):
+            raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
+                             f"nodes=1 (got expert_compute={expert_compute!r}, balance={balance!r}, nodes={nodes})")
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -271,6 +279,7 @@ class Layer(CHandle):
         spec.expert_compute = _capi.EXPERT_COMPUTE[expert_compute]
         spec.owner_reduce = int(owner_reduce)
         spec.transport_sms = transport_sms
+        spec.stash_rows = stash_rows
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()

@@ -40,6 +40,15 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       the owner's reduce):
       N blocks, so at most N SMs, leaving the rest to other work; 0 (default) = grids sized by the work;
       not with nodes > 1
+  stash_rows=N (CUDA, expert_compute='cutlass'): the paged stash. A forward's saved expert rows move into
+      pages of a pool of N rows per GPU rank, shared by the model's MoE layers of one shape on a domain, and
+      back at backward, so that each layer in flight holds the rows that arrived rather than the worst case
+      (W*T*K rows at W ranks, dropless); the worst case is one buffer shared by those layers. Size it for
+      the rows of every layer between its forward and its backward (about layers * T*K at uniform routing,
+      with headroom). A forward whose rows do not fit still returns its output; its backward raises naming
+      the rows and the pool (that step's expert gradients are NaN). Costs a copy of the rows each way; pays
+      at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Not with torch.compile's
+      CUDA graphs (mode="reduce-overhead")
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -144,6 +153,7 @@ class MoE(nn.Module):
         transport_sms: int = 0,
         domain: Optional[Domain] = None,
         balance_min_gain: int = 0,
+        stash_rows: int = 0,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -152,7 +162,7 @@ class MoE(nn.Module):
             num_gpus=num_gpus, process_group=process_group, barrier_timeout_s=barrier_timeout_s, balance=balance,
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
             max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
-            domain=domain, balance_min_gain=balance_min_gain)
+            domain=domain, balance_min_gain=balance_min_gain, stash_rows=stash_rows)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
