@@ -79,6 +79,8 @@ flags (defaults in brackets):
   --owner-reduce         the owner sums a token's rows before they cross back (one row per (token, owner)
                          instead of one per slot) and takes dgate's dot products in backward (the sentinel
                          checks run without it: they need a row per slot) [off]
+  --stash-rows N         cuda, --expert-compute cutlass: the paged stash, the saved expert rows in pages of a
+                         pool of N rows per rank between forward and backward (cuda only); 0 = off [0]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
                          blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
@@ -179,6 +181,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   c.slots = f.get_int("slots", 2);
   o.layer.balance.min_quota = f.get_int("min-quota", 1);
   o.layer.owner_reduce = f.get_bool("owner-reduce");
+  o.layer.stash_rows = f.get_int("stash-rows", 0);
   const int64_t transport_sms = f.get_int("transport-sms", 0);
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
@@ -228,6 +231,8 @@ int ResolveCheckBackend(CheckOptions& c) {
   if (c.boot && c.backend != "cuda") return Refuse("--bootstrap mpi needs --backend cuda");
   if (c.v.layer.expert_compute != rdep::ExpertComputeKind::kCublasLt && c.backend == "host")
     return Refuse("--expert-compute chooses the CUDA backend's expert compute; the host backend computes on the host");
+  if (c.v.layer.stash_rows != 0 && c.backend == "host")
+    return Refuse("--stash-rows is the CUDA layer's paged stash; the host backend keeps its saved rows on the host");
   c.leader = !c.boot || c.boot->rank() == 0;
   if (c.backend != "host" && c.backend != "cuda") return Refuse("unknown backend '" + c.backend + "' (host, cuda, auto)");
   return 0;

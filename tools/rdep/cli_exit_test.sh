@@ -99,6 +99,7 @@ expect 2 '--nodes must divide --ranks W=4 \(N nodes x G ranks per node = W\), go
 expect 2 '--max-nodes must be in \[1, N=2\], got 3' check --backend host --nodes 2 --max-nodes 3
 expect 2 '--nodes with --expert-compute cutlass' check --backend cuda --nodes 2 --expert-compute cutlass
 expect 2 '--owner-reduce with --nodes' check --backend host --nodes 2 --owner-reduce
+expect 2 "--stash-rows is the CUDA layer's paged stash" check --backend host --stash-rows 4096
 expect 0 'S=auto owner-reduce, routing zipf:1' check --backend host --owner-reduce --routing zipf:1 --capacity-factor 0.8
 expect 0 'y, dx within .*dgate bitwise equal to balancing off' check --backend host --owner-reduce --balance ultraep --routing zipf:2
 expect 2 'K=4 experts do not fit on M=1 nodes' check --backend host --ranks 4 --experts 4 --nodes 4 --max-nodes 1
