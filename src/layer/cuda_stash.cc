@@ -134,7 +134,7 @@ Status CudaMoELayer::UnstashSaved(int32_t rank, const RankState& st, Saved& sv, 
     *overflow = FailedPrecondition(
         "backward on rank " + std::to_string(rank) + ": the forward's " + std::to_string(needed) +
         " owner rows did not fit the free pages of the paged stash (stash_rows " + std::to_string(config_.stash_rows) + ": " +
-        std::to_string(pages) + " pages of " + std::to_string(cuda_layer::kStashPageRows) +
+        std::to_string(pages) + (pages == 1 ? " page of " : " pages of ") + std::to_string(cuda_layer::kStashPageRows) +
         " rows, shared by the domain's layers of this shape), so nothing was stashed; this backward's weight gradients and dx are NaN. "
         "Raise stash_rows, or release contexts that will not run backward (ReleaseRows)");
   }
