@@ -73,6 +73,7 @@ struct rdep_layer {
   ~rdep_layer() {
     if (adapter) {  // the layer frees its regions (and drops its hold on shared ones) between the domain's calls
       std::lock_guard<std::mutex> call(domain->call_mu);
+      slots.clear();  // the contexts first, while their layer lives (a paged stash's pages go back to its pool)
       adapter.reset();
       --domain->layers;
     }

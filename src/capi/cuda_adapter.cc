@@ -60,11 +60,14 @@ class CudaAdapter final : public LayerAdapter {
   int32_t device(int32_t rank) const override { return domain_->device(rank); }
   std::string placement() const override { return domain_->placement() + " (" + domain_->transport_name() + ")"; }
   size_t replica_slot_bytes() const override { return layer_->replica_slot_bytes(); }
-  size_t shared_row_bytes() const override { return layer_->shared_row_bytes() + layer_->shared_transport_bytes(); }
+  size_t shared_row_bytes() const override {
+    return layer_->shared_row_bytes() + layer_->shared_transport_bytes() + layer_->stash_bytes();
+  }
   Status SetRowAllocator(rdep_alloc_fn alloc, rdep_free_fn free, void* user) override {
     return layer_->SetRowAllocator(RowAllocator{alloc, free, user});
   }
   void ReleaseRows(std::vector<ForwardContext>& ctx) override {
+    DeviceGuard guard;  // the stash's give-back launches on each rank's device: the caller's stays current
     for (auto& c : ctx) (void)layer_->ReleaseRows(c);
   }
 

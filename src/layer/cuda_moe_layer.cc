@@ -146,7 +146,11 @@ Status CudaMoELayer::CheckLocalRank(int32_t rank) const {
 }
 
 CudaMoELayer::~CudaMoELayer() {
-  *alive_ = false;  // a context freed from here on leaves its stash pages taken (cuda_stash.cc)
+  for (size_t r = 0; r < ranks_.size(); ++r)  // the own contexts' stash pages back to a pool other layers may share
+    if (ranks_[r])
+      if (Saved* sv = ContextAccess::StateOf<Saved>(ranks_[r]->own_context, id_, static_cast<int32_t>(r)))
+        (void)ReleaseStash(static_cast<int32_t>(r), *sv);
+  alive_->store(false);  // a context freed from here on leaves its stash pages taken (cuda_stash.cc)
   regions_.Free(domain_);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
@@ -415,13 +419,7 @@ Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* e
 Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
-  if (Stashing(st)) {  // every rank refuses alike, before the collective
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return FailedPrecondition("forward on rank " + std::to_string(rank) +
-                                ": the paged stash (stash_rows) cannot run inside a CUDA graph capture (its overflow is checked on the host)");
-  }
+  if (Stashing(st)) RDEP_RETURN_IF_ERROR(RefuseStashInCapture(rank, "forward"));  // before the collective
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [&] { return NewSaved(rank); }));
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
@@ -582,6 +580,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
       return FailedPrecondition("backward on rank " + std::to_string(rank) + ": bf16 weight gradients need the forward in one segment (it ran in " +
                                 std::to_string(peek->num_segments) + "; use segment_tokens = 0, the default, or bind fp32 gradients)");
   }
+  if (Stashing(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(RefuseStashInCapture(rank, "backward"));  // ctx kept
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   RankState& st = *ranks_[static_cast<size_t>(rank)];

@@ -52,6 +52,16 @@ Status CudaMoELayer::AcquireStash() {
   return Status::Ok();
 }
 
+// Forward and backward refuse a stream capture before anything collective (every rank alike): the
+// overflow is read on the host at backward.
+Status CudaMoELayer::RefuseStashInCapture(int32_t rank, const char* call) const {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
+  if (capture == cudaStreamCaptureStatusNone) return Status::Ok();
+  return FailedPrecondition(std::string(call) + " on rank " + std::to_string(rank) +
+                            ": the paged stash (stash_rows) cannot run inside a CUDA graph capture (its overflow is checked on the host)");
+}
+
 CudaMoELayer::OwnerRows CudaMoELayer::SavedOwnerRows(int32_t rank, const RankState& st, const Saved& sv) const {
   if (!Stashing(st)) return {sv.x_rows.ptr, sv.h_rows.ptr, config_.owner_reduce ? sv.f_rows.ptr : nullptr};
   const auto rows = SyncFreeSegments() * std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
@@ -64,7 +74,10 @@ CudaMoELayer::OwnerRows CudaMoELayer::SavedOwnerRows(int32_t rank, const RankSta
 Status CudaMoELayer::ReserveStash(Saved& sv) const {
   const int64_t cap = std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
   RDEP_RETURN_IF_ERROR(sv.stash_pages.Reserve(static_cast<size_t>(cuda_layer::StashMaxPages(SyncFreeSegments(), cap))));
-  RDEP_RETURN_IF_ERROR(sv.stash_state.Reserve(2));
+  if (!sv.stash_state.ptr) {  // state[0] = 0: no pages held (a give before any take returns nothing)
+    RDEP_RETURN_IF_ERROR(sv.stash_state.Reserve(2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(sv.stash_state.ptr, 0, 2 * sizeof(int64_t)));
+  }
   if (!sv.stash_fault_host) {
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -102,15 +115,14 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveStash(sv));
   if (sv.stash_held) RDEP_RETURN_IF_ERROR(ReleaseStash(rank, sv));  // forwarded again without a backward
-  // The last take that could write the fault word has completed before the host re-arms it.
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.stash_taken));
-  *reinterpret_cast<volatile int64_t*>(sv.stash_fault_host) = -1;
+  // Held from the take's launch on (a failed copy launch after it still gives the pages back); a take that
+  // never ran leaves state[0] at 0, which gives nothing back. The take re-arms the fault word itself.
+  sv.stash_held = true;
   RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashRows(StashPoolOf(rank), StashView(rank, st, sv), stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.stash_taken, stream));
-  sv.stash_held = true;
   // A context freed before its backward (ForwardContext::Release, its destructor) gives its pages back.
   sv.stash_give_back = [this, rank, saved = &sv, alive = alive_] {
-    if (*alive) (void)ReleaseStash(rank, *saved);
+    if (alive->load()) (void)ReleaseStash(rank, *saved);
   };
   return Status::Ok();
 }
@@ -120,11 +132,6 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
 Status CudaMoELayer::UnstashSaved(int32_t rank, const RankState& st, Saved& sv, Status* overflow) {
   if (!sv.stash_held)
     return FailedPrecondition("backward on rank " + std::to_string(rank) + ": the context's stashed rows were given back (ReleaseRows)");
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(domain_.stream(rank), &capture));
-  if (capture != cudaStreamCaptureStatusNone)
-    return FailedPrecondition("backward on rank " + std::to_string(rank) +
-                              ": the paged stash (stash_rows) cannot run inside a CUDA graph capture (its overflow is checked on the host)");
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.stash_taken));  // normally long complete
   const int64_t needed = *reinterpret_cast<const volatile int64_t*>(sv.stash_fault_host);
   RDEP_RETURN_IF_ERROR(cuda_layer::LaunchUnstashRows(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank)));
@@ -142,13 +149,17 @@ Status CudaMoELayer::UnstashSaved(int32_t rank, const RankState& st, Saved& sv, 
 }
 
 // A context's pages back to the pool without copying (a forward again, or the context dropped).
+// Restores the caller's current device (ReleaseRows and a context's destructor run on the caller's thread).
 Status CudaMoELayer::ReleaseStash(int32_t rank, Saved& sv) {
   if (!sv.stash_held) return Status::Ok();
+  int current = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv.device));
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchReleaseStash(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank)));
+  const Status given = cuda_layer::LaunchReleaseStash(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank));
   sv.stash_held = false;
-  return Status::Ok();
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(current));
+  return given;
 }
 
 }  // namespace rdep

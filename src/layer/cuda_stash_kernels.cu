@@ -43,8 +43,8 @@ __global__ void TakePagesKernel(StashPool pool, StashRows r) {
       pool.counters[0] = taken + static_cast<uint64_t>(pages);
     } else {
       r.state[0] = -1;
-      *reinterpret_cast<volatile int64_t*>(r.fault) = rows;
     }
+    *reinterpret_cast<volatile int64_t*>(r.fault) = fits ? -1 : rows;  // every forward re-arms it: no host write
   }
   __syncthreads();
   if (!fits) return;

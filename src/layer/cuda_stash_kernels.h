@@ -44,7 +44,7 @@ struct StashRows {
   int32_t* page_table = nullptr;  // [max_pages]
   int64_t max_pages = 0;          // segments * ceil(seg_cap / kStashPageRows)
   int64_t* state = nullptr;       // [2]
-  int64_t* fault = nullptr;       // device view of a host-mapped word: the rows needed when the pool overflowed, else untouched
+  int64_t* fault = nullptr;       // device view of a host-mapped word: the rows needed when the pool overflowed, else -1
 };
 
 inline int64_t StashRowElems(int64_t H, int64_t F, bool with_f) { return H + 2 * F + (with_f ? H : 0); }
@@ -53,7 +53,8 @@ inline int64_t StashMaxPages(int64_t segments, int64_t seg_cap) {
 }
 
 // Forward, after the owner's last segment: takes the pages the rows need and copies them in; when the
-// pool has too few free pages, takes none, sets state[0] = -1 and writes the rows needed to *fault.
+// pool has too few free pages, takes none, sets state[0] = -1 and writes the rows needed to *fault
+// (-1 there when they fit).
 Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Backward, before the owner's first segment: copies the held pages back into the transient rows
 // (a context with state[0] = -1 copies nothing) and gives the pages back.

@@ -3,9 +3,10 @@
 // Bitwise equal to the layer without it (the moves are copies): W = 1 and W = 4 ranks sharing the GPUs
 // present, dropless and with capacity drops, in several segments, with owner_reduce; three layers in
 // flight at once (forward all, backward in reverse) sharing one pool; a pool too small for a forward
-// (its output still right, its backward failing naming rows and pool with NaN gradients, the pool whole
-// again afterwards); a context's pages given back by ReleaseRows and by freeing the context; refusals
-// (config, capture). Skips without a GPU, CUTLASS or sm_90. The config checks run everywhere.
+// (its output still right, its backward failing naming rows and pool with NaN gradients, the next step on
+// the same pool exact); a context's pages given back by ReleaseRows and by freeing the context; refusals
+// (config, capture of a forward or of a backward); the free list wrapping with pages given back out of
+// order. Skips without a GPU, CUTLASS or sm_90. The config checks run everywhere.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -245,30 +246,52 @@ TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
       << "the stashed layer's context holds a page table instead of the worst case's owner rows";
 }
 
-// A pool of 2 pages (128 rows) where one owner receives more under Zipf routing: that rank's forward
-// output is still bitwise right, its backward fails naming rows and pool (its gradients NaN), the
-// other ranks' backward succeeds; the next forward and backward with a pool that fits is exact again.
+// A pool of 3 pages (192 rows) where one owner receives more under Zipf routing: that rank's forward
+// output is still bitwise right, its backward fails naming rows and pool (its gradients NaN), the other
+// ranks' backward succeeds; then, on the same layer and pool, a uniform step (every owner within 192
+// rows) is bitwise the layer without a stash: the overflow took no pages and the others gave theirs back.
 TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool) {
   std::string why;
   if (!CutlassHere(&why)) GTEST_SKIP() << why;
-  Problem p(4, "zipf:2", 5);
-  const Outputs without = RunOne(p, Setting{});
-  const Outputs small = RunOne(p, Setting{.stash_rows = 128});
+  Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
+  even.w = skewed.w;  // one layer's weights for both steps
+  even.x = RandomActivations(even.shape, even.routing, 8);
+  even.dy = RandomActivations(even.shape, even.routing, 9);
+  const Outputs skewed_plain = RunOne(skewed, Setting{}), even_plain = RunOne(even, Setting{});
+  auto domain = MakeDomain(4);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(skewed, Setting{.stash_rows = 192}), skewed.own, skewed.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  Outputs small(4), after(4);
+  for (auto [p, out] : {std::pair{&skewed, &small}, {&even, &after}}) {
+    const Status s = (*domain)->Run([&, p = p, out = out](int32_t r) -> Status {
+      const auto i = static_cast<size_t>(r);
+      Batch b;
+      RDEP_RETURN_IF_ERROR(Upload(p->routing[i], p->x[i], p->dy[i], p->shape.hidden, b));
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b.e, b.g, b.n, b.x, b.y));
+      out->backward[i] = (*layer)->Backward(r, b.dy, b.dx, b.dg);
+      RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+      return Collect(**layer, *p, b, r, *out);
+    });
+    ASSERT_TRUE(s.ok()) << s;
+  }
   int failed = 0;
   for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(small.y[i], without.y[i]) << "forward output, rank " << i;
+    EXPECT_EQ(small.y[i], skewed_plain.y[i]) << "forward output, rank " << i;
     if (small.backward[i].ok()) continue;
     ++failed;
     EXPECT_EQ(small.backward[i].code(), StatusCode::kFailedPrecondition) << small.backward[i];
     const std::string& m = small.backward[i].message();
     EXPECT_NE(m.find("rank " + std::to_string(i)), std::string::npos) << m;
-    EXPECT_NE(m.find("stash_rows 128"), std::string::npos) << m;
+    EXPECT_NE(m.find("stash_rows 192: 3 pages"), std::string::npos) << m;
     EXPECT_NE(m.find("owner rows did not fit"), std::string::npos) << m;
     const bool nan = std::any_of(small.dw1[i].begin(), small.dw1[i].end(), [](float v) { return std::isnan(v); });
     EXPECT_TRUE(nan) << "rank " << i << ": the failed backward's weight gradients are NaN, not plausible values";
   }
-  EXPECT_GE(failed, 1) << "Zipf 2 puts more than 128 rows on the first owner";
-  EXPECT_LT(failed, 4) << "the lightly loaded owners fit in 2 pages";
+  EXPECT_GE(failed, 1) << "Zipf 2 puts more than 192 rows on the first owner";
+  EXPECT_LT(failed, 4) << "the lightly loaded owners fit in 3 pages";
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(after.backward[i].ok()) << "rank " << i << ": " << after.backward[i];
+  ExpectSame(after, even_plain, "the step after the overflow");
 }
 
 // W = 1 (all 128 rows on the one owner: 2 pages) with a pool of exactly 2 pages and caller-owned
@@ -320,6 +343,39 @@ TEST(CudaStash_Release, W1_PagesComeBackByReleaseRowsFreeingOrAForwardAgain) {
   ASSERT_TRUE(s.ok()) << s;
 }
 
+// The free list wraps around with pages given back in another order than they were taken: W = 1 (128
+// rows, 2 pages a forward) on a pool of 7 pages, three contexts per round, backward in the order A, C, B
+// (so B's pages go back after C's, which were taken later), four rounds: 24 pages taken from a 7-slot
+// ring. Every backward is bitwise the layer without a stash.
+TEST(CudaStash_Ring, W1_WrapsWithPagesGivenBackOutOfOrder) {
+  std::string why;
+  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  Problem p(1, "uniform", 12);
+  const Outputs without = RunOne(p, Setting{});
+  auto domain = MakeDomain(1);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 448}), p.own, p.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b));
+    for (int round = 0; round < 4; ++round) {
+      ForwardContext ctx[3];
+      for (auto& c : ctx) RDEP_RETURN_IF_ERROR((*layer)->Forward(r, c, b.e, b.g, b.n, b.x, b.y));
+      for (int k : {0, 2, 1}) {
+        RDEP_RETURN_IF_ERROR((*layer)->Backward(r, ctx[k], b.dy, b.dx, b.dg));
+        RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+        RDEP_ASSIGN_OR_RETURN(auto dx, Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(b.n * p.shape.hidden)));
+        RDEP_ASSIGN_OR_RETURN(auto dw1, Download((*layer)->dw1(r), static_cast<size_t>(8 * p.shape.hidden * 2 * p.shape.ffn)));
+        EXPECT_EQ(dx, without.dx[0]) << "round " << round << ", context " << k;
+        EXPECT_EQ(dw1, without.dw1[0]) << "round " << round << ", context " << k;
+      }
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+}
+
 TEST(CudaStash_Capture, AForwardInsideACaptureIsRefusedBeforeTheCollective) {
   std::string why;
   if (!CutlassHere(&why)) GTEST_SKIP() << why;
@@ -340,7 +396,16 @@ TEST(CudaStash_Capture, AForwardInsideACaptureIsRefusedBeforeTheCollective) {
     if (graph) cudaGraphDestroy(graph);
     EXPECT_EQ(f.code(), StatusCode::kFailedPrecondition) << f;
     EXPECT_NE(f.message().find("CUDA graph capture"), std::string::npos) << f;
-    return Status::Ok();
+    // A forward run eagerly, its backward inside a capture: refused before the collective too.
+    RDEP_RETURN_IF_ERROR((*layer)->Forward(r, ctx, b.e, b.g, b.n, b.x, b.y));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status back = (*layer)->Backward(r, ctx, b.dy, b.dx, b.dg);
+    graph = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
+    if (graph) cudaGraphDestroy(graph);
+    EXPECT_EQ(back.code(), StatusCode::kFailedPrecondition) << back;
+    EXPECT_NE(back.message().find("CUDA graph capture"), std::string::npos) << back;
+    return (*layer)->ReleaseRows(ctx);
   });
   ASSERT_TRUE(s.ok()) << s;
 }

@@ -36,6 +36,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -310,13 +311,14 @@ class CudaMoELayer {
     __nv_bfloat16 *x, *h, *f;  // f: null without owner_reduce
   };
   bool Stashing(const RankState& st) const;
+  Status RefuseStashInCapture(int32_t rank, const char* call) const;
   Status AcquireStash();
   OwnerRows SavedOwnerRows(int32_t rank, const RankState& st, const Saved& sv) const;
   Status ReserveStash(Saved& sv) const;
   cuda_layer::StashRows StashView(int32_t rank, const RankState& st, Saved& sv) const;
   cuda_layer::StashPool StashPoolOf(int32_t rank) const;
   Status StashSaved(int32_t rank, const RankState& st, Saved& sv);
-  // Refuses inside a capture; the pool's overflow at forward goes to *overflow, for the end of the call.
+  // The pool's overflow at forward goes to *overflow, for the end of the call.
   Status UnstashSaved(int32_t rank, const RankState& st, Saved& sv, Status* overflow);
   Status ReleaseStash(int32_t rank, Saved& sv);
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
@@ -374,7 +376,7 @@ class CudaMoELayer {
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1;  // the paged stash (shared: stash_bytes)
   size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // false from the destructor's start (contexts' stash hooks)
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);  // false from the destructor on (contexts' stash hooks)
   bool replica_fault_ = false;
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
   ExpertKind kind_ = ExpertKind::kSwiGLU;

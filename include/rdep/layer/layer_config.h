@@ -60,7 +60,9 @@ struct LayerConfig {
                                    // and pool size, instead of each context holding the worst case; the worst
                                    // case is then one transient buffer shared by those layers. A forward whose rows
                                    // do not fit the free pages still returns its output; its backward fails naming
-                                   // the rows and the pool (its weight gradients and dx are NaN). 0 = off. Needs
+                                   // the rows and the pool (its weight gradients and dx are NaN, and so are the dx
+                                   // rows it returns to the other ranks, whose backward does not fail: size the pool
+                                   // with headroom). 0 = off. Needs
                                    // expert_compute cutlass, no balancing, one node; not inside a CUDA graph
                                    // capture. The host backend ignores it
 
