@@ -123,22 +123,13 @@ bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-bool CutlassHere(std::string* why) {
-  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
-  if (c.ok()) return true;
-  *why = c.status().message();
-  const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
-  if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
-  return false;
-}
-
 class CudaOwnerReduce : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaOwnerReduce, MatchesTheLayerThatReturnsEveryRow) {
   const Case& c = GetParam();
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
   std::string why;
-  if (c.cutlass && !CutlassHere(&why)) GTEST_SKIP() << why;
+  if (c.cutlass && !CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   auto rows = RunLayer(c, false);
   ASSERT_TRUE(rows.ok()) << rows.status();
   auto reduced = RunLayer(c, true);
@@ -159,7 +150,7 @@ TEST_P(CudaOwnerReduce, AnSmBudgetGivesTheSameBits) {
   const Case& c = GetParam();
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
   std::string why;
-  if (c.cutlass && !CutlassHere(&why)) GTEST_SKIP() << why;
+  if (c.cutlass && !CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   for (bool owner_reduce : {false, true}) {
     auto wide = RunLayer(c, owner_reduce, 0);
     ASSERT_TRUE(wide.ok()) << wide.status();
@@ -188,7 +179,7 @@ TEST_P(CudaOwnerReduce, TheIdentityExpertReturnsTheGateSumTimesX) {
   const Case& c = GetParam();
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
   std::string why;
-  if (c.cutlass && !CutlassHere(&why)) GTEST_SKIP() << why;  // the layer makes the compute, though the identity never calls it
+  if (c.cutlass && !CutlassLayerAvailable(&why)) GTEST_SKIP() << why;  // the layer makes the compute, though the identity never calls it
   const LayerShape s = Shape(c);
   for (bool owner_reduce : {false, true}) {
     SCOPED_TRACE(owner_reduce ? "owner_reduce" : "rows");

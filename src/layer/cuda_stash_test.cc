@@ -93,20 +93,6 @@ struct Outputs {
   explicit Outputs(size_t W) : y(W), dx(W), dg(W), dw1(W), dw2(W), backward(W) {}
 };
 
-bool CutlassHere(std::string* why) {
-  if (cuda::DeviceCount() == 0) {
-    *why = "no CUDA device";
-    return false;
-  }
-  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
-  if (!c.ok()) {
-    *why = c.status().message();
-    const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
-    if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
-  }
-  return c.ok();
-}
-
 StatusOr<std::unique_ptr<CudaDomain>> MakeDomain(int32_t W) {
   return CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
 }
@@ -169,7 +155,7 @@ class CudaStash : public ::testing::TestWithParam<std::tuple<int32_t, Setting>> 
 
 TEST_P(CudaStash, BitwiseTheLayerWithoutIt) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   const auto [W, set] = GetParam();
   Problem p(W, "zipf:1.2", 7);
   Setting off = set;
@@ -198,7 +184,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaStash,
 // no owner rows.
 TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   const std::vector<Problem> ps = {Problem(4, "zipf:1.2", 3), Problem(4, "uniform", 11), Problem(4, "zipf:2", 19)};
   std::vector<Outputs> alone;
   for (const Problem& p : ps) alone.push_back(RunOne(p, Setting{}));
@@ -252,7 +238,7 @@ TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
 // rows) is bitwise the layer without a stash: the overflow took no pages and the others gave theirs back.
 TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
   even.w = skewed.w;  // one layer's weights for both steps
   even.x = RandomActivations(even.shape, even.routing, 8);
@@ -300,7 +286,7 @@ TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool)
 // overflows while A holds the pool.
 TEST(CudaStash_Release, W1_PagesComeBackByReleaseRowsFreeingOrAForwardAgain) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem p(1, "uniform", 9);
   const Outputs without = RunOne(p, Setting{});
   auto domain = MakeDomain(1);
@@ -349,7 +335,7 @@ TEST(CudaStash_Release, W1_PagesComeBackByReleaseRowsFreeingOrAForwardAgain) {
 // ring. Every backward is bitwise the layer without a stash.
 TEST(CudaStash_Ring, W1_WrapsWithPagesGivenBackOutOfOrder) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem p(1, "uniform", 12);
   const Outputs without = RunOne(p, Setting{});
   auto domain = MakeDomain(1);
@@ -378,7 +364,7 @@ TEST(CudaStash_Ring, W1_WrapsWithPagesGivenBackOutOfOrder) {
 
 TEST(CudaStash_Capture, AForwardInsideACaptureIsRefusedBeforeTheCollective) {
   std::string why;
-  if (!CutlassHere(&why)) GTEST_SKIP() << why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem p(1, "uniform", 4);
   auto domain = MakeDomain(1);
   ASSERT_TRUE(domain.ok()) << domain.status();

@@ -94,10 +94,10 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(OutRows(rank)), stream, total));
   const kernels::ExpertGradsView grads = st.grads();
+  const OwnerRows saved = SavedOwnerRows(rank, st, sv);  // the transient rows, the stash's pages back in them
   if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, SavedOwnerRows(rank, st, sv).x + base * H,
-                                          SavedOwnerRows(rank, st, sv).h + base * 2 * config_.shape.ffn, OutRows(rank), st.weights(),
-                                          OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, saved.x + base * H, saved.h + base * 2 * config_.shape.ffn,
+                                          OutRows(rank), st.weights(), OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));

@@ -59,23 +59,6 @@ void PrintTo(const Setting& s, std::ostream* os) {
   *os << "{capacity " << s.capacity << ", segment " << s.segment << ", owner_reduce " << s.owner_reduce << "}";
 }
 
-// Skips (returning false) where the CUTLASS compute cannot be made here.
-// Whether the CUTLASS compute runs here; with a GPU and RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh)
-// its absence is a test failure, not a skip.
-bool CutlassLayerAvailable(std::string* why) {
-  if (cuda::DeviceCount() == 0) {
-    *why = "no CUDA device";
-    return false;
-  }
-  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
-  if (!c.ok()) {
-    *why = c.status().message();
-    const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
-    if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
-  }
-  return c.ok();
-}
-
 // Rank r's results of its last forward and backward (b's outputs, the layer's gradients) into out.
 Status Collect(CudaMoELayer& layer, const Problem& p, const Batch& b, int32_t r, Outputs& out) {
   const auto i = static_cast<size_t>(r);

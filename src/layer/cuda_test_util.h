@@ -5,16 +5,37 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "rdep/core/routing.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
 #include "rdep/status.h"
 
 namespace rdep {
+
+// Whether the CUTLASS expert compute runs here (a GPU, a build with CUTLASS, sm_90); why not in *why.
+// With RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh) its absence on a GPU is a test failure, not a skip.
+inline bool CutlassLayerAvailable(std::string* why) {
+  if (cuda::DeviceCount() == 0) {
+    *why = "no CUDA device";
+    return false;
+  }
+  auto c = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0);
+  if (c.ok()) return true;
+  *why = c.status().message();
+  const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
+  if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
+  return false;
+}
 
 // One micro-batch's device tensors on one rank.
 struct Batch {
