@@ -114,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
+    o.add_argument("--profile-trace", default="",
+                   help="with --profile-steps: also write each variant's Chrome trace as PREFIX.<variant>.json")
     return p.parse_args(argv)
 
 
@@ -343,7 +345,8 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
         dd.sync()
         dt = time.perf_counter() - t0
         if prof is not None and step == a.profile_at + a.profile_steps - 1:
-            rec["profile"] = stop_profiler(prof, cuda, f"{label}, steps [{a.profile_at}, {step + 1})", dd)
+            trace = f"{a.profile_trace}.{kind}.r{dd.rank}.json" if a.profile_trace else ""
+            rec["profile"] = stop_profiler(prof, cuda, f"{label}, steps [{a.profile_at}, {step + 1})", dd, trace)
             prof = None
         # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
         rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
@@ -417,12 +420,15 @@ def start_profiler(cuda: bool):
     return prof
 
 
-def stop_profiler(prof, cuda: bool, title: str, dd: Dist) -> str:
+def stop_profiler(prof, cuda: bool, title: str, dd: Dist, trace: str = "") -> str:
     prof.__exit__(None, None, None)
+    if trace:
+        prof.export_chrome_trace(trace)
+        dd.print(f"wrote {trace}")
     table = ""
     for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
         try:
-            table = prof.key_averages().table(sort_by=key, row_limit=20)
+            table = prof.key_averages().table(sort_by=key, row_limit=30)
             break
         except Exception:  # the key's name differs between torch versions
             continue
