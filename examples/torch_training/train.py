@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
+    o.add_argument("--memory-step", type=int, default=-1,
+                   help="CUDA: at this step, print torch's peak memory in each phase (forward, backward, clip, "
+                        "optimizer); the step waits for the GPU between phases and is left out of the timing")
     o.add_argument("--profile-trace", default="",
                    help="with --profile-steps: also write each variant's Chrome trace as PREFIX.<variant>.json")
     return p.parse_args(argv)
@@ -278,12 +281,17 @@ def sync_gradients(experts: list, dense: list, dd: Dist) -> None:
 
 
 @torch.no_grad()
-def clip_gradients(experts: list, dense: list, max_norm: float, dd: Dist) -> float:
+def clip_gradients(experts: list, dense: list, max_norm: float, dd: Dist) -> torch.Tensor:
     """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
-    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm."""
+    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm as a 0-dim tensor
+    (no host wait: the caller reads it after the step). Multi-tensor kernels, as
+    torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
+    the norms, no temporary the size of a gradient, one pass to scale."""
     def sq(ps):
-        gs = [p.grad.float().pow(2).sum() for p in ps if p.grad is not None]
-        return torch.stack(gs).sum() if gs else torch.zeros((), device=dd.device)
+        gs = [p.grad for p in ps if p.grad is not None]
+        if not gs:
+            return torch.zeros((), dtype=torch.float32, device=dd.device)
+        return torch.stack([n.float() for n in torch._foreach_norm(gs)]).square().sum()
 
     e2 = sq(experts)
     if dd.group is not None:
@@ -291,10 +299,10 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd: Dist) -> flo
     norm = (sq(dense) + e2).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in experts + dense:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return float(norm)
+        grads = [p.grad for p in experts + dense if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+    return norm
 
 
 def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> dict:
@@ -321,6 +329,7 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
     rec = {"kind": kind, "label": label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
            "peak_mem_mib": [], "device_used_mib": [], "peak_whole_mib": [], "grad_norm": [], "lr": [], "max_load_ratio": []}
     prof = None
+    peak_so_far = 0.0  # torch's peak over the steps (a --memory-step resets the allocator's own)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     model.train()
     for step in range(a.steps):
@@ -332,18 +341,24 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
             prof = start_profiler(cuda)
         dd.sync()
         t0 = time.perf_counter()
+        phases = PhasePeaks(dd, cuda and step == a.memory_step)
         with autocast:
             loss, router_loss = model(x, y)
+        phases.mark("forward")
         (loss + router_loss).backward()
+        phases.mark("backward")
         sync_gradients(experts, dense, dd)
         gnorm = clip_gradients(experts, dense, a.clip, dd)
+        phases.mark("clip")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.mark("optimizer")
         loads = [moe.step_load() for moe in model.moe_layers()]
         for moe in model.moe_layers():
             moe.update_bias(a.bias_rate)
         dd.sync()
         dt = time.perf_counter() - t0
+        gnorm = float(gnorm)  # after the timed step: the clip left it on the device
         if prof is not None and step == a.profile_at + a.profile_steps - 1:
             trace = f"{a.profile_trace}.{kind}.r{dd.rank}.json" if a.profile_trace else ""
             rec["profile"] = stop_profiler(prof, cuda, f"{label}, steps [{a.profile_at}, {step + 1})", dd, trace)
@@ -352,7 +367,10 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
         rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
                                           for ld in loads if ld is not None), default=None))
         (loss_sum,) = dd.reduce([float(loss.detach())], "sum")
-        peak = torch.cuda.max_memory_allocated(dd.device) / MIB if cuda else float("nan")
+        peak_so_far = max(peak_so_far, phases.peak_before, torch.cuda.max_memory_allocated(dd.device) / MIB) if cuda else 0.0
+        peak = peak_so_far if cuda else float("nan")
+        if phases.on:
+            rec["memory_phases"] = phases.report(step, kind)
         used = whole = 0.0
         if cuda:
             free, total = torch.cuda.mem_get_info(dd.device)
@@ -388,7 +406,7 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
     rec["val_loss"] = dd.reduce([sum(val) / max(1, len(val))])[0] / dd.world if val else None
     # Medians over the steps after the first few, profiled steps left out.
     skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
-    profiled = set(range(a.profile_at, a.profile_at + a.profile_steps))
+    profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | {a.memory_step}
     timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
     rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
     rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
@@ -409,6 +427,32 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
     if cuda:
         torch.cuda.empty_cache()
     return rec
+
+
+class PhasePeaks:
+    """--memory-step: torch's peak allocated memory within each phase of one step (the allocator's peak is
+    reset at each mark, after waiting for the GPU); peak_before keeps the run's peak up to that step."""
+
+    def __init__(self, dd: Dist, on: bool):
+        self.dd, self.on, self.peaks = dd, on, {}
+        self.peak_before = 0.0
+        if on:
+            dd.sync()
+            self.peak_before = torch.cuda.max_memory_allocated(dd.device) / MIB
+            torch.cuda.reset_peak_memory_stats(dd.device)
+
+    def mark(self, phase: str) -> None:
+        if not self.on:
+            return
+        self.dd.sync()
+        dev = self.dd.device
+        self.peaks[phase] = (torch.cuda.max_memory_allocated(dev) / MIB, torch.cuda.memory_allocated(dev) / MIB)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def report(self, step: int, kind: str) -> dict:
+        text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
+        self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")
+        return {p: {"peak_mib": pk, "after_mib": now} for p, (pk, now) in self.peaks.items()}
 
 
 def start_profiler(cuda: bool):
