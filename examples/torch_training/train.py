@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--memory-step", type=int, default=-1,
                    help="CUDA: at this step, print torch's peak memory in each phase (forward, backward, clip, "
                         "optimizer); the step waits for the GPU between phases and is left out of the timing")
+    o.add_argument("--memory-snapshot", default="",
+                   help="with --memory-step: record torch's allocations over that step and write the snapshot "
+                        "(torch.cuda.memory._dump_snapshot) as PREFIX.<variant>.pickle")
     o.add_argument("--profile-trace", default="",
                    help="with --profile-steps: also write each variant's Chrome trace as PREFIX.<variant>.json")
     return p.parse_args(argv)
@@ -341,7 +344,8 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
             prof = start_profiler(cuda)
         dd.sync()
         t0 = time.perf_counter()
-        phases = PhasePeaks(dd, cuda and step == a.memory_step)
+        phases = PhasePeaks(dd, cuda and step == a.memory_step,
+                            f"{a.memory_snapshot}.{kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
         with autocast:
             loss, router_loss = model(x, y)
         phases.mark("forward")
@@ -433,11 +437,13 @@ class PhasePeaks:
     """--memory-step: torch's peak allocated memory within each phase of one step (the allocator's peak is
     reset at each mark, after waiting for the GPU); peak_before keeps the run's peak up to that step."""
 
-    def __init__(self, dd: Dist, on: bool):
-        self.dd, self.on, self.peaks = dd, on, {}
+    def __init__(self, dd: Dist, on: bool, snapshot: str = ""):
+        self.dd, self.on, self.peaks, self.snapshot = dd, on, {}, snapshot if on else ""
         self.peak_before = 0.0
         if on:
             dd.sync()
+            if self.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
             self.peak_before = torch.cuda.max_memory_allocated(dd.device) / MIB
             torch.cuda.reset_peak_memory_stats(dd.device)
 
@@ -450,6 +456,10 @@ class PhasePeaks:
         torch.cuda.reset_peak_memory_stats(dev)
 
     def report(self, step: int, kind: str) -> dict:
+        if self.snapshot:
+            torch.cuda.memory._dump_snapshot(self.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.dd.print(f"wrote {self.snapshot}")
         text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
         self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")
         return {p: {"peak_mib": pk, "after_mib": now} for p, (pk, now) in self.peaks.items()}
