@@ -123,3 +123,17 @@ def test_compiled_rdep_model_trains_like_the_eager_one(both):
     assert compiled["config"]["args"]["compile"] is True
     for a, b in zip(compiled["variants"][0]["loss"], receipt["variants"][0]["loss"][:3]):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-3)
+
+
+def test_interleaved_runs_train_like_the_sequential_ones(both):
+    """--interleave: both models built first and stepped in turn give the sequential losses (each model
+    its own state; the order of the steps between models does not change either's math)."""
+    receipt, _ = both
+    inter = train.main(TINY + ["--moe", "both", "--baseline", "reference", "--interleave"])
+    assert [r["kind"] for r in inter["variants"]] == ["rdep", "reference"]
+    for run, seq in zip(inter["variants"], receipt["variants"]):
+        assert len(run["loss"]) == 6
+        for a, b in zip(run["loss"], seq["loss"]):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+        assert run["peak_whole_mib_max"] is None and "interleaved" in run["memory_note"]
+    assert inter["comparison"]["speedup"] > 0

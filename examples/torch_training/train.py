@@ -3,7 +3,9 @@
 corpus with byte-level tokens, its MoE layers from rdep (rdep.torch.MoE) or from a baseline (TorchTitan's
 MoE module when the `torchtitan` package imports, else a plain "torch reference MoE"; moe_variants.py).
 With --moe both the two run one after the other in the same process from the same data, seed and initial
-weights, and a side-by-side summary compares loss curves, tokens/s and peak memory.
+weights, and a side-by-side summary compares loss curves, tokens/s and peak memory. With --interleave the two
+models are built first and trained step by step in turn (the order alternating), so that the tokens/s ratio
+is measured under the same machine state (host load, clocks); memory is not measured then (both resident).
 
   # CPU, tiny (seconds); the library path as built by the repo's CMake build
   RDEP_LIBRARY=build/lib/librdep_capi.so PYTHONPATH=python python3 examples/torch_training/train.py \
@@ -44,7 +46,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -55,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import ModelConfig, MoonlightLM  # noqa: E402
 from moe_variants import (REFERENCE_LABEL, ReferenceMoE, RdepMoE, TitanMoE, canonical_moe,  # noqa: E402
                           torchtitan_status)
+from variant_run import VariantRun  # noqa: E402
 
-MIB = 2.0 ** 20
 
 
 # --- arguments --------------------------------------------------------------------------------------------
@@ -114,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
+    o.add_argument("--interleave", action="store_true",
+                   help="with --moe both: build both models, then train them step by step in turn (the tokens/s "
+                        "ratio under the same machine state); memory is not measured then")
     o.add_argument("--memory-step", type=int, default=-1,
                    help="CUDA: at this step, print torch's peak memory in each phase (forward, backward, clip, "
                         "optimizer); the step waits for the GPU between phases and is left out of the timing")
@@ -242,252 +246,42 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
     return model.to(dd.device)
 
 
-def expert_and_dense(model: MoonlightLM):
-    experts = {id(p) for moe in model.moe_layers() for p in moe.expert_parameters()}
-    ex = [p for p in model.parameters() if id(p) in experts]
-    de = [p for p in model.parameters() if id(p) not in experts]
-    return ex, de
-
-
-def make_optimizer(model: MoonlightLM, a, device) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    # fused on CUDA: one kernel for all parameters (the foreach AdamW took ~40% of the GPU time of a step)
-    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-
-
-def lr_at(step: int, a) -> float:
-    if step < a.warmup:
-        return a.lr * (step + 1) / a.warmup
-    frac = (step - a.warmup) / max(1, a.steps - a.warmup)
-    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-@torch.no_grad()
-def sync_gradients(experts: list, dense: list, dd: Dist) -> None:
-    """Dense gradients averaged over ranks (one flat all-reduce); expert gradients scaled by 1/W."""
-    if dd.group is None:
-        return
-    grads = [p.grad for p in dense if p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, group=dd.group)
-        flat /= dd.world
-        off = 0
-        for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-    for p in experts:
-        if p.grad is not None:
-            p.grad.div_(dd.world)
-
-
-@torch.no_grad()
-def clip_gradients(experts: list, dense: list, max_norm: float, dd: Dist) -> torch.Tensor:
-    """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
-    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm as a 0-dim tensor
-    (no host wait: the caller reads it after the step). Multi-tensor kernels, as
-    torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
-    the norms, no temporary the size of a gradient, one pass to scale."""
-    def sq(ps):
-        gs = [p.grad for p in ps if p.grad is not None]
-        if not gs:
-            return torch.zeros((), dtype=torch.float32, device=dd.device)
-        return torch.stack([n.float() for n in torch._foreach_norm(gs)]).square().sum()
-
-    e2 = sq(experts)
-    if dd.group is not None:
-        dist.all_reduce(e2, group=dd.group)
-    norm = (sq(dense) + e2).sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in experts + dense if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
-    return norm
-
-
-def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> dict:
+def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist,
+                  measure_memory: bool = True) -> VariantRun:
     torch.manual_seed(a.seed)
-    cuda = dd.device.type == "cuda"
-    if cuda:
+    if dd.device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dd.device)
     model = build_model(kind, cfg, a, dd)
     if a.compile:
         model.compile()  # in place: the module and its MoE layers stay reachable as before
-    label = model.moe_layers()[0].label if model.moe_layers() else kind
-    experts, dense = expert_and_dense(model)
-    opt = make_optimizer(model, a, dd.device)
-    n_dense = sum(p.numel() for p in dense)
-    n_expert = sum(p.numel() for p in experts)
     tokens_global = a.batch * cfg.seq_len * dd.world
-    dd.print(f"\n=== {label}: {n_dense / 1e6:.2f}M dense + {n_expert / 1e6:.2f}M expert parameters per process, "
-             f"W={dd.world}, {tokens_global} tokens/step" + (f"\n    note: {note}" if note else ""))
+    v = VariantRun(kind, note, model, corpus, a, dd, tokens_global, measure_memory)
+    dd.print(f"\n=== {v.describe()}, W={dd.world}, {tokens_global} tokens/step" + (f"\n    note: {note}" if note else ""))
     if kind == "rdep" and model.moe_layers():
         dd.print("    " + repr(model.moe_layers()[0].moe.layer))
+    return v
 
-    rec = {"kind": kind, "label": label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
-           "peak_mem_mib": [], "device_used_mib": [], "peak_whole_mib": [], "grad_norm": [], "lr": [], "max_load_ratio": []}
-    prof = None
-    peak_so_far = 0.0  # torch's peak over the steps (a --memory-step resets the allocator's own)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    model.train()
+
+def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> dict:
+    v = start_variant(kind, note, cfg, corpus, a, dd)
     for step in range(a.steps):
-        x, y = corpus.batch("train", step, a.seed, dd.rank, dd.world, a.batch, dd.device)
-        lr = lr_at(step, a)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        if a.profile_steps > 0 and step == a.profile_at:
-            prof = start_profiler(cuda)
-        dd.sync()
-        t0 = time.perf_counter()
-        phases = PhasePeaks(dd, cuda and step == a.memory_step,
-                            f"{a.memory_snapshot}.{kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
-        with autocast:
-            loss, router_loss = model(x, y)
-        phases.mark("forward")
-        (loss + router_loss).backward()
-        phases.mark("backward")
-        sync_gradients(experts, dense, dd)
-        gnorm = clip_gradients(experts, dense, a.clip, dd)
-        phases.mark("clip")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        phases.mark("optimizer")
-        loads = [moe.step_load() for moe in model.moe_layers()]
-        for moe in model.moe_layers():
-            moe.update_bias(a.bias_rate)
-        dd.sync()
-        dt = time.perf_counter() - t0
-        gnorm = float(gnorm)  # after the timed step: the clip left it on the device
-        if prof is not None and step == a.profile_at + a.profile_steps - 1:
-            trace = f"{a.profile_trace}.{kind}.r{dd.rank}.json" if a.profile_trace else ""
-            rec["profile"] = stop_profiler(prof, cuda, f"{label}, steps [{a.profile_at}, {step + 1})", dd, trace)
-            prof = None
-        # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
-        rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
-                                          for ld in loads if ld is not None), default=None))
-        (loss_sum,) = dd.reduce([float(loss.detach())], "sum")
-        peak_so_far = max(peak_so_far, phases.peak_before, torch.cuda.max_memory_allocated(dd.device) / MIB) if cuda else 0.0
-        peak = peak_so_far if cuda else float("nan")
-        if phases.on:
-            rec["memory_phases"] = phases.report(step, kind)
-        used = whole = 0.0
-        if cuda:
-            free, total = torch.cuda.mem_get_info(dd.device)
-            used = (total - free) / MIB
-            # Device memory outside torch's allocator (the CUDA context, libraries' workspaces and, for rdep,
-            # the layers' own buffers and pooled contexts, allocated once) added to torch's peak.
-            whole = peak + max(0.0, used - torch.cuda.memory_reserved(dd.device) / MIB)
-        dt_max, peak_max, used_max, whole_max = dd.reduce([dt, peak, used, whole], "max")
-        rec["loss"].append(loss_sum / dd.world)
-        rec["tokens_per_s"].append(tokens_global / dt_max)
-        rec["step_ms"].append(dt_max * 1e3)
-        rec["peak_mem_mib"].append(peak_max if cuda else None)
-        rec["device_used_mib"].append(used_max if cuda else None)
-        rec["peak_whole_mib"].append(whole_max if cuda else None)
-        rec["grad_norm"].append(gnorm)
-        rec["lr"].append(lr)
-        if not math.isfinite(rec["loss"][-1]):
-            dd.print(f"step {step}: loss is {rec['loss'][-1]}; stopping this variant")
+        if not v.step(step):
             break
-        if step % a.print_every == 0 or step == a.steps - 1:
-            mem = f"peak {peak_max:9.1f} MiB" if cuda else "peak mem n/a (CPU)"
-            lr_ = rec["max_load_ratio"][-1]
-            dd.print(f"[{kind:>10}] step {step:4d} | loss {rec['loss'][-1]:.4f} | {tokens_global / dt_max:10,.0f} tok/s"
-                     f" | {dt_max * 1e3:8.1f} ms | {mem} | gnorm {gnorm:.3f}"
-                     + (f" | max/mean expert load {lr_:.2f}" if lr_ is not None else ""))
-
-    model.eval()
-    val = []
-    with torch.no_grad(), autocast:
-        for i in range(a.eval_batches):
-            x, y = corpus.batch("val", i, a.seed, dd.rank, dd.world, a.batch, dd.device)
-            val.append(float(model(x, y)[0]))
-    rec["val_loss"] = dd.reduce([sum(val) / max(1, len(val))])[0] / dd.world if val else None
-    # Medians over the steps after the first few, profiled steps left out.
-    skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
-    profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | {a.memory_step}
-    timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
-    rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
-    rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
-    rec["step_ms_median"] = statistics.median(rec["step_ms"][t] for t in timed) if timed else None
-    rec["peak_mem_mib_max"] = max(rec["peak_mem_mib"]) if cuda and rec["peak_mem_mib"] else None
-    rec["device_used_mib_max"] = max(rec["device_used_mib"]) if cuda and rec["device_used_mib"] else None
-    rec["peak_whole_mib_max"] = max(rec["peak_whole_mib"]) if cuda and rec["peak_whole_mib"] else None
-    if kind == "rdep" and model.moe_layers():
-        try:
-            rec["rdep_layer"] = model.moe_layers()[0].moe.layer.describe()
-        except Exception as e:  # describe() is informational
-            rec["rdep_layer"] = f"describe failed: {e}"
-    rec["parameters"] = {"dense_per_process": n_dense, "expert_per_process": n_expert}
-    for moe in model.moe_layers():
-        moe.close()
-    del model, opt, experts, dense
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return rec
+    return v.finish()
 
 
-class PhasePeaks:
-    """--memory-step: torch's peak allocated memory within each phase of one step (the allocator's peak is
-    reset at each mark, after waiting for the GPU); peak_before keeps the run's peak up to that step."""
-
-    def __init__(self, dd: Dist, on: bool, snapshot: str = ""):
-        self.dd, self.on, self.peaks, self.snapshot = dd, on, {}, snapshot if on else ""
-        self.peak_before = 0.0
-        if on:
-            dd.sync()
-            if self.snapshot:
-                torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
-            self.peak_before = torch.cuda.max_memory_allocated(dd.device) / MIB
-            torch.cuda.reset_peak_memory_stats(dd.device)
-
-    def mark(self, phase: str) -> None:
-        if not self.on:
-            return
-        self.dd.sync()
-        dev = self.dd.device
-        self.peaks[phase] = (torch.cuda.max_memory_allocated(dev) / MIB, torch.cuda.memory_allocated(dev) / MIB)
-        torch.cuda.reset_peak_memory_stats(dev)
-
-    def report(self, step: int, kind: str) -> dict:
-        if self.snapshot:
-            torch.cuda.memory._dump_snapshot(self.snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self.dd.print(f"wrote {self.snapshot}")
-        text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
-        self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")
-        return {p: {"peak_mib": pk, "after_mib": now} for p, (pk, now) in self.peaks.items()}
-
-
-def start_profiler(cuda: bool):
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    return prof
-
-
-def stop_profiler(prof, cuda: bool, title: str, dd: Dist, trace: str = "") -> str:
-    prof.__exit__(None, None, None)
-    if trace:
-        prof.export_chrome_trace(trace)
-        dd.print(f"wrote {trace}")
-    table = ""
-    for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
-        try:
-            table = prof.key_averages().table(sort_by=key, row_limit=30)
-            break
-        except Exception:  # the key's name differs between torch versions
-            continue
-    dd.print(f"--- profile: {title}\n{table}")
-    return table
+def run_interleaved(kinds: list, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> list:
+    """--interleave: every variant built first, then step by step, in turn (the order alternating from one
+    step to the next), so that the machine's state (clocks, host load) is the same for both. Memory is
+    not measured (both models are resident)."""
+    runs = [start_variant(*resolve_kind(kind), cfg, corpus, a, dd, measure_memory=False) for kind in kinds]
+    for step in range(a.steps):
+        for v in (runs if step % 2 == 0 else runs[::-1]):
+            if v.alive:
+                v.step(step)
+    return [v.finish() for v in runs]
 
 
 # --- comparison -------------------------------------------------------------------------------------------
@@ -611,10 +405,10 @@ def main(argv=None) -> dict:
              f"torchtitan: {tt_info if tt_ok else 'not importable (' + tt_info + ')'}")
     dd.print(f"model: {cfg}")
 
-    recs = []
-    for kind in kinds:
-        built, note = resolve_kind(kind)
-        recs.append(run_variant(built, note, cfg, corpus, a, dd))
+    if a.interleave and len(kinds) == 2:
+        recs = run_interleaved(kinds, cfg, corpus, a, dd)
+    else:
+        recs = [run_variant(*resolve_kind(kind), cfg, corpus, a, dd) for kind in kinds]
 
     receipt = {
         "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,

@@ -1,0 +1,291 @@
+"""One variant's training run (train.py): the optimizer, the gradient clip and the step loop of one model,
+a step at a time, so that train.py can run the variants one after the other (memory per variant) or
+interleaved step by step (--interleave: both see the same machine state, for the tokens/s ratio).
+
+A step: forward under bf16 autocast, backward, dense gradients averaged over ranks, the global-norm clip,
+fused AdamW, the aux-loss-free bias update; timed between two device synchronizations. Per step the
+record keeps the loss, tokens/s, torch's peak memory and the memory outside torch's allocator (see
+train.py's docstring for what each figure counts).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import MoonlightLM
+
+MIB = 2.0 ** 20
+
+
+def expert_and_dense(model: MoonlightLM):
+    experts = {id(p) for moe in model.moe_layers() for p in moe.expert_parameters()}
+    ex = [p for p in model.parameters() if id(p) in experts]
+    de = [p for p in model.parameters() if id(p) not in experts]
+    return ex, de
+
+
+def make_optimizer(model: MoonlightLM, a, device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    # fused on CUDA: one kernel for all parameters (the foreach AdamW took ~40% of the GPU time of a step)
+    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def lr_at(step: int, a) -> float:
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    frac = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+@torch.no_grad()
+def sync_gradients(experts: list, dense: list, dd) -> None:
+    """Dense gradients averaged over ranks (one flat all-reduce); expert gradients scaled by 1/W."""
+    if dd.group is None:
+        return
+    grads = [p.grad for p in dense if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=dd.group)
+        flat /= dd.world
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+    for p in experts:
+        if p.grad is not None:
+            p.grad.div_(dd.world)
+
+
+@torch.no_grad()
+def clip_gradients(experts: list, dense: list, max_norm: float, dd) -> torch.Tensor:
+    """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
+    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm as a 0-dim tensor
+    (no host wait: the caller reads it after the step). Multi-tensor kernels, as
+    torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
+    the norms, no temporary the size of a gradient, one pass to scale."""
+    def sq(ps):
+        gs = [p.grad for p in ps if p.grad is not None]
+        if not gs:
+            return torch.zeros((), dtype=torch.float32, device=dd.device)
+        return torch.stack([n.float() for n in torch._foreach_norm(gs)]).square().sum()
+
+    e2 = sq(experts)
+    if dd.group is not None:
+        dist.all_reduce(e2, group=dd.group)
+    norm = (sq(dense) + e2).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in experts + dense if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+    return norm
+
+
+class VariantRun:
+    """A built model (train.build_model) and its optimizer, trained one step per step() call.
+    measure_memory=False (interleaved runs, where the other model is resident too) leaves the memory
+    figures out (None)."""
+
+    def __init__(self, kind: str, note: str, model: MoonlightLM, corpus, a, dd, tokens_global: int,
+                 measure_memory: bool = True):
+        self.kind, self.model, self.corpus, self.a, self.dd = kind, model, corpus, a, dd
+        self.cuda = dd.device.type == "cuda"
+        self.memory = self.cuda and measure_memory
+        self.tokens_global = tokens_global
+        self.label = model.moe_layers()[0].label if model.moe_layers() else kind
+        self.experts, self.dense = expert_and_dense(model)
+        self.opt = make_optimizer(model, a, dd.device)
+        self.n_dense = sum(p.numel() for p in self.dense)
+        self.n_expert = sum(p.numel() for p in self.experts)
+        self.rec = {"kind": kind, "label": self.label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
+                    "peak_mem_mib": [], "device_used_mib": [], "peak_whole_mib": [], "grad_norm": [], "lr": [],
+                    "max_load_ratio": []}
+        if not measure_memory:
+            self.rec["memory_note"] = "not measured: interleaved with another model resident on the device"
+        self.prof = None
+        self.peak_so_far = 0.0  # torch's peak over the steps (a --memory-step resets the allocator's own)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
+        self.alive = True  # False once the loss is not finite
+        model.train()
+
+    def describe(self) -> str:
+        return f"{self.label}: {self.n_dense / 1e6:.2f}M dense + {self.n_expert / 1e6:.2f}M expert parameters per process"
+
+    def step(self, step: int) -> bool:
+        """Trains one step; False (and no more steps) when the loss is not finite."""
+        a, dd, cuda = self.a, self.dd, self.cuda
+        x, y = self.corpus.batch("train", step, a.seed, dd.rank, dd.world, a.batch, dd.device)
+        lr = lr_at(step, a)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if a.profile_steps > 0 and step == a.profile_at:
+            self.prof = start_profiler(cuda)
+        dd.sync()
+        t0 = time.perf_counter()
+        phases = PhasePeaks(dd, self.memory and step == a.memory_step,
+                            f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
+        loss, gnorm, loads = self._train_step(x, y, phases)
+        dd.sync()
+        dt = time.perf_counter() - t0
+        if self.prof is not None and step == a.profile_at + a.profile_steps - 1:
+            trace = f"{a.profile_trace}.{self.kind}.r{dd.rank}.json" if a.profile_trace else ""
+            self.rec["profile"] = stop_profiler(self.prof, cuda, f"{self.label}, steps [{a.profile_at}, {step + 1})", dd, trace)
+            self.prof = None
+        if phases.on:
+            self.rec["memory_phases"] = phases.report(step, self.kind)
+        self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak_before)
+        return self.alive
+
+    def _train_step(self, x, y, phases):
+        """(loss, the gradient norm on the device, each MoE layer's expert load)."""
+        with self.autocast:
+            loss, router_loss = self.model(x, y)
+        phases.mark("forward")
+        (loss + router_loss).backward()
+        phases.mark("backward")
+        sync_gradients(self.experts, self.dense, self.dd)
+        gnorm = clip_gradients(self.experts, self.dense, self.a.clip, self.dd)
+        phases.mark("clip")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        phases.mark("optimizer")
+        loads = [moe.step_load() for moe in self.model.moe_layers()]
+        for moe in self.model.moe_layers():
+            moe.update_bias(self.a.bias_rate)
+        return loss, gnorm, loads
+
+    def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, loads, peak_before: float) -> None:
+        a, dd, rec = self.a, self.dd, self.rec
+        # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
+        rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
+                                          for ld in loads if ld is not None), default=None))
+        (loss_sum,) = dd.reduce([loss], "sum")
+        peak = used = whole = float("nan")
+        if self.memory:
+            self.peak_so_far = max(self.peak_so_far, peak_before, torch.cuda.max_memory_allocated(dd.device) / MIB)
+            peak = self.peak_so_far
+            free, total = torch.cuda.mem_get_info(dd.device)
+            used = (total - free) / MIB
+            # Device memory outside torch's allocator (the CUDA context, libraries' workspaces and, for rdep,
+            # the layers' own buffers and pooled contexts, allocated once) added to torch's peak.
+            whole = peak + max(0.0, used - torch.cuda.memory_reserved(dd.device) / MIB)
+        dt_max, peak_max, used_max, whole_max = dd.reduce([dt, peak, used, whole], "max")
+        rec["loss"].append(loss_sum / dd.world)
+        rec["tokens_per_s"].append(self.tokens_global / dt_max)
+        rec["step_ms"].append(dt_max * 1e3)
+        rec["peak_mem_mib"].append(peak_max if self.memory else None)
+        rec["device_used_mib"].append(used_max if self.memory else None)
+        rec["peak_whole_mib"].append(whole_max if self.memory else None)
+        rec["grad_norm"].append(gnorm)
+        rec["lr"].append(lr)
+        if not math.isfinite(rec["loss"][-1]):
+            dd.print(f"step {step}: loss is {rec['loss'][-1]}; stopping this variant")
+            self.alive = False
+        elif step % a.print_every == 0 or step == a.steps - 1:
+            mem = f"peak {peak_max:9.1f} MiB" if self.memory else "peak mem n/a"
+            lr_ = rec["max_load_ratio"][-1]
+            dd.print(f"[{self.kind:>10}] step {step:4d} | loss {rec['loss'][-1]:.4f} | {self.tokens_global / dt_max:10,.0f} tok/s"
+                     f" | {dt_max * 1e3:8.1f} ms | {mem} | gnorm {gnorm:.3f}"
+                     + (f" | max/mean expert load {lr_:.2f}" if lr_ is not None else ""))
+
+    def finish(self) -> dict:
+        """The validation loss and the medians; closes the model's MoE layers and frees the model."""
+        a, dd, rec, model = self.a, self.dd, self.rec, self.model
+        model.eval()
+        val = []
+        with torch.no_grad(), self.autocast:
+            for i in range(a.eval_batches):
+                x, y = self.corpus.batch("val", i, a.seed, dd.rank, dd.world, a.batch, dd.device)
+                val.append(float(model(x, y)[0]))
+        rec["val_loss"] = dd.reduce([sum(val) / max(1, len(val))])[0] / dd.world if val else None
+        # Medians over the steps after the first few, profiled steps left out.
+        skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
+        profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | {a.memory_step}
+        timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
+        rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
+        rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
+        rec["step_ms_median"] = statistics.median(rec["step_ms"][t] for t in timed) if timed else None
+        mem = self.memory and rec["peak_mem_mib"]
+        rec["peak_mem_mib_max"] = max(rec["peak_mem_mib"]) if mem else None
+        rec["device_used_mib_max"] = max(rec["device_used_mib"]) if mem else None
+        rec["peak_whole_mib_max"] = max(rec["peak_whole_mib"]) if mem else None
+        if self.kind == "rdep" and model.moe_layers():
+            try:
+                rec["rdep_layer"] = model.moe_layers()[0].moe.layer.describe()
+            except Exception as e:  # describe() is informational
+                rec["rdep_layer"] = f"describe failed: {e}"
+        rec["parameters"] = {"dense_per_process": self.n_dense, "expert_per_process": self.n_expert}
+        for moe in model.moe_layers():
+            moe.close()
+        del self.model, self.opt, self.experts, self.dense, model
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return rec
+
+
+class PhasePeaks:
+    """--memory-step: torch's peak allocated memory within each phase of one step (the allocator's peak is
+    reset at each mark, after waiting for the GPU); peak_before keeps the run's peak up to that step."""
+
+    def __init__(self, dd, on: bool, snapshot: str = ""):
+        self.dd, self.on, self.peaks, self.snapshot = dd, on, {}, snapshot if on else ""
+        self.peak_before = 0.0
+        if on:
+            dd.sync()
+            if self.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+            self.peak_before = torch.cuda.max_memory_allocated(dd.device) / MIB
+            torch.cuda.reset_peak_memory_stats(dd.device)
+
+    def mark(self, phase: str) -> None:
+        if not self.on:
+            return
+        self.dd.sync()
+        dev = self.dd.device
+        self.peaks[phase] = (torch.cuda.max_memory_allocated(dev) / MIB, torch.cuda.memory_allocated(dev) / MIB)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def report(self, step: int, kind: str) -> dict:
+        if self.snapshot:
+            torch.cuda.memory._dump_snapshot(self.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.dd.print(f"wrote {self.snapshot}")
+        text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
+        self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")
+        return {p: {"peak_mib": pk, "after_mib": now} for p, (pk, now) in self.peaks.items()}
+
+
+def start_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def stop_profiler(prof, cuda: bool, title: str, dd, trace: str = "") -> str:
+    prof.__exit__(None, None, None)
+    if trace:
+        prof.export_chrome_trace(trace)
+        dd.print(f"wrote {trace}")
+    table = ""
+    for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
+        try:
+            table = prof.key_averages().table(sort_by=key, row_limit=30)
+            break
+        except Exception:  # the key's name differs between torch versions
+            continue
+    dd.print(f"--- profile: {title}\n{table}")
+    return table
+
+
