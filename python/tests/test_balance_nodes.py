@@ -174,6 +174,15 @@ def test_stash_rows_bad_arguments_are_named():
         make(stash_rows=4096, expert_compute="cutlass", balance="ultraep", balance_slots=1)
 
 
+def test_keep_weight_casts_is_a_bool_and_the_host_backend_keeps_none():
+    with pytest.raises(TypeError, match="^keep_weight_casts: expected a bool"):
+        make(keep_weight_casts=1)
+    m = make()
+    assert m.layer.keep_weight_casts is True  # the default
+    m(torch.randn(4, 24, 16)).y.sum().backward()
+    assert m.layer._native.casts == {}  # fp32 weights are what the host backend reads: nothing to cast
+
+
 def test_stash_rows_is_ignored_by_the_host_backend():
     """The host backend keeps its rows on the host; stash_rows (CUDA's paged stash) changes nothing there."""
     plain, stashed = make(expert_compute="cutlass"), make(expert_compute="cutlass", stash_rows=4096)

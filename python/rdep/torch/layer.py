@@ -95,9 +95,12 @@ class _Native:
     def __init__(self, ptr: int, keepalive: tuple):
         self.ptr: Optional[int] = ptr
         self.keepalive = keepalive  # the domain's native state (it keeps the allgather callback C calls alive)
-        self.lock = _CallLock()  # one C call on this layer at a time; guards `live`
+        self.lock = _CallLock()  # one C call on this layer at a time; guards `live` and `casts`
         # Live forward contexts: token (the C slot index) -> C context id (layer_calls.py).
         self.live: dict[int, int] = {}
+        # The bf16 casts of fp32 master weights a forward made, kept for its backward (keep_weight_casts):
+        # token -> (w1, w2); dropped with the context.
+        self.casts: dict[int, tuple] = {}
 
     def release(self, c_id: int, token: Optional[int] = None) -> None:
         """Releases a context (a stale id is a no-op in C) and forgets it."""
@@ -105,6 +108,7 @@ class _Native:
             if token is not None:
                 if self.live.get(token) == c_id:
                     del self.live[token]
+                    self.casts.pop(token, None)
             if self.ptr is not None:
                 _capi.check(_capi.lib().rdep_context_release(self.ptr, c_id), "rdep_context_release")
 
@@ -113,6 +117,7 @@ class _Native:
             if self.ptr is not None:
                 ptr, self.ptr = self.ptr, None  # cleared first: a finalizer the destruction runs finds the layer gone
                 self.live.clear()
+                self.casts.clear()
                 _capi.lib().rdep_layer_destroy(ptr)
 
     def __del__(self):
@@ -213,6 +218,7 @@ class Layer(CHandle):
         torch_rows: bool = True,
         balance_min_gain: int = 0,
         stash_rows: int = 0,
+        keep_weight_casts: bool = True,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -230,6 +236,8 @@ class Layer(CHandle):
             raise ValueError(f"transport_sms: expected an int in [0, {_MAX_TRANSPORT_SMS}] (0 = every SM), got {transport_sms}")
         if transport_sms and nodes > 1:
             raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
+        if not isinstance(keep_weight_casts, bool):
+            raise TypeError(f"keep_weight_casts: expected a bool, got {type(keep_weight_casts).__name__}")
         if isinstance(stash_rows, bool) or not isinstance(stash_rows, int):
             raise TypeError(f"stash_rows: expected an int, got {type(stash_rows).__name__}")
         if not 0 <= stash_rows < 2**63:
@@ -312,6 +320,7 @@ class Layer(CHandle):
         self.world_size = world_size
         self.capacity_factor = float(capacity_factor)
         self.segment_tokens = segment_tokens
+        self.keep_weight_casts = keep_weight_casts
         self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
         self.expert_compute = expert_compute
         self.owner_reduce = owner_reduce

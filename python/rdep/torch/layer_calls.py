@@ -72,8 +72,9 @@ def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
     return ctx
 
 
-def forward(layer: Layer, x, experts, gates, w1, w2, save: bool):
-    """Runs the forward collective for the local ranks; returns (y, ctx)."""
+def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None):
+    """Runs the forward collective for the local ranks; returns (y, ctx). keep_casts (w1, w2 and what they
+    were cast from, ops._source_key) is kept with the context for its backward (kept_casts) when save is set."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -101,7 +102,17 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool):
             if code != 0:
                 raise error_for_code(code, f"rdep_layer_forward: {msg}")
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
-        return y, _context_tensor(layer, c_id.value)
+        ctx = _context_tensor(layer, c_id.value)
+        if keep_casts is not None:
+            native.casts[c_id.value >> 32] = keep_casts
+        return y, ctx
+
+
+def kept_casts(layer: Layer, ctx):
+    """The (w1, w2, source key) the forward that returned ctx kept, else None (dropped with its context)."""
+    token, _ = _read_context(ctx)
+    with layer._native.lock:
+        return layer._native.casts.get(token)
 
 
 def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:

@@ -30,6 +30,12 @@ def _layer_weights(layer: Layer, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor
     return (w1 if w1.dtype == want else w1.to(want)), (w2 if w2.dtype == want else w2.to(want))
 
 
+def _source_key(w1: Tensor, w2: Tensor) -> tuple:
+    """What a kept cast was made from: the tensors' memory and version counters (an in-place update bumps
+    them), so that a backward given other weights, or these changed, casts again."""
+    return (w1.data_ptr(), w1._version, w1.dtype, w2.data_ptr(), w2._version, w2.dtype)
+
+
 FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
                   "bool save_context=True) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
@@ -42,8 +48,9 @@ def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tenso
                 save_context: bool = True) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
-    w1, w2 = _layer_weights(h, w1, w2)
-    return layer_calls.forward(h, x, experts, gates, w1, w2, save_context)
+    w1c, w2c = _layer_weights(h, w1, w2)
+    keep = (w1c, w2c, _source_key(w1, w2)) if h.keep_weight_casts and w1c is not w1 else None  # backward's
+    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep)
 
 
 @moe_forward.register_fake
@@ -57,7 +64,8 @@ def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) ->
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
     grad_dtype = _grad_dtype(h, w1)
-    w1, w2 = _layer_weights(h, w1, w2)
+    kept = layer_calls.kept_casts(h, ctx)  # the forward's casts, used when made from these very weights
+    w1, w2 = kept[:2] if kept is not None and kept[2] == _source_key(w1, w2) else _layer_weights(h, w1, w2)
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
 
 
