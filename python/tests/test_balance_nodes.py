@@ -178,7 +178,7 @@ def test_keep_weight_casts_is_a_bool_and_the_host_backend_keeps_none():
     with pytest.raises(TypeError, match="^keep_weight_casts: expected a bool"):
         make(keep_weight_casts=1)
     m = make()
-    assert m.layer.keep_weight_casts is True  # the default
+    assert m.layer.keep_weight_casts is False  # the default
     m(torch.randn(4, 24, 16)).y.sum().backward()
     assert m.layer._native.casts == {}  # fp32 weights are what the host backend reads: nothing to cast
 

@@ -112,7 +112,7 @@ def test_fp32_master_weights():
 
 
 def test_fp32_master_weights_keep_the_forward_casts_for_backward():
-    """keep_weight_casts (default): the forward's bf16 casts of fp32 weights are held with its context and
+    """keep_weight_casts=True: the forward's bf16 casts of fp32 weights are held with its context and
     used by its backward (no second cast), dropped with the context; the gradients are bitwise those of a
     layer that casts again (keep_weight_casts=False). A backward given weights changed in place since the
     forward casts again (the version counter differs) instead of using stale casts."""

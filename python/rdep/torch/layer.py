@@ -218,7 +218,7 @@ class Layer(CHandle):
         torch_rows: bool = True,
         balance_min_gain: int = 0,
         stash_rows: int = 0,
-        keep_weight_casts: bool = True,
+        keep_weight_casts: bool = False,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):

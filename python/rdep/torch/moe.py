@@ -50,11 +50,13 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       ranks' tokens routed to its experts, which raise nothing). Costs a copy of the rows each way; pays
       at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Not with torch.compile's
       CUDA graphs (mode="reduce-overhead")
-  keep_weight_casts=True (default; CUDA with fp32 expert weights, e.g. dtype=torch.float32 master weights):
-      the bf16 copies of w1 and w2 a forward casts for the layer are kept for its backward, as autograd
-      keeps TorchTitan's and Megatron's, instead of being cast again there (one cast per step instead of
-      two: ~0.2 ms a layer at hidden 1024, ffn 704, 64 experts on an H200). Costs their bytes (3 * H * F * 2
-      per local expert) from a forward to its backward; False casts again in backward and holds nothing
+  keep_weight_casts=True (CUDA with fp32 expert weights, e.g. dtype=torch.float32 master weights): the bf16
+      copies of w1 and w2 a forward casts for the layer are kept for its backward, as autograd keeps
+      TorchTitan's, instead of being cast again there: one cast per step instead of two (the second took
+      0.19 ms a layer at hidden 1024, ffn 704, 64 experts on an H200). It holds their bytes (3 * H * F * 2 per
+      local expert) from each forward to its backward: in the training example (3 such layers) torch's peak
+      rose by 100 MiB and its step time did not change beyond the run-to-run spread (docs/perf-notes.md).
+      False (default) casts again in backward and holds nothing
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -160,7 +162,7 @@ class MoE(nn.Module):
         domain: Optional[Domain] = None,
         balance_min_gain: int = 0,
         stash_rows: int = 0,
-        keep_weight_casts: bool = True,
+        keep_weight_casts: bool = False,
     ):
         super().__init__()
         self._layer_args = dict(
