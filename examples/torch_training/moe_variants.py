@@ -105,7 +105,8 @@ class RdepMoE(nn.Module):
     kind = "rdep"
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
-                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None):
+                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None,
+                 keep_weight_casts: bool = False):
         super().__init__()
         import rdep.torch as rt
 
@@ -113,7 +114,7 @@ class RdepMoE(nn.Module):
         kw = dict(max_tokens=tokens // ranks, score_function=cfg.score, num_groups=cfg.groups,
                   topk_groups=cfg.topk_groups, normalize_topk=True, scaling_factor=cfg.route_scale,
                   expert_bias=True, shared_ffn=cfg.shared_ffn, seed=seed, dtype=torch.float32,
-                  init_std=cfg.init_std, expert_compute=expert_compute)
+                  init_std=cfg.init_std, expert_compute=expert_compute, keep_weight_casts=keep_weight_casts)
         if group is not None:
             kw.update(process_group=group, device=device)
         else:

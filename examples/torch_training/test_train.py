@@ -137,3 +137,16 @@ def test_interleaved_runs_train_like_the_sequential_ones(both):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
         assert run["peak_whole_mib_max"] is None and "interleaved" in run["memory_note"]
     assert inter["comparison"]["speedup"] > 0
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--moe", "rdep", "--interleave"], "--interleave: needs --moe both"),
+    (["--moe", "both", "--interleave", "--profile-steps", "2"], "profilers would overlap"),
+    (["--moe", "both", "--memory-step", "3"], "--memory-step: needs --device cuda"),
+    (["--moe", "both", "--memory-snapshot", "/tmp/x"], "--memory-snapshot: needs --memory-step"),
+    (["--moe", "both", "--profile-trace", "/tmp/t"], "--profile-trace: needs --profile-steps"),
+])
+def test_option_combinations_that_would_measure_nothing_are_refused(args, why, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(TINY + args)
+    assert why in capsys.readouterr().err

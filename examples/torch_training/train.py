@@ -115,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
+    p.add_argument("--keep-weight-casts", action="store_true",
+                   help="rdep: keep each forward's bf16 casts of the fp32 expert weights for its backward "
+                        "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there")
     o.add_argument("--interleave", action="store_true",
                    help="with --moe both: build both models, then train them step by step in turn (the tokens/s "
                         "ratio under the same machine state); memory is not measured then")
@@ -126,7 +129,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(torch.cuda.memory._dump_snapshot) as PREFIX.<variant>.pickle")
     o.add_argument("--profile-trace", default="",
                    help="with --profile-steps: also write each variant's Chrome trace as PREFIX.<variant>.json")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    refuse = [(a.interleave and a.moe != "both", "--interleave: needs --moe both (two models to interleave)"),
+              (a.interleave and a.profile_steps > 0, "--interleave with --profile-steps: the two variants' profilers "
+               "would overlap; profile without --interleave"),
+              (a.interleave and a.memory_step >= 0, "--interleave with --memory-step: memory is not measured when "
+               "both models are resident; run without --interleave"),
+              (a.memory_step >= 0 and a.device != "cuda", "--memory-step: needs --device cuda (torch's CUDA allocator)"),
+              (bool(a.memory_snapshot) and a.memory_step < 0, "--memory-snapshot: needs --memory-step S (the step recorded)"),
+              (bool(a.profile_trace) and a.profile_steps <= 0, "--profile-trace: needs --profile-steps N")]
+    for bad, why in refuse:
+        if bad:
+            p.error(why)
+    return a
 
 
 def model_config(a) -> ModelConfig:
@@ -229,7 +244,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
             moe = RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
                           ranks=a.ranks_per_process, seed=a.seed,
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt",
-                          domain=domain[0] if domain else None)
+                          domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts)
             domain[:] = [moe.moe.layer.domain]
             return moe
         if kind == "torchtitan":

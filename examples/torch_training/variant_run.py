@@ -75,7 +75,7 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd) -> torch.Ten
         gs = [p.grad for p in ps if p.grad is not None]
         if not gs:
             return torch.zeros((), dtype=torch.float32, device=dd.device)
-        return torch.stack([n.float() for n in torch._foreach_norm(gs)]).square().sum()
+        return torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum()
 
     e2 = sq(experts)
     if dd.group is not None:
@@ -132,7 +132,11 @@ class VariantRun:
         t0 = time.perf_counter()
         phases = PhasePeaks(dd, self.memory and step == a.memory_step,
                             f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
-        loss, gnorm, loads = self._train_step(x, y, phases)
+        try:
+            loss, gnorm, loads = self._train_step(x, y, phases)
+        except BaseException:
+            phases.stop_recording()
+            raise
         dd.sync()
         dt = time.perf_counter() - t0
         if self.prof is not None and step == a.profile_at + a.profile_steps - 1:
@@ -141,7 +145,7 @@ class VariantRun:
             self.prof = None
         if phases.on:
             self.rec["memory_phases"] = phases.report(step, self.kind)
-        self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak_before)
+        self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak())
         return self.alive
 
     def _train_step(self, x, y, phases):
@@ -162,7 +166,7 @@ class VariantRun:
             moe.update_bias(self.a.bias_rate)
         return loss, gnorm, loads
 
-    def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, loads, peak_before: float) -> None:
+    def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, loads, phase_peak: float) -> None:
         a, dd, rec = self.a, self.dd, self.rec
         # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
         rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
@@ -170,7 +174,7 @@ class VariantRun:
         (loss_sum,) = dd.reduce([loss], "sum")
         peak = used = whole = float("nan")
         if self.memory:
-            self.peak_so_far = max(self.peak_so_far, peak_before, torch.cuda.max_memory_allocated(dd.device) / MIB)
+            self.peak_so_far = max(self.peak_so_far, phase_peak, torch.cuda.max_memory_allocated(dd.device) / MIB)
             peak = self.peak_so_far
             free, total = torch.cuda.mem_get_info(dd.device)
             used = (total - free) / MIB
@@ -208,7 +212,7 @@ class VariantRun:
         rec["val_loss"] = dd.reduce([sum(val) / max(1, len(val))])[0] / dd.world if val else None
         # Medians over the steps after the first few, profiled steps left out.
         skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
-        profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | {a.memory_step}
+        profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | ({a.memory_step} if self.memory else set())
         timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
         rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
         rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
@@ -254,10 +258,18 @@ class PhasePeaks:
         self.peaks[phase] = (torch.cuda.max_memory_allocated(dev) / MIB, torch.cuda.memory_allocated(dev) / MIB)
         torch.cuda.reset_peak_memory_stats(dev)
 
+    def peak(self) -> float:
+        """The run's peak before this step and this step's phases' peaks (0 when off)."""
+        return max([self.peak_before] + [pk for pk, _ in self.peaks.values()])
+
+    def stop_recording(self) -> None:
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
     def report(self, step: int, kind: str) -> dict:
         if self.snapshot:
             torch.cuda.memory._dump_snapshot(self.snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
+            self.stop_recording()
             self.dd.print(f"wrote {self.snapshot}")
         text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
         self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")

@@ -111,11 +111,16 @@ def test_fp32_master_weights():
     assert_bf16_close(w2m.grad, w2r.grad, GRAD_TOL, "dw2")
 
 
-def test_fp32_master_weights_keep_the_forward_casts_for_backward():
+def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch):
     """keep_weight_casts=True: the forward's bf16 casts of fp32 weights are held with its context and
-    used by its backward (no second cast), dropped with the context; the gradients are bitwise those of a
-    layer that casts again (keep_weight_casts=False). A backward given weights changed in place since the
-    forward casts again (the version counter differs) instead of using stale casts."""
+    used by its backward (which casts nothing), dropped with the context; the gradients are bitwise those
+    of a layer that casts again (keep_weight_casts=False, the default). A backward given weights changed in
+    place since the forward casts again (the version counter differs) instead of using stale casts."""
+    import rdep.torch.ops as ops
+
+    casts = []
+    cast = ops._layer_weights
+    monkeypatch.setattr(ops, "_layer_weights", lambda *a: casts.append(1) or cast(*a))
     W, E, K, n, H, F = 2, 4, 2, 32, 64, 32
     x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, "uniform", seed=5)
     grads = {}
@@ -123,12 +128,14 @@ def test_fp32_master_weights_keep_the_forward_casts_for_backward():
         layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, keep_weight_casts=keep)
         assert layer.keep_weight_casts is keep
         w1m, w2m = w1.float().requires_grad_(True), w2.float().requires_grad_(True)
+        casts.clear()
         y = rt.moe(layer, x, ids, gates, w1m, w2m)
-        assert len(layer._native.casts) == (1 if keep else 0)
+        assert len(casts) == 1 and len(layer._native.casts) == (1 if keep else 0)
         if keep:
-            kw1, kw2, _ = next(iter(layer._native.casts.values()))
+            _, kw1, kw2, _ = next(iter(layer._native.casts.values()))
             assert kw1.dtype == torch.bfloat16 and torch.equal(kw1, w1) and torch.equal(kw2, w2)
         y.backward(torch.ones_like(y))
+        assert len(casts) == (1 if keep else 2)  # kept: backward cast nothing
         assert len(layer._native.casts) == 0 and layer.live_contexts == 0
         grads[keep] = (y.detach(), w1m.grad, w2m.grad)
     for a, b in zip(grads[True], grads[False]):
@@ -144,6 +151,13 @@ def test_fp32_master_weights_keep_the_forward_casts_for_backward():
         dx[keep, scale] = torch.ops.rdep.moe_backward(layer.id, ctx, torch.ones_like(y), w1m, w2m)[0]
     assert torch.equal(dx[True, 2.0], dx[False, 2.0])
     assert not torch.equal(dx[True, 2.0], dx[True, 1.0])  # the update reaches dx: the check above can fail
+    # Weights made under inference mode have no version counter: nothing is kept, and nothing fails.
+    layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, keep_weight_casts=True)
+    with torch.inference_mode():
+        w1i, w2i = w1.float(), w2.float()
+    y, ctx = torch.ops.rdep.moe_forward(layer.id, x, ids, gates, w1i, w2i)
+    assert len(layer._native.casts) == 0
+    torch.ops.rdep.moe_backward(layer.id, ctx, torch.ones_like(y), w1i, w2i)
 
 
 MODULE_CASES = {

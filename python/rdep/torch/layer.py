@@ -99,7 +99,7 @@ class _Native:
         # Live forward contexts: token (the C slot index) -> C context id (layer_calls.py).
         self.live: dict[int, int] = {}
         # The bf16 casts of fp32 master weights a forward made, kept for its backward (keep_weight_casts):
-        # token -> (w1, w2); dropped with the context.
+        # token -> (C context id, w1, w2, what they were cast from); dropped with the context.
         self.casts: dict[int, tuple] = {}
 
     def release(self, c_id: int, token: Optional[int] = None) -> None:

@@ -74,7 +74,7 @@ def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
 
 def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None):
     """Runs the forward collective for the local ranks; returns (y, ctx). keep_casts (w1, w2 and what they
-    were cast from, ops._source_key) is kept with the context for its backward (kept_casts) when save is set."""
+    were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -104,15 +104,20 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         ctx = _context_tensor(layer, c_id.value)
         if keep_casts is not None:
-            native.casts[c_id.value >> 32] = keep_casts
+            native.casts[c_id.value >> 32] = (c_id.value,) + tuple(keep_casts)
         return y, ctx
 
 
 def kept_casts(layer: Layer, ctx):
-    """The (w1, w2, source key) the forward that returned ctx kept, else None (dropped with its context)."""
-    token, _ = _read_context(ctx)
-    with layer._native.lock:
-        return layer._native.casts.get(token)
+    """The (w1, w2, source) the forward that returned ctx kept, else None: dropped with its context, and
+    None for a ctx whose slot another forward holds now (backward then refuses it, or casts for it)."""
+    token, c_id_seen = _read_context(ctx)
+    native = layer._native
+    with native.lock:
+        kept = native.casts.get(token)
+        if kept is None or native.live.get(token) != kept[0] or (c_id_seen is not None and c_id_seen != kept[0]):
+            return None
+        return kept[1:]
 
 
 def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:

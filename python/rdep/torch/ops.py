@@ -30,10 +30,32 @@ def _layer_weights(layer: Layer, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor
     return (w1 if w1.dtype == want else w1.to(want)), (w2 if w2.dtype == want else w2.to(want))
 
 
-def _source_key(w1: Tensor, w2: Tensor) -> tuple:
-    """What a kept cast was made from: the tensors' memory and version counters (an in-place update bumps
-    them), so that a backward given other weights, or these changed, casts again."""
-    return (w1.data_ptr(), w1._version, w1.dtype, w2.data_ptr(), w2._version, w2.dtype)
+class _CastSource:
+    """What kept casts were made from: the weights' storages (held, so that their memory cannot be reused by
+    other tensors while the casts are kept) and each tensor's address, version counter (an in-place update
+    bumps it; views, such as those a compiled graph makes, share it), dtype, shape and strides. A backward
+    given other weights, or these updated since, casts again. Writes that bypass the version counter
+    (through `.data`, `set_`) are not seen, as autograd's own check of saved tensors does not see them."""
+
+    def __init__(self, w1: Tensor, w2: Tensor):
+        self.storages = (w1.untyped_storage(), w2.untyped_storage())
+        self.state = self._state(w1, w2)
+
+    @staticmethod
+    def _state(w1: Tensor, w2: Tensor) -> tuple:
+        return tuple((w.untyped_storage()._cdata, w.data_ptr(), w._version, w.dtype, tuple(w.shape), w.stride())
+                     for w in (w1, w2))
+
+    def matches(self, w1: Tensor, w2: Tensor) -> bool:
+        return self.state == self._state(w1, w2)
+
+
+def _keep(layer: Layer, w1: Tensor, w2: Tensor, w1c: Tensor, w2c: Tensor, save_context: bool):
+    """The casts to keep for backward (keep_weight_casts), or None: only when a cast was made, a context
+    is saved, and the weights carry version counters (not inference tensors)."""
+    if not (layer.keep_weight_casts and save_context and w1c is not w1) or w1.is_inference() or w2.is_inference():
+        return None
+    return (w1c, w2c, _CastSource(w1, w2))
 
 
 FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
@@ -49,7 +71,7 @@ def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tenso
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
-    keep = (w1c, w2c, _source_key(w1, w2)) if h.keep_weight_casts and w1c is not w1 else None  # backward's
+    keep = _keep(h, w1, w2, w1c, w2c, save_context)
     return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep)
 
 
@@ -65,7 +87,14 @@ def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) ->
     validate.check_backward(h, ctx, dy, w1, w2)
     grad_dtype = _grad_dtype(h, w1)
     kept = layer_calls.kept_casts(h, ctx)  # the forward's casts, used when made from these very weights
-    w1, w2 = kept[:2] if kept is not None and kept[2] == _source_key(w1, w2) else _layer_weights(h, w1, w2)
+    if kept is not None and kept[2].matches(w1, w2):
+        w1, w2 = kept[0], kept[1]
+        if w1.is_cuda:  # made on the forward's stream, read on this one: not reused before this backward ends
+            stream = torch.cuda.current_stream(w1.device)
+            w1.record_stream(stream)
+            w2.record_stream(stream)
+    else:
+        w1, w2 = _layer_weights(h, w1, w2)
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
 
 
