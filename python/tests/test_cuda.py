@@ -335,6 +335,17 @@ def outputs_and_grads(m, x):
     return o.y, xi.grad, m.w1.grad, m.w2.grad, m.router.weight.grad
 
 
+def assert_same_bits_but_torch_grads(got, want, case: str) -> None:
+    """outputs_and_grads of two modules: y, dW1 and dW2 bitwise equal; dx and the router's gradient, which
+    also pass through PyTorch's own backward kernels, within the bf16 tolerance."""
+    for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), got, want):
+        what = f"{name} ({case})"
+        if name in ("dx", "drouter"):
+            assert_bf16_close(a, b, GRAD_TOL, what)
+        else:
+            assert torch.equal(a, b), what
+
+
 def test_owner_reduce_on_cuda_matches_the_per_slot_return():
     """The CUDA layer with owner_reduce (one row per (token, owner) back, dgate at the owner) against the
     same module without it, with and without balancing: y and every gradient within the bf16 tolerances."""
@@ -366,12 +377,7 @@ def test_stash_rows_on_cuda_gives_the_same_bits():
             for m in (plain, stashed):
                 m.zero_grad()
             outs = [outputs_and_grads(m, x) for m in (plain, stashed)]
-            for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
-                what = f"{name} (W={W}, step {step})"
-                if name in ("dx", "drouter"):
-                    assert_bf16_close(a, b, GRAD_TOL, what)
-                else:
-                    assert torch.equal(a, b), what
+            assert_same_bits_but_torch_grads(outs[1], outs[0], f"W={W}, step {step}")
         assert stashed.layer.live_contexts == 0
 
 
@@ -388,12 +394,7 @@ def test_transport_sms_on_cuda_gives_the_same_bits():
         assert narrow.layer.transport_sms == 3
         x = torch.randn(4, 32, 64, device=DEV).bfloat16()
         outs = [outputs_and_grads(m, x) for m in (wide, narrow)]
-        for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
-            what = f"{name} ({extra or 'per-slot return'})"
-            if name in ("dx", "drouter"):
-                assert_bf16_close(a, b, GRAD_TOL, what)
-            else:
-                assert torch.equal(a, b), what
+        assert_same_bits_but_torch_grads(outs[1], outs[0], str(extra or "per-slot return"))
 
 
 def test_balancing_on_cuda_matches_balancing_off():

@@ -63,19 +63,8 @@ TEST(StashConfig, NeedsTheSyncFreeLayer) {
 
 #if defined(RDEP_HAVE_CUDA)
 
-struct Problem {
-  LayerShape shape;
-  OwnershipMap own;
-  MoEWeights w;
-  Routing routing;
-  std::vector<std::vector<float>> x, dy;
-  Problem(int32_t W, const char* spec, uint64_t seed)
-      : shape{.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = W},
-        own(*OwnershipMap::Contiguous(8, W)),
-        w(RandomWeights(shape, seed)),
-        routing(*GenerateRouting(shape, *RoutingSpec::Parse(spec))),
-        x(RandomActivations(shape, routing, seed + 2)),
-        dy(RandomActivations(shape, routing, seed + 3)) {}
+struct Problem : SmallProblem {  // weights and activations from one seed
+  Problem(int32_t W, const char* spec, uint64_t seed) : SmallProblem(W, spec, seed, seed + 2) {}
 };
 
 struct Setting {

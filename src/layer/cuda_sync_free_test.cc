@@ -26,19 +26,8 @@
 namespace rdep {
 namespace {
 
-struct Problem {
-  LayerShape shape;
-  OwnershipMap own;
-  MoEWeights w;
-  Routing routing;
-  std::vector<std::vector<float>> x, dy;
-  Problem(int32_t W, const char* spec, uint64_t seed)
-      : shape{.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = W},
-        own(*OwnershipMap::Contiguous(8, W)),
-        w(RandomWeights(shape, 1)),
-        routing(*GenerateRouting(shape, *RoutingSpec::Parse(spec))),
-        x(RandomActivations(shape, routing, seed)),
-        dy(RandomActivations(shape, routing, seed + 1)) {}
+struct Problem : SmallProblem {  // the same weights in every problem; activations from `seed`
+  Problem(int32_t W, const char* spec, uint64_t seed) : SmallProblem(W, spec, 1, seed) {}
 };
 
 struct Outputs {

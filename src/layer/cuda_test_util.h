@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "rdep/core/ownership.h"
+#include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
@@ -36,6 +38,23 @@ inline bool CutlassLayerAvailable(std::string* why) {
   if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << c.status();
   return false;
 }
+
+// A small layer problem (T 64, H 128, F 64, E 8, K 2 at W ranks, contiguous ownership): weights from
+// weight_seed, routing from `spec`, x and dy from act_seed and act_seed + 1.
+struct SmallProblem {
+  LayerShape shape;
+  OwnershipMap own;
+  MoEWeights w;
+  Routing routing;
+  std::vector<std::vector<float>> x, dy;
+  SmallProblem(int32_t W, const char* spec, uint64_t weight_seed, uint64_t act_seed)
+      : shape{.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = W},
+        own(*OwnershipMap::Contiguous(8, W)),
+        w(RandomWeights(shape, weight_seed)),
+        routing(*GenerateRouting(shape, *RoutingSpec::Parse(spec))),
+        x(RandomActivations(shape, routing, act_seed)),
+        dy(RandomActivations(shape, routing, act_seed + 1)) {}
+};
 
 // One micro-batch's device tensors on one rank.
 struct Batch {
