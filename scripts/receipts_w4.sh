@@ -25,6 +25,9 @@
 #   combine    the per-slot return's row order (RDEP_RETURN_ORDER=grouped against the default spread,
 #              alternated) at W = 4, uniform and Zipf 1, 2; bench dispatch --owner-reduce (one reduced row per
 #              (token, owner) crosses back) at W = 2, 4, Zipf 1 and DeepSeek-V3, beside NCCL
+#   overlap    the overlapped segment pipeline (--overlap): rdep check against the host reference at W = OV_W
+#              (default 4) on OV_W GPUs and with 4 ranks sharing GPU 0, then the Moonlight layer at W = OV_W in one
+#              segment, in 2 and 4 segments in sequence and overlapped, the expert GEMMs leaving 0, 16 or 32 SMs
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
@@ -71,7 +74,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|load:|memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|load:|segments:|graph |memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))
@@ -179,6 +182,25 @@ stage_combine() {
     --json "$R/dispatch_reduce_zipf1_w4.json"
   run dispatch_reduce_dsv3_w4 "$RDEP" bench dispatch --ranks 4 --tokens 4096 --hidden 7168 --experts 256 --topk 8 --warmup 20 \
     --iters 100 --owner-reduce --json "$R/dispatch_reduce_dsv3_w4.json"
+}
+stage_overlap() {  # OV_W ranks (default 4; 2 on a 2-GPU machine), Moonlight's 4096 tokens per rank
+  local w=${OV_W:-4}
+  local s2=$((w * 4096 / 2)) s4=$((w * 4096 / 4))
+  local small=(--tokens 64 --hidden 256 --ffn 128 --experts 16 --topk 4 --expert-compute cutlass)
+  run check_overlap_w$w "$RDEP" check --backend cuda --ranks "$w" "${small[@]}" --routing zipf:1 --segment 40 --overlap \
+    --json "$R/check_overlap_w$w.json"
+  run check_overlap_w4g1 "$RDEP" check --backend cuda --ranks 4 --gpus 1 "${small[@]}" --routing zipf:1.5 --capacity-factor 0.9 \
+    --segment 24 --overlap --transport-sms 8 --json "$R/check_overlap_w4g1.json"
+  local lay=(bench layer --ranks "$w" --expert-compute cutlass)
+  for round in a b; do
+    run ov_w${w}_one_$round "$RDEP" "${lay[@]}" --json "$R/ov_w${w}_one_$round.json"
+    run ov_w${w}_s${s2}_seq_$round "$RDEP" "${lay[@]}" --segment "$s2" --json "$R/ov_w${w}_s${s2}_seq_$round.json"
+    run ov_w${w}_s${s2}_ov_$round "$RDEP" "${lay[@]}" --segment "$s2" --overlap --json "$R/ov_w${w}_s${s2}_ov_$round.json"
+    run ov_w${w}_s${s2}_ov16_$round "$RDEP" "${lay[@]}" --segment "$s2" --overlap --transport-sms 16 --json "$R/ov_w${w}_s${s2}_ov16_$round.json"
+  done
+  run ov_w${w}_s${s2}_ov32 "$RDEP" "${lay[@]}" --segment "$s2" --overlap --transport-sms 32 --json "$R/ov_w${w}_s${s2}_ov32.json"
+  run ov_w${w}_s${s4}_seq "$RDEP" "${lay[@]}" --segment "$s4" --json "$R/ov_w${w}_s${s4}_seq.json"
+  run ov_w${w}_s${s4}_ov16 "$RDEP" "${lay[@]}" --segment "$s4" --overlap --transport-sms 16 --json "$R/ov_w${w}_s${s4}_ov16.json"
 }
 stage_pair() {
   local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)

@@ -201,6 +201,13 @@ class CutlassExpertCompute final : public ExpertCompute {
     cudaSetDevice(current);
   }
 
+  // Every GEMM's persistent grid at most `sms` CTAs (GroupedGemmSm90::LimitSms; 0 = every SM).
+  Status LimitSms(int32_t sms) {
+    Gemms& g = *gemms_;
+    for (auto* m : {&g.g1, &g.g2, &g.dz, &g.dx, &g.dw2, &g.dw1, &g.dw2_bf16, &g.dw1_bf16}) RDEP_RETURN_IF_ERROR((*m)->LimitSms(sms));
+    return Status::Ok();
+  }
+
   Status Init() {
     const auto E = static_cast<int32_t>(desc_.num_experts);
     const int64_t H = desc_.hidden, F = desc_.ffn;
@@ -361,6 +368,7 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
     return InvalidArgument("cutlass expert compute: scratch must be 16-byte aligned");
   auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, scratch);
   RDEP_RETURN_IF_ERROR(c->Init());
+  if (tiles.gemm_sms != 0) RDEP_RETURN_IF_ERROR(c->LimitSms(tiles.gemm_sms));
   return std::unique_ptr<ExpertCompute>(std::move(c));
 }
 

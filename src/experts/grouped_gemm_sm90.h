@@ -76,6 +76,11 @@ class GroupedGemmSm90 {
   virtual const void** ptr_b() = 0;
   virtual void** ptr_d() = 0;
 
+  // The persistent grid's size: at most `sms` CTAs (one per SM), leaving the others free for kernels on
+  // other streams (the overlapped layer's transport); 0 = every SM of the device. The tiles each CTA
+  // computes change, not how any tile is computed: results are the same bits. Launches nothing.
+  virtual Status LimitSms(int32_t sms) = 0;
+
   // Enqueues the grouped GEMM on `stream`. beta (kTN_F32 only): 0 overwrites D, 1 adds to it.
   // Never synchronizes the host; capturable in a CUDA graph.
   virtual Status Run(float beta, cudaStream_t stream) = 0;

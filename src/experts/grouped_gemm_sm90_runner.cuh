@@ -173,6 +173,17 @@ class Runner final : public GroupedGemmSm90 {
   const void** ptr_b() override { return static_cast<const void**>(ptr_b_.ptr); }
   void** ptr_d() override { return static_cast<void**>(ptr_d_.ptr); }
 
+  Status LimitSms(int32_t sms) override {
+    if (sms < 0) return InvalidArgument("grouped GEMM: sms must be >= 0 (0 = every SM), got " + std::to_string(sms));
+    const int device_sms = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device_);
+    hw_ = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Gemm::GemmKernel>(device_, sms == 0 ? 0 : std::min(sms, device_sms));
+    if (sms > 0) hw_.max_active_clusters = 0;  // else clustered tiles size their grid by the whole device's occupancy
+    typename Gemm::Arguments args = Arguments(0.0f);
+    if (Gemm::get_workspace_size(args) > workspace_.bytes)  // a smaller grid needs no more; checked all the same
+      return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": workspace grows with " + std::to_string(sms) + " SMs");
+    return Prepare(prepared_beta_ < 0.0f ? 0.0f : prepared_beta_, nullptr);
+  }
+
   Status Run(float beta, cudaStream_t stream) override {
     if (beta != 0.0f && !kHasSource)
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");

@@ -190,6 +190,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   // total, on the device only [phys + 1]; the host never learns them during the call.
   cuda_layer::DeviceBuffer<int64_t> dev_counts;
   bool counts_on_device = false;
+  bool overlapped = false;  // the forward ran its segments as the pipeline (LayerConfig::overlap_segments)
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the pool pages this context's owner rows
   // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows), a
   // host-mapped word the overflow writes (the rows needed; -1 none), the event after the pages were taken.
@@ -281,6 +282,16 @@ struct CudaMoELayer::RankState {
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;
   std::vector<std::pair<int, cudaEvent_t>> marks[2];
+  // LayerConfig::overlap_segments (cuda_overlap.cc): the stream the experts compute on while the domain's
+  // stream carries the transport, and the events that order the two. Null when the config is off.
+  cudaStream_t compute_stream = nullptr;
+  struct OverlapEvents {
+    cudaEvent_t start = nullptr;      // comm: the call's work before the segments (compute waits on it)
+    cudaEvent_t dispatched = nullptr; // comm: segment s's barrier passed (its rows are here)
+    cudaEvent_t read = nullptr;       // compute: segment s's payload and sideband read (the buffer half is free)
+    cudaEvent_t computed = nullptr;   // compute: segment s's expert outputs written
+    cudaEvent_t returned[2] = {};     // comm: segment s's rows returned (its half of the output rows is free), by s % 2
+  } overlap;
   // The context of calls made without one.
   ForwardContext own_context;
   // The last collective step was a Plan: a peer may still be copying that plan's control words (its

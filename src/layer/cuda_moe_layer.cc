@@ -157,6 +157,7 @@ CudaMoELayer::~CudaMoELayer() {
     RankState& st = *rank_state;
     cudaSetDevice(st.device);
     st.mlp.reset();
+    DestroyOverlap(st);
     if (st.host_counts) cudaFreeHost(st.host_counts);
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
@@ -264,7 +265,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
                                                                 /*share_transport=*/config.nodes.nodes <= 1));
   // The owner's output rows: forward outputs of a segment; in backward, dout rows then dx rows behind
   // them. No call keeps them past its return, so every layer of this size on the domain shares them.
-  layer->out_rows_bytes_ = static_cast<size_t>(2 * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) * sizeof(__nv_bfloat16);
+  // Overlapped segments (cuda_overlap.cc) keep two segments' outputs: forward two halves, backward the dout
+  // rows and two halves of dx rows.
+  layer->out_rows_bytes_ = static_cast<size_t>((config.overlap_segments ? 3 : 2) * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) *
+                           sizeof(__nv_bfloat16);
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
   if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, dz, dh) lives within a call too
     const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
@@ -320,7 +324,13 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
-        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, {}, domain.region(q, layer->expert_scratch_));
+        kernels::CutlassTiles tiles;
+        if (config.overlap_segments && config.transport_sms > 0) {  // the GEMMs leave the transport its SMs
+          int sms = 0;
+          RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, st->device));
+          tiles.gemm_sms = std::max(1, sms - config.transport_sms);
+        }
+        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, domain.region(q, layer->expert_scratch_));
         if (!cutlass.ok())
           return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
         st->mlp = std::move(*cutlass);
@@ -329,6 +339,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
       }
     }
     if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
+    if (config.overlap_segments) RDEP_RETURN_IF_ERROR(layer->CreateOverlap(*st));
     layer->ranks_.push_back(std::move(st));
     // The own context's buffers now (a warm cache for calls without a context) when the layer holds its
     // weights. A layer without weights is the C API's (rdep.torch's), whose calls bring pooled contexts:
@@ -392,6 +403,10 @@ const CudaMoELayer::Saved* CudaMoELayer::last(int32_t rank) const {
   return ContextAccess::Peek<Saved>(ranks_[static_cast<size_t>(rank)]->own_context, id_, rank);
 }
 
+bool CudaMoELayer::overlapped(int32_t r) const {
+  const Saved* saved = last(r);
+  return saved && saved->overlapped;
+}
 int64_t CudaMoELayer::segments(int32_t r) const {
   const Saved* saved = last(r);
   return saved ? saved->num_segments : 0;
@@ -624,6 +639,8 @@ dispatch::RouteTargets CudaMoELayer::Targets(const RankState& st, const Saved& s
 // work on this rank's own segment and the return of its rows; the final barrier after which every
 // returned row has landed. Forward records the owner's grouped rows per segment into the context.
 Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
+  if (!backward) sv.overlapped = Overlapped(st, sv, backward);
+  if (Overlapped(st, sv, backward)) return ExchangeOverlapped(rank, st, sv, backward, payload);  // cuda_overlap.cc
   const int64_t S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
   const dispatch::RouteTargets targets = Targets(st, sv);

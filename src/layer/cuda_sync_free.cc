@@ -57,56 +57,86 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
 }
 
 Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
-  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
-  const int32_t phys = physical_experts(st);
+  const int64_t H = config_.shape.hidden, base = seg * MaxSegmentRows(config_, layout_);
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
+  const bool reduce = config_.owner_reduce;
+  __nv_bfloat16* out = reduce ? SavedOwnerRows(rank, st, sv).f + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  RDEP_RETURN_IF_ERROR(ComputeForwardSyncFree(rank, st, sv, seg, seg_payload, out, stream, nullptr));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
+  if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
+  else RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, out, stream));
+  return Mark(rank, st, false, cuda_layer::kMarkReturn);
+}
+
+// Forward, segment seg's owner work up to its return: expand into expert-grouped rows (per-expert counts
+// into the context, on the device), gather the x rows, expert compute into `out`. read_done (if any) is
+// recorded once the segment's payload and sideband have been read.
+Status CudaMoELayer::ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
+                                            __nv_bfloat16* out, cudaStream_t stream, cudaEvent_t read_done) {
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
+  const int32_t phys = physical_experts(st);
   int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
   const int64_t* total = counts + phys;
-  const bool reduce = config_.owner_reduce;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), static_cast<int32_t>(seg % 2), seg * layout_.S,
                                               layout_, sv.control.ptr, phys, counts, sv.grouped.ptr + base, cap, st.expand_scratch.ptr,
-                                              stream, reduce ? SegmentInv(sv, seg) : nullptr));
+                                              stream, config_.owner_reduce ? SegmentInv(sv, seg) : nullptr));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
   sv.counts_on_device = true;  // the host does not know the segment's rows (seg_rows stays empty)
   sv.seg_base[static_cast<size_t>(seg)] = base;
   const OwnerRows saved = SavedOwnerRows(rank, st, sv);
   __nv_bfloat16* x_rows = saved.x + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, false, Bits(x_rows), stream, total));
-  __nv_bfloat16* out = reduce ? saved.f + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  if (read_done) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(read_done, stream));
   if (phys > 0)
     RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, x_rows, st.weights(), saved.h + base * 2 * config_.shape.ffn, out, stream));
-  RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
-  if (reduce)
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
-  else
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(out), sv.grouped.ptr + base, cap, layout_, domain_.peer_table(rank, regions_.ret),
-                                                    stream, total));
-  return Mark(rank, st, false, cuda_layer::kMarkReturn);
+  return Status::Ok();
+}
+
+// Segment seg's computed rows (`rows`, in its grouped order) back to their front-ends by row identity.
+Status CudaMoELayer::ReturnSyncFree(int32_t rank, const RankState& st, const Saved& sv, int64_t seg, const __nv_bfloat16* rows,
+                                    cudaStream_t stream) {
+  const int64_t cap = MaxSegmentRows(config_, layout_);
+  const int32_t phys = physical_experts(st);
+  const int64_t* total = sv.dev_counts.ptr + seg * (phys + 1) + phys;
+  return dispatch::LaunchReturnRows(Bits(rows), sv.grouped.ptr + seg * cap, cap, layout_, domain_.peer_table(rank, regions_.ret), stream,
+                                    total);
 }
 
 Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload) {
   const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
-  const int32_t phys = physical_experts(st);
   cudaStream_t stream = domain_.stream(rank);
+  // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
+  __nv_bfloat16* dx_rows = OutRows(rank) + cap * H;
+  RDEP_RETURN_IF_ERROR(ComputeBackwardSyncFree(rank, st, sv, seg, seg_payload, dx_rows, stream, nullptr));
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
+  if (config_.owner_reduce) {
+    const int64_t* total = sv.dev_counts.ptr + seg * (physical_experts(st) + 1) + physical_experts(st);
+    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, dx_rows, sv, seg, base, /*backward=*/true));
+  } else {
+    RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, dx_rows, stream));
+  }
+  return Mark(rank, st, true, cuda_layer::kMarkReturn);
+}
+
+// Backward, segment seg's owner work up to its return: gather g' * dy rows (the dout rows, at the start of
+// the output rows) in the forward's grouped order, expert compute backward (device counts; the first
+// segment overwrites the weight gradients, later ones add to them) with dx rows into `dx_rows`.
+Status CudaMoELayer::ComputeBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
+                                             __nv_bfloat16* dx_rows, cudaStream_t stream, cudaEvent_t read_done) {
+  const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
+  const int32_t phys = physical_experts(st);
   const int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
   const int64_t* total = counts + phys;
-  // dout rows first, dx rows behind them at the worst-case offset (out_rows holds 2 * cap rows).
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(OutRows(rank)), stream, total));
+  if (read_done) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(read_done, stream));
   const kernels::ExpertGradsView grads = st.grads();
   const OwnerRows saved = SavedOwnerRows(rank, st, sv);  // the transient rows, the stash's pages back in them
   if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
     RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, saved.x + base * H, saved.h + base * 2 * config_.shape.ffn,
-                                          OutRows(rank), st.weights(), OutRows(rank) + cap * H, grads, /*accumulate=*/seg > 0, stream));
-  RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
-  if (config_.owner_reduce) {
-    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + cap * H, sv, seg, base, /*backward=*/true));
-  } else {
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(OutRows(rank) + cap * H), sv.grouped.ptr + base, cap, layout_,
-                                                    domain_.peer_table(rank, regions_.ret), stream, total));
-  }
-  return Mark(rank, st, true, cuda_layer::kMarkReturn);
+                                          OutRows(rank), st.weights(), dx_rows, grads, /*accumulate=*/seg > 0, stream));
+  return Status::Ok();
 }
 
 // The counts a sync-free forward left on the device, for checks (waits for the rank's stream): per

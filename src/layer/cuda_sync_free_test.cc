@@ -4,8 +4,8 @@
 // (W = 1 and W = 4 ranks sharing the GPUs present, capacity drops, segments, owner_reduce): y, dx,
 // dgates, dW1, dW2 within ||a-b||/||b|| <= 2e-2 and the routing metadata (acceptance) bitwise; a W = 1
 // forward and backward captured in a CUDA graph (any host synchronization inside would break the
-// capture), in one segment and in four, and replayed on new inputs in the same buffers equals eager
-// calls bitwise; two CUTLASS layers on one domain, sharing the compute's scratch, run
+// capture), in one segment and in four (also as the overlapped pipeline), and replayed on new inputs in
+// the same buffers equals eager calls bitwise; two CUTLASS layers on one domain, sharing the compute's scratch, run
 // interleaved equal each alone bitwise. Skips without a GPU, CUTLASS or sm_90.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -150,7 +150,9 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree,
 // W = 1: Forward + Backward captured once on the rank's stream (a host wait inside would end the
 // capture with an error), replayed after new routing and activations were written into the same
 // device buffers: bitwise the eager results on those inputs.
-class CudaSyncFree_Graph : public ::testing::TestWithParam<int64_t> {};  // the segment tokens
+// With overlap_segments the capture forks the rank's compute stream from the capturing stream and
+// joins it back (cuda_overlap.cc).
+class CudaSyncFree_Graph : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};  // segment tokens, overlap
 
 TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   std::string why;
@@ -160,7 +162,8 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(first.shape);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
-  cfg.segment_tokens = GetParam();
+  cfg.segment_tokens = std::get<0>(GetParam());
+  cfg.overlap_segments = std::get<1>(GetParam());
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
@@ -208,11 +211,14 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(y_graph, y_eager);
   EXPECT_EQ(dx_graph, dx_eager);
+  EXPECT_EQ((*layer)->overlapped(0), cfg.overlap_segments && (*layer)->segments(0) > 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph, ::testing::Values(int64_t{0}, int64_t{16}),
-                         [](const ::testing::TestParamInfo<int64_t>& i) {
-                           return i.param > 0 ? "S" + std::to_string(i.param) : std::string("one_segment");
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
+                         ::testing::Values(std::tuple{int64_t{0}, false}, std::tuple{int64_t{16}, false}, std::tuple{int64_t{16}, true}),
+                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool>>& i) {
+                           const int64_t seg = std::get<0>(i.param);
+                           return (seg > 0 ? "S" + std::to_string(seg) : std::string("one_segment")) + (std::get<1>(i.param) ? "_overlap" : "");
                          });
 
 // Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the

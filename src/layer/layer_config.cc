@@ -41,6 +41,11 @@ Status LayerConfig::Validate() const {
                            " needs the sync-free layer: expert_compute cutlass, no balancing and one node (got expert_compute " +
                            ExpertComputeName(expert_compute) + ", balance " + BalanceKindName(balance.kind) + ", nodes " +
                            std::to_string(nodes.nodes) + ")");
+  if (overlap_segments && (expert_compute != ExpertComputeKind::kCutlass || balance.enabled() || nodes.nodes > 1 || owner_reduce))
+    return InvalidArgument(std::string("overlap_segments: needs the sync-free layer with the per-slot return: expert_compute cutlass, ") +
+                           "no balancing, one node and owner_reduce off (got expert_compute " + ExpertComputeName(expert_compute) +
+                           ", balance " + BalanceKindName(balance.kind) + ", nodes " + std::to_string(nodes.nodes) + ", owner_reduce " +
+                           (owner_reduce ? "on" : "off") + ")");
   return Status::Ok();
 }
 
@@ -56,6 +61,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.owner_reduce) os << " owner-reduce";
   if (c.transport_sms > 0) os << " transport-sms=" << c.transport_sms;
   if (c.stash_rows > 0) os << " stash-rows=" << c.stash_rows;
+  if (c.overlap_segments) os << " overlap";
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 

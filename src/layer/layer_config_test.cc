@@ -66,5 +66,33 @@ TEST(MaxSegmentRows, NoOwnerIsAdmittedMoreRows) {
   }
 }
 
+// overlap_segments needs the sync-free layer with the per-slot return; each other setting is refused
+// by name.
+TEST(LayerConfigValidate, OverlapSegmentsNamesWhatItNeeds) {
+  LayerConfig ok = Make(0).cfg;
+  ok.expert_compute = ExpertComputeKind::kCutlass;
+  ok.overlap_segments = true;
+  EXPECT_TRUE(ok.Validate().ok()) << ok.Validate();
+  struct Bad {
+    const char* names;
+    LayerConfig cfg;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({"expert_compute cublaslt", ok});
+  bad.back().cfg.expert_compute = ExpertComputeKind::kCublasLt;
+  bad.push_back({"owner_reduce on", ok});
+  bad.back().cfg.owner_reduce = true;
+  bad.push_back({"balance ultraep", ok});
+  bad.back().cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
+  bad.push_back({"nodes 2", ok});
+  bad.back().cfg.nodes = NodeConfig{.nodes = 2, .max_nodes = 2};
+  for (const Bad& b : bad) {
+    const Status st = b.cfg.Validate();
+    EXPECT_FALSE(st.ok()) << b.names;
+    EXPECT_NE(st.message().find("overlap_segments"), std::string::npos) << st;
+    EXPECT_NE(st.message().find(b.names), std::string::npos) << st;
+  }
+}
+
 }  // namespace
 }  // namespace rdep

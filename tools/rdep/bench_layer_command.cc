@@ -66,6 +66,10 @@ flags [defaults: the Moonlight shape]:
                        instead of one per slot) and takes dgate's dot products in backward [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
+  --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside
+                       the experts' compute of s (a second stream per rank; same bits as without); needs
+                       --expert-compute cutlass, no --balance or --owner-reduce, and --segment below W*T to
+                       have two segments; with --transport-sms N the expert GEMMs leave N SMs free [off]
   --stash-rows N       the paged stash: a forward's saved owner rows move into pages of a pool of N rows
                        per rank, shared by the domain's layers of the shape, and back at backward, so a
                        context holds only the rows that arrived (needs --expert-compute cutlass and no
@@ -163,6 +167,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.graph = f.get_bool("graph");
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
   o.cfg.stash_rows = f.get_int("stash-rows", 0);
+  o.cfg.overlap_segments = f.get_bool("overlap");
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
   const int64_t layers = f.get_int("layers", 1);
@@ -528,6 +533,12 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
               static_cast<long long>(setup.layer->layout().S), static_cast<long long>(o.warmup), static_cast<long long>(o.iters));
   std::printf("  placement: %s\n", setup.domain->placement().c_str());
   rdep::bench::PrintTransportSms(cfg.transport_sms);
+  if (cfg.overlap_segments) {
+    const long long S = setup.layer->layout().S, segs = (s.ranks * s.tokens + S - 1) / S;
+    std::printf("  segments: %lld per call, %s\n", segs,
+                segs > 1 ? "overlapped (dispatch of s+1 and return of s-1 beside the compute of s; breakdown = the transport stream's path)"
+                         : "one: nothing to overlap, run in sequence");
+  }
   if (o.bf16_grads)
     std::printf("  weight gradients: bf16 (the layer holds no weights; bf16 weights and gradients bound, as rdep.torch's bf16 parameters)\n");
   if (cfg.expert_compute != rdep::ExpertComputeKind::kCublasLt)
@@ -567,7 +578,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -93,6 +93,8 @@ struct CutlassTiles {
   std::string dgrad_x;   // dx = dh.W1^T
   std::string wgrad_w2;  // dW2 = z^T.dout (fp32 or bf16 gradients)
   std::string wgrad_w1;  // dW1 = x^T.dh
+  int32_t gemm_sms = 0;  // the GEMMs' persistent grids use at most this many SMs, leaving the rest to kernels on
+                         // other streams (CudaMoELayer's overlapped segments); 0 = every SM. Same results
 };
 // scratch: null (the object allocates its own), or CutlassExpertScratchBytes(desc) bytes of device memory on
 // `device`, 16-byte aligned, that it uses for the SwiGLU activations and their gradients (z, dz, dh: nothing

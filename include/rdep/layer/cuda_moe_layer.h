@@ -209,6 +209,9 @@ class CudaMoELayer {
   std::vector<int64_t> owner_rows_per_expert(int32_t rank) const;
   StatusOr<std::vector<float>> CopyExpertOutputs(int32_t rank) const;  // [n*K][H]
   int64_t segments(int32_t rank) const;
+  // Whether rank's last forward ran its segments as the pipeline (LayerConfig::overlap_segments, more
+  // than one segment, the sync-free layer); its backward does too.
+  bool overlapped(int32_t rank) const;
 
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
   // what it did (telemetry as the host layer's; bytes count bf16 weights), and where each of its route
@@ -304,6 +307,19 @@ class CudaMoELayer {
   Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ReserveSyncFree(const RankState& st, Saved& sv) const;
+  // A sync-free segment's owner work in two parts: up to the return (recording read_done, if any, once the
+  // segment's payload is read), and the return of its rows; on the stream given.
+  Status ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload, __nv_bfloat16* out,
+                                cudaStream_t stream, cudaEvent_t read_done);
+  Status ComputeBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
+                                 __nv_bfloat16* dx_rows, cudaStream_t stream, cudaEvent_t read_done);
+  Status ReturnSyncFree(int32_t rank, const RankState& st, const Saved& sv, int64_t seg, const __nv_bfloat16* rows, cudaStream_t stream);
+  // LayerConfig::overlap_segments (cuda_overlap.cc): the segments as a pipeline on the domain's stream
+  // (scatter, barriers, returns) and the rank's compute stream (expand, gather, expert compute).
+  Status CreateOverlap(RankState& st) const;
+  static void DestroyOverlap(RankState& st);
+  bool Overlapped(const RankState& st, const Saved& sv, bool backward) const;
+  Status ExchangeOverlapped(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.
