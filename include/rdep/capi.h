@@ -54,7 +54,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 10
+#define RDEP_CAPI_VERSION 11
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -135,6 +135,12 @@ typedef struct rdep_layer_spec {
    * Needs expert_compute 1 (CUTLASS), no balancing, one node; not inside a CUDA graph capture. The host
    * backend ignores it. */
   int64_t stash_rows;
+  /* Version 11. CUDA: 1 = the overlapped segment pipeline, LayerConfig::overlap_segments: the dispatch of
+   * segment s+1 and the return of s-1 run beside the experts' compute of s (a second stream per rank), the
+   * same bits as in sequence; it fills only with more than one segment (segment_tokens < world_size * tokens).
+   * With transport_sms > 0 the expert GEMMs leave that many SMs. Needs expert_compute 1, no balancing, one
+   * node and owner_reduce 0. The host backend ignores it. */
+  int64_t overlap_segments;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

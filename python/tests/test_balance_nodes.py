@@ -7,6 +7,8 @@ module still matches the module without nodes on the same routing; bad options n
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -172,6 +174,29 @@ def test_stash_rows_bad_arguments_are_named():
         make(stash_rows=4096)  # cublaslt, the default
     with pytest.raises(ValueError, match=r"^stash_rows: .*balance='ultraep'"):
         make(stash_rows=4096, expert_compute="cutlass", balance="ultraep", balance_slots=1)
+
+
+def test_overlap_segments_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="^overlap_segments: expected a bool"):
+        make(overlap_segments=1)
+    for bad, named in ((dict(), "expert_compute='cublaslt'"),
+                       (dict(expert_compute="cutlass", owner_reduce=True), "owner_reduce=True"),
+                       (dict(expert_compute="cutlass", balance="ultraep", balance_slots=1), "balance='ultraep'"),
+                       (dict(expert_compute="cutlass", nodes=2), "nodes=2")):
+        with pytest.raises(ValueError, match=r"^overlap_segments: the segment pipeline needs .*" + re.escape(named)):
+            make(overlap_segments=True, **bad)
+    assert make(expert_compute="cutlass", overlap_segments=True).layer.overlap_segments is True
+
+
+def test_overlap_segments_is_ignored_by_the_host_backend():
+    """The host backend runs its segments in sequence; overlap_segments (CUDA's pipeline) changes nothing there."""
+    plain = make(expert_compute="cutlass", segment_tokens=24)
+    piped = make(expert_compute="cutlass", segment_tokens=24, overlap_segments=True)
+    piped.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 24, 16, generator=torch.Generator().manual_seed(2))
+    outs = [run(m, x) for m in (plain, piped)]
+    for a, b in zip(outs[1], outs[0]):
+        assert torch.equal(a, b)
 
 
 def test_keep_weight_casts_is_a_bool_off_by_default():

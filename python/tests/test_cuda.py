@@ -381,6 +381,26 @@ def test_stash_rows_on_cuda_gives_the_same_bits():
         assert stashed.layer.live_contexts == 0
 
 
+def test_overlap_segments_on_cuda_gives_the_same_bits():
+    """overlap_segments (the segment pipeline on a second stream per rank, CUTLASS compute) against the same
+    module in sequence, several segments (segment_tokens 24 of W * 32 tokens), two steps: y and the expert
+    weight gradients bitwise, dx and the router's gradient within the bf16 tolerance (they also pass through
+    PyTorch's kernels), at W = 1 and W = 4 ranks sharing GPU 0."""
+    for W in (1, 4):
+        args = dict(max_tokens=32, world_size=W, backend="cuda", seed=9, init_std=0.1, expert_compute="cutlass",
+                    segment_tokens=24)
+        seq = rt.MoE(64, 32, 8, 2, **args)
+        piped = rt.MoE(64, 32, 8, 2, overlap_segments=True, **args)
+        piped.load_state_dict(seq.state_dict())
+        assert piped.layer.overlap_segments is True
+        for step in range(2):
+            x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
+            for m in (seq, piped):
+                m.zero_grad()
+            outs = [outputs_and_grads(m, x) for m in (seq, piped)]
+            assert_same_bits_but_torch_grads(outs[1], outs[0], f"W={W}, step {step}")
+
+
 def test_transport_sms_on_cuda_gives_the_same_bits():
     """transport_sms=3 (the peer-storing kernels on 3 blocks, at most 3 SMs) against the default grids, with
     owner_reduce too: y and the expert weight gradients bitwise equal (each row is one warp's work whatever

@@ -219,6 +219,7 @@ class Layer(CHandle):
         balance_min_gain: int = 0,
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
+        overlap_segments: bool = False,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -245,6 +246,12 @@ class Layer(CHandle):
         if stash_rows and (expert_compute != "cutlass" or balance != "off" or nodes > 1):
             raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
                              f"nodes=1 (got expert_compute={expert_compute!r}, balance={balance!r}, nodes={nodes})")
+        if not isinstance(overlap_segments, bool):
+            raise TypeError(f"overlap_segments: expected a bool, got {type(overlap_segments).__name__}")
+        if overlap_segments and (expert_compute != "cutlass" or balance != "off" or nodes > 1 or owner_reduce):
+            raise ValueError("overlap_segments: the segment pipeline needs the sync-free layer with the per-slot return: "
+                             "expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False (got expert_compute="
+                             f"{expert_compute!r}, balance={balance!r}, nodes={nodes}, owner_reduce={owner_reduce})")
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -288,6 +295,7 @@ class Layer(CHandle):
         spec.owner_reduce = int(owner_reduce)
         spec.transport_sms = transport_sms
         spec.stash_rows = stash_rows
+        spec.overlap_segments = int(overlap_segments)
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -325,6 +333,7 @@ class Layer(CHandle):
         self.expert_compute = expert_compute
         self.owner_reduce = owner_reduce
         self.transport_sms = transport_sms
+        self.overlap_segments = overlap_segments
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:
