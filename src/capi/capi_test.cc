@@ -161,6 +161,8 @@ TEST(CApi, SpecErrorsNameTheField) {
   refused([](rdep_layer_spec& x) { x.reserved = 3; }, "reserved must be 0, got 3");
   refused([](rdep_layer_spec& x) { x.transport_sms = 2, x.nodes = 2; }, "transport_sms: not with nodes");
   made([](rdep_layer_spec& x) { x.transport_sms = 8; }, "transport_sms 8 (the host backend ignores it)");
+  refused([](rdep_layer_spec& x) { x.overlap_segments = 2; }, "overlap_segments 2 is not 0 (off) or 1 (on)");
+  made([](rdep_layer_spec& x) { x.overlap_segments = 1; }, "overlap_segments 1 (the host backend ignores it)");
   refused([](rdep_layer_spec& x) { x.nodes = 3; }, "N=3 must be >= 1 and divide W=2");
   made([](rdep_layer_spec& x) { x.balance = RDEP_BALANCE_ULTRAEP, x.balance_slots = 1, x.balance_relay_above = -1; },
        "version-2 fields that are valid");

@@ -266,8 +266,9 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   // The owner's output rows: forward outputs of a segment; in backward, dout rows then dx rows behind
   // them. No call keeps them past its return, so every layer of this size on the domain shares them.
   // Overlapped segments (cuda_overlap.cc) keep two segments' outputs: forward two halves, backward the dout
-  // rows and two halves of dx rows.
-  layer->out_rows_bytes_ = static_cast<size_t>((config.overlap_segments ? 3 : 2) * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) *
+  // rows and two halves of dx rows (only when there is more than one segment to overlap).
+  const bool pipelined = config.overlap_segments && s.ranks * s.tokens > l.S;
+  layer->out_rows_bytes_ = static_cast<size_t>((pipelined ? 3 : 2) * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) *
                            sizeof(__nv_bfloat16);
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
   if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, dz, dh) lives within a call too
@@ -328,7 +329,11 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
         if (config.overlap_segments && config.transport_sms > 0) {  // the GEMMs leave the transport its SMs
           int sms = 0;
           RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, st->device));
-          tiles.gemm_sms = std::max(1, sms - config.transport_sms);
+          if (2 * config.transport_sms > sms)
+            return InvalidArgument("transport_sms: " + std::to_string(config.transport_sms) + " with overlap_segments would leave the expert GEMMs " +
+                                   std::to_string(std::max(0, sms - config.transport_sms)) + " of GPU " + std::to_string(st->device) +
+                                   "'s " + std::to_string(sms) + " SMs; give the transport at most half (" + std::to_string(sms / 2) + ")");
+          tiles.gemm_sms = (sms - config.transport_sms) & ~1;  // even: the clustered tiles run CTA pairs
         }
         auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, domain.region(q, layer->expert_scratch_));
         if (!cutlass.ok())
@@ -405,6 +410,10 @@ const CudaMoELayer::Saved* CudaMoELayer::last(int32_t rank) const {
 
 bool CudaMoELayer::overlapped(int32_t r) const {
   const Saved* saved = last(r);
+  return saved && saved->overlapped;
+}
+bool CudaMoELayer::overlapped(const ForwardContext& ctx, int32_t r) const {
+  const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
   return saved && saved->overlapped;
 }
 int64_t CudaMoELayer::segments(int32_t r) const {

@@ -31,11 +31,16 @@ using cuda_layer::Bits;
 using dispatch::bf16_bits;
 
 Status CudaMoELayer::CreateOverlap(RankState& st) const {
-  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st.compute_stream, cudaStreamNonBlocking));
-  RankState::OverlapEvents& ev = st.overlap;
-  for (cudaEvent_t* e : {&ev.start, &ev.dispatched, &ev.read, &ev.computed, &ev.returned[0], &ev.returned[1]})
-    RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-  return Status::Ok();
+  const auto make = [&]() -> Status {
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st.compute_stream, cudaStreamNonBlocking));
+    RankState::OverlapEvents& ev = st.overlap;
+    for (cudaEvent_t* e : {&ev.start, &ev.dispatched, &ev.read, &ev.computed, &ev.returned[0], &ev.returned[1]})
+      RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    return Status::Ok();
+  };
+  Status s = make();
+  if (!s.ok()) DestroyOverlap(st);  // what was made before the failure
+  return s;
 }
 
 void CudaMoELayer::DestroyOverlap(RankState& st) {  // the rank's device is current
@@ -49,7 +54,16 @@ bool CudaMoELayer::Overlapped(const RankState& st, const Saved& sv, bool backwar
   return config_.overlap_segments && st.compute_stream && SyncFree(st) && sv.num_segments > 1 && (!backward || sv.counts_on_device);
 }
 
+// On an error past the fork the compute stream is joined back into the domain's stream (best effort) so
+// that the next call, or another layer sharing the output rows and scratch, is ordered after its work.
 Status CudaMoELayer::ExchangeOverlapped(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
+  Status s = RunPipeline(rank, st, sv, backward, payload);
+  if (!s.ok() && cudaEventRecord(st.overlap.computed, st.compute_stream) == cudaSuccess)
+    (void)cudaStreamWaitEvent(domain_.stream(rank), st.overlap.computed, 0);
+  return s;
+}
+
+Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
   const int64_t S = layout_.S, H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_);
   cudaStream_t comm = domain_.stream(rank), comp = st.compute_stream;
   RankState::OverlapEvents& ev = st.overlap;

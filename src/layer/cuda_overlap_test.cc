@@ -153,6 +153,21 @@ TEST(CudaOverlap_Errors, OwnerReduceIsRefusedByName) {
   EXPECT_NE(layer.status().message().find("owner_reduce on"), std::string::npos) << layer.status();
 }
 
+TEST(CudaOverlap_Errors, ATransportBudgetOverHalfTheSmsIsRefused) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  const SmallProblem p(1, "uniform", 1, 7);
+  auto domain = CudaDomain::CreateSingleProcess(1, {});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  LayerConfig cfg = MakeLayerConfig(p.shape, {}, 16);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.overlap_segments = true;
+  cfg.transport_sms = kMaxTransportSms;  // more than half of any GPU's SMs: the GEMMs would be left (nearly) none
+  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_NE(layer.status().message().find("transport_sms: 1024 with overlap_segments"), std::string::npos) << layer.status();
+}
+
 }  // namespace
 }  // namespace rdep
 #endif

@@ -212,6 +212,7 @@ class CudaMoELayer {
   // Whether rank's last forward ran its segments as the pipeline (LayerConfig::overlap_segments, more
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
+  bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
 
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
   // what it did (telemetry as the host layer's; bytes count bf16 weights), and where each of its route
@@ -320,6 +321,7 @@ class CudaMoELayer {
   static void DestroyOverlap(RankState& st);
   bool Overlapped(const RankState& st, const Saved& sv, bool backward) const;
   Status ExchangeOverlapped(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
+  Status RunPipeline(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.

@@ -68,8 +68,8 @@ struct LayerConfig {
   bool overlap_segments = false;   // CUDA: run a forward's and a backward's segments as a pipeline (seeds 000 section
                                    // 3.5): the dispatch of segment s+1 and the return of s-1 in flight while the
                                    // experts compute s, on a second stream per rank; bitwise equal to the sequential
-                                   // schedule. With transport_sms > 0 the expert GEMMs' persistent grids leave that
-                                   // many SMs to the transport. Needs the sync-free layer (expert_compute cutlass,
+                                   // schedule. With transport_sms > 0 (at most half the GPU's SMs) the expert GEMMs'
+                                   // persistent grids leave that many SMs to the transport. Needs the sync-free layer (expert_compute cutlass,
                                    // no balancing, one node) and the per-slot return (not owner_reduce); pays only
                                    // with more than one segment (segment_tokens < W*T). The host backend ignores it
 
