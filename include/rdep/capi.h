@@ -138,8 +138,8 @@ typedef struct rdep_layer_spec {
   /* Version 11. CUDA: 1 = the overlapped segment pipeline, LayerConfig::overlap_segments: the dispatch of
    * segment s+1 and the return of s-1 run beside the experts' compute of s (a second stream per rank), the
    * same bits as in sequence; it fills only with more than one segment (segment_tokens < world_size * tokens).
-   * With transport_sms > 0 the expert GEMMs leave that many SMs. Needs expert_compute 1, no balancing, one
-   * node and owner_reduce 0. The host backend ignores it. */
+   * With transport_sms > 0 (at most half the GPU's SMs) the expert GEMMs leave that many SMs. Needs
+   * expert_compute 1, no balancing, one node and owner_reduce 0. The host backend ignores it. */
   int64_t overlap_segments;
 } rdep_layer_spec;
 
