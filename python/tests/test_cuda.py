@@ -362,6 +362,17 @@ def test_owner_reduce_on_cuda_matches_the_per_slot_return():
         assert on.layer.live_contexts == 0
 
 
+def two_steps_same_bits(got, want, W):
+    """Two steps of `got` and `want` (modules with the same weights) on the same fresh bf16 inputs, W ranks
+    sharing GPU 0: assert_same_bits_but_torch_grads after each."""
+    for step in range(2):
+        x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
+        for m in (want, got):
+            m.zero_grad()
+        outs = [outputs_and_grads(m, x) for m in (want, got)]
+        assert_same_bits_but_torch_grads(outs[1], outs[0], f"W={W}, step {step}")
+
+
 def test_stash_rows_on_cuda_gives_the_same_bits():
     """The paged stash (stash_rows, CUTLASS compute): the saved expert rows go to pool pages at forward and
     back at backward, copies only, so y and the expert weight gradients are bitwise the module without it,
@@ -372,12 +383,7 @@ def test_stash_rows_on_cuda_gives_the_same_bits():
         plain = rt.MoE(64, 32, 8, 2, **args)
         stashed = rt.MoE(64, 32, 8, 2, stash_rows=W * 32 * 2, **args)
         stashed.load_state_dict(plain.state_dict())
-        for step in range(2):
-            x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
-            for m in (plain, stashed):
-                m.zero_grad()
-            outs = [outputs_and_grads(m, x) for m in (plain, stashed)]
-            assert_same_bits_but_torch_grads(outs[1], outs[0], f"W={W}, step {step}")
+        two_steps_same_bits(stashed, plain, W)
         assert stashed.layer.live_contexts == 0
 
 
@@ -393,12 +399,7 @@ def test_overlap_segments_on_cuda_gives_the_same_bits():
         piped = rt.MoE(64, 32, 8, 2, overlap_segments=True, **args)
         piped.load_state_dict(seq.state_dict())
         assert piped.layer.overlap_segments is True
-        for step in range(2):
-            x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
-            for m in (seq, piped):
-                m.zero_grad()
-            outs = [outputs_and_grads(m, x) for m in (seq, piped)]
-            assert_same_bits_but_torch_grads(outs[1], outs[0], f"W={W}, step {step}")
+        two_steps_same_bits(piped, seq, W)
 
 
 def test_transport_sms_on_cuda_gives_the_same_bits():

@@ -141,31 +141,27 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaOverlap,
 TEST(CudaOverlap_Errors, OwnerReduceIsRefusedByName) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const SmallProblem p(1, "uniform", 1, 7);
-  auto domain = CudaDomain::CreateSingleProcess(1, {});
-  ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(p.shape, {}, 16);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
   cfg.owner_reduce = true;
   cfg.overlap_segments = true;
-  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
-  ASSERT_FALSE(layer.ok());
-  EXPECT_NE(layer.status().message().find("overlap_segments"), std::string::npos) << layer.status();
-  EXPECT_NE(layer.status().message().find("owner_reduce on"), std::string::npos) << layer.status();
+  const Status st = CreateStatus(p, cfg);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("overlap_segments"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("owner_reduce on"), std::string::npos) << st;
 }
 
 TEST(CudaOverlap_Errors, ATransportBudgetOverHalfTheSmsIsRefused) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   const SmallProblem p(1, "uniform", 1, 7);
-  auto domain = CudaDomain::CreateSingleProcess(1, {});
-  ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(p.shape, {}, 16);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
   cfg.overlap_segments = true;
   cfg.transport_sms = kMaxTransportSms;  // more than half of any GPU's SMs: the GEMMs would be left (nearly) none
-  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
-  ASSERT_FALSE(layer.ok());
-  EXPECT_NE(layer.status().message().find("transport_sms: 1024 with overlap_segments"), std::string::npos) << layer.status();
+  const Status st = CreateStatus(p, cfg);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("transport_sms: 1024 with overlap_segments"), std::string::npos) << st;
 }
 
 }  // namespace

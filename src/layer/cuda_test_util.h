@@ -20,6 +20,7 @@
 #include "rdep/cuda/check.h"
 #include "rdep/cuda/device_count.h"
 #include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
 #include "rdep/status.h"
 
 namespace rdep {
@@ -55,6 +56,14 @@ struct SmallProblem {
         x(RandomActivations(shape, routing, act_seed)),
         dy(RandomActivations(shape, routing, act_seed + 1)) {}
 };
+
+// What CudaMoELayer::Create says for `cfg` on a one-rank domain on GPU 0 (a layer made is freed at once).
+inline Status CreateStatus(const SmallProblem& p, const LayerConfig& cfg) {
+  auto domain = CudaDomain::CreateSingleProcess(1, {});
+  if (!domain.ok()) return domain.status();
+  auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
+  return layer.status();
+}
 
 // One micro-batch's device tensors on one rank.
 struct Batch {
