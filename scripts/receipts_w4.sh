@@ -31,8 +31,8 @@
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
-#   gate2      the layer at W = 2 under Zipf alpha 1 and 2: balancing off, ultraep, and ultraep with the gain gate
-#              (--min-gain 2500)
+#   gate2      the layer at W = GATE_W (default 2) under Zipf alpha 1 and 2: balancing off, ultraep, and ultraep
+#              with the gain gate (--min-gain 2500); gate4 is the same at W = 4
 #   binding1   what rdep.torch adds to the layer (bench/torch_layer_bench.py beside rdep bench layer --ranks 1
 #              --grads bf16, CUTLASS compute, alternated a/b) on one GPU
 #   stack2     per-rank memory of stacks of 4 and 8 Moonlight layers at W = 2 (CUTLASS compute)
@@ -219,15 +219,18 @@ stage_pairskew() {
       --json "$R/layer_zipf${a}_w2_ultraep.json"
   done
 }
-stage_gate2() {
+stage_gate2() {  # GATE_W ranks (default 2; 4 on a 4-GPU machine, or call stage gate4)
+  local w=${GATE_W:-2}
   for a in 1 2; do
-    run gate_zipf${a}_w2_off "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --json "$R/gate_zipf${a}_w2_off.json"
-    run gate_zipf${a}_w2_ultraep "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
-      --json "$R/gate_zipf${a}_w2_ultraep.json"
-    run gate_zipf${a}_w2_gain "$RDEP" bench layer --ranks 2 --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
-      --min-gain 2500 --json "$R/gate_zipf${a}_w2_gain.json"
+    run gate_zipf${a}_w${w}_off "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --routing "zipf:$a" \
+      --json "$R/gate_zipf${a}_w${w}_off.json"
+    run gate_zipf${a}_w${w}_ultraep "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
+      --json "$R/gate_zipf${a}_w${w}_ultraep.json"
+    run gate_zipf${a}_w${w}_gain "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --routing "zipf:$a" --balance ultraep \
+      --min-gain 2500 --json "$R/gate_zipf${a}_w${w}_gain.json"
   done
 }
+stage_gate4() { GATE_W=4 stage_gate2; }
 stage_binding1() {
   local env=(env RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1)
   for round in a b; do
