@@ -5,16 +5,19 @@
 // so a layer that uses it can be captured in a CUDA graph.
 //
 //   Forward   setup (offsets, tables, total)  ->  h = x.W1 (NN)  ->  z = swiglu(h)  ->  y = z.W2 (NN)
-//   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dx = dh.W1^T (NT),
-//             dW2 (+)= z^T.dout (TN),  dW1 (+)= x^T.dh (TN)  ->  zero the gradients of empty experts
+//   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dW2 (+)= z^T.dout (TN)
+//             ->  dx = dh.W1^T (NT),  dW1 (+)= x^T.dh (TN)  ->  zero the gradients of empty experts
 //             (overwrite mode only: their TN groups have no tiles)
+// Memory: one scratch of F values a row. Backward writes z over dz and dh over the caller's h (both
+// in place, element by element in one thread), and runs dW2 before dx, so dx may be dout itself
+// (dx_may_alias_dout): the owner then needs one set of output rows.
 // Counts that sum beyond the call's rows.max_rows cannot be computed without overflowing the buffers:
 // the setup kernel then computes nothing (every group empty, the total -1, outputs and gradients
 // untouched) and raises a fault in host-mapped memory that the next call reports once
 // (FailedPrecondition naming the sum). The scan caps each count at max_rows + 1, so corrupt counts
 // cannot wrap the int64 sum. A captured graph's replays are not calls: a fault raised there shows at
 // the next eager call (or CheckCall of a later one).
-// One object serves one stream at a time: its tables, total and internal buffers (z, dz, dh) are
+// One object serves one stream at a time: its tables, total and internal buffer (z, dz) are
 // shared by its calls, so calls on different streams must be ordered by the caller.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -91,7 +94,7 @@ struct BackwardSetup {
   int32_t experts;
   int64_t H, F, max_rows;
   const __nv_bfloat16 *x, *dout, *w1, *w2;
-  __nv_bfloat16 *z, *dz, *dh, *dx;
+  __nv_bfloat16 *z, *dh, *dx;  // z: dz, then z in its place; dh: the caller's h, overwritten
   void *dw1, *dw2;  // fp32 or bf16, [E][H][2F], [E][F][H]
   int64_t grad_elem_bytes;
   GemmTables gdz, gdx, gdw2, gdw1;
@@ -165,7 +168,7 @@ __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup
   auto* dw1 = static_cast<char*>(p.dw1) + e * H * 2 * F * p.grad_elem_bytes;
   auto* dw2 = static_cast<char*>(p.dw2) + e * F * H * p.grad_elem_bytes;
   const auto h32 = static_cast<int32_t>(H), f32 = static_cast<int32_t>(F);
-  SetGroup(p.gdz, e, m, f32, h32, p.dout + off * H, p.w2 + e * F * H, p.dz + off * F);
+  SetGroup(p.gdz, e, m, f32, h32, p.dout + off * H, p.w2 + e * F * H, p.z + off * F);
   SetGroup(p.gdx, e, m, h32, 2 * f32, p.dh + off * 2 * F, p.w1 + e * H * 2 * F, p.dx + off * H);
   // Weight gradients: M x N = F x H and H x 2F, K = the expert's rows; an empty expert has no tiles.
   SetGroup(p.gdw2, e, m > 0 ? f32 : 0, h32, m, p.z + off * F, p.dout + off * H, dw2);
@@ -193,8 +196,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device_);
-    if (!external_scratch_)  // z, dz and dh are one allocation from z
-      if (z_) cudaFree(z_);
+    if (!external_scratch_ && z_) cudaFree(z_);
     if (total_) cudaFree(total_);
     if (fault_host_) cudaFreeHost(fault_host_);
     gemms_.reset();
@@ -227,7 +229,6 @@ class CutlassExpertCompute final : public ExpertCompute {
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, t.dw1, g.dw1)); // dW1 [H][2F] = (x [m][H])^T . dh [m][2F]
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, F, H, H, t.dw2, g.dw2_bf16));
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_BF16, H, 2 * F, 2 * F, t.dw1, g.dw1_bf16));
-    const auto rows = static_cast<size_t>(desc_.max_rows);
     if (external_scratch_) {
       z_ = static_cast<__nv_bfloat16*>(external_scratch_);
     } else {
@@ -235,8 +236,6 @@ class CutlassExpertCompute final : public ExpertCompute {
       RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(CutlassExpertScratchBytes(desc_), 16)));
       z_ = static_cast<__nv_bfloat16*>(p);
     }
-    dz_ = z_ + rows * static_cast<size_t>(F);  // z [rows][F], dz [rows][F], dh [rows][2F]: 16-byte aligned (F % 8 == 0)
-    dh_ = dz_ + rows * static_cast<size_t>(F);
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&total_, sizeof(int64_t)));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(total_, 0, sizeof(int64_t)));
     void* pinned = nullptr;
@@ -272,10 +271,13 @@ class CutlassExpertCompute final : public ExpertCompute {
     return g.g2->Run(0.0f, stream);
   }
 
-  Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+  bool dx_may_alias_dout() const override { return true; }
+
+  Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, __nv_bfloat16* h, const __nv_bfloat16* dout,
                   const ExpertWeightsView& w, __nv_bfloat16* dx, const ExpertGradsView& grads, bool accumulate,
                   cudaStream_t stream) override {
     RDEP_RETURN_IF_ERROR(CheckCall(rows, w));
+    if (!h) return InvalidArgument("cutlass expert compute: h (the forward's pre-activations) is null");
     if (grads.bf16() && accumulate)
       return InvalidArgument("cutlass expert compute: bf16 weight gradients are written once (accumulate must be false)");
     Gemms& g = *gemms_;
@@ -286,15 +288,15 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (!dw1 || !dw2) return InvalidArgument("cutlass expert compute: weight gradients are null");
     const int64_t elem = grads.bf16() ? 2 : 4;
     const BackwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, dout,
-                          w.w1, w.w2, z_, dz_, dh_, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
+                          w.w1, w.w2, z_, h, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
                           Tables(gdw1), total_, fault_dev_};
     BackwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
     RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, dz_, z_, dh_, rows.max_rows, desc_.ffn, stream, total_));
-    RDEP_RETURN_IF_ERROR(g.dx->Run(0.0f, stream));
+    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_));  // in place
     const float beta = accumulate ? 1.0f : 0.0f;
-    RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));
+    RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));  // the last reader of dout: dx may go over it
+    RDEP_RETURN_IF_ERROR(g.dx->Run(0.0f, stream));
     RDEP_RETURN_IF_ERROR(gdw1.Run(beta, stream));
     if (accumulate) return Status::Ok();
     const int64_t H = desc_.hidden, F = desc_.ffn;
@@ -337,8 +339,8 @@ class CutlassExpertCompute final : public ExpertCompute {
   int device_;
   RoleTiles tiles_;
   std::unique_ptr<Gemms> gemms_;
-  void* external_scratch_ = nullptr;  // the caller's z, dz, dh (MakeCutlassExpertCompute's scratch), or null
-  __nv_bfloat16 *z_ = nullptr, *dz_ = nullptr, *dh_ = nullptr;
+  void* external_scratch_ = nullptr;  // the caller's z (MakeCutlassExpertCompute's scratch), or null
+  __nv_bfloat16* z_ = nullptr;        // [max_rows][F]: z forward; dz, then z over it, backward
   int64_t* total_ = nullptr;
   int64_t* fault_host_ = nullptr;
   int64_t* fault_dev_ = nullptr;

@@ -12,6 +12,7 @@
 //   build/src/experts/experts_test --gtest_filter='*CutlassExpertCompute*:*GroupedGemmSm90*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
@@ -110,6 +111,39 @@ struct Case {
   std::string tile;  // every GEMM role on this tile ("" = the defaults)
 };
 
+// The CUTLASS backward again, on the forward's h restored, with dx written over dout (one buffer, as the
+// layer's output rows): the same bits as with separate dx and dout buffers. Only the first M rows are dx.
+void ExpectSameBitsWithDxOverDout(ExpertCompute& ec, const Case& c, const ExpertRows& rows, const ExpertWeightsView& w,
+                                  Dev<uint16_t>& x, Dev<uint16_t>& h, Dev<uint16_t>& dout, const std::vector<uint16_t>& h_forward,
+                                  const std::vector<uint16_t>& dx, const std::vector<float>& dw1, const std::vector<float>& dw2,
+                                  const std::vector<uint16_t>& dw1_b, const std::vector<uint16_t>& dw2_b) {
+  h.Upload(h_forward);
+  Dev<uint16_t> io(dout.n), dw1b(dw1_b.size()), dw2b(dw2_b.size());
+  io.Upload(dout.Download());
+  Dev<float> g1(dw1.size()), g2(dw2.size());
+  if (c.accumulate) {
+    g1.Upload(std::vector<float>(dw1.size(), 0.25f));  // CompareWithCublasLt's starting values
+    g2.Upload(std::vector<float>(dw2.size(), -0.5f));
+  } else {
+    for (auto* d : {&g1, &g2}) d->Poison();
+    for (auto* d : {&dw1b, &dw2b}) d->Poison();
+  }
+  const ExpertGradsView g = c.bf16_grads ? ExpertGradsView{nullptr, nullptr, dw1b.bf(), dw2b.bf()} : ExpertGradsView{g1.p, g2.p};
+  const Status b = ec.Backward(rows, x.bf(), h.bf(), io.bf(), w, io.bf(), g, c.accumulate, nullptr);
+  ASSERT_TRUE(b.ok()) << b;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> got = io.Download();
+  const auto n = static_cast<size_t>(rows.max_rows * c.H);
+  EXPECT_TRUE(std::equal(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(n), dx.begin())) << "dx over dout differs";
+  if (c.bf16_grads) {
+    EXPECT_EQ(dw1b.Download(), dw1_b) << "dW1 (bf16) with dx over dout";
+    EXPECT_EQ(dw2b.Download(), dw2_b) << "dW2 (bf16) with dx over dout";
+  } else {
+    EXPECT_EQ(g1.Download(), dw1) << "dW1 with dx over dout";
+    EXPECT_EQ(g2.Download(), dw2) << "dW2 with dx over dout";
+  }
+}
+
 // Forward and backward with both implementations on the same inputs.
 void CompareWithCublasLt(const Case& c) {
   const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, F = c.F, pad = 5;
@@ -152,14 +186,19 @@ void CompareWithCublasLt(const Case& c) {
     const ExpertWeightsView w{w1.bf(), w2.bf()};
     const ExpertGradsView g = c.bf16_grads ? ExpertGradsView{nullptr, nullptr, dw1b.bf(), dw2b.bf()} : ExpertGradsView{dw1.p, dw2.p};
     ASSERT_TRUE(impl[k]->Forward(rows, x.bf(), w, h.bf(), y.bf(), nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << impl[k]->name();
+    const std::vector<uint16_t> h_forward = h.Download();  // Backward consumes h (the CUTLASS one writes dh there)
     Status b = impl[k]->Backward(rows, x.bf(), h.bf(), dout.bf(), w, dx.bf(), g, c.accumulate, nullptr);
     ASSERT_TRUE(b.ok()) << impl[k]->name() << ": " << b;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << impl[k]->name();
-    got[k] = {h.Download(), y.Download(), dx.Download(), dw1b.Download(), dw2b.Download(), dw1.Download(), dw2.Download()};
+    got[k] = {h_forward, y.Download(), dx.Download(), dw1b.Download(), dw2b.Download(), dw1.Download(), dw2.Download()};
     for (int64_t i = M * H; i < (M + pad) * H; ++i) {
       ASSERT_EQ(got[k].y[static_cast<size_t>(i)], 0xFFFF) << impl[k]->name() << ": y row past M written";
       ASSERT_EQ(got[k].dx[static_cast<size_t>(i)], 0xFFFF) << impl[k]->name() << ": dx row past M written";
     }
+    EXPECT_EQ(impl[k]->dx_may_alias_dout(), k == 1) << impl[k]->name();
+    if (k == 1) ExpectSameBitsWithDxOverDout(*impl[k], c, rows, w, x, h, dout, h_forward, got[k].dx, got[k].dw1, got[k].dw2, got[k].dw1_b,
+                                             got[k].dw2_b);
   }
   const auto& n = c.counts;
   ExpectPerExpert(AsDouble(got[1].h, h_n), AsDouble(got[0].h, h_n), n, 2 * F, true, "h");

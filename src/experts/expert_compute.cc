@@ -26,7 +26,7 @@ class CublasLtExpertCompute final : public ExpertCompute {
     return mlp_->Forward(x, counts, w.w1, w.w2, h, y, stream);
   }
 
-  Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, const __nv_bfloat16* h, const __nv_bfloat16* dout,
+  Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, __nv_bfloat16* h, const __nv_bfloat16* dout,
                   const ExpertWeightsView& w, __nv_bfloat16* dx, const ExpertGradsView& g, bool accumulate,
                   cudaStream_t stream) override {
     RDEP_ASSIGN_OR_RETURN(const int64_t* counts, HostCounts(rows, w, stream));
@@ -63,7 +63,7 @@ size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpCon
 }
 
 size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc) {
-  return static_cast<size_t>(std::max<int64_t>(desc.max_rows, 0)) * static_cast<size_t>(4 * std::max<int64_t>(desc.ffn, 0)) * 2;
+  return static_cast<size_t>(std::max<int64_t>(desc.max_rows, 0)) * static_cast<size_t>(std::max<int64_t>(desc.ffn, 0)) * 2;
 }
 
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCublasLtExpertCompute(const ExpertMlpDesc& desc, int device,

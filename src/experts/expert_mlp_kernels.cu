@@ -48,9 +48,10 @@ __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bf
   }
 }
 
-__global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
-                                     __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, const int64_t* device_rows,
-                                     int64_t rows, int64_t vec_per_row, int64_t F) {
+// In place allowed (z == dz, dh == h: the CUTLASS compute's backward): no __restrict__, and each thread
+// loads its three vectors before it stores any, so an element is read before the same thread overwrites it.
+__global__ void SwigluBackwardKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
+                                     const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F) {
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -22,7 +22,7 @@ cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_
 // From the saved pre-activations h [rows][2F] and dz [rows][F]:
 //   z[r][f]      = silu(a) * b                      (recomputed for dW2)
 //   dh[r][f]     = dz * b * silu'(a),  dh[r][F + f] = dz * silu(a)      a = h[r][f], b = h[r][F + f]
-// fp32 math, bf16 stores. Same requirements as the forward.
+// fp32 math, bf16 stores. Same requirements as the forward. In place allowed: z may be dz and dh may be h.
 cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
                                  int64_t rows, int64_t F, cudaStream_t stream, const int64_t* device_rows = nullptr);
 

@@ -263,13 +263,12 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   // (LayerRegions::shared_transport); the two-phase exchange keeps its own.
   RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0,
                                                                 /*share_transport=*/config.nodes.nodes <= 1));
-  // The owner's output rows: forward outputs of a segment; in backward, dout rows then dx rows behind
-  // them. No call keeps them past its return, so every layer of this size on the domain shares them.
-  // Overlapped segments (cuda_overlap.cc) keep two segments' outputs: forward two halves, backward the dout
-  // rows and two halves of dx rows (only when there is more than one segment to overlap).
-  const bool pipelined = config.overlap_segments && s.ranks * s.tokens > l.S;
-  layer->out_rows_bytes_ = static_cast<size_t>((pipelined ? 3 : 2) * std::max<int64_t>(MaxSegmentRows(config, l), 1) * s.hidden) *
-                           sizeof(__nv_bfloat16);
+  // The owner's output rows: forward outputs of a segment; in backward, dout rows, then dx rows over them
+  // (DxOverDout: the CUTLASS compute) or behind them. No call keeps them past its return, so every layer of
+  // this size on the domain shares them. Overlapped segments (cuda_overlap.cc) keep two segments' rows in
+  // flight (only when there is more than one segment to overlap).
+  layer->out_rows_bytes_ = static_cast<size_t>(OwnerOutputRowSets(config, l.S) * std::max<int64_t>(MaxSegmentRows(config, l), 1) *
+                                               s.hidden) * sizeof(__nv_bfloat16);
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
   if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, dz, dh) lives within a call too
     const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
@@ -761,7 +760,8 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(domain_.region(rank, replica_g_), 0,
                                               static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * H * s.ffn) * sizeof(float),
                                               stream));
-  if (m > 0) {  // dx rows go right behind the dout rows in out_rows
+  const int64_t dx_at = DxOverDout(config_) ? 0 : m;  // dx rows over the dout rows, or right behind them
+  if (m > 0) {
     const int64_t* dev_counts = nullptr;  // counts saved by forward on the host; a compute that reads them on the
     if (st.mlp && st.mlp->graph_safe()) {  // device gets them back there (stream-ordered, staged by the copy)
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.seg_counts.ptr, counts.data(), counts.size() * sizeof(int64_t),
@@ -771,19 +771,23 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     int64_t main_rows = 0;
     for (int32_t j = 0; j < st.num_local && static_cast<size_t>(j) < counts.size(); ++j) main_rows += counts[static_cast<size_t>(j)];
     if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));  // no call will write them
-    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0))
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {
+      if (dx_at == 0 && !c.mlp->dx_may_alias_dout())
+        return InternalError(std::string("backward on rank ") + std::to_string(rank) + ": expert compute " + c.mlp->name() +
+                             " cannot write dx over dout, and the output rows hold one set");
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
-                                           OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (m + c.first) * H, c.grads,
+                                           OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (dx_at + c.first) * H, c.grads,
                                            c.accumulate, stream));
+    }
   } else if (seg == 0) {  // no rows at this owner in the first segment: its gradients are zero so far
     RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   if (config_.owner_reduce) {
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + m * H, sv, seg, base, /*backward=*/true));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + dx_at * H, sv, seg, base, /*backward=*/true));
   } else {
-    RDEP_RETURN_IF_ERROR(ReturnRows(rank, OutRows(rank) + m * H, sv, base, m, stream));
+    RDEP_RETURN_IF_ERROR(ReturnRows(rank, OutRows(rank) + dx_at * H, sv, base, m, stream));
   }
   return Mark(rank, st, true, kMarkReturn);
 }

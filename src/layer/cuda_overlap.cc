@@ -11,8 +11,8 @@
 //   - read s-1 before barrier s: a peer passes barrier s only after this rank arrives, and only then
 //     scatters segment s+1 into the payload and sideband half that segment s-1 used here;
 //   - dispatched before the compute: the peers' rows of segment s have landed;
-//   - return s-2 before compute s: both write the same half of the owner's output rows (forward: two
-//     halves of cap rows; backward: the dout rows, then two halves of dx rows);
+//   - return s-2 before compute s: both use the same half of the owner's output rows (two halves of cap
+//     rows; forward the expert outputs, backward the dout rows with the dx rows written over them);
 //   - computed s-1 before return s-1, and the last computed before the final barrier, which the
 //     combine and the next call follow on the domain's stream: the compute stream has joined.
 // The pipeline fills only with more than one segment (segment_tokens < W*T); each wait is a stream wait,
@@ -74,8 +74,8 @@ Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool ba
     sv.total_rows = 0;
     RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
   }
-  // Segment s's expert outputs (forward) or dx rows (backward): a half of the output rows by s % 2.
-  const auto out_rows = [&](int64_t seg) { return OutRows(rank) + ((backward ? 1 : 0) + seg % 2) * cap * H; };
+  // Segment s's expert outputs (forward) or dout rows, then dx rows (backward): a half of the output rows by s % 2.
+  const auto out_rows = [&](int64_t seg) { return OutRows(rank) + (seg % 2) * cap * H; };
   const auto return_rows = [&](int64_t seg) -> Status {  // on comm, once the compute stream has computed seg
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm, ev.computed, 0));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, cuda_layer::kMarkExpert));

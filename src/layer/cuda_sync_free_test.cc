@@ -225,7 +225,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
 // owner's output rows: run interleaved (A forward, B forward, A backward, B backward, so B's calls run
 // between A's two) they give bitwise what each gives alone on a domain of its own, W = 4 ranks sharing
 // the GPUs present. The domain holds the shared bytes once; a cuBLASLt layer of the same size on it shares
-// the output rows but has no scratch there.
+// the transport regions, and its output rows (two sets, not one) are its own.
 TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
@@ -265,13 +265,17 @@ TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
       EXPECT_EQ(shared->dw1[i], alone->dw1[i]) << name << " dW1, rank " << i;
       EXPECT_EQ(shared->dw2[i], alone->dw2[i]) << name << " dW2, rank " << i;
     }
-  LayerConfig lt_cfg = MakeLayerConfig(pa.shape);  // cuBLASLt: the output rows only
+  // The CUTLASS layer: one set of output rows (dx over dout) and a scratch of D_ff values a row; a cuBLASLt
+  // layer: two sets (dx behind dout), no scratch there, so its output rows are a region of their own.
+  const int64_t cap = MaxSegmentRows(cfg, MakeRegionLayout(cfg, pa.own, 2)), H = pa.shape.hidden, F = pa.shape.ffn;
+  EXPECT_EQ((*la)->shared_row_bytes(), static_cast<size_t>(cap * (H + F) * 2));
+  LayerConfig lt_cfg = MakeLayerConfig(pa.shape);
   auto lt = CudaMoELayer::Create(**domain, lt_cfg, pa.own, pa.w);
   ASSERT_TRUE(lt.ok()) << lt.status();
-  EXPECT_LT((*lt)->shared_row_bytes(), (*la)->shared_row_bytes());
+  EXPECT_EQ((*lt)->shared_row_bytes(), static_cast<size_t>(2 * cap * H * 2));
   EXPECT_EQ((*lt)->shared_transport_bytes(), (*la)->shared_transport_bytes());
-  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes() + (*la)->shared_transport_bytes())
-      << "the cuBLASLt layer reuses the output rows and the transport regions";
+  EXPECT_EQ((*domain)->shared_bytes_per_rank(), (*la)->shared_row_bytes() + (*lt)->shared_row_bytes() + (*la)->shared_transport_bytes())
+      << "the cuBLASLt layer reuses the transport regions and has output rows of its own size";
 }
 
 TEST(CudaSyncFree_Errors, CutlassOnANonHopperOrCutlassLessBuildIsNamed) {

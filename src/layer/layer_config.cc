@@ -107,4 +107,11 @@ int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l) {
   return std::max<int64_t>(rows, 1);
 }
 
+bool DxOverDout(const LayerConfig& c) { return c.expert_compute == ExpertComputeKind::kCutlass && !c.balance.enabled(); }
+
+int64_t OwnerOutputRowSets(const LayerConfig& c, int64_t S) {
+  const bool pipelined = c.overlap_segments && c.shape.ranks * c.shape.tokens > S;  // overlap needs the CUTLASS compute
+  return pipelined ? 2 : (DxOverDout(c) ? 1 : 2);
+}
+
 }  // namespace rdep

@@ -391,8 +391,9 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     fp.device.push_back({std::string(one_domain ? "shared " : "") + "segment buffers (2 segments of S = W*T tokens by default)",
                          {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}}, 2 * S_dev * (2 * H + 8 + 16 * slots)});
     // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L +
-    // N_slot), with a capacity at most (L + N_slot)*capacity): the output rows (two sets of H, bf16) and the
-    // expert compute's workspace (z, dz, dh: 8*D_ff bytes a row, and 64 MiB of cuBLASLt workspace). What a
+    // N_slot), with a capacity at most (L + N_slot)*capacity): the output rows (OwnerOutputRowSets sets of H,
+    // bf16) and the expert compute's workspace (CUTLASS: z, 2*D_ff bytes a row; cuBLASLt: z, dz, dh, 8*D_ff
+    // bytes a row, and 64 MiB of workspace). What a
     // forward saves for its backward (terms named "context: ..."; CheckLayerBenchFootprint counts one per
     // context): the received rows' x and SwiGLU inputs by the rows received (T*K per owner, balanced), or,
     // on the sync-free path (CUTLASS, no balancing), by the segment bound times the segments; the front-end's
@@ -405,11 +406,13 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() &&
                            (S_dev >= W * T || o.layer.nodes.nodes <= 1);
     const double saved_rows = sync_free ? std::ceil(std::max(1.0, W * T) / S_dev) * seg_rows : T * K;
-    fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of 2*H; one set for every layer of the size)",
-                         {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * 4 * H});
+    const auto out_sets = static_cast<double>(OwnerOutputRowSets(o.layer, static_cast<int64_t>(S_dev)));
+    fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of H, one set, two without the CUTLASS compute "
+                         "or with overlapped segments; one for every layer of the size)",
+                         {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * out_sets * 2 * H});
     if (o.layer.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch is shared like the output rows
-      fp.device.push_back({"shared expert scratch of one owner segment (MaxSegmentRows rows of 4*D_ff; one set for every CUTLASS layer of the size)",
-                           {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 8 * F});
+      fp.device.push_back({"shared expert scratch of one owner segment (MaxSegmentRows rows of D_ff; one set for every CUTLASS layer of the size)",
+                           {{"segment", S_dev}, {"topk", K}, {"ffn", F}}, seg_rows * 2 * F});
       fp.device.push_back({"expert compute's tables and GEMM workspace", {{"experts", E}}, 64.0 * (1 << 20)});
     } else {
       fp.device.push_back({"expert workspace of one owner segment (MaxSegmentRows rows)",

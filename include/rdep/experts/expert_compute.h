@@ -68,10 +68,15 @@ class ExpertCompute {
   virtual Status Forward(const ExpertRows& rows, const __nv_bfloat16* x, const ExpertWeightsView& w, __nv_bfloat16* h,
                          __nv_bfloat16* y, cudaStream_t stream) = 0;
   // dout [M][H] (gate applied), x and h from Forward -> dx [M][H]; weight gradients overwritten, or
-  // added to when accumulate is true.
-  virtual Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, const __nv_bfloat16* h,
+  // added to when accumulate is true. h is consumed: an implementation may overwrite it (the CUTLASS
+  // compute writes the SwiGLU inputs' gradient dh there, which saves a scratch of 2*F values a row), so
+  // a caller that runs Backward twice on one forward keeps a copy. dx may be dout itself when
+  // dx_may_alias_dout() (dout is then read completely before dx is written).
+  virtual Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, __nv_bfloat16* h,
                           const __nv_bfloat16* dout, const ExpertWeightsView& w, __nv_bfloat16* dx,
                           const ExpertGradsView& grads, bool accumulate, cudaStream_t stream) = 0;
+  // True when Backward accepts dx == dout (the owner's output rows then need one set, not two).
+  virtual bool dx_may_alias_dout() const { return false; }
 };
 
 // The sync-free implementation for sm_90a (src/experts/cutlass_expert_compute.cu): the six GEMMs as
@@ -97,13 +102,13 @@ struct CutlassTiles {
                          // other streams (CudaMoELayer's overlapped segments); 0 = every SM. Same results
 };
 // scratch: null (the object allocates its own), or CutlassExpertScratchBytes(desc) bytes of device memory on
-// `device`, 16-byte aligned, that it uses for the SwiGLU activations and their gradients (z, dz, dh: nothing
-// in them outlives a call) instead of allocating them. Objects whose calls never overlap (calls in one
+// `device`, 16-byte aligned, that it uses for the SwiGLU activations z (forward) and dz, then z in its place
+// (backward; dh goes over the caller's h) instead of allocating them: nothing in it outlives a call. Objects whose calls never overlap (calls in one
 // stream's order) may share one scratch: the layers of one size on a domain do (CudaMoELayer,
 // "expert.scratch"). workspace_bytes() then leaves it out; the caller keeps it alive as long as the object.
 StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMlpDesc& desc, int device,
                                                                   const CutlassTiles& tiles = {}, void* scratch = nullptr);
-// The bytes of a CUTLASS expert compute's SwiGLU scratch: desc.max_rows rows of 4*ffn bf16 values.
+// The bytes of a CUTLASS expert compute's SwiGLU scratch: desc.max_rows rows of ffn bf16 values.
 size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc);
 // The tile names this build has (empty without CUTLASS).
 std::vector<std::string> CutlassTileNames();

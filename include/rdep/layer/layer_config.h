@@ -100,6 +100,14 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
 // row buffers (and the sync-free layer's worst-case ones) are sized by it.
 int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l);
 
+// True when the owner's backward writes the dx rows over the dout rows: the CUTLASS expert compute allows
+// it (ExpertCompute::dx_may_alias_dout), and without balancing, whose replica slots run cuBLASLt.
+bool DxOverDout(const LayerConfig& c);
+// How many sets of MaxSegmentRows output rows an owner needs (the CUDA layer's shared "owner.out_rows"),
+// S the segment's tokens: forward outputs; backward dout rows and dx rows behind them unless DxOverDout;
+// with overlapped segments (more than one segment) two segments' rows in flight.
+int64_t OwnerOutputRowSets(const LayerConfig& c, int64_t S);
+
 // What every backend's layer checks at Create: a valid config, a domain of W ranks, an ownership
 // map and (when given) weights of the layer's shape.
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m);
