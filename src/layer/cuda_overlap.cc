@@ -19,7 +19,9 @@
 // so nothing here waits on the host and a CUDA graph captures it (the compute stream forks from and
 // joins the capturing stream). Marks on the domain's stream (EnableProfiling) read as that stream's
 // critical path: dispatch = scatter and barrier, expert = waiting for the compute, return = the return.
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "layer/context_access.h"
 #include "layer/cuda_layer_state.h"
@@ -29,6 +31,18 @@ namespace rdep {
 
 using cuda_layer::Bits;
 using dispatch::bf16_bits;
+
+namespace {
+
+void CUDART_CB SleepNs(void* ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(*static_cast<const int64_t*>(ns))); }
+
+// SetPipelineDelaysForTesting: the stream waits *ns nanoseconds here (nothing when 0).
+Status DelayForTesting(cudaStream_t stream, int64_t* ns) {
+  if (*ns > 0) RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, SleepNs, ns));
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status CudaMoELayer::CreateOverlap(RankState& st) const {
   const auto make = [&]() -> Status {
@@ -79,6 +93,7 @@ Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool ba
   const auto return_rows = [&](int64_t seg) -> Status {  // on comm, once the compute stream has computed seg
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm, ev.computed, 0));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, cuda_layer::kMarkExpert));
+    RDEP_RETURN_IF_ERROR(DelayForTesting(comm, &pipeline_delay_ns_[1]));
     RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, out_rows(seg), comm));
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.returned[seg % 2], comm));
     return Mark(rank, st, backward, cuda_layer::kMarkReturn);
@@ -98,6 +113,7 @@ Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool ba
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comp, ev.dispatched, 0));
     if (seg >= 2) RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comp, ev.returned[seg % 2], 0));  // segment seg-2 returned
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * H;
+    RDEP_RETURN_IF_ERROR(DelayForTesting(comp, &pipeline_delay_ns_[0]));
     if (!backward) RDEP_RETURN_IF_ERROR(ComputeForwardSyncFree(rank, st, sv, seg, seg_payload, out_rows(seg), comp, ev.read));
     else RDEP_RETURN_IF_ERROR(ComputeBackwardSyncFree(rank, st, sv, seg, seg_payload, out_rows(seg), comp, ev.read));
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.computed, comp));

@@ -2,9 +2,10 @@
 // layer run in sequence: y, dx, dgates, dW1, dW2 and the acceptance bitwise, on the second of two
 // forward+backward steps (the first leaves every buffer the pipeline reuses written), with W = 1 and
 // W = 4 ranks sharing the GPUs present, uniform and skewed routing, capacity drops, the paged stash (a
-// pool with room for every segment's pages) and the expert GEMMs on fewer SMs (transport_sms > 0). The
-// pipeline must really have run: every rank reports overlapped() and more than one segment. Skips
-// without a GPU, CUTLASS or sm_90.
+// pool with room for every segment's pages), the expert GEMMs on fewer SMs (transport_sms > 0), and one
+// stream held back (SetPipelineDelaysForTesting: the compute late, or the returns late) so that each
+// cross-stream wait guards a real race. The pipeline must really have run: every rank reports
+// overlapped() and more than one segment. Skips without a GPU, CUTLASS or sm_90.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -29,10 +30,12 @@ struct Setting {
   double capacity = 0;      // 0 = dropless
   int32_t transport_sms = 0;
   int64_t stash_rows = 0;
+  int64_t delay_compute_us = 0;  // SetPipelineDelaysForTesting (the overlapped run only)
+  int64_t delay_return_us = 0;
 };
 void PrintTo(const Setting& s, std::ostream* os) {
   *os << "{W " << s.ranks << ", " << s.routing << ", S " << s.segment << ", capacity " << s.capacity << ", transport_sms "
-      << s.transport_sms << ", stash_rows " << s.stash_rows << "}";
+      << s.transport_sms << ", stash_rows " << s.stash_rows << ", delays " << s.delay_compute_us << "/" << s.delay_return_us << " us}";
 }
 
 struct Outputs {
@@ -60,6 +63,7 @@ Outputs RunLayer(const SmallProblem& p, const Setting& set, bool overlap) {
   auto layer = CudaMoELayer::Create(**domain, cfg, p.own, p.w);
   EXPECT_TRUE(layer.ok()) << layer.status();
   if (!layer.ok()) return out;
+  (*layer)->SetPipelineDelaysForTesting(set.delay_compute_us * 1000, set.delay_return_us * 1000);
   const int64_t H = p.shape.hidden, F = p.shape.ffn;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     const auto i = static_cast<size_t>(r);
@@ -125,13 +129,19 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaOverlap,
                                            Setting{.ranks = 4, .routing = "zipf:2", .segment = 16},
                                            Setting{.ranks = 4, .capacity = 0.8},
                                            Setting{.ranks = 4, .transport_sms = 8},
-                                           Setting{.ranks = 4, .stash_rows = 4096}),
+                                           Setting{.ranks = 4, .stash_rows = 4096},
+                                           // The compute late (a missing wait before a return would send stale rows) and the
+                                           // returns late (a missing wait before a compute would overwrite rows still being sent).
+                                           Setting{.ranks = 4, .segment = 40, .delay_compute_us = 300},
+                                           Setting{.ranks = 4, .segment = 40, .delay_return_us = 300}),
                          [](const ::testing::TestParamInfo<Setting>& i) {
                            const Setting& s = i.param;
                            std::string name = "W" + std::to_string(s.ranks) + "_" + s.routing + "_S" + std::to_string(s.segment);
                            if (s.capacity > 0) name += "_capacity_drops";
                            if (s.transport_sms > 0) name += "_gemms_leave_" + std::to_string(s.transport_sms) + "_sms";
                            if (s.stash_rows > 0) name += "_stash";
+                           if (s.delay_compute_us > 0) name += "_compute_late";
+                           if (s.delay_return_us > 0) name += "_returns_late";
                            for (char& c : name)
                              if (c == ':' || c == '.') c = '_';
                            return name;

@@ -213,6 +213,14 @@ class CudaMoELayer {
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
   bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
+  // Testing only: in the overlapped pipeline, block the compute stream for compute_ns before each
+  // segment's compute, and the domain's stream for return_ns before each segment's return (a host
+  // function that sleeps; 0 = none), so that a missing wait between the two streams shows as a wrong
+  // result even where the compute finishes far ahead of the transport (cuda_overlap_test.cc).
+  void SetPipelineDelaysForTesting(int64_t compute_ns, int64_t return_ns) {
+    pipeline_delay_ns_[0] = compute_ns;
+    pipeline_delay_ns_[1] = return_ns;
+  }
 
   // Balancing (LayerConfig::balance): the plan the forward in ctx used (the same on every rank) and
   // what it did (telemetry as the host layer's; bytes count bf16 weights), and where each of its route
@@ -389,6 +397,7 @@ class CudaMoELayer {
                                               // (shared regions: Domain::AcquireShared)
   RegionId out_rows_ = -1;                    // the owner's output rows (shared: shared_row_bytes)
   size_t out_rows_bytes_ = 0;
+  int64_t pipeline_delay_ns_[2] = {0, 0};  // SetPipelineDelaysForTesting: before each compute, before each return
   RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, dz, dh (shared: shared_row_bytes)
   size_t expert_scratch_bytes_ = 0;
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
