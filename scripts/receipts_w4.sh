@@ -28,6 +28,9 @@
 #   overlap    the overlapped segment pipeline (--overlap): rdep check against the host reference at W = OV_W
 #              (default 4) on OV_W GPUs and with 4 ranks sharing GPU 0, then the Moonlight layer at W = OV_W in one
 #              segment, in 2 and 4 segments in sequence and overlapped, the expert GEMMs leaving 0, 16 or 32 SMs
+#   rows       the owner's rows in one set (seventh session): the layer at W = 4 beside the baseline (fp32 and
+#              --grads bf16), the pipeline with 2 and 4 segments, the cuBLASLt and balanced layers (two sets), then
+#              stage one (W = 1 on GPU 0)
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
@@ -262,6 +265,16 @@ stage_one() {
   run layer_w1 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --graph --json "$R/layer_w1.json" --baseline-json "$R/torch_w1.json"
   run layer_w1_bf16 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json "$R/layer_w1_bf16.json" \
     --baseline-json "$R/torch_w1.json"
+}
+stage_rows() {  # the owner's rows in one set (dx over dout, the SwiGLU scratch D_ff a row): memory and time at W = 4 and 1
+  layer w4 4 0
+  local lay=(bench layer --ranks 4 --expert-compute cutlass)
+  run layer_w4_bf16 "$RDEP" "${lay[@]}" --grads bf16 --json "$R/layer_w4_bf16.json" --baseline-json "$R/torch_w4.json"
+  run layer_w4_s8192_ov16 "$RDEP" "${lay[@]}" --segment 8192 --overlap --transport-sms 16 --json "$R/layer_w4_s8192_ov16.json"
+  run layer_w4_s4096_ov16 "$RDEP" "${lay[@]}" --segment 4096 --overlap --transport-sms 16 --json "$R/layer_w4_s4096_ov16.json"
+  run layer_w4_cublaslt "$RDEP" bench layer --ranks 4 --json "$R/layer_w4_cublaslt.json"
+  run layer_zipf1_w4_ultraep "$RDEP" "${lay[@]}" --routing zipf:1 --balance ultraep --json "$R/layer_zipf1_w4_ultraep.json"
+  stage_one
 }
 stage_stack1() {
   run layer_w1_stack4 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --layers 4 --warmup 5 --iters 20 --json "$R/layer_w1_stack4.json"
