@@ -54,6 +54,8 @@
 #              a stack of 4 Moonlight layers' memory per rank at W = 4 ranks sharing GPU 0, without and with a
 #              pool for the 4 layers' rows (4 x 26,624)
 #   tiles1     each CUTLASS GEMM of the expert MLP alone per tile configuration (bench/lab/grouped_gemm_tiles)
+#   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
+#              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
@@ -275,6 +277,14 @@ stage_rows() {  # the owner's rows in one set (dx over dout, the SwiGLU scratch 
   run layer_w4_cublaslt "$RDEP" bench layer --ranks 4 --json "$R/layer_w4_cublaslt.json"
   run layer_zipf1_w4_ultraep "$RDEP" "${lay[@]}" --routing zipf:1 --balance ultraep --json "$R/layer_zipf1_w4_ultraep.json"
   stage_one
+}
+stage_rows1() {  # the same on one GPU: stage one (W = 1), then W = 4 ranks sharing GPU 0 (per-rank memory; times not NVLink's)
+  stage_one
+  local lay=(bench layer --ranks 4 --gpus 1 --expert-compute cutlass --warmup 3 --iters 10)
+  run layer_w4g1 "$RDEP" "${lay[@]}" --json "$R/layer_w4g1.json"
+  run layer_w4g1_bf16 "$RDEP" "${lay[@]}" --grads bf16 --json "$R/layer_w4g1_bf16.json"
+  run layer_w4g1_s8192_ov "$RDEP" "${lay[@]}" --segment 8192 --overlap --json "$R/layer_w4g1_s8192_ov.json"
+  run layer_w4g1_s4096_ov "$RDEP" "${lay[@]}" --segment 4096 --overlap --json "$R/layer_w4g1_s4096_ov.json"
 }
 stage_stack1() {
   run layer_w1_stack4 "$RDEP" bench layer --ranks 1 --expert-compute cutlass --layers 4 --warmup 5 --iters 20 --json "$R/layer_w1_stack4.json"
