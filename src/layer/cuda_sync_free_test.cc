@@ -267,7 +267,7 @@ TEST(CudaSyncFree_SharedScratch, W4_TwoLayersInterleavedEqualEachAlone) {
     }
   // The CUTLASS layer: one set of output rows (dx over dout) and a scratch of D_ff values a row; a cuBLASLt
   // layer: two sets (dx behind dout), no scratch there, so its output rows are a region of their own.
-  const int64_t cap = MaxSegmentRows(cfg, MakeRegionLayout(cfg, pa.own, 2)), H = pa.shape.hidden, F = pa.shape.ffn;
+  const int64_t cap = MaxSegmentRows(cfg, (*la)->layout()), H = pa.shape.hidden, F = pa.shape.ffn;  // the layer's S (W*T here)
   EXPECT_EQ((*la)->shared_row_bytes(), static_cast<size_t>(cap * (H + F) * 2));
   LayerConfig lt_cfg = MakeLayerConfig(pa.shape);
   auto lt = CudaMoELayer::Create(**domain, lt_cfg, pa.own, pa.w);
