@@ -12,7 +12,10 @@
 //     scatters segment s+1 into the payload and sideband half that segment s-1 used here;
 //   - dispatched before the compute: the peers' rows of segment s have landed;
 //   - return s-2 before compute s: both use the same half of the owner's output rows (two halves of cap
-//     rows; forward the expert outputs, backward the dout rows with the dx rows written over them);
+//     rows; forward the expert outputs, backward the dout rows with the dx rows written over them). The
+//     domain's stream returns s-2 before it scatters s, so "dispatched s" implies it today; the explicit
+//     wait keeps it true if that order changes (scripts/mutate_overlap.sh: the other waits each guard a
+//     race the delayed tests catch);
 //   - computed s-1 before return s-1, and the last computed before the final barrier, which the
 //     combine and the next call follow on the domain's stream: the compute stream has joined.
 // The pipeline fills only with more than one segment (segment_tokens < W*T); each wait is a stream wait,
