@@ -32,7 +32,7 @@ EOF
   if timeout 300 "$BIN" --gtest_filter='Cuda_bf16/CudaOverlap.*_late*' >"/tmp/mutate_$name.log" 2>&1; then
     echo "mutation $name: NOT caught (the delayed tests passed without the wait)"; fails=$((fails + 1))
   else
-    echo "mutation $name: caught ($(grep -c '^\[  FAILED  \] Cuda_bf16' "/tmp/mutate_$name.log") failed cases; first: $(grep -m1 -A1 'Failure' "/tmp/mutate_$name.log" | tail -1))"
+    echo "mutation $name: caught ($(grep -c '^\[  FAILED  \] Cuda_bf16.* ms)$' "/tmp/mutate_$name.log") failed cases; first: $(grep -m1 -A1 'Failure' "/tmp/mutate_$name.log" | tail -1))"
   fi
 }
 mutate computed_before_return '    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm, ev.computed, 0));'

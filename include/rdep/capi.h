@@ -129,9 +129,9 @@ typedef struct rdep_layer_spec {
   /* Version 10. CUDA: the paged stash, LayerConfig::stash_rows: > 0 keeps a sync-free forward's saved owner
    * rows in pages of a pool of this many rows per rank, shared by the domain's layers of one shape and pool
    * size, so that a context holds only the rows that arrived (the worst case is then one transient buffer
-   * shared by those layers); a forward that overflows the pool fails its backward naming the rows (that rank's
-   * weight gradients are NaN, and so are the dx rows its experts return to the other ranks, whose backward
-   * does not fail: size the pool with headroom). 0 = off.
+   * shared by those layers); when a forward overflows the pool on any rank, every rank's backward of that
+   * forward fails before its exchange, naming the ranks, their rows and the pool (dx, dgates and weight
+   * gradients NaN). 0 = off.
    * Needs expert_compute 1 (CUTLASS), no balancing, one node; not inside a CUDA graph capture. The host
    * backend ignores it. */
   int64_t stash_rows;
@@ -232,8 +232,9 @@ int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
  * scratch, and (one domain: nodes 0 or 1) the segment payload, its sideband and the return region; 0 on
  * the host backend. Like the replica slots they are the domain's, one region per size shared by every layer
  * of that size (rdep_domain_memory counts them once). The regions are matched by size separately (a
- * cuBLASLt and a CUTLASS layer of one shape share the output rows and transport regions, not the scratch):
- * rdep_domain_memory, not a sum of this over layers, is a domain's total. From version 10 it also counts the
+ * cuBLASLt and a CUTLASS layer of one shape share the transport regions only: the CUTLASS layer's output
+ * rows are one set, dx written over dout, the cuBLASLt layer's two): rdep_domain_memory, not a sum of this
+ * over layers, is a domain's total. From version 10 it also counts the
  * paged stash's transient rows and pool (stash_rows > 0), shared the same way. */
 int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
 /* Version 8. CUDA: where the saved rows of contexts acquired from now on come from (nearly all of a

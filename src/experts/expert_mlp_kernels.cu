@@ -48,36 +48,49 @@ __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bf
   }
 }
 
-// In place allowed (z == dz, dh == h: the CUTLASS compute's backward): no __restrict__, and each thread
-// loads its three vectors before it stores any, so an element is read before the same thread overwrites it.
-__global__ void SwigluBackwardKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
-                                     const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F) {
-  const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
-    const __nv_bfloat16* hr = h + row * 2 * F + col;
-    Vec8 g, u, d, zo, dg, du;
-    g.raw = *reinterpret_cast<const uint4*>(hr);
-    u.raw = *reinterpret_cast<const uint4*>(hr + F);
-    d.raw = *reinterpret_cast<const uint4*>(dz + row * F + col);
+// The SwiGLU backward of one vector: loads its three inputs before it stores anything, so it is right in
+// place too (z == dz, dh == h: each element is read and written by one thread only).
+__device__ __forceinline__ void SwigluBackwardVec(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z,
+                                                  __nv_bfloat16* dh, int64_t i, int64_t vec_per_row, int64_t F) {
+  const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
+  const __nv_bfloat16* hr = h + row * 2 * F + col;
+  Vec8 g, u, d, zo, dg, du;
+  g.raw = *reinterpret_cast<const uint4*>(hr);
+  u.raw = *reinterpret_cast<const uint4*>(hr + F);
+  d.raw = *reinterpret_cast<const uint4*>(dz + row * F + col);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 a = __bfloat1622float2(g.pair[j]);
-      const float2 b = __bfloat1622float2(u.pair[j]);
-      const float2 dd = __bfloat1622float2(d.pair[j]);
-      const float sx = Sigmoid(a.x), sy = Sigmoid(a.y);
-      const float silu_x = a.x * sx, silu_y = a.y * sy;
-      const float dsilu_x = sx * (1.0f + a.x * (1.0f - sx)), dsilu_y = sy * (1.0f + a.y * (1.0f - sy));
-      zo.pair[j] = __floats2bfloat162_rn(silu_x * b.x, silu_y * b.y);
-      dg.pair[j] = __floats2bfloat162_rn(dd.x * b.x * dsilu_x, dd.y * b.y * dsilu_y);
-      du.pair[j] = __floats2bfloat162_rn(dd.x * silu_x, dd.y * silu_y);
-    }
-    *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
-    __nv_bfloat16* dhr = dh + row * 2 * F + col;
-    *reinterpret_cast<uint4*>(dhr) = dg.raw;
-    *reinterpret_cast<uint4*>(dhr + F) = du.raw;
+  for (int j = 0; j < 4; ++j) {
+    const float2 a = __bfloat1622float2(g.pair[j]);
+    const float2 b = __bfloat1622float2(u.pair[j]);
+    const float2 dd = __bfloat1622float2(d.pair[j]);
+    const float sx = Sigmoid(a.x), sy = Sigmoid(a.y);
+    const float silu_x = a.x * sx, silu_y = a.y * sy;
+    const float dsilu_x = sx * (1.0f + a.x * (1.0f - sx)), dsilu_y = sy * (1.0f + a.y * (1.0f - sy));
+    zo.pair[j] = __floats2bfloat162_rn(silu_x * b.x, silu_y * b.y);
+    dg.pair[j] = __floats2bfloat162_rn(dd.x * b.x * dsilu_x, dd.y * b.y * dsilu_y);
+    du.pair[j] = __floats2bfloat162_rn(dd.x * silu_x, dd.y * silu_y);
   }
+  *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
+  __nv_bfloat16* dhr = dh + row * 2 * F + col;
+  *reinterpret_cast<uint4*>(dhr) = dg.raw;
+  *reinterpret_cast<uint4*>(dhr + F) = du.raw;
+}
+
+// Separate buffers (the cuBLASLt compute): __restrict__ lets the loads take the read-only path.
+__global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
+                                     __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, const int64_t* device_rows,
+                                     int64_t rows, int64_t vec_per_row, int64_t F) {
+  const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F);
+}
+
+// In place (z == dz, dh == h: the CUTLASS compute's backward): no __restrict__.
+__global__ void SwigluBackwardInPlaceKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
+                                            const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F) {
+  const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F);
 }
 
 __global__ void FillGroupPointersKernel(const GroupPointerParams p, void** table) {
@@ -109,7 +122,11 @@ cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
   const int64_t vec_per_row = F / kVec;
-  SwigluBackwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
+  const int grid = GridFor(rows * vec_per_row);
+  if (static_cast<const void*>(z) == dz || static_cast<const void*>(dh) == h)
+    SwigluBackwardInPlaceKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
+  else
+    SwigluBackwardKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
   return cudaGetLastError();
 }
 

@@ -162,7 +162,7 @@ CudaMoELayer::~CudaMoELayer() {
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
-  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_, stash_rows_, stash_pool_, stash_ring_})  // last: the computes above used them
+  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_, stash_rows_, stash_pool_, stash_ring_, stash_flags_})  // last: the computes above used them
     if (id >= 0) domain_.ReleaseShared(id);
 }
 
@@ -270,7 +270,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   layer->out_rows_bytes_ = static_cast<size_t>(OwnerOutputRowSets(config, l.S) * std::max<int64_t>(MaxSegmentRows(config, l), 1) *
                                                s.hidden) * sizeof(__nv_bfloat16);
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
-  if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, dz, dh) lives within a call too
+  if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, then dz) lives within a call too
     const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
     layer->expert_scratch_bytes_ = kernels::CutlassExpertScratchBytes(any);
     RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));
@@ -338,6 +338,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
         if (!cutlass.ok())
           return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
         st->mlp = std::move(*cutlass);
+        if (DxOverDout(config) && !st->mlp->dx_may_alias_dout())  // the output rows hold one set (OwnerOutputRowSets)
+          return InternalError(std::string("cuda layer: expert compute ") + st->mlp->name() + " cannot write dx over dout");
       } else {
         RDEP_ASSIGN_OR_RETURN(st->mlp, kernels::MakeCublasLtExpertCompute(desc, st->device));
       }
@@ -536,8 +538,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   st.plan_copy_pending = false;
   if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/false));  // before any replica computes: the first segment barrier
-  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));
-  if (Stashing(st)) RDEP_RETURN_IF_ERROR(StashSaved(rank, st, sv));  // the owner rows into the pool's pages
+  RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));  // with the paged stash, the rows into its pages
   if (config_.owner_reduce)
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
   else
@@ -613,14 +614,13 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
-  Status overflow;  // the paged stash's pool overflowed at forward: reported after the collective
-  if (Stashing(st)) RDEP_RETURN_IF_ERROR(UnstashSaved(rank, st, sv, &overflow));
+  if (Stashing(st)) RDEP_RETURN_IF_ERROR(UnstashSaved(rank, st, sv, dx, dgates));  // an overflow anywhere: every rank fails here
   if (!config_.owner_reduce)  // else from the owners' dots after the exchange
     RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                                s.hidden, st.scratch.ptr, dgates, stream));
   // The weight gradients are written by the first segment's expert compute (overwrite; later segments
   // add to them), or zeroed there when this owner has no rows in it: no pass over them here.
-  if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
+  if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(FillWeightGrads(st, 0, stream));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkRouting));
   RDEP_RETURN_IF_ERROR(StreamReplicas(rank, st, sv, /*backward=*/true));  // another call may have used the slots since forward
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/true, dy));
@@ -633,7 +633,6 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
                                                  nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
-  RDEP_RETURN_IF_ERROR(overflow);
   // A sync-free forward whose routing check had not completed reports it here (after the collective).
   return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
 }
@@ -669,7 +668,17 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     if (!backward) RDEP_RETURN_IF_ERROR(OwnerForwardSegment(rank, st, sv, seg, seg_payload));
     else RDEP_RETURN_IF_ERROR(OwnerBackwardSegment(rank, st, sv, seg, seg_payload));
   }
+  return FinishExchange(rank, st, sv, backward);
+}
+
+// The exchange's final barrier, after which every returned row has landed. A forward with the paged
+// stash takes its pages before it and tells every rank its outcome; after it, every rank's outcome
+// goes to the host for the backward (cuda_stash.cc).
+Status CudaMoELayer::FinishExchange(int32_t rank, RankState& st, Saved& sv, bool backward) {
+  const bool stash = !backward && Stashing(st);
+  if (stash) RDEP_RETURN_IF_ERROR(StashSaved(rank, st, sv));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
+  if (stash) RDEP_RETURN_IF_ERROR(StashOutcomeAfterBarrier(rank, sv));
   return Mark(rank, st, backward, kMarkReturnWait);
 }
 
@@ -730,16 +739,17 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   return Mark(rank, st, false, kMarkReturn);
 }
 
-// Zeroes this rank's main-expert weight gradients (fp32 or bf16), for a backward whose expert compute
-// will not write them (no rows at this owner in the first segment, or no segment at all).
-Status CudaMoELayer::ZeroWeightGrads(RankState& st, cudaStream_t stream) {
+// Sets every byte of this rank's main-expert weight gradients (fp32 or bf16): 0 for a backward whose expert
+// compute will not write them (no rows at this owner in the first segment, or no segment at all), 0xFF
+// (NaN) for a backward that fails before its exchange.
+Status CudaMoELayer::FillWeightGrads(RankState& st, int byte, cudaStream_t stream) {
   if (!st.w1_count) return Status::Ok();
   const kernels::ExpertGradsView g = st.grads();
   const size_t elem = g.bf16() ? 2 : sizeof(float);
   void* dw1 = g.bf16() ? static_cast<void*>(g.dw1_bf16) : static_cast<void*>(g.dw1);
   void* dw2 = g.bf16() ? static_cast<void*>(g.dw2_bf16) : static_cast<void*>(g.dw2);
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw1, 0, st.w1_count * elem, stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw2, 0, st.w2_count * elem, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw1, byte, st.w1_count * elem, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dw2, byte, st.w2_count * elem, stream));
   return Status::Ok();
 }
 
@@ -770,17 +780,15 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     }
     int64_t main_rows = 0;
     for (int32_t j = 0; j < st.num_local && static_cast<size_t>(j) < counts.size(); ++j) main_rows += counts[static_cast<size_t>(j)];
-    if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));  // no call will write them
-    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {
-      if (dx_at == 0 && !c.mlp->dx_may_alias_dout())
-        return InternalError(std::string("backward on rank ") + std::to_string(rank) + ": expert compute " + c.mlp->name() +
-                             " cannot write dx over dout, and the output rows hold one set");
+    if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(FillWeightGrads(st, 0, stream));  // no call will write them
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {  // Create checked
+                                                                                                        // dx_may_alias_dout
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                            OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (dx_at + c.first) * H, c.grads,
                                            c.accumulate, stream));
     }
   } else if (seg == 0) {  // no rows at this owner in the first segment: its gradients are zero so far
-    RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
+    RDEP_RETURN_IF_ERROR(FillWeightGrads(st, 0, stream));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   if (config_.owner_reduce) {

@@ -23,6 +23,7 @@
 // joins the capturing stream). Marks on the domain's stream (EnableProfiling) read as that stream's
 // critical path: dispatch = scatter and barrier, expert = waiting for the compute, return = the return.
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
 
@@ -37,11 +38,12 @@ using dispatch::bf16_bits;
 
 namespace {
 
-void CUDART_CB SleepNs(void* ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(*static_cast<const int64_t*>(ns))); }
+void CUDART_CB SleepNs(void* ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(reinterpret_cast<intptr_t>(ns))); }
 
-// SetPipelineDelaysForTesting: the stream waits *ns nanoseconds here (nothing when 0).
-Status DelayForTesting(cudaStream_t stream, int64_t* ns) {
-  if (*ns > 0) RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, SleepNs, ns));
+// SetPipelineDelaysForTesting: the stream waits ns nanoseconds here (nothing when 0); the value travels
+// in the callback's argument, read when the delay is enqueued.
+Status DelayForTesting(cudaStream_t stream, int64_t ns) {
+  if (ns > 0) RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, SleepNs, reinterpret_cast<void*>(static_cast<intptr_t>(ns))));
   return Status::Ok();
 }
 
@@ -96,7 +98,7 @@ Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool ba
   const auto return_rows = [&](int64_t seg) -> Status {  // on comm, once the compute stream has computed seg
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm, ev.computed, 0));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, cuda_layer::kMarkExpert));
-    RDEP_RETURN_IF_ERROR(DelayForTesting(comm, &pipeline_delay_ns_[1]));
+    RDEP_RETURN_IF_ERROR(DelayForTesting(comm, pipeline_delay_ns_[1]));
     RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, out_rows(seg), comm));
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.returned[seg % 2], comm));
     return Mark(rank, st, backward, cuda_layer::kMarkReturn);
@@ -116,14 +118,13 @@ Status CudaMoELayer::RunPipeline(int32_t rank, RankState& st, Saved& sv, bool ba
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comp, ev.dispatched, 0));
     if (seg >= 2) RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comp, ev.returned[seg % 2], 0));  // segment seg-2 returned
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * H;
-    RDEP_RETURN_IF_ERROR(DelayForTesting(comp, &pipeline_delay_ns_[0]));
+    RDEP_RETURN_IF_ERROR(DelayForTesting(comp, pipeline_delay_ns_[0]));
     if (!backward) RDEP_RETURN_IF_ERROR(ComputeForwardSyncFree(rank, st, sv, seg, seg_payload, out_rows(seg), comp, ev.read));
     else RDEP_RETURN_IF_ERROR(ComputeBackwardSyncFree(rank, st, sv, seg, seg_payload, out_rows(seg), comp, ev.read));
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.computed, comp));
   }
   RDEP_RETURN_IF_ERROR(return_rows(sv.num_segments - 1));  // joins the compute stream into comm
-  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
-  return Mark(rank, st, backward, cuda_layer::kMarkReturnWait);
+  return FinishExchange(rank, st, sv, backward);
 }
 
 }  // namespace rdep

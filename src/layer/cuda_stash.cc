@@ -11,10 +11,12 @@
 // Pages are taken and given back by kernels in the rank's stream order, so no call waits on the host.
 //
 // Overflow: a forward whose rows need more pages than are free takes none; its output is still
-// right (the rows were used before the stash), the host learns it at backward (waiting on the
-// forward's event if it has not completed, which a backward rarely finds), and the backward still
-// takes part in the collective (the other ranks need this owner) with its rows filled with NaN, then
-// fails naming the rows and the pool. A context dropped without backward gives its pages back in
+// right (the rows were used before the stash). Before the forward's final barrier each rank stores its
+// outcome (the rows needed, or -1) into every rank's flags ("stash.flags": W words), and after it
+// copies them to the host, so every rank learns every rank's outcome. The host reads them at backward
+// (waiting on the forward's event if it has not completed, which a backward rarely finds): when any
+// rank overflowed, every rank fills its dx, dgates and weight gradients with NaN and fails before
+// anything collective, naming the ranks, their rows and the pool; no rank computes from missing rows. A context dropped without backward gives its pages back in
 // ReleaseRows (the C API's rdep_context_release calls it), or when it is freed while its layer lives
 // (a context freed after its layer leaves its pages taken in a pool other layers may share). Not
 // inside a CUDA graph capture.
@@ -49,6 +51,8 @@ Status CudaMoELayer::AcquireStash() {
   RDEP_ASSIGN_OR_RETURN(stash_rows_, domain_.AcquireShared("stash.rows", stash_rows_bytes_));
   RDEP_ASSIGN_OR_RETURN(stash_pool_, domain_.AcquireShared("stash.pool" + key, stash_pool_bytes_));
   RDEP_ASSIGN_OR_RETURN(stash_ring_, domain_.AcquireShared("stash.ring" + key, stash_ring_bytes_));
+  stash_flags_bytes_ = static_cast<size_t>(s.ranks) * sizeof(int64_t);  // written and read within one forward
+  RDEP_ASSIGN_OR_RETURN(stash_flags_, domain_.AcquireShared("stash.flags", stash_flags_bytes_));
   return Status::Ok();
 }
 
@@ -87,6 +91,11 @@ Status CudaMoELayer::ReserveStash(Saved& sv) const {
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, pinned, 0));
     sv.stash_fault_dev = static_cast<int64_t*>(mapped);
   }
+  if (!sv.stash_outcomes_host) {
+    void* pinned = nullptr;
+    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, stash_flags_bytes_, cudaHostAllocPortable));
+    sv.stash_outcomes_host = static_cast<int64_t*>(pinned);
+  }
   if (!sv.stash_taken) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&sv.stash_taken, cudaEventDisableTiming));
   return Status::Ok();
 }
@@ -110,7 +119,8 @@ cuda_layer::StashRows CudaMoELayer::StashView(int32_t rank, const RankState& st,
           sv.stash_pages.ptr, cuda_layer::StashMaxPages(sv.num_segments, cap), sv.stash_state.ptr, sv.stash_fault_dev};
 }
 
-// Forward, after the owner's last segment (in the rank's stream): the rows that arrived into pages.
+// Forward, after the owner's last segment and before the final barrier (in the rank's stream): the rows
+// that arrived into pages, and this rank's outcome into every rank's flags.
 Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveStash(sv));
@@ -119,7 +129,8 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   // never ran leaves state[0] at 0, which gives nothing back. The take re-arms the fault word itself.
   sv.stash_held = true;
   RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashRows(StashPoolOf(rank), StashView(rank, st, sv), stream));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.stash_taken, stream));
+  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashOutcomeToPeers(StashView(rank, st, sv), domain_.peer_table(rank, stash_flags_), rank,
+                                                             static_cast<int32_t>(config_.shape.ranks), stream));
   // A context freed before its backward (ForwardContext::Release, its destructor) gives its pages back.
   sv.stash_give_back = [this, rank, saved = &sv, alive = alive_] {
     if (alive->load()) (void)ReleaseStash(rank, *saved);
@@ -127,25 +138,52 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   return Status::Ok();
 }
 
-// Backward, before the owner's first segment: the pages back into the transient rows (or NaN there
-// after an overflow, reported in *overflow for the end of the call), and the pages back to the pool.
-Status CudaMoELayer::UnstashSaved(int32_t rank, const RankState& st, Saved& sv, Status* overflow) {
+// Forward, after its final barrier: every rank's outcome to the host, and the event backward waits on.
+Status CudaMoELayer::StashOutcomeAfterBarrier(int32_t rank, Saved& sv) {
+  cudaStream_t stream = domain_.stream(rank);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.stash_outcomes_host, domain_.region(rank, stash_flags_), stash_flags_bytes_,
+                                            cudaMemcpyDeviceToHost, stream));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.stash_taken, stream));
+  return Status::Ok();
+}
+
+// Backward, before anything collective: the pages back into the transient rows, and the pages back to the
+// pool. When any rank's forward overflowed (every rank reads the same outcomes), every rank gives its pages
+// back, fills its outputs with NaN and fails here, so no rank takes part in an exchange that would compute
+// from rows that were not kept.
+Status CudaMoELayer::UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_bfloat16* dx, float* dgates) {
   if (!sv.stash_held)
     return FailedPrecondition("backward on rank " + std::to_string(rank) + ": the context's stashed rows were given back (ReleaseRows)");
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.stash_taken));  // normally long complete
-  const int64_t needed = *reinterpret_cast<const volatile int64_t*>(sv.stash_fault_host);
-  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchUnstashRows(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank)));
-  sv.stash_held = false;
-  if (needed >= 0) {
-    const int64_t pages = StashPoolOf(rank).num_pages;
-    *overflow = FailedPrecondition(
-        "backward on rank " + std::to_string(rank) + ": the forward's " + std::to_string(needed) +
-        " owner rows did not fit the free pages of the paged stash (stash_rows " + std::to_string(config_.stash_rows) + ": " +
-        std::to_string(pages) + (pages == 1 ? " page of " : " pages of ") + std::to_string(cuda_layer::kStashPageRows) +
-        " rows, shared by the domain's layers of this shape), so nothing was stashed; this backward's weight gradients and dx are NaN. "
-        "Raise stash_rows, or release contexts that will not run backward (ReleaseRows)");
+  std::string overflowed;
+  for (int32_t r = 0; r < config_.shape.ranks; ++r) {
+    const int64_t needed = static_cast<const volatile int64_t*>(sv.stash_outcomes_host)[r];
+    if (needed < 0) continue;
+    overflowed += (overflowed.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " needed " + std::to_string(needed);
   }
-  return Status::Ok();
+  if (overflowed.empty()) {
+    RDEP_RETURN_IF_ERROR(cuda_layer::LaunchUnstashRows(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank)));
+    sv.stash_held = false;
+    return Status::Ok();
+  }
+  RDEP_RETURN_IF_ERROR(ReleaseStash(rank, sv));
+  RDEP_RETURN_IF_ERROR(FillBackwardWithNaN(rank, st, sv, dx, dgates));
+  const int64_t pages = StashPoolOf(rank).num_pages;
+  return FailedPrecondition(
+      "backward on rank " + std::to_string(rank) + ": at this context's forward the owner rows did not fit the free pages of the paged stash (" +
+      overflowed + " rows; stash_rows " + std::to_string(config_.stash_rows) + ": " + std::to_string(pages) +
+      (pages == 1 ? " page of " : " pages of ") + std::to_string(cuda_layer::kStashPageRows) +
+      " rows, shared by the domain's layers of this shape), so nothing was kept there; every rank fails this backward before its "
+      "exchange, with dx, dgates and the weight gradients NaN. Raise stash_rows, or release contexts that will not run backward (ReleaseRows)");
+}
+
+// A failed backward's outputs: NaN, not plausible values (0xFF bytes are NaN in bf16 and fp32).
+Status CudaMoELayer::FillBackwardWithNaN(int32_t rank, RankState& st, const Saved& sv, __nv_bfloat16* dx, float* dgates) {
+  cudaStream_t stream = domain_.stream(rank);
+  const LayerShape& s = config_.shape;
+  if (dx) RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dx, 0xFF, static_cast<size_t>(sv.num_tokens * s.hidden) * sizeof(__nv_bfloat16), stream));
+  if (dgates) RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dgates, 0xFF, static_cast<size_t>(sv.num_tokens * s.topk) * sizeof(float), stream));
+  return FillWeightGrads(st, 0xFF, stream);
 }
 
 // A context's pages back to the pool without copying (a forward again, or the context dropped).

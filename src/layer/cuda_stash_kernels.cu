@@ -141,6 +141,12 @@ Status CheckArgs(const StashPool& pool, const StashRows& r) {
   return Status::Ok();
 }
 
+// One thread per rank p: this rank's outcome into word `rank` of p's flags region.
+__global__ void StashOutcomeKernel(const int64_t* state, void* const* peer_flags, int32_t rank, int32_t ranks) {
+  const int32_t p = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (p < ranks) static_cast<volatile int64_t*>(peer_flags[p])[rank] = state[0] < 0 ? state[1] : -1;
+}
+
 }  // namespace
 
 Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
@@ -168,6 +174,14 @@ Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t
 Status LaunchReleaseStash(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
   RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
   GivePagesKernel<<<1, kRingThreads, 0, stream>>>(pool, r);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchStashOutcomeToPeers(const StashRows& r, void* const* peer_flags, int32_t rank, int32_t ranks, cudaStream_t stream) {
+  if (ranks <= 0) return Status::Ok();
+  if (!r.state || !peer_flags) return InvalidArgument("stash: the outcome's state or flags region is missing");
+  StashOutcomeKernel<<<(ranks + 127) / 128, 128, 0, stream>>>(r.state, peer_flags, rank, ranks);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -61,5 +61,9 @@ Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t s
 Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Gives a context's pages back without copying (a context dropped before its backward); state[0] = 0.
 Status LaunchReleaseStash(const StashPool& pool, const StashRows& r, cudaStream_t stream);
+// After LaunchStashRows, before the forward's final barrier: rank `rank`'s outcome into word `rank` of
+// every rank's flags region (peer_flags: the region's peer table, `ranks` entries): the rows it needed
+// when its pool overflowed, else -1. After the barrier each rank's region holds every rank's outcome.
+Status LaunchStashOutcomeToPeers(const StashRows& r, void* const* peer_flags, int32_t rank, int32_t ranks, cudaStream_t stream);
 
 }  // namespace rdep::cuda_layer

@@ -221,11 +221,12 @@ TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
       << "the stashed layer's context holds a page table instead of the worst case's owner rows";
 }
 
-// A pool of 3 pages (192 rows) where one owner receives more under Zipf routing: that rank's forward
-// output is still bitwise right, its backward fails naming rows and pool (its gradients NaN), the other
-// ranks' backward succeeds; then, on the same layer and pool, a uniform step (every owner within 192
+// A pool of 3 pages (192 rows) where one owner receives more under Zipf routing: every rank's forward
+// output is still bitwise right; every rank's backward fails alike before its exchange, naming the ranks
+// that overflowed, their rows and the pool, with dx and the weight gradients NaN (no rank computes from
+// rows that were not kept); then, on the same layer and pool, a uniform step (every owner within 192
 // rows) is bitwise the layer without a stash: the overflow took no pages and the others gave theirs back.
-TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool) {
+TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAndPool) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
@@ -250,21 +251,31 @@ TEST(CudaStash_Overflow, W4_TooSmallPoolFailsThatRanksBackwardNamingRowsAndPool)
     });
     ASSERT_TRUE(s.ok()) << s;
   }
-  int failed = 0;
+  // Every rank learns every rank's outcome at forward: all four backwards fail alike, before the exchange.
+  std::string first_tail;
   for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(small.y[i], skewed_plain.y[i]) << "forward output, rank " << i;
-    if (small.backward[i].ok()) continue;
-    ++failed;
+    SCOPED_TRACE("rank " + std::to_string(i));
+    EXPECT_EQ(small.y[i], skewed_plain.y[i]) << "forward output";
+    ASSERT_FALSE(small.backward[i].ok()) << "a rank's backward ran although an owner's rows were not kept";
     EXPECT_EQ(small.backward[i].code(), StatusCode::kFailedPrecondition) << small.backward[i];
     const std::string& m = small.backward[i].message();
-    EXPECT_NE(m.find("rank " + std::to_string(i)), std::string::npos) << m;
+    const std::string prefix = "backward on rank " + std::to_string(i) + ":";
+    EXPECT_EQ(m.rfind(prefix, 0), 0u) << m;
     EXPECT_NE(m.find("stash_rows 192: 3 pages"), std::string::npos) << m;
     EXPECT_NE(m.find("owner rows did not fit"), std::string::npos) << m;
-    const bool nan = std::any_of(small.dw1[i].begin(), small.dw1[i].end(), [](float v) { return std::isnan(v); });
-    EXPECT_TRUE(nan) << "rank " << i << ": the failed backward's weight gradients are NaN, not plausible values";
+    EXPECT_NE(m.find("rank 0 needed"), std::string::npos) << "Zipf 2 puts more than 192 rows on the first owner: " << m;
+    size_t listed = 0;
+    for (size_t at = m.find(" needed "); at != std::string::npos; at = m.find(" needed ", at + 1)) ++listed;
+    EXPECT_LT(listed, 4u) << "the lightly loaded owners fit in 3 pages: " << m;
+    const std::string tail = m.substr(prefix.size());
+    if (i == 0) first_tail = tail;
+    else EXPECT_EQ(tail, first_tail) << "the ranks disagree on the outcomes";
+    const bool all_nan = std::all_of(small.dw1[i].begin(), small.dw1[i].end(), [](float v) { return std::isnan(v); }) &&
+                         std::all_of(small.dw2[i].begin(), small.dw2[i].end(), [](float v) { return std::isnan(v); });
+    EXPECT_TRUE(all_nan) << "the failed backward's weight gradients are NaN, not plausible values";
+    EXPECT_TRUE(std::all_of(small.dx[i].begin(), small.dx[i].end(), [](uint16_t v) { return (v & 0x7f80) == 0x7f80 && (v & 0x7f); }))
+        << "the failed backward's dx is NaN";
   }
-  EXPECT_GE(failed, 1) << "Zipf 2 puts more than 192 rows on the first owner";
-  EXPECT_LT(failed, 4) << "the lightly loaded owners fit in 3 pages";
   for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(after.backward[i].ok()) << "rank " << i << ": " << after.backward[i];
   ExpectSame(after, even_plain, "the step after the overflow");
 }

@@ -221,7 +221,7 @@ Status CudaMoELayer::BackwardTwoPhase(int32_t rank, RankState& st, Saved& sv, co
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   // As on one domain: the first segment's expert compute writes the weight gradients (or zeroes them).
-  if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(ZeroWeightGrads(st, stream));
+  if (sv.num_segments == 0) RDEP_RETURN_IF_ERROR(FillWeightGrads(st, 0, stream));
   RDEP_RETURN_IF_ERROR(ExchangeTwoPhase(rank, st, sv, /*backward=*/true, dy, dx, dgates));
   return Mark(rank, st, true, kMarkCombine);
 }

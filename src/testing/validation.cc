@@ -406,9 +406,11 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     const bool sync_free = o.layer.expert_compute == ExpertComputeKind::kCutlass && !o.layer.balance.enabled() &&
                            (S_dev >= W * T || o.layer.nodes.nodes <= 1);
     const double saved_rows = sync_free ? std::ceil(std::max(1.0, W * T) / S_dev) * seg_rows : T * K;
-    const auto out_sets = static_cast<double>(OwnerOutputRowSets(o.layer, static_cast<int64_t>(S_dev)));
-    fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of H, one set, two without the CUTLASS compute "
-                         "or with overlapped segments; one for every layer of the size)",
+    // One set, two without the CUTLASS compute, with balancing or with overlapped segments (the segment-invariance
+    // run at S/3 overlaps when the layer may, with rows a capacity may keep as large).
+    const auto out_sets = o.layer.overlap_segments ? 2.0 : static_cast<double>(OwnerOutputRowSets(o.layer, static_cast<int64_t>(S_dev)));
+    fp.device.push_back({"shared output rows of one owner segment (MaxSegmentRows rows of H, one set, two without the CUTLASS compute, "
+                         "with balancing or with overlapped segments; one for every layer of the size)",
                          {{"segment", S_dev}, {"topk", K}, {"hidden", H}}, seg_rows * out_sets * 2 * H});
     if (o.layer.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch is shared like the output rows
       fp.device.push_back({"shared expert scratch of one owner segment (MaxSegmentRows rows of D_ff; one set for every CUTLASS layer of the size)",

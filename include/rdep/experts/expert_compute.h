@@ -71,7 +71,8 @@ class ExpertCompute {
   // added to when accumulate is true. h is consumed: an implementation may overwrite it (the CUTLASS
   // compute writes the SwiGLU inputs' gradient dh there, which saves a scratch of 2*F values a row), so
   // a caller that runs Backward twice on one forward keeps a copy. dx may be dout itself when
-  // dx_may_alias_dout() (dout is then read completely before dx is written).
+  // dx_may_alias_dout() (dout is then read completely before dx is written); never x or h, which the
+  // weight gradients read after dx is written.
   virtual Status Backward(const ExpertRows& rows, const __nv_bfloat16* x, __nv_bfloat16* h,
                           const __nv_bfloat16* dout, const ExpertWeightsView& w, __nv_bfloat16* dx,
                           const ExpertGradsView& grads, bool accumulate, cudaStream_t stream) = 0;

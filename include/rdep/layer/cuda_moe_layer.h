@@ -272,13 +272,13 @@ class CudaMoELayer {
     return static_cast<size_t>(config_.replica_slots()) * static_cast<size_t>(3 * config_.shape.hidden * config_.shape.ffn) * 6;
   }
   // Device bytes per rank of the owner's output rows (one segment's expert outputs in forward; its dout and
-  // dx rows in backward): a scratch no call keeps past its return, shared by every layer of the same size
-  // on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers holds it once,
-  // not N times. Count it once per domain and size, like replica_slot_bytes. With the CUTLASS expert
-  // compute also its SwiGLU scratch (z, dz, dh of one segment's rows: kernels::CutlassExpertScratchBytes),
-  // shared the same way ("expert.scratch"). The two regions are matched by size separately (a cuBLASLt and a
-  // CUTLASS layer of one shape share the output rows only), so this sum is not a key to deduplicate layers
-  // by: the domain's shared_bytes_per_rank is the total.
+  // dx rows in backward, OwnerOutputRowSets): a scratch no call keeps past its return, shared by every layer
+  // of the same size on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers
+  // holds it once, not N times. Count it once per domain and size, like replica_slot_bytes. With the CUTLASS
+  // expert compute also its SwiGLU scratch (z forward, dz then z backward: D_ff values a row of one segment's
+  // rows, kernels::CutlassExpertScratchBytes), shared the same way ("expert.scratch"). The regions are matched
+  // by size (a cuBLASLt and a CUTLASS layer of one shape share neither: one set of output rows against two),
+  // so this sum is not a key to deduplicate layers by: the domain's shared_bytes_per_rank is the total.
   size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
   // Device bytes per rank of the segment payload, its sideband and the return region when they are shared
   // by the domain's layers of their size (LayerRegions::shared_transport: one domain, nodes = 1; "layer.*"
@@ -289,7 +289,7 @@ class CudaMoELayer {
   // Device bytes per rank of the paged stash (LayerConfig::stash_rows): the transient owner rows of the worst
   // case and the page pool with its free list, both shared by the domain's layers of one shape and pool size
   // (Domain::AcquireShared, "stash.*"); 0 without a stash.
-  size_t stash_bytes() const { return stash_rows_bytes_ + stash_pool_bytes_ + stash_ring_bytes_; }
+  size_t stash_bytes() const { return stash_rows_bytes_ + stash_pool_bytes_ + stash_ring_bytes_ + stash_flags_bytes_; }
   size_t shared_bytes() const { return replica_slot_bytes() + shared_row_bytes() + shared_transport_bytes() + stash_bytes(); }
 
  private:
@@ -307,7 +307,8 @@ class CudaMoELayer {
   dispatch::RouteTargets Targets(const RankState& st, const Saved& sv) const;
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
-  Status ZeroWeightGrads(RankState& st, cudaStream_t stream);
+  Status FillWeightGrads(RankState& st, int byte, cudaStream_t stream);  // every byte: 0, or 0xFF (NaN)
+  Status FillBackwardWithNaN(int32_t rank, RankState& st, const Saved& sv, __nv_bfloat16* dx, float* dgates);
   // The owner work without host waits (expert compute reading device counts, no balancing, the SwiGLU
   // kind; with nodes > 1 only in one segment): buffers sized for the worst case at the context's creation,
   // SyncFreeSegments() segments per call (cuda_sync_free.cc).
@@ -330,6 +331,7 @@ class CudaMoELayer {
   bool Overlapped(const RankState& st, const Saved& sv, bool backward) const;
   Status ExchangeOverlapped(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status RunPipeline(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
+  Status FinishExchange(int32_t rank, RankState& st, Saved& sv, bool backward);
   Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.
@@ -343,9 +345,13 @@ class CudaMoELayer {
   Status ReserveStash(Saved& sv) const;
   cuda_layer::StashRows StashView(int32_t rank, const RankState& st, Saved& sv) const;
   cuda_layer::StashPool StashPoolOf(int32_t rank) const;
+  // Forward, before its final barrier: the take and copy into pages, and the outcome into every rank's flags;
+  // after the barrier: the flags (every rank's outcome) to the host.
   Status StashSaved(int32_t rank, const RankState& st, Saved& sv);
-  // The pool's overflow at forward goes to *overflow, for the end of the call.
-  Status UnstashSaved(int32_t rank, const RankState& st, Saved& sv, Status* overflow);
+  Status StashOutcomeAfterBarrier(int32_t rank, Saved& sv);
+  // Backward, before anything collective: the pages back into the transient rows; when any rank's forward
+  // overflowed its pool, every rank fills dx, dgates and its weight gradients with NaN and fails here.
+  Status UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_bfloat16* dx, float* dgates);
   Status ReleaseStash(int32_t rank, Saved& sv);
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
@@ -398,11 +404,11 @@ class CudaMoELayer {
   RegionId out_rows_ = -1;                    // the owner's output rows (shared: shared_row_bytes)
   size_t out_rows_bytes_ = 0;
   int64_t pipeline_delay_ns_[2] = {0, 0};  // SetPipelineDelaysForTesting: before each compute, before each return
-  RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, dz, dh (shared: shared_row_bytes)
+  RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, then dz (shared: shared_row_bytes)
   size_t expert_scratch_bytes_ = 0;
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
-  RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1;  // the paged stash (shared: stash_bytes)
-  size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0;
+  RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1, stash_flags_ = -1;  // the paged stash (shared: stash_bytes)
+  size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0, stash_flags_bytes_ = 0;
   std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);  // false from the destructor on (contexts' stash hooks)
   bool replica_fault_ = false;
   bool relays_possible_ = false;  // some plan may relay (every rank then takes the relay barrier in StreamReplicas)
