@@ -263,9 +263,9 @@ TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAn
     EXPECT_EQ(m.rfind(prefix, 0), 0u) << m;
     EXPECT_NE(m.find("stash_rows 192: 3 pages"), std::string::npos) << m;
     EXPECT_NE(m.find("owner rows did not fit"), std::string::npos) << m;
-    EXPECT_NE(m.find("rank 0 needed"), std::string::npos) << "Zipf 2 puts more than 192 rows on the first owner: " << m;
-    size_t listed = 0;
+    size_t listed = 0;  // the ranks named as "rank r needed N"
     for (size_t at = m.find(" needed "); at != std::string::npos; at = m.find(" needed ", at + 1)) ++listed;
+    EXPECT_GE(listed, 1u) << "Zipf 2 puts more than 192 rows on a hot owner: " << m;
     EXPECT_LT(listed, 4u) << "the lightly loaded owners fit in 3 pages: " << m;
     const std::string tail = m.substr(prefix.size());
     if (i == 0) first_tail = tail;
