@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <utility>
 
 #include "rdep/cuda/device_count.h"
 #include "rdep/transport/host_domain.h"
@@ -68,7 +69,9 @@ StatusOr<std::unique_ptr<Domain>> MakeDomain(const DomainSpec& spec) {
     if (!spec.bootstrap) return InvalidArgument("domain: a per-process CUDA domain needs a bootstrap");
     std::vector<int> devices;
     if (spec.device >= 0) devices.push_back(spec.device);
-    RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateMultiProcess(*spec.bootstrap, {.barrier_timeout_s = spec.barrier_timeout_s, .devices = devices}));
+    // Moved, not copied: GCC 13 reports a false -Warray-bounds inside the copy of a one-element vector.
+    RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateMultiProcess(*spec.bootstrap, {.barrier_timeout_s = spec.barrier_timeout_s,
+                                                                                   .devices = std::move(devices)}));
     return std::unique_ptr<Domain>(std::move(d));
   }
   const int present = CudaDeviceCount();
