@@ -672,13 +672,13 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
 }
 
 // The exchange's final barrier, after which every returned row has landed. A forward with the paged
-// stash takes its pages before it and tells every rank its outcome; after it, every rank's outcome
-// goes to the host for the backward (cuda_stash.cc).
+// stash takes its pages before it and tells every rank its outcome; after it, copies its rows into the
+// pages and sends every rank's outcome to the host for the backward (cuda_stash.cc).
 Status CudaMoELayer::FinishExchange(int32_t rank, RankState& st, Saved& sv, bool backward) {
   const bool stash = !backward && Stashing(st);
   if (stash) RDEP_RETURN_IF_ERROR(StashSaved(rank, st, sv));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
-  if (stash) RDEP_RETURN_IF_ERROR(StashOutcomeAfterBarrier(rank, sv));
+  if (stash) RDEP_RETURN_IF_ERROR(StashOutcomeAfterBarrier(rank, st, sv));
   return Mark(rank, st, backward, kMarkReturnWait);
 }
 

@@ -119,8 +119,8 @@ cuda_layer::StashRows CudaMoELayer::StashView(int32_t rank, const RankState& st,
           sv.stash_pages.ptr, cuda_layer::StashMaxPages(sv.num_segments, cap), sv.stash_state.ptr, sv.stash_fault_dev};
 }
 
-// Forward, after the owner's last segment and before the final barrier (in the rank's stream): the rows
-// that arrived into pages, and this rank's outcome into every rank's flags.
+// Forward, after the owner's last segment and before the final barrier (in the rank's stream): the pages
+// the rows that arrived need, and this rank's outcome into every rank's flags.
 Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveStash(sv));
@@ -128,7 +128,7 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   // Held from the take's launch on (a failed copy launch after it still gives the pages back); a take that
   // never ran leaves state[0] at 0, which gives nothing back. The take re-arms the fault word itself.
   sv.stash_held = true;
-  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashRows(StashPoolOf(rank), StashView(rank, st, sv), stream));
+  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchTakePages(StashPoolOf(rank), StashView(rank, st, sv), stream));
   RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashOutcomeToPeers(StashView(rank, st, sv), domain_.peer_table(rank, stash_flags_), rank,
                                                              static_cast<int32_t>(config_.shape.ranks), stream));
   // A context freed before its backward (ForwardContext::Release, its destructor) gives its pages back.
@@ -138,9 +138,12 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   return Status::Ok();
 }
 
-// Forward, after its final barrier: every rank's outcome to the host, and the event backward waits on.
-Status CudaMoELayer::StashOutcomeAfterBarrier(int32_t rank, Saved& sv) {
+// Forward, after its final barrier: the copy into the pages taken (off the barrier's critical path: a hot
+// owner's larger copy does not hold the other ranks there), every rank's outcome to the host, and the event
+// backward waits on.
+Status CudaMoELayer::StashOutcomeAfterBarrier(int32_t rank, const RankState& st, Saved& sv) {
   cudaStream_t stream = domain_.stream(rank);
+  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchCopyIntoPages(StashPoolOf(rank), StashView(rank, st, sv), stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.stash_outcomes_host, domain_.region(rank, stash_flags_), stash_flags_bytes_,
                                             cudaMemcpyDeviceToHost, stream));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.stash_taken, stream));

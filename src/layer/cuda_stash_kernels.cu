@@ -99,8 +99,8 @@ __device__ void MoveArray(uint4* t, int64_t t_stride, uint4* p, int64_t p_stride
 
 // One block per page of the context (blockIdx.x = its index in the page table): copies the page's rows
 // between the pool and the transient rows. to_pool false with state[0] = -1 (the pool overflowed at
-// forward) fills the rows the forward computed with NaN instead, so that a backward the host could not
-// stop (other ranks' calls need this rank's) yields NaN gradients, not plausible wrong ones.
+// forward) fills the rows the forward computed with NaN instead (defensive: the layer's backward fails on
+// every rank before it would copy such a context back).
 __global__ void CopyPagesKernel(StashPool pool, StashRows r, int64_t row_elems, bool to_pool) {
   const int64_t held = r.state[0];
   const bool poison = !to_pool && held < 0;
@@ -149,10 +149,15 @@ __global__ void StashOutcomeKernel(const int64_t* state, void* const* peer_flags
 
 }  // namespace
 
-Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
+Status LaunchTakePages(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
   RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
   TakePagesKernel<<<1, kRingThreads, 0, stream>>>(pool, r);
   RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchCopyIntoPages(const StashPool& pool, const StashRows& r, cudaStream_t stream) {
+  RDEP_RETURN_IF_ERROR(CheckArgs(pool, r));
   if (r.max_pages > 0) {
     CopyPagesKernel<<<static_cast<unsigned>(r.max_pages), kCopyThreads, 0, stream>>>(pool, r, RowElems(r), /*to_pool=*/true);
     RDEP_CUDA_CHECK_LAUNCH();

@@ -52,10 +52,11 @@ inline int64_t StashMaxPages(int64_t segments, int64_t seg_cap) {
   return segments * ((seg_cap + kStashPageRows - 1) / kStashPageRows);
 }
 
-// Forward, after the owner's last segment: takes the pages the rows need and copies them in; when the
-// pool has too few free pages, takes none, sets state[0] = -1 and writes the rows needed to *fault
-// (-1 there when they fit).
-Status LaunchStashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream);
+// Forward, after the owner's last segment: takes the pages the rows need; when the pool has too few free
+// pages, takes none, sets state[0] = -1 and writes the rows needed to *fault (-1 there when they fit).
+Status LaunchTakePages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
+// Then (in the same stream) copies the rows into the pages taken (nothing after an overflow).
+Status LaunchCopyIntoPages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Backward, before the owner's first segment: copies the held pages back into the transient rows
 // (a context with state[0] = -1 copies nothing) and gives the pages back.
 Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream);

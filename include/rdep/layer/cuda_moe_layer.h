@@ -345,10 +345,10 @@ class CudaMoELayer {
   Status ReserveStash(Saved& sv) const;
   cuda_layer::StashRows StashView(int32_t rank, const RankState& st, Saved& sv) const;
   cuda_layer::StashPool StashPoolOf(int32_t rank) const;
-  // Forward, before its final barrier: the take and copy into pages, and the outcome into every rank's flags;
-  // after the barrier: the flags (every rank's outcome) to the host.
+  // Forward, before its final barrier: the pages taken, and the outcome into every rank's flags; after the
+  // barrier: the copy into the pages, and the flags (every rank's outcome) to the host.
   Status StashSaved(int32_t rank, const RankState& st, Saved& sv);
-  Status StashOutcomeAfterBarrier(int32_t rank, Saved& sv);
+  Status StashOutcomeAfterBarrier(int32_t rank, const RankState& st, Saved& sv);
   // Backward, before anything collective: the pages back into the transient rows; when any rank's forward
   // overflowed its pool, every rank fills dx, dgates and its weight gradients with NaN and fails here.
   Status UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_bfloat16* dx, float* dgates);
