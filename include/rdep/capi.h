@@ -235,7 +235,8 @@ int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
  * cuBLASLt and a CUTLASS layer of one shape share the transport regions only: the CUTLASS layer's output
  * rows are one set, dx written over dout, the cuBLASLt layer's two): rdep_domain_memory, not a sum of this
  * over layers, is a domain's total. From version 10 it also counts the
- * paged stash's transient rows and pool (stash_rows > 0), shared the same way. */
+ * paged stash's transient rows and pool (stash_rows > 0), shared the same way, and its W outcome words
+ * (shared by every stashing layer of the domain). */
 int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
 /* Version 8. CUDA: where the saved rows of contexts acquired from now on come from (nearly all of a
  * context's bytes: the front-end's returned rows kept for dgate and, with expert_compute CUTLASS, the

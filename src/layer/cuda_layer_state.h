@@ -192,13 +192,11 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   bool counts_on_device = false;
   bool overlapped = false;  // the forward ran its segments as the pipeline (LayerConfig::overlap_segments)
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the pool pages this context's owner rows
-  // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows), a
-  // host-mapped word the overflow writes (the rows needed; -1 none), every rank's outcome of the same
-  // forward copied to the host after its final barrier ([W]: rows needed, or -1), and the event after that copy.
+  // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows), every
+  // rank's outcome of the same forward copied to the host after its final barrier ([W]: rows needed, or
+  // -1), and the event after that copy.
   cuda_layer::DeviceBuffer<int32_t> stash_pages;
   cuda_layer::DeviceBuffer<int64_t> stash_state;
-  int64_t* stash_fault_host = nullptr;
-  int64_t* stash_fault_dev = nullptr;
   int64_t* stash_outcomes_host = nullptr;
   cudaEvent_t stash_taken = nullptr;
   bool stash_held = false;  // a forward stashed rows that neither a backward nor ReleaseRows gave back yet
@@ -219,7 +217,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     if (host_fault) cudaFreeHost(host_fault);
     if (host_plan_misc) cudaFreeHost(host_plan_misc);
     if (stash_held && stash_give_back) stash_give_back();  // before the page table is freed (cudaFree waits for the kernel)
-    if (stash_fault_host) cudaFreeHost(stash_fault_host);
+    if (stash_taken) cudaEventSynchronize(stash_taken);  // the outcomes' copy into stash_outcomes_host has landed
     if (stash_outcomes_host) cudaFreeHost(stash_outcomes_host);
     if (stash_taken) cudaEventDestroy(stash_taken);
     stash_pages.Free();

@@ -678,8 +678,8 @@ Status CudaMoELayer::FinishExchange(int32_t rank, RankState& st, Saved& sv, bool
   const bool stash = !backward && Stashing(st);
   if (stash) RDEP_RETURN_IF_ERROR(StashSaved(rank, st, sv));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
-  if (stash) RDEP_RETURN_IF_ERROR(StashOutcomeAfterBarrier(rank, st, sv));
-  return Mark(rank, st, backward, kMarkReturnWait);
+  RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkReturnWait));
+  return stash ? StashOutcomeAfterBarrier(rank, st, sv) : Status::Ok();  // profiled with the combine, as before
 }
 
 // Owner, forward, one segment: expand into expert-grouped rows (the GEMMs need the per-expert counts

@@ -10,7 +10,8 @@
 // owner work and gives the pages back. Memory: one worst case plus the rows the live contexts hold.
 // Pages are taken and given back by kernels in the rank's stream order, so no call waits on the host.
 //
-// Overflow: a forward whose rows need more pages than are free takes none; its output is still
+// Overflow: a forward whose rows need more pages than are free takes none (state -1 and the rows it
+// needed, on the device); its output is still
 // right (the rows were used before the stash). Before the forward's final barrier each rank stores its
 // outcome (the rows needed, or -1) into every rank's flags ("stash.flags": W words), and after it
 // copies them to the host, so every rank learns every rank's outcome. The host reads them at backward
@@ -51,7 +52,9 @@ Status CudaMoELayer::AcquireStash() {
   RDEP_ASSIGN_OR_RETURN(stash_rows_, domain_.AcquireShared("stash.rows", stash_rows_bytes_));
   RDEP_ASSIGN_OR_RETURN(stash_pool_, domain_.AcquireShared("stash.pool" + key, stash_pool_bytes_));
   RDEP_ASSIGN_OR_RETURN(stash_ring_, domain_.AcquireShared("stash.ring" + key, stash_ring_bytes_));
-  stash_flags_bytes_ = static_cast<size_t>(s.ranks) * sizeof(int64_t);  // written and read within one forward
+  // Written before a forward's final barrier and copied to the host right after it, before this rank's next
+  // barrier; every stashing forward passes a barrier before it writes again, so no call overwrites another's.
+  stash_flags_bytes_ = static_cast<size_t>(s.ranks) * sizeof(int64_t);
   RDEP_ASSIGN_OR_RETURN(stash_flags_, domain_.AcquireShared("stash.flags", stash_flags_bytes_));
   return Status::Ok();
 }
@@ -74,22 +77,13 @@ CudaMoELayer::OwnerRows CudaMoELayer::SavedOwnerRows(int32_t rank, const RankSta
   return {x, h, config_.owner_reduce ? h + rows * 2 * config_.shape.ffn : nullptr};
 }
 
-// A context's page table, state, fault word and event (once; the rows themselves live in the pool).
+// A context's page table, state, outcome words and event (once; the rows themselves live in the pool).
 Status CudaMoELayer::ReserveStash(Saved& sv) const {
   const int64_t cap = std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
   RDEP_RETURN_IF_ERROR(sv.stash_pages.Reserve(static_cast<size_t>(cuda_layer::StashMaxPages(SyncFreeSegments(), cap))));
   if (!sv.stash_state.ptr) {  // state[0] = 0: no pages held (a give before any take returns nothing)
     RDEP_RETURN_IF_ERROR(sv.stash_state.Reserve(2));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(sv.stash_state.ptr, 0, 2 * sizeof(int64_t)));
-  }
-  if (!sv.stash_fault_host) {
-    void* pinned = nullptr;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
-    sv.stash_fault_host = static_cast<int64_t*>(pinned);
-    *sv.stash_fault_host = -1;
-    void* mapped = nullptr;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, pinned, 0));
-    sv.stash_fault_dev = static_cast<int64_t*>(mapped);
   }
   if (!sv.stash_outcomes_host) {
     void* pinned = nullptr;
@@ -116,7 +110,7 @@ cuda_layer::StashRows CudaMoELayer::StashView(int32_t rank, const RankState& st,
   const int32_t phys = physical_experts(st);
   const int64_t cap = std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
   return {rows.x, rows.h, rows.f, config_.shape.hidden, config_.shape.ffn, sv.num_segments, cap, sv.dev_counts.ptr, phys + 1, phys,
-          sv.stash_pages.ptr, cuda_layer::StashMaxPages(sv.num_segments, cap), sv.stash_state.ptr, sv.stash_fault_dev};
+          sv.stash_pages.ptr, cuda_layer::StashMaxPages(sv.num_segments, cap), sv.stash_state.ptr};
 }
 
 // Forward, after the owner's last segment and before the final barrier (in the rank's stream): the pages
@@ -126,16 +120,15 @@ Status CudaMoELayer::StashSaved(int32_t rank, const RankState& st, Saved& sv) {
   RDEP_RETURN_IF_ERROR(ReserveStash(sv));
   if (sv.stash_held) RDEP_RETURN_IF_ERROR(ReleaseStash(rank, sv));  // forwarded again without a backward
   // Held from the take's launch on (a failed copy launch after it still gives the pages back); a take that
-  // never ran leaves state[0] at 0, which gives nothing back. The take re-arms the fault word itself.
+  // never ran leaves state[0] at 0, which gives nothing back.
   sv.stash_held = true;
-  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchTakePages(StashPoolOf(rank), StashView(rank, st, sv), stream));
-  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchStashOutcomeToPeers(StashView(rank, st, sv), domain_.peer_table(rank, stash_flags_), rank,
-                                                             static_cast<int32_t>(config_.shape.ranks), stream));
   // A context freed before its backward (ForwardContext::Release, its destructor) gives its pages back.
   sv.stash_give_back = [this, rank, saved = &sv, alive = alive_] {
     if (alive->load()) (void)ReleaseStash(rank, *saved);
   };
-  return Status::Ok();
+  RDEP_RETURN_IF_ERROR(cuda_layer::LaunchTakePages(StashPoolOf(rank), StashView(rank, st, sv), stream));
+  return cuda_layer::LaunchStashOutcomeToPeers(StashView(rank, st, sv), domain_.peer_table(rank, stash_flags_), rank,
+                                               static_cast<int32_t>(config_.shape.ranks), stream);
 }
 
 // Forward, after its final barrier: the copy into the pages taken (off the barrier's critical path: a hot

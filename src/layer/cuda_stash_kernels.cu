@@ -44,7 +44,6 @@ __global__ void TakePagesKernel(StashPool pool, StashRows r) {
     } else {
       r.state[0] = -1;
     }
-    *reinterpret_cast<volatile int64_t*>(r.fault) = fits ? -1 : rows;  // every forward re-arms it: no host write
   }
   __syncthreads();
   if (!fits) return;
@@ -136,7 +135,7 @@ Status CheckArgs(const StashPool& pool, const StashRows& r) {
     return InvalidArgument("stash: the pool has no pages");
   if (r.H % kVec != 0 || r.F % kVec != 0)
     return InvalidArgument("stash: hidden " + std::to_string(r.H) + " and ffn " + std::to_string(r.F) + " must be multiples of 8");
-  if (!r.x || !r.h || !r.counts || !r.page_table || !r.state || !r.fault || r.segments < 0 || r.seg_cap < 0)
+  if (!r.x || !r.h || !r.counts || !r.page_table || !r.state || r.segments < 0 || r.seg_cap < 0)
     return InvalidArgument("stash: a context's rows, counts, page table or state is missing");
   return Status::Ok();
 }

@@ -44,7 +44,6 @@ struct StashRows {
   int32_t* page_table = nullptr;  // [max_pages]
   int64_t max_pages = 0;          // segments * ceil(seg_cap / kStashPageRows)
   int64_t* state = nullptr;       // [2]
-  int64_t* fault = nullptr;       // device view of a host-mapped word: the rows needed when the pool overflowed, else -1
 };
 
 inline int64_t StashRowElems(int64_t H, int64_t F, bool with_f) { return H + 2 * F + (with_f ? H : 0); }
@@ -53,7 +52,7 @@ inline int64_t StashMaxPages(int64_t segments, int64_t seg_cap) {
 }
 
 // Forward, after the owner's last segment: takes the pages the rows need; when the pool has too few free
-// pages, takes none, sets state[0] = -1 and writes the rows needed to *fault (-1 there when they fit).
+// pages, takes none and sets state[0] = -1 (state[1] = the rows, either way).
 Status LaunchTakePages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Then (in the same stream) copies the rows into the pages taken (nothing after an overflow).
 Status LaunchCopyIntoPages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
@@ -62,7 +61,7 @@ Status LaunchCopyIntoPages(const StashPool& pool, const StashRows& r, cudaStream
 Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Gives a context's pages back without copying (a context dropped before its backward); state[0] = 0.
 Status LaunchReleaseStash(const StashPool& pool, const StashRows& r, cudaStream_t stream);
-// After LaunchStashRows, before the forward's final barrier: rank `rank`'s outcome into word `rank` of
+// After LaunchTakePages, before the forward's final barrier: rank `rank`'s outcome into word `rank` of
 // every rank's flags region (peer_flags: the region's peer table, `ranks` entries): the rows it needed
 // when its pool overflowed, else -1. After the barrier each rank's region holds every rank's outcome.
 Status LaunchStashOutcomeToPeers(const StashRows& r, void* const* peer_flags, int32_t rank, int32_t ranks, cudaStream_t stream);

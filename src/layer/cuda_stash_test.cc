@@ -3,8 +3,9 @@
 // Bitwise equal to the layer without it (the moves are copies): W = 1 and W = 4 ranks sharing the GPUs
 // present, dropless and with capacity drops, in several segments, with owner_reduce; three layers in
 // flight at once (forward all, backward in reverse) sharing one pool; a pool too small for a forward
-// (its output still right, its backward failing naming rows and pool with NaN gradients, the next step on
-// the same pool exact); a context's pages given back by ReleaseRows and by freeing the context; refusals
+// (its output still right, every rank's backward failing alike naming ranks, rows and pool with NaN
+// outputs, the next step on the same pool exact; a layer that fits, forward and backward between the
+// overflowing layer's, unaffected); a context's pages given back by ReleaseRows and by freeing the context; refusals
 // (config, capture of a forward or of a backward); the free list wrapping with pages given back out of
 // order. Skips without a GPU, CUTLASS or sm_90. The config checks run everywhere.
 #include <gtest/gtest.h>
@@ -275,9 +276,49 @@ TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAn
     EXPECT_TRUE(all_nan) << "the failed backward's weight gradients are NaN, not plausible values";
     EXPECT_TRUE(std::all_of(small.dx[i].begin(), small.dx[i].end(), [](uint16_t v) { return (v & 0x7f80) == 0x7f80 && (v & 0x7f); }))
         << "the failed backward's dx is NaN";
+    EXPECT_TRUE(std::all_of(small.dg[i].begin(), small.dg[i].end(), [](float v) { return std::isnan(v); }))
+        << "the failed backward's dgates are NaN";
   }
   for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(after.backward[i].ok()) << "rank " << i << ": " << after.backward[i];
   ExpectSame(after, even_plain, "the step after the overflow");
+}
+
+// Two layers sharing the domain's transient rows and its one set of outcome words (each with a pool of its
+// own size), interleaved: forward of a layer that overflows its 3 pages (Zipf 2), forward of one that fits
+// (uniform, 8 pages), backward of the second, then of the first. The second layer's forward writes the outcome words after the first's were copied for its
+// backward: the second's backward succeeds on every rank, bitwise the layer without a stash, and the
+// first's fails on every rank.
+TEST(CudaStash_Overflow, W4_ALayerThatFitsBetweenAnOverflowingLayersCallsIsUnaffected) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
+  const Outputs even_plain = RunOne(even, Setting{});
+  auto domain = MakeDomain(4);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto l1 = CudaMoELayer::Create(**domain, ConfigOf(skewed, Setting{.stash_rows = 192}), skewed.own, skewed.w);
+  ASSERT_TRUE(l1.ok()) << l1.status();
+  auto l2 = CudaMoELayer::Create(**domain, ConfigOf(even, Setting{.stash_rows = 512}), even.own, even.w);  // a pool of its own
+  ASSERT_TRUE(l2.ok()) << l2.status();
+  Outputs first(4), second(4);
+  const Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    Batch b1, b2;
+    RDEP_RETURN_IF_ERROR(Upload(skewed.routing[i], skewed.x[i], skewed.dy[i], skewed.shape.hidden, b1));
+    RDEP_RETURN_IF_ERROR(Upload(even.routing[i], even.x[i], even.dy[i], even.shape.hidden, b2));
+    RDEP_RETURN_IF_ERROR((*l1)->Forward(r, b1.e, b1.g, b1.n, b1.x, b1.y));
+    RDEP_RETURN_IF_ERROR((*l2)->Forward(r, b2.e, b2.g, b2.n, b2.x, b2.y));
+    second.backward[i] = (*l2)->Backward(r, b2.dy, b2.dx, b2.dg);
+    first.backward[i] = (*l1)->Backward(r, b1.dy, b1.dx, b1.dg);
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    return Collect(**l2, even, b2, r, second);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(second.backward[i].ok()) << "rank " << i << ": " << second.backward[i];
+    EXPECT_FALSE(first.backward[i].ok()) << "rank " << i << ": the overflowing layer's backward ran";
+    EXPECT_NE(first.backward[i].message().find("owner rows did not fit"), std::string::npos) << first.backward[i];
+  }
+  ExpectSame(second, even_plain, "the layer that fits");
 }
 
 // W = 1 (all 128 rows on the one owner: 2 pages) with a pool of exactly 2 pages and caller-owned

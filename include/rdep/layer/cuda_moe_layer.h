@@ -288,7 +288,8 @@ class CudaMoELayer {
   // a layer alone, or the first of a stack of layers of one size, adds to device_bytes.
   // Device bytes per rank of the paged stash (LayerConfig::stash_rows): the transient owner rows of the worst
   // case and the page pool with its free list, both shared by the domain's layers of one shape and pool size
-  // (Domain::AcquireShared, "stash.*"); 0 without a stash.
+  // (Domain::AcquireShared, "stash.*"), and the W outcome words every stashing layer of the domain shares
+  // ("stash.flags"); 0 without a stash.
   size_t stash_bytes() const { return stash_rows_bytes_ + stash_pool_bytes_ + stash_ring_bytes_ + stash_flags_bytes_; }
   size_t shared_bytes() const { return replica_slot_bytes() + shared_row_bytes() + shared_transport_bytes() + stash_bytes(); }
 

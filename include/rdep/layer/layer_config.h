@@ -59,10 +59,9 @@ struct LayerConfig {
                                    // pool of this many rows per rank, shared by the domain's layers of one shape
                                    // and pool size, instead of each context holding the worst case; the worst
                                    // case is then one transient buffer shared by those layers. A forward whose rows
-                                   // do not fit the free pages still returns its output; its backward fails naming
-                                   // the rows and the pool (its weight gradients and dx are NaN, and so are the dx
-                                   // rows it returns to the other ranks, whose backward does not fail: size the pool
-                                   // with headroom). 0 = off. Needs
+                                   // do not fit the free pages on some rank still returns its output; every rank's
+                                   // backward of it then fails before its exchange, naming the ranks, their rows and
+                                   // the pool (dx, dgates and weight gradients NaN). 0 = off. Needs
                                    // expert_compute cutlass, no balancing, one node; not inside a CUDA graph
                                    // capture. The host backend ignores it
   bool overlap_segments = false;   // CUDA: run a forward's and a backward's segments as a pipeline (seeds 000 section

@@ -45,9 +45,9 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       back at backward, so that each layer in flight holds the rows that arrived rather than the worst case
       (W*T*K rows at W ranks, dropless); the worst case is one buffer shared by those layers. Size it for
       the rows of every layer between its forward and its backward (about layers * T*K at uniform routing,
-      with headroom). A forward whose rows do not fit still returns its output; its backward raises naming
-      the rows and the pool on that rank (that step's expert gradients are NaN, and so is the dx of other
-      ranks' tokens routed to its experts, which raise nothing). Costs a copy of the rows each way; pays
+      with headroom). A forward whose rows do not fit on some rank still returns its output; its backward
+      then raises on every rank, naming the ranks, their rows and the pool (that step's dx, gate and expert
+      gradients are NaN). Costs a copy of the rows each way; pays
       at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Not with torch.compile's
       CUDA graphs (mode="reduce-overhead")
   keep_weight_casts=True (CUDA with fp32 expert weights, e.g. dtype=torch.float32 master weights): the bf16
