@@ -94,5 +94,39 @@ TEST(LayerConfigValidate, OverlapSegmentsNamesWhatItNeeds) {
   }
 }
 
+// The owner's output rows (the CUDA layer's "owner.out_rows"): one set when the CUTLASS compute writes dx
+// over dout (no balancing: the replica slots run cuBLASLt), two otherwise, and two with overlapped segments
+// when there is more than one segment (two segments' rows in flight).
+TEST(OwnerOutputRowSets, OneSetOnlyWhereDxGoesOverDout) {
+  const LayerConfig base = Make(0).cfg;  // S = W*T: one segment
+  const int64_t WT = base.shape.ranks * base.shape.tokens;
+  struct Case {
+    const char* what;
+    ExpertComputeKind compute;
+    int32_t slots;
+    bool overlap;
+    int64_t S;
+    bool dx_over_dout;
+    int64_t sets;
+  };
+  const Case cases[] = {
+      {"cutlass", ExpertComputeKind::kCutlass, 0, false, WT, true, 1},
+      {"cutlass, several segments", ExpertComputeKind::kCutlass, 0, false, WT / 4, true, 1},
+      {"cublaslt", ExpertComputeKind::kCublasLt, 0, false, WT, false, 2},
+      {"cutlass with balancing", ExpertComputeKind::kCutlass, 2, false, WT, false, 2},
+      {"cutlass, overlapped segments", ExpertComputeKind::kCutlass, 0, true, WT / 4, true, 2},
+      {"cutlass, overlap asked with one segment", ExpertComputeKind::kCutlass, 0, true, WT, true, 1},
+  };
+  for (const Case& c : cases) {
+    LayerConfig cfg = base;
+    cfg.expert_compute = c.compute;
+    if (c.slots > 0) cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = c.slots};
+    cfg.overlap_segments = c.overlap;
+    cfg.segment_tokens = c.S;
+    EXPECT_EQ(DxOverDout(cfg), c.dx_over_dout) << c.what;
+    EXPECT_EQ(OwnerOutputRowSets(cfg, c.S), c.sets) << c.what;
+  }
+}
+
 }  // namespace
 }  // namespace rdep
