@@ -781,8 +781,8 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     int64_t main_rows = 0;
     for (int32_t j = 0; j < st.num_local && static_cast<size_t>(j) < counts.size(); ++j) main_rows += counts[static_cast<size_t>(j)];
     if (seg == 0 && main_rows == 0) RDEP_RETURN_IF_ERROR(FillWeightGrads(st, 0, stream));  // no call will write them
-    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {  // Create checked
-                                                                                                        // dx_may_alias_dout
+    // dx over dout (dx_at 0) only where Create checked the compute's dx_may_alias_dout().
+    for (const ExpertCall& c : ExpertCalls(rank, st, dev_counts, counts, /*first_segment=*/seg == 0)) {
       RDEP_RETURN_IF_ERROR(c.mlp->Backward(c.counts, sv.x_rows.ptr + (base + c.first) * H, sv.h_rows.ptr + (base + c.first) * 2 * s.ffn,
                                            OutRows(rank) + c.first * H, c.weights, OutRows(rank) + (dx_at + c.first) * H, c.grads,
                                            c.accumulate, stream));

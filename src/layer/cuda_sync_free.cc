@@ -107,35 +107,35 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   const int64_t cap = MaxSegmentRows(config_, layout_), base = seg * cap;
   cudaStream_t stream = domain_.stream(rank);
   // The dout rows, then the dx rows over them (the CUTLASS compute: DxOverDout; out_rows holds cap rows).
-  __nv_bfloat16* dx_rows = OutRows(rank);
-  RDEP_RETURN_IF_ERROR(ComputeBackwardSyncFree(rank, st, sv, seg, seg_payload, dx_rows, stream, nullptr));
+  __nv_bfloat16* rows = OutRows(rank);
+  RDEP_RETURN_IF_ERROR(ComputeBackwardSyncFree(rank, st, sv, seg, seg_payload, rows, stream, nullptr));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
     const int64_t* total = sv.dev_counts.ptr + seg * (physical_experts(st) + 1) + physical_experts(st);
     RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
-    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, dx_rows, sv, seg, base, /*backward=*/true));
+    RDEP_RETURN_IF_ERROR(ReturnReduced(rank, rows, sv, seg, base, /*backward=*/true));
   } else {
-    RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, dx_rows, stream));
+    RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, rows, stream));
   }
   return Mark(rank, st, true, cuda_layer::kMarkReturn);
 }
 
-// Backward, segment seg's owner work up to its return: gather g' * dy rows (the dout rows) into `dx_rows`
+// Backward, segment seg's owner work up to its return: gather g' * dy rows (the dout rows) into `rows`
 // in the forward's grouped order, expert compute backward (device counts; the first segment overwrites the
 // weight gradients, later ones add to them; the saved h rows are consumed) with the dx rows over them.
 Status CudaMoELayer::ComputeBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
-                                             __nv_bfloat16* dx_rows, cudaStream_t stream, cudaEvent_t read_done) {
+                                             __nv_bfloat16* rows, cudaStream_t stream, cudaEvent_t read_done) {
   const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
   const int32_t phys = physical_experts(st);
   const int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
   const int64_t* total = counts + phys;
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(dx_rows), stream, total));
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(rows), stream, total));
   if (read_done) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(read_done, stream));
   const kernels::ExpertGradsView grads = st.grads();
   const OwnerRows saved = SavedOwnerRows(rank, st, sv);  // the transient rows, the stash's pages back in them
   if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
     RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, saved.x + base * H, saved.h + base * 2 * config_.shape.ffn,
-                                          dx_rows, st.weights(), dx_rows, grads, /*accumulate=*/seg > 0, stream));
+                                          rows, st.weights(), rows, grads, /*accumulate=*/seg > 0, stream));
   return Status::Ok();
 }
 

@@ -323,7 +323,7 @@ class CudaMoELayer {
   Status ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload, __nv_bfloat16* out,
                                 cudaStream_t stream, cudaEvent_t read_done);
   Status ComputeBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
-                                 __nv_bfloat16* dx_rows, cudaStream_t stream, cudaEvent_t read_done);
+                                 __nv_bfloat16* rows, cudaStream_t stream, cudaEvent_t read_done);
   Status ReturnSyncFree(int32_t rank, const RankState& st, const Saved& sv, int64_t seg, const __nv_bfloat16* rows, cudaStream_t stream);
   // LayerConfig::overlap_segments (cuda_overlap.cc): the segments as a pipeline on the domain's stream
   // (scatter, barriers, returns) and the rank's compute stream (expand, gather, expert compute).
