@@ -54,6 +54,10 @@
 #              a stack of 4 Moonlight layers' memory per rank at W = 4 ranks sharing GPU 0, without and with a
 #              pool for the 4 layers' rows (4 x 26,624)
 #   tiles1     each CUTLASS GEMM of the expert MLP alone per tile configuration (bench/lab/grouped_gemm_tiles)
+#   rows2      the same at W = 2 over NVLink (2-GPU machine): the layer beside the baseline (fp32, --grads bf16), the
+#              pipeline with 2 segments, the cuBLASLt layer
+#   checks     rdep check --backend cuda, CUTLASS and cuBLASLt compute: W = 1, 4 ranks sharing GPU 0, W = every GPU;
+#              the paged stash at W = every GPU; balanced at 4 ranks sharing GPU 0
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
@@ -277,6 +281,27 @@ stage_rows() {  # the owner's rows in one set (dx over dout, the SwiGLU scratch 
   run layer_w4_cublaslt "$RDEP" bench layer --ranks 4 --json "$R/layer_w4_cublaslt.json"
   run layer_zipf1_w4_ultraep "$RDEP" "${lay[@]}" --routing zipf:1 --balance ultraep --json "$R/layer_zipf1_w4_ultraep.json"
   stage_one
+}
+stage_rows2() {  # the owner's rows in one set over NVLink at W = 2 (2-GPU machine): the layer beside the baseline, the pipeline
+  layer w2 2 0
+  local lay=(bench layer --ranks 2 --expert-compute cutlass)
+  run layer_w2_bf16 "$RDEP" "${lay[@]}" --grads bf16 --json "$R/layer_w2_bf16.json" --baseline-json "$R/torch_w2.json"
+  run layer_w2_s4096_ov16 "$RDEP" "${lay[@]}" --segment 4096 --overlap --transport-sms 16 --json "$R/layer_w2_s4096_ov16.json"
+  run layer_w2_cublaslt "$RDEP" bench layer --ranks 2 --json "$R/layer_w2_cublaslt.json"
+}
+stage_checks() {  # rdep check --backend cuda with each expert compute: W = 1, W = 4 ranks sharing GPU 0, W = NGPU on every GPU
+  local n; n=$(nvidia-smi -L | wc -l)
+  for ec in cutlass cublaslt; do
+    run check_${ec}_w1 "$RDEP" check --backend cuda --ranks 1 --expert-compute "$ec" --json "$R/check_${ec}_w1.json"
+    run check_${ec}_w4g1 "$RDEP" check --backend cuda --ranks 4 --gpus 1 --expert-compute "$ec" --routing zipf:1 \
+      --json "$R/check_${ec}_w4g1.json"
+    [ "$n" -gt 1 ] && run check_${ec}_w$n "$RDEP" check --backend cuda --ranks "$n" --gpus "$n" --expert-compute "$ec" \
+      --routing zipf:1 --capacity-factor 0.9 --json "$R/check_${ec}_w$n.json"
+  done
+  [ "$n" -gt 1 ] && run check_stash_w$n "$RDEP" check --backend cuda --ranks "$n" --gpus "$n" --expert-compute cutlass \
+    --stash-rows 2048 --routing zipf:1 --json "$R/check_stash_w$n.json"
+  run check_cutlass_w4g1_bal "$RDEP" check --backend cuda --ranks 4 --gpus 1 --expert-compute cutlass --routing zipf:2 \
+    --balance ultraep --json "$R/check_cutlass_w4g1_bal.json"
 }
 stage_rows1() {  # the same on one GPU: stage one (W = 1), then W = 4 ranks sharing GPU 0 (per-rank memory; times not NVLink's)
   stage_one
