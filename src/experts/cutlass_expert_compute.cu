@@ -6,6 +6,9 @@
 //
 //   Forward   setup (offsets, tables, total)  ->  h = x.W1 (NN)  ->  z = swiglu(h)  ->  y = z.W2 (NN)
 //   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dW2 (+)= z^T.dout (TN)
+//             With per-row gates (ExpertRows::gate): z = g * swiglu(h) in forward; in backward dout is dy,
+//             the SwiGLU' kernel (a warp per row) takes dgate = <dz, swiglu(h)>, z = g * swiglu(h) and dh
+//             from g * dz; the GEMMs are the same
 //             ->  dx = dh.W1^T (NT),  dW1 (+)= x^T.dh (TN)  ->  zero the gradients of empty experts
 //             (overwrite mode only: their TN groups have no tiles)
 // Memory: one scratch of F values a row. Backward writes z over dz and dh over the caller's h (both
@@ -267,7 +270,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     ForwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
     RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     RDEP_RETURN_IF_ERROR(g.g1->Run(0.0f, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_));
+    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_, rows.gate, rows.gate_stride));
     return g.g2->Run(0.0f, stream);
   }
 
@@ -278,6 +281,7 @@ class CutlassExpertCompute final : public ExpertCompute {
                   cudaStream_t stream) override {
     RDEP_RETURN_IF_ERROR(CheckCall(rows, w));
     if (!h) return InvalidArgument("cutlass expert compute: h (the forward's pre-activations) is null");
+    if (rows.gate && !rows.dgate) return InvalidArgument("cutlass expert compute: rows.gate without rows.dgate (each row's gate gradient)");
     if (grads.bf16() && accumulate)
       return InvalidArgument("cutlass expert compute: bf16 weight gradients are written once (accumulate must be false)");
     Gemms& g = *gemms_;
@@ -293,7 +297,11 @@ class CutlassExpertCompute final : public ExpertCompute {
     BackwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
     RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_));  // in place
+    if (rows.gate)  // in place; dgate per row from dz' = dout.W2^T and the recomputed swiglu(h)
+      RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackwardGated(h, z_, rows.gate, rows.gate_stride, z_, h, rows.dgate, rows.max_rows,
+                                                                    desc_.ffn, stream, total_));
+    else
+      RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_));  // in place
     const float beta = accumulate ? 1.0f : 0.0f;
     RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));  // the last reader of dout: dx may go over it
     RDEP_RETURN_IF_ERROR(g.dx->Run(0.0f, stream));
@@ -324,6 +332,8 @@ class CutlassExpertCompute final : public ExpertCompute {
       return InvalidArgument("cutlass expert compute: rows.max_rows " + std::to_string(rows.max_rows) + " outside [0, desc.max_rows=" +
                              std::to_string(desc_.max_rows) + "]");
     if (!w.w1 || !w.w2) return InvalidArgument("cutlass expert compute: weights are null");
+    if (rows.gate && rows.gate_stride < 1)
+      return InvalidArgument("cutlass expert compute: rows.gate_stride " + std::to_string(rows.gate_stride) + " must be >= 1");
     if (w.w1_scales || w.w2_scales) return InvalidArgument("cutlass expert compute: scaled (FP8) weights are not supported");
     auto* fault_word = reinterpret_cast<volatile int64_t*>(fault_host_);
     if (const int64_t fault = *fault_word; fault >= 0) {

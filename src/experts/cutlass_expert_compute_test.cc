@@ -31,76 +31,12 @@
 namespace rdep::kernels {
 namespace {
 
+using test_util::AsDouble;
 using test_util::Dev;
+using test_util::ExpectPerExpert;
+using test_util::MakeOrSkipReason;
 using test_util::RandomBf16;
-
-std::vector<double> AsDouble(const std::vector<uint16_t>& bits, size_t n) {
-  std::vector<double> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = Bf16BitsToFloat(bits[i]);
-  return v;
-}
-template <typename T>
-std::vector<double> AsDouble(const std::vector<T>& a, size_t n) {
-  return std::vector<double>(a.begin(), a.begin() + static_cast<int64_t>(n));
-}
-
-// ||a - b|| / ||b|| (||a - b|| when b is 0).
-double RelErr(const std::vector<double>& a, const std::vector<double>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    d += (a[i] - b[i]) * (a[i] - b[i]);
-    r += b[i] * b[i];
-  }
-  return r > 0 ? std::sqrt(d / r) : std::sqrt(d);
-}
-
-// The worst of RelErr over expert blocks: expert e's rows [off_e, off_e + counts[e]) of `width`
-// values each (per_row), or its own block of `width` values (weight gradients).
-double WorstPerExpert(const std::vector<double>& a, const std::vector<double>& b, const std::vector<int64_t>& counts, int64_t width,
-                      bool per_row, size_t* worst_expert) {
-  double worst = -1;
-  int64_t off = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t first = per_row ? off * width : static_cast<int64_t>(e) * width;
-    const int64_t n = per_row ? counts[e] * width : width;
-    off += counts[e];
-    if (n == 0) continue;
-    const auto lo = a.begin() + first, lo_b = b.begin() + first;
-    const double err = RelErr(std::vector<double>(lo, lo + n), std::vector<double>(lo_b, lo_b + n));
-    if (err > worst) {
-      worst = err;
-      *worst_expert = e;
-    }
-  }
-  return worst;
-}
-
-void ExpectPerExpert(const std::vector<double>& got, const std::vector<double>& want, const std::vector<int64_t>& counts,
-                     int64_t width, bool per_row, const char* what) {
-  size_t worst_e = 0;
-  EXPECT_LE(WorstPerExpert(got, want, counts, width, per_row, &worst_e), 1e-2) << what << ", worst at expert " << worst_e;
-}
-
-bool RequireCutlass() {
-  const char* v = std::getenv("RDEP_REQUIRE_CUTLASS");
-  return v != nullptr && std::string(v) == "1";
-}
-
-// Makes the CUTLASS compute, or says why the test cannot run here (a failure, not a skip, when a GPU
-// is present and RDEP_REQUIRE_CUTLASS=1).
-StatusOr<std::unique_ptr<ExpertCompute>> MakeOrSkipReason(const ExpertMlpDesc& desc, std::string* skip,
-                                                          const CutlassTiles& tiles = {}) {
-  if (cuda::DeviceCount() == 0) {
-    *skip = "no CUDA device";
-    return Unavailable(*skip);
-  }
-  auto ec = MakeCutlassExpertCompute(desc, 0, tiles);
-  if (!ec.ok() && ec.status().code() == StatusCode::kUnavailable) {
-    if (RequireCutlass()) ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << ec.status();
-    *skip = ec.status().message();
-  }
-  return ec;
-}
+using test_util::RequireCutlass;
 
 struct Case {
   std::string name;

@@ -41,6 +41,8 @@ class CublasLtExpertCompute final : public ExpertCompute {
   // The counts on the host: the caller's mirror, or a copy after a stream synchronization.
   StatusOr<const int64_t*> HostCounts(const ExpertRows& rows, const ExpertWeightsView& w, cudaStream_t stream) {
     if (w.w1_scales || w.w2_scales) return InvalidArgument("expert compute (cublaslt): scaled (FP8) weights are not supported");
+    if (rows.gate || rows.dgate)
+      return InvalidArgument("expert compute (cublaslt): per-row gates (rows.gate, rows.dgate) need the cutlass expert compute");
     if (rows.max_rows < 0 || rows.max_rows > desc().max_rows)
       return InvalidArgument("expert compute (cublaslt): max_rows " + std::to_string(rows.max_rows) + " outside [0, " +
                              std::to_string(desc().max_rows) + "]");

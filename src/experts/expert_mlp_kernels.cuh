@@ -16,8 +16,10 @@ namespace rdep::kernels::internal {
 // Requires F % 8 == 0 and 16-byte aligned pointers (16-byte vector loads). With device_rows (a device
 // int64), the rows are min(*device_rows, rows): rows is then the host's upper bound (sizes the grid),
 // and the launch needs no host copy of the count.
+// With gate (non-null), row r's z is scaled by gate[r * gate_stride] before the one bf16 rounding: the gate
+// multiplied before W2 (seeds 002 section 4).
 cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_t rows, int64_t F, cudaStream_t stream,
-                                const int64_t* device_rows = nullptr);
+                                const int64_t* device_rows = nullptr, const float* gate = nullptr, int64_t gate_stride = 1);
 
 // From the saved pre-activations h [rows][2F] and dz [rows][F]:
 //   z[r][f]      = silu(a) * b                      (recomputed for dW2)
@@ -25,6 +27,16 @@ cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_
 // fp32 math, bf16 stores. Same requirements as the forward. In place allowed: z may be dz and dh may be h.
 cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
                                  int64_t rows, int64_t F, cudaStream_t stream, const int64_t* device_rows = nullptr);
+
+// The same with the gate before W2, one warp per row: dz is the unweighted dz' = dy.W2^T of the row, g its gate
+// (gate[r * gate_stride]), s = swiglu(h):
+//   dgate[r] = <dz', s>   (fp32, each lane's features in order, then a fixed shuffle tree: deterministic)
+//   z[r]     = g * s      (for dW2 = z^T.dy)
+//   dh[r]    = swiglu'(h) with dz = g * dz'
+// In place allowed as above (z == dz, dh == h). rows bound and device_rows as above; dgate [rows].
+cudaError_t LaunchSwigluBackwardGated(const __nv_bfloat16* h, const __nv_bfloat16* dz, const float* gate, int64_t gate_stride,
+                                      __nv_bfloat16* z, __nv_bfloat16* dh, float* dgate, int64_t rows, int64_t F, cudaStream_t stream,
+                                      const int64_t* device_rows = nullptr);
 
 // Pointer tables for a grouped GEMM: for group g (expert e_g, first row off_g) and operand o,
 //   table[o * num_groups + g] = base_o + e_g * expert_stride_o + off_g * row_stride_o   (strides in bytes).

@@ -34,6 +34,14 @@ struct ExpertRows {
   const int64_t* counts = nullptr;       // DEVICE [E_loc] rows per local expert
   int64_t max_rows = 0;                  // host bound on their sum (<= the desc's max_rows)
   const int64_t* host_counts = nullptr;  // optional: the same counts on the host, if the caller has them
+  // Optional, the CUTLASS compute only (seeds 002 section 4, the gate multiplied before W2): row r's gate at
+  // DEVICE gate[r * gate_stride] (a field of the caller's row records). Forward then writes the weighted
+  // output g * swiglu(x.W1).W2 (the SwiGLU output scaled before its bf16 rounding); Backward takes dout
+  // UNWEIGHTED (dy), applies the gate itself and writes dgate[r] = <dout_r . W2^T, swiglu(h_r)> (the dot of
+  // dy with the row's unweighted output, fp32, deterministic) into DEVICE dgate [max_rows].
+  const float* gate = nullptr;
+  int64_t gate_stride = 1;               // in floats, >= 1
+  float* dgate = nullptr;                // Backward with gate: required
 };
 
 // The local experts' weights. Room for per-block scales (FP8 later); null for bf16 weights.
@@ -64,7 +72,7 @@ class ExpertCompute {
   virtual size_t workspace_bytes() const = 0;
   virtual const ExpertMlpDesc& desc() const = 0;
 
-  // x [M][H] bf16 -> h [M][2F] bf16 (pre-activations, kept for Backward), y [M][H] bf16.
+  // x [M][H] bf16 -> h [M][2F] bf16 (pre-activations, kept for Backward), y [M][H] bf16 (with rows.gate: weighted).
   virtual Status Forward(const ExpertRows& rows, const __nv_bfloat16* x, const ExpertWeightsView& w, __nv_bfloat16* h,
                          __nv_bfloat16* y, cudaStream_t stream) = 0;
   // dout [M][H] (gate applied), x and h from Forward -> dx [M][H]; weight gradients overwritten, or
