@@ -58,6 +58,9 @@
 #              pipeline with 2 segments, the cuBLASLt layer
 #   checks     rdep check --backend cuda, CUTLASS and cuBLASLt compute: W = 1, 4 ranks sharing GPU 0, W = every GPU;
 #              the paged stash at W = every GPU; balanced at 4 ranks sharing GPU 0
+#   gate       LayerConfig::gate_in_expert (the gate before W2): rdep check with it (W = 1, 4 ranks sharing GPU 0 with drops,
+#              the pipeline and the stash, W = every GPU), then the Moonlight layer with and without it, alternated, at
+#              W = 1 and W = every GPU, beside the baseline (fp32 and --grads bf16)
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
@@ -302,6 +305,25 @@ stage_checks() {  # rdep check --backend cuda with each expert compute: W = 1, W
     --stash-rows 2048 --routing zipf:1 --json "$R/check_stash_w$n.json"
   run check_cutlass_w4g1_bal "$RDEP" check --backend cuda --ranks 4 --gpus 1 --expert-compute cutlass --routing zipf:2 \
     --balance ultraep --json "$R/check_cutlass_w4g1_bal.json"
+}
+stage_gate() {  # LayerConfig::gate_in_expert: rdep check with it, then the layer with and without it, alternated, W = 1 and W = every GPU
+  local n; n=$(nvidia-smi -L | wc -l)
+  local chk=(check --backend cuda --expert-compute cutlass --gate-in-expert)
+  run check_gate_w1 "$RDEP" "${chk[@]}" --ranks 1 --json "$R/check_gate_w1.json"
+  run check_gate_w4g1 "$RDEP" "${chk[@]}" --ranks 4 --gpus 1 --routing zipf:1 --capacity-factor 0.9 --json "$R/check_gate_w4g1.json"
+  run check_gate_w4g1_overlap "$RDEP" "${chk[@]}" --ranks 4 --gpus 1 --routing zipf:1.5 --segment 40 --overlap --json "$R/check_gate_w4g1_overlap.json"
+  run check_gate_w4g1_stash "$RDEP" "${chk[@]}" --ranks 4 --gpus 1 --routing zipf:1 --stash-rows 4096 --json "$R/check_gate_w4g1_stash.json"
+  [ "$n" -gt 1 ] && run check_gate_w$n "$RDEP" "${chk[@]}" --ranks "$n" --gpus "$n" --routing zipf:1 --json "$R/check_gate_w$n.json"
+  for w in 1 $([ "$n" -gt 1 ] && echo "$n"); do
+    [ -f "$R/torch_w$w.json" ] || run torch_w$w torchrun --nproc-per-node="$w" "$BASE" --json "$R/torch_w$w.json"
+    local lay=(bench layer --ranks "$w" --expert-compute cutlass --baseline-json "$R/torch_w$w.json")
+    for round in a b; do
+      run gate_w${w}_off_$round "$RDEP" "${lay[@]}" --json "$R/gate_w${w}_off_$round.json"
+      run gate_w${w}_on_$round "$RDEP" "${lay[@]}" --gate-in-expert --json "$R/gate_w${w}_on_$round.json"
+    done
+    run gate_w${w}_on_bf16 "$RDEP" "${lay[@]}" --gate-in-expert --grads bf16 --json "$R/gate_w${w}_on_bf16.json"
+    run gate_w${w}_off_bf16 "$RDEP" "${lay[@]}" --grads bf16 --json "$R/gate_w${w}_off_bf16.json"
+  done
 }
 stage_rows1() {  # the same on one GPU: stage one (W = 1), then W = 4 ranks sharing GPU 0 (per-rank memory; times not NVLink's)
   stage_one

@@ -54,7 +54,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 11
+#define RDEP_CAPI_VERSION 12
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -141,6 +141,11 @@ typedef struct rdep_layer_spec {
    * With transport_sms > 0 (at most half the GPU's SMs) the expert GEMMs leave that many SMs. Needs
    * expert_compute 1, no balancing, one node and owner_reduce 0. The host backend ignores it. */
   int64_t overlap_segments;
+  /* Version 12. CUDA: 1 = the gate multiplied before W2, LayerConfig::gate_in_expert: the owners' expert compute
+   * weights each row before W2, so the front-end keeps no expert outputs for backward (T*K*H values a context
+   * less) and the owners take dgate's dot products; y and the gradients differ by bf16 rounding. Needs
+   * expert_compute 1, no balancing, one node and owner_reduce 0. The host backend ignores it. */
+  int64_t gate_in_expert;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

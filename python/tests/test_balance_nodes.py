@@ -176,22 +176,25 @@ def test_stash_rows_bad_arguments_are_named():
         make(stash_rows=4096, expert_compute="cutlass", balance="ultraep", balance_slots=1)
 
 
-def test_overlap_segments_bad_arguments_are_named():
-    with pytest.raises(TypeError, match="^overlap_segments: expected a bool"):
-        make(overlap_segments=1)
+@pytest.mark.parametrize("option", ["overlap_segments", "gate_in_expert"])
+def test_sync_free_options_bad_arguments_are_named(option):
+    with pytest.raises(TypeError, match=f"^{option}: expected a bool"):
+        make(**{option: 1})
     for bad, named in ((dict(), "expert_compute='cublaslt'"),
                        (dict(expert_compute="cutlass", owner_reduce=True), "owner_reduce=True"),
                        (dict(expert_compute="cutlass", balance="ultraep", balance_slots=1), "balance='ultraep'"),
                        (dict(expert_compute="cutlass", nodes=2), "nodes=2")):
-        with pytest.raises(ValueError, match=r"^overlap_segments: the segment pipeline needs .*" + re.escape(named)):
-            make(overlap_segments=True, **bad)
-    assert make(expert_compute="cutlass", overlap_segments=True).layer.overlap_segments is True
+        with pytest.raises(ValueError, match=f"^{option}: the .* needs the sync-free layer .*" + re.escape(named)):
+            make(**{option: True}, **bad)
+    assert getattr(make(expert_compute="cutlass", **{option: True}).layer, option) is True
 
 
-def test_overlap_segments_is_ignored_by_the_host_backend():
-    """The host backend runs its segments in sequence; overlap_segments (CUDA's pipeline) changes nothing there."""
+@pytest.mark.parametrize("option", ["overlap_segments", "gate_in_expert"])
+def test_sync_free_options_are_ignored_by_the_host_backend(option):
+    """The host backend runs its segments in sequence and weights the rows at the combine; overlap_segments
+    (CUDA's pipeline) and gate_in_expert (CUDA's gate before W2) change nothing there."""
     plain = make(expert_compute="cutlass", segment_tokens=24)
-    piped = make(expert_compute="cutlass", segment_tokens=24, overlap_segments=True)
+    piped = make(expert_compute="cutlass", segment_tokens=24, **{option: True})
     piped.load_state_dict(plain.state_dict())
     x = torch.randn(4, 24, 16, generator=torch.Generator().manual_seed(2))
     outs = [run(m, x) for m in (plain, piped)]

@@ -402,6 +402,24 @@ def test_overlap_segments_on_cuda_gives_the_same_bits():
         two_steps_same_bits(piped, seq, W)
 
 
+def test_gate_in_expert_on_cuda_matches_the_default():
+    """gate_in_expert (the experts weight their rows before W2; the owners take dgate) against the same module
+    weighting at the combine, W = 1 and W = 4 ranks sharing GPU 0, one segment and several: y and every gradient
+    (dx, the router's, the expert weights') within the bf16 tolerances; nothing left live."""
+    for W, seg in ((1, 0), (4, 0), (4, 24)):
+        args = dict(max_tokens=32, world_size=W, backend="cuda", seed=9, init_std=0.1, expert_compute="cutlass",
+                    segment_tokens=seg)
+        plain = rt.MoE(64, 32, 8, 2, **args)
+        gated = rt.MoE(64, 32, 8, 2, gate_in_expert=True, **args)
+        gated.load_state_dict(plain.state_dict())
+        assert gated.layer.gate_in_expert is True
+        x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
+        outs = [outputs_and_grads(m, x) for m in (plain, gated)]
+        for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
+            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"W={W} segment={seg}: {name}")
+        assert gated.layer.live_contexts == 0
+
+
 def test_transport_sms_on_cuda_gives_the_same_bits():
     """transport_sms=3 (the peer-storing kernels on 3 blocks, at most 3 SMs) against the default grids, with
     owner_reduce too: y and the expert weight gradients bitwise equal (each row is one warp's work whatever

@@ -3,6 +3,8 @@
 // whose return rows carry those sums. One warp per token (reduce) or per row (dots).
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include <string>
 
 #include "rdep/core/row_id.h"
@@ -98,6 +100,16 @@ OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const Grou
   }
 }
 
+__global__ void StoreRowDotsKernel(const float* row_dots, const GroupedRow* grouped, int64_t M_bound, RegionLayout l, void* const* dots_of,
+                                   const int64_t* device_rows) {
+  const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
+  const RowIdCodec codec{l.T, l.K};
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < M; g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const RowKey key = codec.decode(grouped[g].row_id);
+    static_cast<float*>(dots_of[key.rank])[key.token * l.K + key.slot] = row_dots[g];
+  }
+}
+
 __global__ void LeadSlotsKernel(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets,
                                 uint8_t* lead) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -134,6 +146,15 @@ Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, con
   if (M == 0) return Status::Ok();
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
   OwnerDotsKernel<<<g.blocks, g.threads, 0, s>>>(segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status LaunchStoreRowDots(const float* row_dots, const GroupedRow* grouped, int64_t M, const RegionLayout& l, void* const* dots_of,
+                          cudaStream_t s, const int64_t* device_rows) {
+  if (M == 0) return Status::Ok();
+  const int64_t blocks = std::min<int64_t>((M + 255) / 256, 132 * 4);
+  StoreRowDotsKernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(row_dots, grouped, M, l, dots_of, device_rows);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

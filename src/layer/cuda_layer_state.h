@@ -279,6 +279,7 @@ struct CudaMoELayer::RankState {
   cuda_layer::DeviceBuffer<int64_t> seg_counts;
   cuda_layer::DeviceBuffer<int32_t> count_scratch;   // LaunchCountAndPublish's (dispatch::CountScratchInts for T tokens)
   cuda_layer::DeviceBuffer<int32_t> expand_scratch;  // LaunchExpand's (dispatch::ExpandScratchInts for the physical experts)
+  cuda_layer::DeviceBuffer<float> row_dgates;        // gate_in_expert: a segment's per-row dgates (MaxSegmentRows), backward
   int64_t* host_counts = nullptr;  // pinned [max(num_local, physical experts) + W + 1]
   // Profiling: an event pool and the (phase, event) marks of the last forward / backward.
   std::vector<cudaEvent_t> events;

@@ -106,8 +106,8 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->effective.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->accepted.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
-  if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));  // the owners keep f_k
-  else RDEP_RETURN_IF_ERROR(ReserveSavedF(*ranks_[static_cast<size_t>(rank)], *saved));
+  if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));
+  if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(*ranks_[static_cast<size_t>(rank)], *saved));  // else no f_k here
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
   // Zero once, in the rank's stream order (a capture records it as a node that runs first); from then on
   // the check's second kernel leaves [1] at 0 and zeroes [0] before each plan's acceptance.
@@ -230,13 +230,14 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     fp.push_back(static_cast<int64_t>(config.expert_compute));                 // sync-free or not: the same barriers
     fp.push_back(config.owner_reduce ? 1 : 0);                                 // the dots region exists on all or none
     fp.push_back(config.balance.enabled() ? config.balance.min_gain : 0);       // every rank solves the same plan
+    fp.push_back(config.gate_in_expert ? 1 : 0);                               // the dots region, and who weights the rows
     for (int32_t o : ownership.owners()) fp.push_back(o);
     std::vector<uint8_t> bytes(fp.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), fp.data(), bytes.size());
     RDEP_RETURN_IF_ERROR(domain.AgreeAcrossRanks(bytes, "layer config", [](const std::vector<uint8_t>& b) {
       std::vector<int64_t> v(b.size() / sizeof(int64_t));
       std::memcpy(v.data(), b.data(), v.size() * sizeof(int64_t));
-      if (v.size() < 17) return std::string("a malformed config");
+      if (v.size() < 18) return std::string("a malformed config");
       double c;
       std::memcpy(&c, &v[7], sizeof c);
       return "T=" + std::to_string(v[0]) + " H=" + std::to_string(v[1]) + " D_ff=" + std::to_string(v[2]) + " E=" +
@@ -245,7 +246,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
              std::to_string(v[9]) + " u_min=" + std::to_string(v[10]) + " nodes N=" + std::to_string(v[11]) + " M=" +
              std::to_string(v[12]) + " relay_above=" + std::to_string(v[13]) + " expert_compute=" +
              ExpertComputeName(static_cast<ExpertComputeKind>(v[14])) + " owner_reduce=" + std::to_string(v[15]) +
-             " min_gain=" + std::to_string(v[16]) + (v.size() > 17 ? " (+ownership map)" : "");
+             " min_gain=" + std::to_string(v[16]) + " gate_in_expert=" + std::to_string(v[17]) + (v.size() > 18 ? " (+ownership map)" : "");
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
@@ -261,7 +262,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   const RegionLayout& l = layer->layout_;
   // One domain: the segment payload, sideband and return region are shared by the layers of their size
   // (LayerRegions::shared_transport); the two-phase exchange keeps its own.
-  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, config.owner_reduce ? sizeof(float) : 0,
+  RDEP_ASSIGN_OR_RETURN(layer->regions_, LayerRegions::Allocate(domain, l, OwnersTakeDgateDots(config) ? sizeof(float) : 0,
                                                                 /*share_transport=*/config.nodes.nodes <= 1));
   // The owner's output rows: forward outputs of a segment; in backward, dout rows, then dx rows over them
   // (DxOverDout: the CUTLASS compute) or behind them. No call keeps them past its return, so every layer of
@@ -321,6 +322,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     st->host_counts = static_cast<int64_t*>(pinned);
     // Per-segment owner buffers (grouped rows of one segment: MaxSegmentRows, at most S * min(K, E_loc + N_slot)).
     const int64_t seg_rows = MaxSegmentRows(config, l);
+    if (config.gate_in_expert) RDEP_RETURN_IF_ERROR(st->row_dgates.Reserve(static_cast<size_t>(std::max<int64_t>(seg_rows, 1))));
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
@@ -461,7 +463,7 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   sv.num_tokens = n;
   sv.have_recv_counts = false;
-  if (!config_.owner_reduce) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
+  if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
   if (n > 0) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
@@ -531,6 +533,9 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   if (kind_ == ExpertKind::kSentinel && config_.owner_reduce)
     return FailedPrecondition("forward on rank " + std::to_string(rank) +
                               ": the sentinel expert's rows carry identities, which owner_reduce would sum; use it without");
+  if (kind_ != ExpertKind::kSwiGLU && config_.gate_in_expert)
+    return FailedPrecondition("forward on rank " + std::to_string(rank) +
+                              ": gate_in_expert needs the SwiGLU expert (its compute applies the gates); use the test experts without it");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   const LayerShape& s = config_.shape;
@@ -541,6 +546,9 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   RDEP_RETURN_IF_ERROR(Exchange(rank, st, sv, /*backward=*/false, x));  // with the paged stash, the rows into its pages
   if (config_.owner_reduce)
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
+  else if (config_.gate_in_expert)  // the rows came back weighted: weights 1, nothing kept for dgate
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
+                                                 nullptr, sv.num_tokens, s.topk, s.hidden, Bits(y), nullptr, domain_.stream(rank)));
   else
     RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                  sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
@@ -615,7 +623,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkStart));
   if (Stashing(st)) RDEP_RETURN_IF_ERROR(UnstashSaved(rank, st, sv, dx, dgates));  // an overflow anywhere: every rank fails here
-  if (!config_.owner_reduce)  // else from the owners' dots after the exchange
+  if (!OwnersTakeDgateDots(config_))  // else from the owners' dots after the exchange
     RDEP_RETURN_IF_ERROR(dispatch::LaunchDgate(Bits(dy), Bits(sv.saved_f.ptr), sv.gates.ptr, sv.accepted.ptr, sv.num_tokens, s.topk,
                                                s.hidden, st.scratch.ptr, dgates, stream));
   // The weight gradients are written by the first segment's expert compute (overwrite; later segments
@@ -629,6 +637,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
     RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/true, dx));
   } else {
+    if (config_.gate_in_expert) RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
     RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
                                                  nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
   }
@@ -877,8 +886,9 @@ std::vector<int64_t> CudaMoELayer::owner_rows_per_expert(int32_t rank) const {
 StatusOr<std::vector<float>> CudaMoELayer::CopyExpertOutputs(int32_t rank) const {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   if (config_.nodes.nodes > 1) return CopyExpertOutputsTwoPhase(rank);  // the rows stayed at the relays
-  if (config_.owner_reduce)
-    return FailedPrecondition("rank " + std::to_string(rank) + ": with owner_reduce the front-end keeps no expert outputs (the owners do)");
+  if (OwnersTakeDgateDots(config_))
+    return FailedPrecondition("rank " + std::to_string(rank) + ": with " + (config_.owner_reduce ? "owner_reduce" : "gate_in_expert") +
+                              " the front-end keeps no expert outputs");
   const Saved* sv = last(rank);
   if (!sv) return FailedPrecondition("rank " + std::to_string(rank) + ": no completed forward in the layer's own context");
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(sv->device));

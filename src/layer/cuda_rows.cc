@@ -29,6 +29,9 @@ Status CudaMoELayer::CheckRowsSupported(const char* call) const {
                               "create the layer with nodes 1");
   if (config_.owner_reduce)
     return FailedPrecondition(std::string(call) + ": the caller's experts return one row per slot; create the layer without owner_reduce");
+  if (config_.gate_in_expert)
+    return FailedPrecondition(std::string(call) + ": the caller's experts return unweighted rows (the layer weights them at the "
+                              "combine); create the layer without gate_in_expert");
   const int64_t worst = config_.shape.ranks * config_.shape.tokens;
   if (layout_.S < worst)
     return FailedPrecondition(std::string(call) + ": the caller's experts on the CUDA backend need one segment per forward "

@@ -39,7 +39,7 @@ Status CudaMoELayer::PrepareRows(int32_t rank, ForwardContext& ctx, cudaStream_t
   Saved* sv = st.rows.alloc ? ContextAccess::StateOf<Saved>(ctx, id_, rank) : nullptr;
   if (!sv) return Status::Ok();
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st.device));
-  if (!config_.owner_reduce) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, *sv));
+  if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, *sv));
   if (SyncFree(st)) RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, *sv));
   return Status::Ok();
 }

@@ -11,6 +11,8 @@
 //             expert compute (device counts) -> return rows by row_id
 //   backward  per segment: gather g' * dy rows -> expert compute backward (device counts; the first
 //             segment overwrites the weight gradients, later ones add to them) -> return dx rows
+// With gate_in_expert the compute applies each row's gate (forward: before W2; backward: it gathers dy
+// unweighted and stores each row's dgate into its front-end's dots region).
 // The host learns the counts only when asked (owner_rows_per_expert, CopyOwnerTrace: they wait).
 #include <algorithm>
 #include <string>
@@ -89,8 +91,22 @@ Status CudaMoELayer::ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& 
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, false, Bits(x_rows), stream, total));
   if (read_done) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(read_done, stream));
   if (phys > 0)
-    RDEP_RETURN_IF_ERROR(st.mlp->Forward({counts, cap, nullptr}, x_rows, st.weights(), saved.h + base * 2 * config_.shape.ffn, out, stream));
+    RDEP_RETURN_IF_ERROR(st.mlp->Forward(SegmentRows(st, sv, seg), x_rows, st.weights(), saved.h + base * 2 * config_.shape.ffn, out, stream));
   return Status::Ok();
+}
+
+// The expert compute's view of segment seg's grouped rows: the device counts and, with gate_in_expert, each
+// row's effective gate (the GroupedRow field) and the per-row dgates backward writes (RankState::row_dgates).
+kernels::ExpertRows CudaMoELayer::SegmentRows(RankState& st, const Saved& sv, int64_t seg) const {
+  const int64_t cap = MaxSegmentRows(config_, layout_);
+  kernels::ExpertRows rows{sv.dev_counts.ptr + seg * (physical_experts(st) + 1), cap, nullptr};
+  if (config_.gate_in_expert) {
+    static_assert(sizeof(dispatch::GroupedRow) % sizeof(float) == 0);
+    rows.gate = &sv.grouped.ptr[seg * cap].gate;
+    rows.gate_stride = sizeof(dispatch::GroupedRow) / sizeof(float);
+    rows.dgate = st.row_dgates.ptr;
+  }
+  return rows;
 }
 
 // Segment seg's computed rows (`rows`, in its grouped order) back to their front-ends by row identity.
@@ -120,23 +136,27 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   return Mark(rank, st, true, cuda_layer::kMarkReturn);
 }
 
-// Backward, segment seg's owner work up to its return: gather g' * dy rows (the dout rows) into `rows`
-// in the forward's grouped order, expert compute backward (device counts; the first segment overwrites the
-// weight gradients, later ones add to them; the saved h rows are consumed) with the dx rows over them.
+// Backward, segment seg's owner work up to its return: gather g' * dy rows (the dout rows; dy unweighted with
+// gate_in_expert) into `rows` in the forward's grouped order, expert compute backward (device counts; the first
+// segment overwrites the weight gradients, later ones add to them; the saved h rows are consumed) with the dx
+// rows over them; with gate_in_expert each row's dgate then goes to its front-end's dots.
 Status CudaMoELayer::ComputeBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload,
                                              __nv_bfloat16* rows, cudaStream_t stream, cudaEvent_t read_done) {
   const int64_t H = config_.shape.hidden, cap = MaxSegmentRows(config_, layout_), base = seg * cap;
   const int32_t phys = physical_experts(st);
-  const int64_t* counts = sv.dev_counts.ptr + seg * (phys + 1);
-  const int64_t* total = counts + phys;
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, true, Bits(rows), stream, total));
+  const int64_t* total = sv.dev_counts.ptr + seg * (phys + 1) + phys;
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, cap, H, !config_.gate_in_expert, Bits(rows), stream,
+                                                   total));
   if (read_done) RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(read_done, stream));
   const kernels::ExpertGradsView grads = st.grads();
   const OwnerRows saved = SavedOwnerRows(rank, st, sv);  // the transient rows, the stash's pages back in them
-  if (phys > 0)  // the first segment overwrites the weight gradients (zeroes an expert without rows), later ones add
-    RDEP_RETURN_IF_ERROR(st.mlp->Backward({counts, cap, nullptr}, saved.x + base * H, saved.h + base * 2 * config_.shape.ffn,
-                                          rows, st.weights(), rows, grads, /*accumulate=*/seg > 0, stream));
-  return Status::Ok();
+  if (phys == 0) return Status::Ok();
+  // The first segment overwrites the weight gradients (zeroes an expert without rows), later ones add.
+  RDEP_RETURN_IF_ERROR(st.mlp->Backward(SegmentRows(st, sv, seg), saved.x + base * H, saved.h + base * 2 * config_.shape.ffn, rows,
+                                        st.weights(), rows, grads, /*accumulate=*/seg > 0, stream));
+  if (!config_.gate_in_expert) return Status::Ok();
+  return dispatch::LaunchStoreRowDots(st.row_dgates.ptr, sv.grouped.ptr + base, cap, layout_, domain_.peer_table(rank, regions_.dots),
+                                      stream, total);
 }
 
 // The counts a sync-free forward left on the device, for checks (waits for the rank's stream): per

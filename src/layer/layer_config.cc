@@ -1,6 +1,8 @@
 #include "rdep/layer/layer_config.h"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 namespace rdep {
 
@@ -13,6 +15,13 @@ StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name) {
   if (name == "cutlass") return ExpertComputeKind::kCutlass;
   return InvalidArgument("expert compute: '" + name + "' is not cublaslt or cutlass");
 }
+
+namespace {
+// The CUDA layer's sync-free owner path with one returned row per slot (overlap_segments and gate_in_expert need it).
+bool SyncFreePerSlot(const LayerConfig& c) {
+  return c.expert_compute == ExpertComputeKind::kCutlass && !c.balance.enabled() && c.nodes.nodes <= 1 && !c.owner_reduce;
+}
+}  // namespace
 
 Status LayerConfig::Validate() const {
   RDEP_RETURN_IF_ERROR(shape.Validate());
@@ -41,11 +50,12 @@ Status LayerConfig::Validate() const {
                            " needs the sync-free layer: expert_compute cutlass, no balancing and one node (got expert_compute " +
                            ExpertComputeName(expert_compute) + ", balance " + BalanceKindName(balance.kind) + ", nodes " +
                            std::to_string(nodes.nodes) + ")");
-  if (overlap_segments && (expert_compute != ExpertComputeKind::kCutlass || balance.enabled() || nodes.nodes > 1 || owner_reduce))
-    return InvalidArgument(std::string("overlap_segments: needs the sync-free layer with the per-slot return: expert_compute cutlass, ") +
-                           "no balancing, one node and owner_reduce off (got expert_compute " + ExpertComputeName(expert_compute) +
-                           ", balance " + BalanceKindName(balance.kind) + ", nodes " + std::to_string(nodes.nodes) + ", owner_reduce " +
-                           (owner_reduce ? "on" : "off") + ")");
+  for (const auto& [on, name] : {std::pair{overlap_segments, "overlap_segments"}, std::pair{gate_in_expert, "gate_in_expert"}})
+    if (on && !SyncFreePerSlot(*this))
+      return InvalidArgument(std::string(name) + ": needs the sync-free layer with the per-slot return: expert_compute cutlass, " +
+                             "no balancing, one node and owner_reduce off (got expert_compute " + ExpertComputeName(expert_compute) +
+                             ", balance " + BalanceKindName(balance.kind) + ", nodes " + std::to_string(nodes.nodes) + ", owner_reduce " +
+                             (owner_reduce ? "on" : "off") + ")");
   return Status::Ok();
 }
 
@@ -62,6 +72,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.transport_sms > 0) os << " transport-sms=" << c.transport_sms;
   if (c.stash_rows > 0) os << " stash-rows=" << c.stash_rows;
   if (c.overlap_segments) os << " overlap";
+  if (c.gate_in_expert) os << " gate-in-expert";
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 

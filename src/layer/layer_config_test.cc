@@ -3,6 +3,8 @@
 // reference's acceptance on skewed routing, one segment).
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include <string>
 #include <vector>
 
@@ -66,32 +68,49 @@ TEST(MaxSegmentRows, NoOwnerIsAdmittedMoreRows) {
   }
 }
 
-// overlap_segments needs the sync-free layer with the per-slot return; each other setting is refused
-// by name.
-TEST(LayerConfigValidate, OverlapSegmentsNamesWhatItNeeds) {
-  LayerConfig ok = Make(0).cfg;
-  ok.expert_compute = ExpertComputeKind::kCutlass;
-  ok.overlap_segments = true;
-  EXPECT_TRUE(ok.Validate().ok()) << ok.Validate();
-  struct Bad {
-    const char* names;
-    LayerConfig cfg;
-  };
-  std::vector<Bad> bad;
-  bad.push_back({"expert_compute cublaslt", ok});
-  bad.back().cfg.expert_compute = ExpertComputeKind::kCublasLt;
-  bad.push_back({"owner_reduce on", ok});
-  bad.back().cfg.owner_reduce = true;
-  bad.push_back({"balance ultraep", ok});
-  bad.back().cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
-  bad.push_back({"nodes 2", ok});
-  bad.back().cfg.nodes = NodeConfig{.nodes = 2, .max_nodes = 2};
-  for (const Bad& b : bad) {
-    const Status st = b.cfg.Validate();
-    EXPECT_FALSE(st.ok()) << b.names;
-    EXPECT_NE(st.message().find("overlap_segments"), std::string::npos) << st;
-    EXPECT_NE(st.message().find(b.names), std::string::npos) << st;
+// overlap_segments and gate_in_expert need the sync-free layer with the per-slot return; each other
+// setting is refused by name, naming the option too.
+TEST(LayerConfigValidate, OverlapSegmentsAndGateInExpertNameWhatTheyNeed) {
+  for (const char* option : {"overlap_segments", "gate_in_expert"}) {
+    LayerConfig ok = Make(0).cfg;
+    ok.expert_compute = ExpertComputeKind::kCutlass;
+    (std::string(option) == "overlap_segments" ? ok.overlap_segments : ok.gate_in_expert) = true;
+    EXPECT_TRUE(ok.Validate().ok()) << option << ": " << ok.Validate();
+    struct Bad {
+      const char* names;
+      LayerConfig cfg;
+    };
+    std::vector<Bad> bad;
+    bad.push_back({"expert_compute cublaslt", ok});
+    bad.back().cfg.expert_compute = ExpertComputeKind::kCublasLt;
+    bad.push_back({"owner_reduce on", ok});
+    bad.back().cfg.owner_reduce = true;
+    bad.push_back({"balance ultraep", ok});
+    bad.back().cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
+    bad.push_back({"nodes 2", ok});
+    bad.back().cfg.nodes = NodeConfig{.nodes = 2, .max_nodes = 2};
+    for (const Bad& b : bad) {
+      const Status st = b.cfg.Validate();
+      EXPECT_FALSE(st.ok()) << option << ", " << b.names;
+      EXPECT_NE(st.message().find(option), std::string::npos) << st;
+      EXPECT_NE(st.message().find(b.names), std::string::npos) << st;
+    }
   }
+}
+
+// gate_in_expert is printed, and with owner_reduce the owners take dgate's dots (the dots region exists).
+TEST(LayerConfigValidate, GateInExpertIsPrintedAndTakesTheDots) {
+  LayerConfig c = Make(0).cfg;
+  EXPECT_FALSE(OwnersTakeDgateDots(c));
+  c.expert_compute = ExpertComputeKind::kCutlass;
+  c.gate_in_expert = true;
+  std::ostringstream os;
+  os << c;
+  EXPECT_NE(os.str().find("gate-in-expert"), std::string::npos) << os.str();
+  EXPECT_TRUE(OwnersTakeDgateDots(c));
+  c.gate_in_expert = false;
+  c.owner_reduce = true;
+  EXPECT_TRUE(OwnersTakeDgateDots(c));
 }
 
 // The owner's output rows (the CUDA layer's "owner.out_rows"): one set when the CUTLASS compute writes dx

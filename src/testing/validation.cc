@@ -296,6 +296,7 @@ CheckResult HostAgreement(const SentinelRun& run, const ValidationOptions& o, co
   LayerConfig cfg = o.layer;
   cfg.segment_tokens = run.segment_size;
   cfg.owner_reduce = false;  // as the sentinel run it is compared with
+  cfg.gate_in_expert = false;
   auto ref = (*host)->Sentinel(cfg, own, w, routing, x);
   if (!ref.ok()) {
     c.detail = "host run failed: " + ref.status().ToString();
@@ -397,7 +398,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     // forward saves for its backward (terms named "context: ..."; CheckLayerBenchFootprint counts one per
     // context): the received rows' x and SwiGLU inputs by the rows received (T*K per owner, balanced), or,
     // on the sync-free path (CUTLASS, no balancing), by the segment bound times the segments; the front-end's
-    // returned rows (not with owner_reduce).
+    // returned rows (not with owner_reduce or gate_in_expert).
     const double L_phys = L + (o.layer.balance.enabled() ? pos(o.layer.balance.num_slots) : 0.0);
     double seg_rows = std::max(1.0, S_dev * std::max(1.0, std::min(K, L_phys)));
     if (!o.layer.capacity.dropless())
@@ -438,7 +439,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
                                      : "context: saved rows of one rank (T*K rows of H and 2*D_ff values)",
                            {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + 32)});
     }
-    if (!o.layer.owner_reduce)
+    if (!OwnersTakeDgateDots(o.layer))
       fp.device.push_back({"context: the front-end's returned rows (T*K rows of H)", {{"tokens", T}, {"topk", K}, {"hidden", H}},
                            2 * T * K * H});
     // Phase 1's count scratch (per 256-token block and owner, L + 1 words) and the expansion's (per
@@ -451,6 +452,9 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
       fp.device.push_back({"context: owner_reduce's kept expert outputs and dots (saved rows of H, T*K floats)",
                            {{"tokens", T}, {"topk", K}, {"hidden", H}}, (stash ? 0.0 : saved_rows * 2 * H) + T * K * 8});
+    if (o.layer.gate_in_expert)  // the dots region and one segment's per-row dgates
+      fp.device.push_back({"gate_in_expert's dots region and per-row dgates (T*K floats, MaxSegmentRows floats)",
+                           {{"tokens", T}, {"topk", K}, {"segment", S_dev}}, T * K * 4 + seg_rows * 4});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},
@@ -524,6 +528,7 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
   timed([&] {
     LayerConfig sentinel_cfg = o.layer;  // identities need a row per slot back: owner_reduce would sum them
     sentinel_cfg.owner_reduce = false;
+    sentinel_cfg.gate_in_expert = false;  // the sentinel expert echoes identities: nothing to weight
     auto run = backend.Sentinel(sentinel_cfg, own, w, routing, x);
     if (!run.ok()) return CheckResult{"dispatch invariants", false, false, run.status().ToString(), 0};
     sentinel = std::move(*run);

@@ -64,6 +64,9 @@ flags [defaults: the Moonlight shape]:
                        rdep.torch does for bf16 parameters (needs one segment and no --balance)
   --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
                        instead of one per slot) and takes dgate's dot products in backward [off]
+  --gate-in-expert     the gate multiplied before W2: the experts weight their rows, the front-end keeps no
+                       expert outputs and the owners take dgate (needs --expert-compute cutlass, no --balance
+                       or --owner-reduce) [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside
@@ -168,6 +171,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.cfg.owner_reduce = f.get_bool("owner-reduce");
   o.cfg.stash_rows = f.get_int("stash-rows", 0);
   o.cfg.overlap_segments = f.get_bool("overlap");
+  o.cfg.gate_in_expert = f.get_bool("gate-in-expert");
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
   const int64_t layers = f.get_int("layers", 1);
@@ -578,7 +582,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("gate_in_expert", o.cfg.gate_in_expert).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -84,6 +84,9 @@ flags (defaults in brackets):
   --overlap              cuda, --expert-compute cutlass: the segments as a pipeline (dispatch s+1 and return
                          s-1 beside the compute of s, on a second stream per rank); no --balance or
                          --owner-reduce [off]
+  --gate-in-expert       cuda, --expert-compute cutlass: the gate multiplied before W2 (the experts weight their
+                         rows; the owners take dgate from the saved pre-activations); no --balance or
+                         --owner-reduce [off]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
                          blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
@@ -186,6 +189,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   o.layer.owner_reduce = f.get_bool("owner-reduce");
   o.layer.stash_rows = f.get_int("stash-rows", 0);
   o.layer.overlap_segments = f.get_bool("overlap");
+  o.layer.gate_in_expert = f.get_bool("gate-in-expert");
   const int64_t transport_sms = f.get_int("transport-sms", 0);
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
@@ -237,6 +241,8 @@ int ResolveCheckBackend(CheckOptions& c) {
     return Refuse("--expert-compute chooses the CUDA backend's expert compute; the host backend computes on the host");
   if (c.v.layer.overlap_segments && c.backend == "host")
     return Refuse("--overlap is the CUDA layer's segment pipeline; the host backend runs its segments in sequence");
+  if (c.v.layer.gate_in_expert && c.backend == "host")
+    return Refuse("--gate-in-expert is the CUDA layer's gate before W2; the host backend weights the rows at the combine");
   if (c.v.layer.stash_rows != 0 && c.backend == "host")
     return Refuse("--stash-rows is the CUDA layer's paged stash; the host backend keeps its saved rows on the host");
   c.leader = !c.boot || c.boot->rank() == 0;

@@ -163,6 +163,10 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
 // detail::WarpDotBf16's order) into its front-end's dots region at (token, slot).
 Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M,
                        const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows = nullptr);
+// Owner, backward, LayerConfig::gate_in_expert: row g's dgate (row_dots[g], from the expert compute) into its
+// front-end's dots at (t*K+k), decoded from row_id; M rows, or the device count capped by M.
+Status LaunchStoreRowDots(const float* row_dots, const GroupedRow* grouped, int64_t M, const RegionLayout& l, void* const* dots_of,
+                          cudaStream_t s, const int64_t* device_rows = nullptr);
 // Front-end: lead[t*K+k] = 1 when slot k is accepted and no earlier accepted slot of the token computes on
 // the same rank (targets), else 0: the slots whose return rows carry the owners' sums.
 Status LaunchLeadSlots(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets,

@@ -50,6 +50,10 @@
 #include "rdep/transport/cuda_domain.h"
 #include "rdep/transport/device_inter_node.h"
 
+namespace rdep::kernels {
+struct ExpertRows;  // rdep/experts/expert_compute.h
+}  // namespace rdep::kernels
+
 namespace rdep {
 
 namespace dispatch {
@@ -318,6 +322,7 @@ class CudaMoELayer {
   Status OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status ReserveSyncFree(const RankState& st, Saved& sv) const;
+  kernels::ExpertRows SegmentRows(RankState& st, const Saved& sv, int64_t seg) const;
   // A sync-free segment's owner work in two parts: up to the return (recording read_done, if any, once the
   // segment's payload is read), and the return of its rows; on the stream given.
   Status ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload, __nv_bfloat16* out,

@@ -71,6 +71,15 @@ struct LayerConfig {
                                    // persistent grids leave that many SMs to the transport. Needs the sync-free layer (expert_compute cutlass,
                                    // no balancing, one node) and the per-slot return (not owner_reduce); pays only
                                    // with more than one segment (segment_tokens < W*T). The host backend ignores it
+  bool gate_in_expert = false;     // CUDA: the gate multiplied before W2 (seeds 002 section 4): the owner's expert
+                                   // compute scales each row's SwiGLU output by its effective gate, so the rows that
+                                   // return are weighted already; the front-end sums them with weights 1 and keeps no
+                                   // expert outputs for backward (T*K*H values a context less). In backward dy crosses
+                                   // unweighted and the owner's compute takes each row's dgate from its saved
+                                   // pre-activations, stored into the front-end's dots region (LayerRegions::dots).
+                                   // y and the gradients differ from the default by bf16 rounding, within the same
+                                   // tolerances. Needs expert_compute cutlass, no balancing, one node and owner_reduce
+                                   // off; the SwiGLU expert only. The host backend ignores it
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
@@ -102,6 +111,9 @@ int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l);
 // True when the owner's backward writes the dx rows over the dout rows: the CUTLASS expert compute allows
 // it (ExpertCompute::dx_may_alias_dout), and without balancing, whose replica slots run cuBLASLt.
 bool DxOverDout(const LayerConfig& c);
+// True when the owners take dgate's dot products in backward and store them into the front-ends' dots
+// region (owner_reduce, gate_in_expert on the CUDA backend): the front-end then keeps no expert outputs.
+inline bool OwnersTakeDgateDots(const LayerConfig& c) { return c.owner_reduce || c.gate_in_expert; }
 // How many sets of MaxSegmentRows output rows an owner needs (the CUDA layer's shared "owner.out_rows"),
 // S the segment's tokens: forward outputs; backward dout rows and dx rows behind them unless DxOverDout;
 // with overlapped segments (more than one segment) two segments' rows in flight.
@@ -134,8 +146,8 @@ struct ExternalWeights {
 };
 
 // The protocol's four symmetric regions on a domain (host or CUDA), allocated by layout, and with
-// LayerConfig::owner_reduce a fifth: dots, one value per (token, slot) of dot_bytes each (the owners'
-// dgate dot products in backward).
+// LayerConfig::owner_reduce or gate_in_expert a fifth: dots, one value per (token, slot) of dot_bytes each
+// (the owners' dgate dot products in backward).
 struct LayerRegions {
   RegionId control = -1, payload = -1, sideband = -1, ret = -1, dots = -1;
   // The segment payload, its sideband and the return region acquired as domain regions shared by every

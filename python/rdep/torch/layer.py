@@ -156,6 +156,26 @@ _ROW_ALLOC = _capi.ROW_ALLOC_FN(_torch_row_alloc)  # module-lifetime C callbacks
 _ROW_FREE = _capi.ROW_FREE_FN(_torch_row_free)
 
 
+def _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce) -> None:
+    """The options of the CUDA sync-free layer (the host backend ignores them): types, then what each needs."""
+    if isinstance(stash_rows, bool) or not isinstance(stash_rows, int):
+        raise TypeError(f"stash_rows: expected an int, got {type(stash_rows).__name__}")
+    if not 0 <= stash_rows < 2**63:
+        raise ValueError(f"stash_rows: expected an int >= 0 (0 = no paged stash), got {stash_rows}")
+    sync_free = expert_compute == "cutlass" and balance == "off" and nodes <= 1
+    got = f"expert_compute={expert_compute!r}, balance={balance!r}, nodes={nodes}"
+    if stash_rows and not sync_free:
+        raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
+                         f"nodes=1 (got {got})")
+    for name, value, what in (("overlap_segments", overlap_segments, "the segment pipeline"),
+                              ("gate_in_expert", gate_in_expert, "the gate before W2")):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        if value and (not sync_free or owner_reduce):
+            raise ValueError(f"{name}: {what} needs the sync-free layer with the per-slot return: expert_compute='cutlass', "
+                             f"balance='off', nodes=1, owner_reduce=False (got {got}, owner_reduce={owner_reduce})")
+
+
 def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
     for name, v in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("topk", topk),
                     ("max_tokens", max_tokens)):
@@ -220,6 +240,7 @@ class Layer(CHandle):
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
+        gate_in_expert: bool = False,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -239,19 +260,7 @@ class Layer(CHandle):
             raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
         if not isinstance(keep_weight_casts, bool):
             raise TypeError(f"keep_weight_casts: expected a bool, got {type(keep_weight_casts).__name__}")
-        if isinstance(stash_rows, bool) or not isinstance(stash_rows, int):
-            raise TypeError(f"stash_rows: expected an int, got {type(stash_rows).__name__}")
-        if not 0 <= stash_rows < 2**63:
-            raise ValueError(f"stash_rows: expected an int >= 0 (0 = no paged stash), got {stash_rows}")
-        if stash_rows and (expert_compute != "cutlass" or balance != "off" or nodes > 1):
-            raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
-                             f"nodes=1 (got expert_compute={expert_compute!r}, balance={balance!r}, nodes={nodes})")
-        if not isinstance(overlap_segments, bool):
-            raise TypeError(f"overlap_segments: expected a bool, got {type(overlap_segments).__name__}")
-        if overlap_segments and (expert_compute != "cutlass" or balance != "off" or nodes > 1 or owner_reduce):
-            raise ValueError("overlap_segments: the segment pipeline needs the sync-free layer with the per-slot return: "
-                             "expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False (got expert_compute="
-                             f"{expert_compute!r}, balance={balance!r}, nodes={nodes}, owner_reduce={owner_reduce})")
+        _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce)
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -296,6 +305,7 @@ class Layer(CHandle):
         spec.transport_sms = transport_sms
         spec.stash_rows = stash_rows
         spec.overlap_segments = int(overlap_segments)
+        spec.gate_in_expert = int(gate_in_expert)
 
         L = _capi.lib()
         ptr = _capi.LayerPtr()
@@ -334,6 +344,7 @@ class Layer(CHandle):
         self.owner_reduce = owner_reduce
         self.transport_sms = transport_sms
         self.overlap_segments = overlap_segments
+        self.gate_in_expert = gate_in_expert
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:

@@ -63,6 +63,10 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       Moonlight shape: 8% off the forward of two segments run in sequence, yet one segment (the default) was
       faster still; it is for bounding the payload and row buffers by segment_tokens at a smaller cost. Not
       with balance, nodes > 1 or owner_reduce
+  gate_in_expert=True (CUDA, expert_compute='cutlass'): the gate multiplied before W2 (seeds 002 section 4):
+      the experts weight their rows, so the layer keeps no expert outputs for the router's gradient
+      (T * K * H values a layer less) and the owners compute it from the saved pre-activations; outputs
+      and gradients differ from the default by bf16 rounding. Not with balance, nodes > 1 or owner_reduce
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -170,6 +174,7 @@ class MoE(nn.Module):
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
+        gate_in_expert: bool = False,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -179,7 +184,7 @@ class MoE(nn.Module):
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
             max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
             domain=domain, balance_min_gain=balance_min_gain, stash_rows=stash_rows,
-            keep_weight_casts=keep_weight_casts, overlap_segments=overlap_segments)
+            keep_weight_casts=keep_weight_casts, overlap_segments=overlap_segments, gate_in_expert=gate_in_expert)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
