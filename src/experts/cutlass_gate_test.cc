@@ -159,7 +159,8 @@ void CompareGatedWithUnweighted(const GateCase& c) {
   Grads again(w1.n, w2.n, c.accumulate);
   ASSERT_TRUE(ec.Backward(gated, x.bf(), h.bf(), io.bf(), w, io.bf(), again.view(c.bf16_grads), c.accumulate, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(dgate.Download(), dg) << "dgate is not deterministic";
+  const std::vector<float> dg_again = dgate.Download();  // bits: the rows past M hold NaN, which == would call unequal
+  EXPECT_EQ(std::memcmp(dg_again.data(), dg.data(), dg.size() * sizeof(float)), 0) << "dgate is not deterministic";
 }
 
 class CutlassGateBeforeW2 : public ::testing::TestWithParam<GateCase> {};
