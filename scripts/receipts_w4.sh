@@ -48,6 +48,7 @@
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
 #   train1c    the same, both models compiled (--compile)
+#   train1cg   train1c with rdep's MoE given --gate-in-expert (the gate before W2), and the phase peaks at step 30
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt; fp32 and bf16 weight gradients) beside torch._grouped_mm on the
 #              same counts (bf16 gradients), E_loc = 16
 #   stash      the paged stash (--stash-rows): its cost at W = 1 (the layer with and without, alternating), and
@@ -351,12 +352,15 @@ stage_train1() {
   run train_w1 env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
     python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --json "$R/train_w1.json" --png "$R/train_w1.png"
 }
-stage_train1c() {
+stage_train1c() {  # TRAIN_TAG (default empty) names the receipts of a run with TRAIN_ARGS (extra train.py flags)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
-  run train_w1_compile env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
-    python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile \
-    --json "$R/train_w1_compile.json" --png "$R/train_w1_compile.png"
+  local tag=${TRAIN_TAG:-}
+  # shellcheck disable=SC2086
+  run train_w1_compile$tag env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile ${TRAIN_ARGS:-} \
+    --json "$R/train_w1_compile$tag.json" --png "$R/train_w1_compile$tag.png"
 }
+stage_train1cg() { TRAIN_TAG=_gate TRAIN_ARGS="--gate-in-expert --memory-step 30" stage_train1c; }
 stage_stash() {
   for round in a b; do
     run layer_w1_nostash_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --warmup 10 --iters 100 \

@@ -106,7 +106,7 @@ class RdepMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
                  ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None,
-                 keep_weight_casts: bool = False):
+                 keep_weight_casts: bool = False, gate_in_expert: bool = False):
         super().__init__()
         import rdep.torch as rt
 
@@ -114,7 +114,8 @@ class RdepMoE(nn.Module):
         kw = dict(max_tokens=tokens // ranks, score_function=cfg.score, num_groups=cfg.groups,
                   topk_groups=cfg.topk_groups, normalize_topk=True, scaling_factor=cfg.route_scale,
                   expert_bias=True, shared_ffn=cfg.shared_ffn, seed=seed, dtype=torch.float32,
-                  init_std=cfg.init_std, expert_compute=expert_compute, keep_weight_casts=keep_weight_casts)
+                  init_std=cfg.init_std, expert_compute=expert_compute, keep_weight_casts=keep_weight_casts,
+                  gate_in_expert=gate_in_expert)
         if group is not None:
             kw.update(process_group=group, device=device)
         else:

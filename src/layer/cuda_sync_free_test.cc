@@ -151,8 +151,8 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree,
 // capture with an error), replayed after new routing and activations were written into the same
 // device buffers: bitwise the eager results on those inputs.
 // With overlap_segments the capture forks the rank's compute stream from the capturing stream and
-// joins it back (cuda_overlap.cc).
-class CudaSyncFree_Graph : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};  // segment tokens, overlap
+// joins it back (cuda_overlap.cc); with gate_in_expert the dgates come through the dots region.
+class CudaSyncFree_Graph : public ::testing::TestWithParam<std::tuple<int64_t, bool, bool>> {};  // segment tokens, overlap, gate
 
 TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   std::string why;
@@ -164,6 +164,7 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   cfg.expert_compute = ExpertComputeKind::kCutlass;
   cfg.segment_tokens = std::get<0>(GetParam());
   cfg.overlap_segments = std::get<1>(GetParam());
+  cfg.gate_in_expert = std::get<2>(GetParam());
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
@@ -171,6 +172,7 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   Batch b;
   ForwardContext ctx;
   std::vector<uint16_t> y_graph, dx_graph, y_eager, dx_eager;
+  std::vector<float> dg_graph, dg_eager;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     cudaStream_t stream = (*domain)->stream(r);
     RDEP_RETURN_IF_ERROR(Upload(first.routing[0], first.x[0], first.dy[0], H, b));
@@ -200,10 +202,12 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
     RDEP_ASSIGN_OR_RETURN(y_graph, Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(n * H)));
     RDEP_ASSIGN_OR_RETURN(dx_graph, Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(n * H)));
+    RDEP_ASSIGN_OR_RETURN(dg_graph, Download(b.dg, static_cast<size_t>(n * first.shape.topk)));
     RDEP_RETURN_IF_ERROR(step());  // eager on the same (second) inputs
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
     RDEP_ASSIGN_OR_RETURN(y_eager, Download(reinterpret_cast<const uint16_t*>(b.y), static_cast<size_t>(n * H)));
     RDEP_ASSIGN_OR_RETURN(dx_eager, Download(reinterpret_cast<const uint16_t*>(b.dx), static_cast<size_t>(n * H)));
+    RDEP_ASSIGN_OR_RETURN(dg_eager, Download(b.dg, static_cast<size_t>(n * first.shape.topk)));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     return Status::Ok();
@@ -211,14 +215,18 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(y_graph, y_eager);
   EXPECT_EQ(dx_graph, dx_eager);
+  EXPECT_EQ(dg_graph, dg_eager);
   EXPECT_EQ((*layer)->overlapped(ctx, 0), cfg.overlap_segments) << "the captured forward ran the pipeline (S16: 4 segments)";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
-                         ::testing::Values(std::tuple{int64_t{0}, false}, std::tuple{int64_t{16}, false}, std::tuple{int64_t{16}, true}),
-                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool>>& i) {
+                         ::testing::Values(std::tuple{int64_t{0}, false, false}, std::tuple{int64_t{16}, false, false},
+                                           std::tuple{int64_t{16}, true, false}, std::tuple{int64_t{0}, false, true},
+                                           std::tuple{int64_t{16}, true, true}),
+                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool, bool>>& i) {
                            const int64_t seg = std::get<0>(i.param);
-                           return (seg > 0 ? "S" + std::to_string(seg) : std::string("one_segment")) + (std::get<1>(i.param) ? "_overlap" : "");
+                           return (seg > 0 ? "S" + std::to_string(seg) : std::string("one_segment")) + (std::get<1>(i.param) ? "_overlap" : "") +
+                                  (std::get<2>(i.param) ? "_gate_in_expert" : "");
                          });
 
 // Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the
