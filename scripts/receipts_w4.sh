@@ -62,6 +62,8 @@
 #   gate       LayerConfig::gate_in_expert (the gate before W2): rdep check with it (W = 1, 4 ranks sharing GPU 0 with drops,
 #              the pipeline and the stash, W = every GPU), then the Moonlight layer with and without it, alternated, at
 #              W = 1 and W = every GPU, beside the baseline (fp32 and --grads bf16)
+#   gather1    the owner's scaled gather with 16-byte accesses: the W = 1 layer (CUTLASS and cuBLASLt) against the rdep of
+#              BASE_REV (default 8baccfd, built beside by scripts/build_rev.sh), alternated; then with --gate-in-expert
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
@@ -325,6 +327,18 @@ stage_gate() {  # LayerConfig::gate_in_expert: rdep check with it, then the laye
     run gate_w${w}_on_bf16 "$RDEP" "${lay[@]}" --gate-in-expert --grads bf16 --json "$R/gate_w${w}_on_bf16.json"
     run gate_w${w}_off_bf16 "$RDEP" "${lay[@]}" --grads bf16 --json "$R/gate_w${w}_off_bf16.json"
   done
+}
+stage_gather1() {  # the scaled gather vectorized: the W = 1 layer against BASE_REV's rdep (default 8baccfd), alternated
+  local base; base=$(bash scripts/build_rev.sh "${BASE_REV:-8baccfd}" 2>"$R/build_rev.log" | tail -1)
+  [ -x "$base" ] || { echo "gather1: no base binary (see build_rev.log)" >>"$LOG"; fails=$((fails + 1)); return; }
+  local lay=(bench layer --ranks 1)
+  for round in a b; do
+    run gather_w1_base_$round "$base" "${lay[@]}" --expert-compute cutlass --json "$R/gather_w1_base_$round.json"
+    run gather_w1_new_$round "$RDEP" "${lay[@]}" --expert-compute cutlass --json "$R/gather_w1_new_$round.json"
+  done
+  run gather_w1_base_lt "$base" "${lay[@]}" --json "$R/gather_w1_base_lt.json"
+  run gather_w1_new_lt "$RDEP" "${lay[@]}" --json "$R/gather_w1_new_lt.json"
+  run gather_w1_new_gate "$RDEP" "${lay[@]}" --expert-compute cutlass --gate-in-expert --json "$R/gather_w1_new_gate.json"
 }
 stage_rows1() {  # the same on one GPU: stage one (W = 1), then W = 4 ranks sharing GPU 0 (per-rank memory; times not NVLink's)
   stage_one

@@ -23,6 +23,7 @@ using detail::ToBf;
 using detail::SegmentTokens;
 using detail::WarpBlocks;
 using detail::WarpCopyRow;
+using detail::WarpScaleRow;
 
 __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local, int64_t capacity,
                                 int64_t* const* control_of, int64_t* rows_per_expert) {
@@ -151,17 +152,13 @@ __device__ __forceinline__ int64_t RowsNow(const int64_t* device_rows, int64_t M
 __global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped, int64_t M_bound, int64_t H, bool scale,
                                  bf16_bits* out, const int64_t* device_rows) {
   const int64_t M = RowsNow(device_rows, M_bound);
-  const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
     const GroupedRow gr = grouped[g];
     const bf16_bits* s = src + static_cast<int64_t>(gr.token) * H;
     bf16_bits* d = out + g * H;
-    if (!scale) {
-      WarpCopyRow(s, d, H);
-    } else {
-      for (int64_t c = lane; c < H; c += 32) d[c] = ToBf(gr.gate * Bf(s[c]));
-    }
+    if (scale) WarpScaleRow(s, d, H, gr.gate);
+    else WarpCopyRow(s, d, H);
   }
 }
 

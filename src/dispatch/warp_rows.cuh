@@ -48,6 +48,37 @@ __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, 
   }
 }
 
+// dst = w * src for one row of H bf16 by a warp, each element rounded to bf16 once, the element-wise form's
+// bits: 16-byte vectors with kCopyUnroll loads in flight per lane (as WarpCopyVec16) when aligned, else
+// 2-byte elements.
+__device__ __forceinline__ void WarpScaleRow(const uint16_t* src, uint16_t* dst, int64_t H, float w) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if ((H % 8) != 0 || (reinterpret_cast<uintptr_t>(src) % 16) != 0 || (reinterpret_cast<uintptr_t>(dst) % 16) != 0) {
+    for (int64_t i = lane; i < H; i += 32) dst[i] = ToBf(w * Bf(src[i]));
+    return;
+  }
+  const auto* __restrict__ s = reinterpret_cast<const int4*>(src);
+  auto* __restrict__ d = reinterpret_cast<int4*>(dst);
+  const int64_t n16 = H / 8;
+  for (int64_t base = 0; base < n16; base += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < n16) v[u] = __ldg(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i >= n16) continue;
+      auto* e = reinterpret_cast<uint16_t*>(&v[u]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) e[j] = ToBf(w * Bf(e[j]));
+      d[i] = v[u];
+    }
+  }
+}
+
 // acc[j] += w * (the j-th bf16 of v), one fused multiply-add each (the combine's and the owner's sums).
 __device__ __forceinline__ void FmaBf16x8(float (&acc)[8], float w, const uint4& v) {
   const auto* b = reinterpret_cast<const uint16_t*>(&v);
