@@ -79,6 +79,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--expert-compute", default="cublaslt", choices=["cublaslt", "cutlass"],
                    help="the layer's expert compute (cutlass: no host wait, as rdep bench layer --expert-compute cutlass)")
+    p.add_argument("--gate-in-expert", action="store_true",
+                   help="the gate before W2 (as rdep bench layer --gate-in-expert); off otherwise, as the C++ bench's default")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -88,7 +90,7 @@ def main() -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend="cuda", device=device,
-                     expert_compute=a.expert_compute)
+                     expert_compute=a.expert_compute, gate_in_expert=a.gate_in_expert)
     x, experts, gates, w1, w2, dy = make_inputs(a, device)
 
     def forward():

@@ -48,7 +48,7 @@
 #              rdep.torch's), with the caller's tensors in the memory line
 #   train1     examples/torch_training on one GPU (eager), rdep's MoE beside TorchTitan's
 #   train1c    the same, both models compiled (--compile)
-#   train1cg   train1c with rdep's MoE given --gate-in-expert (the gate before W2), and the phase peaks at step 30
+#   train1cg   train1c with rdep's MoE given --gate-in-expert on (the gate before W2), and the phase peaks at step 30
 #   gemm1      rdep bench gemm (cutlass, cuBLASLt; fp32 and bf16 weight gradients) beside torch._grouped_mm on the
 #              same counts (bf16 gradients), E_loc = 16
 #   stash      the paged stash (--stash-rows): its cost at W = 1 (the layer with and without, alternating), and
@@ -374,7 +374,7 @@ stage_train1c() {  # TRAIN_TAG (default empty) names the receipts of a run with 
     python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile ${TRAIN_ARGS:-} \
     --json "$R/train_w1_compile$tag.json" --png "$R/train_w1_compile$tag.png"
 }
-stage_train1cg() { TRAIN_TAG=_gate TRAIN_ARGS="--gate-in-expert --memory-step 30" stage_train1c; }
+stage_train1cg() { TRAIN_TAG=_gate TRAIN_ARGS="--gate-in-expert on --memory-step 30" stage_train1c; }
 stage_stash() {
   for round in a b; do
     run layer_w1_nostash_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --warmup 10 --iters 100 \

@@ -106,7 +106,7 @@ class RdepMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
                  ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None,
-                 keep_weight_casts: bool = False, gate_in_expert: bool = False):
+                 keep_weight_casts: bool = False, gate_in_expert: Optional[bool] = None):
         super().__init__()
         import rdep.torch as rt
 

@@ -118,9 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-weight-casts", action="store_true",
                    help="rdep: keep each forward's bf16 casts of the fp32 expert weights for its backward "
                         "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there")
-    p.add_argument("--gate-in-expert", action="store_true",
-                   help="rdep, CUDA with --expert-compute cutlass: the gate multiplied before W2 "
-                        "(rdep.torch.MoE(gate_in_expert=True)): no expert outputs kept for the router's gradient")
+    p.add_argument("--gate-in-expert", choices=["auto", "on", "off"], default="auto",
+                   help="rdep: the gate multiplied before W2 (rdep.torch.MoE(gate_in_expert=...)): auto (the binding's "
+                        "default) is on with --expert-compute cutlass on CUDA, where it keeps no expert outputs for the "
+                        "router's gradient; off weights the rows at the combine")
     o.add_argument("--interleave", action="store_true",
                    help="with --moe both: build both models, then train them step by step in turn (the tokens/s "
                         "ratio under the same machine state); memory is not measured then")
@@ -248,7 +249,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
                           ranks=a.ranks_per_process, seed=a.seed,
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt",
                           domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts,
-                          gate_in_expert=a.gate_in_expert and dd.device.type == "cuda")
+                          gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert])
             domain[:] = [moe.moe.layer.domain]
             return moe
         if kind == "torchtitan":

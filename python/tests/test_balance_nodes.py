@@ -189,6 +189,14 @@ def test_sync_free_options_bad_arguments_are_named(option):
     assert getattr(make(expert_compute="cutlass", **{option: True}).layer, option) is True
 
 
+def test_gate_in_expert_defaults_to_off_on_the_host_backend():
+    """gate_in_expert=None (the default) is on only where the CUDA layer can run it; the host backend weights at
+    the combine, so it resolves to False there; an explicit choice is kept as given."""
+    assert make(expert_compute="cutlass").layer.gate_in_expert is False
+    assert make(expert_compute="cutlass", gate_in_expert=False).layer.gate_in_expert is False
+    assert make(expert_compute="cutlass", gate_in_expert=True).layer.gate_in_expert is True
+
+
 @pytest.mark.parametrize("option", ["overlap_segments", "gate_in_expert"])
 def test_sync_free_options_are_ignored_by_the_host_backend(option):
     """The host backend runs its segments in sequence and weights the rows at the combine; overlap_segments

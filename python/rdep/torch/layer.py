@@ -169,11 +169,23 @@ def _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, exper
                          f"nodes=1 (got {got})")
     for name, value, what in (("overlap_segments", overlap_segments, "the segment pipeline"),
                               ("gate_in_expert", gate_in_expert, "the gate before W2")):
+        if value is None and name == "gate_in_expert":  # the default: on where the layer allows it (_gate_in_expert)
+            continue
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
         if value and (not sync_free or owner_reduce):
             raise ValueError(f"{name}: {what} needs the sync-free layer with the per-slot return: expert_compute='cutlass', "
                              f"balance='off', nodes=1, owner_reduce=False (got {got}, owner_reduce={owner_reduce})")
+
+
+def _gate_in_expert(asked: Optional[bool], backend: str, expert_compute: str, balance: str, nodes: int, owner_reduce: bool) -> bool:
+    """gate_in_expert as the layer runs it: the caller's choice, or by default (None) on where the layer allows it
+    (the CUDA backend's sync-free layer with the per-slot return: it was faster and held less in every case
+    measured, docs/perf-notes.md); the host backend weights the rows at the combine either way (it ignores the
+    field, as it does overlap_segments)."""
+    if asked is not None:
+        return asked
+    return backend == "cuda" and expert_compute == "cutlass" and balance == "off" and nodes <= 1 and not owner_reduce
 
 
 def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
@@ -240,7 +252,7 @@ class Layer(CHandle):
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
-        gate_in_expert: bool = False,
+        gate_in_expert: Optional[bool] = None,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -305,6 +317,7 @@ class Layer(CHandle):
         spec.transport_sms = transport_sms
         spec.stash_rows = stash_rows
         spec.overlap_segments = int(overlap_segments)
+        gate_in_expert = _gate_in_expert(gate_in_expert, resolved, expert_compute, balance, nodes, owner_reduce)
         spec.gate_in_expert = int(gate_in_expert)
 
         L = _capi.lib()

@@ -63,10 +63,12 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       Moonlight shape: 8% off the forward of two segments run in sequence, yet one segment (the default) was
       faster still; it is for bounding the payload and row buffers by segment_tokens at a smaller cost. Not
       with balance, nodes > 1 or owner_reduce
-  gate_in_expert=True (CUDA, expert_compute='cutlass'): the gate multiplied before W2 (seeds 002 section 4):
-      the experts weight their rows, so the layer keeps no expert outputs for the router's gradient
-      (T * K * H values a layer less) and the owners compute it from the saved pre-activations; outputs
-      and gradients differ from the default by bf16 rounding. Not with balance, nodes > 1 or owner_reduce
+  gate_in_expert (CUDA, expert_compute='cutlass'): the gate multiplied before W2 (seeds 002 section 4): the
+      experts weight their rows, so the layer keeps no expert outputs for the router's gradient (T * K * H
+      values a layer less) and the owners compute it from the saved pre-activations; outputs and gradients
+      differ from weighting at the combine by bf16 rounding. None (default) = on where the layer allows it
+      (CUDA, expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False), off elsewhere; True asks
+      for it (a ValueError where it cannot run); False weights at the combine
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -174,7 +176,7 @@ class MoE(nn.Module):
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
-        gate_in_expert: bool = False,
+        gate_in_expert: Optional[bool] = None,
     ):
         super().__init__()
         self._layer_args = dict(
