@@ -249,7 +249,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
                           ranks=a.ranks_per_process, seed=a.seed,
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt",
                           domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts,
-                          gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert])
+                          gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]
             return moe
         if kind == "torchtitan":

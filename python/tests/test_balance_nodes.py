@@ -180,11 +180,15 @@ def test_stash_rows_bad_arguments_are_named():
 def test_sync_free_options_bad_arguments_are_named(option):
     with pytest.raises(TypeError, match=f"^{option}: expected a bool"):
         make(**{option: 1})
-    for bad, named in ((dict(), "expert_compute='cublaslt'"),
-                       (dict(expert_compute="cutlass", owner_reduce=True), "owner_reduce=True"),
-                       (dict(expert_compute="cutlass", balance="ultraep", balance_slots=1), "balance='ultraep'"),
-                       (dict(expert_compute="cutlass", nodes=2), "nodes=2")):
-        with pytest.raises(ValueError, match=f"^{option}: the .* needs the sync-free layer .*" + re.escape(named)):
+    bad_settings = [(dict(), "expert_compute='cublaslt'"),
+                    (dict(expert_compute="cutlass", balance="ultraep", balance_slots=1), "balance='ultraep'"),
+                    (dict(expert_compute="cutlass", nodes=2), "nodes=2")]
+    if option == "overlap_segments":  # the pipeline needs the per-slot return; the gate runs with owner_reduce too
+        bad_settings.append((dict(expert_compute="cutlass", owner_reduce=True), "owner_reduce=True"))
+    else:
+        assert make(expert_compute="cutlass", owner_reduce=True, gate_in_expert=True).layer.gate_in_expert is True
+    for bad, named in bad_settings:
+        with pytest.raises(ValueError, match=f"^{option}: the .* needs the sync-free layer.*" + re.escape(named)):
             make(**{option: True}, **bad)
     assert getattr(make(expert_compute="cutlass", **{option: True}).layer, option) is True
 

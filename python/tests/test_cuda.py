@@ -406,10 +406,10 @@ def test_gate_in_expert_on_cuda_matches_weighting_at_the_combine():
     """gate_in_expert (the experts weight their rows before W2; the owners take dgate; the default with the CUTLASS
     compute) against the same module with gate_in_expert=False, W = 1 and W = 4 ranks sharing GPU 0, one segment
     and several: y and every gradient (dx, the router's, the expert weights') within the bf16 tolerances; nothing
-    left live. The default is off where the layer cannot run it (cuBLASLt, owner_reduce)."""
-    for W, seg in ((1, 0), (4, 0), (4, 24)):
+    left live; with owner_reduce too. The default is off where the layer cannot run it (cuBLASLt, balancing)."""
+    for W, seg, reduce in ((1, 0, False), (4, 0, False), (4, 24, False), (4, 0, True)):
         args = dict(max_tokens=32, world_size=W, backend="cuda", seed=9, init_std=0.1, expert_compute="cutlass",
-                    segment_tokens=seg)
+                    segment_tokens=seg, owner_reduce=reduce)
         plain = rt.MoE(64, 32, 8, 2, gate_in_expert=False, **args)
         gated = rt.MoE(64, 32, 8, 2, **args)
         gated.load_state_dict(plain.state_dict())
@@ -417,9 +417,9 @@ def test_gate_in_expert_on_cuda_matches_weighting_at_the_combine():
         x = torch.randn(W, 32, 64, device=DEV).bfloat16() if W > 1 else torch.randn(32, 64, device=DEV).bfloat16()
         outs = [outputs_and_grads(m, x) for m in (plain, gated)]
         for name, a, b in zip(("y", "dx", "dw1", "dw2", "drouter"), outs[1], outs[0]):
-            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"W={W} segment={seg}: {name}")
+            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"W={W} segment={seg} owner_reduce={reduce}: {name}")
         assert gated.layer.live_contexts == 0
-    for extra in (dict(expert_compute="cublaslt"), dict(expert_compute="cutlass", owner_reduce=True)):
+    for extra in (dict(expert_compute="cublaslt"), dict(expert_compute="cutlass", balance="ultraep", balance_slots=2)):
         assert rt.MoE(64, 32, 8, 2, max_tokens=32, world_size=4, backend="cuda", **extra).layer.gate_in_expert is False, extra
 
 

@@ -86,7 +86,7 @@ void CompareGatedWithUnweighted(const GateCase& c) {
   Dev<float> gates(rec.size()), dgate(static_cast<size_t>(M + pad));
   gates.Upload(rec);
   const ExpertWeightsView w{w1.bf(), w2.bf()};
-  const ExpertRows plain{counts.p, M, nullptr};
+  const ExpertRows plain{counts.p, M + pad, nullptr};  // the bound above the rows, as the layer's: the device total bounds
   ExpertRows gated = plain;
   gated.gate = gates.p + 1;
   gated.gate_stride = kStride;
@@ -153,9 +153,10 @@ void CompareGatedWithUnweighted(const GateCase& c) {
     std::memcpy(&bits, &dg[static_cast<size_t>(r)], 4);
     EXPECT_EQ(bits, 0xFFFFFFFFu) << "dgate past the rows written at " << r;
   }
-  // Again on the same inputs: the same dgate bits.
+  // Again on the same inputs, dgate poisoned again: the same bits.
   h.Upload(h_fwd);
   io.Upload(dy);
+  dgate.Poison();
   Grads again(w1.n, w2.n, c.accumulate);
   ASSERT_TRUE(ec.Backward(gated, x.bf(), h.bf(), io.bf(), w, io.bf(), again.view(c.bf16_grads), c.accumulate, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

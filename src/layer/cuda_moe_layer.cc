@@ -726,8 +726,9 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   sv.total_rows += m;
   RDEP_RETURN_IF_ERROR(sv.x_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
   RDEP_RETURN_IF_ERROR(sv.h_rows.Grow(static_cast<size_t>(sv.total_rows * 2 * s.ffn), static_cast<size_t>(base * 2 * s.ffn), stream));
-  if (reduce) RDEP_RETURN_IF_ERROR(sv.f_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
-  __nv_bfloat16* out = reduce ? sv.f_rows.ptr + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  const bool keep = OwnerKeepsOutputs(config_);  // owner_reduce keeps f_k for dgate (not with gate_in_expert)
+  if (keep) RDEP_RETURN_IF_ERROR(sv.f_rows.Grow(static_cast<size_t>(sv.total_rows * H), static_cast<size_t>(base * H), stream));
+  __nv_bfloat16* out = keep ? sv.f_rows.ptr + base * H : OutRows(rank);
   __nv_bfloat16* xr = sv.x_rows.ptr + base * H;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(seg_payload, sv.grouped.ptr + base, m, H, false, Bits(xr), stream));
   if (kind_ == ExpertKind::kSentinel) {

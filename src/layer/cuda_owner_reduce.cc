@@ -35,11 +35,13 @@ Status CudaMoELayer::DgatesFromDots(int32_t rank, RankState& st, const Saved& sv
                                domain_.stream(rank), static_cast<const float*>(domain_.region(rank, regions_.dots)));
 }
 
-// Owner: the segment's token sums (forward: gate-weighted f_k; backward: dx_k) into the lead rows.
+// Owner: the segment's token sums (forward: gate-weighted f_k, weighted by the compute with gate_in_expert;
+// backward: dx_k) into the lead rows.
 Status CudaMoELayer::ReturnReduced(int32_t rank, const __nv_bfloat16* rows, const Saved& sv, int64_t seg, int64_t base, bool backward) {
   return dispatch::LaunchReduceReturnRows(Bits(rows), sv.grouped.ptr + base, SegmentInv(sv, seg),
                                           domain_.region(rank, regions_.sideband), static_cast<int32_t>(seg % 2), seg * layout_.S, layout_,
-                                          sv.control.ptr, /*scale_by_gate=*/!backward, domain_.peer_table(rank, regions_.ret),
+                                          sv.control.ptr, /*scale_by_gate=*/!backward && !config_.gate_in_expert,
+                                          domain_.peer_table(rank, regions_.ret),
                                           domain_.region(rank, regions_.ret), domain_.stream(rank));
 }
 

@@ -43,7 +43,7 @@ Status CudaMoELayer::AcquireStash() {
   if (pages > (int64_t{1} << 30))
     return InvalidArgument("stash_rows: " + std::to_string(config_.stash_rows) + " rows is more than 2^30 pages of " +
                            std::to_string(cuda_layer::kStashPageRows));
-  const int64_t elems = cuda_layer::StashRowElems(s.hidden, s.ffn, config_.owner_reduce);
+  const int64_t elems = cuda_layer::StashRowElems(s.hidden, s.ffn, OwnerKeepsOutputs(config_));
   const auto worst = static_cast<size_t>(SyncFreeSegments() * std::max<int64_t>(MaxSegmentRows(config_, layout_), 1));
   stash_rows_bytes_ = worst * static_cast<size_t>(elems) * sizeof(__nv_bfloat16);
   stash_pool_bytes_ = static_cast<size_t>(pages * cuda_layer::kStashPageRows * elems) * sizeof(__nv_bfloat16);
@@ -70,11 +70,11 @@ Status CudaMoELayer::RefuseStashInCapture(int32_t rank, const char* call) const 
 }
 
 CudaMoELayer::OwnerRows CudaMoELayer::SavedOwnerRows(int32_t rank, const RankState& st, const Saved& sv) const {
-  if (!Stashing(st)) return {sv.x_rows.ptr, sv.h_rows.ptr, config_.owner_reduce ? sv.f_rows.ptr : nullptr};
+  if (!Stashing(st)) return {sv.x_rows.ptr, sv.h_rows.ptr, OwnerKeepsOutputs(config_) ? sv.f_rows.ptr : nullptr};
   const auto rows = SyncFreeSegments() * std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
   auto* x = static_cast<__nv_bfloat16*>(domain_.region(rank, stash_rows_));
   __nv_bfloat16* h = x + rows * config_.shape.hidden;
-  return {x, h, config_.owner_reduce ? h + rows * 2 * config_.shape.ffn : nullptr};
+  return {x, h, OwnerKeepsOutputs(config_) ? h + rows * 2 * config_.shape.ffn : nullptr};
 }
 
 // A context's page table, state, outcome words and event (once; the rows themselves live in the pool).

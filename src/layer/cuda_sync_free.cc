@@ -49,7 +49,7 @@ Status CudaMoELayer::ReserveSyncFree(const RankState& st, Saved& sv) const {
   } else {
     RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.x_rows, rows * H, st.rows, st.device, st.caller_stream));
     RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.h_rows, rows * 2 * F, st.rows, st.device, st.caller_stream));
-    if (config_.owner_reduce)  // the expert outputs stay for dgate
+    if (OwnerKeepsOutputs(config_))  // the expert outputs stay for dgate
       RDEP_RETURN_IF_ERROR(cuda_layer::ReserveRows(sv.f_rows, rows * H, st.rows, st.device, st.caller_stream));
   }
   if (config_.owner_reduce) {  // the token -> rows index of each segment
@@ -63,7 +63,7 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   cudaStream_t stream = domain_.stream(rank);
   RDEP_RETURN_IF_ERROR(ReserveSyncFree(st, sv));  // a no-op unless the context was made before (its first use)
   const bool reduce = config_.owner_reduce;
-  __nv_bfloat16* out = reduce ? SavedOwnerRows(rank, st, sv).f + base * H : OutRows(rank);  // owner_reduce keeps f_k for dgate
+  __nv_bfloat16* out = OwnerKeepsOutputs(config_) ? SavedOwnerRows(rank, st, sv).f + base * H : OutRows(rank);  // kept for dgate
   RDEP_RETURN_IF_ERROR(ComputeForwardSyncFree(rank, st, sv, seg, seg_payload, out, stream, nullptr));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
   if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
@@ -128,7 +128,8 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, cuda_layer::kMarkExpert));
   if (config_.owner_reduce) {
     const int64_t* total = sv.dev_counts.ptr + seg * (physical_experts(st) + 1) + physical_experts(st);
-    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
+    if (!config_.gate_in_expert)  // else the compute's dgates went to the dots already
+      RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, rows, sv, seg, base, /*backward=*/true));
   } else {
     RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, rows, stream));

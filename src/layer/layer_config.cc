@@ -17,9 +17,10 @@ StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name) {
 }
 
 namespace {
-// The CUDA layer's sync-free owner path with one returned row per slot (overlap_segments and gate_in_expert need it).
-bool SyncFreePerSlot(const LayerConfig& c) {
-  return c.expert_compute == ExpertComputeKind::kCutlass && !c.balance.enabled() && c.nodes.nodes <= 1 && !c.owner_reduce;
+// The CUDA layer's sync-free owner path (overlap_segments and gate_in_expert need it; the pipeline also the
+// per-slot return).
+bool SyncFree(const LayerConfig& c) {
+  return c.expert_compute == ExpertComputeKind::kCutlass && !c.balance.enabled() && c.nodes.nodes <= 1;
 }
 }  // namespace
 
@@ -50,12 +51,14 @@ Status LayerConfig::Validate() const {
                            " needs the sync-free layer: expert_compute cutlass, no balancing and one node (got expert_compute " +
                            ExpertComputeName(expert_compute) + ", balance " + BalanceKindName(balance.kind) + ", nodes " +
                            std::to_string(nodes.nodes) + ")");
-  for (const auto& [on, name] : {std::pair{overlap_segments, "overlap_segments"}, std::pair{gate_in_expert, "gate_in_expert"}})
-    if (on && !SyncFreePerSlot(*this))
-      return InvalidArgument(std::string(name) + ": needs the sync-free layer with the per-slot return: expert_compute cutlass, " +
-                             "no balancing, one node and owner_reduce off (got expert_compute " + ExpertComputeName(expert_compute) +
-                             ", balance " + BalanceKindName(balance.kind) + ", nodes " + std::to_string(nodes.nodes) + ", owner_reduce " +
-                             (owner_reduce ? "on" : "off") + ")");
+  const std::string got = "(got expert_compute " + std::string(ExpertComputeName(expert_compute)) + ", balance " +
+                          BalanceKindName(balance.kind) + ", nodes " + std::to_string(nodes.nodes) + ", owner_reduce " +
+                          (owner_reduce ? "on" : "off") + ")";
+  if (overlap_segments && !(SyncFree(*this) && !owner_reduce))
+    return InvalidArgument("overlap_segments: needs the sync-free layer with the per-slot return: expert_compute cutlass, "
+                           "no balancing, one node and owner_reduce off " + got);
+  if (gate_in_expert && !SyncFree(*this))
+    return InvalidArgument("gate_in_expert: needs the sync-free layer: expert_compute cutlass, no balancing and one node " + got);
   return Status::Ok();
 }
 

@@ -68,8 +68,8 @@ TEST(MaxSegmentRows, NoOwnerIsAdmittedMoreRows) {
   }
 }
 
-// overlap_segments and gate_in_expert need the sync-free layer with the per-slot return; each other
-// setting is refused by name, naming the option too.
+// overlap_segments and gate_in_expert need the sync-free layer (the pipeline also the per-slot return, so
+// not owner_reduce); each other setting is refused by name, naming the option too.
 TEST(LayerConfigValidate, OverlapSegmentsAndGateInExpertNameWhatTheyNeed) {
   for (const char* option : {"overlap_segments", "gate_in_expert"}) {
     LayerConfig ok = Make(0).cfg;
@@ -83,8 +83,14 @@ TEST(LayerConfigValidate, OverlapSegmentsAndGateInExpertNameWhatTheyNeed) {
     std::vector<Bad> bad;
     bad.push_back({"expert_compute cublaslt", ok});
     bad.back().cfg.expert_compute = ExpertComputeKind::kCublasLt;
-    bad.push_back({"owner_reduce on", ok});
-    bad.back().cfg.owner_reduce = true;
+    if (std::string(option) == "overlap_segments") {
+      bad.push_back({"owner_reduce on", ok});
+      bad.back().cfg.owner_reduce = true;
+    } else {
+      LayerConfig with_reduce = ok;
+      with_reduce.owner_reduce = true;
+      EXPECT_TRUE(with_reduce.Validate().ok()) << "gate_in_expert with owner_reduce: " << with_reduce.Validate();
+    }
     bad.push_back({"balance ultraep", ok});
     bad.back().cfg.balance = BalanceConfig{.kind = BalanceKind::kUltraEp, .num_slots = 2};
     bad.push_back({"nodes 2", ok});

@@ -426,7 +426,7 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     // The paged stash (LayerConfig::stash_rows): the worst case once, as transient rows shared by the
     // domain's layers, and the pool's pages; a context then keeps only its page table.
     const bool stash = sync_free && o.layer.stash_rows > 0;
-    const double f_bytes = o.layer.owner_reduce ? 2 * H : 0.0;  // owner_reduce's kept outputs ride in the stash's rows
+    const double f_bytes = OwnerKeepsOutputs(o.layer) ? 2 * H : 0.0;  // owner_reduce's kept outputs ride in the stash's rows
     if (stash) {
       fp.device.push_back({"shared stash transient rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values, + H with owner_reduce)",
                            {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + f_bytes)});
@@ -449,12 +449,13 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
                          16 * W * L + 32 * W + 4 * W * T + 16 * E + 4 * W * std::max(1.0, std::ceil(T / 256.0)) * (L_phys + 1) +
                              4 * std::ceil(S_dev / 32.0) * L_phys});
     fp.device.push_back({"activations of one rank (T tokens of H values)", {{"tokens", T}, {"hidden", H}}, 16 * T * H});
-    if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate; the dots region
+    if (o.layer.owner_reduce)  // the owner keeps its f_k rows for dgate (not with gate_in_expert); the dots region
       fp.device.push_back({"context: owner_reduce's kept expert outputs and dots (saved rows of H, T*K floats)",
-                           {{"tokens", T}, {"topk", K}, {"hidden", H}}, (stash ? 0.0 : saved_rows * 2 * H) + T * K * 8});
-    if (o.layer.gate_in_expert)  // the dots region and one segment's per-row dgates
-      fp.device.push_back({"gate_in_expert's dots region and per-row dgates (T*K floats, MaxSegmentRows floats)",
-                           {{"tokens", T}, {"topk", K}, {"segment", S_dev}}, T * K * 4 + seg_rows * 4});
+                           {{"tokens", T}, {"topk", K}, {"hidden", H}},
+                           (stash || !OwnerKeepsOutputs(o.layer) ? 0.0 : saved_rows * 2 * H) + T * K * 8});
+    if (o.layer.gate_in_expert)  // one segment's per-row dgates, and the dots region unless owner_reduce counted it
+      fp.device.push_back({"gate_in_expert's per-row dgates and dots region (MaxSegmentRows floats, T*K floats)",
+                           {{"tokens", T}, {"topk", K}, {"segment", S_dev}}, seg_rows * 4 + (o.layer.owner_reduce ? 0.0 : T * K * 4)});
     if (o.layer.balance.enabled())  // redundant slots: bf16 weights, fp32 gradients; the slots' one-expert compute
       fp.device.push_back({"replica slots of one rank (N_slot experts' weights and gradients)",
                            {{"slots", pos(o.layer.balance.num_slots)}, {"hidden", H}, {"ffn", F}, {"segment", S_dev}},

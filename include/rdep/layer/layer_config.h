@@ -78,8 +78,9 @@ struct LayerConfig {
                                    // unweighted and the owner's compute takes each row's dgate from its saved
                                    // pre-activations, stored into the front-end's dots region (LayerRegions::dots).
                                    // y and the gradients differ from the default by bf16 rounding, within the same
-                                   // tolerances. Needs expert_compute cutlass, no balancing, one node and owner_reduce
-                                   // off; the SwiGLU expert only. The host backend ignores it
+                                   // tolerances. With owner_reduce the owner sums the weighted rows and keeps no
+                                   // outputs for dgate either. Needs expert_compute cutlass, no balancing and one
+                                   // node; the SwiGLU expert only. The host backend ignores it
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
@@ -114,6 +115,9 @@ bool DxOverDout(const LayerConfig& c);
 // True when the owners take dgate's dot products in backward and store them into the front-ends' dots
 // region (owner_reduce, gate_in_expert on the CUDA backend): the front-end then keeps no expert outputs.
 inline bool OwnersTakeDgateDots(const LayerConfig& c) { return c.owner_reduce || c.gate_in_expert; }
+// True when the owner keeps its expert outputs f_k from forward to backward for dgate's dots: owner_reduce
+// without gate_in_expert (with it the dots come from the SwiGLU' pass's saved pre-activations).
+inline bool OwnerKeepsOutputs(const LayerConfig& c) { return c.owner_reduce && !c.gate_in_expert; }
 // How many sets of MaxSegmentRows output rows an owner needs (the CUDA layer's shared "owner.out_rows"),
 // S the segment's tokens: forward outputs; backward dout rows and dx rows behind them unless DxOverDout;
 // with overlapped segments (more than one segment) two segments' rows in flight.

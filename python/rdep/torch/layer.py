@@ -167,25 +167,27 @@ def _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, exper
     if stash_rows and not sync_free:
         raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
                          f"nodes=1 (got {got})")
-    for name, value, what in (("overlap_segments", overlap_segments, "the segment pipeline"),
-                              ("gate_in_expert", gate_in_expert, "the gate before W2")):
-        if value is None and name == "gate_in_expert":  # the default: on where the layer allows it (_gate_in_expert)
-            continue
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-        if value and (not sync_free or owner_reduce):
-            raise ValueError(f"{name}: {what} needs the sync-free layer with the per-slot return: expert_compute='cutlass', "
-                             f"balance='off', nodes=1, owner_reduce=False (got {got}, owner_reduce={owner_reduce})")
+    if not isinstance(overlap_segments, bool):
+        raise TypeError(f"overlap_segments: expected a bool, got {type(overlap_segments).__name__}")
+    if overlap_segments and (not sync_free or owner_reduce):
+        raise ValueError(f"overlap_segments: the segment pipeline needs the sync-free layer with the per-slot return: "
+                         f"expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False (got {got}, owner_reduce={owner_reduce})")
+    if gate_in_expert is not None and not isinstance(gate_in_expert, bool):  # None: on where the layer allows it
+        raise TypeError(f"gate_in_expert: expected a bool or None, got {type(gate_in_expert).__name__}")
+    if gate_in_expert and not sync_free:
+        raise ValueError(f"gate_in_expert: the gate before W2 needs the sync-free layer: expert_compute='cutlass', "
+                         f"balance='off', nodes=1 (got {got})")
 
 
-def _gate_in_expert(asked: Optional[bool], backend: str, expert_compute: str, balance: str, nodes: int, owner_reduce: bool) -> bool:
-    """gate_in_expert as the layer runs it: the caller's choice, or by default (None) on where the layer allows it
-    (the CUDA backend's sync-free layer with the per-slot return: it was faster and held less in every case
-    measured, docs/perf-notes.md); the host backend weights the rows at the combine either way (it ignores the
+def _gate_in_expert(asked: Optional[bool], backend: str, expert_compute: str, balance: str, nodes: int) -> bool:
+    """gate_in_expert as the layer runs it: the caller's choice, or with None (what rdep.torch.MoE passes by default;
+    Layer's own default is False, since the caller's-experts calls of rdep.torch.rows need the rows unweighted) on
+    where the layer allows it (the CUDA backend's sync-free layer: it was faster and held less in every case
+    measured, docs/perf-notes.md). The host backend weights the rows at the combine either way (it ignores the
     field, as it does overlap_segments)."""
     if asked is not None:
         return asked
-    return backend == "cuda" and expert_compute == "cutlass" and balance == "off" and nodes <= 1 and not owner_reduce
+    return backend == "cuda" and expert_compute == "cutlass" and balance == "off" and nodes <= 1
 
 
 def _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens) -> None:
@@ -252,7 +254,7 @@ class Layer(CHandle):
         stash_rows: int = 0,
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
-        gate_in_expert: Optional[bool] = None,
+        gate_in_expert: Optional[bool] = False,
     ):
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
@@ -317,7 +319,7 @@ class Layer(CHandle):
         spec.transport_sms = transport_sms
         spec.stash_rows = stash_rows
         spec.overlap_segments = int(overlap_segments)
-        gate_in_expert = _gate_in_expert(gate_in_expert, resolved, expert_compute, balance, nodes, owner_reduce)
+        gate_in_expert = _gate_in_expert(gate_in_expert, resolved, expert_compute, balance, nodes)
         spec.gate_in_expert = int(gate_in_expert)
 
         L = _capi.lib()

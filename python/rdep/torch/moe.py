@@ -67,7 +67,7 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       experts weight their rows, so the layer keeps no expert outputs for the router's gradient (T * K * H
       values a layer less) and the owners compute it from the saved pre-activations; outputs and gradients
       differ from weighting at the combine by bf16 rounding. None (default) = on where the layer allows it
-      (CUDA, expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False), off elsewhere; True asks
+      (CUDA, expert_compute='cutlass', balance='off', nodes=1; with owner_reduce too), off elsewhere; True asks
       for it (a ValueError where it cannot run); False weights at the combine
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
