@@ -64,6 +64,8 @@
 #              W = 1 and W = every GPU, beside the baseline (fp32 and --grads bf16)
 #   gather1    the owner's scaled gather with 16-byte accesses: the W = 1 layer (CUTLASS and cuBLASLt) against the rdep of
 #              BASE_REV (default 8baccfd, built beside by scripts/build_rev.sh), alternated; then with --gate-in-expert
+#   gate1r     gate_in_expert with owner_reduce on one GPU: rdep check with 4 ranks sharing GPU 0 (drops; segments and the
+#              stash), the layer's memory per rank at W = 4 sharing with and without the gate, W = 1 times alternated
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
@@ -339,6 +341,18 @@ stage_gather1() {  # the scaled gather vectorized: the W = 1 layer against BASE_
   run gather_w1_base_lt "$base" "${lay[@]}" --json "$R/gather_w1_base_lt.json"
   run gather_w1_new_lt "$RDEP" "${lay[@]}" --json "$R/gather_w1_new_lt.json"
   run gather_w1_new_gate "$RDEP" "${lay[@]}" --expert-compute cutlass --gate-in-expert --json "$R/gather_w1_new_gate.json"
+}
+stage_gate1r() {  # gate_in_expert with owner_reduce on one GPU: rdep check (4 ranks sharing GPU 0), memory at W = 4 sharing, W = 1 times
+  local chk=(check --backend cuda --ranks 4 --gpus 1 --expert-compute cutlass --owner-reduce --gate-in-expert)
+  run check_gate_reduce_w4g1 "$RDEP" "${chk[@]}" --routing zipf:1 --capacity-factor 0.9 --json "$R/check_gate_reduce_w4g1.json"
+  run check_gate_reduce_w4g1_stash "$RDEP" "${chk[@]}" --routing zipf:2 --segment 40 --stash-rows 4096 --json "$R/check_gate_reduce_w4g1_stash.json"
+  local lay=(bench layer --expert-compute cutlass --owner-reduce)
+  run gate_reduce_w4g1_off "$RDEP" "${lay[@]}" --ranks 4 --gpus 1 --warmup 3 --iters 10 --json "$R/gate_reduce_w4g1_off.json"
+  run gate_reduce_w4g1_on "$RDEP" "${lay[@]}" --ranks 4 --gpus 1 --warmup 3 --iters 10 --gate-in-expert --json "$R/gate_reduce_w4g1_on.json"
+  for round in a b; do
+    run gate_reduce_w1_off_$round "$RDEP" "${lay[@]}" --ranks 1 --json "$R/gate_reduce_w1_off_$round.json"
+    run gate_reduce_w1_on_$round "$RDEP" "${lay[@]}" --ranks 1 --gate-in-expert --json "$R/gate_reduce_w1_on_$round.json"
+  done
 }
 stage_rows1() {  # the same on one GPU: stage one (W = 1), then W = 4 ranks sharing GPU 0 (per-rank memory; times not NVLink's)
   stage_one
