@@ -169,7 +169,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   int64_t total_rows = 0;
   cuda_layer::DeviceBuffer<dispatch::GroupedRow> grouped;
   cuda_layer::DeviceBuffer<__nv_bfloat16> x_rows, h_rows;
-  // owner_reduce: the expert outputs f_k (dgate's dots in backward) and, per segment, each token
+  // owner_reduce: the expert outputs f_k (dgate's dots in backward; not with gate_in_expert) and, per segment, each token
   // position's rows as grouped indices ([S][slots_per_token], LaunchExpand's inv).
   cuda_layer::DeviceBuffer<__nv_bfloat16> f_rows;
   cuda_layer::DeviceBuffer<int32_t> inv;

@@ -802,7 +802,8 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkExpert));
   if (config_.owner_reduce) {
-    RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
+    if (OwnerKeepsOutputs(config_))  // with gate_in_expert only a rank without experts (no rows, no f) comes here
+      RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + dx_at * H, sv, seg, base, /*backward=*/true));
   } else {
     RDEP_RETURN_IF_ERROR(ReturnRows(rank, OutRows(rank) + dx_at * H, sv, base, m, stream));

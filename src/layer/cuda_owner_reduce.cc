@@ -1,7 +1,8 @@
 // LayerConfig::owner_reduce on the CUDA layer (docs/architecture.md, "The owner reduces first"): the
 // owner sums a token's rows into the return row of its lead slot on that owner, takes dgate's dot
-// products in backward from the expert outputs it kept (Saved::f_rows), and the front-end sums the
-// lead rows. The kernels: owner_reduce_kernels.cu.
+// products in backward from the expert outputs it kept (Saved::f_rows; with gate_in_expert the expert
+// compute's SwiGLU' pass gives them instead and nothing is kept), and the front-end sums the lead rows.
+// The kernels: owner_reduce_kernels.cu.
 #include "layer/context_access.h"
 #include "layer/cuda_layer_state.h"
 #include "rdep/layer/cuda_moe_layer.h"

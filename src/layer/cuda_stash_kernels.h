@@ -4,7 +4,7 @@
 // the rows its forward really computed. Internal to the layer library (cuda_stash.cc drives them).
 //
 // The pool: `pages` pages of kStashPageRows rows, each row row_elems bf16 values laid out as the
-// transient's three arrays are ([x: H][h: 2F][f: H with owner_reduce, else none]). Its free list is a
+// transient's three arrays are ([x: H][h: 2F][f: H when the owner keeps its outputs, else none]). Its free list is a
 // ring of page ids with two counters, pages ever taken and ever given back, all zero when the region
 // is made: slot k of the ring holds id ^ (k % pages), so a zero-filled ring lists every page once
 // (page k at slot k). A context takes n pages from slot `taken` on and gives them back at slot
@@ -36,7 +36,7 @@ struct StashPool {
 struct StashRows {
   __nv_bfloat16* x = nullptr;  // [segments * seg_cap][H]
   __nv_bfloat16* h = nullptr;  // [segments * seg_cap][2F]
-  __nv_bfloat16* f = nullptr;  // [segments * seg_cap][H], or null (no owner_reduce)
+  __nv_bfloat16* f = nullptr;  // [segments * seg_cap][H], or null (OwnerKeepsOutputs false)
   int64_t H = 0, F = 0;
   int64_t segments = 0, seg_cap = 0;
   const int64_t* counts = nullptr;

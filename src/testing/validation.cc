@@ -428,10 +428,10 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     const bool stash = sync_free && o.layer.stash_rows > 0;
     const double f_bytes = OwnerKeepsOutputs(o.layer) ? 2 * H : 0.0;  // owner_reduce's kept outputs ride in the stash's rows
     if (stash) {
-      fp.device.push_back({"shared stash transient rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values, + H with owner_reduce)",
+      fp.device.push_back({"shared stash transient rows, sync-free worst case (ceil(W*T/S) * MaxSegmentRows rows of H and 2*D_ff values, + H with owner_reduce without the gate)",
                            {{"tokens", T}, {"topk", K}, {"hidden", H}, {"ffn", F}}, saved_rows * (2 * H + 4 * F + f_bytes)});
       const double pool_rows = 64.0 * std::ceil(static_cast<double>(o.layer.stash_rows) / 64.0);
-      fp.device.push_back({"shared stash pool (--stash-rows rows of H and 2*D_ff values, + H with owner_reduce)",
+      fp.device.push_back({"shared stash pool (--stash-rows rows of H and 2*D_ff values, + H with owner_reduce without the gate)",
                            {{"stash rows", pool_rows}, {"hidden", H}, {"ffn", F}}, pool_rows * (2 * H + 4 * F + f_bytes) + 4 * pool_rows / 64 + 16});
       fp.device.push_back({"context: saved rows' index and page table", {{"tokens", T}, {"topk", K}}, saved_rows * 32 + 4 * saved_rows / 64});
     } else {

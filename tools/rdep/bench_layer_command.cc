@@ -65,8 +65,8 @@ flags [defaults: the Moonlight shape]:
   --owner-reduce       the owner sums a token's rows before they cross back (one row per (token, owner)
                        instead of one per slot) and takes dgate's dot products in backward [off]
   --gate-in-expert     the gate multiplied before W2: the experts weight their rows, the front-end keeps no
-                       expert outputs and the owners take dgate (needs --expert-compute cutlass, no --balance
-                       or --owner-reduce) [off]
+                       expert outputs and the owners take dgate; with --owner-reduce the owner keeps none
+                       either (needs --expert-compute cutlass and no --balance) [off]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside

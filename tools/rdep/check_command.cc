@@ -85,8 +85,8 @@ flags (defaults in brackets):
                          s-1 beside the compute of s, on a second stream per rank); no --balance or
                          --owner-reduce [off]
   --gate-in-expert       cuda, --expert-compute cutlass: the gate multiplied before W2 (the experts weight their
-                         rows; the owners take dgate from the saved pre-activations); no --balance or
-                         --owner-reduce [off]
+                         rows; the owners take dgate from the saved pre-activations; with --owner-reduce the
+                         owner keeps no expert outputs); no --balance or --nodes [off]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
                          blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote

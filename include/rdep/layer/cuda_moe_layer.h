@@ -342,7 +342,7 @@ class CudaMoELayer {
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.
   struct OwnerRows {
-    __nv_bfloat16 *x, *h, *f;  // f: null without owner_reduce
+    __nv_bfloat16 *x, *h, *f;  // f: null unless OwnerKeepsOutputs (owner_reduce without gate_in_expert)
   };
   bool Stashing(const RankState& st) const;
   Status RefuseStashInCapture(int32_t rank, const char* call) const;
