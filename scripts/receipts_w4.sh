@@ -69,6 +69,11 @@
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
+#   peak1      the training example (compiled, both variants, 40 steps): torch's allocations live at step 30's peak
+#              (scripts/snapshot_peak.py on each variant's snapshot)
+#   swiglu1    ncu's speed-of-light and memory sections for the SwiGLU kernels of the W = 1 layer, with and without the gate
+#   host1      the binding's host time per call (bench/torch_layer_bench.py) at 256 tokens, where the GPU's work is
+#              small, with and without cProfile; then at the training example's shape (4096 tokens, H 1024)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
@@ -389,6 +394,30 @@ stage_train1c() {  # TRAIN_TAG (default empty) names the receipts of a run with 
     --json "$R/train_w1_compile$tag.json" --png "$R/train_w1_compile$tag.png"
 }
 stage_train1cg() { TRAIN_TAG=_gate TRAIN_ARGS="--gate-in-expert on --memory-step 30" stage_train1c; }
+stage_peak1() {  # the training example's torch allocations at step 30's peak, both variants (snapshots kept in /tmp)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+  run train_w1_peak env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass --compile --steps 40 \
+    --memory-step 30 --memory-snapshot /tmp/snap --json "$R/train_w1_peak.json"
+  for v in rdep torchtitan; do
+    run peak_$v python3 scripts/snapshot_peak.py /tmp/snap.$v.r0.pickle --frames 4 --top 40
+  done
+}
+stage_swiglu1() {  # ncu (no clock control) on the SwiGLU kernels of the W = 1 Moonlight layer, with and without the gate
+  for g in off on; do
+    local flag=(); [ $g = on ] && flag=(--gate-in-expert)
+    run swiglu_ncu_$g ncu --clock-control none -k regex:Swiglu -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass "${flag[@]}" --warmup 1 --iters 1
+  done
+}
+stage_host1() {  # the binding's host time per call where the GPU's work is small (the launch queue never fills)
+  local small=(--tokens 256 --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert --iters 300)
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  run host_small "${env[@]}" python3 bench/torch_layer_bench.py "${small[@]}" --json "$R/host_small.json"
+  run host_small_prof "${env[@]}" python3 -m cProfile -s tottime bench/torch_layer_bench.py "${small[@]}"
+  run host_train_shape "${env[@]}" python3 bench/torch_layer_bench.py --tokens 4096 --hidden 1024 --ffn 704 --experts 64 \
+    --topk 6 --expert-compute cutlass --gate-in-expert --json "$R/host_train_shape.json"
+}
 stage_stash() {
   for round in a b; do
     run layer_w1_nostash_$round "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --warmup 10 --iters 100 \
