@@ -81,6 +81,9 @@ def main() -> int:
                    help="the layer's expert compute (cutlass: no host wait, as rdep bench layer --expert-compute cutlass)")
     p.add_argument("--gate-in-expert", action="store_true",
                    help="the gate before W2 (as rdep bench layer --gate-in-expert); off otherwise, as the C++ bench's default")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timing: N forward+backward iterations under torch.profiler (CPU and CUDA), the host "
+                        "time by operation and CUDA runtime call (self CPU time)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -104,6 +107,15 @@ def main() -> int:
 
     fwd, fwd_host = time_loop(forward, a.warmup, a.iters)
     fb, fb_host = time_loop(forward_backward, a.warmup, a.iters)
+    if a.profile > 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.profile):
+                forward_backward()
+            torch.cuda.synchronize()
+        print(f"torch.profiler over {a.profile} forward+backward calls (self CPU time: host work by operation):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     torch.cuda.reset_peak_memory_stats(device)
     forward_backward()
     torch.cuda.synchronize(device)

@@ -73,7 +73,7 @@
 #              (scripts/snapshot_peak.py on each variant's snapshot)
 #   swiglu1    ncu's speed-of-light and memory sections for the SwiGLU kernels of the W = 1 layer, with and without the gate
 #   host1      the binding's host time per call (bench/torch_layer_bench.py) at 256 tokens, where the GPU's work is
-#              small, with and without cProfile; then at the training example's shape (4096 tokens, H 1024)
+#              small, then under torch.profiler (host time by operation); then at the training example's shape (4096 tokens, H 1024)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
@@ -414,7 +414,7 @@ stage_host1() {  # the binding's host time per call where the GPU's work is smal
   local small=(--tokens 256 --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert --iters 300)
   local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
   run host_small "${env[@]}" python3 bench/torch_layer_bench.py "${small[@]}" --json "$R/host_small.json"
-  run host_small_prof "${env[@]}" python3 -m cProfile -s tottime bench/torch_layer_bench.py "${small[@]}"
+  run host_small_prof "${env[@]}" python3 bench/torch_layer_bench.py "${small[@]}" --iters 50 --profile 20
   run host_train_shape "${env[@]}" python3 bench/torch_layer_bench.py --tokens 4096 --hidden 1024 --ffn 704 --experts 64 \
     --topk 6 --expert-compute cutlass --gate-in-expert --json "$R/host_train_shape.json"
 }

@@ -145,6 +145,7 @@ class VariantRun:
             self.prof = None
         if phases.on:
             self.rec["memory_phases"] = phases.report(step, self.kind)
+            self._report_rdep_memory()
         self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak())
         return self.alive
 
@@ -165,6 +166,20 @@ class VariantRun:
         for moe in self.model.moe_layers():
             moe.update_bias(self.a.bias_rate)
         return loss, gnorm, loads
+
+    def _report_rdep_memory(self) -> None:
+        """rdep's own device memory per rank (outside torch's allocator): its domains' regions."""
+        import rdep.torch as rt
+
+        domains = {id(m.layer.domain): m.layer.domain for m in self.model.modules() if isinstance(m, rt.MoE)}
+        if not domains:
+            return
+        mem = [d.memory() for d in domains.values()]
+        sym = sum(m["symmetric_bytes_per_rank"] for m in mem) / MIB
+        shared = sum(m["shared_bytes_per_rank"] for m in mem) / MIB
+        self.rec["rdep_domain_mib"] = {"symmetric": sym, "shared": shared}
+        self.dd.print(f"[{self.kind:>10}] rdep's domain regions per rank: {sym:.1f} MiB symmetric, {shared:.1f} MiB shared "
+                      f"(rdep.torch.Domain.memory(), {len(domains)} domain(s))")
 
     def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, loads, phase_peak: float) -> None:
         a, dd, rec = self.a, self.dd, self.rec

@@ -19,7 +19,12 @@
  * Expert weights are the caller's, passed to every call: w1 [E_r][H][2F] (columns [0, F) the gate
  * projection, [F, 2F) the up projection), w2 [E_r][F][H], for the E_r experts rank r owns, in expert
  * order (rdep_layer_owned_experts; ownership is contiguous). A backward must be given the weights of its
- * forward. Weight gradients are written (not accumulated) into dw1, dw2.
+ * forward. Weight gradients are written (not accumulated) into dw1, dw2. Version 13: a backward's w1 may lie
+ * inside the same rank's dw1 bytes and its w2 inside its dw2 bytes (a caller with fp32 master weights casts
+ * their bf16 copies into the first half of each expert's fp32 gradient and holds no separate copy) on the
+ * CUDA backend with expert_compute CUTLASS, one segment per forward, no balancing and one node, where the
+ * backward reads each weight before it writes that weight's gradient; any other overlap of weights and
+ * gradients (another rank's, w1 with dw2, or another configuration) is refused before the collective.
  *
  * Contexts: rdep_context_acquire hands out a slot holding one forward's saved state per local rank
  * (caller-owned in the C++ API's sense); slots are pooled, so their memory is reused, and a released
@@ -54,7 +59,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 12
+#define RDEP_CAPI_VERSION 13
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;

@@ -160,6 +160,41 @@ def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch):
     torch.ops.rdep.moe_backward(layer.id, ctx, torch.ones_like(y), w1i, w2i)
 
 
+@pytest.mark.parametrize("W", [1, 2])
+def test_fp32_master_weights_cast_into_the_gradients_for_backward(monkeypatch, W):
+    """The CUTLASS layer's backward with fp32 master weights reads their bf16 casts from inside the fp32
+    gradient buffers it then overwrites (C ABI 13): the same bits as with the casts apart, and torch holds
+    the casts' bytes less during the backward."""
+    import rdep.torch.layer_calls as layer_calls
+    import rdep.torch.ops as ops
+
+    E, K, n, H, F = 8, 2, 64, 256, 128
+    x, ids, gates, w1, w2 = make_inputs(W, n, H, F, E, K, "zipf", seed=7)
+    staged = []
+    into = layer_calls._casts_into_grads
+    monkeypatch.setattr(layer_calls, "_casts_into_grads", lambda *a: staged.append(1) or into(*a))
+    out = {}
+    for inside in (True, False):
+        if not inside:
+            monkeypatch.setattr(ops, "_casts_in_grads", lambda *a: False)
+        layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, expert_compute="cutlass")
+        w1m, w2m = w1.float().requires_grad_(True), w2.float().requires_grad_(True)
+        xg, gg = x.clone().requires_grad_(True), gates.clone().requires_grad_(True)
+        y = rt.moe(layer, xg, ids, gg, w1m, w2m)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y.backward(torch.ones_like(y))
+        torch.cuda.synchronize()
+        out[inside] = (xg.grad, gg.grad, w1m.grad, w2m.grad, torch.cuda.max_memory_allocated() - before)
+    assert len(staged) == 1, "the first backward staged its casts in the gradients, the second did not"
+    for name, a, b in zip(("dx", "dgates", "dw1", "dw2"), out[True][:4], out[False][:4]):
+        assert torch.isfinite(b.float()).all(), name
+        assert torch.equal(a, b), f"{name}: not the bits of the backward with the casts apart"
+    cast_bytes = (w1.numel() + w2.numel()) * 2
+    assert out[True][4] <= out[False][4] - 0.9 * cast_bytes, (out[True][4], out[False][4], cast_bytes)
+
+
 MODULE_CASES = {
     "W1_shared_losses": dict(W=1, E=8, K=2, T=64, shape=(2, 32), capacity_factor=0.0,
                              kw=dict(shared_ffn=32, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)),

@@ -310,3 +310,32 @@ def test_schemas():
         "bool save_context=True) -> (Tensor, Tensor)")
     assert str(torch.ops.rdep.moe_backward.default._schema) == (
         "rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def test_backward_casts_go_into_each_ranks_own_gradients():
+    """layer_calls._casts_into_grads (what the CUDA backward does with fp32 master weights, C ABI 13): each
+    local rank's bf16 casts of w1, w2 lie in the first half of that rank's fp32 gradient bytes, hold the
+    weights' bf16 values and leave the other bytes alone; a rank without experts gets null. Checked on CPU
+    tensors (the placement is the same); which layers do it is ops._casts_in_grads."""
+    from types import SimpleNamespace
+
+    from rdep.torch import layer_calls, ops
+
+    H, F = 16, 8
+    fake = SimpleNamespace(hidden=H, ffn=F, _rank_experts=((0, 2), (2, 0), (2, 3)))
+    w1, w2 = torch.randn(5, H, 2 * F), torch.randn(5, F, H)
+    dw1, dw2 = torch.full((5, H, 2 * F), 7.0), torch.full((5, F, H), 7.0)
+    ptrs = layer_calls._casts_into_grads(fake, w1, w2, dw1, dw2)
+    assert ptrs[1] == (0, 0)
+    for (e0, n), (p1, p2) in zip(fake._rank_experts, ptrs):
+        if n == 0:
+            continue
+        for p, w, g in ((p1, w1, dw1), (p2, w2, dw2)):
+            per = w[0].numel()
+            assert p == g[e0].data_ptr(), "the rank's casts start at its own gradients"
+            got = g[e0:e0 + n].view(torch.bfloat16).reshape(-1)[:n * per].view(w[e0:e0 + n].shape)
+            assert torch.equal(got, w[e0:e0 + n].to(torch.bfloat16))
+            rest = g[e0:e0 + n].reshape(-1)[n * per // 2:]  # the fp32 elements past the casts' bytes
+            assert torch.equal(rest, torch.full_like(rest, 7.0)), "bytes past the casts untouched"
+    layer = rt.Layer(16, 8, 4, 2, 8, world_size=1)  # the host backend: fp32 weights are read directly
+    assert not ops._casts_in_grads(layer, w1, w2, torch.float32)

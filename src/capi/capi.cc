@@ -15,6 +15,7 @@
 
 #include "capi/capi_internal.h"
 #include "capi/layer_adapter.h"
+#include "layer/weights_in_grads.h"
 #include "rdep/cuda/device_count.h"
 
 namespace {
@@ -257,6 +258,22 @@ int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t cou
   });
 }
 
+// A backward's weights against the gradients it writes, over every local rank (weights_in_grads.h):
+// w1 may lie in the same rank's dw1 and w2 in its dw2 where the backward reads each weight first.
+rdep::Status CheckWeightsInGradsIo(const rdep_layer& l, const rdep_rank_io* io, int32_t count) {
+  const auto& s = l.config.shape;
+  const bool cuda = l.spec.backend != RDEP_BACKEND_HOST;
+  const size_t welem = cuda ? 2 : sizeof(float);
+  std::vector<rdep::ExpertByteRanges> r(static_cast<size_t>(count));
+  for (int32_t i = 0; i < count; ++i) {
+    const auto e = static_cast<size_t>(l.ownership.num_local(l.ranks[static_cast<size_t>(i)]));
+    const size_t n1 = e * static_cast<size_t>(s.hidden * 2 * s.ffn), n2 = e * static_cast<size_t>(s.ffn * s.hidden);
+    const size_t gelem = cuda && io[i].grad_bf16 ? 2 : sizeof(float);
+    r[static_cast<size_t>(i)] = {io[i].w1, n1 * welem, io[i].w2, n2 * welem, io[i].dw1, n1 * gelem, io[i].dw2, n2 * gelem};
+  }
+  return rdep::CheckWeightsInGrads(l.config, cuda, r, l.ranks.empty() ? 0 : l.ranks.front());
+}
+
 int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool backward) {
   if (!l) return FailInvalid("layer is null");
   if (!io) return FailInvalid("io is null");
@@ -265,6 +282,7 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
                        " ranks");
   return Guard([&]() -> rdep::Status {
     for (int32_t i = 0; i < count; ++i) RDEP_RETURN_IF_ERROR(CheckIo(*l, io[i], l->ranks[static_cast<size_t>(i)], backward));
+    if (backward) RDEP_RETURN_IF_ERROR(CheckWeightsInGradsIo(*l, io, count));
     std::lock_guard<std::mutex> call(l->call_mu());
     ContextSlot* slot;
     {

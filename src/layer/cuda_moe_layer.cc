@@ -14,6 +14,7 @@
 #include "layer/context_access.h"
 #include "layer/cuda_layer_state.h"
 #include "layer/sgd_kernel.h"
+#include "layer/weights_in_grads.h"
 
 namespace rdep {
 
@@ -612,6 +613,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
       return FailedPrecondition("backward on rank " + std::to_string(rank) + ": bf16 weight gradients need the forward in one segment (it ran in " +
                                 std::to_string(peek->num_segments) + "; use segment_tokens = 0, the default, or bind fp32 gradients)");
   }
+  RDEP_RETURN_IF_ERROR(CheckOwnWeightsInGrads(rank));  // ctx kept
   if (Stashing(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(RefuseStashInCapture(rank, "backward"));  // ctx kept
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
@@ -747,6 +749,20 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
   else RDEP_RETURN_IF_ERROR(ReturnRows(rank, out, sv, base, m, stream));
   return Mark(rank, st, false, kMarkReturn);
+}
+
+// This rank's weights may lie in its own gradients only where the backward reads each weight before
+// writing its gradient (weights_in_grads.h). Other local ranks' bindings are not read here (each rank's
+// thread binds its own); the C ABI, which holds every local rank's arrays, checks across ranks too.
+Status CudaMoELayer::CheckOwnWeightsInGrads(int32_t rank) const {
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  const kernels::ExpertWeightsView w = st.weights();
+  const kernels::ExpertGradsView g = st.grads();
+  const size_t ge = g.bf16() ? 2 : sizeof(float);
+  const ExpertByteRanges r{w.w1, st.w1_count * 2, w.w2, st.w2_count * 2,
+                           g.bf16() ? static_cast<const void*>(g.dw1_bf16) : g.dw1, st.w1_count * ge,
+                           g.bf16() ? static_cast<const void*>(g.dw2_bf16) : g.dw2, st.w2_count * ge};
+  return CheckWeightsInGrads(config_, /*cuda=*/true, {&r, 1}, rank);
 }
 
 // Sets every byte of this rank's main-expert weight gradients (fp32 or bf16): 0 for a backward whose expert

@@ -313,6 +313,7 @@ class CudaMoELayer {
   Status OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv, int64_t seg, const uint16_t* seg_payload);
   Status FillWeightGrads(RankState& st, int byte, cudaStream_t stream);  // every byte: 0, or 0xFF (NaN)
+  Status CheckOwnWeightsInGrads(int32_t rank) const;  // weights_in_grads.h, for this rank's own arrays
   Status FillBackwardWithNaN(int32_t rank, RankState& st, const Saved& sv, __nv_bfloat16* dx, float* dgates);
   // The owner work without host waits (expert compute reading device counts, no balancing, the SwiGLU
   // kind; with nodes > 1 only in one segment): buffers sized for the worst case at the context's creation,

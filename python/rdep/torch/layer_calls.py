@@ -129,10 +129,31 @@ def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:
     return token, None
 
 
-def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32):
+def _casts_into_grads(layer: Layer, w1, w2, dw1, dw2):
+    """The bf16 casts of fp32 w1, w2 written into the first half of each local rank's fp32 dw1, dw2 bytes
+    (C ABI 13: the backward reads each weight before it overwrites that weight's gradient); returns the
+    per-rank (w1, w2) addresses. Each rank's copy lies in its own gradients, as the C ABI requires."""
+    H, F = layer.hidden, layer.ffn
+    ptrs = []
+    for e_off, n in layer._rank_experts:
+        rank_ptrs = []
+        for w, g, per in ((w1, dw1, H * 2 * F), (w2, dw2, F * H)):
+            if n == 0:
+                rank_ptrs.append(0)
+                continue
+            dst = g[e_off:e_off + n].view(torch.bfloat16).reshape(-1)[:n * per].view(w[e_off:e_off + n].shape)
+            dst.copy_(w[e_off:e_off + n])
+            rank_ptrs.append(dst.data_ptr())
+        ptrs.append(tuple(rank_ptrs))
+    return ptrs
+
+
+def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_grads=False):
     """Runs the backward collective of the forward that returned ctx, then releases its context;
     returns (dx, dgates, dw1, dw2) with dw1, dw2 in grad_dtype: fp32, or on CUDA bf16 (the gradients of
-    bf16 weights, written by the layer's GEMMs directly: no fp32 copy, no cast)."""
+    bf16 weights, written by the layer's GEMMs directly: no fp32 copy, no cast). casts_in_grads (fp32 w1,
+    w2, fp32 gradients; ops._casts_in_grads says where): the layer reads the weights' bf16 casts from inside
+    the gradient buffers it then overwrites (_casts_into_grads), so no separate copy is alive meanwhile."""
     L, n, H, K = layer.num_local_ranks, dy.shape[1], layer.hidden, layer.topk
     native = layer._native
     token, c_id_seen = _read_context(ctx)
@@ -165,6 +186,9 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32):
             r.stream = streams[i]
             r.grad_bf16 = int(grad_bf16)
         _fill_weights(io, layer, w1, w2, dw1, dw2)
+        if casts_in_grads:
+            for i, (p1, p2) in enumerate(_casts_into_grads(layer, w1, w2, dw1, dw2)):
+                io[i].w1, io[i].w2 = p1, p2
         lib = _capi.lib()
         try:
             _capi.check(lib.rdep_layer_backward(layer._live_ptr(), c_id, io, L), "rdep_layer_backward")

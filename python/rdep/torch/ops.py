@@ -93,9 +93,21 @@ def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) ->
             stream = torch.cuda.current_stream(w1.device)
             w1.record_stream(stream)
             w2.record_stream(stream)
+    elif _casts_in_grads(h, w1, w2, grad_dtype):
+        return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, casts_in_grads=True)
     else:
         w1, w2 = _layer_weights(h, w1, w2)
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
+
+
+def _casts_in_grads(layer: Layer, w1: Tensor, w2: Tensor, grad_dtype: torch.dtype) -> bool:
+    """Whether the backward's bf16 casts of fp32 master weights go into the fp32 gradient buffers it is about
+    to write (layer_calls.backward): where the layer's backward reads each weight before it writes that
+    weight's gradient (C ABI 13: CUDA, CUTLASS compute, one segment, no balancing, one node), so that no
+    separate copy of the weights (3 * H * F * 2 bytes an expert) is alive during the backward."""
+    one_segment = layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
+    return (layer.backend == "cuda" and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes == 1
+            and one_segment and grad_dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32)
 
 
 def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
