@@ -65,7 +65,7 @@ TEST(HostMoELayer, BufferMemoryDependsOnSegmentNotOwnerLoad) {
   for (int64_t S : {2, 4}) {
     auto layer = *HostMoELayer::Create(*f.domain, MakeLayerConfig(f.shape, {}, S), f.own, f.w);
     const RegionLayout& l = layer->layout();
-    EXPECT_EQ(l.payload_bytes(), 2 * static_cast<size_t>(S) * 8 * sizeof(float));
+    EXPECT_EQ(l.payload_bytes(), 2 * static_cast<size_t>(S) * 8 * sizeof(float));  // S < W*T: double-buffered
     Status s = f.domain->Run([&](int32_t r) -> Status {
       std::vector<float> y(128);
       return layer->Forward(r, one[static_cast<size_t>(r)], f.x[static_cast<size_t>(r)], y);

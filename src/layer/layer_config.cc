@@ -109,6 +109,7 @@ RegionLayout MakeRegionLayout(const LayerConfig& c, const OwnershipMap& m, size_
   l.E_load = c.has_load_matrix() ? c.shape.experts : 0;
   l.N = c.nodes.nodes;
   l.transport_sms = c.transport_sms;
+  l.buffers = l.S >= l.W * l.T ? 1 : 2;  // one segment a call uses buffer 0 only
   return l;
 }
 

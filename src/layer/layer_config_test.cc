@@ -155,3 +155,24 @@ TEST(OwnerOutputRowSets, OneSetOnlyWhereDxGoesOverDout) {
 
 }  // namespace
 }  // namespace rdep
+
+namespace rdep {
+namespace {
+
+// The payload and sideband are double-buffered only when a call can have several segments (segment s uses
+// buffer s % 2); with S >= W*T every call has one segment and one buffer is allocated.
+TEST(RegionLayoutBuffers, OneBufferWhenEveryCallHasOneSegment) {
+  const LayerShape s{.tokens = 256, .hidden = 16, .ffn = 8, .experts = 16, .topk = 4, .ranks = 4};
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  for (const int64_t S : {int64_t{256}, int64_t{1023}, int64_t{1024}, int64_t{4096}}) {
+    SCOPED_TRACE("S=" + std::to_string(S));
+    const RegionLayout l = MakeRegionLayout(MakeLayerConfig(s, {}, S), own, 2);
+    const int64_t want = S >= s.ranks * s.tokens ? 1 : 2;
+    EXPECT_EQ(l.buffers, want);
+    EXPECT_EQ(l.payload_bytes(), static_cast<size_t>(want * S * s.hidden * 2));
+    EXPECT_EQ(l.sideband_bytes(), static_cast<size_t>(want * S) * l.token_sideband_bytes());
+  }
+}
+
+}  // namespace
+}  // namespace rdep

@@ -12,8 +12,9 @@
 //   owner_stream_tokens  [W]     tokens owner d receives in total (phase 2, written by d to every rank)
 //   load_matrix          [W][E]  rows source s routes to expert e, the full load matrix Lambda (phase 1,
 //                                written by s to every rank); present only when E_load = E > 0
-// segment payload  [2][S][H] activations (double-buffered; the backend's element type)
-// segment sideband [2][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
+// segment payload  [B][S][H] activations (the backend's element type; B = 2, double-buffered, when a call can
+//                  have several segments; B = 1 when S >= W*T, since every call then has one segment: buffer 0)
+// segment sideband [B][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
 // return           [N][T*K][H] returned rows, placed at (t*K+k) decoded from row_id (N = 1); with N
 //                  nodes, at a relay, at (source node, t, k) for the sources with its local index
 #pragma once
@@ -48,6 +49,7 @@ struct RegionLayout {
   int64_t E_load = 0;  // E when every rank holds the full load matrix (LayerConfig::load_matrix), else 0
   int64_t N = 1;       // nodes: the return region holds rows for N sources (two-phase relays)
   int64_t transport_sms = 0;  // LayerConfig::transport_sms: the peer-storing kernels' grid (0 = sized by work)
+  int64_t buffers = 2;        // payload and sideband buffers: segment s uses buffer s % 2 (1 buffer: one segment a call)
 
   // control offsets, in int64 words
   RDEP_HD int64_t recv_counts(int64_t src, int64_t j) const { return src * L + j; }
@@ -61,8 +63,8 @@ struct RegionLayout {
   RDEP_HD size_t token_sideband_bytes() const {
     return sizeof(int64_t) + static_cast<size_t>(slots_per_token) * sizeof(RowSideband);
   }
-  RDEP_HD size_t payload_bytes() const { return 2 * static_cast<size_t>(S * H * elem_bytes); }
-  RDEP_HD size_t sideband_bytes() const { return 2 * static_cast<size_t>(S) * token_sideband_bytes(); }
+  RDEP_HD size_t payload_bytes() const { return static_cast<size_t>(buffers * S * H * elem_bytes); }
+  RDEP_HD size_t sideband_bytes() const { return static_cast<size_t>(buffers * S) * token_sideband_bytes(); }
   RDEP_HD size_t return_bytes() const { return static_cast<size_t>(N * T * K * H * elem_bytes); }
   RDEP_HD size_t total_bytes() const { return control_bytes() + payload_bytes() + sideband_bytes() + return_bytes(); }
 };
