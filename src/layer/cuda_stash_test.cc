@@ -73,6 +73,7 @@ struct Setting {
   double capacity = 0;
   int64_t segment = 0;
   bool owner_reduce = false;
+  bool overlap = false;  // LayerConfig::overlap_segments (needs segment below W*T)
 };
 
 // Per rank: y, dx, dgates, dW1, dW2 and the backward's status.
@@ -93,6 +94,7 @@ LayerConfig ConfigOf(const Problem& p, const Setting& set) {
   cfg.segment_tokens = set.segment;
   cfg.owner_reduce = set.owner_reduce;
   cfg.stash_rows = set.stash_rows;
+  cfg.overlap_segments = set.overlap;
   return cfg;
 }
 
@@ -227,17 +229,17 @@ TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
 // that overflowed, their rows and the pool, with dx and the weight gradients NaN (no rank computes from
 // rows that were not kept); then, on the same layer and pool, a uniform step (every owner within 192
 // rows) is bitwise the layer without a stash: the overflow took no pages and the others gave theirs back.
-TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAndPool) {
-  std::string why;
-  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+// `set` without its stash: the layer's segments (and whether they run as the overlapped pipeline).
+void TooSmallPoolFailsEveryRanksBackward(Setting set) {
   Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
   even.w = skewed.w;  // one layer's weights for both steps
   even.x = RandomActivations(even.shape, even.routing, 8);
   even.dy = RandomActivations(even.shape, even.routing, 9);
-  const Outputs skewed_plain = RunOne(skewed, Setting{}), even_plain = RunOne(even, Setting{});
+  const Outputs skewed_plain = RunOne(skewed, set), even_plain = RunOne(even, set);
   auto domain = MakeDomain(4);
   ASSERT_TRUE(domain.ok()) << domain.status();
-  auto layer = CudaMoELayer::Create(**domain, ConfigOf(skewed, Setting{.stash_rows = 192}), skewed.own, skewed.w);
+  set.stash_rows = 192;
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(skewed, set), skewed.own, skewed.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   Outputs small(4), after(4);
   for (auto [p, out] : {std::pair{&skewed, &small}, {&even, &after}}) {
@@ -281,6 +283,19 @@ TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAn
   }
   for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(after.backward[i].ok()) << "rank " << i << ": " << after.backward[i];
   ExpectSame(after, even_plain, "the step after the overflow");
+}
+
+TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAndPool) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  TooSmallPoolFailsEveryRanksBackward(Setting{});
+}
+
+// The same through the overlapped segment pipeline (several segments; it reaches the same FinishExchange).
+TEST(CudaStash_Overflow, W4_OverlappedSegments_TooSmallPoolFailsEveryRanksBackward) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  TooSmallPoolFailsEveryRanksBackward(Setting{.segment = 24, .overlap = true});
 }
 
 // Two layers sharing the domain's transient rows and its one set of outcome words (each with a pool of its
