@@ -164,13 +164,18 @@ Status CudaMoELayer::UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_b
   }
   RDEP_RETURN_IF_ERROR(ReleaseStash(rank, sv));
   RDEP_RETURN_IF_ERROR(FillBackwardWithNaN(rank, st, sv, dx, dgates));
+  // A sync-free forward's routing check not read yet would otherwise show only at a later call: read it now
+  // (this backward fails anyway; the stash is never inside a capture, so the wait is allowed).
+  const Status routing = sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/true) : Status::Ok();
+  const std::string also = routing.ok() ? "" : "; and " + routing.message();
   const int64_t pages = StashPoolOf(rank).num_pages;
   return FailedPrecondition(
       "backward on rank " + std::to_string(rank) + ": at this context's forward the owner rows did not fit the free pages of the paged stash (" +
       overflowed + " rows; stash_rows " + std::to_string(config_.stash_rows) + ": " + std::to_string(pages) +
       (pages == 1 ? " page of " : " pages of ") + std::to_string(cuda_layer::kStashPageRows) +
       " rows, shared by the domain's layers of this shape), so nothing was kept there; every rank fails this backward before its "
-      "exchange, with dx, dgates and the weight gradients NaN. Raise stash_rows, or release contexts that will not run backward (ReleaseRows)");
+      "exchange, with dx, dgates and the weight gradients NaN. Raise stash_rows, or release contexts that will not run backward (ReleaseRows)" +
+      also);
 }
 
 // A failed backward's outputs: NaN, not plausible values (0xFF bytes are NaN in bf16 and fp32).

@@ -10,6 +10,12 @@
 // order. Skips without a GPU, CUTLASS or sm_90. The config checks run everywhere.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
 #include <string>
 
 #include "rdep/layer/layer_config.h"
@@ -334,6 +340,54 @@ TEST(CudaStash_Overflow, W4_ALayerThatFitsBetweenAnOverflowingLayersCallsIsUnaff
     EXPECT_NE(first.backward[i].message().find("owner rows did not fit"), std::string::npos) << first.backward[i];
   }
   ExpectSame(second, even_plain, "the layer that fits");
+}
+
+// The backward that fails on the stash's overflow also reports the forward's routing fault when the
+// sync-free forward had not read it yet (else it would show only at a later call). W = 1, 128 rows in a pool
+// of 1 page, token 3's second expert out of range; the rank's stream is held by a host function until the
+// forward has returned, so the forward cannot have read its routing check.
+TEST(CudaStash_Overflow, W1_TheFailedBackwardAlsoReportsAnUnreadRoutingFault) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  Problem p(1, "uniform", 11);
+  p.routing[0].experts[3 * 2 + 1] = static_cast<int32_t>(p.shape.experts);  // token 3, slot 1: E is out of range
+  auto domain = MakeDomain(1);
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 64}), p.own, p.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  struct Hold {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool go = false;
+    static void CUDART_CB Wait(void* self) {
+      auto* h = static_cast<Hold*>(self);
+      std::unique_lock<std::mutex> lock(h->mu);
+      h->cv.wait(lock, [h] { return h->go; });
+    }
+    void Release() {
+      { std::lock_guard<std::mutex> lock(mu); go = true; }
+      cv.notify_all();
+    }
+  } hold;
+  Batch b;
+  ASSERT_TRUE(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc((*domain)->stream(0), &Hold::Wait, &hold), cudaSuccess);
+  std::promise<void> returned;
+  std::thread watchdog([&, done = returned.get_future()] {  // a forward that waited on its stream would not hang the test
+    done.wait_for(std::chrono::seconds(10));
+    hold.Release();
+  });
+  const Status forward = (*layer)->Forward(0, b.e, b.g, b.n, b.x, b.y);
+  returned.set_value();
+  watchdog.join();
+  EXPECT_TRUE(forward.ok()) << "the forward could not have read its routing check yet: " << forward;
+  const Status back = (*layer)->Backward(0, b.dy, b.dx, b.dg);
+  EXPECT_EQ(back.code(), StatusCode::kFailedPrecondition) << back;
+  EXPECT_NE(back.message().find("owner rows did not fit"), std::string::npos) << back;
+  EXPECT_NE(back.message().find("; and forward on rank 0: routing"), std::string::npos) << back;
+  EXPECT_NE(back.message().find("token 3"), std::string::npos) << back;
+  EXPECT_TRUE((*domain)->Synchronize(0).ok());
 }
 
 // W = 1 (all 128 rows on the one owner: 2 pages) with a pool of exactly 2 pages and caller-owned
