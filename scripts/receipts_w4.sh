@@ -72,6 +72,8 @@
 #   peak1      the training example (compiled, both variants, 40 steps): torch's allocations live at step 30's peak
 #              (scripts/snapshot_peak.py on each variant's snapshot)
 #   swiglu1    ncu's speed-of-light and memory sections for the SwiGLU kernels of the W = 1 layer, with and without the gate
+#   mem1       the layer's memory per rank (one payload buffer when S >= W*T): Moonlight W = 1 with the gate, 4 ranks
+#              sharing GPU 0 with the gate and owner_reduce (the eighth session's 3.602 and 2.523 GiB before)
 #   host1      the binding's host time per call (bench/torch_layer_bench.py) at 256 tokens, where the GPU's work is
 #              small, then under torch.profiler (host time by operation); then at the training example's shape (4096 tokens, H 1024)
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
@@ -409,6 +411,12 @@ stage_swiglu1() {  # ncu (no clock control) on the SwiGLU kernels of the W = 1 M
     run swiglu_ncu_$g ncu --clock-control none -k regex:Swiglu -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass "${flag[@]}" --warmup 1 --iters 1
   done
+}
+stage_mem1() {  # the layer's memory per rank with one payload buffer (S >= W*T): W = 1 and 4 ranks sharing GPU 0, gate on
+  run mem_w1_gate "$RDEP" bench layer --ranks 1 --gpus 1 --expert-compute cutlass --gate-in-expert --warmup 10 --iters 100 \
+    --json "$R/mem_w1_gate.json"
+  run mem_w4g1_gate_reduce "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass --gate-in-expert --owner-reduce \
+    --warmup 3 --iters 10 --json "$R/mem_w4g1_gate_reduce.json"
 }
 stage_host1() {  # the binding's host time per call where the GPU's work is small (the launch queue never fills)
   local small=(--tokens 256 --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert --iters 300)
