@@ -153,9 +153,11 @@ Status CudaMoELayer::UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_b
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sv.stash_taken));  // normally long complete
   std::string overflowed;
   for (int32_t r = 0; r < config_.shape.ranks; ++r) {
-    const int64_t needed = static_cast<const volatile int64_t*>(sv.stash_outcomes_host)[r];
+    const int64_t needed = static_cast<const volatile int64_t*>(sv.stash_outcomes_host)[r];  // rows << 32 | pages, or -1
     if (needed < 0) continue;
-    overflowed += (overflowed.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " needed " + std::to_string(needed);
+    const int64_t rows = needed >> 32, pages = needed & 0xffffffff;
+    overflowed += (overflowed.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " needed " + std::to_string(pages) +
+                  (pages == 1 ? " page for " : " pages for ") + std::to_string(rows) + " rows";
   }
   if (overflowed.empty()) {
     RDEP_RETURN_IF_ERROR(cuda_layer::LaunchUnstashRows(StashPoolOf(rank), StashView(rank, st, sv), domain_.stream(rank)));
@@ -171,9 +173,9 @@ Status CudaMoELayer::UnstashSaved(int32_t rank, RankState& st, Saved& sv, __nv_b
   const int64_t pages = StashPoolOf(rank).num_pages;
   return FailedPrecondition(
       "backward on rank " + std::to_string(rank) + ": at this context's forward the owner rows did not fit the free pages of the paged stash (" +
-      overflowed + " rows; stash_rows " + std::to_string(config_.stash_rows) + ": " + std::to_string(pages) +
+      overflowed + "; stash_rows " + std::to_string(config_.stash_rows) + ": " + std::to_string(pages) +
       (pages == 1 ? " page of " : " pages of ") + std::to_string(cuda_layer::kStashPageRows) +
-      " rows, shared by the domain's layers of this shape), so nothing was kept there; every rank fails this backward before its "
+      " rows, shared by the domain's layers of this shape; each segment's rows take whole pages), so nothing was kept there; every rank fails this backward before its "
       "exchange, with dx, dgates and the weight gradients NaN. Raise stash_rows, or release contexts that will not run backward (ReleaseRows)" +
       also);
 }

@@ -37,7 +37,7 @@ __global__ void TakePagesKernel(StashPool pool, StashRows r) {
     fits = pages <= free_pages;
     need = pages;
     first = static_cast<int64_t>(taken);
-    r.state[1] = rows;
+    r.state[1] = rows << 32 | pages;  // rows < 2^31 (the worst case's), pages < 2^30 (AcquireStash's limit)
     if (fits) {
       r.state[0] = pages;
       pool.counters[0] = taken + static_cast<uint64_t>(pages);

@@ -32,7 +32,7 @@ struct StashPool {
 // Where a context's rows are: the transient arrays of its segments (segment s's rows start at row
 // s * seg_cap of each), its rows per segment on the device (counts[s * count_stride + count_at], the
 // sync-free segment totals), and its page table and state on the device: state[0] = pages held
-// (-1: the pool could not hold the rows, nothing was stashed), state[1] = rows it needed.
+// (-1: the pool could not hold the rows, nothing was stashed), state[1] = rows << 32 | pages it needed.
 struct StashRows {
   __nv_bfloat16* x = nullptr;  // [segments * seg_cap][H]
   __nv_bfloat16* h = nullptr;  // [segments * seg_cap][2F]

@@ -235,8 +235,10 @@ TEST(CudaStash_Stack, W4_ThreeLayersInFlightShareOnePool) {
 // that overflowed, their rows and the pool, with dx and the weight gradients NaN (no rank computes from
 // rows that were not kept); then, on the same layer and pool, a uniform step (every owner within 192
 // rows) is bitwise the layer without a stash: the overflow took no pages and the others gave theirs back.
-// `set` without its stash: the layer's segments (and whether they run as the overlapped pipeline).
-void TooSmallPoolFailsEveryRanksBackward(Setting set) {
+// `set` without its stash: the layer's segments (and whether they run as the overlapped pipeline); `pages`:
+// the pool, which the skewed step's hot owner overflows and the uniform step fits (each segment's rows take
+// whole pages: with several segments an owner needs about one page per segment it has rows in).
+void TooSmallPoolFailsEveryRanksBackward(Setting set, int64_t pages) {
   Problem skewed(4, "zipf:2", 5), even(4, "uniform", 6);
   even.w = skewed.w;  // one layer's weights for both steps
   even.x = RandomActivations(even.shape, even.routing, 8);
@@ -244,7 +246,7 @@ void TooSmallPoolFailsEveryRanksBackward(Setting set) {
   const Outputs skewed_plain = RunOne(skewed, set), even_plain = RunOne(even, set);
   auto domain = MakeDomain(4);
   ASSERT_TRUE(domain.ok()) << domain.status();
-  set.stash_rows = 192;
+  set.stash_rows = pages * 64;
   auto layer = CudaMoELayer::Create(**domain, ConfigOf(skewed, set), skewed.own, skewed.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   Outputs small(4), after(4);
@@ -270,11 +272,12 @@ void TooSmallPoolFailsEveryRanksBackward(Setting set) {
     const std::string& m = small.backward[i].message();
     const std::string prefix = "backward on rank " + std::to_string(i) + ":";
     EXPECT_EQ(m.rfind(prefix, 0), 0u) << m;
-    EXPECT_NE(m.find("stash_rows 192: 3 pages"), std::string::npos) << m;
+    EXPECT_NE(m.find("stash_rows " + std::to_string(pages * 64) + ": " + std::to_string(pages) + " pages"), std::string::npos) << m;
     EXPECT_NE(m.find("owner rows did not fit"), std::string::npos) << m;
     size_t listed = 0;  // the ranks named as "rank r needed N"
     for (size_t at = m.find(" needed "); at != std::string::npos; at = m.find(" needed ", at + 1)) ++listed;
-    EXPECT_GE(listed, 1u) << "Zipf 2 puts more than 192 rows on a hot owner: " << m;
+    EXPECT_GE(listed, 1u) << "Zipf 2 puts more than the pool on a hot owner: " << m;
+    EXPECT_NE(m.find(" pages for "), std::string::npos) << "the pages each overflowing rank needed: " << m;
     EXPECT_LT(listed, 4u) << "the lightly loaded owners fit in 3 pages: " << m;
     const std::string tail = m.substr(prefix.size());
     if (i == 0) first_tail = tail;
@@ -294,14 +297,16 @@ void TooSmallPoolFailsEveryRanksBackward(Setting set) {
 TEST(CudaStash_Overflow, W4_TooSmallPoolFailsEveryRanksBackwardNamingRanksRowsAndPool) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
-  TooSmallPoolFailsEveryRanksBackward(Setting{});
+  TooSmallPoolFailsEveryRanksBackward(Setting{}, 3);
 }
 
 // The same through the overlapped segment pipeline (several segments; it reaches the same FinishExchange).
 TEST(CudaStash_Overflow, W4_OverlappedSegments_TooSmallPoolFailsEveryRanksBackward) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
-  TooSmallPoolFailsEveryRanksBackward(Setting{.segment = 24, .overlap = true});
+  // 24-token segments (11 at the hot owner: a page each), 8 pages: the uniform step's owners (~120 tokens, 5
+  // segments) fit, Zipf 2's hot owner (~230 tokens) does not.
+  TooSmallPoolFailsEveryRanksBackward(Setting{.segment = 24, .overlap = true}, 8);
 }
 
 // Two layers sharing the domain's transient rows and its one set of outcome words (each with a pool of its
@@ -345,7 +350,8 @@ TEST(CudaStash_Overflow, W4_ALayerThatFitsBetweenAnOverflowingLayersCallsIsUnaff
 // The backward that fails on the stash's overflow also reports the forward's routing fault when the
 // sync-free forward had not read it yet (else it would show only at a later call). W = 1, 128 rows in a pool
 // of 1 page, token 3's second expert out of range; the rank's stream is held by a host function until the
-// forward has returned, so the forward cannot have read its routing check.
+// forward has returned, so the forward cannot have read its routing check (a sync-free forward does not wait
+// on the device once its context's buffers exist).
 TEST(CudaStash_Overflow, W1_TheFailedBackwardAlsoReportsAnUnreadRoutingFault) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
@@ -369,6 +375,14 @@ TEST(CudaStash_Overflow, W1_TheFailedBackwardAlsoReportsAnUnreadRoutingFault) {
       cv.notify_all();
     }
   } hold;
+  // A first step with valid routing makes the context's buffers (allocations may wait on the device, which the
+  // held stream would block); its backward overflows the pool too.
+  Problem valid(1, "uniform", 11);
+  Batch warm;
+  ASSERT_TRUE(Upload(valid.routing[0], valid.x[0], valid.dy[0], valid.shape.hidden, warm).ok());
+  ASSERT_TRUE((*layer)->Forward(0, warm.e, warm.g, warm.n, warm.x, warm.y).ok());
+  EXPECT_EQ((*layer)->Backward(0, warm.dy, warm.dx, warm.dg).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*domain)->Synchronize(0).ok());
   Batch b;
   ASSERT_TRUE(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
