@@ -21,7 +21,8 @@
  * order (rdep_layer_owned_experts; ownership is contiguous). A backward must be given the weights of its
  * forward. Weight gradients are written (not accumulated) into dw1, dw2. Version 13: a backward's w1 may lie
  * inside the same rank's dw1 bytes and its w2 inside its dw2 bytes (a caller with fp32 master weights casts
- * their bf16 copies into the first half of each expert's fp32 gradient and holds no separate copy) on the
+ * the rank's w1 to bf16 as one contiguous [E_r][H][2F] array in the first half of its fp32 dw1 bytes, and w2
+ * likewise in dw2, and holds no separate copy during the backward) on the
  * CUDA backend with expert_compute CUTLASS, one segment per forward, no balancing and one node, where the
  * backward reads each weight before it writes that weight's gradient; any other overlap of weights and
  * gradients (another rank's, w1 with dw2, or another configuration) is refused before the collective.

@@ -192,9 +192,9 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   bool counts_on_device = false;
   bool overlapped = false;  // the forward ran its segments as the pipeline (LayerConfig::overlap_segments)
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the pool pages this context's owner rows
-  // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows), every
-  // rank's outcome of the same forward copied to the host after its final barrier ([W]: rows needed, or
-  // -1), and the event after that copy.
+  // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows << 32 |
+  // pages needed), every rank's outcome of the same forward copied to the host after its final barrier
+  // ([W]: rows << 32 | pages needed, or -1), and the event after that copy.
   cuda_layer::DeviceBuffer<int32_t> stash_pages;
   cuda_layer::DeviceBuffer<int64_t> stash_state;
   int64_t* stash_outcomes_host = nullptr;

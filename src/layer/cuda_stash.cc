@@ -10,10 +10,10 @@
 // owner work and gives the pages back. Memory: one worst case plus the rows the live contexts hold.
 // Pages are taken and given back by kernels in the rank's stream order, so no call waits on the host.
 //
-// Overflow: a forward whose rows need more pages than are free takes none (state -1 and the rows it
-// needed, on the device); its output is still
+// Overflow: a forward whose rows need more pages than are free takes none (state -1 and the rows and pages
+// it needed, on the device; each segment's rows take whole pages); its output is still
 // right (the rows were used before the stash). Before the forward's final barrier each rank stores its
-// outcome (the rows needed, or -1) into every rank's flags ("stash.flags": W words), and after it
+// outcome (rows << 32 | pages needed, or -1) into every rank's flags ("stash.flags": W words), and after it
 // copies them to the host, so every rank learns every rank's outcome. The host reads them at backward
 // (waiting on the forward's event if it has not completed, which a backward rarely finds): when any
 // rank overflowed, every rank fills its dx, dgates and weight gradients with NaN and fails before
@@ -44,7 +44,10 @@ Status CudaMoELayer::AcquireStash() {
     return InvalidArgument("stash_rows: " + std::to_string(config_.stash_rows) + " rows is more than 2^30 pages of " +
                            std::to_string(cuda_layer::kStashPageRows));
   const int64_t elems = cuda_layer::StashRowElems(s.hidden, s.ffn, OwnerKeepsOutputs(config_));
-  const auto worst = static_cast<size_t>(SyncFreeSegments() * std::max<int64_t>(MaxSegmentRows(config_, layout_), 1));
+  const int64_t worst_rows = SyncFreeSegments() * std::max<int64_t>(MaxSegmentRows(config_, layout_), 1);
+  if (worst_rows >= (int64_t{1} << 31))  // the overflow outcome word packs rows << 32 | pages
+    return InvalidArgument("stash_rows: the worst case's " + std::to_string(worst_rows) + " owner rows a rank is 2^31 or more");
+  const auto worst = static_cast<size_t>(worst_rows);
   stash_rows_bytes_ = worst * static_cast<size_t>(elems) * sizeof(__nv_bfloat16);
   stash_pool_bytes_ = static_cast<size_t>(pages * cuda_layer::kStashPageRows * elems) * sizeof(__nv_bfloat16);
   stash_ring_bytes_ = 2 * sizeof(uint64_t) + static_cast<size_t>(pages) * sizeof(int32_t);  // counters, then the ring

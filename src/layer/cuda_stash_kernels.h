@@ -52,7 +52,7 @@ inline int64_t StashMaxPages(int64_t segments, int64_t seg_cap) {
 }
 
 // Forward, after the owner's last segment: takes the pages the rows need; when the pool has too few free
-// pages, takes none and sets state[0] = -1 (state[1] = the rows, either way).
+// pages, takes none and sets state[0] = -1 (state[1] = rows << 32 | pages needed, either way).
 Status LaunchTakePages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // Then (in the same stream) copies the rows into the pages taken (nothing after an overflow).
 Status LaunchCopyIntoPages(const StashPool& pool, const StashRows& r, cudaStream_t stream);
@@ -62,8 +62,8 @@ Status LaunchUnstashRows(const StashPool& pool, const StashRows& r, cudaStream_t
 // Gives a context's pages back without copying (a context dropped before its backward); state[0] = 0.
 Status LaunchReleaseStash(const StashPool& pool, const StashRows& r, cudaStream_t stream);
 // After LaunchTakePages, before the forward's final barrier: rank `rank`'s outcome into word `rank` of
-// every rank's flags region (peer_flags: the region's peer table, `ranks` entries): the rows it needed
-// when its pool overflowed, else -1. After the barrier each rank's region holds every rank's outcome.
+// every rank's flags region (peer_flags: the region's peer table, `ranks` entries): rows << 32 | pages
+// it needed when its pool overflowed, else -1. After the barrier each rank's region holds every rank's outcome.
 Status LaunchStashOutcomeToPeers(const StashRows& r, void* const* peer_flags, int32_t rank, int32_t ranks, cudaStream_t stream);
 
 }  // namespace rdep::cuda_layer

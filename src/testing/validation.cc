@@ -364,7 +364,8 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   // barrier slots, per-peer token lists.
   fp.host.push_back({"control regions and barrier slots (W*W*L words)", {{"ranks", W}, {"experts", E}},
                      W * (32 * W * L + 64 * W) + 48 * W * W});
-  // Segment payload and sideband, double-buffered, on every rank.
+  // Segment payload and sideband on every rank: two buffers when a call can have several segments, else one
+  // (RegionLayout::buffers); counted as two, an upper bound.
   fp.host.push_back({"segment buffers (W ranks x 2 segments of S tokens)", {{"ranks", W}, {"segment", S_host}, {"hidden", H}},
                      W * 2 * S_host * (4 * H + 8 + 16 * slots)});
   // Routing generator and ownership tables over E; rank threads (stack pages touched, bookkeeping).

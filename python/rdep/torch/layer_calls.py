@@ -132,15 +132,16 @@ def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:
 def _casts_into_grads(layer: Layer, w1, w2, dw1, dw2):
     """The bf16 casts of fp32 w1, w2 written into the first half of each local rank's fp32 dw1, dw2 bytes
     (C ABI 13: the backward reads each weight before it overwrites that weight's gradient); returns the
-    per-rank (w1, w2) addresses. Each rank's copy lies in its own gradients, as the C ABI requires."""
+    per-rank (w1, w2) addresses, None for a rank without experts. Each rank's copy is one contiguous
+    [E_r][H][2F] (and [E_r][F][H]) bf16 array in the first half of its own gradients, as the C ABI requires."""
     H, F = layer.hidden, layer.ffn
     ptrs = []
     for e_off, n in layer._rank_experts:
+        if n == 0:
+            ptrs.append(None)
+            continue
         rank_ptrs = []
         for w, g, per in ((w1, dw1, H * 2 * F), (w2, dw2, F * H)):
-            if n == 0:
-                rank_ptrs.append(0)
-                continue
             dst = g[e_off:e_off + n].view(torch.bfloat16).reshape(-1)[:n * per].view(w[e_off:e_off + n].shape)
             dst.copy_(w[e_off:e_off + n])
             rank_ptrs.append(dst.data_ptr())
@@ -187,8 +188,9 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
             r.grad_bf16 = int(grad_bf16)
         _fill_weights(io, layer, w1, w2, dw1, dw2)
         if casts_in_grads:
-            for i, (p1, p2) in enumerate(_casts_into_grads(layer, w1, w2, dw1, dw2)):
-                io[i].w1, io[i].w2 = p1, p2
+            for i, ptrs in enumerate(_casts_into_grads(layer, w1, w2, dw1, dw2)):
+                if ptrs is not None:  # a rank without experts keeps _fill_weights' (unread) addresses
+                    io[i].w1, io[i].w2 = ptrs
         lib = _capi.lib()
         try:
             _capi.check(lib.rdep_layer_backward(layer._live_ptr(), c_id, io, L), "rdep_layer_backward")
