@@ -274,8 +274,12 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   RDEP_ASSIGN_OR_RETURN(layer->out_rows_, domain.AcquireShared("owner.out_rows", layer->out_rows_bytes_));
   if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, then dz) lives within a call too
     const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
-    layer->expert_scratch_bytes_ = kernels::CutlassExpertScratchBytes(any);
-    RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));
+    const size_t bytes = kernels::CutlassExpertScratchBytes(any);
+    layer->scratch_in_return_ = ScratchInReturnRegion(config, l, bytes);  // W = 1: the return region, idle meanwhile
+    if (!layer->scratch_in_return_) {
+      layer->expert_scratch_bytes_ = bytes;
+      RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));
+    }
   }
   RDEP_RETURN_IF_ERROR(layer->AcquireStash());  // LayerConfig::stash_rows (cuda_stash.cc)
   if (config.replica_slots() > 0) {  // redundant slots, per rank: [N_slot][w1 | w2], bf16 weights and fp32 gradients,
@@ -337,7 +341,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
                                    "'s " + std::to_string(sms) + " SMs; give the transport at most half (" + std::to_string(sms / 2) + ")");
           tiles.gemm_sms = (sms - config.transport_sms) & ~1;  // even: the clustered tiles run CTA pairs
         }
-        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, domain.region(q, layer->expert_scratch_));
+        void* scratch = domain.region(q, layer->scratch_in_return_ ? layer->regions_.ret : layer->expert_scratch_);
+        auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, scratch);
         if (!cutlass.ok())
           return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
         st->mlp = std::move(*cutlass);

@@ -1,6 +1,7 @@
 #include "rdep/layer/layer_config.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -120,6 +121,12 @@ int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l) {
     if (cap <= rows / l.L) rows = l.L * cap;  // (compared by division: cap may be huge)
   }
   return std::max<int64_t>(rows, 1);
+}
+
+bool ScratchInReturnRegion(const LayerConfig& c, const RegionLayout& l, size_t scratch_bytes) {
+  if (const char* v = std::getenv("RDEP_EXPERT_SCRATCH"); v != nullptr && std::string(v) == "own") return false;
+  return c.shape.ranks == 1 && c.expert_compute == ExpertComputeKind::kCutlass && c.nodes.nodes <= 1 && !c.balance.enabled() &&
+         l.S >= l.W * l.T && scratch_bytes <= l.return_bytes();
 }
 
 bool DxOverDout(const LayerConfig& c) { return c.expert_compute == ExpertComputeKind::kCutlass && !c.balance.enabled(); }

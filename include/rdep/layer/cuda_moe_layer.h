@@ -280,7 +280,8 @@ class CudaMoELayer {
   // of the same size on the domain (Domain::AcquireShared, "owner.out_rows"), so a stack of N identical layers
   // holds it once, not N times. Count it once per domain and size, like replica_slot_bytes. With the CUTLASS
   // expert compute also its SwiGLU scratch (z forward, dz then z backward: D_ff values a row of one segment's
-  // rows, kernels::CutlassExpertScratchBytes), shared the same way ("expert.scratch"). The regions are matched
+  // rows, kernels::CutlassExpertScratchBytes), shared the same way ("expert.scratch"), except at W = 1 with
+  // one segment, where it lives in the return region (ScratchInReturnRegion) and adds nothing. The regions are matched
   // by size (a cuBLASLt and a CUTLASS layer of one shape share neither: one set of output rows against two),
   // so this sum is not a key to deduplicate layers by: the domain's shared_bytes_per_rank is the total.
   size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
@@ -412,7 +413,8 @@ class CudaMoELayer {
   size_t out_rows_bytes_ = 0;
   int64_t pipeline_delay_ns_[2] = {0, 0};  // SetPipelineDelaysForTesting: before each compute, before each return
   RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, then dz (shared: shared_row_bytes)
-  size_t expert_scratch_bytes_ = 0;
+  size_t expert_scratch_bytes_ = 0;           // 0 when it lives in the return region (scratch_in_return_)
+  bool scratch_in_return_ = false;            // ScratchInReturnRegion: W = 1, one segment (layer_config.h)
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1, stash_flags_ = -1;  // the paged stash (shared: stash_bytes)
   size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0, stash_flags_bytes_ = 0;

@@ -1,0 +1,158 @@
+// The CUTLASS compute's SwiGLU scratch in the return region at W = 1 (ScratchInReturnRegion, layer_config.h):
+// one rank, one segment a call, so nothing stores into the return region while the owner's compute uses it.
+// Against the same layer with a scratch of its own (RDEP_EXPERT_SCRATCH=own at Create), two forward and backward
+// calls each (the second finds the first's values in both regions): y, dx, dgates, dW1 and dW2 bit for bit, outputs
+// poisoned with NaN first; and the layer's shared rows hold the scratch's bytes less. Cases: uniform, Zipf 2 with
+// capacity drops, the gate before W2, owner_reduce (with and without the gate), the gate with the paged stash.
+// Skips without a GPU or where the CUTLASS compute cannot be made (a failure under RDEP_REQUIRE_CUTLASS=1).
+//   exercise: build-*/src/layer/layer_test --gtest_filter='*CudaScratchInReturn*'
+#if defined(RDEP_HAVE_CUDA)
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "layer/cuda_test_util.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
+#include "rdep/layer/cuda_moe_layer.h"
+
+namespace rdep {
+namespace {
+
+struct Case {
+  std::string name;
+  std::string routing = "uniform";
+  double capacity_factor = 0;
+  bool gate_in_expert = false;
+  bool owner_reduce = false;
+  int64_t stash_rows = 0;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+struct Outputs {
+  std::vector<uint16_t> y, dx;
+  std::vector<float> dg, dw1, dw2;
+  size_t shared_row_bytes = 0;
+  bool operator==(const Outputs& o) const {
+    auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
+    };
+    return same(y, o.y) && same(dx, o.dx) && same(dg, o.dg) && same(dw1, o.dw1) && same(dw2, o.dw2);
+  }
+};
+
+// Two calls (routing seeds 1 and 2) on one W = 1 layer; `own`: a scratch of its own.
+StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
+  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor});
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.gate_in_expert = c.gate_in_expert;
+  cfg.owner_reduce = c.owner_reduce;
+  cfg.stash_rows = c.stash_rows;
+  const OwnershipMap ownership = *OwnershipMap::Contiguous(s.experts, 1);
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {0}}));
+  if (own) setenv("RDEP_EXPERT_SCRATCH", "own", 1);
+  auto made = CudaMoELayer::Create(*domain, cfg, ownership, RandomWeights(s, 5));
+  unsetenv("RDEP_EXPERT_SCRATCH");
+  RDEP_ASSIGN_OR_RETURN(auto layer, std::move(made));
+  std::vector<Outputs> out(2);
+  for (uint64_t call = 1; call <= 2; ++call) {
+    RoutingSpec spec = *RoutingSpec::Parse(c.routing);
+    spec.seed = call;
+    RDEP_ASSIGN_OR_RETURN(Routing rt, GenerateRouting(s, spec));
+    const auto x = RandomActivations(s, rt, 7 + call), dy = RandomActivations(s, rt, 17 + call);
+    Batch b;
+    RDEP_RETURN_IF_ERROR(Upload(rt[0], x[0], dy[0], s.hidden, b));
+    const auto nh = static_cast<size_t>(b.n * s.hidden), nk = static_cast<size_t>(b.n * s.topk);
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.y, 0xFF, std::max<size_t>(nh, 1) * 2));  // NaN
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dx, 0xFF, std::max<size_t>(nh, 1) * 2));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dg, 0xFF, std::max<size_t>(nk, 1) * 4));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    RDEP_RETURN_IF_ERROR(layer->Forward(0, b.e, b.g, b.n, b.x, b.y));
+    RDEP_RETURN_IF_ERROR(layer->Backward(0, b.dy, b.dx, b.dg));
+    RDEP_RETURN_IF_ERROR(domain->Synchronize(0));
+    Outputs& o = out[call - 1];
+    RDEP_ASSIGN_OR_RETURN(o.y, Download(reinterpret_cast<const uint16_t*>(b.y), nh));
+    RDEP_ASSIGN_OR_RETURN(o.dx, Download(reinterpret_cast<const uint16_t*>(b.dx), nh));
+    RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, nk));
+    RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(0), static_cast<size_t>(s.experts * 2 * s.hidden * s.ffn)));
+    RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(0), static_cast<size_t>(s.experts * s.ffn * s.hidden)));
+    o.shared_row_bytes = layer->shared_row_bytes();
+  }
+  return out;
+}
+
+bool AllFinite(const Outputs& o) {
+  for (const uint16_t v : o.y)
+    if ((v & 0x7f80) == 0x7f80) return false;
+  for (const uint16_t v : o.dx)
+    if ((v & 0x7f80) == 0x7f80) return false;
+  for (const auto* v : {&o.dg, &o.dw1, &o.dw2})
+    for (const float f : *v)
+      if (!std::isfinite(f)) return false;
+  return true;
+}
+
+class CudaScratchInReturn : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaScratchInReturn, BitwiseTheLayerWithAScratchOfItsOwn) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  auto in_return = RunCalls(GetParam(), false);
+  ASSERT_TRUE(in_return.ok()) << in_return.status();
+  auto own = RunCalls(GetParam(), true);
+  ASSERT_TRUE(own.ok()) << own.status();
+  for (size_t call = 0; call < 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call + 1));
+    EXPECT_TRUE(AllFinite((*own)[call])) << "a poisoned output was not written";
+    EXPECT_TRUE((*in_return)[call] == (*own)[call]) << "not the bits of the layer with a scratch of its own";
+  }
+  // The scratch is max_rows rows of F bf16 values: the W = 1 layer holds that much less.
+  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = GetParam().capacity_factor});
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  const RegionLayout l = MakeRegionLayout(cfg, *OwnershipMap::Contiguous(s.experts, 1), 2);
+  const size_t scratch = kernels::CutlassExpertScratchBytes({1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(cfg, l), 1)});
+  EXPECT_EQ((*own)[0].shared_row_bytes - (*in_return)[0].shared_row_bytes, scratch);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaScratchInReturn,
+                         ::testing::Values(Case{"uniform"}, Case{"zipf2_drops", "zipf:2", 0.8}, Case{"gate", "zipf:1", 0, true},
+                                           Case{"owner_reduce", "zipf:1", 0.9, false, true},
+                                           Case{"gate_owner_reduce", "zipf:1", 0, true, true},
+                                           Case{"gate_stash", "zipf:1.5", 0, true, false, 4096}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+TEST(ScratchInReturnRegion, OnlyForOneRankAndOneSegment) {
+  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  const OwnershipMap one = *OwnershipMap::Contiguous(8, 1);
+  LayerConfig cfg = MakeLayerConfig(s, {}, s.tokens);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  const RegionLayout l = MakeRegionLayout(cfg, one, 2);
+  EXPECT_TRUE(ScratchInReturnRegion(cfg, l, 1024));
+  EXPECT_FALSE(ScratchInReturnRegion(cfg, l, l.return_bytes() + 1)) << "larger than the region";
+  LayerConfig lt = cfg;
+  lt.expert_compute = ExpertComputeKind::kCublasLt;
+  EXPECT_FALSE(ScratchInReturnRegion(lt, l, 1024));
+  LayerConfig seg = cfg;
+  seg.segment_tokens = 32;  // three segments: the return region is written between the computes
+  EXPECT_FALSE(ScratchInReturnRegion(seg, MakeRegionLayout(seg, one, 2), 1024));
+  LayerShape s4 = s;
+  s4.ranks = 4;
+  LayerConfig four = MakeLayerConfig(s4, {}, 4 * s.tokens);
+  four.expert_compute = ExpertComputeKind::kCutlass;
+  EXPECT_FALSE(ScratchInReturnRegion(four, MakeRegionLayout(four, *OwnershipMap::Contiguous(8, 4), 2), 1024))
+      << "peers store into a rank's return region at any time";
+  setenv("RDEP_EXPERT_SCRATCH", "own", 1);
+  EXPECT_FALSE(ScratchInReturnRegion(cfg, l, 1024));
+  unsetenv("RDEP_EXPERT_SCRATCH");
+}
+
+}  // namespace
+}  // namespace rdep
+#endif  // RDEP_HAVE_CUDA
