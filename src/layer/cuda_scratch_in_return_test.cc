@@ -48,7 +48,7 @@ struct Outputs {
 
 // Two calls (routing seeds 1 and 2) on one W = 1 layer; `own`: a scratch of its own.
 StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
-  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
   LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = c.capacity_factor});
   cfg.expert_compute = ExpertComputeKind::kCutlass;
   cfg.gate_in_expert = c.gate_in_expert;
@@ -100,6 +100,8 @@ bool AllFinite(const Outputs& o) {
 
 class CudaScratchInReturn : public ::testing::TestWithParam<Case> {};
 
+// The shape's scratch (max_rows x F) must fit its return region (T*K x H): F <= H here, or both layers would keep a
+// scratch of their own and the comparison would prove nothing (the memory check below also catches that).
 TEST_P(CudaScratchInReturn, BitwiseTheLayerWithAScratchOfItsOwn) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
@@ -113,11 +115,13 @@ TEST_P(CudaScratchInReturn, BitwiseTheLayerWithAScratchOfItsOwn) {
     EXPECT_TRUE((*in_return)[call] == (*own)[call]) << "not the bits of the layer with a scratch of its own";
   }
   // The scratch is max_rows rows of F bf16 values: the W = 1 layer holds that much less.
-  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
   LayerConfig cfg = MakeLayerConfig(s, CapacityPolicy{.capacity_factor = GetParam().capacity_factor});
   cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.segment_tokens = s.tokens;  // what Create sets for 0 (W*T)
   const RegionLayout l = MakeRegionLayout(cfg, *OwnershipMap::Contiguous(s.experts, 1), 2);
   const size_t scratch = kernels::CutlassExpertScratchBytes({1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(cfg, l), 1)});
+  EXPECT_TRUE(ScratchInReturnRegion(cfg, l, scratch)) << "the case does not take the path under test";
   EXPECT_EQ((*own)[0].shared_row_bytes - (*in_return)[0].shared_row_bytes, scratch);
 }
 
@@ -129,7 +133,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaScratchInReturn,
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 TEST(ScratchInReturnRegion, OnlyForOneRankAndOneSegment) {
-  const LayerShape s{.tokens = 96, .hidden = 64, .ffn = 96, .experts = 8, .topk = 3, .ranks = 1};
+  const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
   const OwnershipMap one = *OwnershipMap::Contiguous(8, 1);
   LayerConfig cfg = MakeLayerConfig(s, {}, s.tokens);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
