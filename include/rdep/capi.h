@@ -240,7 +240,7 @@ int rdep_layer_domain(rdep_layer* layer, rdep_domain** domain);
 int rdep_layer_replica_slot_bytes(const rdep_layer* layer, size_t* bytes);
 /* Version 7. Bytes per rank of the CUDA layer's shared buffers: the owner's output rows (one segment's
  * expert outputs, and the backward's dout and dx rows), with the CUTLASS compute that compute's SwiGLU
- * scratch, and (one domain: nodes 0 or 1) the segment payload, its sideband and the return region; 0 on
+ * scratch (except at W = 1 with one segment a call, where it lives in the return region), and (one domain: nodes 0 or 1) the segment payload, its sideband and the return region; 0 on
  * the host backend. Like the replica slots they are the domain's, one region per size shared by every layer
  * of that size (rdep_domain_memory counts them once). The regions are matched by size separately (a
  * cuBLASLt and a CUTLASS layer of one shape share the transport regions only: the CUTLASS layer's output

@@ -3,6 +3,7 @@
 #include "rdep/layer/cuda_moe_layer.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -152,7 +153,6 @@ CudaMoELayer::~CudaMoELayer() {
       if (Saved* sv = ContextAccess::StateOf<Saved>(ranks_[r]->own_context, id_, static_cast<int32_t>(r)))
         (void)ReleaseStash(static_cast<int32_t>(r), *sv);
   alive_->store(false);  // a context freed from here on leaves its stash pages taken (cuda_stash.cc)
-  regions_.Free(domain_);
   for (auto& rank_state : ranks_) {
     if (!rank_state) continue;  // driven by another process
     RankState& st = *rank_state;
@@ -163,7 +163,9 @@ CudaMoELayer::~CudaMoELayer() {
     for (auto e : st.events) cudaEventDestroy(e);
     rank_state.reset();  // device buffers and the own context, with the rank's device current
   }
-  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_, stash_rows_, stash_pool_, stash_ring_, stash_flags_})  // last: the computes above used them
+  // Last: the computes above used them (at W = 1 the return region holds the CUTLASS compute's scratch).
+  regions_.Free(domain_);
+  for (RegionId id : {replica_w_, replica_g_, out_rows_, expert_scratch_, stash_rows_, stash_pool_, stash_ring_, stash_flags_})
     if (id >= 0) domain_.ReleaseShared(id);
 }
 
@@ -201,6 +203,17 @@ Status CudaMoELayer::BindExpertWeights(int32_t rank, const ExternalWeights<__nv_
   st.bound_dw2_bf16 = w.dw2;
   return Status::Ok();
 }
+
+namespace {
+// RDEP_EXPERT_SCRATCH=own: the CUTLASS compute keeps a SwiGLU scratch of its own even where it could live in the
+// return region (ScratchInReturnRegion), for A/B tests; unset or empty: the default.
+StatusOr<bool> ExpertScratchOfItsOwnRequested() {
+  const char* v = std::getenv("RDEP_EXPERT_SCRATCH");
+  if (v == nullptr || *v == '\0') return false;
+  if (std::string(v) == "own") return true;
+  return InvalidArgument(std::string("RDEP_EXPERT_SCRATCH='") + v + "': expected own (a scratch of its own) or unset");
+}
+}  // namespace
 
 StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& domain, const LayerConfig& config_in,
                                                                  const OwnershipMap& ownership, const MoEWeights* weights) {
@@ -275,7 +288,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
   if (config.expert_compute == ExpertComputeKind::kCutlass) {  // its SwiGLU scratch (z, then dz) lives within a call too
     const kernels::ExpertMlpDesc any{1, s.hidden, s.ffn, std::max<int64_t>(MaxSegmentRows(config, l), 1)};
     const size_t bytes = kernels::CutlassExpertScratchBytes(any);
-    layer->scratch_in_return_ = ScratchInReturnRegion(config, l, bytes);  // W = 1: the return region, idle meanwhile
+    RDEP_ASSIGN_OR_RETURN(const bool own, ExpertScratchOfItsOwnRequested());
+    layer->scratch_in_return_ = !own && ScratchInReturnRegion(config, l, bytes);  // W = 1: the return region, idle meanwhile
     if (!layer->scratch_in_return_) {
       layer->expert_scratch_bytes_ = bytes;
       RDEP_ASSIGN_OR_RETURN(layer->expert_scratch_, domain.AcquireShared("expert.scratch", layer->expert_scratch_bytes_));

@@ -46,6 +46,24 @@ struct Outputs {
   }
 };
 
+// RDEP_EXPERT_SCRATCH set to `value` (null: unset) for one scope, the caller's value restored after.
+class ScopedScratchEnv {
+ public:
+  explicit ScopedScratchEnv(const char* value) {
+    if (const char* v = std::getenv("RDEP_EXPERT_SCRATCH")) saved_ = v, had_ = true;
+    if (value) setenv("RDEP_EXPERT_SCRATCH", value, 1);
+    else unsetenv("RDEP_EXPERT_SCRATCH");
+  }
+  ~ScopedScratchEnv() {
+    if (had_) setenv("RDEP_EXPERT_SCRATCH", saved_.c_str(), 1);
+    else unsetenv("RDEP_EXPERT_SCRATCH");
+  }
+
+ private:
+  std::string saved_;
+  bool had_ = false;
+};
+
 // Two calls (routing seeds 1 and 2) on one W = 1 layer; `own`: a scratch of its own.
 StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
   const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
@@ -56,9 +74,11 @@ StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
   cfg.stash_rows = c.stash_rows;
   const OwnershipMap ownership = *OwnershipMap::Contiguous(s.experts, 1);
   RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {0}}));
-  if (own) setenv("RDEP_EXPERT_SCRATCH", "own", 1);
-  auto made = CudaMoELayer::Create(*domain, cfg, ownership, RandomWeights(s, 5));
-  unsetenv("RDEP_EXPERT_SCRATCH");
+  StatusOr<std::unique_ptr<CudaMoELayer>> made = InvalidArgument("not made");
+  {
+    const ScopedScratchEnv env(own ? "own" : nullptr);
+    made = CudaMoELayer::Create(*domain, cfg, ownership, RandomWeights(s, 5));
+  }
   RDEP_ASSIGN_OR_RETURN(auto layer, std::move(made));
   std::vector<Outputs> out(2);
   for (uint64_t call = 1; call <= 2; ++call) {
@@ -152,9 +172,94 @@ TEST(ScratchInReturnRegion, OnlyForOneRankAndOneSegment) {
   four.expert_compute = ExpertComputeKind::kCutlass;
   EXPECT_FALSE(ScratchInReturnRegion(four, MakeRegionLayout(four, *OwnershipMap::Contiguous(8, 4), 2), 1024))
       << "peers store into a rank's return region at any time";
-  setenv("RDEP_EXPERT_SCRATCH", "own", 1);
-  EXPECT_FALSE(ScratchInReturnRegion(cfg, l, 1024));
-  unsetenv("RDEP_EXPERT_SCRATCH");
+}
+
+TEST(CudaScratchInReturn_Errors, AnUnknownValueOfTheVariableIsRefusedNamingIt) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  const LayerShape s{.tokens = 32, .hidden = 64, .ffn = 32, .experts = 4, .topk = 2, .ranks = 1};
+  LayerConfig cfg = MakeLayerConfig(s);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  auto domain = CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 5, .devices = {0}});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  const ScopedScratchEnv env("mine");
+  auto layer = CudaMoELayer::Create(**domain, cfg, *OwnershipMap::Contiguous(s.experts, 1), RandomWeights(s, 1));
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().code(), StatusCode::kInvalidArgument) << layer.status();
+  EXPECT_NE(layer.status().message().find("RDEP_EXPERT_SCRATCH='mine'"), std::string::npos) << layer.status();
+}
+
+// Layers of one shape share the return region ("layer.return", acquired by name and size: T*K*H of the shape)
+// whatever their compute and segments: A (CUTLASS, its
+// scratch in the return region), B (cuBLASLt), C (CUTLASS in three segments, a scratch of its own) on one W = 1
+// domain, called A, B, C forward then A, B, C backward: each one's results are the bits of the same layer alone on
+// a domain of its own, so no call's scratch reaches rows another call still needs.
+TEST(CudaScratchInReturn_Sharing, W1_LayersOfOneShapeInterleavedEqualEachAlone) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
+  const OwnershipMap ownership = *OwnershipMap::Contiguous(s.experts, 1);
+  LayerConfig a = MakeLayerConfig(s), b = MakeLayerConfig(s), c = MakeLayerConfig(s, {}, 32);
+  a.expert_compute = c.expert_compute = ExpertComputeKind::kCutlass;
+  const LayerConfig cfgs[3] = {a, b, c};
+  std::vector<Routing> routing;
+  std::vector<std::vector<std::vector<float>>> xs, dys;
+  for (uint64_t i = 0; i < 3; ++i) {
+    RoutingSpec spec = *RoutingSpec::Parse(i == 1 ? "uniform" : "zipf:1.2");
+    spec.seed = 3 + i;
+    routing.push_back(*GenerateRouting(s, spec));
+    xs.push_back(RandomActivations(s, routing.back(), 30 + i));
+    dys.push_back(RandomActivations(s, routing.back(), 40 + i));
+  }
+  struct Got {
+    std::vector<uint16_t> y, dx;
+    std::vector<float> dg, dw1, dw2;
+  };
+  // Runs the layers on one domain (order: every forward, then every backward) or each on its own.
+  auto run = [&](bool shared) -> StatusOr<std::vector<Got>> {
+    const ScopedScratchEnv env(nullptr);
+    std::vector<std::unique_ptr<CudaDomain>> domains;
+    std::vector<std::unique_ptr<CudaMoELayer>> layers;
+    for (int i = 0; i < 3; ++i) {
+      if (!shared || domains.empty()) {
+        RDEP_ASSIGN_OR_RETURN(auto d, CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {0}}));
+        domains.push_back(std::move(d));
+      }
+      RDEP_ASSIGN_OR_RETURN(auto l, CudaMoELayer::Create(*domains.back(), cfgs[i], ownership, RandomWeights(s, 50 + i)));
+      layers.push_back(std::move(l));
+    }
+    std::vector<Batch> batches(3);
+    std::vector<Got> got(3);
+    for (size_t i = 0; i < 3; ++i) {
+      RDEP_RETURN_IF_ERROR(Upload(routing[i][0], xs[i][0], dys[i][0], s.hidden, batches[i]));
+      RDEP_RETURN_IF_ERROR(layers[i]->Forward(0, batches[i].e, batches[i].g, batches[i].n, batches[i].x, batches[i].y));
+    }
+    for (size_t i = 0; i < 3; ++i) RDEP_RETURN_IF_ERROR(layers[i]->Backward(0, batches[i].dy, batches[i].dx, batches[i].dg));
+    for (size_t i = 0; i < 3; ++i) {
+      RDEP_RETURN_IF_ERROR(domains[shared ? 0 : i]->Synchronize(0));
+      const Batch& bt = batches[i];
+      const auto nh = static_cast<size_t>(bt.n * s.hidden), nk = static_cast<size_t>(bt.n * s.topk);
+      RDEP_ASSIGN_OR_RETURN(got[i].y, Download(reinterpret_cast<const uint16_t*>(bt.y), nh));
+      RDEP_ASSIGN_OR_RETURN(got[i].dx, Download(reinterpret_cast<const uint16_t*>(bt.dx), nh));
+      RDEP_ASSIGN_OR_RETURN(got[i].dg, Download(bt.dg, nk));
+      RDEP_ASSIGN_OR_RETURN(got[i].dw1, Download(layers[i]->dw1(0), static_cast<size_t>(s.experts * 2 * s.hidden * s.ffn)));
+      RDEP_ASSIGN_OR_RETURN(got[i].dw2, Download(layers[i]->dw2(0), static_cast<size_t>(s.experts * s.ffn * s.hidden)));
+    }
+    return got;
+  };
+  auto alone = run(false);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  auto together = run(true);
+  ASSERT_TRUE(together.ok()) << together.status();
+  const char* names[3] = {"A (scratch in the return region)", "B (cuBLASLt)", "C (three segments)"};
+  for (size_t i = 0; i < 3; ++i) {
+    const Got &g = (*together)[i], &w = (*alone)[i];
+    EXPECT_EQ(g.y, w.y) << names[i] << ": y";
+    EXPECT_EQ(g.dx, w.dx) << names[i] << ": dx";
+    EXPECT_EQ(g.dg, w.dg) << names[i] << ": dgates";
+    EXPECT_EQ(g.dw1, w.dw1) << names[i] << ": dW1";
+    EXPECT_EQ(g.dw2, w.dw2) << names[i] << ": dW2";
+  }
 }
 
 }  // namespace

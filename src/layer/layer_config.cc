@@ -1,7 +1,6 @@
 #include "rdep/layer/layer_config.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -124,7 +123,6 @@ int64_t MaxSegmentRows(const LayerConfig& c, const RegionLayout& l) {
 }
 
 bool ScratchInReturnRegion(const LayerConfig& c, const RegionLayout& l, size_t scratch_bytes) {
-  if (const char* v = std::getenv("RDEP_EXPERT_SCRATCH"); v != nullptr && std::string(v) == "own") return false;
   return c.shape.ranks == 1 && c.expert_compute == ExpertComputeKind::kCutlass && c.nodes.nodes <= 1 && !c.balance.enabled() &&
          l.S >= l.W * l.T && scratch_bytes <= l.return_bytes();
 }

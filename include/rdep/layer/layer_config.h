@@ -121,8 +121,10 @@ inline bool OwnerKeepsOutputs(const LayerConfig& c) { return c.owner_reduce && !
 // True when the CUTLASS compute's SwiGLU scratch (scratch_bytes a rank) can live in the rank's return region:
 // one rank (no peer stores into it), one segment a call, one node, no balancing, and the region large enough.
 // Within a call the scratch is used only inside the owner's expert compute, and the return region only after
-// it (the return of the outputs or dx rows, then the combine), so the two never hold live data together.
-// RDEP_EXPERT_SCRATCH=own keeps a scratch of its own (for A/B tests).
+// it (the return of the outputs or dx rows, then the combine), so the two never hold live data together; no
+// kernel may write into the return region while the compute still reads its scratch (an owner storing its
+// outputs straight into the return region would need the scratch elsewhere). The CUDA layer keeps a scratch
+// of its own when RDEP_EXPERT_SCRATCH=own (for A/B tests; CudaMoELayer::Create).
 bool ScratchInReturnRegion(const LayerConfig& c, const RegionLayout& l, size_t scratch_bytes);
 // How many sets of MaxSegmentRows output rows an owner needs (the CUDA layer's shared "owner.out_rows"),
 // S the segment's tokens: forward outputs; backward dout rows and dx rows behind them unless DxOverDout;

@@ -272,8 +272,8 @@ class Domain(CHandle):
     def memory(self) -> dict:
         """Bytes per rank of the domain's symmetric regions (every layer's, the shared regions counted once)
         and of the shared regions alone (one set of replica slots per slot size, however many balanced
-        layers use them; on CUDA also the owner's output rows and the CUTLASS compute's scratch, one region per
-        size: Layer.shared_row_bytes).
+        layers use them; on CUDA also the owner's output rows and the CUTLASS compute's scratch, which at W = 1
+        with one segment lives in the return region; one region per size: Layer.shared_row_bytes).
         To total a model, sum over its distinct domains."""
         sym, shared = ctypes.c_size_t(), ctypes.c_size_t()
         _capi.check(_capi.lib().rdep_domain_memory(self._live_ptr(), ctypes.byref(sym), ctypes.byref(shared)),

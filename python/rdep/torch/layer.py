@@ -457,8 +457,9 @@ class Layer(CHandle):
 
     def shared_row_bytes(self) -> int:
         """Bytes per rank of the CUDA layer's shared buffers: the owner's output rows, with the CUTLASS
-        compute that compute's SwiGLU scratch, and on one domain (nodes 1) the segment payload, its sideband
-        and the return region (0 on the host backend). Like the replica slots they belong to the domain, one
+        compute that compute's SwiGLU scratch (none of its own at W = 1 with one segment: it uses the return
+        region), and on one domain (nodes 1) the segment payload, its sideband and the return region (0 on the
+        host backend). Like the replica slots they belong to the domain, one
         region per size shared by every layer of that size: count them once per domain (Domain.memory())."""
         b = ctypes.c_size_t()
         _capi.check(_capi.lib().rdep_layer_shared_row_bytes(self._live_ptr(), ctypes.byref(b)),
