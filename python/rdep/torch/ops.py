@@ -100,14 +100,18 @@ def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) ->
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
 
 
+def _one_segment(layer: Layer) -> bool:
+    """Whether every forward of the layer runs in one segment (segment_tokens 0 or at least W*T)."""
+    return layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
+
+
 def _casts_in_grads(layer: Layer, w1: Tensor, w2: Tensor, grad_dtype: torch.dtype) -> bool:
     """Whether the backward's bf16 casts of fp32 master weights go into the fp32 gradient buffers it is about
     to write (layer_calls.backward): where the layer's backward reads each weight before it writes that
     weight's gradient (C ABI 13: CUDA, CUTLASS compute, one segment, no balancing, one node), so that no
     separate copy of the weights (3 * H * F * 2 bytes an expert) is alive during the backward."""
-    one_segment = layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
-    return (layer.backend == "cuda" and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes == 1
-            and one_segment and grad_dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32)
+    return (layer.backend == "cuda" and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes <= 1
+            and _one_segment(layer) and grad_dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32)
 
 
 def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
@@ -115,9 +119,8 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
     (the layer's GEMMs write them directly), fp32 otherwise (fp32 master weights, the host backend,
     several segments, whose gradients accumulate in fp32, or balancing, whose replica gradients are
     added into fp32 ones)."""
-    one_segment = layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
     # With balancing, replica gradients are reduced into fp32 main-expert gradients (the layer refuses bf16 ones).
-    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and one_segment and layer.balance == "off":
+    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and _one_segment(layer) and layer.balance == "off":
         return torch.bfloat16
     return torch.float32
 
