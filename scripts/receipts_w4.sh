@@ -79,6 +79,11 @@
 #   seg1       the sync-free layer in several segments: rdep check --expert-compute cutlass --segment at W = 4
 #              sharing the GPU, then the W = 1 Moonlight layer at --segment 1024 (4 segments) with the CUTLASS
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
+#   prof1      the training example (compiled, both variants, 40 steps) under torch.profiler for steps 25-27: each
+#              variant's device time per step (the profile's self CUDA total) beside its step time
+#   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops run between the
+#              captured partitions), both variants, 200 steps
+#   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -417,6 +422,28 @@ stage_mem1() {  # the layer's memory per rank with one payload buffer (S >= W*T)
     --json "$R/mem_w1_gate.json"
   run mem_w4g1_gate_reduce "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass --gate-in-expert --owner-reduce \
     --warmup 3 --iters 10 --json "$R/mem_w4g1_gate_reduce.json"
+}
+train_env() { echo env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1; }
+pip_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+}
+stage_prof1() {
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_prof $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass \
+    --compile --steps 40 --profile-steps 3 --profile-at 25 --json "$R/train_w1_prof.json"
+}
+stage_trainro() {
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass \
+    --compile-mode reduce-overhead --json "$R/train_w1_ro.json" --png "$R/train_w1_ro.png"
+}
+stage_trainb32() {
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_b32 $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass \
+    --compile --batch 32 --steps 60 --agree-from 30 --agree-to 60 --json "$R/train_w1_b32.json"
 }
 stage_host1() {  # the binding's host time per call where the GPU's work is small (the launch queue never fills)
   local small=(--tokens 256 --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert --iters 300)

@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--print-every", type=int, default=1)
     o.add_argument("--compile", action="store_true",
                    help="torch.compile each variant's model (nn.Module.compile; TorchTitan trains compiled by default)")
+    o.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"), default="default",
+                   help="torch.compile's mode (implies --compile). reduce-overhead: CUDA graphs, with inductor's graph "
+                        "partitioning on so that rdep's ops (tagged cudagraph_unsafe) run between captured partitions")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
@@ -134,7 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-trace", default="",
                    help="with --profile-steps: also write each variant's Chrome trace as PREFIX.<variant>.json")
     a = p.parse_args(argv)
-    refuse = [(a.interleave and a.moe != "both", "--interleave: needs --moe both (two models to interleave)"),
+    a.compile = a.compile or a.compile_mode != "default"
+    refuse = [(a.compile_mode == "reduce-overhead" and a.device != "cuda", "--compile-mode reduce-overhead: CUDA graphs "
+               "need --device cuda"),
+              (a.interleave and a.moe != "both", "--interleave: needs --moe both (two models to interleave)"),
               (a.interleave and a.profile_steps > 0, "--interleave with --profile-steps: the two variants' profilers "
                "would overlap; profile without --interleave"),
               (a.interleave and a.memory_step >= 0, "--interleave with --memory-step: memory is not measured when "
@@ -275,7 +281,12 @@ def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd:
         torch.cuda.reset_peak_memory_stats(dd.device)
     model = build_model(kind, cfg, a, dd)
     if a.compile:
-        model.compile()  # in place: the module and its MoE layers stay reachable as before
+        if a.compile_mode == "reduce-overhead":
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config, "graph_partition"):  # capture around rdep's ops rather than skip their graphs
+                inductor_config.graph_partition = True
+        model.compile(mode=a.compile_mode)  # in place: the module and its MoE layers stay reachable as before
     tokens_global = a.batch * cfg.seq_len * dd.world
     v = VariantRun(kind, note, model, corpus, a, dd, tokens_global, measure_memory)
     dd.print(f"\n=== {v.describe()}, W={dd.world}, {tokens_global} tokens/step" + (f"\n    note: {note}" if note else ""))

@@ -151,6 +151,8 @@ class VariantRun:
 
     def _train_step(self, x, y, phases):
         """(loss, the gradient norm on the device, each MoE layer's expert load)."""
+        if self.a.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's graph outputs may be reused
         with self.autocast:
             loss, router_loss = self.model(x, y)
         phases.mark("forward")

@@ -285,6 +285,48 @@ def test_compile_fullgraph_matches_eager_cuda():
         torch.testing.assert_close(pc.grad, pe.grad, msg=k)
 
 
+@pytest.mark.parametrize("compute", ["cublaslt", "cutlass"])
+def test_compile_reduce_overhead_matches_default_mode(compute):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs) on a model holding rdep's MoE: rdep's ops are tagged
+    cudagraph_unsafe (op_tags.py), so with inductor's graph partitioning they run between captured partitions
+    and their host work (contexts, the C call) runs on every step. Three steps with new inputs each give what
+    the default mode gives (y, dx and every parameter's gradient, bf16 tolerances: the same inductor kernels,
+    the partitions apart), and no forward context is left."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "graph_partition"):
+        pytest.skip(f"torch {torch.__version__} has no inductor graph partitioning")
+    assert torch.Tag.cudagraph_unsafe in torch.ops.rdep.moe_forward.default.tags
+    args = dict(max_tokens=32, world_size=2, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
+                expert_compute=compute, dtype=torch.float32)
+    try:
+        mods = [rt.MoE(64, 32, 8, 2, **args) for _ in range(2)]
+    except Exception as e:  # the CUTLASS compute needs sm_90 and a CUTLASS build
+        if compute == "cutlass" and "cutlass" in str(e).lower():
+            pytest.skip(f"the CUTLASS compute is not available here: {e}")
+        raise
+    torch._dynamo.reset()
+    with inductor_config.patch(graph_partition=True):
+        runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
+        g = torch.Generator().manual_seed(11)
+        for step in range(3):
+            x = torch.randn(2, 32, 64, generator=g).bfloat16().to(DEV)
+            outs = []
+            for run, mod in zip(runs, mods):
+                torch.compiler.cudagraph_mark_step_begin()
+                xi = x.clone().requires_grad_(True)
+                o = run(xi)
+                (o.y.float().square().mean() + o.aux_loss).backward()
+                outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
+                mod.zero_grad(set_to_none=True)
+            names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
+            for name, a, b in zip(names, outs[1], outs[0]):
+                assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+    for m in mods:
+        assert m.layer.live_contexts == 0
+    torch._dynamo.reset()
+
+
 def test_module_moves_from_host_to_cuda():
     """backend='auto': .to('cuda') rebuilds the layer on the GPU; fp32 parameters become master weights."""
     m = rt.MoE(64, 32, 8, 2, max_tokens=16, world_size=2, seed=6, init_std=0.1)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import layer_calls, validate
 from .layer import Layer, get_layer
+from .op_tags import CUSTOM_OP_TAGS
 
 
 def _layer_weights(layer: Layer, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,7 +66,7 @@ BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (
 
 # Explicit schemas: `int layer` (not the SymInt that type inference gives), so a compiled graph always
 # specializes on the layer id.
-@torch.library.custom_op("rdep::moe_forward", mutates_args=(), schema=FORWARD_SCHEMA)
+@torch.library.custom_op("rdep::moe_forward", mutates_args=(), schema=FORWARD_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                 save_context: bool = True) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
@@ -81,7 +82,7 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True):
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("rdep::moe_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+@torch.library.custom_op("rdep::moe_backward", mutates_args=(), schema=BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)

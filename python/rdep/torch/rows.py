@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import rows_calls, validate
 from .layer import Layer, get_layer
+from .op_tags import CUSTOM_OP_TAGS
 
 PLAN_SCHEMA = "(int layer, Tensor experts, Tensor gates) -> (Tensor, Tensor)"
 DISPATCH_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor"
@@ -40,7 +41,7 @@ COMBINE_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tens
 COMBINE_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (Tensor, Tensor)"
 
 
-@torch.library.custom_op("rdep::moe_plan", mutates_args=(), schema=PLAN_SCHEMA)
+@torch.library.custom_op("rdep::moe_plan", mutates_args=(), schema=PLAN_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_plan(layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_plan(h, experts, gates)
@@ -55,7 +56,7 @@ def _moe_plan_fake(layer, experts, gates):
     return torch.empty((), dtype=torch.int64, device=cpu), torch.empty((h.num_local_experts,), dtype=torch.int64, device=cpu)
 
 
-@torch.library.custom_op("rdep::moe_dispatch", mutates_args=(), schema=DISPATCH_SCHEMA)
+@torch.library.custom_op("rdep::moe_dispatch", mutates_args=(), schema=DISPATCH_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
@@ -73,7 +74,7 @@ def _moe_dispatch_fake(layer, ctx, counts, x):
     return x.new_empty((torch.library.get_ctx().new_dynamic_size(), h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_dispatch_backward", mutates_args=(), schema=DISPATCH_BACKWARD_SCHEMA)
+@torch.library.custom_op("rdep::moe_dispatch_backward", mutates_args=(), schema=DISPATCH_BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
@@ -90,7 +91,7 @@ def _moe_dispatch_backward_fake(layer, ctx, counts, d_recv, num_tokens):
     return d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_combine", mutates_args=(), schema=COMBINE_SCHEMA)
+@torch.library.custom_op("rdep::moe_combine", mutates_args=(), schema=COMBINE_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
@@ -109,7 +110,7 @@ def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
     return expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_combine_backward", mutates_args=(), schema=COMBINE_BACKWARD_SCHEMA)
+@torch.library.custom_op("rdep::moe_combine_backward", mutates_args=(), schema=COMBINE_BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
