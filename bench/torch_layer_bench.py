@@ -77,7 +77,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--expert-compute", default="cublaslt", choices=["cublaslt", "cutlass"],
+    p.add_argument("--expert-compute", default="auto", choices=["auto", "cublaslt", "cutlass"],
                    help="the layer's expert compute (cutlass: no host wait, as rdep bench layer --expert-compute cutlass)")
     p.add_argument("--gate-in-expert", action="store_true",
                    help="the gate before W2 (as rdep bench layer --gate-in-expert); off otherwise, as the C++ bench's default")

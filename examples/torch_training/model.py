@@ -150,7 +150,11 @@ class MoonlightLM(nn.Module):
                 self.blocks.append(Block(cfg, make_moe(i), is_moe=True))
         self.norm = nn.RMSNorm(cfg.hidden, eps=1e-6)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self._rope_cache: dict = {}
+        # Rotary tables for up to cfg.seq_len positions, made here (not inside forward): a compiled forward that
+        # made and cached them would hand a later step a tensor its CUDA graphs (mode="reduce-overhead") reuse.
+        cos, sin = rope_tables(cfg.seq_len, cfg.hidden // cfg.heads, cfg.rope_theta, "cpu")
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def moe_layers(self) -> list[nn.Module]:
         return [b.moe for b in self.blocks if b.is_moe]
@@ -175,15 +179,14 @@ class MoonlightLM(nn.Module):
                 s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
                 p.copy_(normal(p.shape, s, seed, name))
 
-    def _rope(self, seq_len: int, device) -> tuple[Tensor, Tensor]:
-        key = (seq_len, str(device))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(seq_len, self.cfg.hidden // self.cfg.heads, self.cfg.rope_theta, device)
-        return self._rope_cache[key]
+    def _rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        if seq_len > self.rope_cos.shape[0]:
+            raise ValueError(f"tokens: {seq_len} positions exceed the model's seq_len {self.rope_cos.shape[0]}")
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
     def forward(self, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """Mean next-byte cross-entropy over this process's tokens, and the sum of the MoE router losses."""
-        cos, sin = self._rope(tokens.shape[1], tokens.device)
+        cos, sin = self._rope(tokens.shape[1])
         x = self.embed(tokens)
         router_loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for block in self.blocks:

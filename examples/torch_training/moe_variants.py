@@ -105,7 +105,7 @@ class RdepMoE(nn.Module):
     kind = "rdep"
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
-                 ranks: int = 1, seed: int = 0, expert_compute: str = "cublaslt", domain=None,
+                 ranks: int = 1, seed: int = 0, expert_compute: str = "auto", domain=None,
                  keep_weight_casts: bool = False, gate_in_expert: Optional[bool] = None):
         super().__init__()
         import rdep.torch as rt

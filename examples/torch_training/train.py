@@ -71,9 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", choices=("auto", "torchtitan", "reference"), default="auto",
                    help="baseline for --moe both: auto = torchtitan if it imports, else the torch reference MoE")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--expert-compute", choices=("cublaslt", "cutlass"), default="cublaslt",
+    p.add_argument("--expert-compute", choices=("auto", "cublaslt", "cutlass"), default="auto",
                    help="rdep's expert compute on CUDA: cutlass reads the per-expert counts on the GPU, so the layer "
-                        "never waits on the host and the step can run ahead")
+                        "never waits on the host and the step can run ahead; auto: cutlass where it runs (sm_90 GPUs), "
+                        "else cublaslt")
     p.add_argument("--ranks-per-process", type=int, default=1,
                    help="rdep ranks driven by this process (without torchrun): host threads / ranks sharing a GPU")
     m = p.add_argument_group("model (Moonlight architecture, scaled down)")
@@ -253,7 +254,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
         if kind == "rdep":
             moe = RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
                           ranks=a.ranks_per_process, seed=a.seed,
-                          expert_compute=a.expert_compute if dd.device.type == "cuda" else "cublaslt",
+                          expert_compute=a.expert_compute if dd.device.type == "cuda" else "auto",
                           domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts,
                           gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]

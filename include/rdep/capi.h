@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 13
+#define RDEP_CAPI_VERSION 14
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -199,6 +199,10 @@ const char* rdep_last_error(void);
 /* 1 when this library was built with CUDA, and the number of GPUs it sees (0 without CUDA). */
 int32_t rdep_built_with_cuda(void);
 int32_t rdep_cuda_device_count(void);
+/* Version 14. 1 when expert_compute 1 (the CUTLASS grouped GEMMs) runs on CUDA device `device` of this
+ * process: a build with CUDA and CUTLASS, an sm_90 GPU. Else 0, and rdep_last_error() says why (no CUDA
+ * or no CUTLASS in this build, another architecture, no such device). */
+int32_t rdep_cutlass_available(int32_t device);
 
 /* Version 4. Domains, reference-counted: rdep_domain_create returns the caller's reference, every layer
  * created on the domain holds one more, and the domain is freed with the last (so it may be destroyed

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 13  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 14  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -159,6 +159,7 @@ _PROTOTYPES = {
     "rdep_last_error": (ctypes.c_char_p, []),
     "rdep_built_with_cuda": (ctypes.c_int32, []),
     "rdep_cuda_device_count": (ctypes.c_int32, []),
+    "rdep_cutlass_available": (ctypes.c_int32, [ctypes.c_int32]),
     "rdep_domain_create": (ctypes.c_int, [ctypes.POINTER(DomainSpec), ctypes.POINTER(DomainPtr)]),
     "rdep_domain_destroy": (None, [DomainPtr]),
     "rdep_domain_local_ranks": (
@@ -295,6 +296,14 @@ def built_with_cuda() -> bool:
 
 def cuda_device_count() -> int:
     return int(lib().rdep_cuda_device_count())
+
+
+def cutlass_available(device: int) -> tuple[bool, str]:
+    """(whether expert_compute 'cutlass' runs on CUDA device `device`, why not when it does not)."""
+    L = lib()
+    if L.rdep_cutlass_available(int(device)):
+        return True, ""
+    return False, last_error()
 
 
 def library_info() -> dict:

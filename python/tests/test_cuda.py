@@ -327,6 +327,32 @@ def test_compile_reduce_overhead_matches_default_mode(compute):
     torch._dynamo.reset()
 
 
+def test_expert_compute_auto_picks_cutlass_where_it_runs():
+    """expert_compute='auto' (the default): 'cutlass' where the library says it runs on this GPU
+    (rdep_cutlass_available), else 'cublaslt' with the library's reason; 'cublaslt' for shapes the CUTLASS GEMMs
+    cannot take (hidden not a multiple of 8); an explicit choice kept. The chosen compute runs: a forward
+    and backward against the plain reference."""
+    ok, why = capi.cutlass_available(0)
+    layer = rt.Layer(64, 32, 8, 2, 32, world_size=2, backend="cuda", num_gpus=1)
+    assert layer.expert_compute == ("cutlass" if ok else "cublaslt"), why
+    assert layer.expert_compute_note == ("" if ok else f"cuda:0: {why}")
+    odd = rt.Layer(60, 32, 8, 2, 32, world_size=2, backend="cuda", num_gpus=1)
+    assert odd.expert_compute == "cublaslt" and "multiples of 8" in odd.expert_compute_note
+    assert rt.Layer(64, 32, 8, 2, 32, world_size=2, backend="cuda", num_gpus=1, expert_compute="cublaslt").expert_compute == "cublaslt"
+    x, ids, gates, w1, w2 = make_inputs(2, 32, 64, 32, 8, 2, "uniform")
+    leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    rl = [t.detach().double().cpu().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y_ref, _ = ref.moe_layer(rl[0], ids.cpu(), rl[1], rl[2], rl[3], 0.0, 32)
+    y_ref.backward(dy.double().cpu())
+    assert_bf16_close(y, y_ref, Y_TOL, "y")
+    for name, got, want in zip(("dx", "dgates", "dw1", "dw2"), leaves, rl):
+        assert_bf16_close(got.grad, want.grad, GRAD_TOL, name)
+    assert layer.live_contexts == 0
+
+
 def test_module_moves_from_host_to_cuda():
     """backend='auto': .to('cuda') rebuilds the layer on the GPU; fp32 parameters become master weights."""
     m = rt.MoE(64, 32, 8, 2, max_tokens=16, world_size=2, seed=6, init_std=0.1)

@@ -36,6 +36,10 @@ def test_host_layer_reports_its_configuration():
     (dict(capacity_factor=-1.0), ValueError, r"^capacity_factor"),
     (dict(segment_tokens=-2), ValueError, r"^segment_tokens"),
     (dict(world_size=0), ValueError, r"^world_size: expected a positive int"),
+    (dict(expert_compute="cublas"), ValueError, r"^expert_compute: expected 'auto' or one of \('cublaslt', 'cutlass'\)"),
+    # the sync-free options need the CUTLASS compute; 'auto' says what it chose and why
+    (dict(stash_rows=64), ValueError, r"^stash_rows: the paged stash needs the sync-free layer: .*expert_compute='auto' "
+                                      r"chose 'cublaslt': the host backend computes on the host"),
     # checked by the C library: InvalidArgumentError (a ValueError) naming the spec field
     (dict(barrier_timeout_s=float("nan")), rdep.InvalidArgumentError, r"barrier_timeout_s"),
 ])
@@ -44,6 +48,15 @@ def test_bad_arguments_name_the_argument(kwargs, exc, pattern):
     args.update(kwargs)
     with pytest.raises(exc, match=pattern):
         rt.Layer(**args)
+
+
+def test_expert_compute_auto_resolves_and_says_why():
+    """expert_compute='auto' (the default) names what the layer runs; on the host backend 'cublaslt' (the C
+    field the host backend ignores) with the reason; an explicit choice is kept as given."""
+    layer = rt.Layer(8, 8, 4, 2, 8)
+    assert layer.expert_compute == "cublaslt" and layer.expert_compute_note == "the host backend computes on the host"
+    kept = rt.Layer(8, 8, 4, 2, 8, expert_compute="cublaslt")
+    assert kept.expert_compute == "cublaslt" and kept.expert_compute_note == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

@@ -366,6 +366,13 @@ int32_t rdep_cuda_device_count(void) {
 #endif
 }
 
+int32_t rdep_cutlass_available(int32_t device) {
+  const rdep::Status s = rdep::capi::CutlassComputeAvailable(device);
+  if (s.ok()) return 1;
+  rdep::capi::LastError() = s.message();
+  return 0;
+}
+
 int rdep_layer_create(const rdep_layer_spec* spec, rdep_layer** out) {
   if (!spec || !out) return FailInvalid("spec and out must not be null");
   *out = nullptr;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -16,6 +17,7 @@
 #include "rdep/core/routing.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
+#include "rdep/experts/expert_compute.h"
 #include "rdep/layer/cuda_moe_layer.h"
 
 namespace rdep {
@@ -236,6 +238,27 @@ void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
                     static_cast<void*>(d_y[r]), static_cast<void*>(d_dx[r]), static_cast<void*>(d_w1[r]), static_cast<void*>(d_w2[r])})
       cudaFree(p);
   }
+}
+
+// Version 14: rdep_cutlass_available says what making the CUTLASS compute says, keeps the caller's device,
+// and names a device past the last one. Under RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh) it must be 1.
+TEST(CApi_Cuda, CutlassAvailabilityMatchesTheCompute) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  int before = -1;
+  ASSERT_EQ(cudaGetDevice(&before), cudaSuccess);
+  const bool made = kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, 0).ok();
+  EXPECT_EQ(rdep_cutlass_available(0), made ? 1 : 0) << rdep_last_error();
+  const char* require = std::getenv("RDEP_REQUIRE_CUTLASS");
+  if (require != nullptr && std::string(require) == "1") {
+    EXPECT_EQ(rdep_cutlass_available(0), 1) << rdep_last_error();
+  }
+  const int32_t past = rdep_cuda_device_count();
+  EXPECT_EQ(rdep_cutlass_available(past), 0);
+  EXPECT_NE(std::string(rdep_last_error()).find("device: " + std::to_string(past) + " is not a CUDA device"), std::string::npos)
+      << rdep_last_error();
+  int after = -1;
+  ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
+  EXPECT_EQ(after, before);
 }
 
 TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = 1}, 0.0); }

@@ -179,6 +179,22 @@ TEST(CApi, SpecErrorsNameTheField) {
     refused([](rdep_layer_spec& x) { x.backend = RDEP_BACKEND_CUDA_ONE_PROCESS; }, "no CUDA", /*code=*/4);  // Unavailable
 }
 
+// Version 14: whether the CUTLASS compute runs on a device; 0 with the reason otherwise (here: no such device,
+// no GPU or no CUDA in this build). capi_cuda_test.cc checks the GPU case.
+TEST(CApi, CutlassAvailabilityNamesWhyNot) {
+  EXPECT_EQ(rdep_cutlass_available(-1), 0);
+  const std::string why = rdep_last_error();
+  if (rdep_built_with_cuda()) {
+    EXPECT_NE(why.find("device: -1 is not a CUDA device"), std::string::npos) << why;
+  } else {
+    EXPECT_NE(why.find("no CUDA backend"), std::string::npos) << why;
+  }
+  if (rdep_cuda_device_count() == 0) {
+    EXPECT_EQ(rdep_cutlass_available(0), 0);
+    EXPECT_FALSE(std::string(rdep_last_error()).empty());
+  }
+}
+
 TEST(CApi, CallErrorsNameRankFieldAndContext) {
   const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 2};
   const rdep_layer_spec spec = Spec(s, 0);

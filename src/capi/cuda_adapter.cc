@@ -5,6 +5,8 @@
 
 #include "capi/layer_adapter.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/device_count.h"
+#include "rdep/experts/expert_compute.h"
 #include "rdep/layer/cuda_moe_layer.h"
 #include "rdep/transport/cuda_domain.h"
 #include "rdep/transport/domain.h"
@@ -189,6 +191,15 @@ int32_t CudaDomainDevice(const Domain& domain, int32_t rank) { return static_cas
 void WithCallerDevice(const std::function<void()>& fn) {
   DeviceGuard guard;
   fn();
+}
+
+Status CutlassComputeAvailable(int32_t device) {
+  const int32_t devices = CudaDeviceCount();
+  if (device < 0 || device >= devices)
+    return InvalidArgument("device: " + std::to_string(device) + " is not a CUDA device of this process (it sees " +
+                           std::to_string(devices) + ")");
+  DeviceGuard guard;
+  return kernels::MakeCutlassExpertCompute({1, 64, 64, 64}, device).status();
 }
 
 }  // namespace rdep::capi

@@ -15,4 +15,8 @@ int32_t CudaDomainDevice(const Domain&, int32_t) { return -1; }
 
 void WithCallerDevice(const std::function<void()>& fn) { fn(); }
 
+Status CutlassComputeAvailable(int32_t) {
+  return Unavailable("cutlass expert compute: this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+
 }  // namespace rdep::capi

@@ -62,5 +62,9 @@ StatusOr<std::unique_ptr<Domain>> MakeCudaDomain(const DomainSpec& spec, const s
 int32_t CudaDomainDevice(const Domain& domain, int32_t rank);
 // Runs fn and restores the caller's current CUDA device (fn alone in a build without CUDA).
 void WithCallerDevice(const std::function<void()>& fn);
+// Ok when the CUTLASS expert compute (LayerConfig::expert_compute kCutlass) runs on CUDA device `device`:
+// this build has CUDA and CUTLASS and the device is an sm_90 GPU; else Unavailable or InvalidArgument
+// saying why. Makes (and frees) a one-expert compute there; the caller's current device is kept.
+Status CutlassComputeAvailable(int32_t device);
 
 }  // namespace rdep::capi

@@ -29,9 +29,13 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       router keeps each token's experts on at most M nodes (node-limited routing, seeds 004); on CUDA
       the C++ layer's exchange passed its GPU tests (NCCL between GPU groups), this module's CUDA path
       with nodes has not run on a GPU (not with expert_compute='cutlass')
-  expert_compute='cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs that
-      read the per-expert counts on the GPU, so the layer never waits on the host (any segment_tokens,
-      no balancing; sm_90a only); the training example ran with it on H100s (BENCHMARKS.md)
+  expert_compute='auto' | 'cublaslt' | 'cutlass' (CUDA): 'cutlass' computes the experts with grouped GEMMs
+      that read the per-expert counts on the GPU, so the layer never waits on the host (any segment_tokens,
+      no balancing; sm_90a only; the training example runs with it on H100s and H200s, BENCHMARKS.md);
+      'cublaslt' takes the counts on the host (one wait per forward segment) and runs on any GPU. 'auto'
+      (default) is 'cutlass' where it runs (a library built with CUTLASS, sm_90 GPUs, hidden and ffn
+      multiples of 8, at most 1024 experts a rank, one node), else 'cublaslt'; layer.expert_compute says
+      which, layer.expert_compute_note why not 'cutlass'
   owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
       instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
       return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
@@ -168,7 +172,7 @@ class MoE(nn.Module):
         relay_above: int = 4,
         nodes: int = 1,
         max_nodes: int = 0,
-        expert_compute: str = "cublaslt",
+        expert_compute: str = "auto",
         owner_reduce: bool = False,
         transport_sms: int = 0,
         domain: Optional[Domain] = None,
