@@ -132,6 +132,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"bench": "torch_layer", "shape": vars(a), "device": torch.cuda.get_device_name(device),
+                       "expert_compute": layer.expert_compute, "expert_compute_note": layer.expert_compute_note,
                        "torch": torch.__version__,
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},

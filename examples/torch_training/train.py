@@ -124,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there")
     p.add_argument("--gate-in-expert", choices=["auto", "on", "off"], default="auto",
                    help="rdep: the gate multiplied before W2 (rdep.torch.MoE(gate_in_expert=...)): auto (the binding's "
-                        "default) is on with --expert-compute cutlass on CUDA, where it keeps no expert outputs for the "
+                        "default) is on where rdep's expert compute is cutlass on CUDA (--expert-compute auto picks it on sm_90), where it keeps no expert outputs for the "
                         "router's gradient; off weights the rows at the combine")
     o.add_argument("--interleave", action="store_true",
                    help="with --moe both: build both models, then train them step by step in turn (the tokens/s "

@@ -284,6 +284,13 @@ int rdep_context_acquire(rdep_layer* layer, int64_t* ctx);
 int rdep_context_release(rdep_layer* layer, int64_t ctx);
 /* Bytes the context's saved state holds, summed over local ranks. */
 int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
+/* Version 14. Waits until the device has checked the routing of the forward held in ctx (every local rank)
+ * and returns InvalidArgument naming rank, token, slot and value when a slot was bad (that token ran with
+ * zero gates), else 0. A CUDA forward with expert_compute CUTLASS and no balancing does not wait: it reports
+ * a bad slot itself only when the device has checked it by the time the call returns, else its backward
+ * does; a caller that will not run the backward (grad off) calls this before releasing the context. Not a
+ * collective. FailedPrecondition when ctx holds no forward; the host backend checks in the forward (0). */
+int rdep_context_check_routing(rdep_layer* layer, int64_t ctx);
 
 /* Collective: io[count] for the local ranks in order (count must equal the local rank count). */
 int rdep_layer_forward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);

@@ -198,6 +198,7 @@ _PROTOTYPES = {
     ),
     "rdep_context_acquire": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_int64)]),
     "rdep_context_release": (ctypes.c_int, [LayerPtr, ctypes.c_int64]),
+    "rdep_context_check_routing": (ctypes.c_int, [LayerPtr, ctypes.c_int64]),
     "rdep_context_bytes": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_forward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
     "rdep_layer_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
@@ -298,12 +299,17 @@ def cuda_device_count() -> int:
     return int(lib().rdep_cuda_device_count())
 
 
+_cutlass_on: dict = {}  # device -> (available, why): fixed for the process (the library and the GPU)
+
+
 def cutlass_available(device: int) -> tuple[bool, str]:
-    """(whether expert_compute 'cutlass' runs on CUDA device `device`, why not when it does not)."""
-    L = lib()
-    if L.rdep_cutlass_available(int(device)):
-        return True, ""
-    return False, last_error()
+    """(whether expert_compute 'cutlass' runs on CUDA device `device`, why not when it does not); asked of the
+    library once per device (it makes and frees a small compute there)."""
+    device = int(device)
+    if device not in _cutlass_on:
+        ok = bool(lib().rdep_cutlass_available(device))
+        _cutlass_on[device] = (ok, "" if ok else last_error())
+    return _cutlass_on[device]
 
 
 def library_info() -> dict:

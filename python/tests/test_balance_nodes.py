@@ -171,7 +171,7 @@ def test_stash_rows_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"^stash_rows: expected an int >= 0"):
         make(stash_rows=-1, expert_compute="cutlass")
     with pytest.raises(ValueError, match=r"^stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass'"):
-        make(stash_rows=4096)  # cublaslt, the default
+        make(stash_rows=4096)  # the host backend: 'auto' is cublaslt there
     with pytest.raises(ValueError, match=r"^stash_rows: .*balance='ultraep'"):
         make(stash_rows=4096, expert_compute="cutlass", balance="ultraep", balance_slots=1)
 

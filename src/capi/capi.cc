@@ -501,6 +501,16 @@ int rdep_context_release(rdep_layer* l, int64_t ctx) {
   return 0;
 }
 
+int rdep_context_check_routing(rdep_layer* l, int64_t ctx) {
+  if (!l) return FailInvalid("layer is null");
+  std::lock_guard<std::mutex> lock(l->mu);
+  ContextSlot* s = l->Find(ctx);
+  if (!s) return FailInvalid("context " + std::to_string(ctx) + " is not a live context of this layer");
+  if (!s->holds_forward)
+    return Fail(rdep::FailedPrecondition("context " + std::to_string(ctx) + " holds no forward (none ran into it, or its backward did)"));
+  return Guard([&]() -> rdep::Status { return l->adapter->CheckRoutingFaults(s->per_rank); });
+}
+
 int rdep_context_bytes(const rdep_layer* l, int64_t ctx, size_t* bytes) {
   if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
   auto* m = const_cast<rdep_layer*>(l);

@@ -6,11 +6,15 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <future>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "rdep/capi.h"
@@ -259,6 +263,95 @@ TEST(CApi_Cuda, CutlassAvailabilityMatchesTheCompute) {
   int after = -1;
   ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
   EXPECT_EQ(after, before);
+}
+
+// Version 14: a sync-free (CUTLASS) forward returns before its device has checked the routing when its
+// stream is held, so it reports nothing; rdep_context_check_routing then waits and names rank, token, slot
+// and value. A warm-up forward and backward first make the context's buffers (allocations may wait on the
+// device, which the held stream would block); a watchdog releases the stream if the forward waited on it.
+TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
+  const int64_t T = 16, H = 64, F = 32, E = 4, K = 2;
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+  spec.world_size = 1;
+  spec.num_gpus = 1;
+  spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
+  spec.barrier_timeout_s = 20;
+  spec.expert_compute = 1;
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  std::vector<int32_t> experts(static_cast<size_t>(T * K));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t + k) % E);
+  int32_t* d_good = Upload(experts);
+  experts[3 * K + 1] = 9;  // token 3, slot 1: outside [0, E)
+  int32_t* d_bad = Upload(experts);
+  float* d_gates = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.5f));
+  uint16_t* d_x = Upload(Bits(static_cast<size_t>(T * H), 0x3f80));  // 1.0
+  uint16_t* d_y = Upload(Bits(static_cast<size_t>(T * H), 0));
+  uint16_t* d_dx = Upload(Bits(static_cast<size_t>(T * H), 0));
+  float* d_dg = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.f));
+  uint16_t* d_w1 = Upload(Bits(static_cast<size_t>(E * H * 2 * F), 0x3c23));  // ~0.01
+  uint16_t* d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
+  float* d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
+  float* d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
+  rdep_rank_io io{T, d_good, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), static_cast<int>(StatusCode::kFailedPrecondition)) << "no forward yet";
+  ASSERT_EQ(rdep_layer_forward(l, ctx, &io, 1), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), 0) << rdep_last_error();  // valid routing
+  ASSERT_EQ(rdep_layer_backward(l, ctx, &io, 1), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_context_release(l, ctx), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  struct Hold {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool go = false;
+    static void CUDART_CB Wait(void* self) {
+      auto* h = static_cast<Hold*>(self);
+      std::unique_lock<std::mutex> lock(h->mu);
+      h->cv.wait(lock, [h] { return h->go; });
+    }
+    void Release() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        go = true;
+      }
+      cv.notify_all();
+    }
+  } hold;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);  // the pooled slot: its buffers exist
+  io.experts = d_bad;
+  ASSERT_EQ(cudaLaunchHostFunc(caller, &Hold::Wait, &hold), cudaSuccess);
+  std::promise<void> returned;
+  std::thread watchdog([&, done = returned.get_future()] {
+    done.wait_for(std::chrono::seconds(10));
+    hold.Release();
+  });
+  const int forward = rdep_layer_forward(l, ctx, &io, 1);
+  const std::string forward_error = forward != 0 ? rdep_last_error() : "";
+  returned.set_value();
+  watchdog.join();
+  EXPECT_EQ(forward, 0) << "the forward could not have read its routing check yet: " << forward_error;
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), static_cast<int>(StatusCode::kInvalidArgument));
+  const std::string why = rdep_last_error();
+  EXPECT_NE(why.find("forward on rank 0: routing token 3 slot 1: expert 9 outside [0, E=4)"), std::string::npos) << why;
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), static_cast<int>(StatusCode::kInvalidArgument)) << "released: stale";
+  EXPECT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  rdep_layer_destroy(l);
+  for (void* p : {static_cast<void*>(d_good), static_cast<void*>(d_bad), static_cast<void*>(d_gates), static_cast<void*>(d_x),
+                  static_cast<void*>(d_y), static_cast<void*>(d_dx), static_cast<void*>(d_dg), static_cast<void*>(d_w1),
+                  static_cast<void*>(d_w2), static_cast<void*>(d_dw1), static_cast<void*>(d_dw2)})
+    cudaFree(p);
+  cudaStreamDestroy(caller);
 }
 
 TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = 1}, 0.0); }

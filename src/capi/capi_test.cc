@@ -195,6 +195,32 @@ TEST(CApi, CutlassAvailabilityNamesWhyNot) {
   }
 }
 
+// Version 14: rdep_context_check_routing on the host backend (which checks in its forward): refused before a
+// forward and for a stale id, 0 after a forward with valid routing; a bad slot fails the forward itself.
+TEST(CApi, CheckRoutingOnTheHostBackend) {
+  const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 1};
+  const rdep_layer_spec spec = Spec(s, 0);
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  std::vector<int32_t> experts = {0, 1, 2, 3, 1, 2, 0, 3};
+  Vec gates(8, 0.5f), x(16, 1.f), y(16), w1(4 * 4 * 8, 0.1f), w2(4 * 4 * 4, 0.1f);
+  rdep_rank_io io{4, experts.data(), gates.data(), x.data(), y.data(), w1.data(), w2.data(), nullptr, nullptr, nullptr, nullptr,
+                  nullptr, nullptr, 0, 0};
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), 2) << "FailedPrecondition: no forward yet";  // rdep/status.h
+  EXPECT_NE(std::string(rdep_last_error()).find("holds no forward"), std::string::npos) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_forward(l, ctx, &io, 1), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), 0) << rdep_last_error();
+  experts[5] = 7;
+  EXPECT_EQ(rdep_layer_forward(l, ctx, &io, 1), 1) << "InvalidArgument from the forward itself";
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rdep_context_check_routing(l, ctx), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("is not a live context"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_context_check_routing(nullptr, ctx), 1);
+  rdep_layer_destroy(l);
+}
+
 TEST(CApi, CallErrorsNameRankFieldAndContext) {
   const LayerShape s{.tokens = 4, .hidden = 4, .ffn = 4, .experts = 4, .topk = 2, .ranks = 2};
   const rdep_layer_spec spec = Spec(s, 0);

@@ -94,6 +94,12 @@ class CudaAdapter final : public LayerAdapter {
     });
   }
 
+  Status CheckRoutingFaults(std::vector<ForwardContext>& ctx) override {
+    DeviceGuard guard;
+    for (size_t i = 0; i < ranks_.size(); ++i) RDEP_RETURN_IF_ERROR(layer_->CheckRoutingFaults(ranks_[i], ctx[i]));
+    return Status::Ok();
+  }
+
   Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) override {
     for (size_t i = 0; i < ranks_.size(); ++i) {
       const rdep_rank_io& a = io[i];

@@ -36,6 +36,9 @@ class LayerAdapter {
   virtual void ReleaseRows(std::vector<ForwardContext>& ctx) = 0;
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
+  // Waits for the device's check of the routing of the forward in ctx (rdep_context_check_routing); the
+  // host backend checks in its forward.
+  virtual Status CheckRoutingFaults(std::vector<ForwardContext>&) { return Status::Ok(); }
   virtual Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
 
   // The caller's own experts (capi.h version 3): the plan alone, the rows a local rank receives per

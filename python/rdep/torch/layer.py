@@ -156,50 +156,48 @@ _ROW_ALLOC = _capi.ROW_ALLOC_FN(_torch_row_alloc)  # module-lifetime C callbacks
 _ROW_FREE = _capi.ROW_FREE_FN(_torch_row_free)
 
 
-def _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce,
-                             auto_note: str = "") -> None:
-    """The options of the CUDA sync-free layer (the host backend ignores them): types, then what each needs.
-    auto_note: why expert_compute='auto' did not pick 'cutlass', appended to the messages."""
+def _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert) -> None:
+    """The types and ranges of the CUDA sync-free layer's options (what each needs: _check_sync_free_needs)."""
     if isinstance(stash_rows, bool) or not isinstance(stash_rows, int):
         raise TypeError(f"stash_rows: expected an int, got {type(stash_rows).__name__}")
     if not 0 <= stash_rows < 2**63:
         raise ValueError(f"stash_rows: expected an int >= 0 (0 = no paged stash), got {stash_rows}")
+    if not isinstance(overlap_segments, bool):
+        raise TypeError(f"overlap_segments: expected a bool, got {type(overlap_segments).__name__}")
+    if gate_in_expert is not None and not isinstance(gate_in_expert, bool):  # None: on where the layer allows it
+        raise TypeError(f"gate_in_expert: expected a bool or None, got {type(gate_in_expert).__name__}")
+
+
+def _check_sync_free_needs(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce,
+                           auto_note: str = "") -> None:
+    """What each option of the CUDA sync-free layer needs (the host backend ignores them), once the expert
+    compute is resolved; auto_note: why expert_compute='auto' did not pick 'cutlass', appended to the messages."""
     sync_free = expert_compute == "cutlass" and balance == "off" and nodes <= 1
     got = f"expert_compute={expert_compute!r}, balance={balance!r}, nodes={nodes}{auto_note}"
     if stash_rows and not sync_free:
         raise ValueError(f"stash_rows: the paged stash needs the sync-free layer: expert_compute='cutlass', balance='off', "
                          f"nodes=1 (got {got})")
-    if not isinstance(overlap_segments, bool):
-        raise TypeError(f"overlap_segments: expected a bool, got {type(overlap_segments).__name__}")
     if overlap_segments and (not sync_free or owner_reduce):
         raise ValueError(f"overlap_segments: the segment pipeline needs the sync-free layer with the per-slot return: "
                          f"expert_compute='cutlass', balance='off', nodes=1, owner_reduce=False (got {got}, owner_reduce={owner_reduce})")
-    if gate_in_expert is not None and not isinstance(gate_in_expert, bool):  # None: on where the layer allows it
-        raise TypeError(f"gate_in_expert: expected a bool or None, got {type(gate_in_expert).__name__}")
     if gate_in_expert and not sync_free:
         raise ValueError(f"gate_in_expert: the gate before W2 needs the sync-free layer: expert_compute='cutlass', "
                          f"balance='off', nodes=1 (got {got})")
 
 
-_CUTLASS_MAX_LOCAL_EXPERTS = 1024  # rdep::kernels' kMaxExperts (src/experts/cutlass_expert_compute.cu)
-
-
-def _resolve_expert_compute(asked: str, backend: str, gpus: list, hidden: int, ffn: int, num_experts: int,
-                            world_size: int, nodes: int) -> tuple[str, str]:
+def _resolve_expert_compute(asked: str, backend: str, gpus: list, nodes: int) -> tuple[str, str]:
     """(the expert compute the layer runs, why 'auto' did not pick 'cutlass', or ""). 'auto' is 'cutlass' where
     it runs: the CUDA backend, a library built with CUTLASS, every GPU of this process's ranks an sm_90 one,
-    hidden and ffn multiples of 8, at most 1024 experts a rank, one node; else 'cublaslt' (which the host
-    backend ignores). An explicit choice is kept (the library refuses what cannot run, naming it)."""
+    one node; else 'cublaslt' (which the host backend ignores). Shapes either compute refuses (hidden or ffn
+    not a multiple of 8, too many experts a rank) are refused by the library, naming them. An explicit
+    choice is kept. With a process group each process decides for its GPU; the ranks' layers must agree
+    (the library compares their configurations), as they do on a machine of one GPU kind."""
     if asked != "auto":
         return asked, ""
     if backend != "cuda":
         return "cublaslt", "the host backend computes on the host"
     if nodes > 1:
         return "cublaslt", f"nodes={nodes}: the CUTLASS layer has no two-phase exchange"
-    if hidden % 8 or ffn % 8:
-        return "cublaslt", f"hidden={hidden}, ffn={ffn}: the CUTLASS GEMMs need multiples of 8"
-    if -(-num_experts // world_size) > _CUTLASS_MAX_LOCAL_EXPERTS:
-        return "cublaslt", f"{-(-num_experts // world_size)} experts a rank exceed the CUTLASS compute's {_CUTLASS_MAX_LOCAL_EXPERTS}"
     for g in gpus:
         ok, why = _capi.cutlass_available(g)
         if not ok:
@@ -207,14 +205,15 @@ def _resolve_expert_compute(asked: str, backend: str, gpus: list, hidden: int, f
     return "cutlass", ""
 
 
-def _layer_gpus(domain, process_group, device, num_gpus: int) -> list:
-    """The GPUs this process's ranks of a CUDA layer run on (for the 'auto' expert compute)."""
+def _layer_gpus(domain, process_group, device, num_gpus: int, world_size: int) -> list:
+    """The GPUs this process's ranks of a CUDA layer run on (for the 'auto' expert compute): the domain's, this
+    process's device with a process group, else GPUs 0 .. min(W, num_gpus or the GPUs present) - 1."""
     if domain is not None:
         return [domain.device.index]
     if process_group is not None:
         return [device.index if device is not None and device.index is not None else torch.cuda.current_device()]
-    n = num_gpus if isinstance(num_gpus, int) and not isinstance(num_gpus, bool) and num_gpus > 0 else 0
-    return list(range(n or max(1, torch.cuda.device_count())))  # a bad num_gpus is refused by placement_fields
+    present = max(1, torch.cuda.device_count())
+    return list(range(min(world_size, num_gpus if num_gpus > 0 else present)))
 
 
 def _gate_in_expert(asked: Optional[bool], backend: str, expert_compute: str, balance: str, nodes: int) -> bool:
@@ -312,6 +311,7 @@ class Layer(CHandle):
             raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
         if not isinstance(keep_weight_casts, bool):
             raise TypeError(f"keep_weight_casts: expected a bool, got {type(keep_weight_casts).__name__}")
+        _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert)
         if domain is not None:
             if not isinstance(domain, Domain):
                 raise TypeError(f"domain: expected an rdep.torch.Domain, got {type(domain).__name__}")
@@ -335,10 +335,10 @@ class Layer(CHandle):
             spec.world_size = world_size  # the domain's, checked when it was made
         else:
             world_size, keepalive = placement_fields(spec, resolved, backend, world_size, num_gpus, process_group, device)
-        gpus = _layer_gpus(domain, process_group, device, num_gpus) if resolved == "cuda" and expert_compute == "auto" else []
-        expert_compute, note = _resolve_expert_compute(expert_compute, resolved, gpus, hidden, ffn, num_experts, world_size, nodes)
-        _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce,
-                                 f" (expert_compute='auto' chose {expert_compute!r}: {note})" if note else "")
+        gpus = _layer_gpus(domain, process_group, device, num_gpus, world_size) if resolved == "cuda" and expert_compute == "auto" else []
+        expert_compute, note = _resolve_expert_compute(expert_compute, resolved, gpus, nodes)
+        _check_sync_free_needs(stash_rows, overlap_segments, gate_in_expert, expert_compute, balance, nodes, owner_reduce,
+                               f" (expert_compute='auto' chose {expert_compute!r}: {note})" if note else "")
         if domain is None:
             spec.barrier_timeout_s = float(barrier_timeout_s)
         spec.tokens = max_tokens

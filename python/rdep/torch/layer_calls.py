@@ -96,11 +96,16 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
         c_id = ctypes.c_int64()
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
         code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
+        what = "rdep_layer_forward"
+        if code == 0 and not save and layer.backend == "cuda":
+            # No backward will report a routing fault the sync-free forward could not read yet: wait for the
+            # device's check here (the forward that waited on the host has read it already: no wait then).
+            code, what = lib.rdep_context_check_routing(ptr, c_id.value), "rdep_context_check_routing"
         if code != 0 or not save:
             msg = _capi.last_error() if code != 0 else ""
             native.release(c_id.value)
             if code != 0:
-                raise error_for_code(code, f"rdep_layer_forward: {msg}")
+                raise error_for_code(code, f"{what}: {msg}")
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         ctx = _context_tensor(layer, c_id.value)
         if keep_casts is not None:

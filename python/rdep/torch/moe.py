@@ -33,9 +33,10 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       that read the per-expert counts on the GPU, so the layer never waits on the host (any segment_tokens,
       no balancing; sm_90a only; the training example runs with it on H100s and H200s, BENCHMARKS.md);
       'cublaslt' takes the counts on the host (one wait per forward segment) and runs on any GPU. 'auto'
-      (default) is 'cutlass' where it runs (a library built with CUTLASS, sm_90 GPUs, hidden and ffn
-      multiples of 8, at most 1024 experts a rank, one node), else 'cublaslt'; layer.expert_compute says
-      which, layer.expert_compute_note why not 'cutlass'
+      (default) is 'cutlass' where it runs (a library built with CUTLASS, sm_90 GPUs, one node), else
+      'cublaslt'; layer.expert_compute says which, layer.expert_compute_note why not 'cutlass'. A bad
+      routing slot (only the functional rdep.torch.moe takes the caller's routing) raises at the forward on
+      either compute when grad is off; with grad on, 'cutlass' may report it at the backward instead
   owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
       instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
       return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
@@ -52,8 +53,9 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       with headroom). A forward whose rows do not fit on some rank still returns its output; its backward
       then raises on every rank, naming the ranks, their rows and the pool (that step's dx, gate and expert
       gradients are NaN). Costs a copy of the rows each way; pays
-      at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Not with torch.compile's
-      CUDA graphs (mode="reduce-overhead")
+      at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Never inside a CUDA
+      graph: under torch.compile(mode="reduce-overhead") rdep's ops run between the captured partitions
+      (op_tags.py; not tested with the stash)
   keep_weight_casts=True (CUDA with fp32 expert weights, e.g. dtype=torch.float32 master weights): the bf16
       copies of w1 and w2 a forward casts for the layer are kept for its backward, as autograd keeps
       TorchTitan's, instead of being cast again there: one cast per step instead of two (the second took
