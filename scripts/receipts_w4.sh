@@ -82,7 +82,8 @@
 #   prof1      the training example (compiled, both variants, 40 steps) under torch.profiler for steps 25-27: each
 #              variant's device time per step (the profile's self CUDA total) beside its step time
 #   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops run between the
-#              captured partitions), both variants, 200 steps, steps 100-102 under torch.profiler
+#              captured partitions), both variants, 200 steps, steps 100-102 under torch.profiler; rdep with
+#              the default --expert-compute auto
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
@@ -436,7 +437,7 @@ stage_prof1() {
 stage_trainro() {
   pip_wheels
   # shellcheck disable=SC2046
-  run train_w1_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --expert-compute cutlass \
+  run train_w1_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
     --compile-mode reduce-overhead --profile-steps 3 --profile-at 100 --json "$R/train_w1_ro.json" --png "$R/train_w1_ro.png"
 }
 stage_trainb32() {

@@ -517,7 +517,8 @@ class Layer(CHandle):
         cap = "dropless" if self.capacity_factor == 0 else f"capacity_factor={self.capacity_factor:g}"
         return (f"rdep.torch.Layer(id={self.id}, H={self.hidden}, F={self.ffn}, E={self.num_experts}, K={self.topk}, "
                 f"T={self.max_tokens}, W={self.world_size}, {cap}, backend={self.backend}, device={self.device}, "
-                f"local_ranks={list(self.local_ranks)})")
+                + (f"expert_compute={self.expert_compute}, gate_in_expert={self.gate_in_expert}, " if self.backend == "cuda" else "")
+                + f"local_ranks={list(self.local_ranks)})")
 
     def _live_ptr(self) -> int:
         p = self._native.ptr
