@@ -84,6 +84,7 @@
 #   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops run between the
 #              captured partitions), both variants, 200 steps, steps 100-102 under torch.profiler; rdep with
 #              the default --expert-compute auto
+#   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
@@ -439,6 +440,12 @@ stage_trainro() {
   # shellcheck disable=SC2046
   run train_w1_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
     --compile-mode reduce-overhead --profile-steps 3 --profile-at 100 --json "$R/train_w1_ro.json" --png "$R/train_w1_ro.png"
+}
+stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_roi $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
+    --compile-mode reduce-overhead --interleave --json "$R/train_w1_roi.json"
 }
 stage_trainb32() {
   pip_wheels
