@@ -365,9 +365,11 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
   fp.host.push_back({"control regions and barrier slots (W*W*L words)", {{"ranks", W}, {"experts", E}},
                      W * (32 * W * L + 64 * W) + 48 * W * W});
   // Segment payload and sideband on every rank: two buffers when a call can have several segments, else one
-  // (RegionLayout::buffers); counted as two, an upper bound.
-  fp.host.push_back({"segment buffers (W ranks x 2 segments of S tokens)", {{"ranks", W}, {"segment", S_host}, {"hidden", H}},
-                     W * 2 * S_host * (4 * H + 8 + 16 * slots)});
+  // (RegionLayout::buffers: S >= W*T).
+  const double seg_buffers = S_host >= W * T ? 1.0 : 2.0;
+  fp.host.push_back({"segment buffers (W ranks x 1 or 2 buffers of S tokens: 2 when a call has several segments)",
+                     {{"ranks", W}, {"segment", S_host}, {"buffers", seg_buffers}, {"hidden", H}},
+                     W * seg_buffers * S_host * (4 * H + 8 + 16 * slots)});
   // Routing generator and ownership tables over E; rank threads (stack pages touched, bookkeeping).
   fp.host.push_back({"per-expert tables (E entries)", {{"experts", E}}, 96 * E});
   fp.host.push_back({"rank threads (W threads)", {{"ranks", W}}, 256.0 * 1024 * W});

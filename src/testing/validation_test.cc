@@ -124,6 +124,23 @@ TEST(ValidationFootprint, CoversTheRunsOwnArrays) {
   EXPECT_GT(fp.host_bytes(), 4.0 * 32 * 3 * 256 * 512 + 4.0 * 8 * 128 * 4 * 256);
 }
 
+// The segment payload and sideband: one buffer when a call is one segment (S >= W*T), else two, as
+// RegionLayout::buffers allocates.
+TEST(ValidationFootprint, CountsOneSegmentBufferWhenACallIsOneSegment) {
+  auto segment_bytes = [](int64_t segment) {
+    ValidationOptions o;
+    o.layer.shape = {64, 32, 32, 8, 2, 4};  // T 64, W 4
+    o.layer.segment_tokens = segment;
+    for (const FootprintTerm& t : EstimateValidationFootprint(o, false).host)
+      if (t.what.rfind("segment buffers", 0) == 0) return t.amount;
+    return -1.0;
+  };
+  const double several = segment_bytes(128), one = segment_bytes(256);  // 256 = W*T
+  ASSERT_GT(several, 0.0);
+  EXPECT_DOUBLE_EQ(one, several);  // S doubles and the buffers halve
+  EXPECT_DOUBLE_EQ(segment_bytes(512), 2.0 * one);  // one buffer of twice the tokens
+}
+
 TEST(NormalizedError, ScalesAndCatchesNan) {
   EXPECT_LE(NormalizedError({1.0f, 2.0f}, {1.0, 2.0}, 1e-3, 1e-4), 0.0);
   EXPECT_GT(NormalizedError({1.1f}, {1.0}, 1e-3, 1e-4), 1.0);
