@@ -255,6 +255,33 @@ def _check_balance_and_nodes(balance, slots, min_quota, relay_above, nodes, max_
         raise ValueError(f"max_nodes: expected 0 (no cap) or at most nodes={nodes}, got {max_nodes}")
 
 
+def _set_fields(spec, **fields) -> None:
+    """Sets each named field of a ctypes struct (an unknown name is an AttributeError, not a new attribute)."""
+    for name, value in fields.items():
+        if not hasattr(spec, name):
+            raise AttributeError(f"{type(spec).__name__} has no field {name!r}")
+        setattr(spec, name, value)
+
+
+def _check_layer_options(expert_compute, owner_reduce, nodes: int, transport_sms, keep_weight_casts) -> None:
+    """The expert compute's name, owner_reduce, transport_sms and keep_weight_casts: types, ranges, and what
+    each excludes."""
+    if expert_compute != "auto" and expert_compute not in _capi.EXPERT_COMPUTE:
+        raise ValueError(f"expert_compute: expected 'auto' or one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
+    if not isinstance(owner_reduce, bool):
+        raise TypeError(f"owner_reduce: expected a bool, got {type(owner_reduce).__name__}")
+    if owner_reduce and nodes > 1:
+        raise ValueError(f"owner_reduce: with nodes={nodes} the relays already reduce each node's rows; use one of them")
+    if isinstance(transport_sms, bool) or not isinstance(transport_sms, int):
+        raise TypeError(f"transport_sms: expected an int, got {type(transport_sms).__name__}")
+    if not 0 <= transport_sms <= _MAX_TRANSPORT_SMS:
+        raise ValueError(f"transport_sms: expected an int in [0, {_MAX_TRANSPORT_SMS}] (0 = every SM), got {transport_sms}")
+    if transport_sms and nodes > 1:
+        raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
+    if not isinstance(keep_weight_casts, bool):
+        raise TypeError(f"keep_weight_casts: expected a bool, got {type(keep_weight_casts).__name__}")
+
+
 class Layer(CHandle):
     """One rdep MoE layer (shape, capacity rule, ranks and their placement). See the module docstring."""
 
@@ -297,20 +324,7 @@ class Layer(CHandle):
         if not isinstance(torch_rows, bool):
             raise TypeError(f"torch_rows: expected a bool, got {type(torch_rows).__name__}")
         _check_balance_and_nodes(balance, balance_slots, balance_min_quota, relay_above, nodes, max_nodes, balance_min_gain)
-        if expert_compute != "auto" and expert_compute not in _capi.EXPERT_COMPUTE:
-            raise ValueError(f"expert_compute: expected 'auto' or one of {tuple(_capi.EXPERT_COMPUTE)}, got {expert_compute!r}")
-        if not isinstance(owner_reduce, bool):
-            raise TypeError(f"owner_reduce: expected a bool, got {type(owner_reduce).__name__}")
-        if owner_reduce and nodes > 1:
-            raise ValueError(f"owner_reduce: with nodes={nodes} the relays already reduce each node's rows; use one of them")
-        if isinstance(transport_sms, bool) or not isinstance(transport_sms, int):
-            raise TypeError(f"transport_sms: expected an int, got {type(transport_sms).__name__}")
-        if not 0 <= transport_sms <= _MAX_TRANSPORT_SMS:
-            raise ValueError(f"transport_sms: expected an int in [0, {_MAX_TRANSPORT_SMS}] (0 = every SM), got {transport_sms}")
-        if transport_sms and nodes > 1:
-            raise ValueError(f"transport_sms: not with nodes={nodes} yet (the two-phase exchange's kernels take no SM budget)")
-        if not isinstance(keep_weight_casts, bool):
-            raise TypeError(f"keep_weight_casts: expected a bool, got {type(keep_weight_casts).__name__}")
+        _check_layer_options(expert_compute, owner_reduce, nodes, transport_sms, keep_weight_casts)
         _check_sync_free_options(stash_rows, overlap_segments, gate_in_expert)
         if domain is not None:
             if not isinstance(domain, Domain):
@@ -341,28 +355,42 @@ class Layer(CHandle):
                                f" (expert_compute='auto' chose {expert_compute!r}: {note})" if note else "")
         if domain is None:
             spec.barrier_timeout_s = float(barrier_timeout_s)
-        spec.tokens = max_tokens
-        spec.hidden = hidden
-        spec.ffn = ffn
-        spec.experts = num_experts
-        spec.topk = topk
-        spec.capacity_factor = float(capacity_factor)
-        spec.segment_tokens = segment_tokens
-        spec.balance = _capi.BALANCE_KINDS[balance]
-        spec.balance_slots = balance_slots
-        spec.balance_min_quota = balance_min_quota
-        spec.balance_min_gain = balance_min_gain
-        spec.balance_relay_above = relay_above
-        spec.nodes = nodes
-        spec.max_nodes = max_nodes
-        spec.expert_compute = _capi.EXPERT_COMPUTE[expert_compute]
-        spec.owner_reduce = int(owner_reduce)
-        spec.transport_sms = transport_sms
-        spec.stash_rows = stash_rows
-        spec.overlap_segments = int(overlap_segments)
         gate_in_expert = _gate_in_expert(gate_in_expert, resolved, expert_compute, balance, nodes)
-        spec.gate_in_expert = int(gate_in_expert)
+        _set_fields(spec, tokens=max_tokens, hidden=hidden, ffn=ffn, experts=num_experts, topk=topk,
+                    capacity_factor=float(capacity_factor), segment_tokens=segment_tokens,
+                    balance=_capi.BALANCE_KINDS[balance], balance_slots=balance_slots,
+                    balance_min_quota=balance_min_quota, balance_min_gain=balance_min_gain,
+                    balance_relay_above=relay_above, nodes=nodes, max_nodes=max_nodes,
+                    expert_compute=_capi.EXPERT_COMPUTE[expert_compute], owner_reduce=int(owner_reduce),
+                    transport_sms=transport_sms, stash_rows=stash_rows, overlap_segments=int(overlap_segments),
+                    gate_in_expert=int(gate_in_expert))
 
+        self.domain = self._create_native(spec, domain, keepalive, resolved, world_size, process_group, device, torch_rows)
+
+        self.hidden, self.ffn, self.num_experts, self.topk, self.max_tokens = hidden, ffn, num_experts, topk, max_tokens
+        self.world_size = world_size
+        self.capacity_factor = float(capacity_factor)
+        self.segment_tokens = segment_tokens
+        self.keep_weight_casts = keep_weight_casts
+        self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
+        self.expert_compute = expert_compute
+        self.expert_compute_note = note  # why expert_compute='auto' did not choose 'cutlass' ("" otherwise)
+        self.owner_reduce = owner_reduce
+        self.transport_sms = transport_sms
+        self.overlap_segments = overlap_segments
+        self.gate_in_expert = gate_in_expert
+        self.backend = resolved
+        self.process_group = process_group
+        with _registry_lock:
+            self.id = next(_next_id)
+            _registry[self.id] = weakref.ref(self)
+        weakref.finalize(self, _registry.pop, self.id, None)
+
+    def _create_native(self, spec, domain, keepalive: tuple, resolved: str, world_size: int, process_group, device,
+                       torch_rows: bool) -> Domain:
+        """Makes the C layer from spec (on `domain`, or on a domain of its own, which it returns as a Domain other
+        layers can be made on), reads its placement, and sets torch's caching allocator as its row allocator
+        (CUDA, torch_rows). The C handle is freed again if any step fails."""
         L = _capi.lib()
         ptr = _capi.LayerPtr()
         if domain is not None:
@@ -388,26 +416,7 @@ class Layer(CHandle):
         except BaseException:
             self._native.close()
             raise
-        self.domain = domain
-
-        self.hidden, self.ffn, self.num_experts, self.topk, self.max_tokens = hidden, ffn, num_experts, topk, max_tokens
-        self.world_size = world_size
-        self.capacity_factor = float(capacity_factor)
-        self.segment_tokens = segment_tokens
-        self.keep_weight_casts = keep_weight_casts
-        self.balance, self.nodes, self.max_nodes = balance, nodes, max_nodes
-        self.expert_compute = expert_compute
-        self.expert_compute_note = note  # why expert_compute='auto' did not choose 'cutlass' ("" otherwise)
-        self.owner_reduce = owner_reduce
-        self.transport_sms = transport_sms
-        self.overlap_segments = overlap_segments
-        self.gate_in_expert = gate_in_expert
-        self.backend = resolved
-        self.process_group = process_group
-        with _registry_lock:
-            self.id = next(_next_id)
-            _registry[self.id] = weakref.ref(self)
-        weakref.finalize(self, _registry.pop, self.id, None)
+        return domain
 
     def _query(self, resolved: str, device, world_size: int) -> None:
         L, p = _capi.lib(), self._native.ptr
