@@ -287,9 +287,14 @@ int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
 /* Version 14. Waits until the device has checked the routing of the forward held in ctx (every local rank)
  * and returns InvalidArgument naming rank, token, slot and value when a slot was bad (that token ran with
  * zero gates), else 0. A CUDA forward with expert_compute CUTLASS and no balancing does not wait: it reports
- * a bad slot itself only when the device has checked it by the time the call returns, else its backward
- * does; a caller that will not run the backward (grad off) calls this before releasing the context. Not a
- * collective. FailedPrecondition when ctx holds no forward; the host backend checks in the forward (0). */
+ * a bad slot itself only when the device has checked it by the time the call returns, and its backward
+ * reads the record again without waiting (after the collective); a caller that will not run the backward
+ * (grad off) calls this before releasing the context. Not a collective: it waits for the rank's stream up
+ * to the forward's check (no time limit beyond the work queued before it), holding the layer's context
+ * lock, so call it from the thread that makes the layer's calls. A forward recorded in a CUDA-graph capture
+ * has its record written by the graph's replays: check it after a replay. FailedPrecondition when ctx holds
+ * no forward (none ran, or its backward did); InvalidArgument for a stale id; the host backend checks in
+ * the forward (0). */
 int rdep_context_check_routing(rdep_layer* layer, int64_t ctx);
 
 /* Collective: io[count] for the local ranks in order (count must equal the local rank count). */

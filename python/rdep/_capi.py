@@ -299,17 +299,20 @@ def cuda_device_count() -> int:
     return int(lib().rdep_cuda_device_count())
 
 
-_cutlass_on: dict = {}  # device -> (available, why): fixed for the process (the library and the GPU)
+_cutlass_on: set = set()  # devices where the CUTLASS compute ran: that cannot change within the process
 
 
 def cutlass_available(device: int) -> tuple[bool, str]:
-    """(whether expert_compute 'cutlass' runs on CUDA device `device`, why not when it does not); asked of the
-    library once per device (it makes and frees a small compute there)."""
+    """(whether expert_compute 'cutlass' runs on CUDA device `device`, why not when it does not). The library
+    makes and frees a small compute there; a yes is kept for the process, a no is asked again next time (it
+    may have been a passing failure, such as memory)."""
     device = int(device)
-    if device not in _cutlass_on:
-        ok = bool(lib().rdep_cutlass_available(device))
-        _cutlass_on[device] = (ok, "" if ok else last_error())
-    return _cutlass_on[device]
+    if device in _cutlass_on:
+        return True, ""
+    if lib().rdep_cutlass_available(device):
+        _cutlass_on.add(device)
+        return True, ""
+    return False, last_error()
 
 
 def library_info() -> dict:

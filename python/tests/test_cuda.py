@@ -384,6 +384,11 @@ def test_cuda_bad_input_names_the_argument(compute):
     with pytest.raises(rdep.InvalidArgumentError, match=r"on rank 1: routing token 5 slot 0: expert 8 outside \[0, E=8\)"):
         rt.moe(layer, x, bad, gates, w1, w2)
     assert layer.live_contexts == 0
+    if layer.expert_compute == "cutlass":  # the forward returns before its device check: the binding's wait reports it
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the layer on the current stream
+        with pytest.raises(rdep.InvalidArgumentError, match=r"^rdep_context_check_routing: .*token 5 slot 0: expert 8"):
+            rt.moe(layer, x, bad, gates, w1, w2)
+        assert layer.live_contexts == 0
 
 
 ROWS_CASES = [

@@ -307,7 +307,7 @@ def test_bad_routing_values_are_invalid_argument(what):
 def test_schemas():
     assert str(torch.ops.rdep.moe_forward.default._schema) == (
         "rdep::moe_forward(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
-        "bool save_context=True) -> (Tensor, Tensor)")
+        "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
     assert str(torch.ops.rdep.moe_backward.default._schema) == (
         "rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
 

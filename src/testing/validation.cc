@@ -392,8 +392,11 @@ Footprint EstimateValidationFootprint(const ValidationOptions& o, bool device_ba
     // On one domain the segment buffers and the return region are shared by the layers of their size
     // (LayerRegions::shared_transport): terms named "shared ..." (a stack's estimate counts them once).
     const bool one_domain = o.layer.nodes.nodes <= 1;
-    fp.device.push_back({std::string(one_domain ? "shared " : "") + "segment buffers (2 segments of S = W*T tokens by default)",
-                         {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"hidden", H}}, 2 * S_dev * (2 * H + 8 + 16 * slots)});
+    const double dev_buffers = S_dev >= W * T ? 1.0 : 2.0;  // RegionLayout::buffers: one when a call is one segment
+    fp.device.push_back({std::string(one_domain ? "shared " : "") +
+                             "segment buffers (1 of S = W*T tokens by default; 2 when a call has several segments)",
+                         {{"ranks", W}, {"tokens", T}, {"segment", S_dev}, {"buffers", dev_buffers}, {"hidden", H}},
+                         dev_buffers * S_dev * (2 * H + 8 + 16 * slots)});
     // The owner's row buffers sized at Create for one segment's most rows (MaxSegmentRows: S*min(K, L +
     // N_slot), with a capacity at most (L + N_slot)*capacity): the output rows (OwnerOutputRowSets sets of H,
     // bf16) and the expert compute's workspace (CUTLASS: z, 2*D_ff bytes a row; cuBLASLt: z, dz, dh, 8*D_ff

@@ -139,6 +139,18 @@ TEST(ValidationFootprint, CountsOneSegmentBufferWhenACallIsOneSegment) {
   ASSERT_GT(several, 0.0);
   EXPECT_DOUBLE_EQ(one, several);  // S doubles and the buffers halve
   EXPECT_DOUBLE_EQ(segment_bytes(512), 2.0 * one);  // one buffer of twice the tokens
+  // The device term (one GPU of the CUDA backend; its default S is W*T): the same rule.
+  auto device_bytes = [](int64_t segment) {
+    ValidationOptions o;
+    o.layer.shape = {64, 32, 32, 8, 2, 4};
+    o.layer.segment_tokens = segment;
+    for (const FootprintTerm& t : EstimateValidationFootprint(o, true).device)
+      if (t.what.find("segment buffers") != std::string::npos) return t.amount;
+    return -1.0;
+  };
+  ASSERT_GT(device_bytes(128), 0.0);
+  EXPECT_DOUBLE_EQ(device_bytes(0), device_bytes(256));  // the default S = W*T: one buffer
+  EXPECT_DOUBLE_EQ(device_bytes(256), device_bytes(128));
 }
 
 TEST(NormalizedError, ScalesAndCatchesNan) {

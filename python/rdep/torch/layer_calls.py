@@ -72,9 +72,11 @@ def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
     return ctx
 
 
-def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None):
+def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None, check_routing: bool = True):
     """Runs the forward collective for the local ranks; returns (y, ctx). keep_casts (w1, w2 and what they
-    were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set."""
+    were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set.
+    check_routing: without a saved context on CUDA, wait for the device's routing check (no backward will
+    report a fault the sync-free forward could not read yet) before releasing the context."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -97,7 +99,7 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
         code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
         what = "rdep_layer_forward"
-        if code == 0 and not save and layer.backend == "cuda":
+        if code == 0 and not save and check_routing and layer.backend == "cuda":
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
             # device's check here (the forward that waited on the host has read it already: no wait then).
             code, what = lib.rdep_context_check_routing(ptr, c_id.value), "rdep_context_check_routing"

@@ -2,7 +2,7 @@
 functional entry point `moe`.
 
     rdep::moe_forward(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
-                      bool save_context=True) -> (Tensor y, Tensor ctx)
+                      bool save_context=True, bool check_routing=True) -> (Tensor y, Tensor ctx)
     rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2)
                       -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
 
@@ -60,7 +60,7 @@ def _keep(layer: Layer, w1: Tensor, w2: Tensor, w1c: Tensor, w2c: Tensor, save_c
 
 
 FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
-                  "bool save_context=True) -> (Tensor, Tensor)")
+                  "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
 
 
@@ -68,16 +68,16 @@ BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (
 # specializes on the layer id.
 @torch.library.custom_op("rdep::moe_forward", mutates_args=(), schema=FORWARD_SCHEMA, **CUSTOM_OP_TAGS)
 def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                save_context: bool = True) -> tuple[Tensor, Tensor]:
+                save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
     keep = _keep(h, w1, w2, w1c, w2c, save_context)
-    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep)
+    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True):
+def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
     validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
@@ -137,7 +137,7 @@ def _moe_backward_fake(layer, ctx, dy, w1, w2):
 
 
 def _setup_context(ctx, inputs, output):
-    layer, _x, _experts, _gates, w1, w2, save_context = inputs
+    layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
     _y, context = output
     ctx.layer = layer
     ctx.saved_context = save_context
@@ -155,7 +155,7 @@ def _backward(ctx, dy, _dcontext):
     ctx.backward_ran = True
     context, w1, w2 = ctx.saved_tensors
     dx, dgates, dw1, dw2 = torch.ops.rdep.moe_backward(ctx.layer, context, dy.contiguous(), w1, w2)
-    return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None
+    return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -171,12 +171,15 @@ def _double_backward(ctx, *grads):
 moe_backward.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, *, check_routing: bool = True) -> Tensor:
     """y = sum_k g'_k expert_{e_k}(x) for the local ranks' tokens, through rdep (see the module docstring).
 
     layer is an rdep.torch.Layer (or its id). A context is saved for backward only when grad is enabled
-    and one of x, gates, w1, w2 requires grad; otherwise it is released inside the call."""
+    and one of x, gates, w1, w2 requires grad; otherwise it is released inside the call. check_routing
+    (CUDA, no context saved): wait for the device's check of the routing before releasing the context, so
+    that a bad slot raises here (the sync-free CUTLASS forward does not wait for it, and no backward will
+    report it); False skips that wait, for routing known to be valid (rdep.torch.MoE's own router)."""
     layer_id = layer if isinstance(layer, int) else layer.id
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
-    y, _ = torch.ops.rdep.moe_forward(layer_id, x, experts, gates, w1, w2, save)
+    y, _ = torch.ops.rdep.moe_forward(layer_id, x, experts, gates, w1, w2, save, check_routing)
     return y
