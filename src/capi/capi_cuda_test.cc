@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <future>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "layer/cuda_test_util.h"
 #include "rdep/capi.h"
 #include "rdep/core/routing.h"
 #include "rdep/cuda/bf16.h"
@@ -310,26 +310,10 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   ASSERT_EQ(rdep_context_release(l, ctx), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  struct Hold {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool go = false;
-    static void CUDART_CB Wait(void* self) {
-      auto* h = static_cast<Hold*>(self);
-      std::unique_lock<std::mutex> lock(h->mu);
-      h->cv.wait(lock, [h] { return h->go; });
-    }
-    void Release() {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        go = true;
-      }
-      cv.notify_all();
-    }
-  } hold;
+  StreamHold hold;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);  // the pooled slot: its buffers exist
   io.experts = d_bad;
-  ASSERT_EQ(cudaLaunchHostFunc(caller, &Hold::Wait, &hold), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(caller, &StreamHold::Wait, &hold), cudaSuccess);
   std::promise<void> returned;
   std::thread watchdog([&, done = returned.get_future()] {
     done.wait_for(std::chrono::seconds(10));

@@ -11,7 +11,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -361,20 +360,7 @@ TEST(CudaStash_Overflow, W1_TheFailedBackwardAlsoReportsAnUnreadRoutingFault) {
   ASSERT_TRUE(domain.ok()) << domain.status();
   auto layer = CudaMoELayer::Create(**domain, ConfigOf(p, Setting{.stash_rows = 64}), p.own, p.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
-  struct Hold {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool go = false;
-    static void CUDART_CB Wait(void* self) {
-      auto* h = static_cast<Hold*>(self);
-      std::unique_lock<std::mutex> lock(h->mu);
-      h->cv.wait(lock, [h] { return h->go; });
-    }
-    void Release() {
-      { std::lock_guard<std::mutex> lock(mu); go = true; }
-      cv.notify_all();
-    }
-  } hold;
+  StreamHold hold;
   // A first step with valid routing makes the context's buffers (allocations may wait on the device, which the
   // held stream would block); its backward overflows the pool too.
   Problem valid(1, "uniform", 11);
@@ -386,7 +372,7 @@ TEST(CudaStash_Overflow, W1_TheFailedBackwardAlsoReportsAnUnreadRoutingFault) {
   Batch b;
   ASSERT_TRUE(Upload(p.routing[0], p.x[0], p.dy[0], p.shape.hidden, b).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ASSERT_EQ(cudaLaunchHostFunc((*domain)->stream(0), &Hold::Wait, &hold), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc((*domain)->stream(0), &StreamHold::Wait, &hold), cudaSuccess);
   std::promise<void> returned;
   std::thread watchdog([&, done = returned.get_future()] {  // a forward that waited on its stream would not hang the test
     done.wait_for(std::chrono::seconds(10));

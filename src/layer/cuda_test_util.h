@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,28 @@
 #include "rdep/status.h"
 
 namespace rdep {
+
+// Holds a stream: cudaLaunchHostFunc(stream, &StreamHold::Wait, &hold) blocks the stream's later work until
+// Release(). Tests use it to make a call return before the device has done something (a watchdog thread that
+// calls Release keeps a call that waited on the held stream from hanging the test). Keep it alive until the
+// stream has passed the host function.
+struct StreamHold {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool go = false;
+  static void CUDART_CB Wait(void* self) {
+    auto* h = static_cast<StreamHold*>(self);
+    std::unique_lock<std::mutex> lock(h->mu);
+    h->cv.wait(lock, [h] { return h->go; });
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      go = true;
+    }
+    cv.notify_all();
+  }
+};
 
 // Whether the CUTLASS expert compute runs here (a GPU, a build with CUTLASS, sm_90); why not in *why.
 // With RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh) its absence on a GPU is a test failure, not a skip.
