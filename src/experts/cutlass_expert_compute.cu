@@ -5,6 +5,8 @@
 // so a layer that uses it can be captured in a CUDA graph.
 //
 //   Forward   setup (offsets, tables, total)  ->  h = x.W1 (NN)  ->  z = swiglu(h)  ->  y = z.W2 (NN)
+//             With W1 as GateUp::kInterleaved8 (and tiles.swiglu_epilogue), GEMM1's epilogue writes z beside h
+//             (kNN_SwiGLU): no SwiGLU pass.
 //   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dW2 (+)= z^T.dout (TN)
 //             With per-row gates (ExpertRows::gate): z = g * swiglu(h) in forward; in backward dout is dy,
 //             the SwiGLU' kernel (a warp per row) takes dgate = <dz, swiglu(h)>, z = g * swiglu(h) and dh
@@ -88,6 +90,12 @@ struct ForwardSetup {
   const __nv_bfloat16 *x, *w1, *w2;
   __nv_bfloat16 *h, *z, *y;
   GemmTables g1, g2;
+  // GEMM1 with the SwiGLU epilogue (else null): its z and gate tables, the gates' stride (device)
+  void** g1_z;
+  const float** g1_gate;
+  int64_t* g1_gate_stride;
+  const float* gate;  // rows' gates or null
+  int64_t gate_stride;
   int64_t* total;  // device: the rows this call computes (-1 after an overflow)
   int64_t* fault;  // device view of a host-mapped word: the total that overflowed, sticky
 };
@@ -158,6 +166,11 @@ __global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p
   const int64_t H = p.H, F = p.F;
   SetGroup(p.g1, e, m, static_cast<int32_t>(2 * F), static_cast<int32_t>(H), p.x + off * H, p.w1 + e * H * 2 * F, p.h + off * 2 * F);
   SetGroup(p.g2, e, m, static_cast<int32_t>(H), static_cast<int32_t>(F), p.z + off * F, p.w2 + e * F * H, p.y + off * H);
+  if (p.g1_z) {
+    p.g1_z[e] = p.z + off * F;
+    p.g1_gate[e] = p.gate ? p.gate + off * p.gate_stride : nullptr;
+    if (e == 0) *p.g1_gate_stride = p.gate_stride;
+  }
 }
 
 __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup p) {
@@ -193,8 +206,12 @@ __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t*
 
 class CutlassExpertCompute final : public ExpertCompute {
  public:
-  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles, void* scratch)
-      : desc_(d), device_(device), tiles_(tiles), external_scratch_(scratch) {}
+  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles, bool swiglu_epilogue, void* scratch)
+      : desc_(d),
+        device_(device),
+        tiles_(tiles),
+        fused_swiglu_(swiglu_epilogue && d.gate_up == mlp::GateUp::kInterleaved8),
+        external_scratch_(scratch) {}
   ~CutlassExpertCompute() override {
     int current = 0;
     cudaGetDevice(&current);
@@ -224,7 +241,12 @@ class CutlassExpertCompute final : public ExpertCompute {
     gemms_ = std::make_unique<Gemms>();
     Gemms& g = *gemms_;
     const RoleTiles& t = tiles_;
-    RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, H, 2 * F, 2 * F, t.g1, g.g1));       // h [m][2F] = x [m][H] . W1 [H][2F]
+    if (fused_swiglu_ && !internal::GroupedGemmTileHasSwiglu(t.g1))
+      return InvalidArgument(std::string("cutlass expert compute: tiles.gemm1 = ") + internal::GroupedGemmTileName(t.g1) +
+                             " has no SwiGLU epilogue (built: coop_128x128, coop_128x256, ping_128x128); name one of those or set "
+                             "tiles.swiglu_epilogue = false");
+    RDEP_RETURN_IF_ERROR(make(fused_swiglu_ ? GroupedGemmKind::kNN_SwiGLU : GroupedGemmKind::kNN, H, 2 * F, 2 * F, t.g1,
+                              g.g1));  // h [m][2F] = x [m][H] . W1 [H][2F] (and z [m][F], fused)
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, F, H, H, t.g2, g.g2));               // y [m][H] = z [m][F] . W2 [F][H]
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, H, H, F, t.dz, g.dz));               // dz [m][F] = dout [m][H] . (W2 [F][H])^T
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, 2 * F, 2 * F, H, t.dx, g.dx));       // dx [m][H] = dh [m][2F] . (W1 [H][2F])^T
@@ -266,11 +288,14 @@ class CutlassExpertCompute final : public ExpertCompute {
     RDEP_RETURN_IF_ERROR(CheckCall(rows, w));
     Gemms& g = *gemms_;
     const ForwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, w.w1,
-                         w.w2, h, z_, y, Tables(*g.g1), Tables(*g.g2), total_, fault_dev_};
+                         w.w2, h, z_, y, Tables(*g.g1), Tables(*g.g2), g.g1->ptr_z(), g.g1->ptr_gate(), g.g1->gate_stride(),
+                         rows.gate, rows.gate_stride, total_, fault_dev_};
     ForwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
     RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     RDEP_RETURN_IF_ERROR(g.g1->Run(0.0f, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_, rows.gate, rows.gate_stride));
+    if (!fused_swiglu_)
+      RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_, rows.gate,
+                                                              rows.gate_stride, Interleaved()));
     return g.g2->Run(0.0f, stream);
   }
 
@@ -299,9 +324,9 @@ class CutlassExpertCompute final : public ExpertCompute {
     RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
     if (rows.gate)  // in place; dgate per row from dz' = dout.W2^T and the recomputed swiglu(h)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackwardGated(h, z_, rows.gate, rows.gate_stride, z_, h, rows.dgate, rows.max_rows,
-                                                                    desc_.ffn, stream, total_));
-    else
-      RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_));  // in place
+                                                                    desc_.ffn, stream, total_, Interleaved()));
+    else  // in place
+      RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_, Interleaved()));
     const float beta = accumulate ? 1.0f : 0.0f;
     RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));  // the last reader of dout: dx may go over it
     RDEP_RETURN_IF_ERROR(g.dx->Run(0.0f, stream));
@@ -323,6 +348,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   };
 
   static GemmTables Tables(GroupedGemmSm90& g) { return {g.problems(), g.ptr_a(), g.ptr_b(), g.ptr_d()}; }
+  bool Interleaved() const { return desc_.gate_up == mlp::GateUp::kInterleaved8; }
 
   // Host checks of a call, and the fault a previous call's setup raised (read from mapped memory: no
   // synchronization; a fault of a call still in flight shows at a later call).
@@ -348,6 +374,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   ExpertMlpDesc desc_;
   int device_;
   RoleTiles tiles_;
+  bool fused_swiglu_;  // GEMM1 writes z in its epilogue (W1 kInterleaved8 and tiles.swiglu_epilogue)
   std::unique_ptr<Gemms> gemms_;
   void* external_scratch_ = nullptr;  // the caller's z (MakeCutlassExpertCompute's scratch), or null
   __nv_bfloat16* z_ = nullptr;        // [max_rows][F]: z forward; dz, then z over it, backward
@@ -378,7 +405,7 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   if (reinterpret_cast<uintptr_t>(scratch) % 16 != 0)
     return InvalidArgument("cutlass expert compute: scratch must be 16-byte aligned");
-  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, scratch);
+  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, tiles.swiglu_epilogue, scratch);
   RDEP_RETURN_IF_ERROR(c->Init());
   if (tiles.gemm_sms != 0) RDEP_RETURN_IF_ERROR(c->LimitSms(tiles.gemm_sms));
   return std::unique_ptr<ExpertCompute>(std::move(c));

@@ -113,6 +113,8 @@ Status ExpertMlpDesc::Validate() const {
   if (hidden % 8 != 0 || ffn % 8 != 0)
     return InvalidArgument("ExpertMlpDesc: hidden and ffn must be multiples of 8 (16-byte rows): " + os.str());
   if (max_rows < 0) return InvalidArgument("ExpertMlpDesc: max_rows must be >= 0: " + os.str());
+  if (gate_up != mlp::GateUp::kSplit && gate_up != mlp::GateUp::kInterleaved8)
+    return InvalidArgument("ExpertMlpDesc: gate_up must be kSplit or kInterleaved8: " + os.str());
   if (max_rows > (int64_t{1} << 31) - 1 || 2 * ffn > (int64_t{1} << 31) - 1)
     return InvalidArgument("ExpertMlpDesc: dimensions must fit in int32: " + os.str());
   return Status::Ok();
@@ -120,7 +122,7 @@ Status ExpertMlpDesc::Validate() const {
 
 std::ostream& operator<<(std::ostream& os, const ExpertMlpDesc& d) {
   return os << "ExpertMlpDesc{E_loc=" << d.num_experts << " H=" << d.hidden << " F=" << d.ffn
-            << " max_rows=" << d.max_rows << "}";
+            << " max_rows=" << d.max_rows << " gate_up=" << mlp::GateUpName(d.gate_up) << "}";
 }
 
 const char* GemmPathName(GemmPath p) {
@@ -141,6 +143,7 @@ struct ExpertMlp::Impl {
   ExpertMlpDesc desc;
   ExpertMlpConfig config;
   int device = 0;
+  bool Interleaved() const { return desc.gate_up == mlp::GateUp::kInterleaved8; }
   cublasLtHandle_t lt = nullptr;
   cublasHandle_t blas = nullptr;
   // Fan-out streams: slot 0 is the caller's stream, slots 1.. are ours.
@@ -447,7 +450,7 @@ Status ExpertMlp::Forward(const __nv_bfloat16* x, const int64_t* rows_per_expert
   const int64_t kB = 2;  // bytes per bf16
   if (I.UseGrouped(rows_per_expert)) {
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kFwd1, rows_per_expert, {x, 0, H * kB}, {w1, H * 2 * F * kB, 0}, {h, 0, 2 * F * kB}, stream));
-    RDEP_LAUNCH(internal::LaunchSwigluForward(h, I.z, M, F, stream));
+    RDEP_LAUNCH(internal::LaunchSwigluForward(h, I.z, M, F, stream, nullptr, nullptr, 1, I.Interleaved()));
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kFwd2, rows_per_expert, {I.z, 0, F * kB}, {w2, F * H * kB, 0}, {y, 0, H * kB}, stream));
     return Status::Ok();
   }
@@ -461,7 +464,7 @@ Status ExpertMlp::Forward(const __nv_bfloat16* x, const int64_t* rows_per_expert
     cudaStream_t s = I.SlotStream(slot, stream);
     const int64_t off = I.offsets[static_cast<size_t>(e)];
     RDEP_RETURN_IF_ERROR(I.RunLt(kFwd1, m, x + off * H, w1 + e * H * 2 * F, h + off * 2 * F, 0.0f, slot, s));
-    RDEP_LAUNCH(internal::LaunchSwigluForward(h + off * 2 * F, I.z + off * F, m, F, s));
+    RDEP_LAUNCH(internal::LaunchSwigluForward(h + off * 2 * F, I.z + off * F, m, F, s, nullptr, nullptr, 1, I.Interleaved()));
     RDEP_RETURN_IF_ERROR(I.RunLt(kFwd2, m, I.z + off * F, w2 + e * F * H, y + off * H, 0.0f, slot, s));
   }
   return I.Join(used, stream);
@@ -515,7 +518,7 @@ Status ExpertMlp::BackwardImpl(const __nv_bfloat16* x, const __nv_bfloat16* h, c
   const int64_t kB = 2;
   if (I.UseGrouped(rows_per_expert)) {
     RDEP_RETURN_IF_ERROR(I.RunGrouped(kDz, rows_per_expert, {dout, 0, H * kB}, {w2, F * H * kB, 0}, {I.dz, 0, F * kB}, stream));
-    RDEP_LAUNCH(internal::LaunchSwigluBackward(h, I.dz, I.z, I.dh, M, F, stream));
+    RDEP_LAUNCH(internal::LaunchSwigluBackward(h, I.dz, I.z, I.dh, M, F, stream, nullptr, I.Interleaved()));
     // dx grouped on the caller's stream, concurrently with the weight gradients (fp32 out, per expert on
     // the fanned-out streams; slot 0 is the caller's stream, so its workspace use stays ordered).
     int used = 0;
@@ -544,7 +547,7 @@ Status ExpertMlp::BackwardImpl(const __nv_bfloat16* x, const __nv_bfloat16* h, c
     __nv_bfloat16* dz = I.dz + off * F;
     __nv_bfloat16* dh = I.dh + off * 2 * F;
     RDEP_RETURN_IF_ERROR(I.RunLt(kDz, m, dout + off * H, w2 + e * F * H, dz, 0.0f, slot, s));
-    RDEP_LAUNCH(internal::LaunchSwigluBackward(h + off * 2 * F, dz, z, dh, m, F, s));
+    RDEP_LAUNCH(internal::LaunchSwigluBackward(h + off * 2 * F, dz, z, dh, m, F, s, nullptr, I.Interleaved()));
     RDEP_RETURN_IF_ERROR(I.RunLt(kDx, m, dh, w1 + e * H * 2 * F, dx + off * H, 0.0f, slot, s));
     RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw2, m, z, dout + off * H, dw2 + e * F * H * grad_bytes, beta, slot, s));
     RDEP_RETURN_IF_ERROR(I.RunLt(kind_dw1, m, x + off * H, dh, dw1 + e * H * 2 * F * grad_bytes, beta, slot, s));

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "experts/expert_mlp_kernels.cuh"
+#include "experts/swiglu_math.cuh"
 
 namespace rdep::kernels::internal {
 namespace {
@@ -20,7 +21,7 @@ union Vec8 {
   __nv_bfloat162 pair[4];
 };
 
-__device__ __forceinline__ float Sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
+__device__ __forceinline__ float Sigmoid(float a) { return SwigluSigmoid(a); }
 
 // The rows to process: the host count, or (device_rows non-null) the device count capped by it (a
 // negative device count, an overflowed call's, is 0).
@@ -31,23 +32,22 @@ __device__ __forceinline__ int64_t NumVec(const int64_t* device_rows, int64_t ro
 
 __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ z,
                                     const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F,
-                                    const float* __restrict__ gate, int64_t gate_stride) {
+                                    const float* __restrict__ gate, int64_t gate_stride, bool interleaved) {
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
     const float w = gate ? gate[row * gate_stride] : 1.0f;
-    // h row layout: [gate 0..F) [up F..2F)
-    const __nv_bfloat16* hr = h + row * 2 * F + col;
+    const __nv_bfloat16* hr = h + row * 2 * F;
     Vec8 g, u, out;
-    g.raw = *reinterpret_cast<const uint4*>(hr);
-    u.raw = *reinterpret_cast<const uint4*>(hr + F);
+    g.raw = *reinterpret_cast<const uint4*>(hr + GateVecCol(col, interleaved));
+    u.raw = *reinterpret_cast<const uint4*>(hr + UpVecCol(col, F, interleaved));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 a = __bfloat1622float2(g.pair[j]);
       const float2 b = __bfloat1622float2(u.pair[j]);
-      out.pair[j] = gate ? __floats2bfloat162_rn(w * (a.x * Sigmoid(a.x) * b.x), w * (a.y * Sigmoid(a.y) * b.y))
-                         : __floats2bfloat162_rn(a.x * Sigmoid(a.x) * b.x, a.y * Sigmoid(a.y) * b.y);
+      out.pair[j] = gate ? __floats2bfloat162_rn(w * SwigluOf(a.x, b.x), w * SwigluOf(a.y, b.y))
+                         : __floats2bfloat162_rn(SwigluOf(a.x, b.x), SwigluOf(a.y, b.y));
     }
     *reinterpret_cast<uint4*>(z + row * F + col) = out.raw;
   }
@@ -56,12 +56,13 @@ __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bf
 // The SwiGLU backward of one vector: loads its three inputs before it stores anything, so it is right in
 // place too (z == dz, dh == h: each element is read and written by one thread only).
 __device__ __forceinline__ void SwigluBackwardVec(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z,
-                                                  __nv_bfloat16* dh, int64_t i, int64_t vec_per_row, int64_t F) {
+                                                  __nv_bfloat16* dh, int64_t i, int64_t vec_per_row, int64_t F, bool interleaved) {
   const int64_t row = i / vec_per_row, col = (i - row * vec_per_row) * kVec;
-  const __nv_bfloat16* hr = h + row * 2 * F + col;
+  const int64_t gc = GateVecCol(col, interleaved), uc = UpVecCol(col, F, interleaved);
+  const __nv_bfloat16* hr = h + row * 2 * F;
   Vec8 g, u, d, zo, dg, du;
-  g.raw = *reinterpret_cast<const uint4*>(hr);
-  u.raw = *reinterpret_cast<const uint4*>(hr + F);
+  g.raw = *reinterpret_cast<const uint4*>(hr + gc);
+  u.raw = *reinterpret_cast<const uint4*>(hr + uc);
   d.raw = *reinterpret_cast<const uint4*>(dz + row * F + col);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -76,33 +77,34 @@ __device__ __forceinline__ void SwigluBackwardVec(const __nv_bfloat16* h, const 
     du.pair[j] = __floats2bfloat162_rn(dd.x * silu_x, dd.y * silu_y);
   }
   *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
-  __nv_bfloat16* dhr = dh + row * 2 * F + col;
-  *reinterpret_cast<uint4*>(dhr) = dg.raw;
-  *reinterpret_cast<uint4*>(dhr + F) = du.raw;
+  __nv_bfloat16* dhr = dh + row * 2 * F;
+  *reinterpret_cast<uint4*>(dhr + gc) = dg.raw;
+  *reinterpret_cast<uint4*>(dhr + uc) = du.raw;
 }
 
 // Separate buffers (the cuBLASLt compute): __restrict__ lets the loads take the read-only path.
 __global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
                                      __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, const int64_t* device_rows,
-                                     int64_t rows, int64_t vec_per_row, int64_t F) {
+                                     int64_t rows, int64_t vec_per_row, int64_t F, bool interleaved) {
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F);
+    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F, interleaved);
 }
 
 // In place (z == dz, dh == h: the CUTLASS compute's backward): no __restrict__.
 __global__ void SwigluBackwardInPlaceKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
-                                            const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F) {
+                                            const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F,
+                                            bool interleaved) {
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F);
+    SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F, interleaved);
 }
 
 // The gate before W2, one warp per row (LaunchSwigluBackwardGated). Each element is read and written by one
 // lane, loads before stores: right in place. No __restrict__ (z may be dz, dh may be h).
 __global__ void SwigluBackwardGatedKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, const float* gate, int64_t gate_stride,
                                           __nv_bfloat16* z, __nv_bfloat16* dh, float* dgate, const int64_t* device_rows,
-                                          int64_t rows_bound, int64_t vec_per_row, int64_t F) {
+                                          int64_t rows_bound, int64_t vec_per_row, int64_t F, bool interleaved) {
   const int64_t rows = device_rows ? max(int64_t{0}, min(*device_rows, rows_bound)) : rows_bound;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
@@ -111,10 +113,11 @@ __global__ void SwigluBackwardGatedKernel(const __nv_bfloat16* h, const __nv_bfl
     float dot = 0.0f;
     for (int64_t v = lane; v < vec_per_row; v += 32) {
       const int64_t col = v * kVec;
-      const __nv_bfloat16* hr = h + row * 2 * F + col;
+      const int64_t gc = GateVecCol(col, interleaved), uc = UpVecCol(col, F, interleaved);
+      const __nv_bfloat16* hr = h + row * 2 * F;
       Vec8 g, u, d, zo, dg, du;
-      g.raw = *reinterpret_cast<const uint4*>(hr);
-      u.raw = *reinterpret_cast<const uint4*>(hr + F);
+      g.raw = *reinterpret_cast<const uint4*>(hr + gc);
+      u.raw = *reinterpret_cast<const uint4*>(hr + uc);
       d.raw = *reinterpret_cast<const uint4*>(dz + row * F + col);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -133,9 +136,9 @@ __global__ void SwigluBackwardGatedKernel(const __nv_bfloat16* h, const __nv_bfl
         du.pair[j] = __floats2bfloat162_rn(gx * silu_x, gy * silu_y);
       }
       *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
-      __nv_bfloat16* dhr = dh + row * 2 * F + col;
-      *reinterpret_cast<uint4*>(dhr) = dg.raw;
-      *reinterpret_cast<uint4*>(dhr + F) = du.raw;
+      __nv_bfloat16* dhr = dh + row * 2 * F;
+      *reinterpret_cast<uint4*>(dhr + gc) = dg.raw;
+      *reinterpret_cast<uint4*>(dhr + uc) = du.raw;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
@@ -159,36 +162,37 @@ int GridFor(int64_t num_vec) {
 }  // namespace
 
 cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_t rows, int64_t F, cudaStream_t stream,
-                                const int64_t* device_rows, const float* gate, int64_t gate_stride) {
+                                const int64_t* device_rows, const float* gate, int64_t gate_stride, bool interleaved) {
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
   const int64_t vec_per_row = F / kVec;
-  SwigluForwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, z, device_rows, rows, vec_per_row, F, gate, gate_stride);
+  SwigluForwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, z, device_rows, rows, vec_per_row, F, gate, gate_stride,
+                                                                             interleaved);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchSwigluBackwardGated(const __nv_bfloat16* h, const __nv_bfloat16* dz, const float* gate, int64_t gate_stride,
                                       __nv_bfloat16* z, __nv_bfloat16* dh, float* dgate, int64_t rows, int64_t F, cudaStream_t stream,
-                                      const int64_t* device_rows) {
+                                      const int64_t* device_rows, bool interleaved) {
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0 || !gate || !dgate) return cudaErrorInvalidValue;
   const int64_t warps_per_block = kThreads / 32;
   const int64_t blocks = std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block, 132 * 16);
   SwigluBackwardGatedKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(h, dz, gate, gate_stride, z, dh, dgate, device_rows,
-                                                                                   rows, F / kVec, F);
+                                                                                   rows, F / kVec, F, interleaved);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
-                                 int64_t rows, int64_t F, cudaStream_t stream, const int64_t* device_rows) {
+                                 int64_t rows, int64_t F, cudaStream_t stream, const int64_t* device_rows, bool interleaved) {
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
   const int64_t vec_per_row = F / kVec;
   const int grid = GridFor(rows * vec_per_row);
   if (static_cast<const void*>(z) == dz || static_cast<const void*>(dh) == h)
-    SwigluBackwardInPlaceKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
+    SwigluBackwardInPlaceKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F, interleaved);
   else
-    SwigluBackwardKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F);
+    SwigluBackwardKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F, interleaved);
   return cudaGetLastError();
 }
 

@@ -18,6 +18,7 @@ const char* GroupedGemmKindName(GroupedGemmKind k) {
     case GroupedGemmKind::kNT: return "NT (bf16)";
     case GroupedGemmKind::kTN_F32: return "TN (fp32 out)";
     case GroupedGemmKind::kTN_BF16: return "TN (bf16 out)";
+    case GroupedGemmKind::kNN_SwiGLU: return "NN (bf16) + SwiGLU";
   }
   return "?";
 }

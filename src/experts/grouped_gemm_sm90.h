@@ -8,6 +8,9 @@
 //   kNT      D[m][n] bf16 = A[m][k] . B[n][k]^T          A, B row-major     (dgrad: dout.W2^T, dh.W1^T)
 //   kTN_F32  D[m][n] fp32 = A[k][m]^T . B[k][n] + beta.D  A, B row-major     (wgrad: z^T.dout, x^T.dh)
 //   kTN_BF16 D[m][n] bf16 = A[k][m]^T . B[k][n]          (wgrad into bf16 gradients, overwritten)
+//   kNN_SwiGLU  kNN, and z[m][j] = silu(D[m][gate j]) * D[m][up j] (times the row's gate if given) with
+//            D's columns as rdep::mlp::GateUp::kInterleaved8 (forward: h = x.W1 and z in one pass);
+//            z's row length is ldd / 2; tables ptr_z(), ptr_gate() per group, *gate_stride() (device)
 // Every operand is dense row-major with its row length fixed per kind and object (lda, ldb, ldd given
 // at Create), so only the group's (m, n, k) and its three pointers change from call to call: the
 // caller writes them into problems(), ptr_a(), ptr_b(), ptr_d() (device arrays of G entries) on the
@@ -29,7 +32,7 @@
 
 namespace rdep::kernels::internal {
 
-enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16 };
+enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16, kNN_SwiGLU };
 const char* GroupedGemmKindName(GroupedGemmKind k);
 
 // The kernel configurations built (grouped_gemm_sm90_runner.cuh): CTA tile M x N (x 64 of K), cluster
@@ -50,6 +53,10 @@ inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::kCoop12
                                                        GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1,
                                                        GroupedGemmTile::kCoop256x128C2x1, GroupedGemmTile::kCoop128x256C2x1};
 const char* GroupedGemmTileName(GroupedGemmTile t);
+// The tiles built with kNN_SwiGLU (each kind a tile has costs compile time; these are GEMM1's candidates).
+constexpr bool GroupedGemmTileHasSwiglu(GroupedGemmTile t) {
+  return t == GroupedGemmTile::kCoop128x128 || t == GroupedGemmTile::kCoop128x256 || t == GroupedGemmTile::kPing128x128;
+}
 StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name);
 
 // One group's problem size, as the kernel reads it (cute::Shape<int, int, int>: m, n, k).
@@ -75,6 +82,11 @@ class GroupedGemmSm90 {
   virtual const void** ptr_a() = 0;
   virtual const void** ptr_b() = 0;
   virtual void** ptr_d() = 0;
+  // kNN_SwiGLU only (null otherwise): per group, its first z row and its first row's gate (null = no gate);
+  // one device int64, the gates' stride in floats.
+  virtual void** ptr_z() { return nullptr; }
+  virtual const float** ptr_gate() { return nullptr; }
+  virtual int64_t* gate_stride() { return nullptr; }
 
   // The persistent grid's size: at most `sms` CTAs (one per SM), leaving the others free for kernels on
   // other streams (the overlapped layer's transport); 0 = every SM of the device. The tiles each CTA

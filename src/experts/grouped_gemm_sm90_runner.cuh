@@ -7,7 +7,7 @@
 // kernel rewrites per group, wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
 // tiles of every group (PersistentTileSchedulerSm90Group); with no host copy of the problem sizes the
 // grid is sized from the SM count. Epilogue: D = acc (+ beta*C for the fp32 weight gradients, C = D)
-// through TMA stores.
+// through TMA stores; kNN_SwiGLU also writes z = swiglu(D) from the registers (swiglu_epilogue_sm90.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,6 +25,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "experts/grouped_gemm_sm90.h"
+#include "experts/swiglu_epilogue_sm90.cuh"
 #include "rdep/cuda/check.h"
 
 namespace rdep::kernels::internal {
@@ -59,9 +60,12 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == sizeof(GemmProblem), "GemmProblem mirrors cute::Shape<int,int,int>");
 
 // One kernel configuration: bf16 A and B in the given layouts (CUTLASS's convention: A is M x K, B is
-// K x N), D row-major, C (void = no source) for beta.
-template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_, class Tile>
+// K x N), D row-major, C (void = no source) for beta. FusionTree: void = D = alpha*acc + beta*C, else the
+// epilogue visitor tree (kNN_SwiGLU's).
+template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_, class Tile, class FusionTree = void>
 struct Config {
+  static constexpr bool kSwiglu = !cute::is_void_v<FusionTree>;
+  using Fusion = cute::conditional_t<kSwiglu, FusionTree, cutlass::epilogue::fusion::LinearCombination<ElementD_, float, ElementC_, float>>;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementC = ElementC_;
@@ -76,8 +80,7 @@ struct Config {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
-      typename Tile::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+      typename Tile::EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB, LayoutB*, kAlignB, float,
       TileShape, ClusterShape,
@@ -93,6 +96,8 @@ template <class Tile> using ConfigNN = Config<cutlass::bfloat16_t, RowMajor, Row
 template <class Tile> using ConfigNT = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void, Tile>;  // B stored [n][k]
 template <class Tile> using ConfigTN_F32 = Config<float, ColumnMajor, RowMajor, float, Tile>;          // A stored [k][m]
 template <class Tile> using ConfigTN_BF16 = Config<cutlass::bfloat16_t, ColumnMajor, RowMajor, void, Tile>;
+using SwigluTree = cutlass::epilogue::fusion::Sm90EVT<Sm90SwigluZStore, cutlass::epilogue::fusion::Sm90AccFetch>;
+template <class Tile> using ConfigNN_SwiGLU = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, SwigluTree>;
 
 // A device allocation freed with its owner.
 struct DeviceBytes {
@@ -144,6 +149,18 @@ class Runner final : public GroupedGemmSm90 {
     RDEP_RETURN_IF_ERROR(stride_a_.Allocate(G * sizeof(StrideA)));
     RDEP_RETURN_IF_ERROR(stride_b_.Allocate(G * sizeof(StrideB)));
     RDEP_RETURN_IF_ERROR(stride_d_.Allocate(G * sizeof(StrideD)));
+    if constexpr (Cfg::kSwiglu) {
+      if (ldd % 16 != 0)
+        return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": ldd = " + std::to_string(ldd) +
+                               " must be a multiple of 16 (2F, F a multiple of 8)");
+      ldz_ = ldd / 2;
+      RDEP_RETURN_IF_ERROR(ptr_z_.Allocate(G * sizeof(void*)));
+      RDEP_RETURN_IF_ERROR(ptr_gate_.Allocate(G * sizeof(void*)));
+      RDEP_RETURN_IF_ERROR(gate_stride_.Allocate(sizeof(int64_t)));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_z_.ptr, 0, G * sizeof(void*)));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_gate_.ptr, 0, G * sizeof(void*)));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(gate_stride_.ptr, 0, sizeof(int64_t)));
+    }
     const std::vector<StrideA> sa(G, LeadingDimStride<StrideA>(lda));
     const std::vector<StrideB> sb(G, LeadingDimStride<StrideB>(ldb));
     const std::vector<StrideD> sd(G, LeadingDimStride<StrideD>(ldd));
@@ -166,12 +183,15 @@ class Runner final : public GroupedGemmSm90 {
   int32_t num_groups() const override { return groups_; }
   size_t device_bytes() const override {
     return problems_.bytes + ptr_a_.bytes + ptr_b_.bytes + ptr_d_.bytes + stride_a_.bytes + stride_b_.bytes + stride_d_.bytes +
-           workspace_.bytes;
+           workspace_.bytes + ptr_z_.bytes + ptr_gate_.bytes + gate_stride_.bytes;
   }
   GemmProblem* problems() override { return static_cast<GemmProblem*>(problems_.ptr); }
   const void** ptr_a() override { return static_cast<const void**>(ptr_a_.ptr); }
   const void** ptr_b() override { return static_cast<const void**>(ptr_b_.ptr); }
   void** ptr_d() override { return static_cast<void**>(ptr_d_.ptr); }
+  void** ptr_z() override { return static_cast<void**>(ptr_z_.ptr); }
+  const float** ptr_gate() override { return static_cast<const float**>(ptr_gate_.ptr); }
+  int64_t* gate_stride() override { return static_cast<int64_t*>(gate_stride_.ptr); }
 
   Status LimitSms(int32_t sms) override {
     if (sms < 0) return InvalidArgument("grouped GEMM: sms must be >= 0 (0 = every SM), got " + std::to_string(sms));
@@ -212,11 +232,19 @@ class Runner final : public GroupedGemmSm90 {
     args.mainloop.dA = static_cast<StrideA*>(stride_a_.ptr);
     args.mainloop.ptr_B = static_cast<const ElementB**>(ptr_b_.ptr);
     args.mainloop.dB = static_cast<StrideB*>(stride_b_.ptr);
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = 1.0f;
-    fusion.beta = beta;
-    fusion.alpha_ptr = nullptr;
-    fusion.beta_ptr = nullptr;
+    if constexpr (Cfg::kSwiglu) {
+      auto& z = args.epilogue.thread.op_1;  // Sm90EVT<node, child>: op_0 the child (AccFetch), op_1 the node
+      z.ptr_z = static_cast<__nv_bfloat16**>(ptr_z_.ptr);
+      z.ptr_gate = static_cast<const float* const*>(ptr_gate_.ptr);
+      z.gate_stride = static_cast<const int64_t*>(gate_stride_.ptr);
+      z.ldz = ldz_;
+    } else {
+      auto& fusion = args.epilogue.thread;
+      fusion.alpha = 1.0f;
+      fusion.beta = beta;
+      fusion.alpha_ptr = nullptr;
+      fusion.beta_ptr = nullptr;
+    }
     if constexpr (kHasSource) {  // C is D: the weight gradient accumulates in place
       args.epilogue.ptr_C = static_cast<const ElementC**>(ptr_d_.ptr);
       args.epilogue.dC = static_cast<StrideC*>(stride_d_.ptr);
@@ -236,6 +264,8 @@ class Runner final : public GroupedGemmSm90 {
   int device_;
   cutlass::KernelHardwareInfo hw_;
   DeviceBytes problems_, ptr_a_, ptr_b_, ptr_d_, stride_a_, stride_b_, stride_d_, workspace_;
+  DeviceBytes ptr_z_, ptr_gate_, gate_stride_;  // kNN_SwiGLU only
+  int64_t ldz_ = 0;
   Gemm gemm_;
   float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
 };
@@ -260,6 +290,12 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiledImpl(GroupedGemmKind kind, i
     case GroupedGemmKind::kNT: return tiled::Make<tiled::ConfigNT<Tile>>(kind, T, groups, lda, ldb, ldd, device);
     case GroupedGemmKind::kTN_F32: return tiled::Make<tiled::ConfigTN_F32<Tile>>(kind, T, groups, lda, ldb, ldd, device);
     case GroupedGemmKind::kTN_BF16: return tiled::Make<tiled::ConfigTN_BF16<Tile>>(kind, T, groups, lda, ldb, ldd, device);
+    case GroupedGemmKind::kNN_SwiGLU:
+      if constexpr (GroupedGemmTileHasSwiglu(T))
+        return tiled::Make<tiled::ConfigNN_SwiGLU<Tile>>(kind, T, groups, lda, ldb, ldd, device);
+      else
+        return Unavailable(std::string("grouped GEMM NN + SwiGLU: tile ") + GroupedGemmTileName(T) +
+                             " is not built with the SwiGLU epilogue (GroupedGemmTileHasSwiglu)");
   }
   return InvalidArgument("grouped GEMM: unknown kind");
 }

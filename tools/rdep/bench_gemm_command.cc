@@ -44,7 +44,7 @@ using rdep::cli::Flags;
 constexpr const char* kHelp =
     "usage: rdep bench gemm [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072]\n"
     "         [--routing uniform|zipf:A] [--path auto,lt,grouped,cutlass] [--streams 8] [--workspace-mib 8]\n"
-    "         [--no-backward] [--grads fp32|bf16]\n"
+    "         [--no-backward] [--grads fp32|bf16] [--gate-up split|interleaved8]\n"
     "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
     "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
     "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
@@ -53,6 +53,9 @@ constexpr const char* kHelp =
     "G1/G2/DZ/DX/DW2/DW1 (a tile per GEMM, empty = its default), e.g. cutlass:////coop_128x256/.\n"
     "--grads: the expert weight gradients backward writes (overwritten): fp32 [default], or bf16 as\n"
     "rdep.torch's bf16 parameters and torch._grouped_mm's autograd have them.\n"
+    "--gate-up: where W1's columns hold the gate and up projections: split (gate | up) [default] or\n"
+    "interleaved8 (blocks of 8), with which the cutlass path takes the SwiGLU in GEMM1's epilogue;\n"
+    "path cutlass-unfused keeps the separate SwiGLU kernel (the A/B).\n"
     "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
     "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
 
@@ -222,6 +225,7 @@ struct GemmBenchOptions {
   int64_t workspace_mib = 0;
   bool no_backward = false;
   bool bf16_grads = false;  // --grads bf16
+  rdep::mlp::GateUp gate_up = rdep::mlp::GateUp::kSplit;  // --gate-up
   int warmup = 0, iters = 0;
   int64_t dense_n = 0;
   uint64_t seed = 0;
@@ -276,10 +280,15 @@ rdep::StatusOr<std::vector<BenchPath>> ParseGemmPaths(const std::string& paths_t
     else if (p == "lt") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kLtPerExpert), false, GemmPath::kLtPerExpert, {}});
     else if (p == "grouped") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kGrouped), false, GemmPath::kGrouped, {}});
     else if (p == "cutlass") paths.push_back({"cutlass", true, {}, {}});
+    else if (p == "cutlass-unfused") {
+      rdep::kernels::CutlassTiles unfused;
+      unfused.swiglu_epilogue = false;
+      paths.push_back({"cutlass-unfused", true, {}, unfused});
+    }
     else if (p.rfind("cutlass:", 0) == 0) {
       RDEP_ASSIGN_OR_RETURN(std::vector<BenchPath> more, ParseCutlassPath(p.substr(8)));
       paths.insert(paths.end(), more.begin(), more.end());
-    } else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped, cutlass or cutlass:TILES");
+    } else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped, cutlass, cutlass-unfused or cutlass:TILES");
   }
   if (paths.empty()) return rdep::InvalidArgument("--path: empty list");
   return paths;
@@ -299,6 +308,7 @@ rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
   o.workspace_mib = f.get_int("workspace-mib", static_cast<int64_t>(defaults.lt_workspace_bytes >> 20));
   o.no_backward = f.get_bool("no-backward");
   const std::string grads = f.get_string("grads", "fp32");
+  const std::string gate_up = f.get_string("gate-up", "split");
   o.warmup = static_cast<int>(f.get_int("warmup", 20));
   o.iters = static_cast<int>(f.get_int("iters", 200));
   o.dense_n = f.get_int("dense", 8192);
@@ -313,6 +323,9 @@ rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
   if (o.iters < 1 || o.warmup < 0) return rdep::InvalidArgument("--iters must be >= 1 and --warmup >= 0");
   if (grads != "fp32" && grads != "bf16") return rdep::InvalidArgument("--grads must be fp32 or bf16, got '" + grads + "'");
   o.bf16_grads = grads == "bf16";
+  if (gate_up != "split" && gate_up != "interleaved8")
+    return rdep::InvalidArgument("--gate-up must be split or interleaved8, got '" + gate_up + "'");
+  o.gate_up = gate_up == "split" ? rdep::mlp::GateUp::kSplit : rdep::mlp::GateUp::kInterleaved8;
   for (int64_t mu : *mus)
     if (mu < 0) return rdep::InvalidArgument("--mu: values must be >= 0");
   RDEP_ASSIGN_OR_RETURN(o.alpha, ParseZipfAlpha(o.routing));
@@ -412,7 +425,7 @@ rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, con
   PathUnderTest t;
   if (path.cutlass) {
     RDEP_ASSIGN_OR_RETURN(t.compute,
-                          rdep::kernels::MakeCutlassExpertCompute({o.E, o.H, o.F, std::max<int64_t>(M, 1)}, 0, path.tiles));
+                          rdep::kernels::MakeCutlassExpertCompute({o.E, o.H, o.F, std::max<int64_t>(M, 1), o.gate_up}, 0, path.tiles));
     rdep::kernels::ExpertCompute* c = t.compute.get();
     const rdep::kernels::ExpertRows rows{counts_dev, M, nullptr};
     const rdep::kernels::ExpertWeightsView w{b.w1.as<B>(), b.w2.as<B>()};
@@ -431,7 +444,7 @@ rdep::StatusOr<PathUnderTest> MakePath(const GemmBenchOptions& o, int64_t M, con
   cfg.path = path.gemm;
   cfg.num_streams = o.streams;
   cfg.lt_workspace_bytes = static_cast<size_t>(o.workspace_mib) << 20;
-  RDEP_ASSIGN_OR_RETURN(t.mlp, rdep::kernels::ExpertMlp::Create({o.E, o.H, o.F, M}, 0, cfg));
+  RDEP_ASSIGN_OR_RETURN(t.mlp, rdep::kernels::ExpertMlp::Create({o.E, o.H, o.F, M, o.gate_up}, 0, cfg));
   rdep::kernels::ExpertMlp* mlp = t.mlp.get();
   const int64_t* hc = counts.data();
   t.fwd = [=, &b]() { return mlp->Forward(b.x.as<B>(), hc, b.w1.as<B>(), b.w2.as<B>(), b.h.as<B>(), b.y.as<B>(), stream); };
@@ -489,7 +502,7 @@ void PrintGemmHeader(const GemmBenchOptions& o, const GemmBenchEnv& env, const D
             << rdep::Summarize(dense.us).p50 << " us = " << dense.tflops << " TFLOP/s\n";
   std::cout << "L2: " << (l2_exceeded ? "no input rotation: the weights alone (" : "WARNING: working set may fit L2 (")
             << weight_bytes / 1e6 << " MB) exceed 2x L2 (" << prop.l2CacheSize / 1e6 << " MB)\n";
-  std::cout << std::setw(6) << "mu" << std::setw(9) << "path" << std::setw(8) << "M" << std::setw(7) << "rho"
+  std::cout << std::setw(6) << "mu" << std::setw(16) << "path" << std::setw(8) << "M" << std::setw(7) << "rho"
             << std::setw(11) << "fwd p50" << std::setw(11) << "fwd p99" << std::setw(10) << "TFLOP/s" << std::setw(8)
             << "%dense" << std::setw(12) << "f+b p50" << std::setw(10) << "TFLOP/s" << std::setw(11) << "peak MiB"
             << "\n";
@@ -497,7 +510,7 @@ void PrintGemmHeader(const GemmBenchOptions& o, const GemmBenchEnv& env, const D
 
 // One table row, printed as soon as it is measured (std::cout keeps the header's std::fixed).
 void PrintGemmRow(const Row& r, const DensePeak& dense) {
-  std::cout << std::setw(6) << r.mu << std::setw(9) << r.path << std::setw(8) << r.M << std::setw(7)
+  std::cout << std::setw(6) << r.mu << std::setw(16) << r.path << std::setw(8) << r.M << std::setw(7)
             << std::setprecision(2) << r.rho << std::setprecision(1) << std::setw(11) << r.fwd_p50 << std::setw(11)
             << rdep::Summarize(r.fwd_us).p99 << std::setw(10) << r.tflops_fwd << std::setw(8)
             << 100.0 * r.tflops_fwd / dense.tflops << std::setw(12) << r.fb_p50 << std::setw(10) << r.tflops_fb
@@ -513,6 +526,7 @@ void WriteGemmHead(rdep::JsonWriter& j, const GemmBenchOptions& o, const GemmBen
   j.field("experts_local", o.E).field("hidden", o.H).field("ffn", o.F).field("routing", o.routing);
   j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters).field("streams", o.streams);
   j.field("paths", o.paths_text).field("weight_gradients", o.bf16_grads ? "bf16" : "fp32");
+  j.field("gate_up", rdep::mlp::GateUpName(o.gate_up));
   j.end_object();
   j.key("hardware").begin_object();
   j.field("gpu", std::string(prop.name)).field("sm_count", prop.multiProcessorCount);

@@ -1,7 +1,8 @@
 // The SwiGLU expert MLP for one row, host side, in any floating type (double for the reference,
 // float for the host backend):  E(x) = W2 . (silu(x.W1g) * x.W1u)
 // Weight layout of one expert (row-major, the layout the CUDA kernels use too):
-//   w1 [H][2F]: columns [0, F) are the gate projection W1g, columns [F, 2F) the up projection W1u
+//   w1 [H][2F]: the gate projection W1g and the up projection W1u, their columns placed by GateUp
+//               (kSplit: W1g in [0, F), W1u in [F, 2F)); h, dh and dw1 place their 2F columns the same way
 //   w2 [F][H]
 #pragma once
 
@@ -10,20 +11,36 @@
 
 namespace rdep::mlp {
 
+// Where w1's (and h's) 2F columns hold gate feature j and up feature j.
+//   kSplit         gate j at j, up j at F + j (the layout of TorchTitan's w1 | w3 side by side)
+//   kInterleaved8  blocks of 8 features: gate j at 16 * (j / 8) + j % 8, up j 8 columns after it; needs
+//                  F % 8 == 0. A thread of a wgmma accumulator tile holds both columns of a feature, so
+//                  the CUTLASS compute takes the SwiGLU in GEMM1's epilogue (no pass over h).
+enum class GateUp : int32_t { kSplit = 0, kInterleaved8 = 1 };
+inline int64_t GateCol(int64_t j, int64_t /*F*/, GateUp l) {
+  return l == GateUp::kSplit ? j : 16 * (j / 8) + j % 8;
+}
+inline int64_t UpCol(int64_t j, int64_t F, GateUp l) { return l == GateUp::kSplit ? F + j : 16 * (j / 8) + j % 8 + 8; }
+inline const char* GateUpName(GateUp l) { return l == GateUp::kSplit ? "split" : "interleaved8"; }
+
 template <typename T>
 inline T sigmoid(T a) { return T(1) / (T(1) + std::exp(-a)); }
 
 // h[2F] = x . w1 (pre-activations), z[F] = silu(h_g) * h_u, out[H] = z . w2.
 // Weights are stored as W (float) and accumulated in Acc.
 template <typename Acc, typename X, typename Wt>
-void Forward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, Acc* h, Acc* z, Acc* out) {
+void Forward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, Acc* h, Acc* z, Acc* out,
+             GateUp layout = GateUp::kSplit) {
   for (int64_t c = 0; c < 2 * F; ++c) h[c] = Acc(0);
   for (int64_t i = 0; i < H; ++i) {
     const Acc xi = static_cast<Acc>(x[i]);
     const Wt* row = w1 + i * 2 * F;
     for (int64_t c = 0; c < 2 * F; ++c) h[c] += xi * static_cast<Acc>(row[c]);
   }
-  for (int64_t f = 0; f < F; ++f) z[f] = h[f] * sigmoid(h[f]) * h[F + f];
+  for (int64_t f = 0; f < F; ++f) {
+    const Acc a = h[GateCol(f, F, layout)];
+    z[f] = a * sigmoid(a) * h[UpCol(f, F, layout)];
+  }
   for (int64_t o = 0; o < H; ++o) out[o] = Acc(0);
   for (int64_t f = 0; f < F; ++f) {
     const Wt* row = w2 + f * H;
@@ -36,10 +53,13 @@ void Forward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, Acc* 
 // scratch needs 3F entries.
 template <typename Acc, typename X, typename Wt, typename G>
 void Backward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, const Acc* h, const Acc* dout,
-              G* dw1, G* dw2, Acc* dx, Acc* scratch) {
+              G* dw1, G* dw2, Acc* dx, Acc* scratch, GateUp layout = GateUp::kSplit) {
   Acc* z = scratch;
-  Acc* dh = scratch + F;  // [2F]
-  for (int64_t f = 0; f < F; ++f) z[f] = h[f] * sigmoid(h[f]) * h[F + f];
+  Acc* dh = scratch + F;  // [2F], columns as h's
+  for (int64_t f = 0; f < F; ++f) {
+    const Acc a = h[GateCol(f, F, layout)];
+    z[f] = a * sigmoid(a) * h[UpCol(f, F, layout)];
+  }
   for (int64_t f = 0; f < F; ++f) {
     const Wt* row = w2 + f * H;
     G* drow = dw2 + f * H;
@@ -48,10 +68,11 @@ void Backward(const X* x, const Wt* w1, const Wt* w2, int64_t H, int64_t F, cons
       dz += dout[o] * static_cast<Acc>(row[o]);
       drow[o] += static_cast<G>(z[f] * dout[o]);
     }
-    const Acc a = h[f], b = h[F + f], s = sigmoid(a);
+    const int64_t gc = GateCol(f, F, layout), uc = UpCol(f, F, layout);
+    const Acc a = h[gc], b = h[uc], s = sigmoid(a);
     const Acc silu = a * s, dsilu = s * (Acc(1) + a * (Acc(1) - s));
-    dh[f] = dz * b * dsilu;
-    dh[F + f] = dz * silu;
+    dh[gc] = dz * b * dsilu;
+    dh[uc] = dz * silu;
   }
   for (int64_t i = 0; i < H; ++i) {
     const Acc xi = static_cast<Acc>(x[i]);

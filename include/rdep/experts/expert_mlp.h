@@ -1,7 +1,8 @@
 // Expert compute on the owner: the SwiGLU expert MLP over expert-grouped rows, forward, dgrad and
 // wgrad, on one GPU. bf16 activations and weights, fp32 accumulation, fp32 weight gradients.
 //
-//   forward   h = x.W1            [M][2F]  (gate columns [0, F), up columns [F, 2F))
+//   forward   h = x.W1            [M][2F]  (gate and up columns placed by desc.gate_up: kSplit puts the gate
+//                                           in [0, F) and the up projection in [F, 2F); W1, dW1 and dh alike)
 //             z = silu(h_g) * h_u  [M][F]
 //             y = z.W2            [M][H]
 //   backward  dz   = dout.W2^T,  dW2_e = z_e^T.dout_e
@@ -36,6 +37,7 @@
 #include <memory>
 #include <ostream>
 
+#include "rdep/core/expert_mlp.h"
 #include "rdep/status.h"
 
 namespace rdep::kernels {
@@ -46,6 +48,7 @@ struct ExpertMlpDesc {
   int64_t hidden = 0;       // H
   int64_t ffn = 0;          // F (D_ff)
   int64_t max_rows = 0;     // upper bound on M = sum of rows_per_expert
+  mlp::GateUp gate_up = mlp::GateUp::kSplit;  // where W1's (and h's, dW1's) 2F columns hold gate and up
 
   Status Validate() const;
 };

@@ -1,0 +1,81 @@
+// The host expert MLP (rdep/core/expert_mlp.h) in both GateUp layouts: weights moved from kSplit to
+// kInterleaved8 give the same outputs and weight gradients (moved back) bit for bit in double (the same
+// products summed in the same order), the same input gradient to 1e-12 (its sum over the 2F columns runs
+// in the layout's order), and the column maps are permutations of [0, 2F).
+//   build/src/core/core_test --gtest_filter='ExpertMlpHost*'
+#include "rdep/core/expert_mlp.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "rdep/core/random.h"
+
+namespace rdep::mlp {
+namespace {
+
+std::vector<double> Random(size_t n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<double> v(n);
+  for (auto& x : v) x = rng.uniform() * 2 - 1;
+  return v;
+}
+
+// Rows of 2F columns from kSplit to `to` (kInterleaved8), or back.
+std::vector<double> Move(const std::vector<double>& v, int64_t F, bool to_interleaved) {
+  std::vector<double> out(v.size());
+  for (size_t r = 0; r < v.size() / static_cast<size_t>(2 * F); ++r)
+    for (int64_t j = 0; j < F; ++j) {
+      const size_t b = r * static_cast<size_t>(2 * F);
+      const auto g = static_cast<size_t>(GateCol(j, F, GateUp::kInterleaved8)), u = static_cast<size_t>(UpCol(j, F, GateUp::kInterleaved8));
+      if (to_interleaved) {
+        out[b + g] = v[b + static_cast<size_t>(j)];
+        out[b + u] = v[b + static_cast<size_t>(F + j)];
+      } else {
+        out[b + static_cast<size_t>(j)] = v[b + g];
+        out[b + static_cast<size_t>(F + j)] = v[b + u];
+      }
+    }
+  return out;
+}
+
+TEST(ExpertMlpHost, ColumnMapsArePermutations) {
+  for (int64_t F : {8, 24, 1408}) {
+    for (GateUp l : {GateUp::kSplit, GateUp::kInterleaved8}) {
+      std::vector<int> seen(static_cast<size_t>(2 * F), 0);
+      for (int64_t j = 0; j < F; ++j) {
+        ++seen[static_cast<size_t>(GateCol(j, F, l))];
+        ++seen[static_cast<size_t>(UpCol(j, F, l))];
+      }
+      for (int64_t c = 0; c < 2 * F; ++c) ASSERT_EQ(seen[static_cast<size_t>(c)], 1) << GateUpName(l) << " F=" << F << " column " << c;
+    }
+  }
+  EXPECT_EQ(GateCol(9, 24, GateUp::kInterleaved8), 17);  // block 1 of gate features starts at column 16
+  EXPECT_EQ(UpCol(9, 24, GateUp::kInterleaved8), 25);
+  EXPECT_EQ(UpCol(9, 24, GateUp::kSplit), 33);
+}
+
+TEST(ExpertMlpHost, InterleavedWeightsGiveTheSplitResults) {
+  const int64_t H = 16, F = 24;
+  const std::vector<double> x = Random(H, 1), w1 = Random(static_cast<size_t>(H * 2 * F), 2), w2 = Random(static_cast<size_t>(F * H), 3),
+                            dout = Random(H, 4);
+  const std::vector<double> w1i = Move(w1, F, true);
+  std::vector<double> h(2 * F), hi(2 * F), z(F), zi(F), y(H), yi(H);
+  Forward<double>(x.data(), w1.data(), w2.data(), H, F, h.data(), z.data(), y.data());
+  Forward<double>(x.data(), w1i.data(), w2.data(), H, F, hi.data(), zi.data(), yi.data(), GateUp::kInterleaved8);
+  EXPECT_EQ(yi, y);
+  EXPECT_EQ(zi, z);
+  EXPECT_EQ(Move(hi, F, false), h);
+  std::vector<double> dw1(w1.size(), 0.0), dw1i(w1.size(), 0.0), dw2(w2.size(), 0.0), dw2i(w2.size(), 0.0), dx(H), dxi(H), s(3 * F),
+      si(3 * F);
+  Backward<double>(x.data(), w1.data(), w2.data(), H, F, h.data(), dout.data(), dw1.data(), dw2.data(), dx.data(), s.data());
+  Backward<double>(x.data(), w1i.data(), w2.data(), H, F, hi.data(), dout.data(), dw1i.data(), dw2i.data(), dxi.data(), si.data(),
+                   GateUp::kInterleaved8);
+  for (int64_t i = 0; i < H; ++i) EXPECT_NEAR(dxi[static_cast<size_t>(i)], dx[static_cast<size_t>(i)], 1e-12) << "dx " << i;
+  EXPECT_EQ(dw2i, dw2);
+  EXPECT_EQ(Move(dw1i, F, false), dw1);
+}
+
+}  // namespace
+}  // namespace rdep::mlp

@@ -1,0 +1,125 @@
+// GEMM1's SwiGLU in its epilogue (issue 14 item 1): an epilogue visitor node for CUTLASS's sm90 TMA
+// warp-specialized epilogues (the ptr-array kind of grouped_gemm_sm90_runner.cuh) that, beside the usual
+// D = h store, writes z = silu(h_gate) * h_up (times the row's gate, when given) straight from the
+// accumulator registers into the group's z rows. W1 must place its columns as GateUp::kInterleaved8
+// (gate feature j at column 16*(j/8) + j%8, up feature j 8 columns after it): a wgmma accumulator
+// fragment holds columns 8c + 2q + {0, 1} for every c, so each thread has both columns of its features,
+// and z needs no second pass over h. Tree: Sm90EVT<Sm90SwigluZStore, Sm90AccFetch> (D = acc).
+//
+// Rounding is the element-wise kernel's (swiglu_math.cuh): a and b are the bf16 values stored in h, so
+// the fused and unfused forwards give the same z bits.
+// Include only from grouped_gemm_sm90_runner.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "experts/swiglu_math.cuh"
+
+namespace rdep::kernels::internal {
+
+struct Sm90SwigluZStore {
+  struct SharedStorage {};
+  // Device tables of one entry per group, filled by the caller before each launch (as the GEMM's own
+  // pointer tables are): the group's first z row, its first row's gate (a null entry or table: no gate),
+  // and the gates' stride in floats (one device value for all groups).
+  struct Arguments {
+    __nv_bfloat16** ptr_z = nullptr;
+    const float* const* ptr_gate = nullptr;
+    const int64_t* gate_stride = nullptr;
+    int64_t ldz = 0;  // z row length (F, half of h's)
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr_z != nullptr && args.ldz > 0 && args.ldz % 8 == 0;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE Sm90SwigluZStore() {}
+  CUTLASS_HOST_DEVICE Sm90SwigluZStore(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  // CTensor: the thread's coordinates relative to its first element, (CPY, CPY_M, CPY_N, EPI_M, EPI_N);
+  // Residue: the group's (M, N) less that first element's coordinate.
+  template <class CTensor, class Residue>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor tCcD, Residue residue, __nv_bfloat16* z, const float* gate,
+                                          int64_t gate_stride, int64_t ldz, int m0, int n0)
+        : tCcD(tCcD), residue(residue), z(z), gate(gate), gate_stride(gate_stride), ldz(ldz), m0(m0), n0(n0) {}
+    CTensor tCcD;
+    Residue residue;
+    __nv_bfloat16* z;
+    const float* gate;
+    int64_t gate_stride, ldz;
+    int m0, n0;  // the thread's first element in the group's h
+
+    // frg_input: the accumulators (Sm90AccFetch), passed on unchanged as D. A gate column's partner is
+    // found by its coordinate (the same row, 8 columns on), a comparison the unrolled loops fold.
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v,
+                                                                    int epi_m, int epi_n,
+                                                                    cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      using namespace cute;
+      Tensor tC_mn = tCcD(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        auto ci = tC_mn(epi_v * FragmentSize + i);
+        const int n = n0 + static_cast<int>(get<1>(ci));
+        if ((n & 8) != 0 || !elem_less(ci, residue)) continue;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < FragmentSize; ++j) {
+          auto cj = tC_mn(epi_v * FragmentSize + j);
+          if (static_cast<int>(get<0>(cj)) != static_cast<int>(get<0>(ci)) ||
+              static_cast<int>(get<1>(cj)) != static_cast<int>(get<1>(ci)) + 8)
+            continue;
+          const int64_t m = m0 + static_cast<int>(get<0>(ci));
+          const float a = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[i])));
+          const float b = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[j])));
+          const float s = SwigluOf(a, b);
+          z[m * ldz + (n >> 4) * 8 + (n & 7)] = __float2bfloat16_rn(gate ? gate[m * gate_stride] * s : s);
+        }
+      }
+      return frg_input;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    const int m0 = static_cast<int>(M) - static_cast<int>(cute::get<0>(args.residue_tCcD));
+    const int n0 = static_cast<int>(N) - static_cast<int>(cute::get<1>(args.residue_tCcD));
+    const float* gate = params.ptr_gate ? params.ptr_gate[l] : nullptr;
+    const int64_t gate_stride = gate ? *params.gate_stride : 0;
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, params.ptr_z[l], gate,
+                                                                                     gate_stride, params.ldz, m0, n0);
+  }
+};
+
+}  // namespace rdep::kernels::internal
