@@ -16,7 +16,25 @@ Status MoEWeights::Validate(const LayerShape& s) const {
                            " H=" + std::to_string(s.hidden) + " D_ff=" + std::to_string(s.ffn));
   if (w1.size() != static_cast<size_t>(experts) * w1_per_expert() || w2.size() != static_cast<size_t>(experts) * w2_per_expert())
     return InvalidArgument("weights: w1 must hold E*H*2F and w2 E*F*H values");
+  if (gate_up == mlp::GateUp::kInterleaved8 && ffn % 8 != 0)
+    return InvalidArgument("weights: gate_up interleaved8 needs D_ff a multiple of 8, got " + std::to_string(ffn));
   return Status::Ok();
+}
+
+MoEWeights MoEWeights::InLayout(mlp::GateUp layout) const {
+  MoEWeights out = *this;
+  out.gate_up = layout;
+  if (layout == gate_up) return out;
+  const int64_t F = ffn;
+  for (size_t row = 0; row < w1.size() / static_cast<size_t>(2 * F); ++row) {  // rows of 2F: (expert, hidden index)
+    const float* src = w1.data() + row * static_cast<size_t>(2 * F);
+    float* dst = out.w1.data() + row * static_cast<size_t>(2 * F);
+    for (int64_t j = 0; j < F; ++j) {
+      dst[mlp::GateCol(j, F, layout)] = src[mlp::GateCol(j, F, gate_up)];
+      dst[mlp::UpCol(j, F, layout)] = src[mlp::UpCol(j, F, gate_up)];
+    }
+  }
+  return out;
 }
 
 namespace {
@@ -103,7 +121,7 @@ StatusOr<ReferenceForwardResult> ReferenceForward(const LayerShape& s, const MoE
         if (!acc.accepted[i]) continue;
         const auto e = static_cast<size_t>(rr.experts[i]);
         mlp::Forward<double>(x[r].data() + t * H, w.w1.data() + e * w.w1_per_expert(),
-                             w.w2.data() + e * w.w2_per_expert(), H, F, h.data(), z.data(), o.data());
+                             w.w2.data() + e * w.w2_per_expert(), H, F, h.data(), z.data(), o.data(), w.gate_up);
         for (int64_t c = 0; c < H; ++c) {
           res.expert_out[r][i * static_cast<size_t>(H) + static_cast<size_t>(c)] = o[static_cast<size_t>(c)];
           res.y[r][static_cast<size_t>(t * H + c)] += static_cast<double>(acc.effective_gates[i]) * o[static_cast<size_t>(c)];
@@ -148,9 +166,9 @@ StatusOr<ReferenceGradients> ReferenceBackward(const LayerShape& s, const MoEWei
         const float* xt = x[r].data() + t * H;
         const float* w1 = w.w1.data() + e * w.w1_per_expert();
         const float* w2 = w.w2.data() + e * w.w2_per_expert();
-        mlp::Forward<double>(xt, w1, w2, H, F, h.data(), z.data(), o.data());
+        mlp::Forward<double>(xt, w1, w2, H, F, h.data(), z.data(), o.data(), w.gate_up);
         mlp::Backward<double>(xt, w1, w2, H, F, h.data(), dout.data(), g.dw1.data() + e * w.w1_per_expert(),
-                              g.dw2.data() + e * w.w2_per_expert(), dxr.data(), scratch.data());
+                              g.dw2.data() + e * w.w2_per_expert(), dxr.data(), scratch.data(), w.gate_up);
         for (int64_t c = 0; c < H; ++c) g.dx[r][static_cast<size_t>(t * H + c)] += dxr[static_cast<size_t>(c)];
       }
       RenormalizeGatesBackward(rr.gates.data() + t * K, acc.accepted.data() + t * K, K, dgeff.data(), dg.data());

@@ -65,6 +65,33 @@ struct Sm90SwigluZStore {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
+  // For a thread's fragment of one epilogue subtile (coordinates by the static layout L, relative to its
+  // first element): partner[k], the element 8 columns on in k's row (the up column of a gate column), and
+  // next[k], the element 1 column on (a bf16x2 store of two z values); -1 where there is none. Built at
+  // compile time, so the unrolled visits index registers by constants.
+  template <class L, int N>
+  struct Pairs {
+    int partner[N];
+    int next[N];
+  };
+  template <class L, int N>
+  static constexpr Pairs<L, N> MakePairs() {
+    Pairs<L, N> t{};
+    constexpr L layout{};
+    for (int k = 0; k < N; ++k) {
+      t.partner[k] = -1;
+      t.next[k] = -1;
+      const auto ck = layout(k);
+      for (int j = 0; j < N; ++j) {
+        const auto cj = layout(j);
+        if (cute::get<0>(cj) != cute::get<0>(ck)) continue;
+        if (cute::get<1>(cj) == cute::get<1>(ck) + 8) t.partner[k] = j;
+        if (cute::get<1>(cj) == cute::get<1>(ck) + 1) t.next[k] = j;
+      }
+    }
+    return t;
+  }
+
   // CTensor: the thread's coordinates relative to its first element, (CPY, CPY_M, CPY_N, EPI_M, EPI_N);
   // Residue: the group's (M, N) less that first element's coordinate.
   template <class CTensor, class Residue>
@@ -79,32 +106,56 @@ struct Sm90SwigluZStore {
     int64_t gate_stride, ldz;
     int m0, n0;  // the thread's first element in the group's h
 
-    // frg_input: the accumulators (Sm90AccFetch), passed on unchanged as D. A gate column's partner is
-    // found by its coordinate (the same row, 8 columns on), a comparison the unrolled loops fold.
+    using SubtileLayout = decltype(cute::take<0, 3>(cute::declval<CTensor>().layout()));
+    static constexpr int kSubtile = decltype(cute::size(SubtileLayout{}))::value;
+
+    CUTLASS_DEVICE float Z(float acc_gate, float acc_up, int64_t m) const {
+      const float a = __bfloat162float(__float2bfloat16_rn(acc_gate));
+      const float b = __bfloat162float(__float2bfloat16_rn(acc_up));
+      const float s = SwigluOf(a, b);
+      return gate ? gate[m * gate_stride] * s : s;
+    }
+
+    static constexpr Pairs<SubtileLayout, kSubtile> kPairs = MakePairs<SubtileLayout, kSubtile>();
+
+    // frg_input: the accumulators (Sm90AccFetch), passed on unchanged as D. A visit sees a whole subtile
+    // (FragmentSize == kSubtile, asserted), so every index below is a compile-time constant: the values stay
+    // in registers. Each gate column's z is stored with its right neighbour's when that is a gate column of
+    // the fragment too (bf16x2), else alone.
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v,
+    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int,
                                                                     int epi_m, int epi_n,
                                                                     cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
       using namespace cute;
+      static_assert(FragmentSize == kSubtile, "the SwiGLU epilogue needs one visit per epilogue subtile");
       Tensor tC_mn = tCcD(_, _, _, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        auto ci = tC_mn(epi_v * FragmentSize + i);
-        const int n = n0 + static_cast<int>(get<1>(ci));
-        if ((n & 8) != 0 || !elem_less(ci, residue)) continue;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < FragmentSize; ++j) {
-          auto cj = tC_mn(epi_v * FragmentSize + j);
-          if (static_cast<int>(get<0>(cj)) != static_cast<int>(get<0>(ci)) ||
-              static_cast<int>(get<1>(cj)) != static_cast<int>(get<1>(ci)) + 8)
-            continue;
-          const int64_t m = m0 + static_cast<int>(get<0>(ci));
-          const float a = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[i])));
-          const float b = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[j])));
-          const float s = SwigluOf(a, b);
-          z[m * ldz + (n >> 4) * 8 + (n & 7)] = __float2bfloat16_rn(gate ? gate[m * gate_stride] * s : s);
+      cute::for_each(cute::make_int_sequence<FragmentSize>{}, [&](auto I) {
+        constexpr int i = decltype(I)::value;
+        constexpr int p = kPairs.partner[i];
+        if constexpr (p >= 0) {  // else i is no gate column (its up column is not in the fragment)
+          auto ci = tC_mn(i);
+          const int n = n0 + static_cast<int>(get<1>(ci));
+          if ((n & 8) == 0 && elem_less(ci, residue)) {
+            const int64_t m = m0 + static_cast<int>(get<0>(ci));
+            __nv_bfloat16* dst = z + m * ldz + (n >> 4) * 8 + (n & 7);
+            constexpr int nx = kPairs.next[i];
+            constexpr int px = nx >= 0 ? kPairs.partner[nx] : -1;
+            constexpr bool left_pairs = i > 0 && kPairs.next[i > 0 ? i - 1 : 0] == i && kPairs.partner[i > 0 ? i - 1 : 0] >= 0;
+            const float zi = Z(static_cast<float>(frg_input[i]), static_cast<float>(frg_input[p]), m);
+            if constexpr (px >= 0) {
+              if ((n & 1) == 0 && elem_less(tC_mn(nx), residue)) {
+                *reinterpret_cast<__nv_bfloat162*>(dst) =
+                    __floats2bfloat162_rn(zi, Z(static_cast<float>(frg_input[nx]), static_cast<float>(frg_input[px]), m));
+                return;
+              }
+            }
+            if constexpr (left_pairs) {
+              if ((n & 1) == 1) return;  // stored with its left neighbour
+            }
+            *dst = __float2bfloat16_rn(zi);
+          }
         }
-      }
+      });
       return frg_input;
     }
   };

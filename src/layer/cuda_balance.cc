@@ -207,7 +207,7 @@ Status CudaMoELayer::CreateBalancing(RankState& st) {
     kernels::ExpertMlpConfig one_expert;
     one_expert.num_streams = 1;  // one expert per call: nothing to spread over side streams
     // A slot's rows in one segment are at most the segment's tokens (a token has one row per instance).
-    RDEP_ASSIGN_OR_RETURN(st.slot_mlp, kernels::MakeCublasLtExpertCompute({1, s.hidden, s.ffn, std::max<int64_t>(layout_.S, 1)},
+    RDEP_ASSIGN_OR_RETURN(st.slot_mlp, kernels::MakeCublasLtExpertCompute({1, s.hidden, s.ffn, std::max<int64_t>(layout_.S, 1), config_.gate_up},
                                                                           st.device, one_expert));
   }
   return Status::Ok();

@@ -343,7 +343,7 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     const int64_t seg_rows = MaxSegmentRows(config, l);
     if (config.gate_in_expert) RDEP_RETURN_IF_ERROR(st->row_dgates.Reserve(static_cast<size_t>(std::max<int64_t>(seg_rows, 1))));
     if (L > 0) {
-      const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1)};
+      const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1), config.gate_up};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
         kernels::CutlassTiles tiles;
         if (config.overlap_segments && config.transport_sms > 0) {  // the GEMMs leave the transport its SMs

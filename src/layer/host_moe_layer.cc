@@ -553,13 +553,13 @@ void HostMoELayer::OwnerSegment(int32_t rank, Saved& st, int64_t seg, bool backw
     } else if (kind_ == ExpertKind::kIdentity) {  // forward only (Backward refuses it)
       std::copy_n(x, H, dst);
     } else if (!backward) {
-      mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), dst);
+      mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), dst, config_.gate_up);
     } else {
       const float* dy = payload + g.token * H;
       for (int64_t c = 0; c < H; ++c) dout[static_cast<size_t>(c)] = g.row.gate * dy[c];
-      mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data());
+      mlp::Forward<float>(x, w1, w2, H, F, h.data(), z.data(), o.data(), config_.gate_up);
       mlp::Backward<float>(x, w1, w2, H, F, h.data(), dout.data(), ExpertGrads(rank, j, 1), ExpertGrads(rank, j, 2), dst,
-                           scratch.data());
+                           scratch.data(), config_.gate_up);
       if (reduce) {  // dgate's dot, in double as ComputeDgates takes it from the returned f_k
         double dot = 0;
         for (int64_t c = 0; c < H; ++c) dot += static_cast<double>(dy[c]) * o[static_cast<size_t>(c)];

@@ -10,6 +10,12 @@ const char* ExpertComputeName(ExpertComputeKind k) {
   return k == ExpertComputeKind::kCutlass ? "cutlass" : "cublaslt";
 }
 
+StatusOr<mlp::GateUp> ParseGateUp(const std::string& name) {
+  for (mlp::GateUp l : {mlp::GateUp::kSplit, mlp::GateUp::kInterleaved8})
+    if (name == mlp::GateUpName(l)) return l;
+  return InvalidArgument("gate_up '" + name + "' is not split or interleaved8");
+}
+
 StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name) {
   if (name == "cublaslt") return ExpertComputeKind::kCublasLt;
   if (name == "cutlass") return ExpertComputeKind::kCutlass;
@@ -59,6 +65,10 @@ Status LayerConfig::Validate() const {
                            "no balancing, one node and owner_reduce off " + got);
   if (gate_in_expert && !SyncFree(*this))
     return InvalidArgument("gate_in_expert: needs the sync-free layer: expert_compute cutlass, no balancing and one node " + got);
+  if (gate_up != mlp::GateUp::kSplit && gate_up != mlp::GateUp::kInterleaved8)
+    return InvalidArgument("gate_up: " + std::to_string(static_cast<int>(gate_up)) + " is not kSplit (0) or kInterleaved8 (1)");
+  if (gate_up == mlp::GateUp::kInterleaved8 && shape.ffn % 8 != 0)
+    return InvalidArgument("gate_up interleaved8: ffn " + std::to_string(shape.ffn) + " must be a multiple of 8 (blocks of 8 features)");
   return Status::Ok();
 }
 
@@ -76,11 +86,15 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.stash_rows > 0) os << " stash-rows=" << c.stash_rows;
   if (c.overlap_segments) os << " overlap";
   if (c.gate_in_expert) os << " gate-in-expert";
+  if (c.gate_up != mlp::GateUp::kSplit) os << " gate-up=" << mlp::GateUpName(c.gate_up);
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }
 
 Status ValidateLayerInputs(const LayerConfig& c, int64_t domain_ranks, const OwnershipMap& m, const MoEWeights& w) {
   RDEP_RETURN_IF_ERROR(ValidateLayerInputs(c, domain_ranks, m));
+  if (w.gate_up != c.gate_up)
+    return InvalidArgument(std::string("weights: w1 is in the ") + mlp::GateUpName(w.gate_up) + " layout, the layer's gate_up is " +
+                           mlp::GateUpName(c.gate_up) + " (MoEWeights::InLayout moves the columns)");
   return w.Validate(c.shape);
 }
 

@@ -67,6 +67,8 @@ flags [defaults: the Moonlight shape]:
   --gate-in-expert     the gate multiplied before W2: the experts weight their rows, the front-end keeps no
                        expert outputs and the owners take dgate; with --owner-reduce the owner keeps none
                        either (needs --expert-compute cutlass and no --balance) [off]
+  --gate-up L          split | interleaved8: where W1 holds the gate and up columns; interleaved8 (blocks of 8)
+                       lets --expert-compute cutlass take the SwiGLU in GEMM1's epilogue [split]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside
@@ -172,12 +174,15 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.cfg.stash_rows = f.get_int("stash-rows", 0);
   o.cfg.overlap_segments = f.get_bool("overlap");
   o.cfg.gate_in_expert = f.get_bool("gate-in-expert");
+  auto gate_up = rdep::ParseGateUp(f.get_string("gate-up", "split"));
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
   const int64_t layers = f.get_int("layers", 1);
   auto limits = rdep::cli::ReadLimits(f);
   if (Status st = rdep::bench::CheckBenchFlags(f, limits, o.warmup, o.iters, gpus); !st.ok()) return Refuse(st.message());
   if (!transport_sms.ok()) return Refuse(transport_sms.status().message());
+  if (!gate_up.ok()) return Refuse("--gate-up: " + gate_up.status().message());
+  o.cfg.gate_up = *gate_up;
   o.cfg.transport_sms = *transport_sms;
   if (int rc = ReadBalanceFlags(balance, slots_given, min_quota_given, slots, o.cfg); rc != 0) return rc;
   auto compute = rdep::ParseExpertCompute(expert_compute);
@@ -582,7 +587,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("gate_in_expert", o.cfg.gate_in_expert).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("gate_in_expert", o.cfg.gate_in_expert).field("gate_up", rdep::mlp::GateUpName(o.cfg.gate_up)).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -89,7 +89,8 @@ StatusOr<StackResult> RunLayerStack(CudaDomain& domain, CudaMoELayer& first, con
   if (passes < 1) return InvalidArgument("stack passes must be >= 1, got " + std::to_string(passes));
   std::vector<std::unique_ptr<CudaMoELayer>> more;
   std::vector<CudaMoELayer*> stack{&first};
-  const MoEWeights weights = RandomWeights(cfg.shape, seed);
+  MoEWeights weights = RandomWeights(cfg.shape, seed);
+  weights.gate_up = cfg.gate_up;  // i.i.d. draws, read in the layer's layout (as SetupLayerBench)
   for (int32_t l = 1; l < layers; ++l) {
     RDEP_ASSIGN_OR_RETURN(auto layer, CudaMoELayer::Create(domain, cfg, ownership, weights));
     stack.push_back(layer.get());

@@ -87,6 +87,7 @@ inline StatusOr<LayerBenchSetup> SetupLayerBench(const LayerConfig& cfg, const R
   RDEP_ASSIGN_OR_RETURN(b.ownership, OwnershipMap::Contiguous(s.experts, s.ranks));
   RDEP_ASSIGN_OR_RETURN(b.routing, GenerateRouting(s, spec));
   MoEWeights weights = RandomWeights(s, seed);
+  weights.gate_up = cfg.gate_up;  // i.i.d. draws: read in the layer's layout they are as random (no copy to move them)
   b.x = RandomActivations(s, b.routing, seed + 1);
   RDEP_ASSIGN_OR_RETURN(b.domain, CudaDomain::CreateSingleProcess(s.ranks, {.barrier_timeout_s = 10.0,
                                                                             .devices = RoundRobinDevices(s.ranks, num_gpus)}));

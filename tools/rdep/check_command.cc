@@ -87,6 +87,8 @@ flags (defaults in brackets):
   --gate-in-expert       cuda, --expert-compute cutlass: the gate multiplied before W2 (the experts weight their
                          rows; the owners take dgate from the saved pre-activations; with --owner-reduce the
                          owner keeps no expert outputs); no --balance or --nodes [off]
+  --gate-up L            split | interleaved8: where W1 holds the gate and up columns (the reference uses the
+                         same); interleaved8 lets --expert-compute cutlass take the SwiGLU in GEMM1's epilogue [split]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
                          blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote
@@ -190,6 +192,7 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
   o.layer.stash_rows = f.get_int("stash-rows", 0);
   o.layer.overlap_segments = f.get_bool("overlap");
   o.layer.gate_in_expert = f.get_bool("gate-in-expert");
+  auto gate_up = rdep::ParseGateUp(f.get_string("gate-up", "split"));
   const int64_t transport_sms = f.get_int("transport-sms", 0);
   c.nodes = f.get_int("nodes", 1);
   c.max_nodes = f.get_int("max-nodes", 0);
@@ -208,6 +211,8 @@ int ReadCheckFlags(const rdep::cli::Args& args, CheckOptions& c) {
     return Refuse("--transport-sms must be in [0, " + std::to_string(rdep::kMaxTransportSms) + "] (0 = every SM), got " +
                   std::to_string(transport_sms));
   o.layer.transport_sms = static_cast<int32_t>(transport_sms);
+  if (!gate_up.ok()) return Refuse("--gate-up: " + gate_up.status().message());
+  o.layer.gate_up = *gate_up;
   if (!std::isfinite(o.barrier_timeout_s) || !(o.barrier_timeout_s > 0))
     return Refuse("--timeout must be a finite number of seconds > 0");
   c.limits = *limits;

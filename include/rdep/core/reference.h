@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "rdep/core/capacity.h"
+#include "rdep/core/expert_mlp.h"
 #include "rdep/core/routing.h"
 #include "rdep/core/shape.h"
 #include "rdep/status.h"
@@ -14,11 +15,14 @@
 namespace rdep {
 
 // All experts' weights (fp32 storage), layout of expert_mlp.h:
-//   w1 [E][H][2F] (gate | up), w2 [E][F][H].
+//   w1 [E][H][2F] (gate and up columns placed by gate_up), w2 [E][F][H].
 struct MoEWeights {
   int64_t experts = 0, hidden = 0, ffn = 0;
   std::vector<float> w1, w2;
+  mlp::GateUp gate_up = mlp::GateUp::kSplit;
 
+  // The same weights with w1's columns placed by `layout` (a copy; the reference's results do not change).
+  MoEWeights InLayout(mlp::GateUp layout) const;
   size_t w1_per_expert() const { return static_cast<size_t>(hidden * 2 * ffn); }
   size_t w2_per_expert() const { return static_cast<size_t>(ffn * hidden); }
   Status Validate(const LayerShape& shape) const;

@@ -9,6 +9,7 @@
 
 #include "rdep/balance/layer_balance.h"
 #include "rdep/core/capacity.h"
+#include "rdep/core/expert_mlp.h"
 #include "rdep/core/ownership.h"
 #include "rdep/core/reference.h"
 #include "rdep/core/shape.h"
@@ -31,6 +32,8 @@ enum class ExpertComputeKind {
 const char* ExpertComputeName(ExpertComputeKind k);
 // "cublaslt" or "cutlass"; InvalidArgument naming the value otherwise.
 StatusOr<ExpertComputeKind> ParseExpertCompute(const std::string& name);
+// "split" or "interleaved8" (mlp::GateUpName); InvalidArgument naming the value otherwise.
+StatusOr<mlp::GateUp> ParseGateUp(const std::string& name);
 
 struct LayerConfig {
   LayerShape shape;
@@ -81,6 +84,10 @@ struct LayerConfig {
                                    // tolerances. With owner_reduce the owner sums the weighted rows and keeps no
                                    // outputs for dgate either. Needs expert_compute cutlass, no balancing and one
                                    // node; the SwiGLU expert only. The host backend ignores it
+  mlp::GateUp gate_up = mlp::GateUp::kSplit;  // where each expert's W1 (and so its gradient) holds the gate and up
+                                   // projections' columns (rdep/core/expert_mlp.h): kSplit (gate | up) or kInterleaved8
+                                   // (blocks of 8; needs ffn % 8 == 0), with which expert_compute cutlass takes the SwiGLU
+                                   // in GEMM1's epilogue. Every backend and the reference (MoEWeights::gate_up) read it
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
