@@ -7,7 +7,10 @@
 
 namespace rdep::kernels::internal {
 
-__device__ __forceinline__ float SwigluSigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
+// __fdividef (2 ulp; 0 when the denominator overflows to inf, so silu(a) -> -0 for very negative a) rather than
+// the IEEE division's ~10-instruction sequence: in GEMM1's epilogue these instructions sit between the tensor
+// core's tiles.
+__device__ __forceinline__ float SwigluSigmoid(float a) { return __fdividef(1.0f, 1.0f + __expf(-a)); }
 
 // silu(a) * b, fp32, in the order every rdep kernel evaluates it.
 __device__ __forceinline__ float SwigluOf(float a, float b) { return a * SwigluSigmoid(a) * b; }
