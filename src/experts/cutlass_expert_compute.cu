@@ -210,7 +210,7 @@ class CutlassExpertCompute final : public ExpertCompute {
       : desc_(d),
         device_(device),
         tiles_(tiles),
-        fused_swiglu_(swiglu_epilogue && d.gate_up == mlp::GateUp::kInterleaved8),
+        fused_swiglu_(swiglu_epilogue),
         external_scratch_(scratch) {}
   ~CutlassExpertCompute() override {
     int current = 0;
@@ -395,6 +395,9 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
                                                                   const CutlassTiles& tiles, void* scratch) {
   RDEP_RETURN_IF_ERROR(desc.Validate());
   RDEP_ASSIGN_OR_RETURN(const RoleTiles roles, ResolveTiles(tiles));
+  if (tiles.swiglu_epilogue && desc.gate_up != mlp::GateUp::kInterleaved8)
+    return InvalidArgument(std::string("cutlass expert compute: tiles.swiglu_epilogue needs desc.gate_up interleaved8 (got ") +
+                           mlp::GateUpName(desc.gate_up) + "): a tile holds both columns of a feature only then");
   if (desc.num_experts > kMaxExperts)
     return InvalidArgument("cutlass expert compute: num_experts " + std::to_string(desc.num_experts) + " > " +
                            std::to_string(kMaxExperts) + " local experts");

@@ -1,6 +1,6 @@
 // GEMM1's SwiGLU epilogue (kNN_SwiGLU, swiglu_epilogue_sm90.cuh): the CUTLASS compute with W1 as
-// GateUp::kInterleaved8 writes z in GEMM1's epilogue. Checked against
-//   - the same compute with the separate SwiGLU kernel (tiles.swiglu_epilogue = false): h and y the same
+// GateUp::kInterleaved8 and tiles.swiglu_epilogue writes z in GEMM1's epilogue. Checked against
+//   - the same compute with the separate SwiGLU kernel (tiles.swiglu_epilogue false, the default): h and y the same
 //     bits (the epilogue rounds as the kernel does), with and without per-row gates;
 //   - the split layout (W1 gate | up) on the same weights moved: h, y, dx, dW1 (moved back), dW2 and dgate
 //     within ||a-b||/||b|| <= 1e-2 per expert (2e-2 for dgate);
@@ -87,6 +87,7 @@ void CompareLayouts(const SwiCase& c) {
   const ExpertMlpDesc inter_desc{E, H, F, M + kPad, mlp::GateUp::kInterleaved8};
   CutlassTiles fused_tiles;
   fused_tiles.gemm1 = c.tile;
+  fused_tiles.swiglu_epilogue = true;
   CutlassTiles unfused_tiles = fused_tiles;
   unfused_tiles.swiglu_epilogue = false;
   std::string skip;
@@ -94,7 +95,7 @@ void CompareLayouts(const SwiCase& c) {
   if (!skip.empty()) GTEST_SKIP() << skip;
   ASSERT_TRUE(fused.ok()) << fused.status();
   auto unfused = MakeCutlassExpertCompute(inter_desc, 0, unfused_tiles);
-  auto split = MakeCutlassExpertCompute(split_desc, 0, fused_tiles);  // kSplit: the SwiGLU kernel whatever the tiles say
+  auto split = MakeCutlassExpertCompute(split_desc, 0, unfused_tiles);
   ASSERT_TRUE(unfused.ok()) << unfused.status();
   ASSERT_TRUE(split.ok()) << split.status();
 
@@ -165,7 +166,7 @@ INSTANTIATE_TEST_SUITE_P(
                       SwiCase{"one_expert_all_rows", 256, 128, {0, 0, 1000, 0}, "coop_128x128"}),
     [](const ::testing::TestParamInfo<SwiCase>& i) { return i.param.name; });
 
-TEST(CutlassSwigluEpilogue_Errors, ATileWithoutTheEpilogueIsInvalidArgumentNamingGemm1) {
+TEST(CutlassSwigluEpilogue_Errors, ATileWithoutTheEpilogueOrTheSplitLayoutIsInvalidArgument) {
   const ExpertMlpDesc desc{4, 64, 64, 64, mlp::GateUp::kInterleaved8};
   std::string skip;
   auto ok = MakeOrSkipReason(desc, &skip);
@@ -173,12 +174,19 @@ TEST(CutlassSwigluEpilogue_Errors, ATileWithoutTheEpilogueIsInvalidArgumentNamin
   ASSERT_TRUE(ok.ok()) << ok.status();
   CutlassTiles tiles;
   tiles.gemm1 = "coop_256x128_c1x2";
+  tiles.swiglu_epilogue = true;
   auto bad = MakeCutlassExpertCompute(desc, 0, tiles);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("tiles.gemm1"), std::string::npos) << bad.status();
   tiles.swiglu_epilogue = false;  // the separate kernel runs after any tile
   EXPECT_TRUE(MakeCutlassExpertCompute(desc, 0, tiles).ok());
+  tiles = {};
+  tiles.swiglu_epilogue = true;  // the split layout has no epilogue
+  auto split = MakeCutlassExpertCompute(ExpertMlpDesc{4, 64, 64, 64, mlp::GateUp::kSplit}, 0, tiles);
+  ASSERT_FALSE(split.ok());
+  EXPECT_EQ(split.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(split.status().message().find("swiglu_epilogue"), std::string::npos) << split.status();
 }
 
 }  // namespace

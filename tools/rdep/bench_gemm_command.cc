@@ -54,8 +54,8 @@ constexpr const char* kHelp =
     "--grads: the expert weight gradients backward writes (overwritten): fp32 [default], or bf16 as\n"
     "rdep.torch's bf16 parameters and torch._grouped_mm's autograd have them.\n"
     "--gate-up: where W1's columns hold the gate and up projections: split (gate | up) [default] or\n"
-    "interleaved8 (blocks of 8), with which the cutlass path takes the SwiGLU in GEMM1's epilogue;\n"
-    "path cutlass-unfused keeps the separate SwiGLU kernel (the A/B).\n"
+    "interleaved8 (blocks of 8); with it, path cutlass-fused[:SPEC] takes the SwiGLU in GEMM1's epilogue\n"
+    "(CutlassTiles::swiglu_epilogue; GEMM1 on coop_128x128, coop_128x256 or ping_128x128) instead of a pass.\n"
     "Device memory is estimated before allocating and must fit the GPU; --max-memory-gib G bounds host\n"
     "memory [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; -h, --help: this page.\n";
 
@@ -280,15 +280,20 @@ rdep::StatusOr<std::vector<BenchPath>> ParseGemmPaths(const std::string& paths_t
     else if (p == "lt") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kLtPerExpert), false, GemmPath::kLtPerExpert, {}});
     else if (p == "grouped") paths.push_back({rdep::kernels::GemmPathName(GemmPath::kGrouped), false, GemmPath::kGrouped, {}});
     else if (p == "cutlass") paths.push_back({"cutlass", true, {}, {}});
-    else if (p == "cutlass-unfused") {
-      rdep::kernels::CutlassTiles unfused;
-      unfused.swiglu_epilogue = false;
-      paths.push_back({"cutlass-unfused", true, {}, unfused});
-    }
-    else if (p.rfind("cutlass:", 0) == 0) {
+    else if (p == "cutlass-fused" || p.rfind("cutlass-fused:", 0) == 0) {
+      std::vector<BenchPath> fused{{"cutlass", true, {}, {}}};
+      if (p != "cutlass-fused") {
+        RDEP_ASSIGN_OR_RETURN(fused, ParseCutlassPath(p.substr(14)));
+      }
+      for (BenchPath& b : fused) {
+        b.name = "fused" + b.name.substr(7);  // fused, fused:SPEC
+        b.tiles.swiglu_epilogue = true;
+      }
+      paths.insert(paths.end(), fused.begin(), fused.end());
+    } else if (p.rfind("cutlass:", 0) == 0) {
       RDEP_ASSIGN_OR_RETURN(std::vector<BenchPath> more, ParseCutlassPath(p.substr(8)));
       paths.insert(paths.end(), more.begin(), more.end());
-    } else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped, cutlass, cutlass-unfused or cutlass:TILES");
+    } else return rdep::InvalidArgument("--path: '" + p + "' is not auto, lt, grouped, cutlass, cutlass:TILES, cutlass-fused or cutlass-fused:TILES");
   }
   if (paths.empty()) return rdep::InvalidArgument("--path: empty list");
   return paths;
@@ -330,6 +335,9 @@ rdep::Status ParseGemmBenchOptions(const Args& args, GemmBenchOptions& o) {
     if (mu < 0) return rdep::InvalidArgument("--mu: values must be >= 0");
   RDEP_ASSIGN_OR_RETURN(o.alpha, ParseZipfAlpha(o.routing));
   RDEP_ASSIGN_OR_RETURN(o.paths, ParseGemmPaths(o.paths_text));
+  for (const BenchPath& p : o.paths)
+    if (p.tiles.swiglu_epilogue && o.gate_up != rdep::mlp::GateUp::kInterleaved8)
+      return rdep::InvalidArgument("--path " + p.name + " (the SwiGLU in GEMM1's epilogue) needs --gate-up interleaved8");
   o.mus = *mus;
   o.limits = *limits;
   return rdep::Status::Ok();

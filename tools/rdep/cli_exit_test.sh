@@ -160,6 +160,8 @@ done
 expect 0 'the RDEP paper \(seeds 000\), Table 18' help check
 # bench gemm's flags are checked before any device is looked for (a build without CUDA refuses first)
 expect 2 "(--grads must be fp32 or bf16, got 'fp16'|built without CUDA)" bench gemm --grads fp16
+expect 2 "(--path fused \(the SwiGLU in GEMM1's epilogue\) needs --gate-up interleaved8|built without CUDA)" bench gemm --path cutlass-fused
+expect 2 "(--gate-up must be split or interleaved8, got 'halves'|built without CUDA)" bench gemm --gate-up halves
 expect_not 0 'usage: rdep plan (record|bench|show)' plan sim --help
 expect 0 'usage: rdep plan sim' plan sim --trace x --help
 expect 2 '^usage: rdep plan <sim' plan

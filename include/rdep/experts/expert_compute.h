@@ -107,9 +107,10 @@ struct CutlassTiles {
   std::string dgrad_x;   // dx = dh.W1^T
   std::string wgrad_w2;  // dW2 = z^T.dout (fp32 or bf16 gradients)
   std::string wgrad_w1;  // dW1 = x^T.dh
-  // With desc.gate_up = kInterleaved8, GEMM1's epilogue writes the SwiGLU output z beside h (no separate pass;
-  // gemm1 must then be coop_128x128, coop_128x256 or ping_128x128). false: the SwiGLU kernel, for A/B runs.
-  bool swiglu_epilogue = true;
+  // With desc.gate_up = kInterleaved8, true makes GEMM1's epilogue write the SwiGLU output z beside h (no separate
+  // pass; gemm1 must then be coop_128x128, coop_128x256 or ping_128x128). Off by default: on an H200 it measured
+  // slower than GEMM1 plus the separate SwiGLU kernel (docs/perf-notes.md, "GEMM1's SwiGLU in its epilogue").
+  bool swiglu_epilogue = false;
   int32_t gemm_sms = 0;  // the GEMMs' persistent grids use at most this many SMs, leaving the rest to kernels on
                          // other streams (CudaMoELayer's overlapped segments); 0 = every SM. Same results
 };
