@@ -66,29 +66,44 @@ struct Sm90SwigluZStore {
   }
 
   // For a thread's fragment of one epilogue subtile (coordinates by the static layout L, relative to its
-  // first element): partner[k], the element 8 columns on in k's row (the up column of a gate column), and
-  // next[k], the element 1 column on (a bf16x2 store of two z values); -1 where there is none. Built at
-  // compile time, so the unrolled visits index registers by constants.
+  // first element): row[k], col[k]; partner[k], the element 8 columns on in k's row (the up column of a gate
+  // column); next[k], the element 1 column on; -1 where there is none. kind[k] for the fast path, where the
+  // thread's first column n0 has n0 % 16 in {0, 2, 4, 6} (a wgmma fragment's), so that k is a gate column
+  // iff col[k] % 16 < 8: 2 = stores z of k and next[k] (bf16x2), 1 = stores z of k alone, 0 = stored by its
+  // left neighbour or no gate column. Built at compile time, so the unrolled visits index registers by
+  // constants.
   template <class L, int N>
   struct Pairs {
-    int partner[N];
-    int next[N];
+    int row[N], col[N], partner[N], next[N], kind[N];
+    int max_row = 0, max_col = 0;
   };
   template <class L, int N>
   static constexpr Pairs<L, N> MakePairs() {
     Pairs<L, N> t{};
     constexpr L layout{};
     for (int k = 0; k < N; ++k) {
+      const auto ck = layout(k);
+      t.row[k] = static_cast<int>(cute::get<0>(ck));
+      t.col[k] = static_cast<int>(cute::get<1>(ck));
+      t.max_row = t.row[k] > t.max_row ? t.row[k] : t.max_row;
+      t.max_col = t.col[k] > t.max_col ? t.col[k] : t.max_col;
+    }
+    for (int k = 0; k < N; ++k) {
       t.partner[k] = -1;
       t.next[k] = -1;
-      const auto ck = layout(k);
       for (int j = 0; j < N; ++j) {
-        const auto cj = layout(j);
-        if (cute::get<0>(cj) != cute::get<0>(ck)) continue;
-        if (cute::get<1>(cj) == cute::get<1>(ck) + 8) t.partner[k] = j;
-        if (cute::get<1>(cj) == cute::get<1>(ck) + 1) t.next[k] = j;
+        if (t.row[j] != t.row[k]) continue;
+        if (t.col[j] == t.col[k] + 8) t.partner[k] = j;
+        if (t.col[j] == t.col[k] + 1) t.next[k] = j;
       }
     }
+    for (int k = 0; k < N; ++k) {
+      const bool gate = t.partner[k] >= 0 && t.col[k] % 16 < 8;
+      const int nx = t.next[k];
+      t.kind[k] = !gate ? 0 : (t.col[k] % 2 == 0 && nx >= 0 && t.partner[nx] >= 0 && t.col[nx] % 16 < 8) ? 2 : 1;
+    }
+    for (int k = 0; k < N; ++k)  // the right element of a pair is its left neighbour's
+      if (t.kind[k] == 2) t.kind[t.next[k]] = 0;
     return t;
   }
 
@@ -129,6 +144,35 @@ struct Sm90SwigluZStore {
       using namespace cute;
       static_assert(FragmentSize == kSubtile, "the SwiGLU epilogue needs one visit per epilogue subtile");
       Tensor tC_mn = tCcD(_, _, _, epi_m, epi_n);
+      if ((n0 & 9) == 0 && kPairs.max_row < static_cast<int>(get<0>(residue)) && kPairs.max_col < static_cast<int>(get<1>(residue))) {
+        // The fragment lies inside the group's h and starts on a gate column pair: every choice is static.
+        __nv_bfloat16* zt = z + static_cast<int64_t>(m0) * ldz + (n0 >> 4) * 8 + (n0 & 7);
+        cute::for_each(cute::make_int_sequence<FragmentSize>{}, [&](auto I) {
+          constexpr int i = decltype(I)::value;
+          constexpr int kind = kPairs.kind[i];
+          if constexpr (kind != 0) {
+            constexpr int p = kPairs.partner[i];
+            constexpr int zcol = (kPairs.col[i] / 16) * 8 + kPairs.col[i] % 8;
+            __nv_bfloat16* dst = zt + kPairs.row[i] * ldz + zcol;
+            const float w = gate ? __ldg(gate + (m0 + kPairs.row[i]) * gate_stride) : 1.0f;
+            if constexpr (kind == 2) {
+              constexpr int nx = kPairs.next[i];
+              constexpr int px = kPairs.partner[nx];
+              const float2 a = __bfloat1622float2(__floats2bfloat162_rn(static_cast<float>(frg_input[i]), static_cast<float>(frg_input[nx])));
+              const float2 b = __bfloat1622float2(__floats2bfloat162_rn(static_cast<float>(frg_input[p]), static_cast<float>(frg_input[px])));
+              const float s0 = SwigluOf(a.x, b.x), s1 = SwigluOf(a.y, b.y);
+              *reinterpret_cast<__nv_bfloat162*>(dst) = gate ? __floats2bfloat162_rn(w * s0, w * s1) : __floats2bfloat162_rn(s0, s1);
+            } else {
+              const float a = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[i])));
+              const float b = __bfloat162float(__float2bfloat16_rn(static_cast<float>(frg_input[p])));
+              const float s = SwigluOf(a, b);
+              *dst = __float2bfloat16_rn(gate ? w * s : s);
+            }
+          }
+        });
+        return frg_input;
+      }
+      // Edge tiles (rows past the group's, columns past 2F) and any other fragment start: checked per element.
       cute::for_each(cute::make_int_sequence<FragmentSize>{}, [&](auto I) {
         constexpr int i = decltype(I)::value;
         constexpr int p = kPairs.partner[i];
