@@ -144,9 +144,14 @@ struct Sm90SwigluZStore {
       using namespace cute;
       static_assert(FragmentSize == kSubtile, "the SwiGLU epilogue needs one visit per epilogue subtile");
       Tensor tC_mn = tCcD(_, _, _, epi_m, epi_n);
-      if ((n0 & 9) == 0 && kPairs.max_row < static_cast<int>(get<0>(residue)) && kPairs.max_col < static_cast<int>(get<1>(residue))) {
+      // The subtile's first element (the table's coordinates are relative to it) in the group's h.
+      const auto c0 = tC_mn(0);
+      const int r0 = static_cast<int>(get<0>(c0)), k0 = static_cast<int>(get<1>(c0));
+      const int mb = m0 + r0, nb = n0 + k0;
+      if ((nb & 9) == 0 && kPairs.max_row < static_cast<int>(get<0>(residue)) - r0 &&
+          kPairs.max_col < static_cast<int>(get<1>(residue)) - k0) {
         // The fragment lies inside the group's h and starts on a gate column pair: every choice is static.
-        __nv_bfloat16* zt = z + static_cast<int64_t>(m0) * ldz + (n0 >> 4) * 8 + (n0 & 7);
+        __nv_bfloat16* zt = z + static_cast<int64_t>(mb) * ldz + (nb >> 4) * 8 + (nb & 7);
         cute::for_each(cute::make_int_sequence<FragmentSize>{}, [&](auto I) {
           constexpr int i = decltype(I)::value;
           constexpr int kind = kPairs.kind[i];
@@ -154,7 +159,7 @@ struct Sm90SwigluZStore {
             constexpr int p = kPairs.partner[i];
             constexpr int zcol = (kPairs.col[i] / 16) * 8 + kPairs.col[i] % 8;
             __nv_bfloat16* dst = zt + kPairs.row[i] * ldz + zcol;
-            const float w = gate ? __ldg(gate + (m0 + kPairs.row[i]) * gate_stride) : 1.0f;
+            const float w = gate ? __ldg(gate + (mb + kPairs.row[i]) * gate_stride) : 1.0f;
             if constexpr (kind == 2) {
               constexpr int nx = kPairs.next[i];
               constexpr int px = kPairs.partner[nx];
