@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rdep/core/random.h"
+#include "rdep/core/reference.h"
 
 namespace rdep::mlp {
 namespace {
@@ -75,6 +76,31 @@ TEST(ExpertMlpHost, InterleavedWeightsGiveTheSplitResults) {
   for (int64_t i = 0; i < H; ++i) EXPECT_NEAR(dxi[static_cast<size_t>(i)], dx[static_cast<size_t>(i)], 1e-12) << "dx " << i;
   EXPECT_EQ(dw2i, dw2);
   EXPECT_EQ(Move(dw1i, F, false), dw1);
+}
+
+TEST(ExpertMlpHost, WeightsMoveBetweenLayoutsAndRefuseAnFfnNotAMultipleOf8) {
+  MoEWeights w;
+  w.experts = 2, w.hidden = 3, w.ffn = 16;
+  w.w1.resize(2 * 3 * 32);
+  for (size_t i = 0; i < w.w1.size(); ++i) w.w1[i] = static_cast<float>(i);
+  auto inter = w.InLayout(GateUp::kInterleaved8);
+  ASSERT_TRUE(inter.ok()) << inter.status();
+  EXPECT_EQ(inter->gate_up, GateUp::kInterleaved8);
+  EXPECT_EQ(inter->w1[8], w.w1[16]);  // row 0: up feature 0 sits 8 columns after gate feature 0
+  EXPECT_EQ(inter->w1[32 + 16], w.w1[32 + 8]);  // row 1: gate feature 8 starts the second block of 16
+  auto back = inter->InLayout(GateUp::kSplit);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->w1, w.w1);
+  w.ffn = 12;  // gate 11 would sit at column 19 and up 11 at 27, past a row of 24
+  w.w1.resize(2 * 3 * 24);
+  auto bad = w.InLayout(GateUp::kInterleaved8);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("multiple of 8"), std::string::npos) << bad.status();
+  w.w2.resize(2 * 12 * 3);
+  const LayerShape shape{.tokens = 1, .hidden = 3, .ffn = 12, .experts = 2, .topk = 1, .ranks = 1};
+  EXPECT_TRUE(w.Validate(shape).ok());  // split: any D_ff
+  w.gate_up = GateUp::kInterleaved8;
+  EXPECT_FALSE(w.Validate(shape).ok());
 }
 
 }  // namespace

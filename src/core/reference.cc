@@ -16,12 +16,22 @@ Status MoEWeights::Validate(const LayerShape& s) const {
                            " H=" + std::to_string(s.hidden) + " D_ff=" + std::to_string(s.ffn));
   if (w1.size() != static_cast<size_t>(experts) * w1_per_expert() || w2.size() != static_cast<size_t>(experts) * w2_per_expert())
     return InvalidArgument("weights: w1 must hold E*H*2F and w2 E*F*H values");
+  if (gate_up != mlp::GateUp::kSplit && gate_up != mlp::GateUp::kInterleaved8)
+    return InvalidArgument("weights: gate_up " + std::to_string(static_cast<int>(gate_up)) + " is not kSplit (0) or kInterleaved8 (1)");
   if (gate_up == mlp::GateUp::kInterleaved8 && ffn % 8 != 0)
     return InvalidArgument("weights: gate_up interleaved8 needs D_ff a multiple of 8, got " + std::to_string(ffn));
   return Status::Ok();
 }
 
-MoEWeights MoEWeights::InLayout(mlp::GateUp layout) const {
+StatusOr<MoEWeights> MoEWeights::InLayout(mlp::GateUp layout) const {
+  for (mlp::GateUp l : {gate_up, layout}) {
+    if (l != mlp::GateUp::kSplit && l != mlp::GateUp::kInterleaved8)
+      return InvalidArgument("weights: gate_up " + std::to_string(static_cast<int>(l)) + " is not kSplit (0) or kInterleaved8 (1)");
+    if (l == mlp::GateUp::kInterleaved8 && (ffn <= 0 || ffn % 8 != 0))
+      return InvalidArgument("weights: the interleaved8 layout needs D_ff a positive multiple of 8, got " + std::to_string(ffn));
+  }
+  if (w1.size() % static_cast<size_t>(std::max<int64_t>(2 * ffn, 1)) != 0)
+    return InvalidArgument("weights: w1 holds " + std::to_string(w1.size()) + " values, not rows of 2*D_ff = " + std::to_string(2 * ffn));
   MoEWeights out = *this;
   out.gate_up = layout;
   if (layout == gate_up) return out;

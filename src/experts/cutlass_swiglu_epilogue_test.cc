@@ -80,6 +80,27 @@ void ExpectSameRows(const std::vector<uint16_t>& a, const std::vector<uint16_t>&
   EXPECT_EQ(first, n) << what << " differs first at element " << first;
 }
 
+// z itself, in poisoned caller scratch (MakeCutlassExpertCompute's scratch: the forward's z rows): the epilogue's
+// rows [0, M) are the kernel's bits, and its rows [M, max_rows) stay untouched.
+void ExpectSameZ(const ExpertMlpDesc& desc, const CutlassTiles& fused_tiles, const CutlassTiles& unfused_tiles, const ExpertRows& rows,
+                 const Dev<uint16_t>& x, const Dev<uint16_t>& w1, const Dev<uint16_t>& w2, int64_t M) {
+  const size_t zn = CutlassExpertScratchBytes(desc) / sizeof(uint16_t);
+  Dev<uint16_t> zf(zn), zu(zn), h(static_cast<size_t>(desc.max_rows * 2 * desc.ffn)), y(x.n);
+  zf.Poison();
+  zu.Poison();
+  auto fused = MakeCutlassExpertCompute(desc, 0, fused_tiles, zf.p);
+  auto unfused = MakeCutlassExpertCompute(desc, 0, unfused_tiles, zu.p);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  ASSERT_TRUE(unfused.ok()) << unfused.status();
+  for (ExpertCompute* ec : {fused->get(), unfused->get()})
+    ASSERT_TRUE(ec->Forward(rows, x.bf(), ExpertWeightsView{w1.bf(), w2.bf()}, h.bf(), y.bf(), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> f = zf.Download(), u = zu.Download();
+  const auto n = static_cast<size_t>(M * desc.ffn);
+  ExpectSameRows(f, u, n, "z (epilogue vs kernel)");
+  for (size_t i = n; i < zn; ++i) ASSERT_EQ(f[i], 0xFFFF) << "z row past M written at element " << i;
+}
+
 void CompareLayouts(const SwiCase& c) {
   const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, F = c.F;
   const int64_t M = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
@@ -139,6 +160,7 @@ void CompareLayouts(const SwiCase& c) {
   ExpectPerExpert(AsDouble(f.dw2, f.dw2.size()), AsDouble(s.dw2, s.dw2.size()), c.counts, F * H, false, "dW2 vs split");
   if (c.gated) ExpectPerExpert(AsDouble(f.dgate, static_cast<size_t>(M)), AsDouble(s.dgate, static_cast<size_t>(M)), c.counts, 1, true,
                                "dgate vs split", 2e-2);
+  ExpectSameZ(inter_desc, fused_tiles, unfused_tiles, rows, x, w1_inter, w2, M);
   if (c.gated) return;  // the cuBLASLt compute takes no gates
   auto lt = MakeCublasLtExpertCompute(inter_desc, 0);
   ASSERT_TRUE(lt.ok()) << lt.status();

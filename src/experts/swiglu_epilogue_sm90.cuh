@@ -76,6 +76,7 @@ struct Sm90SwigluZStore {
   struct Pairs {
     int row[N], col[N], partner[N], next[N], kind[N];
     int max_row = 0, max_col = 0;
+    bool fast = true;  // the fast path's assumptions hold: every col % 8 < 2, every col % 16 < 8 has its partner
   };
   template <class L, int N>
   static constexpr Pairs<L, N> MakePairs() {
@@ -104,6 +105,8 @@ struct Sm90SwigluZStore {
     }
     for (int k = 0; k < N; ++k)  // the right element of a pair is its left neighbour's
       if (t.kind[k] == 2) t.kind[t.next[k]] = 0;
+    for (int k = 0; k < N; ++k)
+      if (t.col[k] % 8 >= 2 || (t.col[k] % 16 < 8 && t.partner[k] < 0)) t.fast = false;
     return t;
   }
 
@@ -122,6 +125,7 @@ struct Sm90SwigluZStore {
     int m0, n0;  // the thread's first element in the group's h
 
     using SubtileLayout = decltype(cute::take<0, 3>(cute::declval<CTensor>().layout()));
+    static_assert(cute::is_static_v<SubtileLayout>, "the SwiGLU epilogue pairs columns at compile time: a static fragment layout");
     static constexpr int kSubtile = decltype(cute::size(SubtileLayout{}))::value;
 
     CUTLASS_DEVICE float Z(float acc_gate, float acc_up, int64_t m) const {
@@ -148,7 +152,7 @@ struct Sm90SwigluZStore {
       const auto c0 = tC_mn(0);
       const int r0 = static_cast<int>(get<0>(c0)), k0 = static_cast<int>(get<1>(c0));
       const int mb = m0 + r0, nb = n0 + k0;
-      if ((nb & 9) == 0 && kPairs.max_row < static_cast<int>(get<0>(residue)) - r0 &&
+      if (kPairs.fast && (nb & 9) == 0 && kPairs.max_row < static_cast<int>(get<0>(residue)) - r0 &&
           kPairs.max_col < static_cast<int>(get<1>(residue)) - k0) {
         // The fragment lies inside the group's h and starts on a gate column pair: every choice is static.
         __nv_bfloat16* zt = z + static_cast<int64_t>(mb) * ldz + (nb >> 4) * 8 + (nb & 7);

@@ -504,7 +504,7 @@ StatusOr<ValidationReport> RunValidation(const ValidationOptions& o, ValidationB
   RDEP_ASSIGN_OR_RETURN(auto routing, GenerateRouting(s, o.routing));
   if (o.layer.nodes.cap() < o.layer.nodes.nodes)  // node-limited: the first M nodes of each token are kept
     RDEP_RETURN_IF_ERROR(LimitRoutingNodes(routing, NodeOfExpert(own, o.layer), o.layer.nodes.cap()));
-  MoEWeights w = RandomWeights(s, o.seed).InLayout(o.layer.gate_up);  // the same weights, w1 in the layer's layout
+  RDEP_ASSIGN_OR_RETURN(MoEWeights w, RandomWeights(s, o.seed).InLayout(o.layer.gate_up));  // w1 in the layer's layout
   auto x = RandomActivations(s, routing, o.seed + 1);
   auto dy = RandomActivations(s, routing, o.seed + 2);
   if (backend.bf16()) {  // the reference sees exactly what the device sees

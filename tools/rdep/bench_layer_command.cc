@@ -68,7 +68,8 @@ flags [defaults: the Moonlight shape]:
                        expert outputs and the owners take dgate; with --owner-reduce the owner keeps none
                        either (needs --expert-compute cutlass and no --balance) [off]
   --gate-up L          split | interleaved8: where W1 holds the gate and up columns; interleaved8 (blocks of 8)
-                       lets --expert-compute cutlass take the SwiGLU in GEMM1's epilogue [split]
+                       is the layout GEMM1's SwiGLU epilogue needs (rdep bench gemm --path cutlass-fused); the
+                       layer runs the SwiGLU kernel with either [split]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside

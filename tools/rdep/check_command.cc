@@ -88,7 +88,8 @@ flags (defaults in brackets):
                          rows; the owners take dgate from the saved pre-activations; with --owner-reduce the
                          owner keeps no expert outputs); no --balance or --nodes [off]
   --gate-up L            split | interleaved8: where W1 holds the gate and up columns (the reference uses the
-                         same); interleaved8 lets --expert-compute cutlass take the SwiGLU in GEMM1's epilogue [split]
+                         same); interleaved8 is the layout GEMM1's SwiGLU epilogue needs (rdep bench gemm --path
+                         cutlass-fused); the layer runs the SwiGLU kernel with either [split]
   --transport-sms N      cuda: SM budget of the kernels that store into peer memory (scatter, return): N
                          blocks, so at most N SMs; 0 = grids sized by the work [0]
   --nodes N              N nodes of W/N ranks: the two-phase exchange (a token crosses once per remote

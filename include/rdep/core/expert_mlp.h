@@ -14,8 +14,9 @@ namespace rdep::mlp {
 // Where w1's (and h's) 2F columns hold gate feature j and up feature j.
 //   kSplit         gate j at j, up j at F + j (the layout of TorchTitan's w1 | w3 side by side)
 //   kInterleaved8  blocks of 8 features: gate j at 16 * (j / 8) + j % 8, up j 8 columns after it; needs
-//                  F % 8 == 0. A thread of a wgmma accumulator tile holds both columns of a feature, so
-//                  the CUTLASS compute takes the SwiGLU in GEMM1's epilogue (no pass over h).
+//                  F % 8 == 0 (else columns fall past 2F: callers validate, as LayerConfig, ExpertMlpDesc and
+//                  MoEWeights do). A thread of a wgmma accumulator tile holds both columns of a feature, which
+//                  GEMM1's SwiGLU epilogue needs (CutlassTiles::swiglu_epilogue).
 enum class GateUp : int32_t { kSplit = 0, kInterleaved8 = 1 };
 inline int64_t GateCol(int64_t j, int64_t /*F*/, GateUp l) {
   return l == GateUp::kSplit ? j : 16 * (j / 8) + j % 8;

@@ -22,7 +22,8 @@ struct MoEWeights {
   mlp::GateUp gate_up = mlp::GateUp::kSplit;
 
   // The same weights with w1's columns placed by `layout` (a copy; the reference's results do not change).
-  MoEWeights InLayout(mlp::GateUp layout) const;
+  // InvalidArgument when either layout is kInterleaved8 and ffn is not a positive multiple of 8.
+  StatusOr<MoEWeights> InLayout(mlp::GateUp layout) const;
   size_t w1_per_expert() const { return static_cast<size_t>(hidden * 2 * ffn); }
   size_t w2_per_expert() const { return static_cast<size_t>(ffn * hidden); }
   Status Validate(const LayerShape& shape) const;

@@ -86,8 +86,9 @@ struct LayerConfig {
                                    // node; the SwiGLU expert only. The host backend ignores it
   mlp::GateUp gate_up = mlp::GateUp::kSplit;  // where each expert's W1 (and so its gradient) holds the gate and up
                                    // projections' columns (rdep/core/expert_mlp.h): kSplit (gate | up) or kInterleaved8
-                                   // (blocks of 8; needs ffn % 8 == 0), with which expert_compute cutlass takes the SwiGLU
-                                   // in GEMM1's epilogue. Every backend and the reference (MoEWeights::gate_up) read it
+                                   // (blocks of 8; needs ffn % 8 == 0), the layout GEMM1's SwiGLU epilogue needs; the
+                                   // layer runs the separate SwiGLU kernel with either (the epilogue measured slower).
+                                   // Every backend and the reference (MoEWeights::gate_up) read it
 
   Status Validate() const;
   bool has_load_matrix() const { return load_matrix || balance.enabled(); }
