@@ -86,6 +86,9 @@
 #              the default --expert-compute auto
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
+#   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
+#              on ping_128x128, two rounds, beside torch._grouped_mm on the same counts; then ncu on the fused and unfused
+#              GEMM1 at mu = 1536 (speed of light, scheduler, warp state and source counters: the top stall lines)
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -481,6 +484,18 @@ stage_gemm1() {
   run gemm_e16_bf16 "$RDEP" bench gemm --path lt,cutlass --grads bf16 --iters 50 --warmup 10 --json "$R/gemm_e16_bf16.json"
   run torch_gmm_e16 python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_e16.json" \
     --json "$R/torch_gmm_e16.json"
+}
+stage_epi1() {
+  local paths=cutlass,cutlass:ping_128x128/////,cutlass-fused,cutlass-fused:ping_128x128/////
+  run gemm_epi "$RDEP" bench gemm --gate-up interleaved8 --path "$paths,$paths" --grads bf16 --mu 128,384,768,1536,3072 \
+    --iters 50 --warmup 10 --json "$R/gemm_epi.json"
+  run torch_gmm_epi python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_epi.json" \
+    --json "$R/torch_gmm_epi.json"
+  for p in cutlass-fused cutlass-fused:ping_128x128///// cutlass; do
+    run "ncu_epi_${p//[:\/]/_}" ncu --clock-control none -k regex:device_kernel -c 1 --section SpeedOfLight --section SchedulerStats \
+      --section WarpStateStats --section SourceCounters "$RDEP" bench gemm --gate-up interleaved8 --path "$p" --mu 1536 \
+      --no-backward --warmup 0 --iters 1
+  done
 }
 [ $# -gt 0 ] || set -- transport combine nodes layer skew dsv3 train
 for stage in "$@"; do
