@@ -23,21 +23,12 @@ std::vector<double> Random(size_t n, uint64_t seed) {
   return v;
 }
 
-// Rows of 2F columns from kSplit to `to` (kInterleaved8), or back.
+// Rows of 2F columns moved between kSplit and kInterleaved8 (MoveGateUp; its column maps are pinned below).
 std::vector<double> Move(const std::vector<double>& v, int64_t F, bool to_interleaved) {
   std::vector<double> out(v.size());
-  for (size_t r = 0; r < v.size() / static_cast<size_t>(2 * F); ++r)
-    for (int64_t j = 0; j < F; ++j) {
-      const size_t b = r * static_cast<size_t>(2 * F);
-      const auto g = static_cast<size_t>(GateCol(j, F, GateUp::kInterleaved8)), u = static_cast<size_t>(UpCol(j, F, GateUp::kInterleaved8));
-      if (to_interleaved) {
-        out[b + g] = v[b + static_cast<size_t>(j)];
-        out[b + u] = v[b + static_cast<size_t>(F + j)];
-      } else {
-        out[b + static_cast<size_t>(j)] = v[b + g];
-        out[b + static_cast<size_t>(F + j)] = v[b + u];
-      }
-    }
+  const GateUp from = to_interleaved ? GateUp::kSplit : GateUp::kInterleaved8;
+  const GateUp to = to_interleaved ? GateUp::kInterleaved8 : GateUp::kSplit;
+  MoveGateUp(v.data(), out.data(), v.size() / static_cast<size_t>(2 * F), F, from, to);
   return out;
 }
 

@@ -34,16 +34,8 @@ StatusOr<MoEWeights> MoEWeights::InLayout(mlp::GateUp layout) const {
     return InvalidArgument("weights: w1 holds " + std::to_string(w1.size()) + " values, not rows of 2*D_ff = " + std::to_string(2 * ffn));
   MoEWeights out = *this;
   out.gate_up = layout;
-  if (layout == gate_up) return out;
-  const int64_t F = ffn;
-  for (size_t row = 0; row < w1.size() / static_cast<size_t>(2 * F); ++row) {  // rows of 2F: (expert, hidden index)
-    const float* src = w1.data() + row * static_cast<size_t>(2 * F);
-    float* dst = out.w1.data() + row * static_cast<size_t>(2 * F);
-    for (int64_t j = 0; j < F; ++j) {
-      dst[mlp::GateCol(j, F, layout)] = src[mlp::GateCol(j, F, gate_up)];
-      dst[mlp::UpCol(j, F, layout)] = src[mlp::UpCol(j, F, gate_up)];
-    }
-  }
+  if (layout != gate_up)  // rows of 2F: (expert, hidden index)
+    mlp::MoveGateUp(w1.data(), out.w1.data(), w1.size() / static_cast<size_t>(2 * ffn), ffn, gate_up, layout);
   return out;
 }
 

@@ -105,29 +105,21 @@ inline void ExpectPerExpert(const std::vector<double>& got, const std::vector<do
   EXPECT_LE(WorstPerExpert(got, want, counts, width, per_row, &worst_e), tol) << what << ", worst at expert " << worst_e;
 }
 
-// Rows of 2F columns (W1 [E][H][2F], h [M][2F], dW1) moved between the GateUp layouts: ToInterleaved8 takes
-// split rows (gate | up) to kInterleaved8's columns, ToSplit takes them back.
+// Rows of 2F columns (W1 [E][H][2F], h [M][2F], dW1) moved between the GateUp layouts (mlp::MoveGateUp):
+// ToInterleaved8 takes split rows (gate | up) to kInterleaved8's columns, ToSplit takes them back.
 template <typename T>
-std::vector<T> ToInterleaved8(const std::vector<T>& split, int64_t F) {
-  std::vector<T> out(split.size());
-  for (size_t r = 0; r < split.size() / static_cast<size_t>(2 * F); ++r)
-    for (int64_t j = 0; j < F; ++j) {
-      const size_t base = r * static_cast<size_t>(2 * F);
-      out[base + static_cast<size_t>(mlp::GateCol(j, F, mlp::GateUp::kInterleaved8))] = split[base + static_cast<size_t>(j)];
-      out[base + static_cast<size_t>(mlp::UpCol(j, F, mlp::GateUp::kInterleaved8))] = split[base + static_cast<size_t>(F + j)];
-    }
+std::vector<T> MovedGateUp(const std::vector<T>& v, int64_t F, mlp::GateUp from, mlp::GateUp to) {
+  std::vector<T> out(v.size());
+  mlp::MoveGateUp(v.data(), out.data(), v.size() / static_cast<size_t>(2 * F), F, from, to);
   return out;
 }
 template <typename T>
+std::vector<T> ToInterleaved8(const std::vector<T>& split, int64_t F) {
+  return MovedGateUp(split, F, mlp::GateUp::kSplit, mlp::GateUp::kInterleaved8);
+}
+template <typename T>
 std::vector<T> ToSplit(const std::vector<T>& interleaved, int64_t F) {
-  std::vector<T> out(interleaved.size());
-  for (size_t r = 0; r < interleaved.size() / static_cast<size_t>(2 * F); ++r)
-    for (int64_t j = 0; j < F; ++j) {
-      const size_t base = r * static_cast<size_t>(2 * F);
-      out[base + static_cast<size_t>(j)] = interleaved[base + static_cast<size_t>(mlp::GateCol(j, F, mlp::GateUp::kInterleaved8))];
-      out[base + static_cast<size_t>(F + j)] = interleaved[base + static_cast<size_t>(mlp::UpCol(j, F, mlp::GateUp::kInterleaved8))];
-    }
-  return out;
+  return MovedGateUp(interleaved, F, mlp::GateUp::kInterleaved8, mlp::GateUp::kSplit);
 }
 
 inline bool RequireCutlass() {

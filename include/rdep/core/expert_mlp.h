@@ -24,6 +24,19 @@ inline int64_t GateCol(int64_t j, int64_t /*F*/, GateUp l) {
 inline int64_t UpCol(int64_t j, int64_t F, GateUp l) { return l == GateUp::kSplit ? F + j : 16 * (j / 8) + j % 8 + 8; }
 inline const char* GateUpName(GateUp l) { return l == GateUp::kSplit ? "split" : "interleaved8"; }
 
+// `rows` rows of 2F columns (w1, h, dh, dw1) from layout `from` to layout `to`: dst = src moved, not in place.
+template <typename T>
+void MoveGateUp(const T* src, T* dst, size_t rows, int64_t F, GateUp from, GateUp to) {
+  for (size_t r = 0; r < rows; ++r) {
+    const T* s = src + r * static_cast<size_t>(2 * F);
+    T* d = dst + r * static_cast<size_t>(2 * F);
+    for (int64_t j = 0; j < F; ++j) {
+      d[GateCol(j, F, to)] = s[GateCol(j, F, from)];
+      d[UpCol(j, F, to)] = s[UpCol(j, F, from)];
+    }
+  }
+}
+
 template <typename T>
 inline T sigmoid(T a) { return T(1) / (T(1) + std::exp(-a)); }
 
