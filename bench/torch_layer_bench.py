@@ -30,15 +30,15 @@ def percentile(v: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))]
 
 
-def make_inputs(a, device):
+def make_inputs(a, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     T, H, F, E, K = a.tokens, a.hidden, a.ffn, a.experts, a.topk
     experts = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
     gates = torch.softmax(torch.randn(T, K, generator=g), dim=1)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(torch.bfloat16)
-    dy = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(dtype)
+    dy = torch.randn(T, H, generator=g).to(dtype)
     out = [t.to(device).unsqueeze(0) if t.dim() == 2 else t.to(device) for t in (x, experts, gates, w1, w2, dy)]
     x, experts, gates, w1, w2, dy = out
     for t in (x, gates, w1, w2):
@@ -46,25 +46,56 @@ def make_inputs(a, device):
     return x, experts, gates, w1, w2, dy
 
 
-def time_loop(fn, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+def time_loop(fn, warmup: int, iters: int, cuda: bool = True) -> tuple[list[float], list[float]]:
     """GPU time per call (events on the current stream around each call) and host time per call (the
     Python call's wall time, which includes any host wait of the layer: with cuBLASLt one per forward for
     the per-expert counts). As `rdep bench layer` does, the loop synchronizes only at its end, so a layer
-    that does not wait on the host lets the host run ahead and the events time the GPU's work."""
+    that does not wait on the host lets the host run ahead and the events time the GPU's work. Without
+    CUDA (the host backend) both lists are the wall time per call."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     events, host = [], []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+        if cuda:
+            start.record()
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        events.append((start, end))
+        if cuda:
+            end.record()
+            events.append((start, end))
+    if not cuda:
+        return list(host), host
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in events], host
+
+
+def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dict:
+    """The timed calls by name: forward (a context saved, as in training, and released when y is dropped) and
+    forward+backward, eagerly; with `compiled` also both through a torch.compile'd function of the op alone."""
+
+    def make(moe):
+        def forward():
+            y = moe(x, experts, gates, w1, w2)
+            del y
+
+        def forward_backward():
+            y = moe(x, experts, gates, w1, w2)
+            y.backward(dy)
+            x.grad = gates.grad = w1.grad = w2.grad = None
+
+        return forward, forward_backward
+
+    def eager(*args):
+        return rt.moe(layer, *args)
+
+    out = dict(zip(("forward", "forward+backward"), make(eager)))
+    if compiled:
+        out.update(zip(("compiled forward", "compiled f+b"), make(torch.compile(eager, fullgraph=True))))
+    return out
 
 
 def main() -> int:
@@ -84,59 +115,84 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0,
                    help="after the timing: N forward+backward iterations under torch.profiler (CPU and CUDA), the host "
                         "time by operation and CUDA runtime call (self CPU time)")
+    p.add_argument("--host-breakdown", type=int, default=0,
+                   help="after the timing: N more calls of each kind with the host time split into the C library's "
+                        "calls (each rdep_* function, timed around the ctypes call), torch's caching-allocator calls "
+                        "made from the layer's row allocator, and the rest (Python: the custom op's dispatch, "
+                        "autograd, validation); eager, and with --compile also through a torch.compile'd function")
+    p.add_argument("--cprofile", type=int, default=0,
+                   help="after the timing: N calls of each forward+backward kind under cProfile (Python's own time)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the calls through a torch.compile'd function (as the training example calls the op)")
+    p.add_argument("--backend", choices=["cuda", "host"], default="cuda" if torch.cuda.is_available() else "host",
+                   help="cuda (the measurement: bf16) or host (fp32 CPU tensors, the host backend: the binding's "
+                        "host time on this machine's CPU, wall times only) [cuda where there is a GPU]")
     p.add_argument("--json", default="")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        print("torch_layer_bench: no CUDA device", file=sys.stderr)
+    cuda = a.backend == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("torch_layer_bench: no CUDA device (--backend host runs the host backend)", file=sys.stderr)
         return 2
     import rdep.torch as rt
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend="cuda", device=device,
-                     expert_compute=a.expert_compute, gate_in_expert=a.gate_in_expert)
-    x, experts, gates, w1, w2, dy = make_inputs(a, device)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    options = dict(expert_compute=a.expert_compute, gate_in_expert=a.gate_in_expert) if cuda else {}
+    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend=a.backend, device=device, **options)
+    x, experts, gates, w1, w2, dy = make_inputs(a, device, torch.bfloat16 if cuda else torch.float32)
 
-    def forward():
-        y = rt.moe(layer, x, experts, gates, w1, w2)
-        del y
-
-    def forward_backward():
-        y = rt.moe(layer, x, experts, gates, w1, w2)
-        y.backward(dy)
-        x.grad = gates.grad = w1.grad = w2.grad = None
-
-    fwd, fwd_host = time_loop(forward, a.warmup, a.iters)
-    fb, fb_host = time_loop(forward_backward, a.warmup, a.iters)
+    calls = layer_calls(rt, layer, x, experts, gates, w1, w2, dy, a.compile)
+    rows, host = {}, {}
+    for name, fn in calls.items():
+        rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+    forward_backward = calls["forward+backward"]
     if a.profile > 0:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             for _ in range(a.profile):
                 forward_backward()
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
         print(f"torch.profiler over {a.profile} forward+backward calls (self CPU time: host work by operation):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
-    torch.cuda.reset_peak_memory_stats(device)
-    forward_backward()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    rows = {"forward": fwd, "forward+backward": fb}
-    print(f"torch_layer_bench: W=1 T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, bf16, "
-          f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    peak = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        forward_backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    where = torch.cuda.get_device_name(device) if cuda else "the host backend (CPU)"
+    print(f"torch_layer_bench: W=1 T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, "
+          f"{'bf16' if cuda else 'fp32'}, {where}, torch {torch.__version__}")
     print(f"  layer: {layer.describe()}")
-    host = {"forward": fwd_host, "forward+backward": fb_host}
-    print(f"  {'':18s} {'p50 ms':>9s} {'p99 ms':>9s} {'host p50 ms':>12s}")
+    print(f"  {'':18s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
         print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
-    print(f"  torch peak allocated (activations, grads; excludes the layer's own buffers): {peak:.3f} GiB")
+    breakdowns = {}
+    if a.host_breakdown > 0:
+        from binding_host_time import breakdown, instrumented, print_breakdown
+
+        with instrumented() as probe:
+            for name, fn in calls.items():
+                breakdowns[name] = breakdown(fn, a.host_breakdown, probe)
+                print_breakdown(name, breakdowns[name])
+    if a.cprofile > 0:
+        from binding_host_time import print_cprofile
+
+        for name, fn in calls.items():
+            if name.endswith("f+b") or name == "forward+backward":
+                print_cprofile(name, fn, a.cprofile)
+    if peak is not None:
+        print(f"  torch peak allocated (activations, grads; excludes the layer's own buffers): {peak:.3f} GiB")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"bench": "torch_layer", "shape": vars(a), "device": torch.cuda.get_device_name(device),
-                       "expert_compute": layer.expert_compute, "expert_compute_note": layer.expert_compute_note,
+            json.dump({"bench": "torch_layer", "shape": vars(a), "device": where,
+                       "expert_compute": getattr(layer, "expert_compute", None), "expert_compute_note": getattr(layer, "expert_compute_note", ""),
                        "torch": torch.__version__,
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},
                        "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},
+                       "host_breakdown_us": breakdowns,
                        "torch_peak_allocated_gib": peak, "samples_ms": rows}, f, indent=1)
     return 0
 

@@ -89,6 +89,11 @@
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
 #              on ping_128x128, two rounds, beside torch._grouped_mm on the same counts; then ncu on the fused and unfused
 #              GEMM1 at mu = 1536 (speed of light, scheduler, warp state and source counters: the top stall lines)
+#   host2      the binding's host time split into the C library's calls, the row allocator's calls into torch and
+#              Python (bench/torch_layer_bench.py --host-breakdown), eager and through torch.compile, at 256 tokens and at
+#              the training example's shape, with cProfile at the latter
+#   clocks1    rdep bench gemm (the default CUTLASS path, mu = 1536 and 3072) while nvidia-smi dmon samples the SM
+#              clock, the power and the temperature every second, and nvidia-smi -q reads the clock-event reasons mid-run
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -496,6 +501,24 @@ stage_epi1() {
       --section WarpStateStats --section SourceCounters "$RDEP" bench gemm --gate-up interleaved8 --path "$p" --mu 1536 \
       --no-backward --warmup 0 --iters 1
   done
+}
+stage_host2() {
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  local shape=(--hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert --compile)
+  run host2_small "${env[@]}" python3 bench/torch_layer_bench.py --tokens 256 "${shape[@]}" --iters 300 --host-breakdown 200 \
+    --json "$R/host2_small.json"
+  run host2_train "${env[@]}" python3 bench/torch_layer_bench.py --tokens 4096 "${shape[@]}" --host-breakdown 100 --cprofile 50 \
+    --json "$R/host2_train.json"
+}
+stage_clocks1() {
+  nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
+  local dmon=$!
+  (sleep 12; nvidia-smi -q -d PERFORMANCE,CLOCK,POWER >"$R/clocks1_query.log" 2>&1) &
+  run clocks1_gemm "$RDEP" bench gemm --path cutlass,cutlass --grads bf16 --mu 1536,3072 --iters 200 --warmup 20 \
+    --json "$R/clocks1_gemm.json"
+  kill "$dmon" 2>/dev/null
+  wait
+  tar czf "$OUT/receipts_w4.tgz" -C "$R" .
 }
 [ $# -gt 0 ] || set -- transport combine nodes layer skew dsv3 train
 for stage in "$@"; do

@@ -1,0 +1,134 @@
+"""Where the PyTorch binding's host time goes (bench/torch_layer_bench.py --host-breakdown): each call's wall
+time split into the C library's calls (every rdep_* function, timed around its ctypes call), the calls into
+torch's caching allocator that the layer's row allocator makes from inside those C calls, and the rest: Python
+(torch's custom-op dispatch and autograd, rdep.torch's validation and bookkeeping) and the torch ops it runs.
+
+    with instrumented() as probe:
+        per_call = breakdown(fn, iters, probe)   # {"host": us, "c:rdep_layer_forward": us, ..., "python": us}
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+import torch
+
+
+class _TimedLibrary:
+    """Stands in for rdep._capi's library handle: every rdep_* function is timed (seconds, calls)."""
+
+    def __init__(self, real):
+        self._real = real
+        self.seconds = collections.defaultdict(float)
+        self.calls = collections.defaultdict(int)
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+        if not name.startswith("rdep_"):
+            return fn
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed
+
+
+class Probe:
+    def __init__(self, lib: _TimedLibrary):
+        self.lib = lib
+        self.alloc_seconds = 0.0
+        self.alloc_calls = 0
+
+    def reset(self) -> None:
+        self.lib.seconds.clear()
+        self.lib.calls.clear()
+        self.alloc_seconds, self.alloc_calls = 0.0, 0
+
+
+@contextlib.contextmanager
+def instrumented():
+    """Times the C library's calls and the row allocator's calls into torch while the block runs."""
+    from rdep import _capi
+
+    real = _capi.lib()
+    probe = Probe(_TimedLibrary(real))
+    alloc, free = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe.alloc_seconds += time.perf_counter() - t0
+                probe.alloc_calls += 1
+
+        return call
+
+    _capi._lib = probe.lib
+    torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = timed(alloc), timed(free)
+    try:
+        yield probe
+    finally:
+        _capi._lib = real
+        torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = alloc, free
+
+
+def breakdown(fn, iters: int, probe: Probe) -> dict:
+    """Microseconds per call of fn: host (the wall time of the calls, synchronized before and after the loop),
+    each C function's time, the allocator calls' time (inside the C calls' time), and python = host less
+    the C calls. Calls per call of fn are reported as calls:NAME."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    probe.reset()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = time.perf_counter() - t0
+    sync()
+    out = {"host": 1e6 * host / iters}
+    c_total = 0.0
+    for name, s in sorted(probe.lib.seconds.items()):
+        out[f"c:{name}"] = 1e6 * s / iters
+        out[f"calls:{name}"] = probe.lib.calls[name] / iters
+        c_total += s
+    out["c_total"] = 1e6 * c_total / iters
+    out["row_allocator_in_c"] = 1e6 * probe.alloc_seconds / iters
+    out["calls:row_allocator"] = probe.alloc_calls / iters
+    out["python"] = out["host"] - out["c_total"]
+    return out
+
+
+def print_breakdown(title: str, b: dict) -> None:
+    print(f"  host breakdown, {title} (us per call):")
+    for k, v in b.items():
+        if k.startswith("calls:"):
+            continue
+        calls = b.get("calls:" + k[2:]) if k.startswith("c:") else b.get("calls:row_allocator") if k == "row_allocator_in_c" else None
+        extra = f"  ({calls:g} a call)" if calls is not None else ""
+        print(f"    {k:34s} {v:9.1f}{extra}")
+
+
+def print_cprofile(title: str, fn, iters: int, top: int = 40) -> None:
+    """fn run `iters` times under cProfile: the functions by own time (tottime) and by cumulative time."""
+    import cProfile
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    print(f"  cProfile, {title}, {iters} calls (inflated by the profiler; read the shares, not the times):")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
