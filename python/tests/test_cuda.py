@@ -290,7 +290,7 @@ def test_compile_fullgraph_matches_eager_cuda():
 @pytest.mark.parametrize("compute", ["cublaslt", "cutlass"])
 def test_compile_reduce_overhead_matches_default_mode(compute):
     """torch.compile(mode="reduce-overhead") (CUDA graphs) on a model holding rdep's MoE: rdep's ops are tagged
-    cudagraph_unsafe (op_tags.py), so with inductor's graph partitioning they run between captured partitions
+    cudagraph_unsafe (op_library.py), so with inductor's graph partitioning they run between captured partitions
     and their host work (contexts, the C call) runs on every step. Three steps with new inputs each give what
     the default mode gives (y, dx and every parameter's gradient, bf16 tolerances: the same inductor kernels,
     the partitions apart), and no forward context is left."""

@@ -55,7 +55,7 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       gradients are NaN). Costs a copy of the rows each way; pays
       at W > 1 where the worst case exceeds the rows that arrive. 0 (default) = off. Never inside a CUDA
       graph: under torch.compile(mode="reduce-overhead") rdep's ops run between the captured partitions
-      (op_tags.py; not tested with the stash)
+      (op_library.py; not tested with the stash)
   keep_weight_casts=True (CUDA with fp32 expert weights, e.g. dtype=torch.float32 master weights): the bf16
       copies of w1 and w2 a forward casts for the layer are kept for its backward, as autograd keeps
       TorchTitan's, instead of being cast again there: one cast per step instead of two (the second took

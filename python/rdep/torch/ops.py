@@ -22,7 +22,7 @@ from torch import Tensor
 
 from . import layer_calls, validate
 from .layer import Layer, get_layer
-from .op_tags import CUSTOM_OP_TAGS
+from . import op_library
 
 
 def _layer_weights(layer: Layer, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,10 +64,8 @@ FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
 
 
-# Explicit schemas: `int layer` (not the SymInt that type inference gives), so a compiled graph always
-# specializes on the layer id.
-@torch.library.custom_op("rdep::moe_forward", mutates_args=(), schema=FORWARD_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+# `int layer` (not a SymInt), so a compiled graph always specializes on the layer id.
+def _moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                 save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
@@ -76,14 +74,12 @@ def moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tenso
     return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
 
 
-@moe_forward.register_fake
 def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
     validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("rdep::moe_backward", mutates_args=(), schema=BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
     grad_dtype = _grad_dtype(h, w1)
@@ -126,7 +122,6 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
     return torch.float32
 
 
-@moe_backward.register_fake
 def _moe_backward_fake(layer, ctx, dy, w1, w2):
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
@@ -154,11 +149,13 @@ def _backward(ctx, dy, _dcontext):
                            "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
     ctx.backward_ran = True
     context, w1, w2 = ctx.saved_tensors
-    dx, dgates, dw1, dw2 = torch.ops.rdep.moe_backward(ctx.layer, context, dy.contiguous(), w1, w2)
+    dx, dgates, dw1, dw2 = moe_backward(ctx.layer, context, dy.contiguous(), w1, w2)
     return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
-moe_forward.register_autograd(_backward, setup_context=_setup_context)
+moe_forward = op_library.define("moe_forward", FORWARD_SCHEMA, _moe_forward, _moe_forward_fake)
+moe_backward = op_library.define("moe_backward", BACKWARD_SCHEMA, _moe_backward, _moe_backward_fake)
+op_library.register_autograd(moe_forward, _backward, setup_context=_setup_context)
 
 
 def _double_backward(ctx, *grads):
@@ -168,7 +165,7 @@ def _double_backward(ctx, *grads):
 
 # Registered so that a create_graph=True backward fails with that message when differentiated again,
 # rather than with autograd's generic missing-kernel error.
-moe_backward.register_autograd(_double_backward, setup_context=lambda ctx, inputs, output: None)
+op_library.register_autograd(moe_backward, _double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, *, check_routing: bool = True) -> Tensor:
@@ -181,5 +178,5 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     report it); False skips that wait, for routing known to be valid (rdep.torch.MoE's own router)."""
     layer_id = layer if isinstance(layer, int) else layer.id
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
-    y, _ = torch.ops.rdep.moe_forward(layer_id, x, experts, gates, w1, w2, save, check_routing)
+    y, _ = moe_forward(layer_id, x, experts, gates, w1, w2, save, check_routing)
     return y

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import rows_calls, validate
 from .layer import Layer, get_layer
-from .op_tags import CUSTOM_OP_TAGS
+from . import op_library
 
 PLAN_SCHEMA = "(int layer, Tensor experts, Tensor gates) -> (Tensor, Tensor)"
 DISPATCH_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor"
@@ -41,14 +41,12 @@ COMBINE_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tens
 COMBINE_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (Tensor, Tensor)"
 
 
-@torch.library.custom_op("rdep::moe_plan", mutates_args=(), schema=PLAN_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_plan(layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+def _moe_plan(layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_plan(h, experts, gates)
     return rows_calls.plan(h, experts, gates)
 
 
-@moe_plan.register_fake
 def _moe_plan_fake(layer, experts, gates):
     h = get_layer(layer)
     validate.check_plan(h, experts, gates)
@@ -56,8 +54,7 @@ def _moe_plan_fake(layer, experts, gates):
     return torch.empty((), dtype=torch.int64, device=cpu), torch.empty((h.num_local_experts,), dtype=torch.int64, device=cpu)
 
 
-@torch.library.custom_op("rdep::moe_dispatch", mutates_args=(), schema=DISPATCH_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
+def _moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("x", h, x)
@@ -66,7 +63,6 @@ def moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
     return recv
 
 
-@moe_dispatch.register_fake
 def _moe_dispatch_fake(layer, ctx, counts, x):
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
@@ -74,8 +70,7 @@ def _moe_dispatch_fake(layer, ctx, counts, x):
     return x.new_empty((torch.library.get_ctx().new_dynamic_size(), h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_dispatch_backward", mutates_args=(), schema=DISPATCH_BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
+def _moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_received_rows("d_recv", h, d_recv)
@@ -84,15 +79,13 @@ def moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tenso
     return dx
 
 
-@moe_dispatch_backward.register_fake
 def _moe_dispatch_backward_fake(layer, ctx, counts, d_recv, num_tokens):
     h = get_layer(layer)
     validate.check_received_rows("d_recv", h, d_recv)
     return d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_combine", mutates_args=(), schema=COMBINE_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
+def _moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_received_rows("expert_out", h, expert_out)
@@ -102,7 +95,6 @@ def moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gat
     return y
 
 
-@moe_combine.register_fake
 def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
     h = get_layer(layer)
     validate.check_received_rows("expert_out", h, expert_out)
@@ -110,8 +102,7 @@ def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
     return expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
 
 
-@torch.library.custom_op("rdep::moe_combine_backward", mutates_args=(), schema=COMBINE_BACKWARD_SCHEMA, **CUSTOM_OP_TAGS)
-def moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
+def _moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("dy", h, dy)
@@ -121,7 +112,6 @@ def moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, nu
     return d_out, dgates
 
 
-@moe_combine_backward.register_fake
 def _moe_combine_backward_fake(layer, ctx, counts, dy, num_recv):
     h = get_layer(layer)
     validate.check_token_rows("dy", h, dy)
@@ -157,10 +147,17 @@ def _no_double_backward(ctx, *grads):
                        "through rdep.torch.dispatch/combine) is not supported")
 
 
-moe_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
-moe_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
-moe_dispatch_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-moe_combine_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+moe_plan = op_library.define("moe_plan", PLAN_SCHEMA, _moe_plan, _moe_plan_fake)
+moe_dispatch = op_library.define("moe_dispatch", DISPATCH_SCHEMA, _moe_dispatch, _moe_dispatch_fake)
+moe_dispatch_backward = op_library.define("moe_dispatch_backward", DISPATCH_BACKWARD_SCHEMA, _moe_dispatch_backward,
+                                          _moe_dispatch_backward_fake)
+moe_combine = op_library.define("moe_combine", COMBINE_SCHEMA, _moe_combine, _moe_combine_fake)
+moe_combine_backward = op_library.define("moe_combine_backward", COMBINE_BACKWARD_SCHEMA, _moe_combine_backward,
+                                         _moe_combine_backward_fake)
+op_library.register_autograd(moe_dispatch, _dispatch_grad, setup_context=_dispatch_setup)
+op_library.register_autograd(moe_combine, _combine_grad, setup_context=_combine_setup)
+op_library.register_autograd(moe_dispatch_backward, _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+op_library.register_autograd(moe_combine_backward, _no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 class RoutingPlan:

@@ -26,16 +26,21 @@ def _dtypes_text(dtypes) -> str:
 
 def check_tensor(name: str, t, layer: Layer, dtypes, shape: tuple, shape_text: str, device=None) -> None:
     """t must be a contiguous tensor of one of `dtypes` on `device` (default: the layer's) with `shape`
-    (None = any size in that dimension)."""
+    (None = any size in that dimension). Runs on every call of every op: the checks that pass are kept cheap."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {_dtypes_text(dtypes)} on the {layer.backend} backend, got {t.dtype}")
     want = layer.device if device is None else device
-    if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
-        raise ValueError(f"{name}: expected a tensor on {want} (the layer's {layer.backend} backend), got one on {t.device}")
-    if t.dim() != len(shape) or any(s is not None and d != s for d, s in zip(t.shape, shape)):
-        raise ValueError(f"{name}: expected shape {shape_text}, got {list(t.shape)}")
+    got = t.device
+    if got != want and (got.type != want.type or (want.index is not None and got.index != want.index)):
+        raise ValueError(f"{name}: expected a tensor on {want} (the layer's {layer.backend} backend), got one on {got}")
+    size = t.shape
+    if len(size) != len(shape):
+        raise ValueError(f"{name}: expected shape {shape_text}, got {list(size)}")
+    for d, s in zip(size, shape):
+        if s is not None and d != s:
+            raise ValueError(f"{name}: expected shape {shape_text}, got {list(size)}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (rdep reads row-major memory), got strides "
                          f"{list(t.stride())}; call .contiguous()")

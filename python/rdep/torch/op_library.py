@@ -1,0 +1,43 @@
+"""rdep's operator library: every rdep op (namespace "rdep") is defined here, through torch.library's
+Library: the schema, one Python kernel for the CPU and CUDA dispatch keys, the fake implementation
+(torch.compile traces with it) and the autograd formula.
+
+Why not torch.library.custom_op: its kernel wrapper runs checks on every call (the defaults filled again,
+the outputs' aliasing, a dynamo-disabled frame) that cost ~50 us of host time per call on a fast CPU, and
+each rdep call's host time is on the training step's critical path when the GPU waits for it. The
+Library kernel is called by the dispatcher directly; the schema, fake and autograd registrations are the
+same public API, so torch.compile and torch.library.opcheck treat the ops as before.
+
+The tag `torch.Tag.cudagraph_unsafe` (where torch has it): each rdep op does host work that must run on
+every call (it acquires and releases the layer's forward contexts, keeps their tokens, calls the C library,
+which picks the context's buffers), so a CUDA graph that replayed only its kernels would reuse one call's
+state for every replay. With the tag, torch.compile(mode="reduce-overhead") runs the ops outside its CUDA
+graphs: with inductor's graph partitioning (torch._inductor.config.graph_partition) the rest of the
+compiled graph is captured in partitions around them; without it, a graph holding an rdep op is not
+captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+TAGS: tuple = (_tag,) if _tag is not None else ()
+
+_LIB = torch.library.Library("rdep", "DEF")  # module-lifetime: the definitions live as long as the module
+
+
+def define(name: str, schema: str, kernel, fake):
+    """Defines rdep::name with `schema` (its argument list and returns, "(...) -> ..."), `kernel` for CPU and
+    CUDA tensors (its Python defaults must equal the schema's: the dispatcher leaves trailing defaults out)
+    and `fake` for tracing; returns the op's default overload, which callers call."""
+    _LIB.define(name + schema, tags=TAGS)
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, kernel, key)
+    torch.library.register_fake(f"rdep::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.rdep, name).default
+
+
+def register_autograd(op, backward, setup_context) -> None:
+    """The autograd formula of an op `define` returned (torch.library.register_autograd)."""
+    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
