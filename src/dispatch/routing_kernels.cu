@@ -56,12 +56,18 @@ __device__ __forceinline__ void StageInts(const int32_t* __restrict__ src, int64
 
 // ---- the routing check -------------------------------------------------------------------------------
 
-// A thread per token: its first faulty slot's key folded into *worst as the complement (atomicMax of
-// ~key is the minimum key; 0 = no fault yet).
-__global__ void CheckRoutingKernel(const int32_t* experts, const float* gates, int64_t n, int64_t K, int32_t num_experts,
-                                   unsigned long long* worst) {
+// A thread per token: its slots copied from the caller's arrays first (when given), then its first faulty
+// slot's key folded into *worst as the complement (atomicMax of ~key is the minimum key; 0 = no fault yet).
+__global__ void CheckRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
+                                   unsigned long long* worst, const int32_t* from_experts, const float* from_gates) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
+  if (from_experts) {
+    for (int64_t k = 0; k < K; ++k) {
+      experts[t * K + k] = from_experts[t * K + k];
+      gates[t * K + k] = from_gates[t * K + k];
+    }
+  }
   for (int64_t k = 0; k < K; ++k) {
     const RouteSlotFault f = CheckRouteSlot(experts + t * K, gates + t * K, k, num_experts);
     if (f == RouteSlotFault::kNone) continue;
@@ -244,9 +250,13 @@ size_t StagedShared(int64_t table_ints, int64_t tile_ints) {
 }  // namespace
 
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero) {
+                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero,
+                             const int32_t* from_experts, const float* from_gates) {
+  if ((from_experts == nullptr) != (from_gates == nullptr))
+    return InvalidArgument("LaunchValidateRouting: from_experts and from_gates are given together or not at all");
   if (n > 0) {
-    CheckRoutingKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, n, K, num_experts, worst);
+    CheckRoutingKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, n, K, num_experts, worst,
+                                                                               from_experts, from_gates);
     RDEP_CUDA_CHECK_LAUNCH();
   }
   FinishRoutingCheckKernel<<<1, kFinishThreads, 0, s>>>(experts, gates, n, K, num_experts, worst, fault, zero);

@@ -82,18 +82,24 @@ TEST_P(RoutingCheck, NamesTheFirstFaultAndRewritesOnlyFaultyTokens) {
       break;
     }
   ASSERT_EQ(want == ~0ull, c.bad_tokens.empty());
-  Dev<int32_t> e_dev(experts.size());
-  Dev<float> g_dev(gates.size());
+  // Pass 0 checks a copy of the caller's arrays (from_experts, from_gates) into poisoned ones; pass 1 checks
+  // that copy in place.
+  Dev<int32_t> e_src(experts.size()), e_dev(experts.size());
+  Dev<float> g_src(gates.size()), g_dev(gates.size());
   Dev<unsigned long long> worst(1);
   Dev<RoutingFault> fault(1);
-  e_dev.Upload(experts);
-  g_dev.Upload(gates);
+  e_src.Upload(experts);
+  g_src.Upload(gates);
+  e_dev.Poison();
+  g_dev.Poison();
   ASSERT_EQ(cudaMemset(worst.p, 0, sizeof(unsigned long long)), cudaSuccess);
   fault.Poison();
   for (int pass = 0; pass < 2; ++pass) {  // the second pass sees the rewritten routing: no fault, and the word was reset
     Dev<int64_t> zero(1);
     zero.Poison();
-    ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr, zero.p).ok());
+    ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr, zero.p,
+                                      pass == 0 ? e_src.p : nullptr, pass == 0 ? g_src.p : nullptr)
+                    .ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(zero.Download()[0], 0) << "pass " << pass;
     const RoutingFault got = fault.Download()[0];
@@ -122,7 +128,16 @@ TEST_P(RoutingCheck, NamesTheFirstFaultAndRewritesOnlyFaultyTokens) {
           ASSERT_EQ(std::memcmp(&g_after[i], &gates[i], 4), 0) << "token " << t;
         }
       }
+    EXPECT_EQ(e_src.Download(), experts) << "the caller's experts are only read";
+    const std::vector<float> g_src_after = g_src.Download();
+    EXPECT_EQ(std::memcmp(g_src_after.data(), gates.data(), gates.size() * 4), 0) << "the caller's gates are only read";
   }
+}
+
+TEST(RoutingCheck, RefusesOneSourceArrayWithoutTheOther) {
+  int32_t e = 0;
+  float g = 0;
+  EXPECT_EQ(LaunchValidateRouting(&e, &g, 1, 1, 1, nullptr, nullptr, nullptr, nullptr, &e, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -484,14 +484,15 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   sv.num_tokens = n;
   sv.have_recv_counts = false;
   if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
-  if (n > 0) {
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.experts.ptr, experts, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sv.gates.ptr, gates, static_cast<size_t>(n * K) * 4, cudaMemcpyDeviceToDevice, stream));
-  }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
+  // The check copies the caller's routing into the context's (sv.experts, sv.gates) as it reads it.
+  if (n > 0 && (experts == nullptr || gates == nullptr))
+    return InvalidArgument("forward on rank " + std::to_string(rank) + ": " + (experts ? "gates" : "experts") + " is null for " +
+                           std::to_string(n) + " tokens");
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
-                                                       stream, /*zero=*/sv.dropped.ptr));  // also zeroes the drop count
+                                                       stream, /*zero=*/sv.dropped.ptr,  // also zeroes the drop count
+                                                       experts, gates));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));

@@ -53,14 +53,17 @@ struct RouteTargets {
 // spread over the GPU (a thread per token), then one block for the record and the rewrite; `worst` is a
 // device word holding 0 before the launch (the check folds faults into it; the second kernel reads it
 // and leaves it 0 again). zero (nullable): a device int64 the second kernel sets to 0 (the caller's drop
-// counter, so the plan needs no memset of its own).
+// counter, so the plan needs no memset of its own). from_experts, from_gates (nullable, both or neither): the
+// routing as the caller gave it, copied into experts and gates by the check (the layer's saved copy, with
+// no copy call of its own), which are then checked and rewritten; the caller's arrays are only read.
 struct RoutingFault {
   unsigned long long key;  // (t*K + k) << 2 | RouteSlotFault; ~0 = none
   int32_t expert;          // the slot's expert id and gate as given
   float gate;
 };
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
-                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero = nullptr);
+                             unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero = nullptr,
+                             const int32_t* from_experts = nullptr, const float* from_gates = nullptr);
 // The shared-memory limits of the kernels below on a layout: phase 1's counts hold L + 1 counters
 // (L < kMaxCountLocalExperts), the owner's expansion L expert offsets (L <= kMaxExpandLocalExperts), the
 // staged scans at least one token's K ids (K < 10240). InvalidArgument naming the limit; a layer checks
