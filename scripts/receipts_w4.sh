@@ -92,6 +92,8 @@
 #   host2      the binding's host time split into the C library's calls, the row allocator's calls into torch and
 #              Python (bench/torch_layer_bench.py --host-breakdown), eager and through torch.compile, at 256 tokens and at
 #              the training example's shape, with cProfile at the latter
+#   host3      the C++ layer's host time per call (rdep bench layer --ranks 1, CUTLASS, gate in the expert, bf16 gradients)
+#              beside the binding's (bench/torch_layer_bench.py) at 256 tokens and at the training example's shape
 #   clocks1    rdep bench gemm (the default CUTLASS path, mu = 1536 and 3072) while nvidia-smi dmon samples the SM
 #              clock, the power and the temperature every second, and nvidia-smi -q reads the clock-event reasons mid-run
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
@@ -113,7 +115,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|load:|segments:|graph |memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|host time|load:|segments:|graph |memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))
@@ -509,6 +511,15 @@ stage_host2() {
     --json "$R/host2_small.json"
   run host2_train "${env[@]}" python3 bench/torch_layer_bench.py --tokens 4096 "${shape[@]}" --host-breakdown 100 --cprofile 50 \
     --json "$R/host2_train.json"
+}
+stage_host3() {
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  local shape=(--hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
+  for t in 256 4096; do
+    run host3_layer_t$t "$RDEP" bench layer --ranks 1 --tokens $t "${shape[@]}" --grads bf16 --iters 200 --json "$R/host3_layer_t$t.json"
+    run host3_torch_t$t "${env[@]}" python3 bench/torch_layer_bench.py --tokens $t "${shape[@]}" --iters 200 --host-breakdown 200 \
+      --json "$R/host3_torch_t$t.json"
+  done
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
