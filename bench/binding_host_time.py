@@ -82,17 +82,20 @@ def instrumented():
 
 
 def breakdown(fn, iters: int, probe: Probe) -> dict:
-    """Microseconds per call of fn: host (the wall time of the calls, synchronized before and after the loop),
-    each C function's time, the allocator calls' time (inside the C calls' time), and python = host less
-    the C calls. Calls per call of fn are reported as calls:NAME."""
+    """Microseconds per call of fn, each call issued on an idle device (synchronized before it, outside the
+    time, so that no full launch queue paces the host): host (the calls' wall time), each C function's time,
+    the allocator calls' time (inside the C calls' time), and python = host less the C calls. Calls per
+    call of fn are reported as calls:NAME."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     sync()
     probe.reset()
-    t0 = time.perf_counter()
+    host = 0.0
     for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
         fn()
-    host = time.perf_counter() - t0
+        host += time.perf_counter() - t0
     sync()
     out = {"host": 1e6 * host / iters}
     c_total = 0.0

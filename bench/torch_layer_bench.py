@@ -47,28 +47,37 @@ def make_inputs(a, device, dtype):
 
 
 def time_loop(fn, warmup: int, iters: int, cuda: bool = True) -> tuple[list[float], list[float]]:
-    """GPU time per call (events on the current stream around each call) and host time per call (the
-    Python call's wall time, which includes any host wait of the layer: with cuBLASLt one per forward for
-    the per-expert counts). As `rdep bench layer` does, the loop synchronizes only at its end, so a layer
-    that does not wait on the host lets the host run ahead and the events time the GPU's work. Without
-    CUDA (the host backend) both lists are the wall time per call."""
+    """GPU time per call and host time per call, in ms. GPU: events on the current stream around each call,
+    back to back; as `rdep bench layer` does, the loop synchronizes only at its end, so a layer that does
+    not wait on the host lets the host run ahead and the events time the GPU's work. Host: the Python
+    call's wall time, each call issued on an idle device (synchronized before it, outside the time): what
+    the host spends issuing the call (and any wait of the layer: with cuBLASLt one per forward for the
+    per-expert counts), not the back-pressure of a full launch queue, which would pace a back-to-back loop
+    at the device's rate. Without CUDA (the host backend) both are the wall time per call."""
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-    events, host = [], []
+    if not cuda:
+        host = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e3)
+        return list(host), host
+    torch.cuda.synchronize()
+    events = []
     for _ in range(iters):
-        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
-        if cuda:
-            start.record()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            end.record()
-            events.append((start, end))
-    if not cuda:
-        return list(host), host
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in events], host
 
