@@ -94,6 +94,9 @@
 #              the training example's shape, with cProfile at the latter
 #   host3      the C++ layer's host time per call (rdep bench layer --ranks 1, CUTLASS, gate in the expert, bf16 gradients)
 #              beside the binding's (bench/torch_layer_bench.py) at 256 tokens and at the training example's shape
+#   gaps1      where the training step's GPU waits for its host: the example under --compile-mode reduce-overhead (200
+#              steps, steps 100-102 traced) and default compile (60 steps, 40-42 traced), both variants, each trace's idle
+#              gaps charged to the host op that launched the work after them (scripts/trace_gaps.py); traces kept in /tmp
 #   clocks1    rdep bench gemm (the default CUTLASS path, mu = 1536 and 3072) while nvidia-smi dmon samples the SM
 #              clock, the power and the temperature every second, and nvidia-smi -q reads the clock-event reasons mid-run
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
@@ -520,6 +523,17 @@ stage_host3() {
     run host3_torch_t$t "${env[@]}" python3 bench/torch_layer_bench.py --tokens $t "${shape[@]}" --iters 200 --host-breakdown 200 \
       --json "$R/host3_torch_t$t.json"
   done
+}
+stage_gaps1() {
+  pip_wheels
+  # shellcheck disable=SC2046
+  run gaps_train_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --compile-mode reduce-overhead \
+    --profile-steps 3 --profile-at 100 --profile-trace /tmp/gaps_ro --json "$R/gaps_train_ro.json"
+  run gaps_ro python3 scripts/trace_gaps.py /tmp/gaps_ro.rdep.r0.json /tmp/gaps_ro.torchtitan.r0.json --json "$R/gaps_ro.json"
+  # shellcheck disable=SC2046
+  run gaps_train_c $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --compile --steps 60 \
+    --agree-from 30 --agree-to 60 --profile-steps 3 --profile-at 40 --profile-trace /tmp/gaps_c --json "$R/gaps_train_c.json"
+  run gaps_c python3 scripts/trace_gaps.py /tmp/gaps_c.rdep.r0.json /tmp/gaps_c.torchtitan.r0.json --json "$R/gaps_c.json"
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
