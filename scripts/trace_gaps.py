@@ -9,7 +9,7 @@ outermost (a compiled graph, the optimizer step, an rdep op) and the innermost. 
 issued before the gap began is a device-side dependency (an event wait), charged to "(launched before the
 gap)". Gaps shorter than --min-us are counted in the total only.
 
-    python3 scripts/trace_gaps.py TRACE.json [--min-us 5] [--top 20] [--json out.json]
+    python3 scripts/trace_gaps.py TRACE.json [--min-us 5] [--top 20] [--device N] [--json out.json]
 (TRACE from examples/torch_training/train.py --profile-steps N --profile-trace PREFIX, or any torch.profiler
 export_chrome_trace with CPU and CUDA activities.)
 """
@@ -45,12 +45,12 @@ def busy_intervals(gpu: list) -> list:
 
 
 def open_ops(events: list, queries: list) -> list:
-    """For each (tid, t) in queries, the names of the CPU ops (cat cpu_op or user_annotation) open on thread tid
-    at time t, outermost first. Ops nest on a thread, so one sweep in time order with a stack answers all."""
+    """For each ((pid, tid), t) in queries, the names of the CPU ops (cat cpu_op or user_annotation) open on that
+    thread at time t, outermost first. Ops nest on a thread, so one sweep in time order with a stack answers all."""
     ops = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
-            ops[e.get("tid")].append((float(e["ts"]), -(float(e["ts"]) + float(e.get("dur", 0))), e["name"]))
+            ops[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), -(float(e["ts"]) + float(e.get("dur", 0))), e["name"]))
     by_tid = collections.defaultdict(list)
     for qi, (tid, t) in enumerate(queries):
         by_tid[tid].append((t, qi))
@@ -72,10 +72,22 @@ def open_ops(events: list, queries: list) -> list:
     return out
 
 
-def analyse(events: list, min_us: float) -> dict:
+def gpu_device(e: dict):
+    return e.get("args", {}).get("device", e.get("pid"))
+
+
+def analyse(events: list, min_us: float, device=None) -> dict:
+    """The gaps of one GPU's work: `device` (the GPU events' args.device), or the only one in the trace."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
         raise ValueError("the trace has no GPU events (profile with CUDA activities)")
+    devices = sorted({gpu_device(e) for e in gpu}, key=str)
+    if device is None and len(devices) > 1:
+        raise ValueError(f"the trace has GPU events of devices {devices}: name one with --device")
+    if device is not None:
+        gpu = [e for e in gpu if str(gpu_device(e)) == str(device)]
+        if not gpu:
+            raise ValueError(f"no GPU events of device {device} (the trace has {devices})")
     launches = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
@@ -98,7 +110,7 @@ def analyse(events: list, min_us: float) -> dict:
             g["outer"] = g["inner"] = "(launched before the gap)"
         else:
             g["query"], g["launch"] = len(queries), launch["name"]
-            queries.append((launch.get("tid"), float(launch["ts"])))
+            queries.append(((launch.get("pid"), launch.get("tid")), float(launch["ts"])))
         gaps.append(g)
     names = open_ops(events, queries)
     by_outer, by_inner, counts = collections.Counter(), collections.Counter(), collections.Counter()
@@ -135,12 +147,13 @@ def main(argv=None) -> int:
     p.add_argument("trace", nargs="+")
     p.add_argument("--min-us", type=float, default=5.0)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--device", default=None, help="the GPU whose gaps to charge (a trace of several GPUs needs it)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     out = {}
     for path in a.trace:
         try:
-            out[path] = analyse(load_events(path), a.min_us)
+            out[path] = analyse(load_events(path), a.min_us, a.device)
         except (OSError, ValueError, KeyError) as e:
             print(f"trace_gaps: {path}: {e}", file=sys.stderr)
             return 2

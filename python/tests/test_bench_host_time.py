@@ -1,6 +1,6 @@
-"""bench/torch_layer_bench.py on the host backend at a tiny shape: the receipt's host breakdown adds up (the C
-library's calls plus Python make the host time), names the C calls each kind makes, and the timings are
-there for every call kind, compiled ones included. The CUDA measurement runs on a GPU machine
+"""bench/torch_layer_bench.py on the host backend at a tiny shape: the receipt's host breakdown names the C calls
+each kind makes, how often, and puts them inside the host time, and the timings are there for every call kind,
+compiled ones included. The CUDA measurement runs on a GPU machine
 (scripts/receipts_w4.sh host2, host3); this checks the script itself.
 """
 
@@ -32,10 +32,11 @@ def test_host_breakdown_adds_up_on_the_host_backend(tmp_path, monkeypatch, compi
     for kind in kinds:
         b = rec["host_breakdown_us"][kind]
         assert b["host"] > 0 and rec["p50_ms"][kind] > 0 and len(rec["samples_ms"][kind]) == 5
-        c_calls = [k for k in b if k.startswith("c:")]
-        assert b["c_total"] == pytest.approx(sum(b[k] for k in c_calls))
-        assert b["python"] == pytest.approx(b["host"] - b["c_total"])
-        assert 0 < b["c_total"] < b["host"]
-        assert b["calls:rdep_layer_forward"] == 1 and b["calls:rdep_context_acquire"] == 1
-        assert b.get("calls:rdep_layer_backward", 0) == (1 if kind.endswith(("backward", "f+b")) else 0)
+        assert 0 < b["c_total"] < b["host"] and b["host_median"] > 0
+        # The binding's C calls per call: one acquire and one forward; a backward, and its release besides the
+        # context tensor's finalizer (a no-op for a released id), with grad.
+        backward = kind.endswith(("backward", "f+b"))
+        calls = {k[len("calls:"):]: v for k, v in b.items() if k.startswith("calls:rdep_")}
+        assert calls == {"rdep_context_acquire": 1, "rdep_layer_forward": 1, "rdep_context_release": 2 if backward else 1,
+                         **({"rdep_layer_backward": 1} if backward else {})}
     assert rec["torch_peak_allocated_gib"] is None and rec["device"] == "the host backend (CPU)"

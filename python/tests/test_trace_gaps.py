@@ -25,8 +25,9 @@ def launch(corr, ts, tid=1):
             "args": {"correlation": corr}}
 
 
-def kernel(name, corr, ts, dur):
-    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}
+def kernel(name, corr, ts, dur, device=0):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 7,
+            "args": {"correlation": corr, "device": device}}
 
 
 EVENTS = [
@@ -66,3 +67,19 @@ def test_cli_writes_json_and_refuses_a_trace_without_gpu_events(tmp_path, capsys
     assert "idle charged to the outermost" in capsys.readouterr().out
     assert trace_gaps.main([str(bad)]) == 2
     assert "no GPU events" in capsys.readouterr().err
+
+
+def test_ops_of_another_process_with_the_same_thread_id_are_not_enclosing():
+    events = EVENTS + [dict(op("OtherProcess", 0, 200), pid=99)]
+    r = trace_gaps.analyse([dict(e, pid=e.get("pid", 1)) for e in events], min_us=5)
+    assert r["by_outer_us"] == {"Outer": 30, "(launched before the gap)": 10}
+
+
+def test_a_trace_of_two_gpus_needs_a_device():
+    events = EVENTS + [kernel("other_gpu", 5, 41, 28, device=1)]  # would fill the gap 40-70 if merged
+    with pytest.raises(ValueError, match="name one with --device"):
+        trace_gaps.analyse(events, min_us=5)
+    r = trace_gaps.analyse(events, min_us=5, device=0)
+    assert r["by_outer_us"] == {"Outer": 30, "(launched before the gap)": 10}
+    with pytest.raises(ValueError, match="no GPU events of device 3"):
+        trace_gaps.analyse(events, min_us=5, device=3)

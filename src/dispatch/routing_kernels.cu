@@ -252,7 +252,7 @@ size_t StagedShared(int64_t table_ints, int64_t tile_ints) {
 Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
                              unsigned long long* worst, RoutingFault* fault, cudaStream_t s, int64_t* zero,
                              const int32_t* from_experts, const float* from_gates) {
-  if ((from_experts == nullptr) != (from_gates == nullptr))
+  if (n > 0 && (from_experts == nullptr) != (from_gates == nullptr))
     return InvalidArgument("LaunchValidateRouting: from_experts and from_gates are given together or not at all");
   if (n > 0) {
     CheckRoutingKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, n, K, num_experts, worst,

@@ -82,55 +82,65 @@ TEST_P(RoutingCheck, NamesTheFirstFaultAndRewritesOnlyFaultyTokens) {
       break;
     }
   ASSERT_EQ(want == ~0ull, c.bad_tokens.empty());
-  // Pass 0 checks a copy of the caller's arrays (from_experts, from_gates) into poisoned ones; pass 1 checks
-  // that copy in place.
-  Dev<int32_t> e_src(experts.size()), e_dev(experts.size());
-  Dev<float> g_src(gates.size()), g_dev(gates.size());
-  Dev<unsigned long long> worst(1);
-  Dev<RoutingFault> fault(1);
-  e_src.Upload(experts);
-  g_src.Upload(gates);
-  e_dev.Poison();
-  g_dev.Poison();
-  ASSERT_EQ(cudaMemset(worst.p, 0, sizeof(unsigned long long)), cudaSuccess);
-  fault.Poison();
-  for (int pass = 0; pass < 2; ++pass) {  // the second pass sees the rewritten routing: no fault, and the word was reset
-    Dev<int64_t> zero(1);
-    zero.Poison();
-    ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr, zero.p,
-                                      pass == 0 ? e_src.p : nullptr, pass == 0 ? g_src.p : nullptr)
-                    .ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(zero.Download()[0], 0) << "pass " << pass;
-    const RoutingFault got = fault.Download()[0];
-    EXPECT_EQ(worst.Download()[0], 0ull) << "pass " << pass;
-    if (pass == 1) {
-      EXPECT_EQ(got.key, ~0ull) << "the rewritten routing is valid";
-      continue;
+  // Twice: with the caller's arrays copied by the check into poisoned ones (from_experts, from_gates; with no
+  // tokens one of them null, which is then not read), and checked in place. In each, pass 0 checks the routing as
+  // given and pass 1 the rewritten copy in place.
+  for (const bool copy : {true, false}) {
+    SCOPED_TRACE(copy ? "copied by the check" : "in place");
+    Dev<int32_t> e_src(experts.size()), e_dev(experts.size());
+    Dev<float> g_src(gates.size()), g_dev(gates.size());
+    Dev<unsigned long long> worst(1);
+    Dev<RoutingFault> fault(1);
+    e_src.Upload(experts);
+    g_src.Upload(gates);
+    if (copy) {
+      e_dev.Poison();
+      g_dev.Poison();
+    } else {
+      e_dev.Upload(experts);
+      g_dev.Upload(gates);
     }
-    ASSERT_EQ(got.key, want);
-    if (want != ~0ull) {
-      EXPECT_EQ(got.expert, experts[static_cast<size_t>(want >> 2)]);
-      const float g = gates[static_cast<size_t>(want >> 2)];
-      if (std::isnan(g)) EXPECT_TRUE(std::isnan(got.gate));
-      else EXPECT_EQ(got.gate, g);
-    }
-    const std::vector<int32_t> e_after = e_dev.Download();
-    const std::vector<float> g_after = g_dev.Download();
-    for (int64_t t = 0; t < c.n; ++t)
-      for (int64_t k = 0; k < c.K; ++k) {
-        const auto i = static_cast<size_t>(t * c.K + k);
-        if (faulty[static_cast<size_t>(t)]) {
-          ASSERT_EQ(e_after[i], k) << "token " << t;
-          ASSERT_EQ(g_after[i], 0.f) << "token " << t;
-        } else {
-          ASSERT_EQ(e_after[i], experts[i]) << "token " << t;
-          ASSERT_EQ(std::memcmp(&g_after[i], &gates[i], 4), 0) << "token " << t;
-        }
+    ASSERT_EQ(cudaMemset(worst.p, 0, sizeof(unsigned long long)), cudaSuccess);
+    fault.Poison();
+    for (int pass = 0; pass < 2; ++pass) {  // the second pass sees the rewritten routing: no fault, and the word was reset
+      Dev<int64_t> zero(1);
+      zero.Poison();
+      const bool from = copy && pass == 0;
+      ASSERT_TRUE(LaunchValidateRouting(e_dev.p, g_dev.p, c.n, c.K, static_cast<int32_t>(c.E), worst.p, fault.p, nullptr, zero.p,
+                                        from ? e_src.p : nullptr, from && c.n > 0 ? g_src.p : nullptr)
+                      .ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(zero.Download()[0], 0) << "pass " << pass;
+      const RoutingFault got = fault.Download()[0];
+      EXPECT_EQ(worst.Download()[0], 0ull) << "pass " << pass;
+      if (pass == 1) {
+        EXPECT_EQ(got.key, ~0ull) << "the rewritten routing is valid";
+        continue;
       }
-    EXPECT_EQ(e_src.Download(), experts) << "the caller's experts are only read";
-    const std::vector<float> g_src_after = g_src.Download();
-    EXPECT_EQ(std::memcmp(g_src_after.data(), gates.data(), gates.size() * 4), 0) << "the caller's gates are only read";
+      ASSERT_EQ(got.key, want);
+      if (want != ~0ull) {
+        EXPECT_EQ(got.expert, experts[static_cast<size_t>(want >> 2)]);
+        const float g = gates[static_cast<size_t>(want >> 2)];
+        if (std::isnan(g)) EXPECT_TRUE(std::isnan(got.gate));
+        else EXPECT_EQ(got.gate, g);
+      }
+      const std::vector<int32_t> e_after = e_dev.Download();
+      const std::vector<float> g_after = g_dev.Download();
+      for (int64_t t = 0; t < c.n; ++t)
+        for (int64_t k = 0; k < c.K; ++k) {
+          const auto i = static_cast<size_t>(t * c.K + k);
+          if (faulty[static_cast<size_t>(t)]) {
+            ASSERT_EQ(e_after[i], k) << "token " << t;
+            ASSERT_EQ(g_after[i], 0.f) << "token " << t;
+          } else {
+            ASSERT_EQ(e_after[i], experts[i]) << "token " << t;
+            ASSERT_EQ(std::memcmp(&g_after[i], &gates[i], 4), 0) << "token " << t;
+          }
+        }
+      EXPECT_EQ(e_src.Download(), experts) << "the caller's experts are only read";
+      const std::vector<float> g_src_after = g_src.Download();
+      EXPECT_EQ(std::memcmp(g_src_after.data(), gates.data(), gates.size() * 4), 0) << "the caller's gates are only read";
+    }
   }
 }
 

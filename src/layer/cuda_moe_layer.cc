@@ -473,7 +473,8 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const int64_t K = s.topk, W = s.ranks;
   // A bad token count still takes part in the collective with no tokens (the other ranks finish), then fails.
   const bool count_ok = num_tokens >= 0 && num_tokens <= s.tokens;
-  const int64_t n = count_ok ? num_tokens : 0;
+  const bool arrays_ok = num_tokens <= 0 || (experts != nullptr && gates != nullptr);  // null routing: taken as no tokens
+  const int64_t n = count_ok && arrays_ok ? num_tokens : 0;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   if (st.plan_copy_pending) RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kPlanStart));
   st.plan_copy_pending = true;
@@ -484,15 +485,13 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   sv.num_tokens = n;
   sv.have_recv_counts = false;
   if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
+  // The check copies the caller's routing into the context's (sv.experts, sv.gates) as it reads it; with no
+  // tokens (or bad input, which takes part with none) the caller's arrays are not read.
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
-  // The check copies the caller's routing into the context's (sv.experts, sv.gates) as it reads it.
-  if (n > 0 && (experts == nullptr || gates == nullptr))
-    return InvalidArgument("forward on rank " + std::to_string(rank) + ": " + (experts ? "gates" : "experts") + " is null for " +
-                           std::to_string(n) + " tokens");
   RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
                                                        reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
                                                        stream, /*zero=*/sv.dropped.ptr,  // also zeroes the drop count
-                                                       experts, gates));
+                                                       n > 0 ? experts : nullptr, n > 0 ? gates : nullptr));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
@@ -542,6 +541,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   if (!count_ok)
     return InvalidArgument("forward on rank " + std::to_string(rank) + ": num_tokens " + std::to_string(num_tokens) +
                            " outside [0, T=" + std::to_string(s.tokens) + "]; the rank took part with no tokens");
+  if (!arrays_ok)
+    return InvalidArgument("forward on rank " + std::to_string(rank) + ": " + (experts ? "gates" : "experts") + " is null for " +
+                           std::to_string(num_tokens) + " tokens; the rank took part with no tokens");
   return Status::Ok();
 }
 

@@ -129,6 +129,36 @@ TEST(CudaMoELayerInput_Count, W2_TokensAboveTIsInvalidArgumentAndPeersFinish) {
   }
 }
 
+// A null experts or gates array with tokens (the C ABI refuses it first; the C++ API is checked here): that rank
+// takes part with no tokens and is refused naming the array; the other rank's forward completes.
+TEST(CudaMoELayerInput_Count, W2_NullRoutingArrayIsInvalidArgumentAndPeersFinish) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  LayerConfig cfg;
+  cfg.shape = {.tokens = kT, .hidden = kH, .ffn = kF, .experts = kE, .topk = kK, .ranks = 2};
+  auto domain = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 10, .devices = RoundRobinDevices(2, 1)});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto layer = CudaMoELayer::Create(**domain, cfg, *OwnershipMap::Contiguous(kE, 2), RandomWeights(cfg.shape, 3));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const Routing good = *GenerateRouting(cfg.shape, RoutingSpec{});
+  for (const bool null_experts : {true, false}) {
+    std::vector<Status> got(2);
+    Status s = (*domain)->Run([&](int32_t r) -> Status {
+      Inputs in;
+      RDEP_RETURN_IF_ERROR(in.Upload(good[static_cast<size_t>(r)]));
+      const int32_t* e = r == 0 && null_experts ? nullptr : in.e;
+      const float* g = r == 0 && !null_experts ? nullptr : in.g;
+      got[static_cast<size_t>(r)] = (*layer)->Forward(r, e, g, kT, in.x, in.y);
+      return (*domain)->Synchronize(r);
+    });
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(got[1].ok()) << got[1];
+    ASSERT_FALSE(got[0].ok());
+    EXPECT_EQ(got[0].code(), StatusCode::kInvalidArgument);
+    const std::string want = std::string("rank 0: ") + (null_experts ? "experts" : "gates") + " is null for 16 tokens";
+    EXPECT_NE(got[0].message().find(want), std::string::npos) << got[0];
+  }
+}
+
 }  // namespace
 }  // namespace rdep
 #endif

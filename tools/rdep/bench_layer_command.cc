@@ -338,8 +338,10 @@ Status TimeRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
 
 // Rank r's host time per call: `iters` forwards, then forward + backward pairs, each issued with the rank's
 // stream idle (synchronized before it, outside the time), so the wall time of the layer's calls is what the
-// host spends issuing them (and any wait of the layer on the device: the cuBLASLt compute's count read),
-// not the back-pressure of a full launch queue, which paces a back-to-back loop at the device's rate.
+// host spends issuing them, not the back-pressure of a full launch queue, which paces a back-to-back loop at
+// the device's rate. A layer that waits on the device inside a call (the cuBLASLt compute's count read, a
+// plan that reads the segment counts on the host: any layer but the sync-free one) has that wait, and the
+// device work before it, in its host time. Runs after the timed passes and before the graph and profiled ones.
 Status HostRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n, int64_t iters,
                       std::vector<double>& host_fwd, std::vector<double>& host_fwdbwd) {
   for (int pass = 0; pass < 2; ++pass) {
@@ -592,8 +594,8 @@ void PrintLayerTable(const LayerBenchOptions& o, const rdep::bench::LayerBenchSe
     std::printf("  %-18s %10.3f %10.3f %14.1f %12.3f %7.2fx\n", "graph fwd+bwd", res.graph_sfb.p50, res.graph_sfb.p99,
                 res.tflops_fb * sfb.p50 / res.graph_sfb.p50, c.base_fb, c.base_fb / res.graph_sfb.p50);
   }
-  std::printf("  host time in the layer's calls, each issued on an idle stream (ms, max-rank p50): forward %.3f, "
-              "forward+backward %.3f\n",
+  std::printf("  host time in the layer's calls, each issued on an idle stream (ms, max-rank p50; with the layer's own waits "
+              "on the device, if any): forward %.3f, forward+backward %.3f\n",
               rdep::Summarize(rdep::MaxOverRanks(res.host_fwd)).p50, rdep::Summarize(rdep::MaxOverRanks(res.host_fwdbwd)).p50);
   std::printf("  breakdown (ms, max-rank median)  routing  dispatch  expert  return  combine\n");
   std::printf("    forward                      %7.3f  %8.3f  %6.3f  %6.3f  %7.3f\n", bf.routing_ms, bf.dispatch_ms, bf.expert_ms, bf.return_ms, bf.combine_ms);

@@ -53,9 +53,10 @@ struct RouteTargets {
 // spread over the GPU (a thread per token), then one block for the record and the rewrite; `worst` is a
 // device word holding 0 before the launch (the check folds faults into it; the second kernel reads it
 // and leaves it 0 again). zero (nullable): a device int64 the second kernel sets to 0 (the caller's drop
-// counter, so the plan needs no memset of its own). from_experts, from_gates (nullable, both or neither): the
-// routing as the caller gave it, copied into experts and gates by the check (the layer's saved copy, with
-// no copy call of its own), which are then checked and rewritten; the caller's arrays are only read.
+// counter, so the plan needs no memset of its own). from_experts, from_gates (nullable, both or neither when
+// n > 0; not read when n == 0): the routing as the caller gave it, copied into experts and gates by the check
+// (the layer's saved copy, with no copy call of its own), which are then checked and rewritten; the caller's
+// arrays are only read.
 struct RoutingFault {
   unsigned long long key;  // (t*K + k) << 2 | RouteSlotFault; ~0 = none
   int32_t expert;          // the slot's expert id and gate as given

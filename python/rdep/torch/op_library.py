@@ -24,7 +24,7 @@ import torch
 _tag = getattr(torch.Tag, "cudagraph_unsafe", None)
 TAGS: tuple = (_tag,) if _tag is not None else ()
 
-_LIB = torch.library.Library("rdep", "DEF")  # module-lifetime: the definitions live as long as the module
+_LIB = torch.library.Library("rdep", "FRAGMENT")  # module-lifetime: the definitions live as long as the module
 
 
 def define(name: str, schema: str, kernel, fake):
