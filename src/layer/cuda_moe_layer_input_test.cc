@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 
 #include "rdep/cuda/bf16.h"
@@ -103,60 +105,58 @@ INSTANTIATE_TEST_SUITE_P(
                       Poison{"infinite_gate", 2, 0, -2, std::numeric_limits<float>::infinity(), "gate inf is negative or not finite"}),
     [](const ::testing::TestParamInfo<Poison>& i) { return std::string(i.param.name); });
 
-// num_tokens above T (or negative) is refused on that rank; the other rank's forward completes.
-TEST(CudaMoELayerInput_Count, W2_TokensAboveTIsInvalidArgumentAndPeersFinish) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  LayerConfig cfg;
-  cfg.shape = {.tokens = kT, .hidden = kH, .ffn = kF, .experts = kE, .topk = kK, .ranks = 2};
-  auto domain = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 10, .devices = RoundRobinDevices(2, 1)});
-  ASSERT_TRUE(domain.ok()) << domain.status();
-  auto layer = CudaMoELayer::Create(**domain, cfg, *OwnershipMap::Contiguous(kE, 2), RandomWeights(cfg.shape, 3));
-  ASSERT_TRUE(layer.ok()) << layer.status();
-  const Routing good = *GenerateRouting(cfg.shape, RoutingSpec{});
-  for (int64_t bad_n : {kT + 1, int64_t{-1}}) {
+// A W = 2 layer sharing the GPU, for forwards where rank 0 makes a bad call and rank 1 a good one.
+class CudaMoELayerInput_Count : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    LayerConfig cfg;
+    cfg.shape = {.tokens = kT, .hidden = kH, .ffn = kF, .experts = kE, .topk = kK, .ranks = 2};
+    auto domain = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 10, .devices = RoundRobinDevices(2, 1)});
+    ASSERT_TRUE(domain.ok()) << domain.status();
+    domain_ = std::move(*domain);
+    auto layer = CudaMoELayer::Create(*domain_, cfg, *OwnershipMap::Contiguous(kE, 2), RandomWeights(cfg.shape, 3));
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    layer_ = std::move(*layer);
+    good_ = *GenerateRouting(cfg.shape, RoutingSpec{});
+  }
+
+  // One forward: rank 0 calls rank0(layer, its inputs), rank 1 forwards its good routing. Expects both ranks to
+  // finish, rank 1's forward to succeed and rank 0's to be InvalidArgument saying `says`.
+  void ExpectRank0Refused(const std::function<Status(CudaMoELayer&, Inputs&)>& rank0, const std::string& says) {
     std::vector<Status> got(2);
-    Status s = (*domain)->Run([&](int32_t r) -> Status {
+    Status s = domain_->Run([&](int32_t r) -> Status {
       Inputs in;
-      RDEP_RETURN_IF_ERROR(in.Upload(good[static_cast<size_t>(r)]));
-      got[static_cast<size_t>(r)] = (*layer)->Forward(r, in.e, in.g, r == 0 ? bad_n : kT, in.x, in.y);
-      return (*domain)->Synchronize(r);
+      RDEP_RETURN_IF_ERROR(in.Upload(good_[static_cast<size_t>(r)]));
+      got[static_cast<size_t>(r)] = r == 0 ? rank0(*layer_, in) : layer_->Forward(r, in.e, in.g, kT, in.x, in.y);
+      return domain_->Synchronize(r);
     });
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_TRUE(got[1].ok()) << got[1];
     ASSERT_FALSE(got[0].ok());
     EXPECT_EQ(got[0].code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(got[0].message().find("rank 0: num_tokens " + std::to_string(bad_n) + " outside [0, T=16]"), std::string::npos) << got[0];
+    EXPECT_NE(got[0].message().find(says), std::string::npos) << got[0];
   }
+
+  std::unique_ptr<CudaDomain> domain_;
+  std::unique_ptr<CudaMoELayer> layer_;
+  Routing good_;
+};
+
+// num_tokens above T (or negative) is refused on that rank; the other rank's forward completes.
+TEST_F(CudaMoELayerInput_Count, W2_TokensAboveTIsInvalidArgumentAndPeersFinish) {
+  for (int64_t bad_n : {kT + 1, int64_t{-1}})
+    ExpectRank0Refused([&](CudaMoELayer& l, Inputs& in) { return l.Forward(0, in.e, in.g, bad_n, in.x, in.y); },
+                       "rank 0: num_tokens " + std::to_string(bad_n) + " outside [0, T=16]");
 }
 
 // A null experts or gates array with tokens (the C ABI refuses it first; the C++ API is checked here): that rank
 // takes part with no tokens and is refused naming the array; the other rank's forward completes.
-TEST(CudaMoELayerInput_Count, W2_NullRoutingArrayIsInvalidArgumentAndPeersFinish) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  LayerConfig cfg;
-  cfg.shape = {.tokens = kT, .hidden = kH, .ffn = kF, .experts = kE, .topk = kK, .ranks = 2};
-  auto domain = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 10, .devices = RoundRobinDevices(2, 1)});
-  ASSERT_TRUE(domain.ok()) << domain.status();
-  auto layer = CudaMoELayer::Create(**domain, cfg, *OwnershipMap::Contiguous(kE, 2), RandomWeights(cfg.shape, 3));
-  ASSERT_TRUE(layer.ok()) << layer.status();
-  const Routing good = *GenerateRouting(cfg.shape, RoutingSpec{});
-  for (const bool null_experts : {true, false}) {
-    std::vector<Status> got(2);
-    Status s = (*domain)->Run([&](int32_t r) -> Status {
-      Inputs in;
-      RDEP_RETURN_IF_ERROR(in.Upload(good[static_cast<size_t>(r)]));
-      const int32_t* e = r == 0 && null_experts ? nullptr : in.e;
-      const float* g = r == 0 && !null_experts ? nullptr : in.g;
-      got[static_cast<size_t>(r)] = (*layer)->Forward(r, e, g, kT, in.x, in.y);
-      return (*domain)->Synchronize(r);
-    });
-    ASSERT_TRUE(s.ok()) << s;
-    EXPECT_TRUE(got[1].ok()) << got[1];
-    ASSERT_FALSE(got[0].ok());
-    EXPECT_EQ(got[0].code(), StatusCode::kInvalidArgument);
-    const std::string want = std::string("rank 0: ") + (null_experts ? "experts" : "gates") + " is null for 16 tokens";
-    EXPECT_NE(got[0].message().find(want), std::string::npos) << got[0];
-  }
+TEST_F(CudaMoELayerInput_Count, W2_NullRoutingArrayIsInvalidArgumentAndPeersFinish) {
+  ExpectRank0Refused([](CudaMoELayer& l, Inputs& in) { return l.Forward(0, nullptr, in.g, kT, in.x, in.y); },
+                     "rank 0: experts is null for 16 tokens");
+  ExpectRank0Refused([](CudaMoELayer& l, Inputs& in) { return l.Forward(0, in.e, nullptr, kT, in.x, in.y); },
+                     "rank 0: gates is null for 16 tokens");
 }
 
 }  // namespace
