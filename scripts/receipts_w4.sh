@@ -81,9 +81,10 @@
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
 #   prof1      the training example (compiled, both variants, 40 steps) under torch.profiler for steps 25-27: each
 #              variant's device time per step (the profile's self CUDA total) beside its step time
-#   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops run between the
-#              captured partitions), both variants, 200 steps, steps 100-102 under torch.profiler; rdep with
-#              the default --expert-compute auto
+#   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops recorded in them
+#              where its layers are capturable, the default), both variants, 200 steps, steps 100-102 under
+#              torch.profiler; rdep with the default --expert-compute auto
+#   trainrop   trainro with --capturable-ops off (rdep's plain ops, run between the captured partitions): the A/B
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -453,6 +454,12 @@ stage_trainro() {
   # shellcheck disable=SC2046
   run train_w1_ro $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
     --compile-mode reduce-overhead --profile-steps 3 --profile-at 100 --json "$R/train_w1_ro.json" --png "$R/train_w1_ro.png"
+}
+stage_trainrop() {  # trainro with rdep's plain ops (--capturable-ops off: run between the captured partitions), the A/B
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_rop $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
+    --compile-mode reduce-overhead --capturable-ops off --json "$R/train_w1_rop.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels

@@ -115,13 +115,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.compile each variant's model (nn.Module.compile; TorchTitan trains compiled by default)")
     o.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"), default="default",
                    help="torch.compile's mode (implies --compile). reduce-overhead: CUDA graphs, with inductor's graph "
-                        "partitioning on so that rdep's ops (tagged cudagraph_unsafe) run between captured partitions")
+                        "partitioning on; rdep's ops are recorded in the graphs where its layer is capturable "
+                        "(rdep.torch.Layer.capturable: CUTLASS, one rank), else run between captured partitions")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
     p.add_argument("--keep-weight-casts", action="store_true",
                    help="rdep: keep each forward's bf16 casts of the fp32 expert weights for its backward "
                         "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there")
+    p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
+                   help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
+                        "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "
+                        "between its captured partitions (the A/B of the two)")
     p.add_argument("--gate-in-expert", choices=["auto", "on", "off"], default="auto",
                    help="rdep: the gate multiplied before W2 (rdep.torch.MoE(gate_in_expert=...)): auto (the binding's "
                         "default) is on where rdep's expert compute is cutlass on CUDA (--expert-compute auto picks it on sm_90), where it keeps no expert outputs for the "
@@ -256,6 +261,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
                           ranks=a.ranks_per_process, seed=a.seed,
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "auto",
                           domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts,
+                          capturable_ops=a.capturable_ops == "on",
                           gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]
             return moe

@@ -243,6 +243,12 @@ class VariantRun:
                 rec["rdep_layer"] = model.moe_layers()[0].moe.layer.describe()
             except Exception as e:  # describe() is informational
                 rec["rdep_layer"] = f"describe failed: {e}"
+            layers = [m.moe.layer for m in model.moe_layers()]
+            # Whether rdep's ops could be recorded in CUDA graphs, and the contexts graphs did record (pinned).
+            rec["rdep_capturable"] = all(l.capturable for l in layers)
+            rec["rdep_pinned_contexts"] = sum(l.pinned_contexts for l in layers)
+            dd.print(f"[{self.kind:>10}] capturable ops: {rec['rdep_capturable']} | contexts CUDA graphs recorded: "
+                     f"{rec['rdep_pinned_contexts']}")
         rec["parameters"] = {"dense_per_process": self.n_dense, "expert_per_process": self.n_expert}
         for moe in model.moe_layers():
             moe.close()

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from .. import _capi
+from . import graph_contexts
 from .domain import (CHandle, Domain, collector_paused, local_device, placement_fields, raise_bootstrap_error,
                      resolve_backend)
 
@@ -101,6 +102,10 @@ class _Native:
         # The bf16 casts of fp32 master weights a forward made, kept for its backward (keep_weight_casts):
         # token -> (C context id, w1, w2, what they were cast from); dropped with the context.
         self.casts: dict[int, tuple] = {}
+        # The capturable ops' contexts (graph_contexts.py): ctx tensor address -> Entry, and the C ids of the
+        # contexts CUDA graphs recorded (pinned: never released while the layer lives; also in `live`).
+        self.by_address: dict = {}
+        self.pinned: set[int] = set()
 
     def release(self, c_id: int, token: Optional[int] = None) -> None:
         """Releases a context (a stale id is a no-op in C) and forgets it."""
@@ -118,6 +123,8 @@ class _Native:
                 ptr, self.ptr = self.ptr, None  # cleared first: a finalizer the destruction runs finds the layer gone
                 self.live.clear()
                 self.casts.clear()
+                self.by_address.clear()
+                self.pinned.clear()
                 _capi.lib().rdep_layer_destroy(ptr)
 
     def __del__(self):
@@ -319,7 +326,10 @@ class Layer(CHandle):
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
         gate_in_expert: Optional[bool] = False,
+        capturable_ops: bool = True,
     ):
+        if not isinstance(capturable_ops, bool):
+            raise TypeError(f"capturable_ops: expected a bool, got {type(capturable_ops).__name__}")
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
             raise TypeError(f"torch_rows: expected a bool, got {type(torch_rows).__name__}")
@@ -378,6 +388,8 @@ class Layer(CHandle):
         self.owner_reduce = owner_reduce
         self.transport_sms = transport_sms
         self.overlap_segments = overlap_segments
+        self.stash_rows = stash_rows
+        self.capturable_ops = capturable_ops
         self.gate_in_expert = gate_in_expert
         self.backend = resolved
         self.process_group = process_group
@@ -484,14 +496,35 @@ class Layer(CHandle):
 
     @property
     def live_contexts(self) -> int:
-        """Forward contexts acquired and not yet released (saved state held for a backward)."""
-        return len(self._native.live)
+        """Forward contexts acquired and not yet released (saved state held for a backward), not counting
+        those CUDA graphs hold (pinned_contexts). The capturable ops' contexts whose graph was dropped without
+        backward are released first (graph_contexts.sweep; otherwise at the layer's next forward)."""
+        with self._native.lock:
+            graph_contexts.sweep(self._native)
+            return len(self._native.live) - len(self._native.pinned)
+
+    @property
+    def pinned_contexts(self) -> int:
+        """Forward contexts that CUDA graphs recorded (graph_contexts.py): kept, with their saved rows, while
+        the layer lives, since the graphs' replays write and read them."""
+        return len(self._native.pinned)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether rdep.torch.moe calls the capturable ops (ops.py), which a CUDA graph may record: capturable_ops
+        (the default) and a layer whose calls never wait on the host, the CUDA backend's sync-free layer
+        (expert_compute 'cutlass', balance 'off', one node, no paged stash, whose overflow is checked on the
+        host), with one rank (world_size 1: the case the library's graph tests capture). capturable_ops=False
+        keeps the plain ops, which torch.compile(mode="reduce-overhead") runs between its graphs."""
+        return (self.capturable_ops and self.backend == "cuda" and self.expert_compute == "cutlass" and self.balance == "off" and self.nodes == 1
+                and self.stash_rows == 0 and self.world_size == 1)
 
     def context_bytes(self) -> int:
         """Bytes of saved state held by the live contexts, summed (rdep_context_bytes)."""
         L, p = _capi.lib(), self._live_ptr()
         total, b = 0, ctypes.c_size_t()
         with self._native.lock:
+            graph_contexts.sweep(self._native)
             for c_id in list(self._native.live.values()):
                 _capi.check(L.rdep_context_bytes(p, c_id, ctypes.byref(b)), "rdep_context_bytes")
                 total += b.value

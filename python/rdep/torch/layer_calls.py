@@ -30,6 +30,7 @@ import torch
 
 from .. import _capi
 from .._errors import FailedPreconditionError, error_for_code
+from . import graph_contexts
 from .layer import Layer, _release_quietly
 
 NO_CONTEXT = -1  # the token forward returns when it saved nothing (save=False)
@@ -72,11 +73,14 @@ def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
     return ctx
 
 
-def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None, check_routing: bool = True):
+def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None, check_routing: bool = True,
+            device_ctx: bool = False):
     """Runs the forward collective for the local ranks; returns (y, ctx). keep_casts (w1, w2 and what they
     were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set.
-    check_routing: without a saved context on CUDA, wait for the device's routing check (no backward will
-    report a fault the sync-free forward could not read yet) before releasing the context."""
+    check_routing: without a saved context on CUDA, wait for the device's check of the routing (no backward
+    will report a fault the sync-free forward could not read yet) before releasing the context; not inside a
+    CUDA graph capture, which cannot wait. device_ctx (the capturable ops): ctx is a tensor on x's device named
+    by its address, and a forward recorded in a capture pins its context (graph_contexts.py)."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -92,35 +96,50 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
         r.y = yp + i * xb
         r.stream = streams[i]
     _fill_weights(io, layer, w1, w2)
+    capturing = device_ctx and graph_contexts.capturing(x)
     lib, native = _capi.lib(), layer._native
     with native.lock:
         ptr = layer._live_ptr()
+        if device_ctx:
+            graph_contexts.sweep(native)  # first, so that the slots of dropped graphs are reused in order
         c_id = ctypes.c_int64()
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
         code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
         what = "rdep_layer_forward"
-        if code == 0 and not save and check_routing and layer.backend == "cuda":
+        if code == 0 and not save and check_routing and layer.backend == "cuda" and not capturing:
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
             # device's check here (the forward that waited on the host has read it already: no wait then).
             code, what = lib.rdep_context_check_routing(ptr, c_id.value), "rdep_context_check_routing"
         if code != 0 or not save:
             msg = _capi.last_error() if code != 0 else ""
-            native.release(c_id.value)
+            if code == 0 and capturing:
+                graph_contexts.pin(native, c_id.value)  # the graph's replays write this context
+            else:
+                native.release(c_id.value)
             if code != 0:
                 raise error_for_code(code, f"{what}: {msg}")
+            if device_ctx:
+                return y, graph_contexts.no_context(x.device)
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
-        ctx = _context_tensor(layer, c_id.value)
+        if device_ctx:
+            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing)
+        else:
+            ctx = _context_tensor(layer, c_id.value)
         if keep_casts is not None:
             native.casts[c_id.value >> 32] = (c_id.value,) + tuple(keep_casts)
         return y, ctx
 
 
-def kept_casts(layer: Layer, ctx):
+def kept_casts(layer: Layer, ctx, device_ctx: bool = False):
     """The (w1, w2, source) the forward that returned ctx kept, else None: dropped with its context, and
     None for a ctx whose slot another forward holds now (backward then refuses it, or casts for it)."""
-    token, c_id_seen = _read_context(ctx)
     native = layer._native
     with native.lock:
+        if device_ctx:
+            e = graph_contexts.entry_of(native, ctx)
+            token, c_id_seen = (e.c_id >> 32, e.c_id) if e is not None else (NO_CONTEXT, None)
+        else:
+            token, c_id_seen = _read_context(ctx)
         kept = native.casts.get(token)
         if kept is None or native.live.get(token) != kept[0] or (c_id_seen is not None and c_id_seen != kept[0]):
             return None
@@ -156,26 +175,38 @@ def _casts_into_grads(layer: Layer, w1, w2, dw1, dw2):
     return ptrs
 
 
-def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_grads=False):
-    """Runs the backward collective of the forward that returned ctx, then releases its context;
-    returns (dx, dgates, dw1, dw2) with dw1, dw2 in grad_dtype: fp32, or on CUDA bf16 (the gradients of
-    bf16 weights, written by the layer's GEMMs directly: no fp32 copy, no cast). casts_in_grads (fp32 w1,
-    w2, fp32 gradients; ops._casts_in_grads says where): the layer reads the weights' bf16 casts from inside
-    the gradient buffers it then overwrites (_casts_into_grads), so no separate copy is alive meanwhile."""
+def _context_for_backward(layer: Layer, ctx) -> tuple[int, int]:
+    """(C id, token) of the live context the plain ops' ctx names, else an error naming ctx (under the lock)."""
+    token, c_id_seen = _read_context(ctx)
+    c_id = layer._native.live.get(token) if token != NO_CONTEXT else None
+    if c_id is None:
+        raise FailedPreconditionError(
+            f"ctx: token {token} is not a live context of layer {layer.id}: its forward ran with grad off "
+            "(save_context=False), or its backward already ran (one backward per forward: retain_graph=True "
+            "double backward is not supported), or it was released")
+    if c_id_seen is not None and c_id_seen != c_id:
+        raise FailedPreconditionError(
+            f"ctx: token {token} belongs to an older forward whose context was released (its backward already "
+            "ran: one backward per forward) and whose slot now holds another forward's state")
+    return c_id, token
+
+
+def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_grads=False, device_ctx=False):
+    """Runs the backward collective of the forward that returned ctx, then releases its context (unless a
+    CUDA graph holds it: device_ctx, graph_contexts.py); returns (dx, dgates, dw1, dw2) with dw1, dw2 in
+    grad_dtype: fp32, or on CUDA bf16 (the gradients of bf16 weights, written by the layer's GEMMs directly:
+    no fp32 copy, no cast). casts_in_grads (fp32 w1, w2, fp32 gradients; ops._casts_in_grads says where): the
+    layer reads the weights' bf16 casts from inside the gradient buffers it then overwrites
+    (_casts_into_grads), so no separate copy is alive meanwhile."""
     L, n, H, K = layer.num_local_ranks, dy.shape[1], layer.hidden, layer.topk
     native = layer._native
-    token, c_id_seen = _read_context(ctx)
     with native.lock:
-        c_id = native.live.get(token) if token != NO_CONTEXT else None
-        if c_id is None:
-            raise FailedPreconditionError(
-                f"ctx: token {token} is not a live context of layer {layer.id}: its forward ran with grad off "
-                "(save_context=False), or its backward already ran (one backward per forward: retain_graph=True "
-                "double backward is not supported), or it was released")
-        if c_id_seen is not None and c_id_seen != c_id:
-            raise FailedPreconditionError(
-                f"ctx: token {token} belongs to an older forward whose context was released (its backward already "
-                "ran: one backward per forward) and whose slot now holds another forward's state")
+        if device_ctx:
+            capturing = graph_contexts.capturing(dy)
+            entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
+            c_id, token = entry.c_id, entry.c_id >> 32
+        else:
+            c_id, token = _context_for_backward(layer, ctx)
         dx = torch.empty_like(dy)
         dgates = torch.empty((L, n, K), dtype=torch.float32, device=dy.device)
         grad_bf16 = grad_dtype == torch.bfloat16
@@ -202,5 +233,8 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
         try:
             _capi.check(lib.rdep_layer_backward(layer._live_ptr(), c_id, io, L), "rdep_layer_backward")
         finally:
-            native.release(c_id, token)
+            if device_ctx:
+                graph_contexts.after_backward(native, entry, capturing)
+            else:
+                native.release(c_id, token)
     return dx, dgates, dw1, dw2

@@ -183,6 +183,7 @@ class MoE(nn.Module):
         keep_weight_casts: bool = False,
         overlap_segments: bool = False,
         gate_in_expert: Optional[bool] = None,
+        capturable_ops: bool = True,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -192,7 +193,8 @@ class MoE(nn.Module):
             balance_slots=balance_slots, balance_min_quota=balance_min_quota, relay_above=relay_above, nodes=nodes,
             max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
             domain=domain, balance_min_gain=balance_min_gain, stash_rows=stash_rows,
-            keep_weight_casts=keep_weight_casts, overlap_segments=overlap_segments, gate_in_expert=gate_in_expert)
+            keep_weight_casts=keep_weight_casts, overlap_segments=overlap_segments, gate_in_expert=gate_in_expert,
+            capturable_ops=capturable_ops)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device

@@ -8,13 +8,14 @@ each rdep call's host time is on the training step's critical path when the GPU 
 Library kernel is called by the dispatcher directly; the schema, fake and autograd registrations are the
 same public API, so torch.compile and torch.library.opcheck treat the ops as before.
 
-The tag `torch.Tag.cudagraph_unsafe` (where torch has it): each rdep op does host work that must run on
-every call (it acquires and releases the layer's forward contexts, keeps their tokens, calls the C library,
-which picks the context's buffers), so a CUDA graph that replayed only its kernels would reuse one call's
-state for every replay. With the tag, torch.compile(mode="reduce-overhead") runs the ops outside its CUDA
-graphs: with inductor's graph partitioning (torch._inductor.config.graph_partition) the rest of the
-compiled graph is captured in partitions around them; without it, a graph holding an rdep op is not
-captured.
+The tag `torch.Tag.cudagraph_unsafe` (where torch has it), on every op but the capturable pair: each such op
+does host work that must run on every call (it acquires and releases the layer's forward contexts, keeps
+their tokens, calls the C library, which picks the context's buffers), so a CUDA graph that replayed only its
+kernels would reuse one call's state for every replay. With the tag, torch.compile(mode="reduce-overhead")
+runs the ops outside its CUDA graphs: with inductor's graph partitioning (torch._inductor.config.graph_partition)
+the rest of the compiled graph is captured in partitions around them; without it, a graph holding an rdep op
+is not captured. The capturable pair (rdep::moe_forward_capturable, moe_backward_capturable; ops.py) is
+untagged: a capture records its calls once, on a context the graph then keeps (graph_contexts.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ TAGS: tuple = (_tag,) if _tag is not None else ()
 _LIB = torch.library.Library("rdep", "FRAGMENT")  # module-lifetime: the definitions live as long as the module
 
 
-def define(name: str, schema: str, kernel, fake):
+def define(name: str, schema: str, kernel, fake, capturable: bool = False):
     """Defines rdep::name with `schema` (its argument list and returns, "(...) -> ..."), `kernel` for CPU and
     CUDA tensors (its Python defaults must equal the schema's: the dispatcher leaves trailing defaults out)
-    and `fake` for tracing; returns the op's default overload, which callers call."""
-    _LIB.define(name + schema, tags=TAGS)
+    and `fake` for tracing; returns the op's default overload, which callers call. capturable: a CUDA graph
+    may record the op (no cudagraph_unsafe tag)."""
+    _LIB.define(name + schema, tags=() if capturable else TAGS)
     for key in ("CPU", "CUDA"):
         _LIB.impl(name, kernel, key)
     torch.library.register_fake(f"rdep::{name}", fake, lib=_LIB)

@@ -66,12 +66,13 @@ BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (
 
 # `int layer` (not a SymInt), so a compiled graph always specializes on the layer id.
 def _moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
+                save_context: bool = True, check_routing: bool = True, *, device_ctx: bool = False) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
     keep = _keep(h, w1, w2, w1c, w2c, save_context)
-    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
+    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing,
+                               device_ctx=device_ctx)
 
 
 def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
@@ -79,11 +80,22 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
-def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
+    return _moe_forward(layer, x, experts, gates, w1, w2, save_context, check_routing, device_ctx=True)
+
+
+def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
+    validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
+    return torch.empty_like(x), torch.empty((), dtype=torch.int64, device=x.device)
+
+
+def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
+                  device_ctx: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h = get_layer(layer)
-    validate.check_backward(h, ctx, dy, w1, w2)
+    validate.check_backward(h, ctx, dy, w1, w2, device_ctx=device_ctx)
     grad_dtype = _grad_dtype(h, w1)
-    kept = layer_calls.kept_casts(h, ctx)  # the forward's casts, used when made from these very weights
+    kept = layer_calls.kept_casts(h, ctx, device_ctx)  # the forward's casts, used when made from these very weights
     if kept is not None and kept[2].matches(w1, w2):
         w1, w2 = kept[0], kept[1]
         if w1.is_cuda:  # made on the forward's stream, read on this one: not reused before this backward ends
@@ -91,10 +103,14 @@ def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -
             w1.record_stream(stream)
             w2.record_stream(stream)
     elif _casts_in_grads(h, w1, w2, grad_dtype):
-        return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, casts_in_grads=True)
+        return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, casts_in_grads=True, device_ctx=device_ctx)
     else:
         w1, w2 = _layer_weights(h, w1, w2)
-    return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype)
+    return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx)
+
+
+def _moe_backward_capturable(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _moe_backward(layer, ctx, dy, w1, w2, device_ctx=True)
 
 
 def _one_segment(layer: Layer) -> bool:
@@ -125,6 +141,16 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
 def _moe_backward_fake(layer, ctx, dy, w1, w2):
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
+    return _backward_outputs_like(h, dy, w1, w2)
+
+
+def _moe_backward_capturable_fake(layer, ctx, dy, w1, w2):
+    h = get_layer(layer)
+    validate.check_backward(h, ctx, dy, w1, w2, device_ctx=True)
+    return _backward_outputs_like(h, dy, w1, w2)
+
+
+def _backward_outputs_like(h: Layer, dy, w1, w2):
     L, n, K = dy.shape[0], dy.shape[1], h.topk
     g = _grad_dtype(h, w1)
     return (torch.empty_like(dy), dy.new_empty((L, n, K), dtype=torch.float32),
@@ -140,22 +166,33 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(context, w1, w2)
 
 
-def _backward(ctx, dy, _dcontext):
-    if not ctx.saved_context:
-        raise RuntimeError("rdep::moe_forward ran with save_context=False, so it kept no state for a backward "
-                           "(rdep.torch.moe passes save_context=True whenever grad is enabled and an input requires grad)")
-    if ctx.backward_ran:
-        raise RuntimeError("rdep::moe_forward: a second backward through the same forward (retain_graph=True) is not "
-                           "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
-    ctx.backward_ran = True
-    context, w1, w2 = ctx.saved_tensors
-    dx, dgates, dw1, dw2 = moe_backward(ctx.layer, context, dy.contiguous(), w1, w2)
-    return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+def _autograd_formula(backward_op):
+    """moe_forward's (or moe_forward_capturable's) backward: calls backward_op, which releases the context."""
+
+    def formula(ctx, dy, _dcontext):
+        if not ctx.saved_context:
+            raise RuntimeError("rdep::moe_forward ran with save_context=False, so it kept no state for a backward "
+                               "(rdep.torch.moe passes save_context=True whenever grad is enabled and an input requires grad)")
+        if ctx.backward_ran:
+            raise RuntimeError("rdep::moe_forward: a second backward through the same forward (retain_graph=True) is not "
+                               "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
+        ctx.backward_ran = True
+        context, w1, w2 = ctx.saved_tensors
+        dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)
+        return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+
+    return formula
 
 
 moe_forward = op_library.define("moe_forward", FORWARD_SCHEMA, _moe_forward, _moe_forward_fake)
 moe_backward = op_library.define("moe_backward", BACKWARD_SCHEMA, _moe_backward, _moe_backward_fake)
-op_library.register_autograd(moe_forward, _backward, setup_context=_setup_context)
+op_library.register_autograd(moe_forward, _autograd_formula(moe_backward), setup_context=_setup_context)
+# The capturable pair (graph_contexts.py): ctx on x's device, named by its address, and no cudagraph_unsafe tag.
+moe_forward_capturable = op_library.define("moe_forward_capturable", FORWARD_SCHEMA, _moe_forward_capturable,
+                                           _moe_forward_capturable_fake, capturable=True)
+moe_backward_capturable = op_library.define("moe_backward_capturable", BACKWARD_SCHEMA, _moe_backward_capturable,
+                                            _moe_backward_capturable_fake, capturable=True)
+op_library.register_autograd(moe_forward_capturable, _autograd_formula(moe_backward_capturable), setup_context=_setup_context)
 
 
 def _double_backward(ctx, *grads):
@@ -165,7 +202,8 @@ def _double_backward(ctx, *grads):
 
 # Registered so that a create_graph=True backward fails with that message when differentiated again,
 # rather than with autograd's generic missing-kernel error.
-op_library.register_autograd(moe_backward, _double_backward, setup_context=lambda ctx, inputs, output: None)
+for _op in (moe_backward, moe_backward_capturable):
+    op_library.register_autograd(_op, _double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, *, check_routing: bool = True) -> Tensor:
@@ -176,7 +214,8 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     (CUDA, no context saved): wait for the device's check of the routing before releasing the context, so
     that a bad slot raises here (the sync-free CUTLASS forward does not wait for it, and no backward will
     report it); False skips that wait, for routing known to be valid (rdep.torch.MoE's own router)."""
-    layer_id = layer if isinstance(layer, int) else layer.id
+    h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
-    y, _ = moe_forward(layer_id, x, experts, gates, w1, w2, save, check_routing)
+    op = moe_forward_capturable if h.capturable else moe_forward
+    y, _ = op(h.id, x, experts, gates, w1, w2, save, check_routing)
     return y

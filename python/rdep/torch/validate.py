@@ -71,10 +71,14 @@ def check_forward(layer: Layer, x, experts, gates, w1, w2) -> None:
     check_weights(layer, w1, w2)
 
 
-def check_backward(layer: Layer, ctx, dy, w1, w2) -> None:
+def check_backward(layer: Layer, ctx, dy, w1, w2, device_ctx: bool = False) -> None:
+    """device_ctx: the capturable ops' ctx, on the layer's device (graph_contexts.py); else a CPU tensor."""
     L, H = layer.num_local_ranks, layer.hidden
-    check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_forward returned)",
-                 device=torch.device("cpu"))
+    if device_ctx:
+        check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_forward_capturable returned)")
+    else:
+        check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_forward returned)",
+                     device=torch.device("cpu"))
     check_tensor("dy", dy, layer, (ACT_DTYPE[layer.backend],), (L, None, H), _rows_text(layer, f"H={H}"))
     if dy.shape[1] > layer.max_tokens:
         raise ValueError(f"dy: {dy.shape[1]} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")

@@ -1,0 +1,132 @@
+"""Forward contexts named by a tensor on the layer's device: the bookkeeping of the capturable ops
+(rdep::moe_forward_capturable / moe_backward_capturable, ops.py), which a CUDA graph can hold.
+
+The plain ops name a context by a 0-dim int64 CPU tensor holding its token (layer_calls.py). A CUDA graph
+(torch.cuda.graph, or torch.compile(mode="reduce-overhead"), whose CUDA graph trees skip any graph with a
+CPU tensor in it) cannot hold that tensor, and its replays run no host code: each replay of a captured
+forward writes the context the capture used, and each replay of the captured backward reads it. So:
+  * ctx is a 0-dim int64 tensor on x's device holding the context's token (its slot index, as the plain
+    ops' ctx), and the context is found by the tensor's *address* (ctx.data_ptr(): host metadata, read
+    without synchronizing). Autograd hands the backward the very tensor the forward returned (also through a
+    compiled graph, as a saved activation), so the address pairs a backward with its forward. A copy of ctx
+    (torch.library.opcheck clones its arguments) has another address: outside a capture its value is then
+    read (on CUDA a synchronization, on this rare path only) and the context found by its token;
+  * an address is reused once its tensor is freed, so an entry remembers a weak reference to ctx's
+    storage: an entry whose storage died (a graph dropped without backward) is released at the layer's
+    next forward of this kind, or when Layer.live_contexts or context_bytes() is read (`sweep`), and is
+    never matched again;
+  * a context whose calls were recorded in a stream capture is *pinned*: the graph's replays write and
+    read its buffers and rows, so it is never released, nor handed to another forward, while the layer
+    lives (Layer.pinned_contexts counts them; Layer.close frees them with the layer). A captured forward
+    with no saved context (grad off) pins its context as well. A capture records each call once: every
+    capture of a forward takes a context of its own.
+  * a pinned context whose backward already ran (captured) and whose forward a graph replays cannot run
+    an eager backward again (the library's host state says its backward ran): such a backward is refused
+    naming the cause, where the library would only say that the context holds no forward.
+What a replay does not do: check the routing on the host (a bad expert id runs with zero gates, as in an
+eager sync-free forward, but no error is raised: check the routing before capturing, or use the module's
+own router), or release anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._errors import FailedPreconditionError
+
+
+@dataclass
+class Entry:
+    """One forward's context, named by the address of its ctx tensor."""
+
+    c_id: int
+    address: int             # ctx.data_ptr(), the entry's key
+    storage: StorageWeakRef  # ctx's storage: expired once the tensor is freed (its address may then be reused)
+    pinned: bool = False     # recorded in a stream capture: never released (the graph's replays use it)
+    backward_ran: bool = False
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether the current stream of t's device is capturing a CUDA graph (False for CPU tensors)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def no_context(device: torch.device) -> torch.Tensor:
+    """The ctx of a forward that saved nothing (grad off): NO_CONTEXT (-1), at an address no entry names."""
+    return torch.full((), -1, dtype=torch.int64, device=device)
+
+
+def sweep(native) -> None:
+    """Releases the unpinned contexts whose ctx tensor was freed without a backward (call under native.lock)."""
+    dead = [a for a, e in native.by_address.items() if not e.pinned and e.storage.expired()]
+    for a in dead:
+        e = native.by_address.pop(a)
+        native.release(e.c_id, e.c_id >> 32)
+
+
+def context_tensor(native, c_id: int, device: torch.device, pinned: bool) -> torch.Tensor:
+    """A new ctx for the context c_id (call under native.lock, after `sweep`): registered by address, with
+    its token in native.live (so that casts kept for its backward are found as the plain ops' are)."""
+    ctx = torch.full((), c_id >> 32, dtype=torch.int64, device=device)
+    address = ctx.data_ptr()
+    old = native.by_address.pop(address, None)  # an address is reused only once its old ctx was freed
+    if old is not None and not old.pinned:
+        native.release(old.c_id, old.c_id >> 32)
+    native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned)
+    native.live[c_id >> 32] = c_id
+    if pinned:
+        native.pinned.add(c_id)
+    return ctx
+
+
+def pin(native, c_id: int) -> None:
+    """Keeps a context a capture recorded without a ctx (a forward with grad off) for the layer's life."""
+    native.pinned.add(c_id)
+    native.live[c_id >> 32] = c_id
+
+
+def entry_of(native, ctx: torch.Tensor, capturing_now: bool = False):
+    """The live entry ctx names, or None (call under native.lock): by ctx's address, else (a copy of a ctx,
+    outside a capture) by the token it holds."""
+    e = native.by_address.get(ctx.data_ptr())
+    if e is not None and (e.pinned or not e.storage.expired()):
+        return e
+    if capturing_now:
+        return None
+    token = int(ctx)  # a copy: read its value (on CUDA this synchronizes; only on this path)
+    for e in native.by_address.values():  # unreleased contexts: one per slot
+        if e.c_id >> 32 == token:
+            return e
+    return None
+
+
+def entry_for_backward(layer, ctx: torch.Tensor, capturing_now: bool) -> Entry:
+    """The entry whose context a backward given ctx runs on, else an error naming ctx (under native.lock)."""
+    e = entry_of(layer._native, ctx, capturing_now)
+    if e is None:
+        raise FailedPreconditionError(
+            f"ctx: no live context of layer {layer.id} is named by this tensor (address {ctx.data_ptr():#x}): its "
+            "forward ran with grad off (save_context=False), or its backward already ran (one backward per forward: "
+            "retain_graph=True double backward is not supported), or it is not a ctx moe_forward_capturable returned")
+    if e.pinned and e.backward_ran and not capturing_now:
+        raise FailedPreconditionError(
+            f"ctx: layer {layer.id}'s forward was recorded in a CUDA graph whose backward already ran; an eager "
+            "backward cannot follow a replay of that forward (the library's state is the capture's). Capture the "
+            "backward too (torch.compile(mode='reduce-overhead') records both), or run the forward eagerly")
+    return e
+
+
+def after_backward(native, e: Entry, capturing_now: bool) -> None:
+    """Releases the context after its backward, unless a graph holds it (under native.lock). A backward
+    recorded in a capture pins its context even when its forward ran eagerly: the replays read it."""
+    e.backward_ran = True
+    if capturing_now and not e.pinned:
+        e.pinned = True
+        native.pinned.add(e.c_id)
+    if e.pinned:
+        return
+    native.by_address.pop(e.address, None)
+    native.release(e.c_id, e.c_id >> 32)

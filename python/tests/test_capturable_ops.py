@@ -1,0 +1,157 @@
+"""The capturable ops (rdep::moe_forward_capturable / moe_backward_capturable) on the host backend: the same
+results as the plain ops, their contexts named by the ctx tensor's address (graph_contexts.py) and released
+after backward, when the graph is dropped, or never once pinned; bad contexts refused naming ctx; opcheck.
+The CUDA graph captures themselves are in test_cuda_graphs.py (GPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import rdep
+import rdep.torch as rt
+from rdep.torch import graph_contexts
+from test_ops import make_inputs
+
+FWD, BWD = torch.ops.rdep.moe_forward_capturable, torch.ops.rdep.moe_backward_capturable
+
+
+def _layer(**kw):
+    return rt.Layer(8, 6, 6, 2, 16, world_size=kw.pop("world_size", 2), **kw)
+
+
+def test_same_results_as_the_plain_ops():
+    """Forward and backward through autograd give bitwise what the plain ops give (the same C calls)."""
+    layer = _layer(world_size=4, capacity_factor=0.7)
+    inputs = make_inputs(layer, 16, "zipf")
+    outs = []
+    for op in (torch.ops.rdep.moe_forward, FWD):
+        x, ids, gates, w1, w2 = [t.clone() for t in inputs]
+        leaves = [t.requires_grad_(True) for t in (x, gates, w1, w2)]
+        y, _ = op(layer.id, leaves[0], ids, leaves[1], leaves[2], leaves[3], True)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        outs.append([y.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(["y", "dx", "dgates", "dw1", "dw2"], outs[1], outs[0]):
+        assert torch.equal(a, b), name
+    assert layer.live_contexts == 0 and layer.pinned_contexts == 0
+
+
+def test_ctx_is_a_zero_on_the_layers_device_and_is_released_by_backward():
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+    assert ctx.device == x.device and ctx.dtype == torch.int64 and ctx.dim() == 0 and int(ctx) >= 0
+    assert layer.live_contexts == 1 and layer.context_bytes() > 0
+    BWD(layer.id, ctx, torch.ones_like(y), w1, w2)
+    assert layer.live_contexts == 0
+    with pytest.raises(rdep.FailedPreconditionError, match=r"ctx: no live context of layer \d+ is named by this tensor"):
+        BWD(layer.id, ctx, torch.ones_like(y), w1, w2)  # one backward per forward
+
+
+def test_grad_off_saves_nothing():
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, False)
+    assert layer.live_contexts == 0 and int(ctx) == -1
+    with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
+        BWD(layer.id, ctx, torch.ones_like(y), w1, w2)
+
+
+def test_a_dropped_graph_releases_its_context_at_the_next_forward():
+    """A ctx freed without backward: its entry is released by the layer's next capturable forward (or when
+    live_contexts is read), and a new ctx at the same address is not mistaken for it."""
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    for _ in range(3):
+        y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+        assert len(layer._native.live) == 1
+        del y, ctx
+        gc.collect()
+    assert len(layer._native.live) == 1  # not swept yet
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+    assert layer.live_contexts == 1  # the dropped ones were released, this one is live
+    BWD(layer.id, ctx, torch.ones_like(y), w1, w2.detach())
+    assert layer.live_contexts == 0
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+    del y, ctx
+    assert layer.live_contexts == 0  # reading it sweeps
+
+
+def test_a_tensor_that_is_no_ctx_is_refused():
+    """A tensor at no entry's address is looked up by its value, the token (as the plain ops' copies of ctx
+    are): a value no live context has is refused, as are wrong shapes and dtypes; a copy of ctx works."""
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+    with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
+        BWD(layer.id, torch.full((), 12345, dtype=torch.int64), torch.ones_like(y), w1, w2)
+    with pytest.raises(ValueError, match=r"ctx: expected shape \[\]"):
+        BWD(layer.id, torch.zeros(1, dtype=torch.int64), torch.ones_like(y), w1, w2)
+    with pytest.raises(TypeError, match="ctx: expected dtype torch.int64"):
+        BWD(layer.id, ctx.int(), torch.ones_like(y), w1, w2)
+    BWD(layer.id, ctx.clone(), torch.ones_like(y), w1, w2)  # a copy names the same context
+    assert layer.live_contexts == 0
+
+
+def test_pinned_contexts_are_kept_and_refuse_an_eager_backward_after_theirs():
+    """What a capture leaves (simulated on the host: the entry pinned as a recorded forward pins it): backward
+    keeps the context, a second eager backward is refused naming the cause, and nothing is released."""
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+    native = layer._native
+    e = graph_contexts.entry_of(native, ctx)
+    e.pinned = True
+    native.pinned.add(e.c_id)
+    assert layer.live_contexts == 0 and layer.pinned_contexts == 1
+    BWD(layer.id, ctx, torch.ones_like(y), w1, w2)  # the first backward runs on it
+    assert layer.pinned_contexts == 1
+    with pytest.raises(rdep.FailedPreconditionError, match="recorded in a CUDA graph whose backward already ran"):
+        BWD(layer.id, ctx, torch.ones_like(y), w1, w2)
+    del y, ctx
+    gc.collect()
+    FWD(layer.id, x, ids, gates, w1, w2, False)  # a sweep does not release pinned contexts
+    assert layer.pinned_contexts == 1 and e.c_id in native.live.values()
+
+
+def test_opcheck():
+    """opcheck on the forward (schema, autograd registration, fake tensor, AOT dispatch with its gradients)
+    and on the backward's utilities that run it once per forward (as test_ops.test_opcheck_backward)."""
+    layer = _layer(world_size=4, capacity_factor=0.7)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf")
+    grads = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+    torch.library.opcheck(FWD.default, (layer.id, grads[0], ids, grads[1], grads[2], grads[3], True))
+    torch.library.opcheck(FWD.default, (layer.id, x, ids, gates, w1, w2, False))
+    for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
+        _, ctx = FWD(layer.id, x, ids, gates, w1, w2, True)
+        dy = torch.randn_like(x).requires_grad_(util == "test_autograd_registration")
+        torch.library.opcheck(BWD.default, (layer.id, ctx, dy, w1, w2), test_utils=util)
+    gc.collect()
+    FWD(layer.id, x, ids, gates, w1, w2, False)  # sweeps what opcheck dropped
+    assert layer.live_contexts == 0
+
+
+def test_schemas_and_tags():
+    assert str(FWD.default._schema) == (
+        "rdep::moe_forward_capturable(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+        "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
+    assert str(BWD.default._schema) == (
+        "rdep::moe_backward_capturable(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> "
+        "(Tensor, Tensor, Tensor, Tensor)")
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if unsafe is not None:
+        assert unsafe not in FWD.default.tags and unsafe not in BWD.default.tags
+        assert unsafe in torch.ops.rdep.moe_forward.default.tags
+
+
+def test_capturable_layers():
+    """Layer.capturable: the CUDA sync-free layer at W = 1 only; the host backend never (rt.moe then uses the
+    plain ops)."""
+    assert not _layer().capturable and not _layer(world_size=1).capturable
+    layer = _layer(world_size=1)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y = rt.moe(layer, x, ids, gates, w1.requires_grad_(True), w2)
+    assert y.requires_grad and layer.live_contexts == 1 and not layer._native.by_address  # the plain ops' context

@@ -1,0 +1,141 @@
+"""rdep's ops inside CUDA graphs (GPU): a capturable layer (Layer.capturable: CUDA, CUTLASS, W = 1) recorded
+with torch.cuda.graph (forward and backward in one capture) replays new inputs bitwise like eager calls, and
+torch.compile(mode="reduce-overhead") records rdep's ops inside its graphs (no partition around them) and gives
+what the default mode gives. Skipped without a GPU, a CUDA build, or (unless RDEP_REQUIRE_CUTLASS=1, as on the
+device, where that is a failure) the CUTLASS compute.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import rdep._capi as capi
+import rdep.torch as rt
+from test_cuda import DEV, GRAD_TOL, Y_TOL, assert_bf16_close, make_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture(autouse=True)
+def _cutlass_gpu():
+    if not capi.built_with_cuda() or capi.cuda_device_count() < 1:
+        pytest.skip("librdep_capi.so was built without CUDA or sees no CUDA device")
+    ok, why = capi.cutlass_available(0)
+    if not ok:
+        if os.environ.get("RDEP_REQUIRE_CUTLASS") == "1":
+            pytest.fail(f"RDEP_REQUIRE_CUTLASS=1 but the CUTLASS compute is not available: {why}")
+        pytest.skip(f"the CUTLASS compute is not available here: {why}")
+    torch.cuda.set_device(DEV)
+
+
+H, F, E, K, T = 64, 32, 8, 2, 48
+
+
+def _step(layer, x, ids, gates, w1, w2, dy):
+    """y and the gradients of x, gates, w1, w2 for dy (torch.autograd.grad: no .grad accumulation)."""
+    y = rt.moe(layer, x, ids, gates, w1, w2)
+    return (y,) + torch.autograd.grad(y, (x, gates, w1, w2), dy)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32_master"])
+@pytest.mark.parametrize("gate_in_expert", [False, True])
+def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_expert):
+    """One capture of forward + backward (torch.cuda.graph, after two eager warm-up steps on a side stream, as
+    torch's docs prescribe); three replays, each with new x, routing, gates and dy copied into the captured
+    inputs, give y, dx, dgates, dw1, dw2 bitwise equal to eager calls on the same inputs. The capture pins one
+    context; the eager calls leave none."""
+    layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass", gate_in_expert=gate_in_expert)
+    assert layer.capturable
+    wdt = torch.bfloat16 if weights == "bf16" else torch.float32
+    x0, ids0, g0, w1, w2 = make_inputs(1, T, H, F, E, K, "uniform", seed=1)
+    w1, w2 = w1.to(wdt).requires_grad_(True), w2.to(wdt).requires_grad_(True)
+    x_s, ids_s, g_s = x0.clone().requires_grad_(True), ids0.clone(), g0.clone().requires_grad_(True)
+    dy_s = torch.randn_like(x0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
+    torch.cuda.current_stream().wait_stream(side)
+    assert layer.live_contexts == 0 and layer.pinned_contexts == 0
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_s = _step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
+    assert layer.pinned_contexts == 1 and layer.live_contexts == 0
+
+    names = ["y", "dx", "dgates", "dw1", "dw2"]
+    for seed in (2, 3, 4):
+        x, ids, gates, _, _ = make_inputs(1, T, H, F, E, K, "zipf" if seed == 3 else "uniform", seed=seed)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
+        with torch.no_grad():
+            x_s.copy_(x), ids_s.copy_(ids), g_s.copy_(gates), dy_s.copy_(dy)
+        graph.replay()
+        got = [t.clone() for t in outs_s]
+        want = _step(layer, x.clone().requires_grad_(True), ids, gates.clone().requires_grad_(True), w1, w2, dy)
+        torch.cuda.synchronize()
+        for name, a, b in zip(names, got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"replay {seed}: {name} differs from the eager call"
+    assert layer.live_contexts == 0 and layer.pinned_contexts == 1
+    del graph
+
+
+def test_grad_off_forward_is_captured():
+    """A forward with grad off (no saved context) recorded in a graph pins its context and replays like eager."""
+    layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass")
+    x_s, ids_s, g_s, w1, w2 = make_inputs(1, T, H, F, E, K, "uniform", seed=5)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            rt.moe(layer, x_s, ids_s, g_s, w1, w2)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_s = rt.moe(layer, x_s, ids_s, g_s, w1, w2)
+        assert layer.pinned_contexts == 1 and layer.live_contexts == 0
+        x, ids, gates, _, _ = make_inputs(1, T, H, F, E, K, "zipf", seed=6)
+        x_s.copy_(x), ids_s.copy_(ids), g_s.copy_(gates)
+        graph.replay()
+        assert torch.equal(y_s, rt.moe(layer, x, ids, gates, w1, w2))
+
+
+def test_reduce_overhead_records_rdep_ops_in_its_graphs():
+    """torch.compile(mode="reduce-overhead") on a model holding rdep's MoE at W = 1 (capturable): the capturable
+    ops carry no cudagraph_unsafe tag, so CUDA graph trees record them with the rest of the forward and the
+    backward (contexts pinned: the proof that they were captured). Four steps with new inputs each give what the
+    default mode gives (y, dx and every parameter's gradient; bf16 tolerances: inductor's kernels may differ
+    between the modes)."""
+    import torch._inductor.config as inductor_config
+
+    args = dict(max_tokens=32, world_size=1, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
+                expert_compute="cutlass", dtype=torch.float32)
+    mods = [rt.MoE(64, 32, 8, 2, **args) for _ in range(2)]
+    assert mods[1].layer.capturable
+    torch._dynamo.reset()
+    patch = {"graph_partition": True} if hasattr(inductor_config, "graph_partition") else {}
+    with inductor_config.patch(**patch):
+        runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
+        g = torch.Generator().manual_seed(11)
+        for step in range(4):
+            x = torch.randn(1, 32, 64, generator=g).bfloat16().to(DEV)
+            outs = []
+            for run, mod in zip(runs, mods):
+                torch.compiler.cudagraph_mark_step_begin()
+                xi = x.clone().requires_grad_(True)
+                o = run(xi)
+                (o.y.float().square().mean() + o.aux_loss).backward()
+                outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
+                mod.zero_grad(set_to_none=True)
+            names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
+            for name, a, b in zip(names, outs[1], outs[0]):
+                assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+    assert mods[0].layer.live_contexts == 0 and mods[0].layer.pinned_contexts == 0
+    assert mods[1].layer.live_contexts == 0
+    assert mods[1].layer.pinned_contexts >= 1, "reduce-overhead did not record rdep's ops in a CUDA graph"
+    torch._dynamo.reset()
