@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 14
+#define RDEP_CAPI_VERSION 15
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -272,6 +272,12 @@ int rdep_layer_shared_row_bytes(const rdep_layer* layer, size_t* bytes);
 typedef void* (*rdep_alloc_fn)(void* user, size_t bytes, int32_t device, void* stream);
 typedef void (*rdep_free_fn)(void* user, void* ptr, size_t bytes, int32_t device);
 int rdep_layer_set_row_allocator(rdep_layer* layer, rdep_alloc_fn alloc, rdep_free_fn free_fn, void* user);
+/* Version 15. The bytes one forward asks the row allocator for, summed over the local ranks, each request
+ * rounded up to 256 bytes: an allocator that hands out consecutive 256-aligned pieces of one buffer of this
+ * size serves a whole forward (rdep.torch's capturable ops take the rows as one tensor PyTorch tracks, as
+ * CUDA graph trees require of every allocation in their pool). 0 on the host backend and without an
+ * allocator. */
+int rdep_layer_row_allocator_bytes(const rdep_layer* layer, size_t* bytes);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 14  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 15  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -182,6 +182,7 @@ _PROTOTYPES = {
     "rdep_layer_domain": (ctypes.c_int, [LayerPtr, ctypes.POINTER(DomainPtr)]),
     "rdep_layer_replica_slot_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_shared_row_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
+    "rdep_layer_row_allocator_bytes": (ctypes.c_int, [LayerPtr, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_layer_set_row_allocator": (ctypes.c_int, [LayerPtr, ROW_ALLOC_FN, ROW_FREE_FN, ctypes.c_void_p]),
     "rdep_layer_local_ranks": (
         ctypes.c_int,

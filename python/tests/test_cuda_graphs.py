@@ -41,6 +41,29 @@ def _step(layer, x, ids, gates, w1, w2, dy):
     return (y,) + torch.autograd.grad(y, (x, gates, w1, w2), dy)
 
 
+@pytest.mark.parametrize("gate_in_expert", [False, True])
+def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
+    """The capturable forward's saved rows come from its rows tensor (Layer.row_bytes, the C library's count of
+    one forward's requests; the C ABI test checks that count against a counting allocator): every piece inside
+    it and 256-aligned (a short arena would fail the forward naming the bytes), and all given back when the
+    backward releases the context. Without the gate before W2 the front-end's returned rows are kept too (one
+    piece more)."""
+    from rdep.torch import layer as layer_mod
+
+    layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass", gate_in_expert=gate_in_expert)
+    x, ids, gates, w1, w2 = make_inputs(1, T, H, F, E, K, "uniform", seed=7)
+    y, ctx, rows = torch.ops.rdep.moe_forward_capturable(layer.id, x, ids, gates, w1, w2, True)
+    assert layer.row_bytes > 0 and rows.dtype == torch.uint8 and rows.numel() == layer.row_bytes
+    pieces = sorted(layer_mod._ARENA_PIECES[layer._native.row_key])
+    assert len(pieces) == (2 if gate_in_expert else 3), pieces
+    base = rows.data_ptr()
+    assert pieces[0] == base and all(p % 256 == 0 and base <= p < base + layer.row_bytes for p in pieces)
+    dx, dgates, dw1, dw2 = torch.ops.rdep.moe_backward_capturable(layer.id, ctx, rows, torch.randn_like(y), w1, w2)
+    torch.cuda.synchronize()
+    assert torch.isfinite(dx.float()).all() and torch.isfinite(dw1.float()).all()
+    assert not layer_mod._ARENA_PIECES[layer._native.row_key] and layer.live_contexts == 0
+
+
 @pytest.mark.parametrize("weights", ["bf16", "fp32_master"])
 @pytest.mark.parametrize("gate_in_expert", [False, True])
 def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_expert):

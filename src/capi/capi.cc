@@ -412,6 +412,12 @@ int rdep_layer_replica_slot_bytes(const rdep_layer* l, size_t* bytes) {
   return 0;
 }
 
+int rdep_layer_row_allocator_bytes(const rdep_layer* l, size_t* bytes) {
+  if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
+  *bytes = l->adapter->row_allocator_bytes();
+  return 0;
+}
+
 int rdep_layer_shared_row_bytes(const rdep_layer* l, size_t* bytes) {
   if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
   *bytes = l->adapter->shared_row_bytes();

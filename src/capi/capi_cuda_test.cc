@@ -65,6 +65,7 @@ struct RowCounter {
   std::mutex mu;
   int64_t allocs = 0, frees = 0;
   size_t live = 0;
+  size_t aligned = 0;  // every request rounded up to 256 bytes, summed (rdep_layer_row_allocator_bytes' unit)
   static void* Alloc(void* user, size_t bytes, int32_t device, void* /*stream*/) {
     auto* c = static_cast<RowCounter*>(user);
     void* p = nullptr;
@@ -72,6 +73,7 @@ struct RowCounter {
     std::lock_guard<std::mutex> lock(c->mu);
     ++c->allocs;
     c->live += bytes;
+    c->aligned += (bytes + 255) / 256 * 256;
     return p;
   }
   static void Free(void* user, void* ptr, size_t bytes, int32_t /*device*/) {
@@ -186,6 +188,9 @@ void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
   if (row_allocator) {
     EXPECT_GE(rows.allocs, static_cast<int64_t>(W)) << "every rank's context took its saved rows from the allocator";
     EXPECT_GT(rows.live, 0u);
+    size_t predicted = 0;  // version 15: what one forward asks for, said before it runs
+    ASSERT_EQ(rdep_layer_row_allocator_bytes(l, &predicted), 0) << rdep_last_error();
+    EXPECT_EQ(rows.aligned, predicted);
     EXPECT_NE(rdep_layer_set_row_allocator(l, nullptr, nullptr, nullptr), 0) << "ctx is acquired: the allocator cannot change";
     EXPECT_NE(std::string(rdep_last_error()).find("no context of the layer is acquired"), std::string::npos) << rdep_last_error();
   }

@@ -68,6 +68,11 @@ class CudaAdapter final : public LayerAdapter {
   Status SetRowAllocator(rdep_alloc_fn alloc, rdep_free_fn free, void* user) override {
     return layer_->SetRowAllocator(RowAllocator{alloc, free, user});
   }
+  size_t row_allocator_bytes() const override {
+    size_t b = 0;
+    for (int32_t r : ranks_) b += layer_->row_allocator_bytes(r);
+    return b;
+  }
   void ReleaseRows(std::vector<ForwardContext>& ctx) override {
     DeviceGuard guard;  // the stash's give-back launches on each rank's device: the caller's stays current
     for (auto& c : ctx) (void)layer_->ReleaseRows(c);

@@ -33,6 +33,8 @@ class LayerAdapter {
   // Where contexts' saved rows come from (capi.h version 8; CUDA only: the host backend refuses), and
   // giving a released context's rows back to it.
   virtual Status SetRowAllocator(rdep_alloc_fn alloc, rdep_free_fn free, void* user) = 0;
+  // What one forward asks that allocator for, summed over the local ranks (capi.h version 15; 0 on the host).
+  virtual size_t row_allocator_bytes() const { return 0; }
   virtual void ReleaseRows(std::vector<ForwardContext>& ctx) = 0;
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;

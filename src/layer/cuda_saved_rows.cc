@@ -3,6 +3,7 @@
 // rows are the caller's memory between a context's ReleaseRows and its next forward (which takes them
 // again), so a training step's other work (the optimizer) can reuse them; without one they stay with the
 // context, as pooled contexts keep them.
+#include <algorithm>
 #include <string>
 
 #include "layer/context_access.h"
@@ -26,6 +27,25 @@ void CudaMoELayer::SetCallerStream(int32_t rank, cudaStream_t stream) {
 Status CudaMoELayer::ReserveSavedF(const RankState& st, Saved& sv) const {
   const auto n = static_cast<size_t>(std::max<int64_t>(config_.shape.tokens * config_.shape.topk, 1)) * static_cast<size_t>(config_.shape.hidden);
   return cuda_layer::ReserveRows(sv.saved_f, n, st.rows, st.device, st.caller_stream);
+}
+
+size_t CudaMoELayer::row_allocator_bytes(int32_t rank) const {
+  if (!CheckLocalRank(rank).ok()) return 0;
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  if (!st.rows.alloc) return 0;
+  const auto piece = [](size_t elems) {  // one request of `elems` bf16 values (ReserveRows), aligned
+    const size_t bytes = std::max<size_t>(elems, 1) * sizeof(__nv_bfloat16);
+    return (bytes + kRowAllocAlign - 1) / kRowAllocAlign * kRowAllocAlign;
+  };
+  const auto H = static_cast<size_t>(config_.shape.hidden), F = static_cast<size_t>(config_.shape.ffn);
+  size_t b = 0;
+  if (!OwnersTakeDgateDots(config_))  // ReserveSavedF
+    b += piece(static_cast<size_t>(std::max<int64_t>(config_.shape.tokens * config_.shape.topk, 1)) * H);
+  if (SyncFree(st) && !Stashing(st)) {  // ReserveSyncFree
+    const auto rows = static_cast<size_t>(SyncFreeSegments()) * static_cast<size_t>(MaxSegmentRows(config_, layout_));
+    b += piece(rows * H) + piece(rows * 2 * F) + (OwnerKeepsOutputs(config_) ? piece(rows * H) : 0);
+  }
+  return b;
 }
 
 // Before a call that may plan a forward in ctx, on the caller's thread: the caller's stream, and the rows

@@ -285,6 +285,12 @@ class CudaMoELayer {
   // by size (a cuBLASLt and a CUTLASS layer of one shape share neither: one set of output rows against two),
   // so this sum is not a key to deduplicate layers by: the domain's shared_bytes_per_rank is the total.
   size_t shared_row_bytes() const { return out_rows_bytes_ + expert_scratch_bytes_; }
+  // The bytes one forward on `rank` asks the row allocator for (SetRowAllocator): its saved rows, what
+  // PrepareRows and the forward reserve, each request rounded up to kRowAllocAlign bytes. A caller that hands
+  // out consecutive kRowAllocAlign-aligned pieces of one buffer of this size serves the forward (rdep.torch's
+  // capturable ops: the rows are then a tensor the caller's framework tracks). 0 without an allocator.
+  static constexpr size_t kRowAllocAlign = 256;
+  size_t row_allocator_bytes(int32_t rank) const;
   // Device bytes per rank of the segment payload, its sideband and the return region when they are shared
   // by the domain's layers of their size (LayerRegions::shared_transport: one domain, nodes = 1; "layer.*"
   // regions, held once however many layers use them), else 0 (then device_bytes counts them).

@@ -106,6 +106,8 @@ class _Native:
         # contexts CUDA graphs recorded (pinned: never released while the layer lives; also in `live`).
         self.by_address: dict = {}
         self.pinned: set[int] = set()
+        self.row_key = next(_row_keys)  # the row allocator's `user` for this layer (RowArena)
+        self.row_bytes = 0              # rdep_layer_row_allocator_bytes: one forward's saved rows (torch_rows)
 
     def release(self, c_id: int, token: Optional[int] = None) -> None:
         """Releases a context (a stale id is a no-op in C) and forgets it."""
@@ -125,7 +127,8 @@ class _Native:
                 self.casts.clear()
                 self.by_address.clear()
                 self.pinned.clear()
-                _capi.lib().rdep_layer_destroy(ptr)
+                _capi.lib().rdep_layer_destroy(ptr)  # gives arena pieces back (no-ops) before they are forgotten
+                _ARENA_PIECES.pop(self.row_key, None)
 
     def __del__(self):
         try:
@@ -142,11 +145,43 @@ def _release_quietly(native: _Native, c_id: int, token: int) -> None:
         pass
 
 
+class RowArena:
+    """One tensor's bytes handed out as a forward's saved rows (the capturable ops, layer_calls.forward): consecutive
+    256-aligned pieces, as rdep_layer_row_allocator_bytes counts them, so that every row lives in a tensor PyTorch
+    tracks (CUDA graph trees require it of every allocation in their pool)."""
+
+    def __init__(self, base: int, size: int):
+        self.base, self.size, self.used = base, size, 0
+
+    def take(self, nbytes: int) -> Optional[int]:
+        n = (nbytes + 255) // 256 * 256
+        if self.used + n > self.size:
+            return None
+        p = self.base + self.used
+        self.used += n
+        return p
+
+
+# The row allocator's `user` is a key per layer (_Native.row_key): the arena of that layer's forward running now
+# (set for the call, under the layer's lock), and the pieces its arenas handed out that the layer still holds
+# (given back by rdep_context_release: a no-op there, since the arena tensor's owner frees its memory).
+_ARENAS: dict[int, RowArena] = {}
+_ARENA_PIECES: dict[int, set] = {}
+_row_keys = itertools.count(1)
+
+
 def _torch_row_alloc(user, nbytes, device, stream):
     """The C layer's RowAllocator (C ABI version 8): a context's saved rows from PyTorch's caching allocator,
-    on the caller's stream of the call (so its later work, the optimizer's say, reuses them once released).
-    None (NULL) when torch has no memory: the C call then fails naming the bytes."""
+    on the caller's stream of the call (so its later work, the optimizer's say, reuses them once released),
+    or from the arena of the layer's capturable forward running now. None (NULL) when there is no memory:
+    the C call then fails naming the bytes."""
     try:
+        arena = _ARENAS.get(user) if user else None
+        if arena is not None:
+            p = arena.take(int(nbytes))
+            if p is not None:
+                _ARENA_PIECES.setdefault(user, set()).add(p)
+            return p
         return torch.cuda.caching_allocator_alloc(int(nbytes), device=int(device), stream=int(stream or 0))
     except Exception:
         return None
@@ -154,6 +189,10 @@ def _torch_row_alloc(user, nbytes, device, stream):
 
 def _torch_row_free(user, ptr, nbytes, device):
     try:
+        pieces = _ARENA_PIECES.get(user) if user else None
+        if pieces is not None and ptr in pieces:
+            pieces.discard(ptr)  # an arena's piece: its tensor's owner (autograd) frees the memory
+            return
         torch.cuda.caching_allocator_delete(int(ptr))
     except Exception:  # interpreter shutdown: torch may be gone; the process frees the device memory
         pass
@@ -422,7 +461,11 @@ class Layer(CHandle):
                 self._native.keepalive = (domain._native,)
             self._query(resolved, device, world_size)
             if resolved == "cuda" and torch_rows:  # contexts' saved rows from torch's caching allocator
-                _capi.check(L.rdep_layer_set_row_allocator(ptr.value, _ROW_ALLOC, _ROW_FREE, None), "rdep_layer_set_row_allocator")
+                _capi.check(L.rdep_layer_set_row_allocator(ptr.value, _ROW_ALLOC, _ROW_FREE, ctypes.c_void_p(self._native.row_key)),
+                            "rdep_layer_set_row_allocator")
+                b = ctypes.c_size_t()
+                _capi.check(L.rdep_layer_row_allocator_bytes(ptr.value, ctypes.byref(b)), "rdep_layer_row_allocator_bytes")
+                self._native.row_bytes = b.value
                 self._native.lock.pause_gc = True
                 self._native.keepalive = self._native.keepalive + ((_ROW_ALLOC, _ROW_FREE),)
         except BaseException:
@@ -502,6 +545,12 @@ class Layer(CHandle):
         with self._native.lock:
             graph_contexts.sweep(self._native)
             return len(self._native.live) - len(self._native.pinned)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one forward's saved rows taken from PyTorch's allocator (rdep_layer_row_allocator_bytes; CUDA
+        with torch_rows, else 0): the size of the rows tensor the capturable forward returns."""
+        return self._native.row_bytes
 
     @property
     def pinned_contexts(self) -> int:

@@ -31,7 +31,7 @@ import torch
 from .. import _capi
 from .._errors import FailedPreconditionError, error_for_code
 from . import graph_contexts
-from .layer import Layer, _release_quietly
+from .layer import _ARENAS, Layer, RowArena, _release_quietly
 
 NO_CONTEXT = -1  # the token forward returns when it saved nothing (save=False)
 
@@ -79,8 +79,10 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
     were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set.
     check_routing: without a saved context on CUDA, wait for the device's check of the routing (no backward
     will report a fault the sync-free forward could not read yet) before releasing the context; not inside a
-    CUDA graph capture, which cannot wait. device_ctx (the capturable ops): ctx is a tensor on x's device named
-    by its address, and a forward recorded in a capture pins its context (graph_contexts.py)."""
+    CUDA graph capture, which cannot wait. device_ctx (the capturable ops): returns (y, ctx, rows): ctx is a
+    tensor on x's device named by its address, a forward recorded in a capture pins its context
+    (graph_contexts.py), and the context's saved rows are pieces of `rows` (uint8 [Layer row bytes], a RowArena),
+    which the caller keeps alive until the backward, as autograd keeps any saved activation."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -98,13 +100,19 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
     _fill_weights(io, layer, w1, w2)
     capturing = device_ctx and graph_contexts.capturing(x)
     lib, native = _capi.lib(), layer._native
+    rows = torch.empty(native.row_bytes, dtype=torch.uint8, device=x.device) if device_ctx else None
     with native.lock:
         ptr = layer._live_ptr()
         if device_ctx:
             graph_contexts.sweep(native)  # first, so that the slots of dropped graphs are reused in order
         c_id = ctypes.c_int64()
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
-        code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
+        if rows is not None and native.row_bytes:
+            _ARENAS[native.row_key] = RowArena(rows.data_ptr(), native.row_bytes)
+        try:
+            code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
+        finally:
+            _ARENAS.pop(native.row_key, None)
         what = "rdep_layer_forward"
         if code == 0 and not save and check_routing and layer.backend == "cuda" and not capturing:
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
@@ -119,7 +127,7 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             if code != 0:
                 raise error_for_code(code, f"{what}: {msg}")
             if device_ctx:
-                return y, graph_contexts.no_context(x.device)
+                return y, graph_contexts.no_context(x.device), rows
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         if device_ctx:
             ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing)
@@ -127,7 +135,7 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             ctx = _context_tensor(layer, c_id.value)
         if keep_casts is not None:
             native.casts[c_id.value >> 32] = (c_id.value,) + tuple(keep_casts)
-        return y, ctx
+        return (y, ctx, rows) if device_ctx else (y, ctx)
 
 
 def kept_casts(layer: Layer, ctx, device_ctx: bool = False):

@@ -62,6 +62,11 @@ def _keep(layer: Layer, w1: Tensor, w2: Tensor, w1c: Tensor, w2c: Tensor, save_c
 FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
                   "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
+# The capturable pair: the forward also returns the saved rows (one uint8 tensor), which the backward takes.
+CAPTURABLE_FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+                             "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor, Tensor)")
+CAPTURABLE_BACKWARD_SCHEMA = ("(int layer, Tensor ctx, Tensor rows, Tensor dy, Tensor w1, Tensor w2) "
+                              "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 # `int layer` (not a SymInt), so a compiled graph always specializes on the layer id.
@@ -70,7 +75,9 @@ def _moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tens
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
-    keep = _keep(h, w1, w2, w1c, w2c, save_context)
+    # The capturable ops keep no casts: a tensor held outside autograd would be an allocation CUDA graph trees
+    # do not track.
+    keep = None if device_ctx else _keep(h, w1, w2, w1c, w2c, save_context)
     return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing,
                                device_ctx=device_ctx)
 
@@ -81,13 +88,15 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check
 
 
 def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
+                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     return _moe_forward(layer, x, experts, gates, w1, w2, save_context, check_routing, device_ctx=True)
 
 
 def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
-    validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
-    return torch.empty_like(x), torch.empty((), dtype=torch.int64, device=x.device)
+    h = get_layer(layer)
+    validate.check_forward(h, x, experts, gates, w1, w2)
+    return (torch.empty_like(x), torch.empty((), dtype=torch.int64, device=x.device),
+            torch.empty(h._native.row_bytes, dtype=torch.uint8, device=x.device))
 
 
 def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
@@ -109,7 +118,11 @@ def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx)
 
 
-def _moe_backward_capturable(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _moe_backward_capturable(layer: int, ctx: Tensor, rows: Tensor, dy: Tensor, w1: Tensor,
+                             w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """rows (the forward's third output) is not read here: the context's saved rows are pieces of it, and taking it
+    keeps it alive (and, in a compiled graph, saved) until this backward."""
+    validate.check_rows(get_layer(layer), rows)
     return _moe_backward(layer, ctx, dy, w1, w2, device_ctx=True)
 
 
@@ -144,8 +157,9 @@ def _moe_backward_fake(layer, ctx, dy, w1, w2):
     return _backward_outputs_like(h, dy, w1, w2)
 
 
-def _moe_backward_capturable_fake(layer, ctx, dy, w1, w2):
+def _moe_backward_capturable_fake(layer, ctx, rows, dy, w1, w2):
     h = get_layer(layer)
+    validate.check_rows(h, rows)
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=True)
     return _backward_outputs_like(h, dy, w1, w2)
 
@@ -166,10 +180,19 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(context, w1, w2)
 
 
-def _autograd_formula(backward_op):
+def _setup_capturable_context(ctx, inputs, output):
+    layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
+    _y, context, rows = output
+    ctx.layer = layer
+    ctx.saved_context = save_context
+    ctx.backward_ran = False
+    ctx.save_for_backward(context, rows, w1, w2)
+
+
+def _autograd_formula(backward_op, capturable: bool):
     """moe_forward's (or moe_forward_capturable's) backward: calls backward_op, which releases the context."""
 
-    def formula(ctx, dy, _dcontext):
+    def formula(ctx, dy, *_dsaved):
         if not ctx.saved_context:
             raise RuntimeError("rdep::moe_forward ran with save_context=False, so it kept no state for a backward "
                                "(rdep.torch.moe passes save_context=True whenever grad is enabled and an input requires grad)")
@@ -177,8 +200,12 @@ def _autograd_formula(backward_op):
             raise RuntimeError("rdep::moe_forward: a second backward through the same forward (retain_graph=True) is not "
                                "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
         ctx.backward_ran = True
-        context, w1, w2 = ctx.saved_tensors
-        dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)
+        if capturable:
+            context, rows, w1, w2 = ctx.saved_tensors
+            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, rows, dy.contiguous(), w1, w2)
+        else:
+            context, w1, w2 = ctx.saved_tensors
+            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)
         return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
     return formula
@@ -186,13 +213,15 @@ def _autograd_formula(backward_op):
 
 moe_forward = op_library.define("moe_forward", FORWARD_SCHEMA, _moe_forward, _moe_forward_fake)
 moe_backward = op_library.define("moe_backward", BACKWARD_SCHEMA, _moe_backward, _moe_backward_fake)
-op_library.register_autograd(moe_forward, _autograd_formula(moe_backward), setup_context=_setup_context)
-# The capturable pair (graph_contexts.py): ctx on x's device, named by its address, and no cudagraph_unsafe tag.
-moe_forward_capturable = op_library.define("moe_forward_capturable", FORWARD_SCHEMA, _moe_forward_capturable,
+op_library.register_autograd(moe_forward, _autograd_formula(moe_backward, False), setup_context=_setup_context)
+# The capturable pair (graph_contexts.py): ctx on x's device, named by its address, the saved rows a tensor
+# autograd keeps, and no cudagraph_unsafe tag.
+moe_forward_capturable = op_library.define("moe_forward_capturable", CAPTURABLE_FORWARD_SCHEMA, _moe_forward_capturable,
                                            _moe_forward_capturable_fake, capturable=True)
-moe_backward_capturable = op_library.define("moe_backward_capturable", BACKWARD_SCHEMA, _moe_backward_capturable,
-                                            _moe_backward_capturable_fake, capturable=True)
-op_library.register_autograd(moe_forward_capturable, _autograd_formula(moe_backward_capturable), setup_context=_setup_context)
+moe_backward_capturable = op_library.define("moe_backward_capturable", CAPTURABLE_BACKWARD_SCHEMA,
+                                            _moe_backward_capturable, _moe_backward_capturable_fake, capturable=True)
+op_library.register_autograd(moe_forward_capturable, _autograd_formula(moe_backward_capturable, True),
+                             setup_context=_setup_capturable_context)
 
 
 def _double_backward(ctx, *grads):
@@ -216,6 +245,6 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     report it); False skips that wait, for routing known to be valid (rdep.torch.MoE's own router)."""
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
-    op = moe_forward_capturable if h.capturable else moe_forward
-    y, _ = op(h.id, x, experts, gates, w1, w2, save, check_routing)
-    return y
+    if h.capturable:
+        return moe_forward_capturable(h.id, x, experts, gates, w1, w2, save, check_routing)[0]
+    return moe_forward(h.id, x, experts, gates, w1, w2, save, check_routing)[0]

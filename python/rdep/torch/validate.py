@@ -85,6 +85,12 @@ def check_backward(layer: Layer, ctx, dy, w1, w2, device_ctx: bool = False) -> N
     check_weights(layer, w1, w2)
 
 
+def check_rows(layer: Layer, rows) -> None:
+    """The capturable ops' saved rows: the uint8 tensor moe_forward_capturable returned."""
+    b = layer._native.row_bytes
+    check_tensor("rows", rows, layer, (torch.uint8,), (b,), f"[{b}] (the saved rows moe_forward_capturable returned)")
+
+
 # --- dispatch/combine with the caller's experts (rows.py) ----------------------------------------------
 
 def check_plan(layer: Layer, experts, gates) -> None:
