@@ -138,16 +138,13 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
         return (y, ctx, rows) if device_ctx else (y, ctx)
 
 
-def kept_casts(layer: Layer, ctx, device_ctx: bool = False):
+def kept_casts(layer: Layer, ctx):
     """The (w1, w2, source) the forward that returned ctx kept, else None: dropped with its context, and
-    None for a ctx whose slot another forward holds now (backward then refuses it, or casts for it)."""
+    None for a ctx whose slot another forward holds now (backward then refuses it, or casts for it). The
+    plain ops only: the capturable ones return their casts as tensors (ops.py)."""
     native = layer._native
     with native.lock:
-        if device_ctx:
-            e = graph_contexts.entry_of(native, ctx)
-            token, c_id_seen = (e.c_id >> 32, e.c_id) if e is not None else (NO_CONTEXT, None)
-        else:
-            token, c_id_seen = _read_context(ctx)
+        token, c_id_seen = _read_context(ctx)
         kept = native.casts.get(token)
         if kept is None or native.live.get(token) != kept[0] or (c_id_seen is not None and c_id_seen != kept[0]):
             return None

@@ -62,24 +62,22 @@ def _keep(layer: Layer, w1: Tensor, w2: Tensor, w1c: Tensor, w2c: Tensor, save_c
 FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
                   "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
-# The capturable pair: the forward also returns the saved rows (one uint8 tensor), which the backward takes.
+# The capturable pair: the forward also returns the saved rows (one uint8 tensor) and the weights' kept bf16 casts
+# (keep_weight_casts; else empty tensors), which the backward takes: every tensor it keeps is one autograd saves.
 CAPTURABLE_FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
-                             "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor, Tensor)")
-CAPTURABLE_BACKWARD_SCHEMA = ("(int layer, Tensor ctx, Tensor rows, Tensor dy, Tensor w1, Tensor w2) "
-                              "-> (Tensor, Tensor, Tensor, Tensor)")
+                             "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+CAPTURABLE_BACKWARD_SCHEMA = ("(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, Tensor w1, "
+                              "Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 # `int layer` (not a SymInt), so a compiled graph always specializes on the layer id.
 def _moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                save_context: bool = True, check_routing: bool = True, *, device_ctx: bool = False) -> tuple[Tensor, Tensor]:
+                save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
-    # The capturable ops keep no casts: a tensor held outside autograd would be an allocation CUDA graph trees
-    # do not track.
-    keep = None if device_ctx else _keep(h, w1, w2, w1c, w2c, save_context)
-    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing,
-                               device_ctx=device_ctx)
+    keep = _keep(h, w1, w2, w1c, w2c, save_context)
+    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
 
 
 def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
@@ -87,25 +85,45 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _keeps_casts(h: Layer, w1: Tensor, save_context: bool) -> bool:
+    """Whether the capturable forward returns its weight casts for the backward: keep_weight_casts, a saved
+    context, and weights in another dtype than the layer's (fp32 master weights on CUDA)."""
+    return h.keep_weight_casts and save_context and w1.dtype != validate.ACT_DTYPE[h.backend]
+
+
 def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    return _moe_forward(layer, x, experts, gates, w1, w2, save_context, check_routing, device_ctx=True)
+                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, ...]:
+    h = get_layer(layer)
+    validate.check_forward(h, x, experts, gates, w1, w2)
+    w1c, w2c = _layer_weights(h, w1, w2)
+    y, ctx, rows = layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, check_routing=check_routing,
+                                       device_ctx=True)
+    if _keeps_casts(h, w1, save_context):
+        return y, ctx, rows, w1c, w2c
+    act = validate.ACT_DTYPE[h.backend]
+    return y, ctx, rows, w1.new_empty((0,), dtype=act), w2.new_empty((0,), dtype=act)
 
 
 def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
+    act = validate.ACT_DTYPE[h.backend]
+    keep = _keeps_casts(h, w1, save_context)
     return (torch.empty_like(x), torch.empty((), dtype=torch.int64, device=x.device),
-            torch.empty(h._native.row_bytes, dtype=torch.uint8, device=x.device))
+            torch.empty(h._native.row_bytes, dtype=torch.uint8, device=x.device),
+            w1.new_empty(w1.shape if keep else (0,), dtype=act), w2.new_empty(w2.shape if keep else (0,), dtype=act))
 
 
 def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
-                  device_ctx: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  device_ctx: bool = False, casts=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """casts: the capturable forward's kept casts (w1c, w2c), which autograd saved with w1, w2."""
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=device_ctx)
     grad_dtype = _grad_dtype(h, w1)
-    kept = layer_calls.kept_casts(h, ctx, device_ctx)  # the forward's casts, used when made from these very weights
-    if kept is not None and kept[2].matches(w1, w2):
+    kept = None if device_ctx else layer_calls.kept_casts(h, ctx)  # the forward's casts, when made from these weights
+    if casts is not None:
+        w1, w2 = casts
+    elif kept is not None and kept[2].matches(w1, w2):
         w1, w2 = kept[0], kept[1]
         if w1.is_cuda:  # made on the forward's stream, read on this one: not reused before this backward ends
             stream = torch.cuda.current_stream(w1.device)
@@ -118,12 +136,15 @@ def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx)
 
 
-def _moe_backward_capturable(layer: int, ctx: Tensor, rows: Tensor, dy: Tensor, w1: Tensor,
+def _moe_backward_capturable(layer: int, ctx: Tensor, rows: Tensor, w1c: Tensor, w2c: Tensor, dy: Tensor, w1: Tensor,
                              w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """rows (the forward's third output) is not read here: the context's saved rows are pieces of it, and taking it
-    keeps it alive (and, in a compiled graph, saved) until this backward."""
-    validate.check_rows(get_layer(layer), rows)
-    return _moe_backward(layer, ctx, dy, w1, w2, device_ctx=True)
+    keeps it alive (and, in a compiled graph, saved) until this backward. w1c, w2c: the forward's kept casts of
+    w1, w2 (read in their place), or empty (cast here, as the plain backward does)."""
+    h = get_layer(layer)
+    validate.check_rows(h, rows)
+    keep = validate.check_kept_casts(h, w1c, w2c, w1, w2)
+    return _moe_backward(layer, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
 
 
 def _one_segment(layer: Layer) -> bool:
@@ -157,9 +178,10 @@ def _moe_backward_fake(layer, ctx, dy, w1, w2):
     return _backward_outputs_like(h, dy, w1, w2)
 
 
-def _moe_backward_capturable_fake(layer, ctx, rows, dy, w1, w2):
+def _moe_backward_capturable_fake(layer, ctx, rows, w1c, w2c, dy, w1, w2):
     h = get_layer(layer)
     validate.check_rows(h, rows)
+    validate.check_kept_casts(h, w1c, w2c, w1, w2)
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=True)
     return _backward_outputs_like(h, dy, w1, w2)
 
@@ -182,11 +204,11 @@ def _setup_context(ctx, inputs, output):
 
 def _setup_capturable_context(ctx, inputs, output):
     layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
-    _y, context, rows = output
+    _y, context, rows, w1c, w2c = output
     ctx.layer = layer
     ctx.saved_context = save_context
     ctx.backward_ran = False
-    ctx.save_for_backward(context, rows, w1, w2)
+    ctx.save_for_backward(context, rows, w1c, w2c, w1, w2)
 
 
 def _autograd_formula(backward_op, capturable: bool):
@@ -201,8 +223,8 @@ def _autograd_formula(backward_op, capturable: bool):
                                "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
         ctx.backward_ran = True
         if capturable:
-            context, rows, w1, w2 = ctx.saved_tensors
-            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, rows, dy.contiguous(), w1, w2)
+            context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
+            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
         else:
             context, w1, w2 = ctx.saved_tensors
             dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)

@@ -91,6 +91,17 @@ def check_rows(layer: Layer, rows) -> None:
     check_tensor("rows", rows, layer, (torch.uint8,), (b,), f"[{b}] (the saved rows moe_forward_capturable returned)")
 
 
+def check_kept_casts(layer: Layer, w1c, w2c, w1, w2) -> bool:
+    """The capturable ops' kept weight casts: both empty (none kept: False) or both w1's and w2's shapes in the
+    layer's activation dtype (True)."""
+    act = (ACT_DTYPE[layer.backend],)
+    keep = isinstance(w1c, torch.Tensor) and w1c.numel() > 0
+    for name, c, w in (("w1c", w1c, w1), ("w2c", w2c, w2)):
+        want = tuple(w.shape) if keep else (0,)
+        check_tensor(name, c, layer, act, want, f"{list(want)} (the kept cast moe_forward_capturable returned)")
+    return keep
+
+
 # --- dispatch/combine with the caller's experts (rows.py) ----------------------------------------------
 
 def check_plan(layer: Layer, experts, gates) -> None:
