@@ -85,6 +85,8 @@
 #              where its layers are capturable, the default), both variants, 200 steps, steps 100-102 under
 #              torch.profiler; rdep with the default --expert-compute auto
 #   trainrop   trainro with --capturable-ops off (rdep's plain ops, run between the captured partitions): the A/B
+#   trainrok   trainro with --keep-weight-casts (rdep's forward casts saved for its backward, as TorchTitan's are)
+#   trainroik  trainrok with --interleave
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -460,6 +462,18 @@ stage_trainrop() {  # trainro with rdep's plain ops (--capturable-ops off: run b
   # shellcheck disable=SC2046
   run train_w1_rop $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
     --compile-mode reduce-overhead --capturable-ops off --json "$R/train_w1_rop.json"
+}
+stage_trainrok() {  # trainro with rdep's --keep-weight-casts (the forward's casts saved for the backward, as TorchTitan's are)
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_rok $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
+    --compile-mode reduce-overhead --keep-weight-casts --profile-steps 3 --profile-at 100 --json "$R/train_w1_rok.json"
+}
+stage_trainroik() {  # trainrok interleaved (both models resident, stepped in turn; memory not measured)
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_roik $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
+    --compile-mode reduce-overhead --keep-weight-casts --interleave --json "$R/train_w1_roik.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels
