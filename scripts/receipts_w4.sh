@@ -87,6 +87,7 @@
 #   trainrop   trainro with --capturable-ops off (rdep's plain ops, run between the captured partitions): the A/B
 #   trainrok   trainro with --keep-weight-casts (rdep's forward casts saved for its backward, as TorchTitan's are)
 #   trainroik  trainrok with --interleave
+#   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts, rdep
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -474,6 +475,18 @@ stage_trainroik() {  # trainrok interleaved (both models resident, stepped in tu
   # shellcheck disable=SC2046
   run train_w1_roik $(train_env) python3 examples/torch_training/train.py --device cuda --moe both \
     --compile-mode reduce-overhead --keep-weight-casts --interleave --json "$R/train_w1_roik.json"
+}
+stage_trainsep() {  # reduce-overhead, each model in a process of its own (no shared graph pool or dynamo state):
+  pip_wheels      # TorchTitan's MoE, rdep with --keep-weight-casts, rdep without; 200 steps each
+  # shellcheck disable=SC2046
+  run train_w1_sep_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan \
+    --compile-mode reduce-overhead --json "$R/train_w1_sep_tt.json"
+  # shellcheck disable=SC2046
+  run train_w1_sep_rdepk $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --compile-mode reduce-overhead --keep-weight-casts --json "$R/train_w1_sep_rdepk.json"
+  # shellcheck disable=SC2046
+  run train_w1_sep_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --compile-mode reduce-overhead --json "$R/train_w1_sep_rdep.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels
