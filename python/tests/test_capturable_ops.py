@@ -30,7 +30,8 @@ def test_same_results_as_the_plain_ops():
     for op in (torch.ops.rdep.moe_forward, FWD):
         x, ids, gates, w1, w2 = [t.clone() for t in inputs]
         leaves = [t.requires_grad_(True) for t in (x, gates, w1, w2)]
-        y = op(layer.id, leaves[0], ids, leaves[1], leaves[2], leaves[3], True)[0]
+        extra = (0, False) if op is FWD else ()
+        y = op(layer.id, leaves[0], ids, leaves[1], leaves[2], leaves[3], *extra, True)[0]
         y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
         outs.append([y.detach()] + [t.grad for t in leaves])
     for name, a, b in zip(["y", "dx", "dgates", "dw1", "dw2"], outs[1], outs[0]):
@@ -43,7 +44,7 @@ def test_ctx_is_a_token_on_the_layers_device_and_is_released_by_backward():
     layer keeps its own rows: Layer.row_bytes 0)."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
     assert layer.row_bytes == 0 and rows.dtype == torch.uint8 and rows.shape == (0,) and rows.device == x.device
     assert w1c.shape == (0,) and w2c.shape == (0,)  # fp32 weights are the host backend's own: nothing cast
     assert ctx.device == x.device and ctx.dtype == torch.int64 and ctx.dim() == 0 and int(ctx) >= 0
@@ -57,7 +58,7 @@ def test_ctx_is_a_token_on_the_layers_device_and_is_released_by_backward():
 def test_grad_off_saves_nothing():
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, False)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)
     assert layer.live_contexts == 0 and int(ctx) == -1
     with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
         BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
@@ -70,16 +71,16 @@ def test_a_dropped_graph_releases_its_context_at_the_next_forward():
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
     w1.requires_grad_(True)
     for _ in range(3):
-        y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+        y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
         assert len(layer._native.live) == 1
         del y, ctx, rows, w1c, w2c
         gc.collect()
     assert len(layer._native.live) == 1  # not swept yet
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
     assert layer.live_contexts == 1  # the dropped ones were released, this one is live
     BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2.detach())
     assert layer.live_contexts == 0
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
     del y, ctx, rows, w1c, w2c
     assert layer.live_contexts == 0  # reading it sweeps
 
@@ -89,7 +90,7 @@ def test_a_tensor_that_is_no_ctx_is_refused():
     are): a value no live context has is refused, as are wrong shapes and dtypes; a copy of ctx works."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
     with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
         BWD(layer.id, torch.full((), 12345, dtype=torch.int64), rows, w1c, w2c, torch.ones_like(y), w1, w2)
     with pytest.raises(ValueError, match=r"ctx: expected shape \[\]"):
@@ -109,7 +110,7 @@ def test_pinned_contexts_are_kept_and_refuse_an_eager_backward_after_theirs():
     keeps the context, a second eager backward is refused naming the cause, and nothing is released."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
     native = layer._native
     e = graph_contexts.entry_of(native, ctx)
     e.pinned = True
@@ -121,7 +122,7 @@ def test_pinned_contexts_are_kept_and_refuse_an_eager_backward_after_theirs():
         BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
     del y, ctx, rows, w1c, w2c
     gc.collect()
-    FWD(layer.id, x, ids, gates, w1, w2, False)  # a sweep does not release pinned contexts
+    FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)  # a sweep does not release pinned contexts
     assert layer.pinned_contexts == 1 and e.c_id in native.live.values()
 
 
@@ -131,21 +132,22 @@ def test_opcheck():
     layer = _layer(world_size=4, capacity_factor=0.7)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf")
     grads = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-    torch.library.opcheck(FWD.default, (layer.id, grads[0], ids, grads[1], grads[2], grads[3], True))
-    torch.library.opcheck(FWD.default, (layer.id, x, ids, gates, w1, w2, False))
+    torch.library.opcheck(FWD.default, (layer.id, grads[0], ids, grads[1], grads[2], grads[3], 0, False, True))
+    torch.library.opcheck(FWD.default, (layer.id, x, ids, gates, w1, w2, 0, False, False))
     for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
-        _, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, True)
+        _, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
         dy = torch.randn_like(x).requires_grad_(util == "test_autograd_registration")
         torch.library.opcheck(BWD.default, (layer.id, ctx, rows, w1c, w2c, dy, w1, w2), test_utils=util)
     gc.collect()
-    FWD(layer.id, x, ids, gates, w1, w2, False)  # sweeps what opcheck dropped
+    FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)  # sweeps what opcheck dropped
     assert layer.live_contexts == 0
 
 
 def test_schemas_and_tags():
     assert str(FWD.default._schema) == (
         "rdep::moe_forward_capturable(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
-        "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+        "int row_bytes, bool keep_casts, bool save_context=True, bool check_routing=True) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     assert str(BWD.default._schema) == (
         "rdep::moe_backward_capturable(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, "
         "Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -153,6 +155,17 @@ def test_schemas_and_tags():
     if unsafe is not None:
         assert unsafe not in FWD.default.tags and unsafe not in BWD.default.tags
         assert unsafe in torch.ops.rdep.moe_forward.default.tags
+
+
+def test_shape_arguments_must_be_the_layers():
+    """row_bytes and keep_casts fix the outputs' shapes (so that compiled graphs' caches key on them): a value
+    that is not the layer's is refused naming it."""
+    layer = _layer()
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    with pytest.raises(ValueError, match=r"row_bytes: expected the layer's Layer.row_bytes \(0\), got 256"):
+        FWD(layer.id, x, ids, gates, w1, w2, 256, False, True)
+    with pytest.raises(ValueError, match=r"keep_casts: expected the layer's keep_weight_casts \(False\), got True"):
+        FWD(layer.id, x, ids, gates, w1, w2, 0, True, True)
 
 
 def test_capturable_layers():

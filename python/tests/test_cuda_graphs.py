@@ -52,7 +52,7 @@ def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
 
     layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass", gate_in_expert=gate_in_expert)
     x, ids, gates, w1, w2 = make_inputs(1, T, H, F, E, K, "uniform", seed=7)
-    y, ctx, rows, w1c, w2c = torch.ops.rdep.moe_forward_capturable(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx, rows, w1c, w2c = torch.ops.rdep.moe_forward_capturable(layer.id, x, ids, gates, w1, w2, layer.row_bytes, False, True)
     assert layer.row_bytes > 0 and rows.dtype == torch.uint8 and rows.numel() == layer.row_bytes
     pieces = sorted(layer_mod._ARENA_PIECES[layer._native.row_key])
     assert len(pieces) == (2 if gate_in_expert else 3), pieces

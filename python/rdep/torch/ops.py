@@ -64,8 +64,12 @@ FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1
 BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
 # The capturable pair: the forward also returns the saved rows (one uint8 tensor) and the weights' kept bf16 casts
 # (keep_weight_casts; else empty tensors), which the backward takes: every tensor it keeps is one autograd saves.
-CAPTURABLE_FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
-                             "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+# row_bytes and keep_casts are the layer's (Layer.row_bytes, keep_weight_casts), passed so that the outputs' shapes
+# follow from the arguments: a compiled graph holds them as constants, so inductor's caches (keyed by the graph)
+# never serve a graph traced for another layer configuration.
+CAPTURABLE_FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, int row_bytes, "
+                             "bool keep_casts, bool save_context=True, bool check_routing=True) "
+                             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 CAPTURABLE_BACKWARD_SCHEMA = ("(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, Tensor w1, "
                               "Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
 
@@ -85,32 +89,35 @@ def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
-def _keeps_casts(h: Layer, w1: Tensor, save_context: bool) -> bool:
+def _keeps_casts(h: Layer, w1: Tensor, keep_casts: bool, save_context: bool) -> bool:
     """Whether the capturable forward returns its weight casts for the backward: keep_weight_casts, a saved
     context, and weights in another dtype than the layer's (fp32 master weights on CUDA)."""
-    return h.keep_weight_casts and save_context and w1.dtype != validate.ACT_DTYPE[h.backend]
+    return keep_casts and save_context and w1.dtype != validate.ACT_DTYPE[h.backend]
 
 
-def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
-                            save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, ...]:
+def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, row_bytes: int,
+                            keep_casts: bool, save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, ...]:
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
+    validate.check_capturable_args(h, row_bytes, keep_casts)
     w1c, w2c = _layer_weights(h, w1, w2)
     y, ctx, rows = layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, check_routing=check_routing,
                                        device_ctx=True)
-    if _keeps_casts(h, w1, save_context):
+    if _keeps_casts(h, w1, keep_casts, save_context):
         return y, ctx, rows, w1c, w2c
     act = validate.ACT_DTYPE[h.backend]
     return y, ctx, rows, w1.new_empty((0,), dtype=act), w2.new_empty((0,), dtype=act)
 
 
-def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
+def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context=True,
+                                 check_routing=True):
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
+    validate.check_capturable_args(h, row_bytes, keep_casts)
     act = validate.ACT_DTYPE[h.backend]
-    keep = _keeps_casts(h, w1, save_context)
+    keep = _keeps_casts(h, w1, keep_casts, save_context)
     return (torch.empty_like(x), torch.empty((), dtype=torch.int64, device=x.device),
-            torch.empty(h._native.row_bytes, dtype=torch.uint8, device=x.device),
+            torch.empty(row_bytes, dtype=torch.uint8, device=x.device),
             w1.new_empty(w1.shape if keep else (0,), dtype=act), w2.new_empty(w2.shape if keep else (0,), dtype=act))
 
 
@@ -203,7 +210,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _setup_capturable_context(ctx, inputs, output):
-    layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
+    layer, _x, _experts, _gates, w1, w2, _row_bytes, _keep, save_context, _check_routing = inputs
     _y, context, rows, w1c, w2c = output
     ctx.layer = layer
     ctx.saved_context = save_context
@@ -228,7 +235,8 @@ def _autograd_formula(backward_op, capturable: bool):
         else:
             context, w1, w2 = ctx.saved_tensors
             dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)
-        return None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+        grads = (None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype))
+        return grads + (None,) * (4 if capturable else 2)
 
     return formula
 
@@ -268,5 +276,6 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
     if h.capturable:
-        return moe_forward_capturable(h.id, x, experts, gates, w1, w2, save, check_routing)[0]
+        return moe_forward_capturable(h.id, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts, save,
+                                      check_routing)[0]
     return moe_forward(h.id, x, experts, gates, w1, w2, save, check_routing)[0]

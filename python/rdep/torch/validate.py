@@ -91,6 +91,14 @@ def check_rows(layer: Layer, rows) -> None:
     check_tensor("rows", rows, layer, (torch.uint8,), (b,), f"[{b}] (the saved rows moe_forward_capturable returned)")
 
 
+def check_capturable_args(layer: Layer, row_bytes, keep_casts) -> None:
+    """The capturable forward's row_bytes and keep_casts: the layer's own (they fix its outputs' shapes)."""
+    if row_bytes != layer.row_bytes:
+        raise ValueError(f"row_bytes: expected the layer's Layer.row_bytes ({layer.row_bytes}), got {row_bytes}")
+    if keep_casts != layer.keep_weight_casts:
+        raise ValueError(f"keep_casts: expected the layer's keep_weight_casts ({layer.keep_weight_casts}), got {keep_casts}")
+
+
 def check_kept_casts(layer: Layer, w1c, w2c, w1, w2) -> bool:
     """The capturable ops' kept weight casts: both empty (none kept: False) or both w1's and w2's shapes in the
     layer's activation dtype (True)."""
