@@ -307,7 +307,13 @@ def run_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: D
     for step in range(a.steps):
         if not v.step(step):
             break
-    return v.finish()
+    rec = v.finish()
+    # The compiled model's state outlives the model otherwise: dynamo's caches and, under reduce-overhead, CUDA
+    # graph trees, whose graphs hold their static inputs (the parameters) and share one memory pool with the
+    # next variant's graphs, so the next variant's memory and time would be measured beside this one's leftovers.
+    if a.compile:
+        torch._dynamo.reset()
+    return rec
 
 
 def run_interleaved(kinds: list, cfg: ModelConfig, corpus: Corpus, a, dd: Dist) -> list:

@@ -14,7 +14,8 @@ Context protocol (the C ABI pools contexts; a released id is stale, releasing it
     copy), checks the C id: an older forward's ctx whose slot was released and reused is refused
     instead of being paired with another forward's saved state. It runs, then releases the context.
 The C backward consumes its context: one backward per forward (a retain_graph=True double backward is
-refused with an error).
+refused with an error). The capturable ops (device_ctx) name contexts by a device tensor's address instead
+(graph_contexts.py) and take their saved rows from a tensor the forward returns (layer.RowArena).
 
 Tensor layout: x, y, dy, dx [L, n, H]; experts, gates, dgates [L, n, K]; w1, dw1 [E_local, H, 2F] and
 w2, dw2 [E_local, F, H], where local rank i's rows start at i*n and its experts at Layer._rank_experts[i].

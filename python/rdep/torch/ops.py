@@ -12,6 +12,19 @@ shape and dtype; ctx is a 0-dim int64 CPU tensor naming the forward's saved stat
 dw1, dw2 are fp32, or bf16 for bf16 weights on CUDA with one segment (ops._grad_dtype). Autograd: moe_forward's backward calls moe_backward, which releases the context;
 gradients reach x, gates, w1 and w2 (experts is an index tensor). Double backward is not supported.
 
+The capturable pair (graph_contexts.py), which rdep.torch.moe calls where Layer.capturable, so that CUDA graphs
+record the layer:
+
+    rdep::moe_forward_capturable(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
+                                 int row_bytes, bool keep_casts, bool save_context=True, bool check_routing=True)
+                                 -> (Tensor y, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c)
+    rdep::moe_backward_capturable(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy,
+                                  Tensor w1, Tensor w2) -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
+
+ctx is a 0-dim int64 tensor on x's device, found by its address; rows (uint8 [row_bytes]) holds the context's saved
+rows; w1c, w2c are the bf16 casts of fp32 weights kept for the backward (keep_casts), else empty; row_bytes and
+keep_casts must be the layer's (Layer.row_bytes, keep_weight_casts).
+
     y = rdep.torch.moe(layer, x, experts, gates, w1, w2)   # saves a context only when grad is needed
 """
 
