@@ -66,7 +66,7 @@ def test_grad_off_saves_nothing():
 
 def test_a_dropped_graph_releases_its_context_at_the_next_forward():
     """A ctx freed without backward: its entry is released by the layer's next capturable forward (or when
-    live_contexts is read), and a new ctx at the same address is not mistaken for it."""
+    live_contexts is read), whether or not the new ctx lands at the freed one's address."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
     w1.requires_grad_(True)
@@ -124,6 +124,12 @@ def test_pinned_contexts_are_kept_and_refuse_an_eager_backward_after_theirs():
     gc.collect()
     FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)  # a sweep does not release pinned contexts
     assert layer.pinned_contexts == 1 and e.c_id in native.live.values()
+    with pytest.raises(rdep.FailedPreconditionError, match="names a context a CUDA graph recorded"):
+        torch.ops.rdep.moe_backward(layer.id, torch.tensor(e.c_id >> 32), torch.ones_like(x), w1, w2)  # the plain op
+    native.release(e.c_id, e.c_id >> 32)  # no path but release_graph_contexts and close releases it
+    assert layer.pinned_contexts == 1
+    assert layer.release_graph_contexts() == 1
+    assert layer.pinned_contexts == 0 and layer.live_contexts == 0 and not native.live
 
 
 def test_opcheck():

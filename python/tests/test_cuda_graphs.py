@@ -44,10 +44,9 @@ def _step(layer, x, ids, gates, w1, w2, dy):
 @pytest.mark.parametrize("gate_in_expert", [False, True])
 def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
     """The capturable forward's saved rows come from its rows tensor (Layer.row_bytes, the C library's count of
-    one forward's requests; the C ABI test checks that count against a counting allocator): every piece inside
-    it and 256-aligned (a short arena would fail the forward naming the bytes), and all given back when the
-    backward releases the context. Without the gate before W2 the front-end's returned rows are kept too (one
-    piece more)."""
+    one forward's requests): the forward takes exactly that many bytes (a short arena would fail it naming the
+    bytes, a long one waste memory), every piece inside it and 256-aligned, and all given back when the backward
+    releases the context. Without the gate before W2 the front-end's returned rows are kept too (one piece more)."""
     from rdep.torch import layer as layer_mod
 
     layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass", gate_in_expert=gate_in_expert)
@@ -58,6 +57,7 @@ def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
     assert len(pieces) == (2 if gate_in_expert else 3), pieces
     base = rows.data_ptr()
     assert pieces[0] == base and all(p % 256 == 0 and base <= p < base + layer.row_bytes for p in pieces)
+    assert layer._native.arena_used == layer.row_bytes
     dx, dgates, dw1, dw2 = torch.ops.rdep.moe_backward_capturable(layer.id, ctx, rows, w1c, w2c, torch.randn_like(y), w1, w2)
     torch.cuda.synchronize()
     assert torch.isfinite(dx.float()).all() and torch.isfinite(dw1.float()).all()

@@ -17,7 +17,9 @@ forward writes the context the capture used, and each replay of the captured bac
     never matched again;
   * a context whose calls were recorded in a stream capture is *pinned*: the graph's replays write and
     read its buffers and rows, so it is never released, nor handed to another forward, while the layer
-    lives (Layer.pinned_contexts counts them; Layer.close frees them with the layer). A captured forward
+    lives (Layer.pinned_contexts counts them; Layer.release_graph_contexts, once the graphs are gone, or
+    Layer.close frees them). No other path releases them: the plain ops' and rows.py's token lookups refuse
+    a pinned id. A captured forward
     with no saved context (grad off) pins its context as well. A capture records each call once: every
     capture of a forward takes a context of its own.
   * a pinned context whose backward already ran (captured) and whose forward a graph replays cannot run
@@ -51,7 +53,12 @@ class Entry:
 
 def capturing(t: torch.Tensor) -> bool:
     """Whether the current stream of t's device is capturing a CUDA graph (False for CPU tensors)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not t.is_cuda:
+        return False
+    if t.device.index is None or t.device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(t.device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def no_context(device: torch.device) -> torch.Tensor:
@@ -73,7 +80,9 @@ def context_tensor(native, c_id: int, device: torch.device, pinned: bool) -> tor
     ctx = torch.full((), c_id >> 32, dtype=torch.int64, device=device)
     address = ctx.data_ptr()
     old = native.by_address.pop(address, None)  # an address is reused only once its old ctx was freed
-    if old is not None and not old.pinned:
+    if old is not None and old.pinned:
+        native.displaced.append(old)  # still found by its token (a replayed forward's ctx holds it)
+    elif old is not None:
         native.release(old.c_id, old.c_id >> 32)
     native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned)
     native.live[c_id >> 32] = c_id
@@ -97,10 +106,22 @@ def entry_of(native, ctx: torch.Tensor, capturing_now: bool = False):
     if capturing_now:
         return None
     token = int(ctx)  # a copy: read its value (on CUDA this synchronizes; only on this path)
-    for e in native.by_address.values():  # unreleased contexts: one per slot
+    for e in list(native.by_address.values()) + native.displaced:  # unreleased contexts: one per slot
         if e.c_id >> 32 == token:
             return e
     return None
+
+
+def release_pinned(native) -> int:
+    """Releases every pinned context (Layer.release_graph_contexts; call under native.lock); returns how many."""
+    ids = list(native.pinned)
+    native.pinned.clear()
+    native.displaced.clear()
+    for a in [a for a, e in native.by_address.items() if e.c_id in ids]:
+        del native.by_address[a]
+    for c_id in ids:
+        native.release(c_id, c_id >> 32)
+    return len(ids)
 
 
 def entry_for_backward(layer, ctx: torch.Tensor, capturing_now: bool) -> Entry:

@@ -106,12 +106,17 @@ class _Native:
         # contexts CUDA graphs recorded (pinned: never released while the layer lives; also in `live`).
         self.by_address: dict = {}
         self.pinned: set[int] = set()
+        self.displaced: list = []  # pinned entries whose ctx address a later ctx took (still found by token)
         self.row_key = next(_row_keys)  # the row allocator's `user` for this layer (RowArena)
         self.row_bytes = 0              # rdep_layer_row_allocator_bytes: one forward's saved rows (torch_rows)
+        self.arena_used = 0             # bytes the last capturable forward took from its arena
 
     def release(self, c_id: int, token: Optional[int] = None) -> None:
-        """Releases a context (a stale id is a no-op in C) and forgets it."""
+        """Releases a context (a stale id is a no-op in C) and forgets it; not one a CUDA graph recorded
+        (pinned: release_graph_contexts or close frees those)."""
         with self.lock:
+            if c_id in self.pinned:
+                return
             if token is not None:
                 if self.live.get(token) == c_id:
                     del self.live[token]
@@ -127,8 +132,10 @@ class _Native:
                 self.casts.clear()
                 self.by_address.clear()
                 self.pinned.clear()
-                _capi.lib().rdep_layer_destroy(ptr)  # gives arena pieces back (no-ops) before they are forgotten
+                self.displaced.clear()
+                _capi.lib().rdep_layer_destroy(ptr)  # gives its rows back through the allocator, then forgotten
                 _ARENA_PIECES.pop(self.row_key, None)
+                _TORCH_BLOCKS.pop(self.row_key, None)
 
     def __del__(self):
         try:
@@ -152,22 +159,28 @@ class RowArena:
 
     def __init__(self, base: int, size: int):
         self.base, self.size, self.used = base, size, 0
+        self._lock = threading.Lock()  # several local ranks' threads may take pieces at once
 
     def take(self, nbytes: int) -> Optional[int]:
         n = (nbytes + 255) // 256 * 256
-        if self.used + n > self.size:
-            return None
-        p = self.base + self.used
-        self.used += n
-        return p
+        with self._lock:
+            if self.used + n > self.size:
+                return None
+            p = self.base + self.used
+            self.used += n
+            return p
 
 
 # The row allocator's `user` is a key per layer (_Native.row_key): the arena of that layer's forward running now
-# (set for the call, under the layer's lock), and the pieces its arenas handed out that the layer still holds
-# (given back by rdep_context_release: a no-op there, since the arena tensor's owner frees its memory).
+# (set for the call, under the layer's lock); the blocks torch's caching allocator handed the layer and it still
+# holds (only these are given back to torch: any other pointer is an arena's piece, whose memory the arena
+# tensor's owner frees, so giving it back is a no-op); and the arena pieces the layer holds (informational: two
+# pieces may share an address once a graph's pool is reused, which is why deletes are decided by _TORCH_BLOCKS).
 _ARENAS: dict[int, RowArena] = {}
+_TORCH_BLOCKS: dict[int, set] = {}
 _ARENA_PIECES: dict[int, set] = {}
 _row_keys = itertools.count(1)
+_blocks_lock = threading.Lock()  # the ranks' threads call the allocator at once
 
 
 def _torch_row_alloc(user, nbytes, device, stream):
@@ -180,20 +193,27 @@ def _torch_row_alloc(user, nbytes, device, stream):
         if arena is not None:
             p = arena.take(int(nbytes))
             if p is not None:
-                _ARENA_PIECES.setdefault(user, set()).add(p)
+                with _blocks_lock:
+                    _ARENA_PIECES.setdefault(user, set()).add(p)
             return p
-        return torch.cuda.caching_allocator_alloc(int(nbytes), device=int(device), stream=int(stream or 0))
+        p = torch.cuda.caching_allocator_alloc(int(nbytes), device=int(device), stream=int(stream or 0))
+        with _blocks_lock:
+            _TORCH_BLOCKS.setdefault(user, set()).add(p)
+        return p
     except Exception:
         return None
 
 
 def _torch_row_free(user, ptr, nbytes, device):
     try:
-        pieces = _ARENA_PIECES.get(user) if user else None
-        if pieces is not None and ptr in pieces:
-            pieces.discard(ptr)  # an arena's piece: its tensor's owner (autograd) frees the memory
-            return
-        torch.cuda.caching_allocator_delete(int(ptr))
+        with _blocks_lock:
+            ours = ptr in _TORCH_BLOCKS.get(user, ())
+            if ours:
+                _TORCH_BLOCKS[user].discard(ptr)
+            else:  # an arena's piece: its tensor's owner (autograd) frees the memory
+                _ARENA_PIECES.get(user, set()).discard(ptr)
+        if ours:
+            torch.cuda.caching_allocator_delete(int(ptr))
     except Exception:  # interpreter shutdown: torch may be gone; the process frees the device memory
         pass
 
@@ -558,6 +578,13 @@ class Layer(CHandle):
         the layer lives, since the graphs' replays write and read them."""
         return len(self._native.pinned)
 
+    def release_graph_contexts(self) -> int:
+        """Releases the contexts CUDA graphs recorded (pinned_contexts), returning how many: call it once every
+        graph that recorded this layer is gone (`del graph`; for torch.compile, torch._dynamo.reset()), to reuse
+        their slots. A graph replayed after this writes into released contexts: do not. close() frees them too."""
+        with self._native.lock:
+            return graph_contexts.release_pinned(self._native)
+
     @property
     def capturable(self) -> bool:
         """Whether rdep.torch.moe calls the capturable ops (ops.py), which a CUDA graph may record: capturable_ops
@@ -600,7 +627,8 @@ class Layer(CHandle):
         return b.value
 
     def close(self) -> None:
-        """Frees the C layer now (contexts still alive become invalid; later calls raise ValueError)."""
+        """Frees the C layer now (contexts still alive become invalid, those CUDA graphs recorded too: replay no
+        graph that recorded the layer afterwards; later calls raise ValueError)."""
         self._native.close()
         _registry.pop(self.id, None)
 

@@ -108,12 +108,14 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             graph_contexts.sweep(native)  # first, so that the slots of dropped graphs are reused in order
         c_id = ctypes.c_int64()
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
-        if rows is not None and native.row_bytes:
-            _ARENAS[native.row_key] = RowArena(rows.data_ptr(), native.row_bytes)
+        arena = RowArena(rows.data_ptr(), native.row_bytes) if rows is not None and native.row_bytes else None
+        if arena is not None:
+            _ARENAS[native.row_key] = arena
         try:
             code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
         finally:
             _ARENAS.pop(native.row_key, None)
+        native.arena_used = arena.used if arena is not None else 0  # what the call took (tests compare row_bytes)
         what = "rdep_layer_forward"
         if code == 0 and not save and check_routing and layer.backend == "cuda" and not capturing:
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
@@ -185,6 +187,9 @@ def _context_for_backward(layer: Layer, ctx) -> tuple[int, int]:
     """(C id, token) of the live context the plain ops' ctx names, else an error naming ctx (under the lock)."""
     token, c_id_seen = _read_context(ctx)
     c_id = layer._native.live.get(token) if token != NO_CONTEXT else None
+    if c_id is not None and c_id in layer._native.pinned:
+        raise FailedPreconditionError(
+            f"ctx: token {token} names a context a CUDA graph recorded (the capturable ops'), not this op's")
     if c_id is None:
         raise FailedPreconditionError(
             f"ctx: token {token} is not a live context of layer {layer.id}: its forward ran with grad off "

@@ -225,6 +225,7 @@ def _setup_context(ctx, inputs, output):
 def _setup_capturable_context(ctx, inputs, output):
     layer, _x, _experts, _gates, w1, w2, _row_bytes, _keep, save_context, _check_routing = inputs
     _y, context, rows, w1c, w2c = output
+    ctx.mark_non_differentiable(context, rows, w1c, w2c)  # saved state, not results: no gradient flows into them
     ctx.layer = layer
     ctx.saved_context = save_context
     ctx.backward_ran = False

@@ -68,6 +68,9 @@ def live_context(layer: Layer, ctx: torch.Tensor, step: str) -> int:
     """The C id of the live context ctx names (layer_calls.backward's checks), else an error naming it."""
     token, c_id_seen = _read_context(ctx)
     c_id = layer._native.live.get(token) if token != NO_CONTEXT else None
+    if c_id is not None and c_id in layer._native.pinned:
+        raise FailedPreconditionError(
+            f"ctx: token {token} names a context a CUDA graph recorded (the capturable ops'), not a plan's")
     if c_id is None:
         raise FailedPreconditionError(
             f"ctx: token {token} is not a live context of layer {layer.id} for {step}: its plan was released "
