@@ -12,6 +12,8 @@ distribution of `rdep bench layer --routing uniform`, not the same draw).
     python3 bench/torch_layer_bench.py --expert-compute cutlass --json out.json
 Compare with, in the same device call (bf16 weight gradients there too, the same work):
     build-dev/bin/rdep bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json layer.json
+--graph also times replays of the forward and the forward+backward captured in CUDA graphs (the capturable ops),
+beside `rdep bench layer --graph` (scripts/receipts_w4.sh graph1).
 """
 
 from __future__ import annotations
@@ -107,6 +109,35 @@ def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dic
     return out
 
 
+def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
+    """--graph: the forward and the forward+backward (torch.autograd.grad: no .grad accumulation) each captured
+    once in a CUDA graph with torch.cuda.graph, after two warm-up calls on a side stream as torch's docs say, and
+    timed by replaying the graph on the same inputs: the calls' device work with no host work between them (the
+    C++ counterpart: `rdep bench layer --graph`). Needs a capturable layer (rdep.torch.Layer.capturable)."""
+
+    def forward():
+        return rt.moe(layer, x, experts, gates, w1, w2)
+
+    def forward_backward():
+        return torch.autograd.grad(rt.moe(layer, x, experts, gates, w1, w2), (x, gates, w1, w2), dy)
+
+    replays, held = {}, []
+    for name, fn in (("graph forward", forward), ("graph f+b", forward_backward)):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = fn()
+        held.append((graph, outputs))  # the graph's output tensors live as long as the graph is replayed
+        replays[name] = graph.replay
+    replays["_held"] = held
+    return replays
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -133,6 +164,9 @@ def main() -> int:
                    help="after the timing: N calls of each forward+backward kind under cProfile (Python's own time)")
     p.add_argument("--compile", action="store_true",
                    help="also time the calls through a torch.compile'd function (as the training example calls the op)")
+    p.add_argument("--graph", action="store_true",
+                   help="also capture the forward and the forward+backward in CUDA graphs and time their replays "
+                        "(needs a capturable layer: --expert-compute cutlass or auto on sm_90)")
     p.add_argument("--backend", choices=["cuda", "host"], default="cuda" if torch.cuda.is_available() else "host",
                    help="cuda (the measurement: bf16) or host (fp32 CPU tensors, the host backend: the binding's "
                         "host time on this machine's CPU, wall times only) [cuda where there is a GPU]")
@@ -149,10 +183,20 @@ def main() -> int:
     layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend=a.backend, device=device, **options)
     x, experts, gates, w1, w2, dy = make_inputs(a, device, torch.bfloat16 if cuda else torch.float32)
 
+    if a.graph and not layer.capturable:
+        print(f"torch_layer_bench: --graph needs a capturable layer (CUDA, expert_compute cutlass); this one is "
+              f"{a.backend}, expert_compute {getattr(layer, 'expert_compute', 'n/a')}", file=sys.stderr)
+        return 2
     calls = layer_calls(rt, layer, x, experts, gates, w1, w2, dy, a.compile)
     rows, host = {}, {}
     for name, fn in calls.items():
         rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+    if a.graph:
+        replays = graph_calls(rt, layer, x, experts, gates, w1, w2, dy)
+        held = replays.pop("_held")
+        for name, fn in replays.items():
+            rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+        del held
     forward_backward = calls["forward+backward"]
     if a.profile > 0:
         from torch.profiler import ProfilerActivity, profile

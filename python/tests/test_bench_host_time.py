@@ -40,3 +40,14 @@ def test_host_breakdown_adds_up_on_the_host_backend(tmp_path, monkeypatch, compi
         assert calls == {"rdep_context_acquire": 1, "rdep_layer_forward": 1, "rdep_context_release": 2 if backward else 1,
                          **({"rdep_layer_backward": 1} if backward else {})}
     assert rec["torch_peak_allocated_gib"] is None and rec["device"] == "the host backend (CPU)"
+
+
+def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
+    """--graph on a layer that CUDA graphs cannot record (here the host backend) is refused with the reason."""
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--backend", "host", "--tokens", "4", "--hidden", "8", "--ffn", "8",
+                                      "--experts", "4", "--topk", "2", "--graph"])
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH), run_name="__main__")
+    assert done.value.code == 2
+    assert "--graph needs a capturable layer" in capsys.readouterr().err
