@@ -287,6 +287,27 @@ def test_compile_fullgraph_matches_eager_cuda():
         torch.testing.assert_close(pc.grad, pe.grad, msg=k)
 
 
+def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple) -> None:
+    """mods[0] compiled in the default mode, mods[1] (the same weights) with mode="reduce-overhead": `steps` training
+    steps with a new x each give the same y, dx and parameter gradients (bf16 tolerances: inductor's kernels may
+    differ between the modes)."""
+    runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
+    g = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        x = torch.randn(*x_shape, generator=g).bfloat16().to(DEV)
+        outs = []
+        for run, mod in zip(runs, mods):
+            torch.compiler.cudagraph_mark_step_begin()
+            xi = x.clone().requires_grad_(True)
+            o = run(xi)
+            (o.y.float().square().mean() + o.aux_loss).backward()
+            outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
+            mod.zero_grad(set_to_none=True)
+        names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
+        for name, a, b in zip(names, outs[1], outs[0]):
+            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+
+
 @pytest.mark.parametrize("compute", ["cublaslt", "cutlass"])
 def test_compile_reduce_overhead_matches_default_mode(compute):
     """torch.compile(mode="reduce-overhead") (CUDA graphs) on a model holding rdep's MoE: rdep's ops are tagged
@@ -309,21 +330,7 @@ def test_compile_reduce_overhead_matches_default_mode(compute):
         raise
     torch._dynamo.reset()
     with inductor_config.patch(graph_partition=True):
-        runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
-        g = torch.Generator().manual_seed(11)
-        for step in range(3):
-            x = torch.randn(2, 32, 64, generator=g).bfloat16().to(DEV)
-            outs = []
-            for run, mod in zip(runs, mods):
-                torch.compiler.cudagraph_mark_step_begin()
-                xi = x.clone().requires_grad_(True)
-                o = run(xi)
-                (o.y.float().square().mean() + o.aux_loss).backward()
-                outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
-                mod.zero_grad(set_to_none=True)
-            names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
-            for name, a, b in zip(names, outs[1], outs[0]):
-                assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+        assert_reduce_overhead_matches_default(mods, 3, (2, 32, 64))
     for m in mods:
         assert m.layer.live_contexts == 0
     torch._dynamo.reset()

@@ -14,7 +14,7 @@ import torch
 
 import rdep._capi as capi
 import rdep.torch as rt
-from test_cuda import DEV, GRAD_TOL, Y_TOL, assert_bf16_close, make_inputs
+from test_cuda import DEV, assert_reduce_overhead_matches_default, make_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -146,21 +146,7 @@ def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts):
     torch._dynamo.reset()
     patch = {"graph_partition": True} if hasattr(inductor_config, "graph_partition") else {}
     with inductor_config.patch(**patch):
-        runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
-        g = torch.Generator().manual_seed(11)
-        for step in range(4):
-            x = torch.randn(1, 32, 64, generator=g).bfloat16().to(DEV)
-            outs = []
-            for run, mod in zip(runs, mods):
-                torch.compiler.cudagraph_mark_step_begin()
-                xi = x.clone().requires_grad_(True)
-                o = run(xi)
-                (o.y.float().square().mean() + o.aux_loss).backward()
-                outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
-                mod.zero_grad(set_to_none=True)
-            names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
-            for name, a, b in zip(names, outs[1], outs[0]):
-                assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+        assert_reduce_overhead_matches_default(mods, 4, (1, 32, 64))
     assert mods[0].layer.live_contexts == 0 and mods[0].layer.pinned_contexts == 0
     assert mods[1].layer.live_contexts == 0
     assert mods[1].layer.pinned_contexts >= 1, "reduce-overhead did not record rdep's ops in a CUDA graph"

@@ -183,22 +183,19 @@ def _casts_into_grads(layer: Layer, w1, w2, dw1, dw2):
     return ptrs
 
 
-def _context_for_backward(layer: Layer, ctx) -> tuple[int, int]:
-    """(C id, token) of the live context the plain ops' ctx names, else an error naming ctx (under the lock)."""
+def live_context_id(layer: Layer, ctx, not_live: str, older: str, whose: str) -> tuple[int, int]:
+    """(C id, token) of the live context a plain op's or a plan's ctx names, else FailedPreconditionError naming
+    ctx (call under the layer's lock): a context a CUDA graph holds is not `whose`; not_live and older finish the
+    messages for a token no live context has and for a copy of an older ctx whose slot was reused."""
     token, c_id_seen = _read_context(ctx)
     c_id = layer._native.live.get(token) if token != NO_CONTEXT else None
     if c_id is not None and c_id in layer._native.pinned:
         raise FailedPreconditionError(
-            f"ctx: token {token} names a context a CUDA graph recorded (the capturable ops'), not this op's")
+            f"ctx: token {token} names a context a CUDA graph recorded (the capturable ops'), not {whose}")
     if c_id is None:
-        raise FailedPreconditionError(
-            f"ctx: token {token} is not a live context of layer {layer.id}: its forward ran with grad off "
-            "(save_context=False), or its backward already ran (one backward per forward: retain_graph=True "
-            "double backward is not supported), or it was released")
+        raise FailedPreconditionError(f"ctx: token {token} is not a live context of layer {layer.id}{not_live}")
     if c_id_seen is not None and c_id_seen != c_id:
-        raise FailedPreconditionError(
-            f"ctx: token {token} belongs to an older forward whose context was released (its backward already "
-            "ran: one backward per forward) and whose slot now holds another forward's state")
+        raise FailedPreconditionError(f"ctx: token {token} belongs to an older {older}")
     return c_id, token
 
 
@@ -217,7 +214,11 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
             entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
             c_id, token = entry.c_id, entry.c_id >> 32
         else:
-            c_id, token = _context_for_backward(layer, ctx)
+            c_id, token = live_context_id(
+                layer, ctx, ": its forward ran with grad off (save_context=False), or its backward already ran (one "
+                "backward per forward: retain_graph=True double backward is not supported), or it was released",
+                "forward whose context was released (its backward already ran: one backward per forward) and whose "
+                "slot now holds another forward's state", "this op's")
         dx = torch.empty_like(dy)
         dgates = torch.empty((L, n, K), dtype=torch.float32, device=dy.device)
         grad_bf16 = grad_dtype == torch.bfloat16

@@ -15,9 +15,9 @@ import ctypes
 import torch
 
 from .. import _capi
-from .._errors import FailedPreconditionError, error_for_code
+from .._errors import error_for_code
 from .layer import Layer
-from .layer_calls import NO_CONTEXT, _context_tensor, _rank_streams, _read_context
+from .layer_calls import _context_tensor, _rank_streams, live_context_id
 
 DISPATCH, COMBINE, COMBINE_BACKWARD, DISPATCH_BACKWARD = "dispatch", "combine", "combine backward", "dispatch backward"
 _C_STEP = {DISPATCH: "rdep_layer_dispatch", COMBINE: "rdep_layer_combine",
@@ -64,20 +64,10 @@ def rank_rows(layer: Layer, counts: torch.Tensor) -> list[int]:
     return [sum(c[off:off + num]) for off, num in layer._rank_experts]
 
 
-def live_context(layer: Layer, ctx: torch.Tensor, step: str) -> int:
-    """The C id of the live context ctx names (layer_calls.backward's checks), else an error naming it."""
-    token, c_id_seen = _read_context(ctx)
-    c_id = layer._native.live.get(token) if token != NO_CONTEXT else None
-    if c_id is not None and c_id in layer._native.pinned:
-        raise FailedPreconditionError(
-            f"ctx: token {token} names a context a CUDA graph recorded (the capturable ops'), not a plan's")
-    if c_id is None:
-        raise FailedPreconditionError(
-            f"ctx: token {token} is not a live context of layer {layer.id} for {step}: its plan was released "
-            "(dispatch's backward ended it, or the plan was dropped)")
-    if c_id_seen is not None and c_id_seen != c_id:
-        raise FailedPreconditionError(f"ctx: token {token} belongs to an older plan whose context was released")
-    return c_id
+def live_context(layer: Layer, ctx: torch.Tensor, step: str) -> tuple[int, int]:
+    """(C id, token) of the live context ctx names (layer_calls.live_context_id), else an error naming it."""
+    return live_context_id(layer, ctx, f" for {step}: its plan was released (dispatch's backward ended it, or the plan "
+                           "was dropped)", "plan whose context was released", "a plan's")
 
 
 def row_ids(layer: Layer, ctx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -86,7 +76,7 @@ def row_ids(layer: Layer, ctx: torch.Tensor, counts: torch.Tensor) -> torch.Tens
     per_rank = rank_rows(layer, counts)
     ids = torch.zeros(sum(per_rank), dtype=torch.int64)
     with native.lock:
-        c_id = live_context(layer, ctx, "row ids")
+        c_id = live_context(layer, ctx, "row ids")[0]
         lib, ptr, base, first = _capi.lib(), layer._live_ptr(), ids.data_ptr(), 0
         for rank, m in zip(layer.local_ranks, per_rank):
             dst = ctypes.cast(base + first * 8, ctypes.POINTER(ctypes.c_int64))
@@ -127,11 +117,11 @@ def run_step(step: str, layer: Layer, ctx: torch.Tensor, counts: torch.Tensor, i
         first += per_rank[i]
     native = layer._native
     with native.lock:
-        c_id = live_context(layer, ctx, step)
+        c_id, token = live_context(layer, ctx, step)
         try:
             code = getattr(_capi.lib(), _C_STEP[step])(layer._live_ptr(), c_id, rows, L)
             if code != 0:
                 raise error_for_code(code, f"{_C_STEP[step]}: {_capi.last_error()}")
         finally:
             if step == DISPATCH_BACKWARD:  # the last step: the context's work is done
-                native.release(c_id, _read_context(ctx)[0])
+                native.release(c_id, token)
