@@ -138,6 +138,39 @@ def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
     return replays
 
 
+def kernel_table(fn, calls: int) -> list[dict]:
+    """fn called `calls` times under torch.profiler (CUDA activity; kernels inside a replayed CUDA graph are
+    traced one by one): per kernel name, launches and device µs per call, largest first; `torch` marks the
+    kernels of PyTorch's own operators (at::), the rest being the library's (rdep's and CUTLASS's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, dict] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        row = by_name.setdefault(ev.name, {"name": ev.name, "launches": 0, "us": 0.0, "torch": "at::" in ev.name})
+        row["launches"] += 1
+        row["us"] += ev.time_range.elapsed_us()
+    table = sorted(by_name.values(), key=lambda r: -r["us"])
+    for row in table:
+        row["launches"] /= calls
+        row["us"] /= calls
+    return table
+
+
+def print_kernel_table(name: str, table: list[dict], calls: int) -> None:
+    lib_us = sum(r["us"] for r in table if not r["torch"])
+    torch_us = sum(r["us"] for r in table if r["torch"])
+    print(f"kernels of one {name} call (mean of {calls}; device µs; the library's {lib_us:.1f}, torch's {torch_us:.1f}):")
+    for r in table:
+        print(f"  {r['us']:9.1f} {r['launches']:6.2f}x  {'torch ' if r['torch'] else '      '}{r['name'][:110]}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -160,6 +193,10 @@ def main() -> int:
                         "calls (each rdep_* function, timed around the ctypes call), torch's caching-allocator calls "
                         "made from the layer's row allocator, and the rest (Python: the custom op's dispatch, "
                         "autograd, validation); eager, and with --compile also through a torch.compile'd function")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="after the timing: N forward+backward calls (the captured graph's replays with --graph, else "
+                        "eager calls) under torch.profiler's CUDA activity: every kernel's device time per call, the "
+                        "library's kernels apart from torch's (what the binding launches beside the layer)")
     p.add_argument("--cprofile", type=int, default=0,
                    help="after the timing: N calls of each forward+backward kind under cProfile (Python's own time)")
     p.add_argument("--compile", action="store_true",
@@ -196,8 +233,16 @@ def main() -> int:
         held = replays.pop("_held")
         for name, fn in replays.items():
             rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
-        del held
     forward_backward = calls["forward+backward"]
+    kernels = {}
+    if a.kernels > 0 and cuda:
+        kernels["forward+backward"] = kernel_table(forward_backward, a.kernels)
+        if a.graph:
+            kernels["graph f+b"] = kernel_table(replays["graph f+b"], a.kernels)
+        for name, table in kernels.items():
+            print_kernel_table(name, table, a.kernels)
+    if a.graph:
+        del held
     if a.profile > 0:
         from torch.profiler import ProfilerActivity, profile
 
@@ -218,6 +263,10 @@ def main() -> int:
     print(f"torch_layer_bench: W=1 T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, "
           f"{'bf16' if cuda else 'fp32'}, {where}, torch {torch.__version__}")
     print(f"  layer: {layer.describe()}")
+    counts = torch.bincount(experts.flatten().long().cpu(), minlength=a.experts).double()
+    tiles = int(torch.ceil(counts / 128).sum())
+    print(f"  load: expert max/mean {float(counts.max() / counts.mean()):.2f} (CV {100 * float(counts.std() / counts.mean()):.1f}%), "
+          f"{tiles} row tiles of 128 (rdep bench layer prints its own draw's max/mean)")
     print(f"  {'':18s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
         print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
@@ -245,7 +294,7 @@ def main() -> int:
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},
                        "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},
-                       "host_breakdown_us": breakdowns,
+                       "host_breakdown_us": breakdowns, "kernels_per_call": kernels,
                        "torch_peak_allocated_gib": peak, "samples_ms": rows}, f, indent=1)
     return 0
 

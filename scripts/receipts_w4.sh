@@ -87,7 +87,7 @@
 #   trainrop   trainro with --capturable-ops off (rdep's plain ops, run between the captured partitions): the A/B
 #   trainrok   trainro with --keep-weight-casts (rdep's forward casts saved for its backward, as TorchTitan's are)
 #   trainroik  trainrok with --interleave
-#   graph1     bench/torch_layer_bench.py --graph (the binding's forward and forward+backward captured in CUDA graphs)
+#   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
 #              beside rdep bench layer --graph, W = 1, the example's layer shape at 256 and 4096 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts, rdep
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
@@ -515,7 +515,7 @@ stage_graph1() {  # the binding's captured calls beside the C++ layer's (issue 1
   for t in 256 4096; do
     local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
     run layer_graph_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --graph --json "$R/layer_graph_t$t.json"
-    run torch_graph_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --graph --json "$R/torch_graph_t$t.json"
+    run torch_graph_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --graph --kernels 20 --json "$R/torch_graph_t$t.json"
   done
 }
 stage_stash() {
