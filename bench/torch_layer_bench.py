@@ -4,10 +4,11 @@ call, stream joins) timed like `rdep bench layer --ranks 1` at the same shape, o
 Forward: y = moe(layer, x, experts, gates, w1, w2) with x, gates, w1, w2 requiring grad (a context is
 saved, as in training; it is released when y is dropped). Forward+backward: the same, then
 y.backward(dy). Each iteration is timed with CUDA events on the current stream (p50 / p99 over the
-measured window after warmup). Weights bf16 (as the C++ benchmark's); the weight gradients come back
-fp32 from the layer and autograd casts them to the parameters' dtype, which this timing includes.
+measured window after warmup). Weights bf16 (as the C++ benchmark's), and so their gradients, which the
+layer's GEMMs write directly (`rdep bench layer --grads bf16` binds the same).
 Routing: each token's K experts drawn uniformly without replacement, gates a softmax over them (the
-distribution of `rdep bench layer --routing uniform`, not the same draw).
+distribution of `rdep bench layer --routing uniform`, not the same draw), or with --routing-from the draw
+`rdep bench layer --routing-out FILE` wrote (the same rows per expert: what graph1 compares).
 
     python3 bench/torch_layer_bench.py --expert-compute cutlass --json out.json
 Compare with, in the same device call (bf16 weight gradients there too, the same work):
@@ -32,11 +33,31 @@ def percentile(v: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))]
 
 
+def read_routing(path: str, tokens: int, topk: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rdep bench layer --routing-out FILE`'s rank-0 routing: int64 tokens, int64 topk, int32 experts, fp32 gates."""
+    with open(path, "rb") as f:
+        data = f.read()
+    head = torch.frombuffer(bytearray(data[:16]), dtype=torch.int64)
+    T, K = int(head[0]), int(head[1])
+    if (T, K) != (tokens, topk):
+        raise SystemExit(f"torch_layer_bench: --routing-from {path} holds tokens {T}, topk {K}; the flags say "
+                         f"--tokens {tokens} --topk {topk}")
+    if len(data) != 16 + 8 * T * K:
+        raise SystemExit(f"torch_layer_bench: --routing-from {path}: {len(data)} bytes, expected {16 + 8 * T * K}")
+    ids = torch.frombuffer(bytearray(data[16:16 + 4 * T * K]), dtype=torch.int32).view(T, K).clone()
+    gates = torch.frombuffer(bytearray(data[16 + 4 * T * K:]), dtype=torch.float32).view(T, K).clone()
+    if int(ids.min()) < 0 or int(ids.max()) >= experts:
+        raise SystemExit(f"torch_layer_bench: --routing-from {path}: expert ids outside [0, {experts})")
+    return ids, gates
+
+
 def make_inputs(a, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     T, H, F, E, K = a.tokens, a.hidden, a.ffn, a.experts, a.topk
     experts = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
     gates = torch.softmax(torch.randn(T, K, generator=g), dim=1)
+    if a.routing_from:
+        experts, gates = read_routing(a.routing_from, T, K, E)
     x = torch.randn(T, H, generator=g).to(dtype)
     w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(dtype)
@@ -193,6 +214,9 @@ def main() -> int:
                         "calls (each rdep_* function, timed around the ctypes call), torch's caching-allocator calls "
                         "made from the layer's row allocator, and the rest (Python: the custom op's dispatch, "
                         "autograd, validation); eager, and with --compile also through a torch.compile'd function")
+    p.add_argument("--routing-from", default="",
+                   help="time the binding on the routing `rdep bench layer --routing-out FILE` wrote (rank 0's draw: "
+                        "the same per-expert rows, so the same GEMM tiles, as the C++ benchmark's) instead of its own")
     p.add_argument("--kernels", type=int, default=0,
                    help="after the timing: N forward+backward calls (the captured graph's replays with --graph, else "
                         "eager calls) under torch.profiler's CUDA activity: every kernel's device time per call, the "
@@ -265,8 +289,9 @@ def main() -> int:
     print(f"  layer: {layer.describe()}")
     counts = torch.bincount(experts.flatten().long().cpu(), minlength=a.experts).double()
     tiles = int(torch.ceil(counts / 128).sum())
+    drawn = f"rdep bench layer's draw, {a.routing_from}" if a.routing_from else "this script's draw; rdep bench layer prints its own"
     print(f"  load: expert max/mean {float(counts.max() / counts.mean()):.2f} (CV {100 * float(counts.std() / counts.mean()):.1f}%), "
-          f"{tiles} row tiles of 128 (rdep bench layer prints its own draw's max/mean)")
+          f"{tiles} row tiles of 128 ({drawn})")
     print(f"  {'':18s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
         print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")

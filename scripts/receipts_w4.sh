@@ -88,7 +88,8 @@
 #   trainrok   trainro with --keep-weight-casts (rdep's forward casts saved for its backward, as TorchTitan's are)
 #   trainroik  trainrok with --interleave
 #   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
-#              beside rdep bench layer --graph, W = 1, the example's layer shape at 256 and 4096 tokens
+#              beside rdep bench layer --graph on the same routing (--routing-out / --routing-from), W = 1, the example's
+#              layer shape at 256 and 4096 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts, rdep
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
@@ -514,8 +515,10 @@ stage_graph1() {  # the binding's captured calls beside the C++ layer's (issue 1
   local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
   for t in 256 4096; do
     local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
-    run layer_graph_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --graph --json "$R/layer_graph_t$t.json"
-    run torch_graph_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --graph --kernels 20 --json "$R/torch_graph_t$t.json"
+    run layer_graph_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --graph --routing-out "$R/routing_t$t.bin" \
+      --json "$R/layer_graph_t$t.json"
+    run torch_graph_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --graph --kernels 20 \
+      --routing-from "$R/routing_t$t.bin" --json "$R/torch_graph_t$t.json"
   done
 }
 stage_stash() {

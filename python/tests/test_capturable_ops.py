@@ -31,7 +31,7 @@ def test_same_results_as_the_plain_ops():
         x, ids, gates, w1, w2 = [t.clone() for t in inputs]
         leaves = [t.requires_grad_(True) for t in (x, gates, w1, w2)]
         extra = (0, False) if op is FWD else ()
-        y = op(layer.id, leaves[0], ids, leaves[1], leaves[2], leaves[3], *extra, True)[0]
+        y = op(layer.handle, layer.rep, leaves[0], ids, leaves[1], leaves[2], leaves[3], *extra, True)[0]
         y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
         outs.append([y.detach()] + [t.grad for t in leaves])
     for name, a, b in zip(["y", "dx", "dgates", "dw1", "dw2"], outs[1], outs[0]):
@@ -44,24 +44,24 @@ def test_ctx_is_a_token_on_the_layers_device_and_is_released_by_backward():
     layer keeps its own rows: Layer.row_bytes 0)."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
     assert layer.row_bytes == 0 and rows.dtype == torch.uint8 and rows.shape == (0,) and rows.device == x.device
     assert w1c.shape == (0,) and w2c.shape == (0,)  # fp32 weights are the host backend's own: nothing cast
     assert ctx.device == x.device and ctx.dtype == torch.int64 and ctx.dim() == 0 and int(ctx) >= 0
     assert layer.live_contexts == 1 and layer.context_bytes() > 0
-    BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
+    BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
     assert layer.live_contexts == 0
     with pytest.raises(rdep.FailedPreconditionError, match=r"ctx: no live context of layer \d+ is named by this tensor"):
-        BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)  # one backward per forward
+        BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)  # one backward per forward
 
 
 def test_grad_off_saves_nothing():
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, False)
     assert layer.live_contexts == 0 and int(ctx) == -1
     with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
-        BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
+        BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
 
 
 def test_a_dropped_graph_releases_its_context_at_the_next_forward():
@@ -71,16 +71,16 @@ def test_a_dropped_graph_releases_its_context_at_the_next_forward():
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
     w1.requires_grad_(True)
     for _ in range(3):
-        y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+        y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
         assert len(layer._native.live) == 1
         del y, ctx, rows, w1c, w2c
         gc.collect()
     assert len(layer._native.live) == 1  # not swept yet
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
     assert layer.live_contexts == 1  # the dropped ones were released, this one is live
-    BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2.detach())
+    BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2.detach())
     assert layer.live_contexts == 0
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
     del y, ctx, rows, w1c, w2c
     assert layer.live_contexts == 0  # reading it sweeps
 
@@ -90,18 +90,18 @@ def test_a_tensor_that_is_no_ctx_is_refused():
     are): a value no live context has is refused, as are wrong shapes and dtypes; a copy of ctx works."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
     with pytest.raises(rdep.FailedPreconditionError, match="no live context"):
-        BWD(layer.id, torch.full((), 12345, dtype=torch.int64), rows, w1c, w2c, torch.ones_like(y), w1, w2)
+        BWD(layer.handle, layer.rep, torch.full((), 12345, dtype=torch.int64), rows, w1c, w2c, torch.ones_like(y), w1, w2)
     with pytest.raises(ValueError, match=r"ctx: expected shape \[\]"):
-        BWD(layer.id, torch.zeros(1, dtype=torch.int64), rows, w1c, w2c, torch.ones_like(y), w1, w2)
+        BWD(layer.handle, layer.rep, torch.zeros(1, dtype=torch.int64), rows, w1c, w2c, torch.ones_like(y), w1, w2)
     with pytest.raises(TypeError, match="ctx: expected dtype torch.int64"):
-        BWD(layer.id, ctx.int(), rows, w1c, w2c, torch.ones_like(y), w1, w2)
+        BWD(layer.handle, layer.rep, ctx.int(), rows, w1c, w2c, torch.ones_like(y), w1, w2)
     with pytest.raises(ValueError, match=r"w2c: expected shape \[0\] \(the kept cast moe_forward_capturable returned\)"):
-        BWD(layer.id, ctx, rows, w1c, w2, torch.ones_like(y), w1, w2)  # kept casts: both or neither
+        BWD(layer.handle, layer.rep, ctx, rows, w1c, w2, torch.ones_like(y), w1, w2)  # kept casts: both or neither
     with pytest.raises(ValueError, match=r"rows: expected shape \[0\] \(the saved rows moe_forward_capturable returned\)"):
-        BWD(layer.id, ctx, torch.zeros(3, dtype=torch.uint8), w1c, w2c, torch.ones_like(y), w1, w2)
-    BWD(layer.id, ctx.clone(), rows, w1c, w2c, torch.ones_like(y), w1, w2)  # a copy names the same context
+        BWD(layer.handle, layer.rep, ctx, torch.zeros(3, dtype=torch.uint8), w1c, w2c, torch.ones_like(y), w1, w2)
+    BWD(layer.handle, layer.rep, ctx.clone(), rows, w1c, w2c, torch.ones_like(y), w1, w2)  # a copy names the same context
     assert layer.live_contexts == 0
 
 
@@ -110,22 +110,22 @@ def test_pinned_contexts_are_kept_and_refuse_an_eager_backward_after_theirs():
     keeps the context, a second eager backward is refused naming the cause, and nothing is released."""
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+    y, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
     native = layer._native
     e = graph_contexts.entry_of(native, ctx)
     e.pinned = True
     native.pinned.add(e.c_id)
     assert layer.live_contexts == 0 and layer.pinned_contexts == 1
-    BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)  # the first backward runs on it
+    BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)  # the first backward runs on it
     assert layer.pinned_contexts == 1
     with pytest.raises(rdep.FailedPreconditionError, match="recorded in a CUDA graph whose backward already ran"):
-        BWD(layer.id, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
+        BWD(layer.handle, layer.rep, ctx, rows, w1c, w2c, torch.ones_like(y), w1, w2)
     del y, ctx, rows, w1c, w2c
     gc.collect()
-    FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)  # a sweep does not release pinned contexts
+    FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, False)  # a sweep does not release pinned contexts
     assert layer.pinned_contexts == 1 and e.c_id in native.live.values()
     with pytest.raises(rdep.FailedPreconditionError, match="names a context a CUDA graph recorded"):
-        torch.ops.rdep.moe_backward(layer.id, torch.tensor(e.c_id >> 32), torch.ones_like(x), w1, w2)  # the plain op
+        torch.ops.rdep.moe_backward(layer.handle, layer.rep, torch.tensor(e.c_id >> 32), torch.ones_like(x), w1, w2)  # the plain op
     native.release(e.c_id, e.c_id >> 32)  # no path but release_graph_contexts and close releases it
     assert layer.pinned_contexts == 1
     assert layer.release_graph_contexts() == 1
@@ -138,24 +138,24 @@ def test_opcheck():
     layer = _layer(world_size=4, capacity_factor=0.7)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf")
     grads = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-    torch.library.opcheck(FWD.default, (layer.id, grads[0], ids, grads[1], grads[2], grads[3], 0, False, True))
-    torch.library.opcheck(FWD.default, (layer.id, x, ids, gates, w1, w2, 0, False, False))
+    torch.library.opcheck(FWD.default, (layer.handle, layer.rep, grads[0], ids, grads[1], grads[2], grads[3], 0, False, True))
+    torch.library.opcheck(FWD.default, (layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, False))
     for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
-        _, ctx, rows, w1c, w2c = FWD(layer.id, x, ids, gates, w1, w2, 0, False, True)
+        _, ctx, rows, w1c, w2c = FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, True)
         dy = torch.randn_like(x).requires_grad_(util == "test_autograd_registration")
-        torch.library.opcheck(BWD.default, (layer.id, ctx, rows, w1c, w2c, dy, w1, w2), test_utils=util)
+        torch.library.opcheck(BWD.default, (layer.handle, layer.rep, ctx, rows, w1c, w2c, dy, w1, w2), test_utils=util)
     gc.collect()
-    FWD(layer.id, x, ids, gates, w1, w2, 0, False, False)  # sweeps what opcheck dropped
+    FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, False, False)  # sweeps what opcheck dropped
     assert layer.live_contexts == 0
 
 
 def test_schemas_and_tags():
     assert str(FWD.default._schema) == (
-        "rdep::moe_forward_capturable(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+        "rdep::moe_forward_capturable(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
         "int row_bytes, bool keep_casts, bool save_context=True, bool check_routing=True) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     assert str(BWD.default._schema) == (
-        "rdep::moe_backward_capturable(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, "
+        "rdep::moe_backward_capturable(Tensor handle, int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, "
         "Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     if unsafe is not None:
@@ -169,9 +169,9 @@ def test_shape_arguments_must_be_the_layers():
     layer = _layer()
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
     with pytest.raises(ValueError, match=r"row_bytes: expected the layer's Layer.row_bytes \(0\), got 256"):
-        FWD(layer.id, x, ids, gates, w1, w2, 256, False, True)
+        FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 256, False, True)
     with pytest.raises(ValueError, match=r"keep_casts: expected the layer's keep_weight_casts \(False\), got True"):
-        FWD(layer.id, x, ids, gates, w1, w2, 0, True, True)
+        FWD(layer.handle, layer.rep, x, ids, gates, w1, w2, 0, True, True)
 
 
 def test_capturable_layers():

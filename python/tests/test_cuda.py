@@ -148,18 +148,18 @@ def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch):
     for keep, scale in ((True, 2.0), (False, 2.0), (True, 1.0)):
         layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, keep_weight_casts=keep, **lt)
         w1m, w2m = w1.float(), w2.float()
-        y, ctx = torch.ops.rdep.moe_forward(layer.id, x, ids, gates, w1m, w2m)
+        y, ctx = torch.ops.rdep.moe_forward(layer.handle, layer.rep, x, ids, gates, w1m, w2m)
         w1m.mul_(scale)
-        dx[keep, scale] = torch.ops.rdep.moe_backward(layer.id, ctx, torch.ones_like(y), w1m, w2m)[0]
+        dx[keep, scale] = torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx, torch.ones_like(y), w1m, w2m)[0]
     assert torch.equal(dx[True, 2.0], dx[False, 2.0])
     assert not torch.equal(dx[True, 2.0], dx[True, 1.0])  # the update reaches dx: the check above can fail
     # Weights made under inference mode have no version counter: nothing is kept, and nothing fails.
     layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, keep_weight_casts=True, **lt)
     with torch.inference_mode():
         w1i, w2i = w1.float(), w2.float()
-    y, ctx = torch.ops.rdep.moe_forward(layer.id, x, ids, gates, w1i, w2i)
+    y, ctx = torch.ops.rdep.moe_forward(layer.handle, layer.rep, x, ids, gates, w1i, w2i)
     assert len(layer._native.casts) == 0
-    torch.ops.rdep.moe_backward(layer.id, ctx, torch.ones_like(y), w1i, w2i)
+    torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx, torch.ones_like(y), w1i, w2i)
 
 
 @pytest.mark.parametrize("W,E", [(1, 8), (2, 8), (4, 2)])

@@ -128,6 +128,54 @@ def test_compile_fullgraph_matches_eager():
     assert compiled_src.layer.live_contexts == 0
 
 
+class _Block(torch.nn.Module):
+    """A residual MoE block, as a model compiles it one block at a time."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.moe = rt.MoE(16, 8, 6, 2, max_tokens=8, world_size=1, seed=seed, init_std=0.3)
+
+    def forward(self, x):
+        out = self.moe(torch.nn.functional.layer_norm(x, x.shape[-1:]))
+        return x + out.y, out.aux_loss
+
+
+def test_blocks_compiled_one_at_a_time_share_one_graph():
+    """Twelve equal MoE layers each compiled on its own (`block.compile()`, TorchTitan's per-block compile) share
+    one compiled graph: the ops take the layer as its handle tensor and the configuration's representative id
+    (layer_handles.py), so no layer id is a constant a guard checks. Before, each layer recompiled and the layers
+    past dynamo's recompile limit (8) ran eagerly. Forward and gradients equal the eager blocks'."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    blocks = [_Block(seed=i) for i in range(12)]
+    eager = copy.deepcopy(blocks)
+    for b in blocks:
+        b.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 16)
+    results = []
+    for model in (blocks, eager):
+        h, aux = x.clone().requires_grad_(True), 0.0
+        out = h
+        for b in model:
+            out, a = b(out)
+            aux = aux + a
+        (out.square().sum() + aux).backward()
+        results.append((out, h.grad))
+    frames = counters["stats"]["unique_graphs"]
+    assert frames <= 2, f"{frames} graphs compiled for 12 equal blocks (recompiles: {dict(counters['recompiles'])})"
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-6)
+    for b, e in zip(blocks, eager):
+        assert b.moe.layer.live_contexts == 0
+        for (k, pc), (_, pe) in zip(b.named_parameters(), e.named_parameters()):
+            torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-6, atol=1e-6, msg=k)
+    reps = {b.moe.layer.rep for b in blocks}
+    assert reps == {blocks[0].moe.layer.rep} and len({b.moe.layer.id for b in blocks}) == 12
+
+
 def test_state_dict_round_trip():
     case = CASES["W4_E8_uniform_seqaux_shared"]
     a, b = build(case, seed=1), build(case, seed=2)

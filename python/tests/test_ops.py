@@ -156,8 +156,8 @@ def test_opcheck_forward():
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf")
     grads = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
     op = torch.ops.rdep.moe_forward.default
-    torch.library.opcheck(op, (layer.id, grads[0], ids, grads[1], grads[2], grads[3], True))
-    torch.library.opcheck(op, (layer.id, x, ids, gates, w1, w2, False))
+    torch.library.opcheck(op, (layer.handle, layer.rep, grads[0], ids, grads[1], grads[2], grads[3], True))
+    torch.library.opcheck(op, (layer.handle, layer.rep, x, ids, gates, w1, w2, False))
     gc.collect()
     assert layer.live_contexts == 0
 
@@ -170,9 +170,9 @@ def test_opcheck_backward(util):
     test_moe.py's torch.compile test."""
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=4, capacity_factor=0.7)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf")
-    _, ctx = torch.ops.rdep.moe_forward(layer.id, x, ids, gates, w1, w2, True)
+    _, ctx = torch.ops.rdep.moe_forward(layer.handle, layer.rep, x, ids, gates, w1, w2, True)
     dy = torch.randn_like(x).requires_grad_(util == "test_autograd_registration")
-    torch.library.opcheck(torch.ops.rdep.moe_backward.default, (layer.id, ctx, dy, w1, w2), test_utils=util)
+    torch.library.opcheck(torch.ops.rdep.moe_backward.default, (layer.handle, layer.rep, ctx, dy, w1, w2), test_utils=util)
 
 
 def test_context_lifetime():
@@ -212,15 +212,15 @@ def test_stale_context_is_refused():
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
     op_f, op_b = torch.ops.rdep.moe_forward, torch.ops.rdep.moe_backward
-    y, old = op_f(layer.id, x, ids, gates, w1, w2, True)
-    op_b(layer.id, old, torch.ones_like(y), w1, w2)
+    y, old = op_f(layer.handle, layer.rep, x, ids, gates, w1, w2, True)
+    op_b(layer.handle, layer.rep, old, torch.ones_like(y), w1, w2)
     with pytest.raises(rdep.FailedPreconditionError, match="not a live context"):
-        op_b(layer.id, old, torch.ones_like(y), w1, w2)
-    y, new = op_f(layer.id, x, ids, gates, w1, w2, True)
+        op_b(layer.handle, layer.rep, old, torch.ones_like(y), w1, w2)
+    y, new = op_f(layer.handle, layer.rep, x, ids, gates, w1, w2, True)
     assert int(new) == int(old)  # the same slot again
     with pytest.raises(rdep.FailedPreconditionError, match="older forward"):
-        op_b(layer.id, old, torch.ones_like(y), w1, w2)
-    op_b(layer.id, new, torch.ones_like(y), w1, w2)  # the live one still works
+        op_b(layer.handle, layer.rep, old, torch.ones_like(y), w1, w2)
+    op_b(layer.handle, layer.rep, new, torch.ones_like(y), w1, w2)  # the live one still works
 
 
 def test_closed_layer():
@@ -272,14 +272,14 @@ def test_bad_input_names_the_argument(bad):
 def test_bad_backward_input_names_the_argument():
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
-    y, ctx = torch.ops.rdep.moe_forward(layer.id, x, ids, gates, w1, w2, True)
+    y, ctx = torch.ops.rdep.moe_forward(layer.handle, layer.rep, x, ids, gates, w1, w2, True)
     with pytest.raises(TypeError, match=r"^dy: expected dtype torch.float32 on the host backend, got torch.float64"):
-        torch.ops.rdep.moe_backward(layer.id, ctx, y.double(), w1, w2)
+        torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx, y.double(), w1, w2)
     with pytest.raises(TypeError, match=r"^ctx: expected dtype torch.int64"):
-        torch.ops.rdep.moe_backward(layer.id, ctx.int(), y, w1, w2)
+        torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx.int(), y, w1, w2)
     with pytest.raises(ValueError, match=r"^dy: expected a contiguous tensor"):
-        torch.ops.rdep.moe_backward(layer.id, ctx, y.transpose(0, 1).contiguous().transpose(0, 1), w1, w2)
-    torch.ops.rdep.moe_backward(layer.id, ctx, y, w1, w2)
+        torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx, y.transpose(0, 1).contiguous().transpose(0, 1), w1, w2)
+    torch.ops.rdep.moe_backward(layer.handle, layer.rep, ctx, y, w1, w2)
 
 
 @pytest.mark.parametrize("what", ["expert_out_of_range", "expert_twice", "negative_gate", "nan_gate"])
@@ -306,10 +306,10 @@ def test_bad_routing_values_are_invalid_argument(what):
 
 def test_schemas():
     assert str(torch.ops.rdep.moe_forward.default._schema) == (
-        "rdep::moe_forward(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+        "rdep::moe_forward(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
         "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
     assert str(torch.ops.rdep.moe_backward.default._schema) == (
-        "rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
+        "rdep::moe_backward(Tensor handle, int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def test_backward_casts_go_into_each_ranks_own_gradients():

@@ -177,7 +177,7 @@ def test_opcheck_plan(util):
     with a traced run's while the eager plan is still alive, so the second plan gets another context slot
     (another token) by design. test_torch_compile_fullgraph traces the ops through AOT autograd instead."""
     layer, _, ids, gates = _plan_args()
-    torch.library.opcheck(torch.ops.rdep.moe_plan.default, (layer.id, ids, gates), test_utils=util)
+    torch.library.opcheck(torch.ops.rdep.moe_plan.default, (layer.handle, layer.rep, ids, gates), test_utils=util)
 
 
 @pytest.mark.parametrize("util", UTILS)
@@ -186,15 +186,15 @@ def test_opcheck_row_ops(util):
     run an op twice on one plan are what the context refuses)."""
     layer, x, ids, gates = _plan_args()
     p = rt.plan(layer, ids, gates)
-    torch.library.opcheck(torch.ops.rdep.moe_dispatch.default, (layer.id, p.ctx, p.tokens_per_expert, x), test_utils=util)
+    torch.library.opcheck(torch.ops.rdep.moe_dispatch.default, (layer.handle, layer.rep, p.ctx, p.tokens_per_expert, x), test_utils=util)
     p = rt.plan(layer, ids, gates)
     recv = rt.dispatch(p, x)
-    torch.library.opcheck(torch.ops.rdep.moe_combine.default, (layer.id, p.ctx, p.tokens_per_expert, recv * 2, gates),
+    torch.library.opcheck(torch.ops.rdep.moe_combine.default, (layer.handle, layer.rep, p.ctx, p.tokens_per_expert, recv * 2, gates),
                           test_utils=util)
     torch.library.opcheck(torch.ops.rdep.moe_combine_backward.default,
-                          (layer.id, p.ctx, p.tokens_per_expert, torch.randn_like(x), recv.shape[0]), test_utils=util)
+                          (layer.handle, layer.rep, p.ctx, p.tokens_per_expert, torch.randn_like(x), recv.shape[0]), test_utils=util)
     torch.library.opcheck(torch.ops.rdep.moe_dispatch_backward.default,
-                          (layer.id, p.ctx, p.tokens_per_expert, torch.randn_like(recv), x.shape[1]), test_utils=util)
+                          (layer.handle, layer.rep, p.ctx, p.tokens_per_expert, torch.randn_like(recv), x.shape[1]), test_utils=util)
 
 
 def test_torch_compile_fullgraph():
@@ -283,9 +283,9 @@ def test_combine_op_checks_its_gates():
     p = rt.plan(layer, ids, gates)
     recv = rt.dispatch(p, x)
     with pytest.raises(ValueError, match=r"^gates: expected shape \[L=4, n, K=2\]"):
-        torch.ops.rdep.moe_combine(layer.id, p.ctx, p.tokens_per_expert, recv, gates[:1])
+        torch.ops.rdep.moe_combine(layer.handle, layer.rep, p.ctx, p.tokens_per_expert, recv, gates[:1])
     with pytest.raises(TypeError, match="^gates: expected dtype torch.float32"):
-        torch.ops.rdep.moe_combine(layer.id, p.ctx, p.tokens_per_expert, recv, gates.double())
+        torch.ops.rdep.moe_combine(layer.handle, layer.rep, p.ctx, p.tokens_per_expert, recv, gates.double())
 
 
 def test_balancing_is_refused():

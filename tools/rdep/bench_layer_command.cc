@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -90,6 +91,9 @@ flags [defaults: the Moonlight shape]:
                        replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
+  --routing-out FILE   write rank 0's routing (the draw the times were taken under) to FILE: int64 tokens,
+                       int64 topk, int32 experts [tokens*topk], fp32 gates [tokens*topk], little-endian;
+                       bench/torch_layer_bench.py --routing-from FILE times the binding on the same draw
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
                        layer's estimated device memory must also fit each GPU (checked before allocating)
   -h, --help           this page
@@ -121,6 +125,7 @@ struct LayerBenchOptions {
   int64_t warmup = 0, iters = 0;
   uint64_t seed = 0;
   std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
+  std::string routing_out;     // --routing-out: rank 0's routing written there ("" = none)
   bool graph = false;          // also time CUDA-graph replays
   bool bf16_grads = false;     // --grads bf16: bind bf16 weights with bf16 gradients (rdep.torch's case)
   int32_t layers = 1;          // --layers N: also the memory and time of N such layers on the domain
@@ -164,6 +169,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.iters = f.get_int("iters", 200);
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.json = f.get_string("json", "");
+  o.routing_out = f.get_string("routing-out", "");
   o.baseline = f.get_string("baseline-json", "");
   const std::string balance = f.get_string("balance", "off");
   const bool slots_given = f.has("slots"), min_quota_given = f.has("min-quota");
@@ -671,6 +677,18 @@ rdep::StatusOr<rdep::bench::StackResult> RunStack(const LayerBenchOptions& o, rd
                                     std::clamp<int64_t>(o.iters, 1, 10), io);
 }
 
+// --routing-out: rank 0's tokens and topk (int64), experts (int32) and gates (fp32), as --help says.
+Status WriteRouting(const std::string& path, const rdep::RankRouting& rr) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return rdep::InvalidArgument("--routing-out: cannot open '" + path + "' for writing");
+  const int64_t head[2] = {rr.num_tokens, rr.topk};
+  bool ok = std::fwrite(head, sizeof(head), 1, f) == 1;
+  ok = ok && std::fwrite(rr.experts.data(), sizeof(int32_t), rr.experts.size(), f) == rr.experts.size();
+  ok = ok && std::fwrite(rr.gates.data(), sizeof(float), rr.gates.size(), f) == rr.gates.size();
+  ok = std::fclose(f) == 0 && ok;
+  return ok ? Status::Ok() : rdep::InvalidArgument("--routing-out: writing '" + path + "' failed");
+}
+
 // ---- the command -----------------------------------------------------------------------------------
 
 int RunLayerBench(const rdep::cli::Args& args) {
@@ -682,6 +700,9 @@ int RunLayerBench(const rdep::cli::Args& args) {
   if (int rc = ParseLayerBenchOptions(args, o); rc != 0) return rc;
   auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.use_gpus), /*own_weights=*/!o.bf16_grads);
   if (!setup.ok()) return Fail(setup.status());
+  if (!o.routing_out.empty()) {
+    if (Status st = WriteRouting(o.routing_out, setup->routing[0]); !st.ok()) return Fail(st);
+  }
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
   LayerBenchResults res;
   if (Status st = RunLayerTimings(o, *setup, bufs, res); !st.ok()) return Fail(st);

@@ -17,8 +17,9 @@ caller's stream, and go back to it when the context is released after its backwa
 allocator): between steps they are torch's to reuse, as an MoE written in torch would leave its saved
 activations; `torch_rows=False` keeps them in the pooled contexts (cudaMalloc'd once) instead.
 
-The custom ops (rdep.torch.ops) take the layer by its integer `id`, so a compiled graph holds a plain
-int; the registry maps ids to live layers. The C handle is freed when the Layer is closed or collected
+The custom ops (rdep.torch.ops, rows) take the layer as its `handle` (a one-element tensor found by its address)
+and `rep` (the id of the oldest live layer configured alike), so that equal layers share a compiled graph
+(layer_handles.py); the registry maps ids to live layers. The C handle is freed when the Layer is closed or collected
 and no forward context of it is still alive (contexts hold the native handle).
 
     layer = rdep.torch.Layer(hidden=8, ffn=16, num_experts=6, topk=2, max_tokens=32, world_size=4)
@@ -38,7 +39,7 @@ from typing import Optional
 import torch
 
 from .. import _capi
-from . import graph_contexts
+from . import graph_contexts, layer_handles
 from .domain import (CHandle, Domain, collector_paused, local_device, placement_fields, raise_bootstrap_error,
                      resolve_backend)
 
@@ -456,6 +457,7 @@ class Layer(CHandle):
             self.id = next(_next_id)
             _registry[self.id] = weakref.ref(self)
         weakref.finalize(self, _registry.pop, self.id, None)
+        layer_handles.register(self)  # self.handle, self.rep: how the ops name the layer (layer_handles.py)
 
     def _create_native(self, spec, domain, keepalive: tuple, resolved: str, world_size: int, process_group, device,
                        torch_rows: bool) -> Domain:
@@ -631,6 +633,7 @@ class Layer(CHandle):
         graph that recorded the layer afterwards; later calls raise ValueError)."""
         self._native.close()
         _registry.pop(self.id, None)
+        layer_handles.forget(*self._handle_entry)
 
     def __repr__(self) -> str:
         cap = "dropless" if self.capacity_factor == 0 else f"capacity_factor={self.capacity_factor:g}"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layer_calls, validate
+from . import layer_calls, layer_handles, validate
 from .layer import Layer, get_layer
 from . import op_library
 
@@ -72,32 +72,33 @@ def _keep(layer: Layer, w1: Tensor, w2: Tensor, w1c: Tensor, w2c: Tensor, save_c
     return (w1c, w2c, _CastSource(w1, w2))
 
 
-FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
+FORWARD_SCHEMA = ("(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, "
                   "bool save_context=True, bool check_routing=True) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
+BACKWARD_SCHEMA = "(Tensor handle, int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)"
 # The capturable pair: the forward also returns the saved rows (one uint8 tensor) and the weights' kept bf16 casts
 # (keep_weight_casts; else empty tensors), which the backward takes: every tensor it keeps is one autograd saves.
 # row_bytes and keep_casts are the layer's (Layer.row_bytes, keep_weight_casts), passed so that the outputs' shapes
 # follow from the arguments: a compiled graph holds them as constants, so inductor's caches (keyed by the graph)
 # never serve a graph traced for another layer configuration.
-CAPTURABLE_FORWARD_SCHEMA = ("(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, int row_bytes, "
+CAPTURABLE_FORWARD_SCHEMA = ("(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2, int row_bytes, "
                              "bool keep_casts, bool save_context=True, bool check_routing=True) "
                              "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-CAPTURABLE_BACKWARD_SCHEMA = ("(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, Tensor w1, "
+CAPTURABLE_BACKWARD_SCHEMA = ("(Tensor handle, int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy, Tensor w1, "
                               "Tensor w2) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-# `int layer` (not a SymInt), so a compiled graph always specializes on the layer id.
-def _moe_forward(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+# The real implementations find the layer by its handle; the fake ones read the representative `layer`, whose id a
+# compiled graph holds as a constant (layer_handles.py).
+def _moe_forward(handle: Tensor, layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                 save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, Tensor]:
-    h = get_layer(layer)
+    h = layer_handles.resolve(handle, layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
     keep = _keep(h, w1, w2, w1c, w2c, save_context)
     return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
 
 
-def _moe_forward_fake(layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
+def _moe_forward_fake(handle, layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
     validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
@@ -108,9 +109,10 @@ def _keeps_casts(h: Layer, w1: Tensor, keep_casts: bool, save_context: bool) -> 
     return keep_casts and save_context and w1.dtype != validate.ACT_DTYPE[h.backend]
 
 
-def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, row_bytes: int,
-                            keep_casts: bool, save_context: bool = True, check_routing: bool = True) -> tuple[Tensor, ...]:
-    h = get_layer(layer)
+def _moe_forward_capturable(handle: Tensor, layer: int, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                            row_bytes: int, keep_casts: bool, save_context: bool = True,
+                            check_routing: bool = True) -> tuple[Tensor, ...]:
+    h = layer_handles.resolve(handle, layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     validate.check_capturable_args(h, row_bytes, keep_casts)
     w1c, w2c = _layer_weights(h, w1, w2)
@@ -122,7 +124,7 @@ def _moe_forward_capturable(layer: int, x: Tensor, experts: Tensor, gates: Tenso
     return y, ctx, rows, w1.new_empty((0,), dtype=act), w2.new_empty((0,), dtype=act)
 
 
-def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context=True,
+def _moe_forward_capturable_fake(handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context=True,
                                  check_routing=True):
     h = get_layer(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
@@ -134,10 +136,10 @@ def _moe_forward_capturable_fake(layer, x, experts, gates, w1, w2, row_bytes, ke
             w1.new_empty(w1.shape if keep else (0,), dtype=act), w2.new_empty(w2.shape if keep else (0,), dtype=act))
 
 
-def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
+def _moe_backward(handle: Tensor, layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
                   device_ctx: bool = False, casts=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """casts: the capturable forward's kept casts (w1c, w2c), which autograd saved with w1, w2."""
-    h = get_layer(layer)
+    h = layer_handles.resolve(handle, layer)
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=device_ctx)
     grad_dtype = _grad_dtype(h, w1)
     kept = None if device_ctx else layer_calls.kept_casts(h, ctx)  # the forward's casts, when made from these weights
@@ -156,15 +158,15 @@ def _moe_backward(layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *
     return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx)
 
 
-def _moe_backward_capturable(layer: int, ctx: Tensor, rows: Tensor, w1c: Tensor, w2c: Tensor, dy: Tensor, w1: Tensor,
-                             w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _moe_backward_capturable(handle: Tensor, layer: int, ctx: Tensor, rows: Tensor, w1c: Tensor, w2c: Tensor, dy: Tensor,
+                             w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """rows (the forward's third output) is not read here: the context's saved rows are pieces of it, and taking it
     keeps it alive (and, in a compiled graph, saved) until this backward. w1c, w2c: the forward's kept casts of
     w1, w2 (read in their place), or empty (cast here, as the plain backward does)."""
-    h = get_layer(layer)
+    h = layer_handles.resolve(handle, layer)
     validate.check_rows(h, rows)
     keep = validate.check_kept_casts(h, w1c, w2c, w1, w2)
-    return _moe_backward(layer, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
+    return _moe_backward(handle, layer, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
 
 
 def _one_segment(layer: Layer) -> bool:
@@ -192,13 +194,13 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
     return torch.float32
 
 
-def _moe_backward_fake(layer, ctx, dy, w1, w2):
+def _moe_backward_fake(handle, layer, ctx, dy, w1, w2):
     h = get_layer(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
     return _backward_outputs_like(h, dy, w1, w2)
 
 
-def _moe_backward_capturable_fake(layer, ctx, rows, w1c, w2c, dy, w1, w2):
+def _moe_backward_capturable_fake(handle, layer, ctx, rows, w1c, w2c, dy, w1, w2):
     h = get_layer(layer)
     validate.check_rows(h, rows)
     validate.check_kept_casts(h, w1c, w2c, w1, w2)
@@ -213,23 +215,34 @@ def _backward_outputs_like(h: Layer, dy, w1, w2):
             w1.new_empty(w1.shape, dtype=g), w2.new_empty(w2.shape, dtype=g))
 
 
+def _no_zero_grads(ctx, y: Tensor) -> None:
+    """The outputs other than y (ctx, the saved rows, the kept casts) get no gradient: without this autograd
+    would fill a zero tensor for each before every backward (for the rows, row_bytes of memset a call: 36 µs
+    of 1.05 ms at the example's layer shape, H200). y's gradient is then None only where y reached no loss
+    (zeros made here, as autograd would)."""
+    ctx.set_materialize_grads(False)
+    ctx.y_like = (y.shape, y.dtype, y.device)
+
+
 def _setup_context(ctx, inputs, output):
-    layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
-    _y, context = output
+    handle, layer, _x, _experts, _gates, w1, w2, save_context, _check_routing = inputs
+    y, context = output
+    _no_zero_grads(ctx, y)
     ctx.layer = layer
     ctx.saved_context = save_context
     ctx.backward_ran = False
-    ctx.save_for_backward(context, w1, w2)
+    ctx.save_for_backward(handle, context, w1, w2)
 
 
 def _setup_capturable_context(ctx, inputs, output):
-    layer, _x, _experts, _gates, w1, w2, _row_bytes, _keep, save_context, _check_routing = inputs
-    _y, context, rows, w1c, w2c = output
+    handle, layer, _x, _experts, _gates, w1, w2, _row_bytes, _keep, save_context, _check_routing = inputs
+    y, context, rows, w1c, w2c = output
     ctx.mark_non_differentiable(context, rows, w1c, w2c)  # saved state, not results: no gradient flows into them
+    _no_zero_grads(ctx, y)
     ctx.layer = layer
     ctx.saved_context = save_context
     ctx.backward_ran = False
-    ctx.save_for_backward(context, rows, w1c, w2c, w1, w2)
+    ctx.save_for_backward(handle, context, rows, w1c, w2c, w1, w2)
 
 
 def _autograd_formula(backward_op, capturable: bool):
@@ -243,13 +256,16 @@ def _autograd_formula(backward_op, capturable: bool):
             raise RuntimeError("rdep::moe_forward: a second backward through the same forward (retain_graph=True) is not "
                                "supported; the layer's backward consumes the forward's saved state. Run the forward again.")
         ctx.backward_ran = True
+        if dy is None:
+            shape, dtype, device = ctx.y_like
+            dy = torch.zeros(shape, dtype=dtype, device=device)
         if capturable:
-            context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
-            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
+            handle, context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
+            dx, dgates, dw1, dw2 = backward_op(handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
         else:
-            context, w1, w2 = ctx.saved_tensors
-            dx, dgates, dw1, dw2 = backward_op(ctx.layer, context, dy.contiguous(), w1, w2)
-        grads = (None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype))
+            handle, context, w1, w2 = ctx.saved_tensors
+            dx, dgates, dw1, dw2 = backward_op(handle, ctx.layer, context, dy.contiguous(), w1, w2)
+        grads = (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype))
         return grads + (None,) * (4 if capturable else 2)
 
     return formula
@@ -290,6 +306,6 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
     if h.capturable:
-        return moe_forward_capturable(h.id, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts, save,
+        return moe_forward_capturable(h.handle, h.rep, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts, save,
                                       check_routing)[0]
-    return moe_forward(h.id, x, experts, gates, w1, w2, save, check_routing)[0]
+    return moe_forward(h.handle, h.rep, x, experts, gates, w1, w2, save, check_routing)[0]

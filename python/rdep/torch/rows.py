@@ -18,11 +18,11 @@ nodes. A plan is used once: plan, dispatch, combine, then backward.
 
 The registered ops (torch.library, fake implementations for torch.compile; dispatch's row count is
 data-dependent, an unbacked size while tracing):
-    rdep::moe_plan(int layer, Tensor experts, Tensor gates) -> (Tensor ctx, Tensor counts)
-    rdep::moe_dispatch(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor recv
-    rdep::moe_combine(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor y
-    rdep::moe_combine_backward(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (d_out, dgates)
-    rdep::moe_dispatch_backward(int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> dx
+    rdep::moe_plan(Tensor handle, int layer, Tensor experts, Tensor gates) -> (Tensor ctx, Tensor counts)
+    rdep::moe_dispatch(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor recv
+    rdep::moe_combine(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor y
+    rdep::moe_combine_backward(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (d_out, dgates)
+    rdep::moe_dispatch_backward(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> dx
 """
 
 from __future__ import annotations
@@ -30,32 +30,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import rows_calls, validate
+from . import layer_handles, rows_calls, validate
 from .layer import Layer, get_layer
 from . import op_library
 
-PLAN_SCHEMA = "(int layer, Tensor experts, Tensor gates) -> (Tensor, Tensor)"
-DISPATCH_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor"
-DISPATCH_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> Tensor"
-COMBINE_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor"
-COMBINE_BACKWARD_SCHEMA = "(int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (Tensor, Tensor)"
+PLAN_SCHEMA = "(Tensor handle, int layer, Tensor experts, Tensor gates) -> (Tensor, Tensor)"
+DISPATCH_SCHEMA = "(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor x) -> Tensor"
+DISPATCH_BACKWARD_SCHEMA = "(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor d_recv, SymInt num_tokens) -> Tensor"
+COMBINE_SCHEMA = "(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor expert_out, Tensor gates) -> Tensor"
+COMBINE_BACKWARD_SCHEMA = "(Tensor handle, int layer, Tensor ctx, Tensor counts, Tensor dy, SymInt num_recv) -> (Tensor, Tensor)"
 
 
-def _moe_plan(layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
-    h = get_layer(layer)
+def _moe_plan(handle: Tensor, layer: int, experts: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
+    h = layer_handles.resolve(handle, layer)
     validate.check_plan(h, experts, gates)
     return rows_calls.plan(h, experts, gates)
 
 
-def _moe_plan_fake(layer, experts, gates):
+def _moe_plan_fake(handle, layer, experts, gates):
     h = get_layer(layer)
     validate.check_plan(h, experts, gates)
     cpu = torch.device("cpu")
     return torch.empty((), dtype=torch.int64, device=cpu), torch.empty((h.num_local_experts,), dtype=torch.int64, device=cpu)
 
 
-def _moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
-    h = get_layer(layer)
+def _moe_dispatch(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
+    h = layer_handles.resolve(handle, layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("x", h, x)
     recv = x.new_empty((sum(rows_calls.rank_rows(h, counts)), h.hidden))
@@ -63,15 +63,15 @@ def _moe_dispatch(layer: int, ctx: Tensor, counts: Tensor, x: Tensor) -> Tensor:
     return recv
 
 
-def _moe_dispatch_fake(layer, ctx, counts, x):
+def _moe_dispatch_fake(handle, layer, ctx, counts, x):
     h = get_layer(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("x", h, x)
     return x.new_empty((torch.library.get_ctx().new_dynamic_size(), h.hidden))
 
 
-def _moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
-    h = get_layer(layer)
+def _moe_dispatch_backward(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, d_recv: Tensor, num_tokens: int) -> Tensor:
+    h = layer_handles.resolve(handle, layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_received_rows("d_recv", h, d_recv)
     dx = d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
@@ -79,14 +79,14 @@ def _moe_dispatch_backward(layer: int, ctx: Tensor, counts: Tensor, d_recv: Tens
     return dx
 
 
-def _moe_dispatch_backward_fake(layer, ctx, counts, d_recv, num_tokens):
+def _moe_dispatch_backward_fake(handle, layer, ctx, counts, d_recv, num_tokens):
     h = get_layer(layer)
     validate.check_received_rows("d_recv", h, d_recv)
     return d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
 
 
-def _moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
-    h = get_layer(layer)
+def _moe_combine(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, gates: Tensor) -> Tensor:
+    h = layer_handles.resolve(handle, layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_received_rows("expert_out", h, expert_out)
     validate.check_combine_gates(h, gates)  # y's shape comes from it
@@ -95,15 +95,15 @@ def _moe_combine(layer: int, ctx: Tensor, counts: Tensor, expert_out: Tensor, ga
     return y
 
 
-def _moe_combine_fake(layer, ctx, counts, expert_out, gates):
+def _moe_combine_fake(handle, layer, ctx, counts, expert_out, gates):
     h = get_layer(layer)
     validate.check_received_rows("expert_out", h, expert_out)
     validate.check_combine_gates(h, gates)
     return expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
 
 
-def _moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
-    h = get_layer(layer)
+def _moe_combine_backward(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, num_recv: int) -> tuple[Tensor, Tensor]:
+    h = layer_handles.resolve(handle, layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("dy", h, dy)
     d_out = dy.new_empty((num_recv, h.hidden))
@@ -112,34 +112,34 @@ def _moe_combine_backward(layer: int, ctx: Tensor, counts: Tensor, dy: Tensor, n
     return d_out, dgates
 
 
-def _moe_combine_backward_fake(layer, ctx, counts, dy, num_recv):
+def _moe_combine_backward_fake(handle, layer, ctx, counts, dy, num_recv):
     h = get_layer(layer)
     validate.check_token_rows("dy", h, dy)
     return dy.new_empty((num_recv, h.hidden)), dy.new_empty((dy.shape[0], dy.shape[1], h.topk), dtype=torch.float32)
 
 
 def _dispatch_setup(ctx, inputs, output):
-    layer, context, counts, x = inputs
+    handle, layer, context, counts, x = inputs
     ctx.layer, ctx.num_tokens = layer, x.shape[1]
-    ctx.save_for_backward(context, counts)
+    ctx.save_for_backward(handle, context, counts)
 
 
 def _dispatch_grad(ctx, d_recv):
-    context, counts = ctx.saved_tensors
-    dx = torch.ops.rdep.moe_dispatch_backward(ctx.layer, context, counts, d_recv.contiguous(), ctx.num_tokens)
-    return None, None, None, dx
+    handle, context, counts = ctx.saved_tensors
+    dx = torch.ops.rdep.moe_dispatch_backward(handle, ctx.layer, context, counts, d_recv.contiguous(), ctx.num_tokens)
+    return None, None, None, None, dx
 
 
 def _combine_setup(ctx, inputs, output):
-    layer, context, counts, expert_out, _gates = inputs
+    handle, layer, context, counts, expert_out, _gates = inputs
     ctx.layer, ctx.num_recv = layer, expert_out.shape[0]
-    ctx.save_for_backward(context, counts)
+    ctx.save_for_backward(handle, context, counts)
 
 
 def _combine_grad(ctx, dy):
-    context, counts = ctx.saved_tensors
-    d_out, dgates = torch.ops.rdep.moe_combine_backward(ctx.layer, context, counts, dy.contiguous(), ctx.num_recv)
-    return None, None, None, d_out, dgates
+    handle, context, counts = ctx.saved_tensors
+    d_out, dgates = torch.ops.rdep.moe_combine_backward(handle, ctx.layer, context, counts, dy.contiguous(), ctx.num_recv)
+    return None, None, None, None, d_out, dgates
 
 
 def _no_double_backward(ctx, *grads):
@@ -202,7 +202,7 @@ def plan(layer, experts: Tensor, gates: Tensor) -> RoutingPlan:
     h = _layer_of(layer)
     experts3, squeezed = _as_ranks("experts", experts, h)
     gates3, _ = _as_ranks("gates", gates, h)
-    ctx, counts = torch.ops.rdep.moe_plan(h.id, experts3, gates3)
+    ctx, counts = torch.ops.rdep.moe_plan(h.handle, h.rep, experts3, gates3)
     return RoutingPlan(h, ctx, counts, gates3, squeezed)
 
 
@@ -211,11 +211,11 @@ def dispatch(plan: RoutingPlan, x: Tensor) -> Tensor:
     x3, _ = _as_ranks("x", x, plan.layer)
     if isinstance(x3, Tensor) and x3.dim() == 3 and x3.shape[1] != plan.num_tokens:
         raise ValueError(f"x: {x3.shape[1]} tokens per rank, but the plan routed {plan.num_tokens}")
-    return torch.ops.rdep.moe_dispatch(plan.layer.id, plan.ctx, plan.tokens_per_expert, x3)
+    return torch.ops.rdep.moe_dispatch(plan.layer.handle, plan.layer.rep, plan.ctx, plan.tokens_per_expert, x3)
 
 
 def combine(plan: RoutingPlan, expert_out: Tensor) -> Tensor:
     """y_t = sum_k g'_k expert_out(t, k) (collective), in the layout x had; its gradient reaches expert_out
     and the gates given to plan."""
-    y = torch.ops.rdep.moe_combine(plan.layer.id, plan.ctx, plan.tokens_per_expert, expert_out, plan.gates)
+    y = torch.ops.rdep.moe_combine(plan.layer.handle, plan.layer.rep, plan.ctx, plan.tokens_per_expert, expert_out, plan.gates)
     return y.squeeze(0) if plan._tokens_first else y
