@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstdlib>
 #include <ostream>
@@ -227,6 +228,104 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
                            const int64_t seg = std::get<0>(i.param);
                            return (seg > 0 ? "S" + std::to_string(seg) : std::string("one_segment")) + (std::get<1>(i.param) ? "_overlap" : "") +
                                   (std::get<2>(i.param) ? "_gate_in_expert" : "");
+                         });
+
+// W = 4 ranks over the GPUs present (sharing one where there is one): every rank's Forward + Backward
+// captured as one graph through CudaDomain::BeginCapture / EndCapture (the ranks' streams joined to the
+// first rank's capture; the barriers between ranks become event edges, or barrier kernels between GPUs),
+// launched once by the first rank after new routing and activations were written into every rank's
+// buffers: y, dx, dgates, dW1, dW2 and the acceptance bitwise those of eager calls on the same inputs.
+class CudaSyncFree_GraphRanks : public ::testing::TestWithParam<std::tuple<int64_t, bool, bool>> {};  // segment tokens, overlap, gate
+
+TEST_P(CudaSyncFree_GraphRanks, W4_OneGraphOfAllRanksReplaysLikeEagerCalls) {
+  std::string why;
+  if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
+  constexpr int32_t W = 4;
+  Problem first(W, "uniform", 5), second(W, "zipf:1.5", 9);
+  auto domain = CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  LayerConfig cfg = MakeLayerConfig(first.shape);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.segment_tokens = std::get<0>(GetParam());
+  cfg.overlap_segments = std::get<1>(GetParam());
+  cfg.gate_in_expert = std::get<2>(GetParam());
+  auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const int64_t H = first.shape.hidden;
+  std::vector<Batch> b(W);
+  std::vector<ForwardContext> ctx(W);
+  Outputs graph_out(W), eager_out(W);
+  std::barrier sync(W);
+  int launched = 0;
+  Status s = (*domain)->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    const int64_t n = first.routing[i].num_tokens;
+    if (second.routing[i].num_tokens != n) return InternalError("the two problems' token counts differ");
+    RDEP_RETURN_IF_ERROR(Upload(first.routing[i], first.x[i], first.dy[i], H, b[i]));
+    auto step = [&]() -> Status {
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, ctx[i], b[i].e, b[i].g, n, b[i].x, b[i].y));
+      return (*layer)->Backward(r, ctx[i], b[i].dy, b[i].dx, b[i].dg);
+    };
+    RDEP_RETURN_IF_ERROR(step());  // eager first: the contexts' buffers are made outside the capture
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    RDEP_RETURN_IF_ERROR((*domain)->BeginCapture(r));
+    const Status captured = step();
+    auto graph = (*domain)->EndCapture(r);  // collective: every rank ends the capture, whatever happened
+    if (!captured.ok() || !graph.ok()) {
+      sync.arrive_and_wait();
+      sync.arrive_and_wait();
+      return captured.ok() ? graph.status() : captured;
+    }
+    // New inputs in every rank's buffers, then one launch by the rank that holds the graph. Every rank
+    // reaches both rendezvous below whatever failed before them (no rank is left waiting).
+    const Status written = [&]() -> Status {
+      Batch fresh;
+      RDEP_RETURN_IF_ERROR(Upload(second.routing[i], second.x[i], second.dy[i], H, fresh));
+      const size_t nk = second.routing[i].experts.size();
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].e, fresh.e, nk * 4, cudaMemcpyDeviceToDevice));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].g, fresh.g, nk * 4, cudaMemcpyDeviceToDevice));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].x, fresh.x, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].dy, fresh.dy, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      return Status::Ok();
+    }();
+    sync.arrive_and_wait();  // every rank's inputs are in place
+    Status replayed = written;
+    if (*graph != nullptr && !written.ok()) cudaGraphDestroy(*graph);
+    if (*graph != nullptr && written.ok()) {
+      cudaGraphExec_t exec = nullptr;
+      replayed = cuda::CudaStatus(cudaGraphInstantiate(&exec, *graph, 0), "cudaGraphInstantiate", __FILE__, __LINE__);
+      if (replayed.ok()) replayed = cuda::CudaStatus(cudaGraphLaunch(exec, (*domain)->stream(r)), "cudaGraphLaunch", __FILE__, __LINE__);
+      if (replayed.ok()) replayed = (*domain)->Synchronize(r);
+      for (int32_t q = 0; q < W && replayed.ok(); ++q) replayed = (*domain)->CheckErrors(q);
+      if (exec) cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(*graph);
+      ++launched;
+    }
+    sync.arrive_and_wait();  // the replay finished (or failed) before any rank reads or runs again
+    RDEP_RETURN_IF_ERROR(replayed);
+    RDEP_RETURN_IF_ERROR(Collect(**layer, first, b[i], r, graph_out));
+    RDEP_RETURN_IF_ERROR(step());  // eager on the same (second) inputs
+    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
+    return Collect(**layer, first, b[i], r, eager_out);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(launched, 1) << "one rank holds the graph";
+  for (int32_t r = 0; r < W; ++r) {
+    const auto i = static_cast<size_t>(r);
+    EXPECT_EQ(graph_out.y[i], eager_out.y[i]) << "rank " << r;
+    EXPECT_EQ(graph_out.dx[i], eager_out.dx[i]) << "rank " << r;
+    EXPECT_EQ(graph_out.dg[i], eager_out.dg[i]) << "rank " << r;
+    EXPECT_EQ(graph_out.dw1[i], eager_out.dw1[i]) << "rank " << r;
+    EXPECT_EQ(graph_out.dw2[i], eager_out.dw2[i]) << "rank " << r;
+    EXPECT_EQ(graph_out.acc[i].accepted, eager_out.acc[i].accepted) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_GraphRanks,
+                         ::testing::Values(std::tuple{int64_t{0}, false, false}, std::tuple{int64_t{16}, true, true}),
+                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool, bool>>& i) {
+                           return std::get<0>(i.param) > 0 ? std::string("S16_overlap_gate_in_expert") : std::string("one_segment");
                          });
 
 // Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the

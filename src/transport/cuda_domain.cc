@@ -14,6 +14,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "cuda_domain_capture.h"
 #include "rdep/cuda/check.h"
 
 namespace rdep {
@@ -245,6 +246,7 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t nu
   for (int32_t r = 0; r < num_ranks && !d->shared_; ++r)
     for (int32_t p = 0; p < r; ++p) d->shared_ |= d->device(p) == d->device(r);
   if (d->shared_) RDEP_RETURN_IF_ERROR(d->InitJoin());
+  d->capture_ = std::make_unique<CaptureState>(static_cast<size_t>(num_ranks));
   return d;
 }
 

@@ -87,8 +87,8 @@ flags [defaults: the Moonlight shape]:
                        per layer), run forward 1..N then backward N..1, and report the per-rank device
                        memory (layers, contexts, the GPU's use) and the pass's time (p50 over min(--iters,
                        10) passes) [1: one layer only; not with --grads bf16]
-  --graph              also capture one forward (and one forward+backward) in a CUDA graph and time its
-                       replays beside the eager calls (needs --ranks 1 and --expert-compute cutlass)
+  --graph              also capture one forward (and one forward+backward) of every rank as one CUDA graph
+                       and time its replays beside the eager calls (needs --expert-compute cutlass)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
   --routing-out FILE   write rank 0's routing (the draw the times were taken under) to FILE: int64 tokens,
@@ -200,9 +200,8 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.bf16_grads = grads == "bf16";
   if (o.bf16_grads && (o.cfg.balance.enabled() || (o.cfg.segment_tokens > 0 && o.cfg.segment_tokens < s.ranks * s.tokens)))
     return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
-  if (o.graph && (s.ranks != 1 || o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
-    return Refuse("--graph needs --ranks 1, --expert-compute cutlass and no --balance (the layer must not wait "
-                  "on the host; capturing several ranks is not supported yet)");
+  if (o.graph && (o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
+    return Refuse("--graph needs --expert-compute cutlass and no --balance (the layer must not wait on the host)");
   if (o.graph && o.cfg.stash_rows > 0)
     return Refuse("--graph with --stash-rows: the paged stash checks its pool's overflow on the host, so it is not captured");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
@@ -363,24 +362,26 @@ Status HostRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
   return domain.Synchronize(r);
 }
 
-// With --graph (one rank): pass 0 captures one forward, pass 1 one forward + backward, each into a CUDA
-// graph on the rank's stream (the layer must not wait on the host inside: the capture would fail),
-// then times `total` replays with events, as TimeRankPasses times the eager calls.
+// With --graph: pass 0 captures one forward, pass 1 one forward + backward, of every rank as one CUDA graph
+// (CudaDomain::BeginCapture / EndCapture: the ranks' streams joined to the first rank's capture; the layer
+// must not wait on the host inside, or the capture fails), then the first rank times `total` replays with
+// events on its stream, as TimeRankPasses times the eager calls: each replay runs every rank's work, so
+// these times are the whole layer's (max-rank), and the other ranks record none.
 Status TimeGraphPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
                        int64_t warmup, int64_t total, std::vector<double>& fwd, std::vector<double>& fwdbwd) {
   cudaStream_t stream = domain.stream(r);
   for (int pass = 0; pass < 2; ++pass) {
-    cudaGraph_t graph = nullptr;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    RDEP_RETURN_IF_ERROR(domain.BeginCapture(r));
     Status captured = layer.Forward(r, b.experts, b.gates, n, b.x, b.y);
     if (captured.ok() && pass == 1) captured = layer.Backward(r, b.dy, b.dx, b.dgates);
-    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-    if (!captured.ok() && graph) cudaGraphDestroy(graph);
+    auto graph = domain.EndCapture(r);  // collective: every rank ends the capture
+    if (!captured.ok() && graph.ok() && *graph) cudaGraphDestroy(*graph);
     RDEP_RETURN_IF_ERROR(captured);  // the layer's own error first: it names the cause
-    RDEP_CUDA_RETURN_IF_ERROR(ended);
+    RDEP_RETURN_IF_ERROR(graph.status());
+    if (*graph == nullptr) continue;  // another rank holds the graph and launches it
     cudaGraphExec_t exec = nullptr;
-    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
+    const cudaError_t inst = cudaGraphInstantiate(&exec, *graph, 0);
+    cudaGraphDestroy(*graph);
     RDEP_CUDA_RETURN_IF_ERROR(inst);
     for (int64_t i = 0; i < total; ++i) {
       cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
@@ -388,7 +389,9 @@ Status TimeGraphPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int3
       RDEP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
     }
-    const Status done = domain.Synchronize(r);
+    Status done = domain.Synchronize(r);
+    for (int32_t q : domain.local_ranks())
+      if (done.ok()) done = domain.CheckErrors(q);  // a barrier kernel of another rank's branch
     cudaGraphExecDestroy(exec);
     RDEP_RETURN_IF_ERROR(done);
     for (int64_t i = warmup; i < total; ++i) {
@@ -501,6 +504,9 @@ Status RunLayerTimings(const LayerBenchOptions& o, rdep::bench::LayerBenchSetup&
       return TimeGraphPasses(domain, layer, r, bufs[sr], routing[sr].num_tokens, o.warmup, total, res.graph_fwd[sr],
                              res.graph_fwdbwd[sr]);
     }));
+    // One graph ran every rank's work: only the rank that launched it has times.
+    std::erase_if(res.graph_fwd, [](const std::vector<double>& v) { return v.empty(); });
+    std::erase_if(res.graph_fwdbwd, [](const std::vector<double>& v) { return v.empty(); });
     res.graph_sf = rdep::Summarize(rdep::MaxOverRanks(res.graph_fwd));
     res.graph_sfb = rdep::Summarize(rdep::MaxOverRanks(res.graph_fwdbwd));
   }

@@ -117,6 +117,17 @@ class CudaDomain final : public Domain {
   Status Synchronize(int32_t rank) override;
   Status CheckErrors(int32_t rank);
 
+  // CUDA-graph capture of the work of every local rank as one graph (cuda_domain_capture.cc). Collective
+  // over the local ranks' threads (inside Run): each calls BeginCapture, issues its work (a layer's
+  // Forward, Backward), then EndCapture. The first local rank's stream captures; the others' streams join
+  // it through an event and rejoin it at the end, so their work and the barriers between the ranks (event
+  // edges where ranks share a GPU, barrier kernels otherwise) land in one graph, which EndCapture returns
+  // to the first local rank (nullptr to the others; every rank gets the capture's error, if any). Launch
+  // it on stream(local_ranks().front()): one launch runs every local rank's work. With one local rank
+  // (W = 1, or a process of a multi-process domain) it is a plain capture of that rank's stream.
+  Status BeginCapture(int32_t rank);
+  StatusOr<cudaGraph_t> EndCapture(int32_t rank);
+
  private:
   struct Region {
     std::string name;
@@ -129,7 +140,9 @@ class CudaDomain final : public Domain {
     bool freed = false;
   };
   struct JoinState;  // ranks sharing a GPU: the host rendezvous and each rank's barrier events
+  struct CaptureState;  // BeginCapture / EndCapture: the local ranks' rendezvous and fork / join events
   CudaDomain();
+  Status CaptureRendezvous(CaptureState& c);
   Status InitJoin();
   Status JoinBarrier(int32_t rank, Phase phase, uint64_t epoch);
   Status AllocateLocal(Region& r, size_t bytes);
@@ -152,6 +165,7 @@ class CudaDomain final : public Domain {
   bool running_ = false;
   bool shared_ = false;                        // some GPU holds several ranks: barriers are joins
   std::unique_ptr<JoinState> join_;
+  std::unique_ptr<CaptureState> capture_;
 };
 
 // Launches the barrier kernel (cuda_barrier.cu).
