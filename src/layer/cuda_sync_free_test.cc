@@ -253,7 +253,6 @@ TEST_P(CudaSyncFree_GraphRanks, W4_OneGraphOfAllRanksReplaysLikeEagerCalls) {
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden;
   std::vector<Batch> b(W);
-  std::vector<ForwardContext> ctx(W);
   Outputs graph_out(W), eager_out(W);
   std::barrier sync(W);
   int launched = 0;
@@ -262,11 +261,11 @@ TEST_P(CudaSyncFree_GraphRanks, W4_OneGraphOfAllRanksReplaysLikeEagerCalls) {
     const int64_t n = first.routing[i].num_tokens;
     if (second.routing[i].num_tokens != n) return InternalError("the two problems' token counts differ");
     RDEP_RETURN_IF_ERROR(Upload(first.routing[i], first.x[i], first.dy[i], H, b[i]));
-    auto step = [&]() -> Status {
-      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, ctx[i], b[i].e, b[i].g, n, b[i].x, b[i].y));
-      return (*layer)->Backward(r, ctx[i], b[i].dy, b[i].dx, b[i].dg);
+    auto step = [&]() -> Status {  // the layer's own context: Collect reads its acceptance
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b[i].e, b[i].g, n, b[i].x, b[i].y));
+      return (*layer)->Backward(r, b[i].dy, b[i].dx, b[i].dg);
     };
-    RDEP_RETURN_IF_ERROR(step());  // eager first: the contexts' buffers are made outside the capture
+    RDEP_RETURN_IF_ERROR(step());  // eager first: the context's buffers are made outside the capture
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
     RDEP_RETURN_IF_ERROR((*domain)->BeginCapture(r));
     const Status captured = step();
