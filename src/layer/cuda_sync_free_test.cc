@@ -230,29 +230,30 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
                                   (std::get<2>(i.param) ? "_gate_in_expert" : "");
                          });
 
-// W = 4 ranks over the GPUs present (sharing one where there is one): every rank's Forward + Backward
+// W = 2 and 4 ranks over the GPUs present (sharing one where there is one; on two GPUs W = 2 has one rank
+// per GPU, W = 4 two per GPU): every rank's Forward + Backward
 // captured as one graph through CudaDomain::BeginCapture / EndCapture (the ranks' streams joined to the
 // first rank's capture; the barriers between ranks become event edges, or barrier kernels between GPUs),
 // launched once by the first rank after new routing and activations were written into every rank's
 // buffers: y, dx, dgates, dW1, dW2 and the acceptance bitwise those of eager calls on the same inputs.
-class CudaSyncFree_GraphRanks : public ::testing::TestWithParam<std::tuple<int64_t, bool, bool>> {};  // segment tokens, overlap, gate
+class CudaSyncFree_GraphRanks : public ::testing::TestWithParam<std::tuple<int32_t, int64_t, bool, bool>> {};  // W, segment tokens, overlap, gate
 
-TEST_P(CudaSyncFree_GraphRanks, W4_OneGraphOfAllRanksReplaysLikeEagerCalls) {
+TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
-  constexpr int32_t W = 4;
+  const int32_t W = std::get<0>(GetParam());
   Problem first(W, "uniform", 5), second(W, "zipf:1.5", 9);
   auto domain = CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
   ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(first.shape);
   cfg.expert_compute = ExpertComputeKind::kCutlass;
-  cfg.segment_tokens = std::get<0>(GetParam());
-  cfg.overlap_segments = std::get<1>(GetParam());
-  cfg.gate_in_expert = std::get<2>(GetParam());
+  cfg.segment_tokens = std::get<1>(GetParam());
+  cfg.overlap_segments = std::get<2>(GetParam());
+  cfg.gate_in_expert = std::get<3>(GetParam());
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden;
-  std::vector<Batch> b(W);
+  std::vector<Batch> b(static_cast<size_t>(W));
   Outputs graph_out(W), eager_out(W);
   std::barrier sync(W);
   int launched = 0;
@@ -322,9 +323,11 @@ TEST_P(CudaSyncFree_GraphRanks, W4_OneGraphOfAllRanksReplaysLikeEagerCalls) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_GraphRanks,
-                         ::testing::Values(std::tuple{int64_t{0}, false, false}, std::tuple{int64_t{16}, true, true}),
-                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool, bool>>& i) {
-                           return std::get<0>(i.param) > 0 ? std::string("S16_overlap_gate_in_expert") : std::string("one_segment");
+                         ::testing::Values(std::tuple{4, int64_t{0}, false, false}, std::tuple{4, int64_t{16}, true, true},
+                                           std::tuple{2, int64_t{0}, false, false}, std::tuple{2, int64_t{16}, true, true}),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, int64_t, bool, bool>>& i) {
+                           return "W" + std::to_string(std::get<0>(i.param)) +
+                                  (std::get<1>(i.param) > 0 ? "_S16_overlap_gate_in_expert" : "_one_segment");
                          });
 
 // Two CUTLASS layers of one size on a domain share the compute's SwiGLU scratch ("expert.scratch") and the
