@@ -97,7 +97,7 @@
 #              on ping_128x128, two rounds, beside torch._grouped_mm on the same counts; then ncu on the fused and unfused
 #              GEMM1 at mu = 1536 (speed of light, scheduler, warp state and source counters: the top stall lines)
 #   graph4     rdep bench layer --graph with several ranks (one graph of every rank's work): W = 4 sharing GPU 0 and, where
-#              there are several GPUs, one rank per GPU; Moonlight shape and the example's layer shape
+#              there are several GPUs, two ranks per GPU; Moonlight shape and the example's layer shape
 #   host2      the binding's host time split into the C library's calls, the row allocator's calls into torch and
 #              Python (bench/torch_layer_bench.py --host-breakdown), eager and through torch.compile, at 256 tokens and at
 #              the training example's shape, with cProfile at the latter
@@ -524,15 +524,15 @@ stage_graph1() {  # the binding's captured calls beside the C++ layer's (issue 1
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,
-                  # and W = one rank per GPU present when there are several, Moonlight shape and the example's layer shape
+                  # and two ranks per GPU when there are several, Moonlight shape and the example's layer shape
   local gpus; gpus=$(nvidia-smi -L | wc -l)
   for shape in "--hidden 2048 --ffn 1408" "--hidden 1024 --ffn 704 --gate-in-expert"; do
     local tag; tag=$(echo "$shape" | awk '{print $2}')
     run layer_graph_w4g1_h$tag "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass $shape --graph \
       --json "$R/layer_graph_w4g1_h$tag.json"
-    if [ "$gpus" -gt 1 ]; then
-      run layer_graph_w${gpus}_h$tag "$RDEP" bench layer --ranks "$gpus" --gpus "$gpus" --expert-compute cutlass $shape --graph \
-        --json "$R/layer_graph_w${gpus}_h$tag.json"
+    if [ "$gpus" -gt 1 ]; then  # two ranks per GPU (one rank per GPU is refused: its barrier kernels' epochs)
+      run layer_graph_w$((2 * gpus))g${gpus}_h$tag "$RDEP" bench layer --ranks $((2 * gpus)) --gpus "$gpus" --expert-compute cutlass \
+        $shape --graph --json "$R/layer_graph_w$((2 * gpus))g${gpus}_h$tag.json"
     fi
   done
 }

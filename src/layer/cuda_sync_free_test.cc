@@ -230,8 +230,9 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
                                   (std::get<2>(i.param) ? "_gate_in_expert" : "");
                          });
 
-// W = 2 and 4 ranks over the GPUs present (sharing one where there is one; on two GPUs W = 2 has one rank
-// per GPU, W = 4 two per GPU): every rank's Forward + Backward
+// W = 2 and 4 ranks over the GPUs present, sharing them (on one GPU every rank; on two, W = 4 has two per
+// GPU; where W = 2 ranks get a GPU each, BeginCapture must refuse: their barrier kernels' host epochs would
+// repeat in every replay): every rank's Forward + Backward
 // captured as one graph through CudaDomain::BeginCapture / EndCapture (the ranks' streams joined to the
 // first rank's capture; the barriers between ranks become event edges, or barrier kernels between GPUs),
 // launched once by the first rank after new routing and activations were written into every rank's
@@ -252,6 +253,12 @@ TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
   cfg.gate_in_expert = std::get<3>(GetParam());
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
+  if (!(*domain)->shares_gpus()) {  // a GPU per rank: refused, naming why, on every rank, before any capture began
+    const Status refused = (*domain)->Run([&](int32_t r) { return (*domain)->BeginCapture(r); });
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+    EXPECT_NE(refused.message().find("share GPUs"), std::string::npos) << refused;
+    return;
+  }
   const int64_t H = first.shape.hidden;
   std::vector<Batch> b(static_cast<size_t>(W));
   Outputs graph_out(W), eager_out(W);

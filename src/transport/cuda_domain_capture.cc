@@ -32,6 +32,11 @@ Status CudaDomain::CaptureRendezvous(CaptureState& c) {
 }
 
 Status CudaDomain::BeginCapture(int32_t rank) {
+  if (num_ranks_ > 1 && !shared_)
+    return FailedPrecondition(
+        "graph capture: this domain's ranks (one per GPU) synchronize through barrier kernels that take their epoch "
+        "from the host, so every replay would repeat the captured epochs and pass its barriers without waiting; "
+        "capture is supported at W = 1 and where ranks share GPUs (their barriers are then stream-ordered joins)");
   const std::vector<int32_t> local = local_ranks();
   if (local.size() == 1) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream(rank), cudaStreamCaptureModeThreadLocal));

@@ -88,7 +88,8 @@ flags [defaults: the Moonlight shape]:
                        memory (layers, contexts, the GPU's use) and the pass's time (p50 over min(--iters,
                        10) passes) [1: one layer only; not with --grads bf16]
   --graph              also capture one forward (and one forward+backward) of every rank as one CUDA graph
-                       and time its replays beside the eager calls (needs --expert-compute cutlass)
+                       and time its replays beside the eager calls (needs --expert-compute cutlass, and with
+                       several ranks --gpus < --ranks: ranks sharing GPUs)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
   --routing-out FILE   write rank 0's routing (the draw the times were taken under) to FILE: int64 tokens,
@@ -202,6 +203,9 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
     return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
   if (o.graph && (o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
     return Refuse("--graph needs --expert-compute cutlass and no --balance (the layer must not wait on the host)");
+  if (o.graph && s.ranks > 1 && o.use_gpus >= s.ranks)
+    return Refuse("--graph with several ranks needs them to share GPUs (--gpus < --ranks): ranks on GPUs of their own "
+                  "synchronize through barrier kernels whose host-given epochs every replay would repeat");
   if (o.graph && o.cfg.stash_rows > 0)
     return Refuse("--graph with --stash-rows: the paged stash checks its pool's overflow on the host, so it is not captured");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");

@@ -123,8 +123,10 @@ class CudaDomain final : public Domain {
   // it through an event and rejoin it at the end, so their work and the barriers between the ranks (event
   // edges where ranks share a GPU, barrier kernels otherwise) land in one graph, which EndCapture returns
   // to the first local rank (nullptr to the others; every rank gets the capture's error, if any). Launch
-  // it on stream(local_ranks().front()): one launch runs every local rank's work. With one local rank
-  // (W = 1, or a process of a multi-process domain) it is a plain capture of that rank's stream.
+  // it on stream(local_ranks().front()): one launch runs every local rank's work. At W = 1 it is a plain
+  // capture of the rank's stream. Refused (FailedPrecondition) where W > 1 ranks have GPUs of their own
+  // (one process or several): their barrier kernels take the epoch from the host, which every replay
+  // would repeat, so replays after the first would pass the barriers unsynchronized.
   Status BeginCapture(int32_t rank);
   StatusOr<cudaGraph_t> EndCapture(int32_t rank);
 

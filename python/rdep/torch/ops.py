@@ -1,12 +1,13 @@
 """rdep's custom ops (namespace "rdep"), their fake implementations and their autograd formula, and the
 functional entry point `moe`.
 
-    rdep::moe_forward(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
+    rdep::moe_forward(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
                       bool save_context=True, bool check_routing=True) -> (Tensor y, Tensor ctx)
-    rdep::moe_backward(int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2)
+    rdep::moe_backward(Tensor handle, int layer, Tensor ctx, Tensor dy, Tensor w1, Tensor w2)
                       -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
 
-`layer` is rdep.torch.Layer.id; x [L, n, H], experts int32 [L, n, K], gates fp32 [L, n, K] (L = the layer's
+`handle` is rdep.torch.Layer.handle (the layer the call runs on, found by the tensor's address) and `layer` is
+Layer.rep (the oldest live layer configured alike, read by the fake implementations): layer_handles.py; x [L, n, H], experts int32 [L, n, K], gates fp32 [L, n, K] (L = the layer's
 local ranks), w1 [E_local, H, 2F], w2 [E_local, F, H] (the local ranks' experts, in order). y has x's
 shape and dtype; ctx is a 0-dim int64 CPU tensor naming the forward's saved state (layer_calls.py);
 dw1, dw2 are fp32, or bf16 for bf16 weights on CUDA with one segment (ops._grad_dtype). Autograd: moe_forward's backward calls moe_backward, which releases the context;
@@ -15,11 +16,11 @@ gradients reach x, gates, w1 and w2 (experts is an index tensor). Double backwar
 The capturable pair (graph_contexts.py), which rdep.torch.moe calls where Layer.capturable, so that CUDA graphs
 record the layer:
 
-    rdep::moe_forward_capturable(int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1, Tensor w2,
-                                 int row_bytes, bool keep_casts, bool save_context=True, bool check_routing=True)
-                                 -> (Tensor y, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c)
-    rdep::moe_backward_capturable(int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c, Tensor dy,
-                                  Tensor w1, Tensor w2) -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
+    rdep::moe_forward_capturable(Tensor handle, int layer, Tensor x, Tensor experts, Tensor gates, Tensor w1,
+                                 Tensor w2, int row_bytes, bool keep_casts, bool save_context=True,
+                                 bool check_routing=True) -> (Tensor y, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c)
+    rdep::moe_backward_capturable(Tensor handle, int layer, Tensor ctx, Tensor rows, Tensor w1c, Tensor w2c,
+                                  Tensor dy, Tensor w1, Tensor w2) -> (Tensor dx, Tensor dgates, Tensor dw1, Tensor dw2)
 
 ctx is a 0-dim int64 tensor on x's device, found by its address; rows (uint8 [row_bytes]) holds the context's saved
 rows; w1c, w2c are the bf16 casts of fp32 weights kept for the backward (keep_casts), else empty; row_bytes and
