@@ -48,6 +48,8 @@ def read_routing(path: str, tokens: int, topk: int, experts: int) -> tuple[torch
     gates = torch.frombuffer(bytearray(data[16 + 4 * T * K:]), dtype=torch.float32).view(T, K).clone()
     if int(ids.min()) < 0 or int(ids.max()) >= experts:
         raise SystemExit(f"torch_layer_bench: --routing-from {path}: expert ids outside [0, {experts})")
+    if not bool(torch.isfinite(gates).all()) or bool((gates < 0).any()):
+        raise SystemExit(f"torch_layer_bench: --routing-from {path}: gates must be finite and >= 0")
     return ids, gates
 
 
@@ -259,6 +261,8 @@ def main() -> int:
             rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
     forward_backward = calls["forward+backward"]
     kernels = {}
+    if a.kernels > 0 and not cuda:
+        print("torch_layer_bench: --kernels times CUDA kernels; the host backend has none (ignored)", file=sys.stderr)
     if a.kernels > 0 and cuda:
         kernels["forward+backward"] = kernel_table(forward_backward, a.kernels)
         if a.graph:

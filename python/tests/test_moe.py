@@ -162,6 +162,8 @@ def test_blocks_compiled_one_at_a_time_share_one_graph():
         for b in model:
             out, a = b(out)
             aux = aux + a
+        # each op ran on its own block's layer (the handle), not on the representative all blocks share
+        assert [b.moe.layer.live_contexts for b in model] == [1] * len(model)
         (out.square().sum() + aux).backward()
         results.append((out, h.grad))
     frames = counters["stats"]["unique_graphs"]

@@ -235,15 +235,33 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
 // repeat in every replay): every rank's Forward + Backward
 // captured as one graph through CudaDomain::BeginCapture / EndCapture (the ranks' streams joined to the
 // first rank's capture; the barriers between ranks become event edges, or barrier kernels between GPUs),
-// launched once by the first rank after new routing and activations were written into every rank's
-// buffers: y, dx, dgates, dW1, dW2 and the acceptance bitwise those of eager calls on the same inputs.
+// launched by the first rank after new routing and activations were written into every rank's buffers,
+// twice on different inputs: y, dx, dgates, dW1, dW2 and the acceptance bitwise those of eager calls on the
+// same inputs each time.
 class CudaSyncFree_GraphRanks : public ::testing::TestWithParam<std::tuple<int32_t, int64_t, bool, bool>> {};  // W, segment tokens, overlap, gate
+
+// Writes `p`'s routing, x and dy for rank r into b's buffers (the ones a graph captured).
+Status WriteInputs(const Problem& p, int32_t r, int64_t H, Batch& b) {
+  const auto i = static_cast<size_t>(r);
+  const int64_t n = p.routing[i].num_tokens;
+  if (n != b.n) return InternalError("the problems' token counts differ");
+  Batch fresh;
+  RDEP_RETURN_IF_ERROR(Upload(p.routing[i], p.x[i], p.dy[i], H, fresh));
+  const size_t nk = p.routing[i].experts.size();
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.e, fresh.e, nk * 4, cudaMemcpyDeviceToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.g, fresh.g, nk * 4, cudaMemcpyDeviceToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, fresh.x, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, fresh.dy, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return Status::Ok();
+}
 
 TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
   std::string why;
   if (!CutlassLayerAvailable(&why)) GTEST_SKIP() << why;
   const int32_t W = std::get<0>(GetParam());
-  Problem first(W, "uniform", 5), second(W, "zipf:1.5", 9);
+  Problem first(W, "uniform", 5);
+  const Problem replays[2] = {Problem(W, "zipf:1.5", 9), Problem(W, "zipf:1.1", 13)};
   auto domain = CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
   ASSERT_TRUE(domain.ok()) << domain.status();
   LayerConfig cfg = MakeLayerConfig(first.shape);
@@ -261,13 +279,12 @@ TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
   }
   const int64_t H = first.shape.hidden;
   std::vector<Batch> b(static_cast<size_t>(W));
-  Outputs graph_out(W), eager_out(W);
+  std::vector<Outputs> graph_out(2, Outputs(static_cast<size_t>(W))), eager_out(2, Outputs(static_cast<size_t>(W)));
   std::barrier sync(W);
   int launched = 0;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     const auto i = static_cast<size_t>(r);
     const int64_t n = first.routing[i].num_tokens;
-    if (second.routing[i].num_tokens != n) return InternalError("the two problems' token counts differ");
     RDEP_RETURN_IF_ERROR(Upload(first.routing[i], first.x[i], first.dy[i], H, b[i]));
     auto step = [&]() -> Status {  // the layer's own context: Collect reads its acceptance
       RDEP_RETURN_IF_ERROR((*layer)->Forward(r, b[i].e, b[i].g, n, b[i].x, b[i].y));
@@ -278,55 +295,55 @@ TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
     RDEP_RETURN_IF_ERROR((*domain)->BeginCapture(r));
     const Status captured = step();
     auto graph = (*domain)->EndCapture(r);  // collective: every rank ends the capture, whatever happened
-    if (!captured.ok() || !graph.ok()) {
-      sync.arrive_and_wait();
-      sync.arrive_and_wait();
-      return captured.ok() ? graph.status() : captured;
-    }
-    // New inputs in every rank's buffers, then one launch by the rank that holds the graph. Every rank
-    // reaches both rendezvous below whatever failed before them (no rank is left waiting).
-    const Status written = [&]() -> Status {
-      Batch fresh;
-      RDEP_RETURN_IF_ERROR(Upload(second.routing[i], second.x[i], second.dy[i], H, fresh));
-      const size_t nk = second.routing[i].experts.size();
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].e, fresh.e, nk * 4, cudaMemcpyDeviceToDevice));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].g, fresh.g, nk * 4, cudaMemcpyDeviceToDevice));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].x, fresh.x, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b[i].dy, fresh.dy, static_cast<size_t>(n * H) * 2, cudaMemcpyDeviceToDevice));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-      return Status::Ok();
-    }();
-    sync.arrive_and_wait();  // every rank's inputs are in place
-    Status replayed = written;
-    if (*graph != nullptr && !written.ok()) cudaGraphDestroy(*graph);
-    if (*graph != nullptr && written.ok()) {
-      cudaGraphExec_t exec = nullptr;
-      replayed = cuda::CudaStatus(cudaGraphInstantiate(&exec, *graph, 0), "cudaGraphInstantiate", __FILE__, __LINE__);
-      if (replayed.ok()) replayed = cuda::CudaStatus(cudaGraphLaunch(exec, (*domain)->stream(r)), "cudaGraphLaunch", __FILE__, __LINE__);
-      if (replayed.ok()) replayed = (*domain)->Synchronize(r);
-      for (int32_t q = 0; q < W && replayed.ok(); ++q) replayed = (*domain)->CheckErrors(q);
-      if (exec) cudaGraphExecDestroy(exec);
+    if (graph.ok() && *graph && !captured.ok()) cudaGraphDestroy(*graph);
+    RDEP_RETURN_IF_ERROR(captured);
+    RDEP_RETURN_IF_ERROR(graph.status());
+    cudaGraphExec_t exec = nullptr;
+    Status made = Status::Ok();
+    if (*graph) {
+      made = cuda::CudaStatus(cudaGraphInstantiate(&exec, *graph, 0), "cudaGraphInstantiate", __FILE__, __LINE__);
       cudaGraphDestroy(*graph);
       ++launched;
     }
-    sync.arrive_and_wait();  // the replay finished (or failed) before any rank reads or runs again
-    RDEP_RETURN_IF_ERROR(replayed);
-    RDEP_RETURN_IF_ERROR(Collect(**layer, first, b[i], r, graph_out));
-    RDEP_RETURN_IF_ERROR(step());  // eager on the same (second) inputs
-    RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
-    return Collect(**layer, first, b[i], r, eager_out);
+    // Two replays, each on new inputs in every rank's buffers, each followed by eager calls on the same inputs
+    // (a barrier whose synchronization held only in the first replay would show in the second). Every rank
+    // reaches every rendezvous whatever failed before it.
+    Status st = made;
+    for (int k = 0; k < 2; ++k) {
+      if (st.ok()) st = WriteInputs(replays[k], r, H, b[i]);
+      sync.arrive_and_wait();  // every rank's inputs are in place
+      Status replayed = st;
+      if (exec && replayed.ok()) {
+        replayed = cuda::CudaStatus(cudaGraphLaunch(exec, (*domain)->stream(r)), "cudaGraphLaunch", __FILE__, __LINE__);
+        if (replayed.ok()) replayed = (*domain)->Synchronize(r);
+        for (int32_t q = 0; q < W && replayed.ok(); ++q) replayed = (*domain)->CheckErrors(q);
+      }
+      sync.arrive_and_wait();  // the replay finished (or failed) before any rank reads or runs again
+      if (!replayed.ok()) {  // the others' eager calls below would wait for this rank at their barriers
+        st = replayed;
+        continue;
+      }
+      if (st.ok()) st = Collect(**layer, first, b[i], r, graph_out[static_cast<size_t>(k)]);
+      if (st.ok()) st = step();  // eager on the same inputs
+      if (st.ok()) st = (*domain)->Synchronize(r);
+      if (st.ok()) st = Collect(**layer, first, b[i], r, eager_out[static_cast<size_t>(k)]);
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    return st;
   });
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(launched, 1) << "one rank holds the graph";
-  for (int32_t r = 0; r < W; ++r) {
-    const auto i = static_cast<size_t>(r);
-    EXPECT_EQ(graph_out.y[i], eager_out.y[i]) << "rank " << r;
-    EXPECT_EQ(graph_out.dx[i], eager_out.dx[i]) << "rank " << r;
-    EXPECT_EQ(graph_out.dg[i], eager_out.dg[i]) << "rank " << r;
-    EXPECT_EQ(graph_out.dw1[i], eager_out.dw1[i]) << "rank " << r;
-    EXPECT_EQ(graph_out.dw2[i], eager_out.dw2[i]) << "rank " << r;
-    EXPECT_EQ(graph_out.acc[i].accepted, eager_out.acc[i].accepted) << "rank " << r;
-  }
+  for (size_t k = 0; k < 2; ++k)
+    for (int32_t r = 0; r < W; ++r) {
+      const auto i = static_cast<size_t>(r);
+      EXPECT_EQ(graph_out[k].y[i], eager_out[k].y[i]) << "replay " << k << ", rank " << r;
+      EXPECT_EQ(graph_out[k].dx[i], eager_out[k].dx[i]) << "replay " << k << ", rank " << r;
+      EXPECT_EQ(graph_out[k].dg[i], eager_out[k].dg[i]) << "replay " << k << ", rank " << r;
+      EXPECT_EQ(graph_out[k].dw1[i], eager_out[k].dw1[i]) << "replay " << k << ", rank " << r;
+      EXPECT_EQ(graph_out[k].dw2[i], eager_out[k].dw2[i]) << "replay " << k << ", rank " << r;
+      EXPECT_EQ(graph_out[k].acc[i].accepted, eager_out[k].acc[i].accepted) << "replay " << k << ", rank " << r;
+    }
+  EXPECT_NE(graph_out[0].y, graph_out[1].y) << "the two replays ran on different inputs";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_GraphRanks,

@@ -15,14 +15,20 @@
 namespace rdep {
 
 struct CudaDomain::CaptureState {
+  // The rendezvous of the local ranks' threads: each arrives with a step tag and its own outcome; the last
+  // one publishes whether every rank's outcome was good. A timeout or a tag mismatch breaks the state for
+  // good (`broken`): later captures on the domain are refused, and no rank can pair with another's step.
   std::mutex mu;
   std::condition_variable cv;
-  size_t waiting = 0;       // local ranks at the rendezvous now
-  uint64_t generation = 0;  // rendezvous completed
+  size_t waiting = 0;
+  uint64_t generation = 0;
+  int tag = 0;
+  bool all_ok = true, result = true, broken = false;
+
   cudaEvent_t fork = nullptr;        // recorded on the capturing stream after the capture began
-  std::vector<cudaEvent_t> join;     // [W] recorded by each other local rank at the end (its own device)
-  cudaError_t begun = cudaSuccess;   // the first local rank's cudaStreamBeginCapture, for every rank
-  cudaError_t ended = cudaSuccess;   // its cudaStreamEndCapture, for every rank
+  std::vector<cudaEvent_t> join;     // [W] each local rank's, on its own device, made before any capture
+  bool open = false;                 // the first local rank's capture has begun and not ended
+  cudaError_t ended = cudaSuccess;   // the first local rank's cudaStreamEndCapture, for every rank
   cudaGraph_t graph = nullptr;       // what the capture made, handed to the first local rank
 
   explicit CaptureState(size_t num_ranks) : join(num_ranks, nullptr) {}

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "bench_layer_stack.h"
 #include "bench_util.h"
@@ -92,7 +93,7 @@ flags [defaults: the Moonlight shape]:
                        several ranks --gpus < --ranks: ranks sharing GPUs)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
-  --routing-out FILE   write rank 0's routing (the draw the times were taken under) to FILE: int64 tokens,
+  --routing-out FILE   with --ranks 1: write the routing (the draw the times were taken under) to FILE: int64 tokens,
                        int64 topk, int32 experts [tokens*topk], fp32 gates [tokens*topk], little-endian;
                        bench/torch_layer_bench.py --routing-from FILE times the binding on the same draw
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
@@ -203,6 +204,9 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
     return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
   if (o.graph && (o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
     return Refuse("--graph needs --expert-compute cutlass and no --balance (the layer must not wait on the host)");
+  if (!o.routing_out.empty() && s.ranks != 1)
+    return Refuse("--routing-out writes one rank's routing (what bench/torch_layer_bench.py --routing-from reads, at "
+                  "W = 1): use it with --ranks 1");
   if (o.graph && s.ranks > 1 && o.use_gpus >= s.ranks)
     return Refuse("--graph with several ranks needs them to share GPUs (--gpus < --ranks): ranks on GPUs of their own "
                   "synchronize through barrier kernels whose host-given epochs every replay would repeat");
@@ -366,44 +370,64 @@ Status HostRankPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
   return domain.Synchronize(r);
 }
 
-// With --graph: pass 0 captures one forward, pass 1 one forward + backward, of every rank as one CUDA graph
+// With --graph: one forward, then one forward + backward, of every rank captured as CUDA graphs
 // (CudaDomain::BeginCapture / EndCapture: the ranks' streams joined to the first rank's capture; the layer
-// must not wait on the host inside, or the capture fails), then the first rank times `total` replays with
-// events on its stream, as TimeRankPasses times the eager calls: each replay runs every rank's work, so
-// these times are the whole layer's (max-rank), and the other ranks record none.
+// must not wait on the host inside, or the capture fails). Both are captured before any replay, so the other
+// ranks return at once and no rank waits at a capture rendezvous while replays run. The first rank then times
+// `total` replays of each with events on its stream, as TimeRankPasses times the eager calls: each replay runs
+// every rank's work, so these times are the whole layer's (max-rank), and the other ranks record none.
 Status TimeGraphPasses(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, int64_t n,
                        int64_t warmup, int64_t total, std::vector<double>& fwd, std::vector<double>& fwdbwd) {
-  cudaStream_t stream = domain.stream(r);
+  cudaGraph_t graphs[2] = {nullptr, nullptr};
+  const auto destroy = [&graphs] {
+    for (cudaGraph_t& g : graphs)
+      if (g) cudaGraphDestroy(std::exchange(g, nullptr));
+  };
   for (int pass = 0; pass < 2; ++pass) {
-    RDEP_RETURN_IF_ERROR(domain.BeginCapture(r));
+    if (Status st = domain.BeginCapture(r); !st.ok()) {
+      destroy();
+      return st;
+    }
     Status captured = layer.Forward(r, b.experts, b.gates, n, b.x, b.y);
     if (captured.ok() && pass == 1) captured = layer.Backward(r, b.dy, b.dx, b.dgates);
     auto graph = domain.EndCapture(r);  // collective: every rank ends the capture
-    if (!captured.ok() && graph.ok() && *graph) cudaGraphDestroy(*graph);
-    RDEP_RETURN_IF_ERROR(captured);  // the layer's own error first: it names the cause
-    RDEP_RETURN_IF_ERROR(graph.status());
-    if (*graph == nullptr) continue;  // another rank holds the graph and launches it
+    if (graph.ok()) graphs[pass] = *graph;
+    if (!captured.ok() || !graph.ok()) {
+      destroy();
+      return captured.ok() ? graph.status() : captured;  // the layer's own error first: it names the cause
+    }
+  }
+  if (graphs[0] == nullptr) return Status::Ok();  // another rank holds the graphs and launches them
+  cudaStream_t stream = domain.stream(r);
+  for (int pass = 0; pass < 2; ++pass) {
     cudaGraphExec_t exec = nullptr;
-    const cudaError_t inst = cudaGraphInstantiate(&exec, *graph, 0);
-    cudaGraphDestroy(*graph);
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graphs[pass], 0);
+    if (inst != cudaSuccess) destroy();
     RDEP_CUDA_RETURN_IF_ERROR(inst);
-    for (int64_t i = 0; i < total; ++i) {
+    Status launched = Status::Ok();
+    for (int64_t i = 0; i < total && launched.ok(); ++i) {
       cudaEvent_t e0 = b.ev[static_cast<size_t>(4 * i + 2 * pass)], e1 = b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)];
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, stream));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, stream));
+      launched = rdep::cuda::CudaStatus(cudaEventRecord(e0, stream), "cudaEventRecord", __FILE__, __LINE__);
+      if (launched.ok()) launched = rdep::cuda::CudaStatus(cudaGraphLaunch(exec, stream), "cudaGraphLaunch", __FILE__, __LINE__);
+      if (launched.ok()) launched = rdep::cuda::CudaStatus(cudaEventRecord(e1, stream), "cudaEventRecord", __FILE__, __LINE__);
     }
     Status done = domain.Synchronize(r);
     for (int32_t q : domain.local_ranks())
-      if (done.ok()) done = domain.CheckErrors(q);  // a barrier kernel of another rank's branch
+      if (done.ok()) done = domain.CheckErrors(q);  // a barrier of another rank's branch
     cudaGraphExecDestroy(exec);
-    RDEP_RETURN_IF_ERROR(done);
+    if (!launched.ok() || !done.ok()) {
+      destroy();
+      return launched.ok() ? done : launched;
+    }
     for (int64_t i = warmup; i < total; ++i) {
       float ms = 0;
-      RDEP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]));
+      const cudaError_t e = cudaEventElapsedTime(&ms, b.ev[static_cast<size_t>(4 * i + 2 * pass)], b.ev[static_cast<size_t>(4 * i + 2 * pass + 1)]);
+      if (e != cudaSuccess) destroy();
+      RDEP_CUDA_RETURN_IF_ERROR(e);
       (pass ? fwdbwd : fwd).push_back(ms);
     }
   }
+  destroy();
   return Status::Ok();
 }
 

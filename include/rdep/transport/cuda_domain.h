@@ -126,7 +126,11 @@ class CudaDomain final : public Domain {
   // it on stream(local_ranks().front()): one launch runs every local rank's work. At W = 1 it is a plain
   // capture of the rank's stream. Refused (FailedPrecondition) where W > 1 ranks have GPUs of their own
   // (one process or several): their barrier kernels take the epoch from the host, which every replay
-  // would repeat, so replays after the first would pass the barriers unsynchronized.
+  // would repeat, so replays after the first would pass the barriers unsynchronized. All local ranks get
+  // the same outcome; on a failure the capture is ended and discarded (by the first local rank's thread,
+  // which began it). Every rank that called BeginCapture successfully must call EndCapture, whatever its
+  // work did in between; a rank that never arrives times out the others (barrier_timeout_s) and leaves the
+  // domain unable to capture again.
   Status BeginCapture(int32_t rank);
   StatusOr<cudaGraph_t> EndCapture(int32_t rank);
 
@@ -144,7 +148,8 @@ class CudaDomain final : public Domain {
   struct JoinState;  // ranks sharing a GPU: the host rendezvous and each rank's barrier events
   struct CaptureState;  // BeginCapture / EndCapture: the local ranks' rendezvous and fork / join events
   CudaDomain();
-  Status CaptureRendezvous(CaptureState& c);
+  StatusOr<bool> CaptureRendezvous(CaptureState& c, int tag, bool ok);
+  void DiscardCapture(int32_t rank);
   Status InitJoin();
   Status JoinBarrier(int32_t rank, Phase phase, uint64_t epoch);
   Status AllocateLocal(Region& r, size_t bytes);

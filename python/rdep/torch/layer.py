@@ -633,7 +633,9 @@ class Layer(CHandle):
         graph that recorded the layer afterwards; later calls raise ValueError)."""
         self._native.close()
         _registry.pop(self.id, None)
-        layer_handles.forget(*self._handle_entry)
+        entry = getattr(self, "_handle_entry", None)  # absent when __init__ failed before registering
+        if entry is not None:
+            layer_handles.forget(*entry)
 
     def __repr__(self) -> str:
         cap = "dropless" if self.capacity_factor == 0 else f"capacity_factor={self.capacity_factor:g}"

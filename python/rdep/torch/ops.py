@@ -100,7 +100,8 @@ def _moe_forward(handle: Tensor, layer: int, x: Tensor, experts: Tensor, gates: 
 
 
 def _moe_forward_fake(handle, layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
-    validate.check_forward(get_layer(layer), x, experts, gates, w1, w2)
+    layer_handles.check_handle(handle)
+    validate.check_forward(layer_handles.traced(layer), x, experts, gates, w1, w2)
     return torch.empty_like(x), torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -127,7 +128,8 @@ def _moe_forward_capturable(handle: Tensor, layer: int, x: Tensor, experts: Tens
 
 def _moe_forward_capturable_fake(handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context=True,
                                  check_routing=True):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_forward(h, x, experts, gates, w1, w2)
     validate.check_capturable_args(h, row_bytes, keep_casts)
     act = validate.ACT_DTYPE[h.backend]
@@ -196,13 +198,15 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
 
 
 def _moe_backward_fake(handle, layer, ctx, dy, w1, w2):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_backward(h, ctx, dy, w1, w2)
     return _backward_outputs_like(h, dy, w1, w2)
 
 
 def _moe_backward_capturable_fake(handle, layer, ctx, rows, w1c, w2c, dy, w1, w2):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_rows(h, rows)
     validate.check_kept_casts(h, w1c, w2c, w1, w2)
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=True)

@@ -48,7 +48,8 @@ def _moe_plan(handle: Tensor, layer: int, experts: Tensor, gates: Tensor) -> tup
 
 
 def _moe_plan_fake(handle, layer, experts, gates):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_plan(h, experts, gates)
     cpu = torch.device("cpu")
     return torch.empty((), dtype=torch.int64, device=cpu), torch.empty((h.num_local_experts,), dtype=torch.int64, device=cpu)
@@ -64,7 +65,8 @@ def _moe_dispatch(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, x: Te
 
 
 def _moe_dispatch_fake(handle, layer, ctx, counts, x):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_plan_handles(h, ctx, counts)
     validate.check_token_rows("x", h, x)
     return x.new_empty((torch.library.get_ctx().new_dynamic_size(), h.hidden))
@@ -80,7 +82,8 @@ def _moe_dispatch_backward(handle: Tensor, layer: int, ctx: Tensor, counts: Tens
 
 
 def _moe_dispatch_backward_fake(handle, layer, ctx, counts, d_recv, num_tokens):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_received_rows("d_recv", h, d_recv)
     return d_recv.new_empty((h.num_local_ranks, num_tokens, h.hidden))
 
@@ -96,7 +99,8 @@ def _moe_combine(handle: Tensor, layer: int, ctx: Tensor, counts: Tensor, expert
 
 
 def _moe_combine_fake(handle, layer, ctx, counts, expert_out, gates):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_received_rows("expert_out", h, expert_out)
     validate.check_combine_gates(h, gates)
     return expert_out.new_empty((h.num_local_ranks, gates.shape[1], h.hidden))
@@ -113,7 +117,8 @@ def _moe_combine_backward(handle: Tensor, layer: int, ctx: Tensor, counts: Tenso
 
 
 def _moe_combine_backward_fake(handle, layer, ctx, counts, dy, num_recv):
-    h = get_layer(layer)
+    layer_handles.check_handle(handle)
+    h = layer_handles.traced(layer)
     validate.check_token_rows("dy", h, dy)
     return dy.new_empty((num_recv, h.hidden)), dy.new_empty((dy.shape[0], dy.shape[1], h.topk), dtype=torch.float32)
 
