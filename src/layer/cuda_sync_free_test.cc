@@ -148,6 +148,16 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree,
                                   (s.segment > 0 ? "_S" + std::to_string(s.segment) : "") + (s.owner_reduce ? "_owner_reduce" : "");
                          });
 
+// The captured layers' config: the CUTLASS compute with the given segment tokens, pipeline and gate placement.
+LayerConfig GraphConfig(const LayerShape& shape, int64_t segment_tokens, bool overlap, bool gate_in_expert) {
+  LayerConfig cfg = MakeLayerConfig(shape);
+  cfg.expert_compute = ExpertComputeKind::kCutlass;
+  cfg.segment_tokens = segment_tokens;
+  cfg.overlap_segments = overlap;
+  cfg.gate_in_expert = gate_in_expert;
+  return cfg;
+}
+
 // W = 1: Forward + Backward captured once on the rank's stream (a host wait inside would end the
 // capture with an error), replayed after new routing and activations were written into the same
 // device buffers: bitwise the eager results on those inputs.
@@ -161,11 +171,7 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   Problem first(1, "uniform", 5), second(1, "zipf:1.5", 9);
   auto domain = CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {}});
   ASSERT_TRUE(domain.ok()) << domain.status();
-  LayerConfig cfg = MakeLayerConfig(first.shape);
-  cfg.expert_compute = ExpertComputeKind::kCutlass;
-  cfg.segment_tokens = std::get<0>(GetParam());
-  cfg.overlap_segments = std::get<1>(GetParam());
-  cfg.gate_in_expert = std::get<2>(GetParam());
+  const LayerConfig cfg = GraphConfig(first.shape, std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam()));
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
@@ -264,11 +270,7 @@ TEST_P(CudaSyncFree_GraphRanks, OneGraphOfAllRanksReplaysLikeEagerCalls) {
   const Problem replays[2] = {Problem(W, "zipf:1.5", 9), Problem(W, "zipf:1.1", 13)};
   auto domain = CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, std::min(W, cuda::DeviceCount()))});
   ASSERT_TRUE(domain.ok()) << domain.status();
-  LayerConfig cfg = MakeLayerConfig(first.shape);
-  cfg.expert_compute = ExpertComputeKind::kCutlass;
-  cfg.segment_tokens = std::get<1>(GetParam());
-  cfg.overlap_segments = std::get<2>(GetParam());
-  cfg.gate_in_expert = std::get<3>(GetParam());
+  const LayerConfig cfg = GraphConfig(first.shape, std::get<1>(GetParam()), std::get<2>(GetParam()), std::get<3>(GetParam()));
   auto layer = CudaMoELayer::Create(**domain, cfg, first.own, first.w);
   ASSERT_TRUE(layer.ok()) << layer.status();
   if (!(*domain)->shares_gpus()) {  // a GPU per rank: refused, naming why, on every rank, before any capture began

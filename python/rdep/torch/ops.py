@@ -142,7 +142,12 @@ def _moe_forward_capturable_fake(handle, layer, x, experts, gates, w1, w2, row_b
 def _moe_backward(handle: Tensor, layer: int, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *,
                   device_ctx: bool = False, casts=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """casts: the capturable forward's kept casts (w1c, w2c), which autograd saved with w1, w2."""
-    h = layer_handles.resolve(handle, layer)
+    return _backward_on(layer_handles.resolve(handle, layer), ctx, dy, w1, w2, device_ctx=device_ctx, casts=casts)
+
+
+def _backward_on(h: Layer, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *, device_ctx: bool,
+                 casts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward of both op pairs on the layer their handle named."""
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=device_ctx)
     grad_dtype = _grad_dtype(h, w1)
     kept = None if device_ctx else layer_calls.kept_casts(h, ctx)  # the forward's casts, when made from these weights
@@ -169,7 +174,7 @@ def _moe_backward_capturable(handle: Tensor, layer: int, ctx: Tensor, rows: Tens
     h = layer_handles.resolve(handle, layer)
     validate.check_rows(h, rows)
     keep = validate.check_kept_casts(h, w1c, w2c, w1, w2)
-    return _moe_backward(handle, layer, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
+    return _backward_on(h, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
 
 
 def _one_segment(layer: Layer) -> bool:
