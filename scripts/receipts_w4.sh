@@ -90,7 +90,8 @@
 #   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
 #              beside rdep bench layer --graph on the same routing (--routing-out / --routing-from), W = 1, the example's
 #              layer shape at 256 and 4096 tokens
-#   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts, rdep
+#   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts,
+#              rdep --keep-weight-casts after-first, rdep
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -482,13 +483,16 @@ stage_trainroik() {  # trainrok interleaved (both models resident, stepped in tu
     --compile-mode reduce-overhead --keep-weight-casts --interleave --json "$R/train_w1_roik.json"
 }
 stage_trainsep() {  # reduce-overhead, each model in a process of its own (no shared graph pool or dynamo state):
-  pip_wheels      # TorchTitan's MoE, rdep with --keep-weight-casts, rdep without; 200 steps each
+  pip_wheels      # TorchTitan's MoE, rdep with --keep-weight-casts (all, after-first), rdep without; 200 steps each
   # shellcheck disable=SC2046
   run train_w1_sep_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan \
     --compile-mode reduce-overhead --json "$R/train_w1_sep_tt.json"
   # shellcheck disable=SC2046
   run train_w1_sep_rdepk $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --keep-weight-casts --json "$R/train_w1_sep_rdepk.json"
+  # shellcheck disable=SC2046
+  run train_w1_sep_rdepa $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --compile-mode reduce-overhead --keep-weight-casts after-first --json "$R/train_w1_sep_rdepa.json"
   # shellcheck disable=SC2046
   run train_w1_sep_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_sep_rdep.json"

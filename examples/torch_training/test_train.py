@@ -150,3 +150,15 @@ def test_option_combinations_that_would_measure_nothing_are_refused(args, why, c
     with pytest.raises(SystemExit):
         train.parse_args(TINY + args)
     assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choice, want", [
+    ([], [False, False]), (["--keep-weight-casts"], [True, True]), (["--keep-weight-casts", "all"], [True, True]),
+    (["--keep-weight-casts", "after-first"], [False, True]), (["--keep-weight-casts", "none"], [False, False]),
+])
+def test_keep_weight_casts_choice_reaches_each_moe_layer(choice, want):
+    """--keep-weight-casts [none|all|after-first]: which MoE layers keep their forward's casts (after-first:
+    every one but the first MoE block, whose backward runs last, at the step's memory peak)."""
+    a = train.parse_args(TINY + ["--moe", "rdep", "--layers", "3"] + choice)
+    model = train.build_model("rdep", train.model_config(a), a, train.Dist("cpu"))
+    assert [m.moe.layer.keep_weight_casts for m in model.moe_layers()] == want

@@ -120,9 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
-    p.add_argument("--keep-weight-casts", action="store_true",
+    p.add_argument("--keep-weight-casts", nargs="?", choices=("none", "all", "after-first"), const="all",
+                   default="none",
                    help="rdep: keep each forward's bf16 casts of the fp32 expert weights for its backward "
-                        "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there")
+                        "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there: in every MoE block "
+                        "(all; the flag alone), in every one but the first (after-first: the first MoE block's "
+                        "backward runs last, where every layer's gradients are live and the step's memory peaks, so "
+                        "it alone casts again, into its gradients' bytes), or in none (the default)")
     p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
                    help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
                         "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "
@@ -260,7 +264,9 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
             moe = RdepMoE(cfg, layer, device=dd.device, tokens=tokens, group=dd.group,
                           ranks=a.ranks_per_process, seed=a.seed,
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "auto",
-                          domain=domain[0] if domain else None, keep_weight_casts=a.keep_weight_casts,
+                          domain=domain[0] if domain else None,
+                          keep_weight_casts=a.keep_weight_casts == "all" or (a.keep_weight_casts == "after-first"
+                                                                              and bool(domain)),
                           capturable_ops=a.capturable_ops == "on",
                           gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]
