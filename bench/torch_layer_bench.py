@@ -173,9 +173,11 @@ def kernel_table(fn, calls: int) -> list[dict]:
             fn()
         torch.cuda.synchronize()
     by_name: dict[str, dict] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        spans.append((ev.time_range.start, ev.time_range.end))
         row = by_name.setdefault(ev.name, {"name": ev.name, "launches": 0, "us": 0.0, "torch": "at::" in ev.name})
         row["launches"] += 1
         row["us"] += ev.time_range.elapsed_us()
@@ -183,11 +185,31 @@ def kernel_table(fn, calls: int) -> list[dict]:
     for row in table:
         row["launches"] /= calls
         row["us"] /= calls
+    busy, idle = busy_and_idle(spans)
+    table.append({"name": "(busy: the union of the kernels' intervals)", "launches": 0.0, "us": busy / calls,
+                  "torch": None})
+    table.append({"name": "(idle between the first kernel and the last, the gaps between calls included)",
+                  "launches": 0.0, "us": idle / calls, "torch": None})
     return table
 
 
+def busy_and_idle(spans: list) -> tuple[float, float]:
+    """The union of the [start, end) intervals (µs) and the time between the first start and the last end
+    that none covers."""
+    if not spans:
+        return 0.0, 0.0
+    spans.sort()
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + (hi - lo), a
+        hi = max(hi, b)
+    busy += hi - lo
+    return busy, (max(b for _, b in spans) - spans[0][0]) - busy
+
+
 def print_kernel_table(name: str, table: list[dict], calls: int) -> None:
-    lib_us = sum(r["us"] for r in table if not r["torch"])
+    lib_us = sum(r["us"] for r in table if r["torch"] is False)
     torch_us = sum(r["us"] for r in table if r["torch"])
     print(f"kernels of one {name} call (mean of {calls}; device µs; the library's {lib_us:.1f}, torch's {torch_us:.1f}):")
     for r in table:
@@ -266,6 +288,7 @@ def main() -> int:
     if a.kernels > 0 and cuda:
         kernels["forward+backward"] = kernel_table(forward_backward, a.kernels)
         if a.graph:
+            kernels["graph forward"] = kernel_table(replays["graph forward"], a.kernels)
             kernels["graph f+b"] = kernel_table(replays["graph f+b"], a.kernels)
         for name, table in kernels.items():
             print_kernel_table(name, table, a.kernels)

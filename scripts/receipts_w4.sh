@@ -90,8 +90,8 @@
 #   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
 #              beside rdep bench layer --graph on the same routing (--routing-out / --routing-from), W = 1, the example's
 #              layer shape at 256 and 4096 tokens
-#   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts,
-#              rdep --keep-weight-casts after-first, rdep
+#   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
+#              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -495,7 +495,7 @@ stage_trainsep() {  # reduce-overhead, each model in a process of its own (no sh
     --compile-mode reduce-overhead --keep-weight-casts after-first --json "$R/train_w1_sep_rdepa.json"
   # shellcheck disable=SC2046
   run train_w1_sep_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
-    --compile-mode reduce-overhead --json "$R/train_w1_sep_rdep.json"
+    --compile-mode reduce-overhead --keep-weight-casts none --json "$R/train_w1_sep_rdep.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels
@@ -528,15 +528,17 @@ stage_graph1() {  # the binding's captured calls beside the C++ layer's (issue 1
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,
-                  # and two ranks per GPU when there are several, Moonlight shape and the example's layer shape
+                  # and two ranks, then one, per GPU when there are several, Moonlight shape and the example's layer shape
   local gpus; gpus=$(nvidia-smi -L | wc -l)
   for shape in "--hidden 2048 --ffn 1408" "--hidden 1024 --ffn 704 --gate-in-expert"; do
     local tag; tag=$(echo "$shape" | awk '{print $2}')
     run layer_graph_w4g1_h$tag "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass $shape --graph \
       --json "$R/layer_graph_w4g1_h$tag.json"
-    if [ "$gpus" -gt 1 ]; then  # two ranks per GPU (one rank per GPU is refused: its barrier kernels' epochs)
+    if [ "$gpus" -gt 1 ]; then  # two ranks per GPU, then one per GPU (barrier kernels counting epochs on the device)
       run layer_graph_w$((2 * gpus))g${gpus}_h$tag "$RDEP" bench layer --ranks $((2 * gpus)) --gpus "$gpus" --expert-compute cutlass \
         $shape --graph --json "$R/layer_graph_w$((2 * gpus))g${gpus}_h$tag.json"
+      run layer_graph_w${gpus}g${gpus}_h$tag "$RDEP" bench layer --ranks "$gpus" --gpus "$gpus" --expert-compute cutlass \
+        $shape --graph --json "$R/layer_graph_w${gpus}g${gpus}_h$tag.json"
     fi
   done
 }

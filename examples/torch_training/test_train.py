@@ -153,7 +153,7 @@ def test_option_combinations_that_would_measure_nothing_are_refused(args, why, c
 
 
 @pytest.mark.parametrize("choice, want", [
-    ([], [False, False]), (["--keep-weight-casts"], [True, True]), (["--keep-weight-casts", "all"], [True, True]),
+    ([], [False, True]), (["--keep-weight-casts"], [True, True]), (["--keep-weight-casts", "all"], [True, True]),
     (["--keep-weight-casts", "after-first"], [False, True]), (["--keep-weight-casts", "none"], [False, False]),
 ])
 def test_keep_weight_casts_choice_reaches_each_moe_layer(choice, want):

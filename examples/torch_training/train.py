@@ -121,12 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
     p.add_argument("--keep-weight-casts", nargs="?", choices=("none", "all", "after-first"), const="all",
-                   default="none",
+                   default="after-first",
                    help="rdep: keep each forward's bf16 casts of the fp32 expert weights for its backward "
                         "(rdep.torch.MoE(keep_weight_casts=True)) instead of casting again there: in every MoE block "
                         "(all; the flag alone), in every one but the first (after-first: the first MoE block's "
                         "backward runs last, where every layer's gradients are live and the step's memory peaks, so "
-                        "it alone casts again, into its gradients' bytes), or in none (the default)")
+                        "it alone casts again, into its gradients' bytes; the default), or in none")
     p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
                    help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
                         "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "

@@ -1,7 +1,10 @@
 // Device-side phase barrier over peer-visible slots (seeds 000 A.1 barrier[W]).
-// Rank r announces barrier `epoch` by a system-scope release store of (epoch << 16 | phase) into slot
-// r of every peer, then thread p waits (acquire) until its own slot p reaches the epoch, bounded by
-// %globaltimer. Prior kernels on the stream have completed, so their peer stores are visible first.
+// The epoch is counted on the device: slot W of a rank's own array holds the last epoch it announced, which
+// the kernel advances (only the rank's stream runs its barriers, in order), so a CUDA graph's replays count
+// on from where the previous call left off instead of repeating the epochs captured. Rank r announces
+// `epoch` by a system-scope release store of (epoch << 16 | phase) into slot r of every peer, then thread p
+// waits (acquire) until its own slot p reaches the epoch, bounded by %globaltimer. Prior kernels on the
+// stream have completed, so their peer stores are visible first.
 #include <cuda/atomic>
 
 #include "rdep/cuda/check.h"
@@ -16,9 +19,17 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
-__global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch,
-                                   uint32_t phase, uint64_t timeout_ns, DeviceErrorRecord* error) {
+__global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_t num_ranks, uint32_t phase,
+                                   uint64_t timeout_ns, DeviceErrorRecord* error) {
+  __shared__ uint64_t next_epoch;
   const int p = static_cast<int>(threadIdx.x);
+  if (p == 0) {
+    uint64_t* counter = static_cast<uint64_t*>(slot_table[rank]) + num_ranks;
+    next_epoch = *counter + 1;
+    *counter = next_epoch;
+  }
+  __syncthreads();
+  const uint64_t epoch = next_epoch;
   if (p >= num_ranks) return;
   const uint64_t tag = (epoch << 16) | phase;
   __threadfence_system();
@@ -57,10 +68,10 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
 
 }  // namespace
 
-Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch, Phase phase,
-                          double timeout_s, DeviceErrorRecord* error, cudaStream_t stream) {
+Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
+                          DeviceErrorRecord* error, cudaStream_t stream) {
   const int threads = ((num_ranks + 31) / 32) * 32;
-  PhaseBarrierKernel<<<1, threads, 0, stream>>>(slot_table, rank, num_ranks, epoch, static_cast<uint32_t>(phase),
+  PhaseBarrierKernel<<<1, threads, 0, stream>>>(slot_table, rank, num_ranks, static_cast<uint32_t>(phase),
                                                 static_cast<uint64_t>(timeout_s * 1e9), error);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();

@@ -242,10 +242,11 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateSingleProcess(int64_t nu
     d->errors_dev_.push_back(static_cast<DeviceErrorRecord*>(dev_ptr));
   }
   RDEP_ASSIGN_OR_RETURN(d->barrier_region_,
-                        d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(num_ranks), "barrier"));
+                        d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(num_ranks + 1), "barrier"));
   for (int32_t r = 0; r < num_ranks && !d->shared_; ++r)
     for (int32_t p = 0; p < r; ++p) d->shared_ |= d->device(p) == d->device(r);
-  if (d->shared_) RDEP_RETURN_IF_ERROR(d->InitJoin());
+  d->joins_ = d->shared_ && !d->options_.kernel_barriers;
+  if (d->joins_) RDEP_RETURN_IF_ERROR(d->InitJoin());
   d->capture_ = std::make_unique<CaptureState>(static_cast<size_t>(num_ranks));
   return d;
 }
@@ -332,7 +333,7 @@ StatusOr<std::unique_ptr<CudaDomain>> CudaDomain::CreateMultiProcess(Bootstrap& 
   void* dev_ptr = nullptr;
   RDEP_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, d->errors_ + me, 0));
   d->errors_dev_[static_cast<size_t>(me)] = static_cast<DeviceErrorRecord*>(dev_ptr);
-  RDEP_ASSIGN_OR_RETURN(d->barrier_region_, d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(W), "barrier"));
+  RDEP_ASSIGN_OR_RETURN(d->barrier_region_, d->AllocateSymmetric(sizeof(uint64_t) * static_cast<size_t>(W + 1), "barrier"));
   return d;
 }
 
@@ -600,10 +601,9 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
 }
 
 Status CudaDomain::Barrier(int32_t rank, Phase phase) {
-  const uint64_t epoch = ++epoch_[static_cast<size_t>(rank)];
-  if (shared_) return JoinBarrier(rank, phase, epoch);
-  return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, epoch, phase,
-                            options_.barrier_timeout_s, errors_dev_[static_cast<size_t>(rank)], stream(rank));
+  if (joins_) return JoinBarrier(rank, phase, ++epoch_[static_cast<size_t>(rank)]);
+  return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, phase, options_.barrier_timeout_s,
+                            errors_dev_[static_cast<size_t>(rank)], stream(rank));
 }
 
 Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {

@@ -19,13 +19,6 @@ namespace {
 
 constexpr int kBeginStarted = 1, kBeginJoined = 2, kEndRecorded = 3, kEndDone = 4;
 
-Status RefuseOwnGpus() {
-  return FailedPrecondition(
-      "graph capture: this domain's ranks (one per GPU) synchronize through barrier kernels that take their epoch "
-      "from the host, so every replay would repeat the captured epochs and pass its barriers without waiting; "
-      "capture is supported at W = 1 and where ranks share GPUs (their barriers are then stream-ordered joins)");
-}
-
 Status AnotherRankFailed(const char* step) {
   return FailedPrecondition(std::string("graph capture: another local rank failed to ") + step +
                             " (its own error names the cause); the capture was discarded");
@@ -78,7 +71,6 @@ void CudaDomain::DiscardCapture(int32_t rank) {
 }
 
 Status CudaDomain::BeginCapture(int32_t rank) {
-  if (num_ranks_ > 1 && !shared_) return RefuseOwnGpus();
   const std::vector<int32_t> local = local_ranks();
   if (local.size() == 1) {
     RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream(rank), cudaStreamCaptureModeThreadLocal));
@@ -112,7 +104,6 @@ Status CudaDomain::BeginCapture(int32_t rank) {
 }
 
 StatusOr<cudaGraph_t> CudaDomain::EndCapture(int32_t rank) {
-  if (num_ranks_ > 1 && !shared_) return RefuseOwnGpus();
   const std::vector<int32_t> local = local_ranks();
   if (local.size() == 1) {
     cudaGraph_t graph = nullptr;

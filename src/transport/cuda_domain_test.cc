@@ -1,23 +1,28 @@
-// The CUDA domain's barriers, with every rank on its own GPU (device barrier kernels) and with ranks
-// sharing a GPU (stream-ordered joins): stores before a barrier are visible after it, a rank that
-// never arrives gives a Timeout naming the rank and the phase (no hang), and ranks sharing a GPU do
-// not deadlock when one rank's thread synchronizes the whole device between barriers.
+// The CUDA domain's barriers, with every rank on its own GPU (device barrier kernels), with ranks
+// sharing a GPU (stream-ordered joins), and with ranks sharing a GPU through barrier kernels
+// (CudaDomainOptions::kernel_barriers, so that one GPU tests the kernels): stores before a barrier are
+// visible after it, a rank that never arrives gives a Timeout naming the rank and the phase (no hang),
+// ranks sharing a GPU do not deadlock when one rank's thread synchronizes the whole device between
+// barriers, and barriers captured in a CUDA graph synchronize in every replay.
 #include "rdep/transport/cuda_domain.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "rdep/cuda/check.h"
 
 namespace rdep {
 namespace {
 
-// Placements to test: every rank on its own GPU (when the machine has W), and all on GPU 0.
+// Placements to test: every rank on its own GPU (when the machine has W), and all on GPU 0, with host joins
+// or with barrier kernels.
 struct Placement {
   const char* name;
   bool shared;
+  bool kernel_barriers = false;
 };
 void PrintTo(const Placement& p, std::ostream* os) { *os << p.name; }
 
@@ -28,7 +33,8 @@ class CudaDomainBarrier : public ::testing::TestWithParam<Placement> {
     if (n == 0) return Unavailable("no CUDA device");
     if (!GetParam().shared && n < W) return Unavailable("needs " + std::to_string(W) + " CUDA devices");
     return CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = timeout_s,
-                                               .devices = GetParam().shared ? RoundRobinDevices(W, 1) : std::vector<int>{}});
+                                               .devices = GetParam().shared ? RoundRobinDevices(W, 1) : std::vector<int>{},
+                                               .kernel_barriers = GetParam().kernel_barriers});
   }
 };
 
@@ -61,6 +67,8 @@ TEST_P(CudaDomainBarrier, W2_MissingRankTimesOutNamingRankAndPhase) {
 // barrier kernel on a shared GPU.
 TEST_P(CudaDomainBarrier, W4_StoresVisibleAfterBarrierWithDeviceSyncsBetween) {
   constexpr int32_t W = 4;
+  if (GetParam().shared && GetParam().kernel_barriers)
+    GTEST_SKIP() << "a whole-device synchronize between barrier kernels on one GPU waits for peers' spinning barriers";
   auto d = Make(W, 5.0);
   if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
   ASSERT_TRUE(d.ok()) << d.status();
@@ -92,8 +100,74 @@ TEST_P(CudaDomainBarrier, W4_StoresVisibleAfterBarrierWithDeviceSyncsBetween) {
   for (int32_t r = 0; r < W; ++r) EXPECT_EQ(wrong[static_cast<size_t>(r)], 0) << "rank " << r;
 }
 
+void CUDART_CB SleepTwoMs(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }
+
+// Rank 1, held back 2 ms by a host node, copies a value into rank 0's slot; a barrier; rank 0 copies its slot
+// out; a second barrier. Captured once through BeginCapture / EndCapture and replayed three times, each on a
+// new value with rank 0's slot and output poisoned: rank 0 must read each replay's value. A barrier that
+// repeated the epochs captured (the host's) would let every replay after the first read the poison.
+TEST_P(CudaDomainBarrier, W2_CapturedBarriersSynchronizeInEveryReplay) {
+  constexpr int32_t W = 2;
+  auto d = Make(W, 5.0);
+  if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto slot = (*d)->AllocateSymmetric(sizeof(int64_t) * 2, "slot");  // [0] rank 0's slot, [1] its output
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  auto* value = static_cast<int64_t*>((*d)->region(1, *slot)) + 1;  // rank 1's source
+  auto* target = static_cast<int64_t*>((*d)->region(0, *slot));
+  cudaGraph_t graph = nullptr;
+  Status s = (*d)->Run([&](int32_t r) -> Status {
+    cudaStream_t st = (*d)->stream(r);
+    RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));  // eager barriers first: the epochs go on from there
+    RDEP_RETURN_IF_ERROR((*d)->Synchronize(r));
+    RDEP_RETURN_IF_ERROR((*d)->BeginCapture(r));
+    Status work = Status::Ok();
+    if (r == 1) {
+      work = cuda::CudaStatus(cudaLaunchHostFunc(st, SleepTwoMs, nullptr), "cudaLaunchHostFunc", __FILE__, __LINE__);
+      if (work.ok())
+        work = cuda::CudaStatus(cudaMemcpyAsync(target, value, sizeof(int64_t), cudaMemcpyDefault, st), "cudaMemcpyAsync",
+                                __FILE__, __LINE__);
+    }
+    if (work.ok()) work = (*d)->Barrier(r, Phase::kSmoke);
+    if (work.ok() && r == 0)
+      work = cuda::CudaStatus(cudaMemcpyAsync(target + 1, target, sizeof(int64_t), cudaMemcpyDefault, st), "cudaMemcpyAsync",
+                              __FILE__, __LINE__);
+    if (work.ok()) work = (*d)->Barrier(r, Phase::kTest);
+    auto g = (*d)->EndCapture(r);
+    RDEP_RETURN_IF_ERROR(work);
+    RDEP_RETURN_IF_ERROR(g.status());
+    if (*g) graph = *g;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_NE(graph, nullptr);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  cudaGraphDestroy(graph);
+  const int32_t first = (*d)->local_ranks().front();
+  for (int64_t k = 0; k < 3; ++k) {
+    const int64_t want = 100 + k, poison[2] = {-1, -1};
+    ASSERT_EQ(cudaMemcpy(value, &want, sizeof(want), cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(target, poison, sizeof(poison), cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, (*d)->stream(first)), cudaSuccess);
+    ASSERT_TRUE((*d)->Synchronize(first).ok());
+    for (int32_t q = 0; q < W; ++q) ASSERT_TRUE((*d)->CheckErrors(q).ok()) << (*d)->CheckErrors(q) << " replay " << k;
+    int64_t seen[2] = {0, 0};
+    ASSERT_EQ(cudaMemcpy(seen, target, sizeof(seen), cudaMemcpyDefault), cudaSuccess);
+    EXPECT_EQ(seen[1], want) << "replay " << k << ": rank 0 read its slot before rank 1's copy arrived";
+  }
+  cudaGraphExecDestroy(exec);
+  // Eager barriers after the replays still meet (the epochs counted on the device agree across ranks).
+  EXPECT_TRUE((*d)->Run([&](int32_t r) -> Status {
+                     RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
+                     return (*d)->Synchronize(r);
+                   }).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaDomainBarrier,
-                         ::testing::Values(Placement{"own_gpus", false}, Placement{"shared_gpu", true}),
+                         ::testing::Values(Placement{"own_gpus", false}, Placement{"shared_gpu", true},
+                                           Placement{"shared_gpu_kernels", true, true}),
                          [](const ::testing::TestParamInfo<Placement>& i) { return std::string(i.param.name); });
 
 TEST(CudaDomain_Create, RejectsMoreRanksThanGpusWithoutAPlacement) {

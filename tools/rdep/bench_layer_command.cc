@@ -207,9 +207,6 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   if (!o.routing_out.empty() && s.ranks != 1)
     return Refuse("--routing-out writes one rank's routing (what bench/torch_layer_bench.py --routing-from reads, at "
                   "W = 1): use it with --ranks 1");
-  if (o.graph && s.ranks > 1 && o.use_gpus >= s.ranks)
-    return Refuse("--graph with several ranks needs them to share GPUs (--gpus < --ranks): ranks on GPUs of their own "
-                  "synchronize through barrier kernels whose host-given epochs every replay would repeat");
   if (o.graph && o.cfg.stash_rows > 0)
     return Refuse("--graph with --stash-rows: the paged stash checks its pool's overflow on the host, so it is not captured");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");

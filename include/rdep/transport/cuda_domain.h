@@ -45,6 +45,10 @@ namespace rdep {
 struct CudaDomainOptions {
   double barrier_timeout_s = 10.0;  // bound on every wait for a peer (device-side, or host-side when GPUs are shared)
   std::vector<int> devices;         // device of each rank; empty = 0..W-1; a repeated device = ranks share it
+  // Tests: barrier kernels even where ranks share a GPU (the default there is a host join and event waits).
+  // Only for work that leaves the GPU room: a rank whose kernels fill it can keep a peer's barrier kernel
+  // from running, and the barriers then time out.
+  bool kernel_barriers = false;
 };
 
 // The widest domain: the device barrier's one block has a thread per rank.
@@ -90,6 +94,8 @@ class CudaDomain final : public Domain {
   const CudaDomainOptions& options() const { return options_; }
   // Whether two ranks of this process share a GPU (barriers are then stream-ordered joins).
   bool shares_gpus() const { return shared_; }
+  // Whether barriers are host joins with stream waits (ranks sharing GPUs, unless kernel_barriers).
+  bool joins_barriers() const { return joins_; }
   // "4 ranks on 1 GPU (GPU 0: ranks 0-3); ranks share GPUs: timings do not measure NVLink", or
   // "4 ranks on 4 GPUs (rank r on GPU r)"; multi-process: "rank 2 of 4 on GPU 2".
   std::string placement() const override;
@@ -123,14 +129,14 @@ class CudaDomain final : public Domain {
   // it through an event and rejoin it at the end, so their work and the barriers between the ranks (event
   // edges where ranks share a GPU, barrier kernels otherwise) land in one graph, which EndCapture returns
   // to the first local rank (nullptr to the others; every rank gets the capture's error, if any). Launch
-  // it on stream(local_ranks().front()): one launch runs every local rank's work. At W = 1 it is a plain
-  // capture of the rank's stream. Refused (FailedPrecondition) where W > 1 ranks have GPUs of their own
-  // (one process or several): their barrier kernels take the epoch from the host, which every replay
-  // would repeat, so replays after the first would pass the barriers unsynchronized. All local ranks get
-  // the same outcome; on a failure the capture is ended and discarded (by the first local rank's thread,
-  // which began it). Every rank that called BeginCapture successfully must call EndCapture, whatever its
-  // work did in between; a rank that never arrives times out the others (barrier_timeout_s) and leaves the
-  // domain unable to capture again.
+  // it on stream(local_ranks().front()): one launch runs every local rank's work. With one local rank (W = 1,
+  // or one process per GPU) it is a plain capture of the rank's stream. Barrier kernels count their epochs
+  // on the device, so replays synchronize as eager calls do; where ranks live in several processes, every
+  // process must replay its graphs (and make its eager calls) in the same order, as with NCCL in graphs.
+  // All local ranks get the same outcome; on a failure the capture is ended and discarded (by the first
+  // local rank's thread, which began it). Every rank that called BeginCapture successfully must call
+  // EndCapture, whatever its work did in between; a rank that never arrives times out the others
+  // (barrier_timeout_s) and leaves the domain unable to capture again.
   Status BeginCapture(int32_t rank);
   StatusOr<cudaGraph_t> EndCapture(int32_t rank);
 
@@ -165,19 +171,21 @@ class CudaDomain final : public Domain {
   std::vector<int> devices_;
   std::vector<cudaStream_t> streams_;
   std::vector<Region> regions_;
-  RegionId barrier_region_ = -1;               // per rank: uint64 slots[W]
-  std::vector<uint64_t> epoch_;                // per rank, monotonically increasing across calls
+  RegionId barrier_region_ = -1;               // per rank: uint64 slots[W], then its own epoch counter
+  std::vector<uint64_t> epoch_;                // per rank, the host joins' epochs (monotonically increasing)
   DeviceErrorRecord* errors_ = nullptr;        // host-mapped [W]
   std::vector<DeviceErrorRecord*> errors_dev_; // device views of errors_ + rank
   bool running_ = false;
-  bool shared_ = false;                        // some GPU holds several ranks: barriers are joins
+  bool shared_ = false;                        // some GPU holds several ranks
+  bool joins_ = false;                         // barriers are host joins (shared_, unless kernel_barriers)
   std::unique_ptr<JoinState> join_;
   std::unique_ptr<CaptureState> capture_;
 };
 
-// Launches the barrier kernel (cuda_barrier.cu).
-Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, uint64_t epoch, Phase phase,
-                          double timeout_s, DeviceErrorRecord* error, cudaStream_t stream);
+// Launches the barrier kernel (cuda_barrier.cu). slot_table[r] points at rank r's num_ranks + 1 uint64 slots
+// (the last: r's epoch counter, advanced by each of r's barriers).
+Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
+                          DeviceErrorRecord* error, cudaStream_t stream);
 
 // Smoke test store: rank writes 1000*rank + q into slot `rank` of every peer q's int64 region.
 Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream);
