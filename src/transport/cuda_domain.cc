@@ -601,6 +601,7 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
 }
 
 Status CudaDomain::Barrier(int32_t rank, Phase phase) {
+  if (num_ranks_ == 1) return Status::Ok();  // no peer to wait for: the rank's stream order is the barrier
   if (joins_) return JoinBarrier(rank, phase, ++epoch_[static_cast<size_t>(rank)]);
   return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, phase, options_.barrier_timeout_s,
                             errors_dev_[static_cast<size_t>(rank)], stream(rank));

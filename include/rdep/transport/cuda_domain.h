@@ -118,6 +118,7 @@ class CudaDomain final : public Domain {
 
   // Enqueues a phase barrier on rank's stream: a one-block kernel with in-kernel bounded waits, or,
   // where ranks share a GPU, a host rendezvous of the ranks' threads and stream waits on their events.
+  // Nothing at W = 1 (the stream's order already orders the rank's work).
   Status Barrier(int32_t rank, Phase phase) override;
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
   Status Synchronize(int32_t rank) override;
