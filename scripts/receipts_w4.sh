@@ -92,6 +92,7 @@
 #              layer shape at 256 and 4096 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
+#   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -496,6 +497,15 @@ stage_trainsep() {  # reduce-overhead, each model in a process of its own (no sh
   # shellcheck disable=SC2046
   run train_w1_sep_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --keep-weight-casts none --json "$R/train_w1_sep_rdep.json"
+}
+stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep with the example's defaults (after-first)
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_pair_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan \
+    --compile-mode reduce-overhead --json "$R/train_w1_pair_tt.json"
+  # shellcheck disable=SC2046
+  run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels
