@@ -60,9 +60,12 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       copies of w1 and w2 a forward casts for the layer are kept for its backward, as autograd keeps
       TorchTitan's, instead of being cast again there: one cast per step instead of two (the second took
       0.19 ms a layer at hidden 1024, ffn 704, 64 experts on an H200). It holds their bytes (3 * H * F * 2 per
-      local expert) from each forward to its backward: in the training example (3 such layers) torch's peak
-      rose by 100 MiB and its step time did not change beyond the run-to-run spread (docs/perf-notes.md).
-      False (default) casts again in backward and holds nothing
+      local expert) from each forward to its backward. Per layer: the first MoE layer's backward runs last,
+      where every layer's gradients are live and a step's memory usually peaks, so keeping the casts in every
+      MoE layer but the first saves most of the time without raising the peak (the training example's default,
+      --keep-weight-casts after-first: 0.37-0.39 ms a step of 3 layers on an H200, peak unchanged; keeping all
+      raised the peak 2.9%; docs/perf-notes.md, fifteenth session).
+      False (default) casts again in backward (into the gradients' own bytes where it can) and holds nothing
   overlap_segments=True (CUDA, expert_compute='cutlass', with segment_tokens below world_size * max_tokens):
       the segments run as a pipeline, the dispatch of segment s+1 and the return of s-1 beside the experts'
       compute of s on a second stream per GPU rank; the same results bit for bit. Measured on 2x H200 at the
