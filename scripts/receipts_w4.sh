@@ -85,7 +85,9 @@
 #              where its layers are capturable, the default), both variants, 200 steps, steps 100-102 under
 #              torch.profiler; rdep with the default --expert-compute auto
 #   trainrop   trainro with --capturable-ops off (rdep's plain ops, run between the captured partitions): the A/B
-#   trainrok   trainro with --keep-weight-casts (rdep's forward casts saved for its backward, as TorchTitan's are)
+#   trainrok   trainro with --keep-weight-casts (all: rdep's forward casts saved for its backward, as TorchTitan's are)
+#              (the training stages run rdep with the example's defaults: --keep-weight-casts after-first since the
+#              fifteenth session, none before; trainsep names each setting)
 #   trainroik  trainrok with --interleave
 #   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
 #              beside rdep bench layer --graph on the same routing (--routing-out / --routing-from), W = 1, the example's
@@ -99,7 +101,7 @@
 #              on ping_128x128, two rounds, beside torch._grouped_mm on the same counts; then ncu on the fused and unfused
 #              GEMM1 at mu = 1536 (speed of light, scheduler, warp state and source counters: the top stall lines)
 #   graph4     rdep bench layer --graph with several ranks (one graph of every rank's work): W = 4 sharing GPU 0 and, where
-#              there are several GPUs, two ranks per GPU; Moonlight shape and the example's layer shape
+#              there are several GPUs, two ranks per GPU and one rank per GPU; Moonlight shape and the example's layer shape
 #   host2      the binding's host time split into the C library's calls, the row allocator's calls into torch and
 #              Python (bench/torch_layer_bench.py --host-breakdown), eager and through torch.compile, at 256 tokens and at
 #              the training example's shape, with cProfile at the latter

@@ -236,9 +236,9 @@ INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
                                   (std::get<2>(i.param) ? "_gate_in_expert" : "");
                          });
 
-// W = 2 and 4 ranks over the GPUs present, sharing them (on one GPU every rank; on two, W = 4 has two per
-// GPU and W = 2 has a GPU per rank, whose barrier kernels count their epochs on the device): every rank's
-// Forward + Backward
+// W = 2 and 4 ranks round-robin over the GPUs present (up to W of them): on one GPU every rank shares it
+// (host-join barriers); with W or more GPUs each rank has its own (barrier kernels, which count their epochs
+// on the device); in between, several ranks a GPU (joins). Every rank's Forward + Backward
 // captured as one graph through CudaDomain::BeginCapture / EndCapture (the ranks' streams joined to the
 // first rank's capture; the barriers between ranks become event edges, or barrier kernels between GPUs),
 // launched by the first rank after new routing and activations were written into every rank's buffers,

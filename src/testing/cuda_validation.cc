@@ -144,7 +144,8 @@ class CudaBackend final : public ValidationBackend {
     }
     if (wrong) return InternalError(std::to_string(wrong) + " peer slots wrong after the device barrier");
     *detail = std::to_string(W) + " ranks, " + domain_->transport_name() + ", kernel peer stores visible after " +
-              (domain_->joins_barriers() ? "stream-join barrier (ranks share GPUs)" : "device barrier");
+              (W == 1 ? "stream order (W = 1: no barrier)"
+                      : domain_->joins_barriers() ? "stream-join barrier (ranks share GPUs)" : "device barrier");
     return Status::Ok();
   }
 

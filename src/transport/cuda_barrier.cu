@@ -1,7 +1,10 @@
 // Device-side phase barrier over peer-visible slots (seeds 000 A.1 barrier[W]).
 // The epoch is counted on the device: slot W of a rank's own array holds the last epoch it announced, which
-// the kernel advances (only the rank's stream runs its barriers, in order), so a CUDA graph's replays count
-// on from where the previous call left off instead of repeating the epochs captured. Rank r announces
+// the kernel advances with plain accesses, so a CUDA graph's replays count on from where the previous call
+// left off instead of repeating the epochs captured. That needs a rank's barriers to run one after another,
+// never two at once: eager calls and graph launches must be ordered against each other on every local rank's
+// stream (CudaDomain::BeginCapture says so). A peer's tag can be at most one epoch ahead (it needs this rank's
+// tag of e+1 to pass e+1); a tag further ahead means the counts diverged, reported as error code 3. Rank r announces
 // `epoch` by a system-scope release store of (epoch << 16 | phase) into slot r of every peer, then thread p
 // waits (acquire) until its own slot p reaches the epoch, bounded by %globaltimer. Prior kernels on the
 // stream have completed, so their peer stores are visible first.
@@ -54,6 +57,17 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
     }
     __nanosleep(64);
     v = wait.load(::cuda::memory_order_acquire);
+  }
+  if ((v >> 16) > epoch + 1) {
+    if (atomicCAS(&error->code, 0, 3) == 0) {
+      error->phase = static_cast<int32_t>(phase);
+      error->peer = p;
+      error->peer_phase = static_cast<int32_t>(v & 0xFFFF);
+      error->epoch = epoch;
+      error->peer_epoch = v >> 16;
+      __threadfence_system();
+    }
+    return;
   }
   if ((v >> 16) == epoch && (v & 0xFFFF) != phase) {
     if (atomicCAS(&error->code, 0, 2) == 0) {

@@ -658,12 +658,20 @@ Status CudaDomain::CheckErrors(int32_t rank) {
   e.peer = v->peer;
   e.peer_phase = v->peer_phase;
   e.epoch = v->epoch;
+  e.peer_epoch = v->peer_epoch;
   if (e.code == 0) return Status::Ok();
   std::ostringstream os;
   if (e.code == 1) {
     os << "device barrier '" << PhaseName(static_cast<Phase>(e.phase)) << "' (#" << e.epoch << ") timed out after "
        << options_.barrier_timeout_s << " s; no arrival from rank(s) " << e.peer;
     return TimeoutError(os.str());
+  }
+  if (e.code == 3) {
+    os << "device barrier '" << PhaseName(static_cast<Phase>(e.phase)) << "' (#" << e.epoch << "): epochs diverged, rank "
+       << e.peer << " is at #" << e.peer_epoch << " ('" << PhaseName(static_cast<Phase>(e.peer_phase))
+       << "'), more than one ahead (a rank's barriers ran out of order: a CUDA graph launched while its streams had "
+          "work queued, or ranks that called different numbers of barriers)";
+    return InternalError(os.str());
   }
   os << "device barrier #" << e.epoch << " phase mismatch: this rank is at '" << PhaseName(static_cast<Phase>(e.phase))
      << "', rank " << e.peer << " is at '" << PhaseName(static_cast<Phase>(e.peer_phase)) << "'";

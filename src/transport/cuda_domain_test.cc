@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -141,15 +142,18 @@ TEST_P(CudaDomainBarrier, W2_CapturedBarriersSynchronizeInEveryReplay) {
   });
   ASSERT_TRUE(s.ok()) << s;
   ASSERT_NE(graph, nullptr);
+  const int32_t first = (*d)->local_ranks().front();
+  ASSERT_EQ(cudaSetDevice((*d)->device(first)), cudaSuccess);  // the graph is launched on the first rank's stream
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   cudaGraphDestroy(graph);
-  const int32_t first = (*d)->local_ranks().front();
+  std::unique_ptr<CUgraphExec_st, decltype(&cudaGraphExecDestroy)> exec_owner(exec, &cudaGraphExecDestroy);
+  // With barrier kernels on one GPU this relies on the graph running the two ranks' branches at once (CUDA
+  // does not promise it): otherwise the barriers time out (5 s) and the test fails rather than hangs.
   for (int64_t k = 0; k < 3; ++k) {
     const int64_t want = 100 + k, poison[2] = {-1, -1};
-    ASSERT_EQ(cudaMemcpy(value, &want, sizeof(want), cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(value, &want, sizeof(want), cudaMemcpyDefault), cudaSuccess);  // synchronous copies
     ASSERT_EQ(cudaMemcpy(target, poison, sizeof(poison), cudaMemcpyDefault), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, (*d)->stream(first)), cudaSuccess);
     ASSERT_TRUE((*d)->Synchronize(first).ok());
     for (int32_t q = 0; q < W; ++q) ASSERT_TRUE((*d)->CheckErrors(q).ok()) << (*d)->CheckErrors(q) << " replay " << k;
@@ -157,12 +161,38 @@ TEST_P(CudaDomainBarrier, W2_CapturedBarriersSynchronizeInEveryReplay) {
     ASSERT_EQ(cudaMemcpy(seen, target, sizeof(seen), cudaMemcpyDefault), cudaSuccess);
     EXPECT_EQ(seen[1], want) << "replay " << k << ": rank 0 read its slot before rank 1's copy arrived";
   }
-  cudaGraphExecDestroy(exec);
+  exec_owner.reset();
   // Eager barriers after the replays still meet (the epochs counted on the device agree across ranks).
   EXPECT_TRUE((*d)->Run([&](int32_t r) -> Status {
                      RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
                      return (*d)->Synchronize(r);
                    }).ok());
+}
+
+// Barrier kernels whose epoch counts diverged (rank 1 ran three barriers rank 0 never joined, each timing out)
+// report it at rank 0's next barrier, naming the peer and both epochs, instead of passing it.
+TEST_P(CudaDomainBarrier, W2_DivergedEpochsAreReportedNotPassed) {
+  if (GetParam().shared && !GetParam().kernel_barriers) GTEST_SKIP() << "host joins count no device epochs";
+  auto d = Make(2, 0.2);
+  if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE((*d)->Run([&](int32_t r) -> Status {
+                     RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
+                     return (*d)->Synchronize(r);
+                   }).ok());
+  const Status ahead = (*d)->Run([&](int32_t r) -> Status {
+    if (r == 0) return Status::Ok();
+    for (int i = 0; i < 3; ++i) RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kSmoke));
+    return (*d)->Synchronize(r);
+  });
+  EXPECT_EQ(ahead.code(), StatusCode::kTimeout) << ahead;
+  const Status behind = (*d)->Run([&](int32_t r) -> Status {
+    if (r == 1) return Status::Ok();
+    RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
+    return (*d)->Synchronize(r);
+  });
+  EXPECT_EQ(behind.code(), StatusCode::kInternal) << behind;
+  EXPECT_NE(behind.message().find("epochs diverged, rank 1 is at #4"), std::string::npos) << behind;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaDomainBarrier,

@@ -125,10 +125,12 @@ class DeviceCopyInterNode final : public internal::DeviceInterNodeBase {
 StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeDeviceCopyInterNodeExchange(CudaDomain& domain,
                                                                                    NodeConfig nodes) {
   RDEP_RETURN_IF_ERROR(nodes.Validate(domain.num_ranks()));
-  if (nodes.nodes > 1 && (domain.bootstrap() != nullptr || !domain.shares_gpus()))
-    return FailedPrecondition("device-copy inter-node exchange: needs ranks sharing GPUs in one process (its barriers are "
-                              "then joins of the ranks' threads, which also order the table of send buffers), or N=1; "
-                              "this domain is " + domain.placement() + ": use the nccl exchange (MakeNcclInterNodeExchange)");
+  if (nodes.nodes > 1 && (domain.bootstrap() != nullptr || !domain.joins_barriers()))
+    return FailedPrecondition("device-copy inter-node exchange: needs ranks sharing GPUs in one process whose barriers are "
+                              "joins of the ranks' threads (which also order the table of send buffers; not with "
+                              "CudaDomainOptions::kernel_barriers), or N=1; this domain is " + domain.placement() +
+                              (domain.shares_gpus() ? " with barrier kernels" : "") +
+                              ": use the nccl exchange (MakeNcclInterNodeExchange)");
   std::unique_ptr<DeviceCopyInterNode> x(new DeviceCopyInterNode(domain, nodes));
   RDEP_RETURN_IF_ERROR(x->Init());
   return std::unique_ptr<DeviceInterNodeExchange>(std::move(x));

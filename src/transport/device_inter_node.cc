@@ -135,7 +135,7 @@ StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeNcclInterNodeExchange(Cud
 
 StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeDeviceInterNodeExchange(CudaDomain& domain, NodeConfig nodes) {
   RDEP_RETURN_IF_ERROR(nodes.Validate(domain.num_ranks()));
-  if (nodes.nodes == 1 || (domain.bootstrap() == nullptr && domain.shares_gpus()))
+  if (nodes.nodes == 1 || (domain.bootstrap() == nullptr && domain.joins_barriers()))
     return MakeDeviceCopyInterNodeExchange(domain, nodes);
   auto nccl = MakeNcclInterNodeExchange(domain, nodes);
   if (nccl.status().code() == StatusCode::kUnavailable)

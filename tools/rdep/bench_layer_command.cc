@@ -89,8 +89,8 @@ flags [defaults: the Moonlight shape]:
                        memory (layers, contexts, the GPU's use) and the pass's time (p50 over min(--iters,
                        10) passes) [1: one layer only; not with --grads bf16]
   --graph              also capture one forward (and one forward+backward) of every rank as one CUDA graph
-                       and time its replays beside the eager calls (needs --expert-compute cutlass, and with
-                       several ranks --gpus < --ranks: ranks sharing GPUs)
+                       and time its replays beside the eager calls (needs --expert-compute cutlass; several
+                       ranks on their own GPUs are captured too, untested on GPUs so far)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
   --routing-out FILE   with --ranks 1: write the routing (the draw the times were taken under) to FILE: int64 tokens,

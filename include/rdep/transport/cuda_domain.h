@@ -43,7 +43,7 @@
 namespace rdep {
 
 struct CudaDomainOptions {
-  double barrier_timeout_s = 10.0;  // bound on every wait for a peer (device-side, or host-side when GPUs are shared)
+  double barrier_timeout_s = 10.0;  // bound on every wait for a peer (in the barrier kernel, or host-side for joins)
   std::vector<int> devices;         // device of each rank; empty = 0..W-1; a repeated device = ranks share it
   // Tests: barrier kernels even where ranks share a GPU (the default there is a host join and event waits).
   // Only for work that leaves the GPU room: a rank whose kernels fill it can keep a peer's barrier kernel
@@ -59,11 +59,12 @@ std::vector<int> RoundRobinDevices(int64_t num_ranks, int num_gpus);
 
 // What a barrier that failed recorded (host-mapped, written by the device).
 struct DeviceErrorRecord {
-  int32_t code;          // 0 none, 1 timeout, 2 phase mismatch
+  int32_t code;          // 0 none, 1 timeout, 2 phase mismatch, 3 epochs diverged
   int32_t phase;         // Phase
   int32_t peer;          // the missing (or mismatching) rank
-  int32_t peer_phase;    // mismatch: the phase the peer announced
+  int32_t peer_phase;    // mismatch, divergence: the phase the peer announced
   uint64_t epoch;        // the barrier's sequence number on this rank
+  uint64_t peer_epoch;   // divergence: the peer's (more than one ahead)
 };
 
 class CudaDomain final : public Domain {
@@ -92,7 +93,8 @@ class CudaDomain final : public Domain {
   // How peers' memory is opened: "peer-access" (one process), "ipc" or "fabric" (one process per GPU).
   std::string transport_name() const override { return transport_; }
   const CudaDomainOptions& options() const { return options_; }
-  // Whether two ranks of this process share a GPU (barriers are then stream-ordered joins).
+  // Whether two ranks of this process share a GPU (barriers are then stream-ordered joins, unless
+  // kernel_barriers).
   bool shares_gpus() const { return shared_; }
   // Whether barriers are host joins with stream waits (ranks sharing GPUs, unless kernel_barriers).
   bool joins_barriers() const { return joins_; }
@@ -117,7 +119,8 @@ class CudaDomain final : public Domain {
   Status Run(const std::function<Status(int32_t rank)>& fn) override;
 
   // Enqueues a phase barrier on rank's stream: a one-block kernel with in-kernel bounded waits, or,
-  // where ranks share a GPU, a host rendezvous of the ranks' threads and stream waits on their events.
+  // where ranks share a GPU (unless kernel_barriers), a host rendezvous of the ranks' threads and stream
+  // waits on their events.
   // Nothing at W = 1 (the stream's order already orders the rank's work).
   Status Barrier(int32_t rank, Phase phase) override;
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
@@ -132,8 +135,12 @@ class CudaDomain final : public Domain {
   // to the first local rank (nullptr to the others; every rank gets the capture's error, if any). Launch
   // it on stream(local_ranks().front()): one launch runs every local rank's work. With one local rank (W = 1,
   // or one process per GPU) it is a plain capture of the rank's stream. Barrier kernels count their epochs
-  // on the device, so replays synchronize as eager calls do; where ranks live in several processes, every
-  // process must replay its graphs (and make its eager calls) in the same order, as with NCCL in graphs.
+  // on the device, so replays synchronize as eager calls do, provided a rank's barriers never run two at
+  // once: order every launch of such a graph against every local rank's stream, before and after (each
+  // rank's eager work done, as Synchronize leaves it; the launch done before the ranks' streams run more).
+  // Where ranks live in several processes, every process must replay its graphs (and make its eager
+  // calls) in the same order, as with NCCL in graphs. Epoch counts that diverge anyway are reported
+  // (CheckErrors: "epochs diverged") rather than passed silently.
   // All local ranks get the same outcome; on a failure the capture is ended and discarded (by the first
   // local rank's thread, which began it). Every rank that called BeginCapture successfully must call
   // EndCapture, whatever its work did in between; a rank that never arrives times out the others

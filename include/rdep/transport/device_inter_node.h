@@ -101,8 +101,9 @@ StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeDeviceInterNodeExchange(C
 // set to 0 when unset (the exchange is point-to-point only; NVLink multicast is never wanted).
 StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeNcclInterNodeExchange(CudaDomain& domain, NodeConfig nodes);
 
-// Device copies: needs one process whose ranks share GPUs (the domain's barriers are then joins of
-// the ranks' host threads, which also order the pointer table), or N = 1 (no peer is read).
+// Device copies: needs one process whose ranks share GPUs with barriers that are joins of the ranks'
+// host threads (which also order the pointer table; not CudaDomainOptions::kernel_barriers), or N = 1
+// (no peer is read).
 // FailedPrecondition naming the placement otherwise.
 StatusOr<std::unique_ptr<DeviceInterNodeExchange>> MakeDeviceCopyInterNodeExchange(CudaDomain& domain,
                                                                                    NodeConfig nodes);
