@@ -51,3 +51,14 @@ def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
         runpy.run_path(str(BENCH), run_name="__main__")
     assert done.value.code == 2
     assert "--graph needs a capturable layer" in capsys.readouterr().err
+
+
+def test_busy_and_idle_merge_overlapping_kernel_intervals(monkeypatch):
+    """--kernels' busy row is the union of the kernels' intervals (overlaps counted once), its idle row the time
+    between the first start and the last end that no kernel covers."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    bench = runpy.run_path(str(BENCH), run_name="not_main")
+    busy_and_idle = bench["busy_and_idle"]
+    assert busy_and_idle([]) == (0.0, 0.0)
+    assert busy_and_idle([(20, 25), (0, 10), (5, 12), (24, 30)]) == (22, 8)  # unsorted, overlapping, a gap of 8
+    assert busy_and_idle([(0, 10), (2, 3)]) == (10, 0)  # nested
