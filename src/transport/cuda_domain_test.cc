@@ -39,16 +39,21 @@ class CudaDomainBarrier : public ::testing::TestWithParam<Placement> {
   }
 };
 
+// One kTest barrier on every rank, each rank's stream synchronized after it.
+Status BarrierOnEveryRank(CudaDomain& d) {
+  return d.Run([&](int32_t r) -> Status {
+    RDEP_RETURN_IF_ERROR(d.Barrier(r, Phase::kTest));
+    return d.Synchronize(r);
+  });
+}
+
 TEST_P(CudaDomainBarrier, W2_MissingRankTimesOutNamingRankAndPhase) {
   auto d = Make(2, 0.5);
   if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ((*d)->shares_gpus(), GetParam().shared);
   // One barrier that both ranks reach works.
-  ASSERT_TRUE((*d)->Run([&](int32_t r) -> Status {
-                     RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
-                     return (*d)->Synchronize(r);
-                   }).ok());
+  ASSERT_TRUE(BarrierOnEveryRank(**d).ok());
   const auto t0 = std::chrono::steady_clock::now();
   Status s = (*d)->Run([&](int32_t r) -> Status {
     if (r == 1) return Status::Ok();  // rank 1 never arrives at the next barrier
@@ -163,10 +168,8 @@ TEST_P(CudaDomainBarrier, W2_CapturedBarriersSynchronizeInEveryReplay) {
   }
   exec_owner.reset();
   // Eager barriers after the replays still meet (the epochs counted on the device agree across ranks).
-  EXPECT_TRUE((*d)->Run([&](int32_t r) -> Status {
-                     RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
-                     return (*d)->Synchronize(r);
-                   }).ok());
+  const Status after = BarrierOnEveryRank(**d);
+  EXPECT_TRUE(after.ok()) << after;
 }
 
 // Barrier kernels whose epoch counts diverged (rank 1 ran three barriers rank 0 never joined, each timing out)
@@ -176,10 +179,7 @@ TEST_P(CudaDomainBarrier, W2_DivergedEpochsAreReportedNotPassed) {
   auto d = Make(2, 0.2);
   if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
   ASSERT_TRUE(d.ok()) << d.status();
-  ASSERT_TRUE((*d)->Run([&](int32_t r) -> Status {
-                     RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kTest));
-                     return (*d)->Synchronize(r);
-                   }).ok());
+  ASSERT_TRUE(BarrierOnEveryRank(**d).ok());
   const Status ahead = (*d)->Run([&](int32_t r) -> Status {
     if (r == 0) return Status::Ok();
     for (int i = 0; i < 3; ++i) RDEP_RETURN_IF_ERROR((*d)->Barrier(r, Phase::kSmoke));
