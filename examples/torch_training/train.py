@@ -266,7 +266,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
                           expert_compute=a.expert_compute if dd.device.type == "cuda" else "auto",
                           domain=domain[0] if domain else None,
                           keep_weight_casts=a.keep_weight_casts == "all" or (a.keep_weight_casts == "after-first"
-                                                                              and bool(domain)),
+                                                                              and layer > cfg.dense_layers),
                           capturable_ops=a.capturable_ops == "on",
                           gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]
