@@ -95,6 +95,8 @@
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
+#   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
+#              capturable ops recorded in the graphs, one rank a process), rdep --capturable-ops off
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -508,6 +510,16 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
   # shellcheck disable=SC2046
   run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
+}
+stage_train2sep() {  # trainsep's protocol at W = 2 under torchrun (one rank a process, a GPU each; 2-GPU machine): TorchTitan's
+  pip_wheels        # MoE, rdep (the capturable ops recorded in the graphs), rdep --capturable-ops off (the A/B); 200 steps each
+  local tr=(torchrun --nproc-per-node=2 examples/torch_training/train.py --device cuda --compile-mode reduce-overhead)
+  # shellcheck disable=SC2046
+  run train_w2_sep_tt $(train_env) "${tr[@]}" --moe torchtitan --json "$R/train_w2_sep_tt.json"
+  # shellcheck disable=SC2046
+  run train_w2_sep_rdep $(train_env) "${tr[@]}" --moe rdep --json "$R/train_w2_sep_rdep.json"
+  # shellcheck disable=SC2046
+  run train_w2_sep_rdepp $(train_env) "${tr[@]}" --moe rdep --capturable-ops off --json "$R/train_w2_sep_rdepp.json"
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels

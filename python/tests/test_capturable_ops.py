@@ -175,7 +175,7 @@ def test_shape_arguments_must_be_the_layers():
 
 
 def test_capturable_layers():
-    """Layer.capturable: the CUDA sync-free layer at W = 1 only; the host backend never (rt.moe then uses the
+    """Layer.capturable: the CUDA sync-free layer with one local rank only; the host backend never (rt.moe then uses the
     plain ops)."""
     assert not _layer().capturable and not _layer(world_size=1).capturable
     layer = _layer(world_size=1)

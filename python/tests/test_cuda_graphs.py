@@ -1,4 +1,4 @@
-"""rdep's ops inside CUDA graphs (GPU): a capturable layer (Layer.capturable: CUDA, CUTLASS, W = 1) recorded
+"""rdep's ops inside CUDA graphs (GPU): a capturable layer (Layer.capturable: CUDA, CUTLASS, one local rank) recorded
 with torch.cuda.graph (forward and backward in one capture) replays new inputs bitwise like eager calls, and
 torch.compile(mode="reduce-overhead") records rdep's ops inside its graphs (no partition around them) and gives
 what the default mode gives. Skipped without a GPU, a CUDA build, or (unless RDEP_REQUIRE_CUTLASS=1, as on the
@@ -108,6 +108,14 @@ def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_exp
             assert a.dtype == b.dtype and torch.equal(a, b), f"replay {seed}: {name} differs from the eager call"
     assert layer.live_contexts == 0 and layer.pinned_contexts == 1
     del graph
+
+
+def test_ranks_sharing_the_gpu_keep_the_plain_ops():
+    """Layer.capturable needs one local rank: W = 4 ranks driven by this process on one GPU keep the plain ops (their
+    capture would be one graph of every rank's work); W = 1 and one rank a process (test_distributed_cuda.py) capture."""
+    shared = rt.Layer(H, F, E, K, T, world_size=4, num_gpus=1, backend="cuda", expert_compute="cutlass")
+    assert shared.num_local_ranks == 4 and not shared.capturable
+    assert rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass").capturable
 
 
 def test_grad_off_forward_is_captured():

@@ -592,10 +592,15 @@ class Layer(CHandle):
         """Whether rdep.torch.moe calls the capturable ops (ops.py), which a CUDA graph may record: capturable_ops
         (the default) and a layer whose calls never wait on the host, the CUDA backend's sync-free layer
         (expert_compute 'cutlass', balance 'off', one node, no paged stash, whose overflow is checked on the
-        host), with one rank (world_size 1: the case the library's graph tests capture). capturable_ops=False
-        keeps the plain ops, which torch.compile(mode="reduce-overhead") runs between its graphs."""
+        host), with one local rank: world_size 1, or one rank per process under torchrun (process_group), whose
+        barriers are kernels counting their epochs on the device, so every process's replays go on from its last
+        call. Each process then records its own rank's calls, and every process must replay its graphs in the
+        same order as the others (as SPMD training does: the same model, the same steps). Several ranks driven
+        by one process (ranks sharing a GPU) keep the plain ops: their capture would be one graph of every
+        rank's work (the C++ CudaDomain::BeginCapture). capturable_ops=False keeps the plain ops, which
+        torch.compile(mode="reduce-overhead") runs between its graphs."""
         return (self.capturable_ops and self.backend == "cuda" and self.expert_compute == "cutlass" and self.balance == "off" and self.nodes == 1
-                and self.stash_rows == 0 and self.world_size == 1)
+                and self.stash_rows == 0 and self.num_local_ranks == 1)
 
     def context_bytes(self) -> int:
         """Bytes of saved state held by the live contexts, summed (rdep_context_bytes)."""

@@ -1,0 +1,41 @@
+"""One process per GPU under torchrun (dist_capture_worker.py, on every visible GPU up to 4): the per-process CUDA
+layer against the fp64 reference, its capturable ops in a CUDA graph and under torch.compile(mode="reduce-overhead")
+with the ranks' barriers between processes. Skipped with fewer than two GPUs (per-process ranks need a GPU each) or
+without a CUDA build of librdep_capi.so; on the device, a missing CUTLASS compute is a failure
+(RDEP_REQUIRE_CUTLASS=1) as in test_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rdep._capi as capi
+
+WORKER = Path(__file__).resolve().parent / "dist_capture_worker.py"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs (one rank a process, a GPU each)")
+def test_per_process_ranks_under_torchrun():
+    if not capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    ok, why = capi.cutlass_available(0)
+    if not ok:
+        if os.environ.get("RDEP_REQUIRE_CUTLASS") == "1":
+            pytest.fail(f"RDEP_REQUIRE_CUTLASS=1 but the CUTLASS compute is not available: {why}")
+        pytest.skip(f"the CUTLASS compute is not available here: {why}")
+    nproc = min(torch.cuda.device_count(), 4)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1", RDEP_LIBRARY=str(capi.library_path()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
+    for r in range(nproc):
+        for check in ("eager_matches_reference", "capture_replays_like_eager", "reduce_overhead_records_rdep_ops"):
+            assert f"rank {r}: {check} passed" in out, f"rank {r} did not pass {check}:\n{out[-6000:]}"
