@@ -97,6 +97,9 @@
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
 #              capturable ops recorded in the graphs, one rank a process), rdep --capturable-ops off
+#              (train2rdep, train2rdepp: its two rdep runs alone; TorchTitan's all-to-all has a new shape each step,
+#              so reduce-overhead records graph after graph for it: train2c is its fair comparison)
+#   train2c    both models under torchrun --nproc-per-node=2 with torch.compile's default mode, each in processes of its own
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -511,15 +514,23 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
   run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
 }
-stage_train2sep() {  # trainsep's protocol at W = 2 under torchrun (one rank a process, a GPU each; 2-GPU machine): TorchTitan's
-  pip_wheels        # MoE, rdep (the capturable ops recorded in the graphs), rdep --capturable-ops off (the A/B); 200 steps each
-  local tr=(torchrun --nproc-per-node=2 examples/torch_training/train.py --device cuda --compile-mode reduce-overhead)
+train2() {  # train2 NAME [train.py flags...]: the example under torchrun --nproc-per-node=2, 200 steps
+  local name=$1; shift
   # shellcheck disable=SC2046
-  run train_w2_sep_tt $(train_env) "${tr[@]}" --moe torchtitan --json "$R/train_w2_sep_tt.json"
-  # shellcheck disable=SC2046
-  run train_w2_sep_rdep $(train_env) "${tr[@]}" --moe rdep --json "$R/train_w2_sep_rdep.json"
-  # shellcheck disable=SC2046
-  run train_w2_sep_rdepp $(train_env) "${tr[@]}" --moe rdep --capturable-ops off --json "$R/train_w2_sep_rdepp.json"
+  run "$name" $(train_env) torchrun --nproc-per-node=2 examples/torch_training/train.py --device cuda "$@" --json "$R/$name.json"
+}
+stage_train2sep() {  # trainsep's protocol at W = 2 under torchrun (one rank a process, a GPU each; 2-GPU machine)
+  pip_wheels
+  train2 train_w2_sep_tt --compile-mode reduce-overhead --moe torchtitan
+  stage_train2rdep
+  stage_train2rdepp
+}
+stage_train2rdep() { pip_wheels; train2 train_w2_sep_rdep --compile-mode reduce-overhead --moe rdep; }
+stage_train2rdepp() { pip_wheels; train2 train_w2_sep_rdepp --compile-mode reduce-overhead --moe rdep --capturable-ops off; }
+stage_train2c() {  # both models compiled in the default mode (no CUDA graphs), each in processes of its own, W = 2
+  pip_wheels
+  train2 train_w2_c_tt --compile --moe torchtitan
+  train2 train_w2_c_rdep --compile --moe rdep
 }
 stage_trainroi() {  # trainro's protocol with --interleave (both models built, stepped in turn; memory not measured)
   pip_wheels
