@@ -15,12 +15,19 @@ Compare with, in the same device call (bf16 weight gradients there too, the same
     build-dev/bin/rdep bench layer --ranks 1 --expert-compute cutlass --grads bf16 --json layer.json
 --graph also times replays of the forward and the forward+backward captured in CUDA graphs (the capturable ops),
 beside `rdep bench layer --graph` (scripts/receipts_w4.sh graph1).
+
+Under torchrun (WORLD_SIZE > 1; one rank a process, a GPU each, NCCL): the per-process layer, each rank its own
+tokens (seed + rank, or its file FILE.rank<r> from `rdep bench layer --ranks W --routing-out FILE`) and its
+experts' slices of one seeded draw of all E experts' weights; per iteration the max over ranks (DESIGN.md's
+max-rank protocol, as `rdep bench layer --ranks W --gpus W`), printed and written by rank 0. scripts/receipts_w4.sh
+binding2 compares it with the C++ layer at W = 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,7 +41,8 @@ def percentile(v: list[float], q: float) -> float:
 
 
 def read_routing(path: str, tokens: int, topk: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rdep bench layer --routing-out FILE`'s rank-0 routing: int64 tokens, int64 topk, int32 experts, fp32 gates."""
+    """One rank's routing as `rdep bench layer --routing-out` writes it: int64 tokens, int64 topk, int32 experts, fp32
+    gates."""
     with open(path, "rb") as f:
         data = f.read()
     head = torch.frombuffer(bytearray(data[:16]), dtype=torch.int64)
@@ -53,17 +61,22 @@ def read_routing(path: str, tokens: int, topk: int, experts: int) -> tuple[torch
     return ids, gates
 
 
-def make_inputs(a, device, dtype):
-    g = torch.Generator(device="cpu").manual_seed(a.seed)
+def make_inputs(a, device, dtype, rank: int = 0, world: int = 1, local_experts: range | None = None):
+    """x, experts, gates, w1, w2, dy of this process's rank: its tokens drawn from seed + rank (seed at W = 1) or read
+    from --routing-from (FILE at W = 1, FILE.rank<r> above), its experts' slices of all E experts' weights."""
+    g = torch.Generator(device="cpu").manual_seed(a.seed + rank)
     T, H, F, E, K = a.tokens, a.hidden, a.ffn, a.experts, a.topk
     experts = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
     gates = torch.softmax(torch.randn(T, K, generator=g), dim=1)
     if a.routing_from:
-        experts, gates = read_routing(a.routing_from, T, K, E)
+        experts, gates = read_routing(a.routing_from if world == 1 else f"{a.routing_from}.rank{rank}", T, K, E)
     x = torch.randn(T, H, generator=g).to(dtype)
-    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(dtype)
     dy = torch.randn(T, H, generator=g).to(dtype)
+    gw = torch.Generator(device="cpu").manual_seed(a.seed)  # every rank the same draw of all experts
+    w1 = (torch.randn(E, H, 2 * F, generator=gw) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, F, H, generator=gw) / F ** 0.5).to(dtype)
+    if local_experts is not None:
+        w1, w2 = w1[local_experts.start:local_experts.stop], w2[local_experts.start:local_experts.stop]
     out = [t.to(device).unsqueeze(0) if t.dim() == 2 else t.to(device) for t in (x, experts, gates, w1, w2, dy)]
     x, experts, gates, w1, w2, dy = out
     for t in (x, gates, w1, w2):
@@ -261,12 +274,31 @@ def main() -> int:
     if cuda and not torch.cuda.is_available():
         print("torch_layer_bench: no CUDA device (--backend host runs the host backend)", file=sys.stderr)
         return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        per_process = [f for f in ("kernels", "profile", "host_breakdown", "cprofile") if getattr(a, f)]
+        if not cuda or per_process:
+            print(f"torch_layer_bench: under torchrun (WORLD_SIZE={world}) it times the CUDA layer's calls only "
+                  f"(refused: {'--backend host' if not cuda else ', '.join('--' + f.replace('_', '-') for f in per_process)})",
+                  file=sys.stderr)
+            return 2
     import rdep.torch as rt
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device, group, rank = torch.device("cpu"), None, 0
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        torch.cuda.set_device(device)
+    if world > 1:
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+        dist.init_process_group("nccl", device_id=device)
+        group, rank = dist.group.WORLD, dist.get_rank()
     options = dict(expert_compute=a.expert_compute, gate_in_expert=a.gate_in_expert) if cuda else {}
-    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=1, backend=a.backend, device=device, **options)
-    x, experts, gates, w1, w2, dy = make_inputs(a, device, torch.bfloat16 if cuda else torch.float32)
+    layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend, device=device,
+                     process_group=group, **options)
+    x, experts, gates, w1, w2, dy = make_inputs(a, device, torch.bfloat16 if cuda else torch.float32, rank, world,
+                                                layer.local_experts if world > 1 else None)
 
     if a.graph and not layer.capturable:
         print(f"torch_layer_bench: --graph needs a capturable layer (CUDA, expert_compute cutlass); this one is "
@@ -294,6 +326,9 @@ def main() -> int:
             print_kernel_table(name, table, a.kernels)
     if a.graph:
         del held
+    if world > 1:
+        rows, host = max_over_ranks(rows), max_over_ranks(host)
+        experts = gather_experts(experts)
     if a.profile > 0:
         from torch.profiler import ProfilerActivity, profile
 
@@ -310,8 +345,14 @@ def main() -> int:
         forward_backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) / 2**30
+        if world > 1:
+            peak = max(max_over_ranks({"peak": [peak]})["peak"])
+    if rank != 0:
+        layer.close()
+        torch.distributed.destroy_process_group()
+        return 0
     where = torch.cuda.get_device_name(device) if cuda else "the host backend (CPU)"
-    print(f"torch_layer_bench: W=1 T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, "
+    print(f"torch_layer_bench: W={world}{' (one rank a process, max over ranks)' if world > 1 else ''} T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, "
           f"{'bf16' if cuda else 'fp32'}, {where}, torch {torch.__version__}")
     print(f"  layer: {layer.describe()}")
     counts = torch.bincount(experts.flatten().long().cpu(), minlength=a.experts).double()
@@ -340,7 +381,7 @@ def main() -> int:
         print(f"  torch peak allocated (activations, grads; excludes the layer's own buffers): {peak:.3f} GiB")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"bench": "torch_layer", "shape": vars(a), "device": where,
+            json.dump({"bench": "torch_layer", "shape": vars(a), "world_size": world, "device": where,
                        "expert_compute": getattr(layer, "expert_compute", None), "expert_compute_note": getattr(layer, "expert_compute_note", ""),
                        "torch": torch.__version__,
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
@@ -348,7 +389,28 @@ def main() -> int:
                        "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},
                        "host_breakdown_us": breakdowns, "kernels_per_call": kernels,
                        "torch_peak_allocated_gib": peak, "samples_ms": rows}, f, indent=1)
+    if world > 1:
+        layer.close()
+        torch.distributed.destroy_process_group()
     return 0
+
+
+def max_over_ranks(samples: dict) -> dict:
+    """Every rank's per-iteration times (ms), gathered: per name and iteration the max over ranks (collective)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return {name: [max(r[name][i] for r in every) for i in range(len(samples[name]))] for name in samples}
+
+
+def gather_experts(experts: torch.Tensor) -> torch.Tensor:
+    """Every rank's expert ids [1, T, K], concatenated on the CPU (the load line counts all ranks' rows; collective)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, experts.cpu())
+    return torch.cat(every, dim=1)
 
 
 if __name__ == "__main__":

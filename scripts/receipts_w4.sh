@@ -36,6 +36,8 @@
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
 #   gate2      the layer at W = GATE_W (default 2) under Zipf alpha 1 and 2: balancing off, ultraep, and ultraep
 #              with the gain gate (--min-gain 2500); gate4 is the same at W = 4
+#   binding2   graph1 at W = 2 on a 2-GPU machine: bench/torch_layer_bench.py under torchrun --nproc-per-node=2 beside
+#              rdep bench layer --ranks 2 --gpus 2 on the same routing, 256 and 4096 tokens a rank, eager and captured
 #   binding1   what rdep.torch adds to the layer (bench/torch_layer_bench.py beside rdep bench layer --ranks 1
 #              --grads bf16, CUTLASS compute, alternated a/b) on one GPU
 #   stack2     per-rank memory of stacks of 4 and 8 Moonlight layers at W = 2 (CUTLASS compute)
@@ -293,6 +295,17 @@ stage_gate2() {  # GATE_W ranks (default 2; 4 on a 4-GPU machine, or call stage 
   done
 }
 stage_gate4() { GATE_W=4 stage_gate2; }
+stage_binding2() {  # graph1 at W = 2 (2-GPU machine): the binding under torchrun (one rank a process) beside rdep bench layer
+                    # --ranks 2 --gpus 2 on the same routing (every rank's draw, --routing-out FILE.rank<r>), eager and captured
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  for t in 256 4096; do
+    local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
+    run layer_graph_w2_t$t "$RDEP" bench layer --ranks 2 --gpus 2 "${shape[@]}" --grads bf16 --graph \
+      --routing-out "$R/routing_w2_t$t.bin" --json "$R/layer_graph_w2_t$t.json"
+    run torch_graph_w2_t$t "${env[@]}" torchrun --nproc-per-node=2 bench/torch_layer_bench.py "${shape[@]}" --graph \
+      --routing-from "$R/routing_w2_t$t.bin" --json "$R/torch_graph_w2_t$t.json"
+  done
+}
 stage_binding1() {
   local env=(env RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1)
   for round in a b; do

@@ -53,6 +53,42 @@ def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
     assert "--graph needs a capturable layer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, refused", [(["--backend", "host"], "--backend host"),
+                                            (["--backend", "cuda", "--kernels", "3", "--cprofile", "2"], "--kernels, --cprofile")])
+def test_torchrun_refuses_what_it_cannot_time_per_rank(monkeypatch, capsys, flags, refused):
+    """Under torchrun (WORLD_SIZE > 1) the bench times the CUDA layer's calls only: the host backend and the per-process
+    tables (--kernels, --profile, --host-breakdown, --cprofile) are refused, naming what, before any process group."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # the refusal comes first, even without a GPU
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--tokens", "4", "--hidden", "8", "--ffn", "8", "--experts", "4",
+                                      "--topk", "2"] + flags)
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH), run_name="__main__")
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "under torchrun (WORLD_SIZE=2)" in err and f"(refused: {refused})" in err
+
+
+def test_make_inputs_gives_each_rank_its_tokens_and_its_experts_slice(monkeypatch):
+    """At W > 1 each rank draws its own tokens (seed + rank) and takes its experts' slices of one draw of all the
+    experts' weights (the same on every rank); W = 1 keeps every expert."""
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    bench = runpy.run_path(str(BENCH), run_name="not_main")
+    a = argparse.Namespace(seed=3, tokens=6, hidden=8, ffn=4, experts=4, topk=2, routing_from="")
+    cpu = torch.device("cpu")
+    whole = bench["make_inputs"](a, cpu, torch.float32)
+    r0 = bench["make_inputs"](a, cpu, torch.float32, 0, 2, range(0, 2))
+    r1 = bench["make_inputs"](a, cpu, torch.float32, 1, 2, range(2, 4))
+    assert whole[3].shape == (4, 8, 8) and r0[3].shape == r1[3].shape == (2, 8, 8)
+    assert torch.equal(r0[3].detach(), whole[3][:2].detach()) and torch.equal(r1[4].detach(), whole[4][2:].detach())
+    assert torch.equal(r0[0].detach(), whole[0].detach()) and not torch.equal(r1[0].detach(), r0[0].detach())
+
+
 def test_busy_and_idle_merge_overlapping_kernel_intervals(monkeypatch):
     """--kernels' busy row is the union of the kernels' intervals (overlaps counted once), its idle row the time
     between the first start and the last end that no kernel covers."""

@@ -89,13 +89,14 @@ flags [defaults: the Moonlight shape]:
                        memory (layers, contexts, the GPU's use) and the pass's time (p50 over min(--iters,
                        10) passes) [1: one layer only; not with --grads bf16]
   --graph              also capture one forward (and one forward+backward) of every rank as one CUDA graph
-                       and time its replays beside the eager calls (needs --expert-compute cutlass; several
-                       ranks on their own GPUs are captured too, untested on GPUs so far)
+                       and time its replays beside the eager calls (needs --expert-compute cutlass; ranks on GPUs
+                       of their own are captured too: their barriers are kernels counting epochs on the device)
   --warmup N [20]      --iters N [200]           --seed N [1]
   --json FILE          write the receipt
-  --routing-out FILE   with --ranks 1: write the routing (the draw the times were taken under) to FILE: int64 tokens,
-                       int64 topk, int32 experts [tokens*topk], fp32 gates [tokens*topk], little-endian;
-                       bench/torch_layer_bench.py --routing-from FILE times the binding on the same draw
+  --routing-out FILE   write the routing (the draw the times were taken under) to FILE (--ranks 1), or rank r's
+                       to FILE.rank<r> (--ranks W > 1): int64 tokens, int64 topk, int32 experts [tokens*topk], fp32
+                       gates [tokens*topk], little-endian; bench/torch_layer_bench.py --routing-from FILE times the
+                       binding on the same draw (under torchrun, each process reads its rank's file)
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
                        layer's estimated device memory must also fit each GPU (checked before allocating)
   -h, --help           this page
@@ -127,7 +128,7 @@ struct LayerBenchOptions {
   int64_t warmup = 0, iters = 0;
   uint64_t seed = 0;
   std::string json, baseline;  // receipt to write, baseline receipt to read ("" = none)
-  std::string routing_out;     // --routing-out: rank 0's routing written there ("" = none)
+  std::string routing_out;     // --routing-out: the ranks' routing written there ("" = none; FILE.rank<r> at W > 1)
   bool graph = false;          // also time CUDA-graph replays
   bool bf16_grads = false;     // --grads bf16: bind bf16 weights with bf16 gradients (rdep.torch's case)
   int32_t layers = 1;          // --layers N: also the memory and time of N such layers on the domain
@@ -204,9 +205,6 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
     return Refuse("--grads bf16 needs one segment (--segment 0 or >= W*T) and no --balance (replica gradients reduce into fp32 ones)");
   if (o.graph && (o.cfg.expert_compute != rdep::ExpertComputeKind::kCutlass || o.cfg.balance.enabled()))
     return Refuse("--graph needs --expert-compute cutlass and no --balance (the layer must not wait on the host)");
-  if (!o.routing_out.empty() && s.ranks != 1)
-    return Refuse("--routing-out writes one rank's routing (what bench/torch_layer_bench.py --routing-from reads, at "
-                  "W = 1): use it with --ranks 1");
   if (o.graph && o.cfg.stash_rows > 0)
     return Refuse("--graph with --stash-rows: the paged stash checks its pool's overflow on the host, so it is not captured");
   if (o.warmup < 0 || o.iters < 1) return Refuse("--warmup must be >= 0 and --iters >= 1");
@@ -708,7 +706,7 @@ rdep::StatusOr<rdep::bench::StackResult> RunStack(const LayerBenchOptions& o, rd
                                     std::clamp<int64_t>(o.iters, 1, 10), io);
 }
 
-// --routing-out: rank 0's tokens and topk (int64), experts (int32) and gates (fp32), as --help says.
+// --routing-out: one rank's tokens and topk (int64), experts (int32) and gates (fp32), as --help says.
 Status WriteRouting(const std::string& path, const rdep::RankRouting& rr) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) return rdep::InvalidArgument("--routing-out: cannot open '" + path + "' for writing");
@@ -731,8 +729,10 @@ int RunLayerBench(const rdep::cli::Args& args) {
   if (int rc = ParseLayerBenchOptions(args, o); rc != 0) return rc;
   auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.use_gpus), /*own_weights=*/!o.bf16_grads);
   if (!setup.ok()) return Fail(setup.status());
-  if (!o.routing_out.empty()) {
-    if (Status st = WriteRouting(o.routing_out, setup->routing[0]); !st.ok()) return Fail(st);
+  const int64_t W = o.cfg.shape.ranks;
+  for (int64_t r = 0; r < W && !o.routing_out.empty(); ++r) {
+    const std::string path = W == 1 ? o.routing_out : o.routing_out + ".rank" + std::to_string(r);
+    if (Status st = WriteRouting(path, setup->routing[static_cast<size_t>(r)]); !st.ok()) return Fail(st);
   }
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
   LayerBenchResults res;
