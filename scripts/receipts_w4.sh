@@ -102,6 +102,7 @@
 #              (train2rdep, train2rdepp: its two rdep runs alone; TorchTitan's all-to-all has a new shape each step,
 #              so reduce-overhead records graph after graph for it: train2c is its fair comparison)
 #   train2c    both models under torchrun --nproc-per-node=2 with torch.compile's default mode, each in processes of its own
+#   train2pair TorchTitan's MoE compiled (default mode) and rdep under reduce-overhead, each in its best mode, W = 2
 #   trainroi   trainro with --interleave (both models resident, stepped in turn; memory not measured)
 #   trainb32   the training example compiled at --batch 32 (16,384 tokens a step, 4x the default), both variants, 60 steps
 #   epi1       GEMM1's SwiGLU epilogue (W1 interleaved8): rdep bench gemm, the pass and the epilogue on the default tile and
@@ -540,6 +541,11 @@ stage_train2sep() {  # trainsep's protocol at W = 2 under torchrun (one rank a p
 }
 stage_train2rdep() { pip_wheels; train2 train_w2_sep_rdep --compile-mode reduce-overhead --moe rdep; }
 stage_train2rdepp() { pip_wheels; train2 train_w2_sep_rdepp --compile-mode reduce-overhead --moe rdep --capturable-ops off; }
+stage_train2pair() {  # each model in its best mode at W = 2: TorchTitan compiled (default mode), rdep under reduce-overhead
+  pip_wheels
+  train2 train_w2_pair_tt --compile --moe torchtitan
+  train2 train_w2_pair_rdep --compile-mode reduce-overhead --moe rdep
+}
 stage_train2c() {  # both models compiled in the default mode (no CUDA graphs), each in processes of its own, W = 2
   pip_wheels
   train2 train_w2_c_tt --compile --moe torchtitan
