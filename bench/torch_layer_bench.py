@@ -252,8 +252,9 @@ def main() -> int:
                         "made from the layer's row allocator, and the rest (Python: the custom op's dispatch, "
                         "autograd, validation); eager, and with --compile also through a torch.compile'd function")
     p.add_argument("--routing-from", default="",
-                   help="time the binding on the routing `rdep bench layer --routing-out FILE` wrote (rank 0's draw: "
-                        "the same per-expert rows, so the same GEMM tiles, as the C++ benchmark's) instead of its own")
+                   help="time the binding on the routing `rdep bench layer --routing-out FILE` wrote (the same per-expert "
+                        "rows, so the same GEMM tiles, as the C++ benchmark's) instead of its own; under torchrun each "
+                        "rank reads FILE.rank<r>")
     p.add_argument("--kernels", type=int, default=0,
                    help="after the timing: N forward+backward calls (the captured graph's replays with --graph, else "
                         "eager calls) under torch.profiler's CUDA activity: every kernel's device time per call, the "
@@ -295,6 +296,8 @@ def main() -> int:
         dist.init_process_group("nccl", device_id=device)
         group, rank = dist.group.WORLD, dist.get_rank()
     options = dict(expert_compute=a.expert_compute, gate_in_expert=a.gate_in_expert) if cuda else {}
+    if world > 1:  # the processes' warm-ups (and --compile's compiles) may differ by more than the default 30 s
+        options["barrier_timeout_s"] = 300.0
     layer = rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend, device=device,
                      process_group=group, **options)
     x, experts, gates, w1, w2, dy = make_inputs(a, device, torch.bfloat16 if cuda else torch.float32, rank, world,

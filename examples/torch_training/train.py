@@ -116,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"), default="default",
                    help="torch.compile's mode (implies --compile). reduce-overhead: CUDA graphs, with inductor's graph "
                         "partitioning on; rdep's ops are recorded in the graphs where its layer is capturable "
-                        "(rdep.torch.Layer.capturable: CUTLASS, one rank), else run between captured partitions")
+                        "(rdep.torch.Layer.capturable: CUTLASS, one rank a process), else run between captured partitions")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)

@@ -134,11 +134,13 @@ class VariantRun:
                             f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
         try:
             loss, gnorm, loads = self._train_step(x, y, phases)
+            dd.sync()
         except BaseException:
             phases.stop_recording()
+            self._check_rdep()  # raises the cause when an rdep barrier failed (inside a replay only a CUDA error shows)
             raise
-        dd.sync()
         dt = time.perf_counter() - t0
+        self._check_rdep()
         if self.prof is not None and step == a.profile_at + a.profile_steps - 1:
             trace = f"{a.profile_trace}.{self.kind}.r{dd.rank}.json" if a.profile_trace else ""
             self.rec["profile"] = stop_profiler(self.prof, cuda, f"{self.label}, steps [{a.profile_at}, {step + 1})", dd, trace)
@@ -148,6 +150,14 @@ class VariantRun:
             self._report_rdep_memory()
         self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak())
         return self.alive
+
+    def _check_rdep(self) -> None:
+        """Raises what rdep's device barriers recorded, if anything (Layer.check_errors: no CUDA call). Under
+        reduce-overhead with several ranks rdep's calls are graph replays, which report nothing on the host; a
+        barrier that fails there traps, and torch's next synchronization raises a bare CUDA error."""
+        if self.kind == "rdep":
+            for m in self.model.moe_layers():
+                m.moe.layer.check_errors()
 
     def _train_step(self, x, y, phases):
         """(loss, the gradient norm on the device, each MoE layer's expert load)."""

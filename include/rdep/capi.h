@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 15
+#define RDEP_CAPI_VERSION 16
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -302,6 +302,13 @@ int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
  * no forward (none ran, or its backward did); InvalidArgument for a stale id; the host backend checks in
  * the forward (0). */
 int rdep_context_check_routing(rdep_layer* layer, int64_t ctx);
+/* Version 16. Reads the error records the device barriers of the layer's local ranks write (mapped host memory:
+ * no CUDA call, no wait) and returns the first failure as its status (Timeout: a barrier no peer reached, naming the
+ * phase, its sequence number and the missing rank; Internal: a phase mismatch, or epochs that diverged), else 0.
+ * Every call of the layer checks these records first; a layer whose calls a CUDA graph replays makes no call, and a
+ * barrier recorded in a graph that fails in a replay traps after writing its record (the CUDA context stops): this
+ * call then says why. Not a collective; safe once the context stopped. The host backend has no records (0). */
+int rdep_layer_check_errors(rdep_layer* layer);
 
 /* Collective: io[count] for the local ranks in order (count must equal the local rank count). */
 int rdep_layer_forward(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count);

@@ -89,6 +89,32 @@ def test_make_inputs_gives_each_rank_its_tokens_and_its_experts_slice(monkeypatc
     assert torch.equal(r0[0].detach(), whole[0].detach()) and not torch.equal(r1[0].detach(), r0[0].detach())
 
 
+def test_routing_from_reads_each_ranks_file(monkeypatch, tmp_path):
+    """--routing-from FILE: at W = 1 the file itself, under torchrun rank r's FILE.rank<r> (as `rdep bench layer --ranks W
+    --routing-out FILE` writes them: int64 tokens, int64 topk, int32 experts, fp32 gates)."""
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    bench = runpy.run_path(str(BENCH), run_name="not_main")
+    T, K, E = 3, 2, 4
+    drawn = {}
+    for r in range(2):
+        ids = torch.tensor([[0, 1], [2, 3], [1, r + 2]], dtype=torch.int32)
+        gates = torch.full((T, K), 0.5 + r, dtype=torch.float32)
+        head = torch.tensor([T, K], dtype=torch.int64)
+        (tmp_path / f"route.bin.rank{r}").write_bytes(head.numpy().tobytes() + ids.numpy().tobytes() + gates.numpy().tobytes())
+        drawn[r] = (ids, gates)
+    a = argparse.Namespace(seed=0, tokens=T, hidden=4, ffn=2, experts=E, topk=K, routing_from=str(tmp_path / "route.bin"))
+    cpu = torch.device("cpu")
+    for r in range(2):
+        _, ids, gates, *_ = bench["make_inputs"](a, cpu, torch.float32, r, 2, range(2 * r, 2 * r + 2))
+        assert torch.equal(ids[0], drawn[r][0]) and torch.equal(gates[0].detach(), drawn[r][1])
+    with pytest.raises(FileNotFoundError):
+        bench["make_inputs"](a, cpu, torch.float32)  # W = 1 reads FILE itself, which is not there
+
+
 def test_busy_and_idle_merge_overlapping_kernel_intervals(monkeypatch):
     """--kernels' busy row is the union of the kernels' intervals (overlaps counted once), its idle row the time
     between the first start and the last end that no kernel covers."""

@@ -8,6 +8,7 @@ without a CUDA build of librdep_capi.so; on the device, a missing CUTLASS comput
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,14 @@ def test_per_process_ranks_under_torchrun():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONUNBUFFERED="1", RDEP_LIBRARY=str(capi.library_path()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
+    # A session of its own: on a timeout the whole group (torchrun and its workers) is killed, not torchrun alone.
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past 600 s:\n{out[-6000:]}")
     assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
     for r in range(nproc):
         for check in ("eager_matches_reference", "capture_replays_like_eager", "reduce_overhead_records_rdep_ops"):

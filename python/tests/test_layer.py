@@ -26,6 +26,10 @@ def test_host_layer_reports_its_configuration():
     assert "W=3" in repr(layer) and "backend=host" in repr(layer)
     with pytest.raises(ValueError, match=r"^rank: 3 outside \[0, world_size=3\)"):
         layer.owned_experts(3)
+    assert layer.check_errors() is None  # the host backend has no device barrier records
+    layer.close()
+    with pytest.raises(Exception, match="closed"):
+        layer.check_errors()
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [

@@ -517,6 +517,12 @@ int rdep_context_check_routing(rdep_layer* l, int64_t ctx) {
   return Guard([&]() -> rdep::Status { return l->adapter->CheckRoutingFaults(s->per_rank); });
 }
 
+int rdep_layer_check_errors(rdep_layer* l) {
+  if (!l) return FailInvalid("layer is null");
+  std::lock_guard<std::mutex> lock(l->mu);
+  return Guard([&]() -> rdep::Status { return l->adapter->CheckDeviceErrors(); });
+}
+
 int rdep_context_bytes(const rdep_layer* l, int64_t ctx, size_t* bytes) {
   if (!l || !bytes) return FailInvalid("layer and bytes must not be null");
   auto* m = const_cast<rdep_layer*>(l);

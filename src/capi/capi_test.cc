@@ -218,6 +218,9 @@ TEST(CApi, CheckRoutingOnTheHostBackend) {
   EXPECT_EQ(rdep_context_check_routing(l, ctx), 1);
   EXPECT_NE(std::string(rdep_last_error()).find("is not a live context"), std::string::npos) << rdep_last_error();
   EXPECT_EQ(rdep_context_check_routing(nullptr, ctx), 1);
+  EXPECT_EQ(rdep_layer_check_errors(l), 0) << "version 16: the host backend has no device barrier records";
+  EXPECT_EQ(rdep_layer_check_errors(nullptr), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("layer is null"), std::string::npos) << rdep_last_error();
   rdep_layer_destroy(l);
 }
 

@@ -99,6 +99,11 @@ class CudaAdapter final : public LayerAdapter {
     });
   }
 
+  Status CheckDeviceErrors() override {
+    for (int32_t r : ranks_) RDEP_RETURN_IF_ERROR(domain_->CheckErrors(r));
+    return Status::Ok();
+  }
+
   Status CheckRoutingFaults(std::vector<ForwardContext>& ctx) override {
     DeviceGuard guard;
     for (size_t i = 0; i < ranks_.size(); ++i) RDEP_RETURN_IF_ERROR(layer_->CheckRoutingFaults(ranks_[i], ctx[i]));

@@ -41,6 +41,8 @@ class LayerAdapter {
   // Waits for the device's check of the routing of the forward in ctx (rdep_context_check_routing); the
   // host backend checks in its forward.
   virtual Status CheckRoutingFaults(std::vector<ForwardContext>&) { return Status::Ok(); }
+  // The local ranks' device barrier error records, read without a CUDA call (rdep_layer_check_errors).
+  virtual Status CheckDeviceErrors() { return Status::Ok(); }
   virtual Status Backward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
 
   // The caller's own experts (capi.h version 3): the plan alone, the rows a local rank receives per

@@ -8,6 +8,11 @@
 // `epoch` by a system-scope release store of (epoch << 16 | phase) into slot r of every peer, then thread p
 // waits (acquire) until its own slot p reaches the epoch, bounded by %globaltimer. Prior kernels on the
 // stream have completed, so their peer stores are visible first.
+// A failed barrier writes the rank's error record (mapped host memory), which the next call on the domain reads
+// (CudaDomain::CheckErrors). A barrier recorded in a CUDA graph (`trap`) has no next call to read it: its replays
+// run no host code, and a replay that went on would run on a peer's missing data. So a captured barrier also traps
+// after writing the record: the CUDA context stops with an error the caller sees at its next synchronization, and
+// the record (rdep_layer_check_errors, CudaDomain::CheckErrors) says which barrier, rank and phase.
 #include <cuda/atomic>
 
 #include "rdep/cuda/check.h"
@@ -22,8 +27,21 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
+// Writes the error record once (the first failing thread of any barrier of this rank), then traps if asked.
+__device__ void Fail(DeviceErrorRecord* error, int32_t code, uint32_t phase, int p, uint64_t v, uint64_t epoch, bool trap) {
+  if (atomicCAS(&error->code, 0, code) == 0) {
+    error->phase = static_cast<int32_t>(phase);
+    error->peer = p;
+    error->peer_phase = code == 1 ? 0 : static_cast<int32_t>(v & 0xFFFF);
+    error->epoch = epoch;
+    error->peer_epoch = code == 3 ? v >> 16 : 0;
+    __threadfence_system();
+  }
+  if (trap) __trap();
+}
+
 __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_t num_ranks, uint32_t phase,
-                                   uint64_t timeout_ns, DeviceErrorRecord* error) {
+                                   uint64_t timeout_ns, DeviceErrorRecord* error, bool trap) {
   __shared__ uint64_t next_epoch;
   const int p = static_cast<int>(threadIdx.x);
   if (p == 0) {
@@ -47,46 +65,26 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
   uint64_t v = wait.load(::cuda::memory_order_acquire);
   while ((v >> 16) < epoch) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      if (atomicCAS(&error->code, 0, 1) == 0) {
-        error->phase = static_cast<int32_t>(phase);
-        error->peer = p;
-        error->epoch = epoch;
-        __threadfence_system();
-      }
+      Fail(error, 1, phase, p, v, epoch, trap);
       return;
     }
     __nanosleep(64);
     v = wait.load(::cuda::memory_order_acquire);
   }
   if ((v >> 16) > epoch + 1) {
-    if (atomicCAS(&error->code, 0, 3) == 0) {
-      error->phase = static_cast<int32_t>(phase);
-      error->peer = p;
-      error->peer_phase = static_cast<int32_t>(v & 0xFFFF);
-      error->epoch = epoch;
-      error->peer_epoch = v >> 16;
-      __threadfence_system();
-    }
+    Fail(error, 3, phase, p, v, epoch, trap);
     return;
   }
-  if ((v >> 16) == epoch && (v & 0xFFFF) != phase) {
-    if (atomicCAS(&error->code, 0, 2) == 0) {
-      error->phase = static_cast<int32_t>(phase);
-      error->peer = p;
-      error->peer_phase = static_cast<int32_t>(v & 0xFFFF);
-      error->epoch = epoch;
-      __threadfence_system();
-    }
-  }
+  if ((v >> 16) == epoch && (v & 0xFFFF) != phase) Fail(error, 2, phase, p, v, epoch, trap);
 }
 
 }  // namespace
 
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
-                          DeviceErrorRecord* error, cudaStream_t stream) {
+                          DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
   const int threads = ((num_ranks + 31) / 32) * 32;
   PhaseBarrierKernel<<<1, threads, 0, stream>>>(slot_table, rank, num_ranks, static_cast<uint32_t>(phase),
-                                                static_cast<uint64_t>(timeout_s * 1e9), error);
+                                                static_cast<uint64_t>(timeout_s * 1e9), error, trap);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -603,8 +603,12 @@ Status CudaDomain::Run(const std::function<Status(int32_t rank)>& fn) {
 Status CudaDomain::Barrier(int32_t rank, Phase phase) {
   if (num_ranks_ == 1) return Status::Ok();  // no peer to wait for: the rank's stream order is the barrier
   if (joins_) return JoinBarrier(rank, phase, ++epoch_[static_cast<size_t>(rank)]);
+  // Recorded in a CUDA graph, a failed barrier traps after writing its record: no host call follows a replay to
+  // read the record, and the replay must not go on without the peer's data (cuda_barrier.cu).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream(rank), &capture));
   return LaunchPhaseBarrier(peer_table(rank, barrier_region_), rank, num_ranks_, phase, options_.barrier_timeout_s,
-                            errors_dev_[static_cast<size_t>(rank)], stream(rank));
+                            errors_dev_[static_cast<size_t>(rank)], stream(rank), capture != cudaStreamCaptureStatusNone);
 }
 
 Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {

@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -170,6 +172,56 @@ TEST_P(CudaDomainBarrier, W2_CapturedBarriersSynchronizeInEveryReplay) {
   // Eager barriers after the replays still meet (the epochs counted on the device agree across ranks).
   const Status after = BarrierOnEveryRank(**d);
   EXPECT_TRUE(after.ok()) << after;
+}
+
+// The child of W2_CapturedBarrierThatFailsTrapsAfterItsRecord: one graph of both ranks' work in which only rank 0
+// recorded a barrier, replayed. Rank 0's barrier times out (0.2 s) in the replay, writes its record and traps. Prints
+// the synchronization's error and the record's message; exits 3 when both say it failed, 4 otherwise, 5 on set-up.
+[[noreturn]] void ExitWith(int code, const std::string& what) {
+  std::fprintf(stderr, "%s\n", what.c_str());
+  std::fflush(stderr);
+  std::_Exit(code);  // no teardown of a stopped CUDA context
+}
+
+[[noreturn]] void ReplayOneSidedBarrier(const Placement& placement) {
+  auto d = CudaDomain::CreateSingleProcess(2, {.barrier_timeout_s = 0.2,
+                                               .devices = placement.shared ? RoundRobinDevices(2, 1) : std::vector<int>{},
+                                               .kernel_barriers = placement.kernel_barriers});
+  if (!d.ok()) ExitWith(5, d.status().ToString());
+  cudaGraph_t graph = nullptr;
+  const Status s = (*d)->Run([&](int32_t r) -> Status {
+    RDEP_RETURN_IF_ERROR((*d)->BeginCapture(r));
+    const Status work = r == 0 ? (*d)->Barrier(r, Phase::kSmoke) : Status::Ok();
+    auto g = (*d)->EndCapture(r);
+    RDEP_RETURN_IF_ERROR(work);
+    RDEP_RETURN_IF_ERROR(g.status());
+    if (*g) graph = *g;
+    return Status::Ok();
+  });
+  if (!s.ok() || graph == nullptr) ExitWith(5, "capture: " + s.ToString());
+  const int32_t first = (*d)->local_ranks().front();
+  cudaGraphExec_t exec = nullptr;
+  if (cudaSetDevice((*d)->device(first)) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess ||
+      cudaGraphLaunch(exec, (*d)->stream(first)) != cudaSuccess)
+    ExitWith(5, "launch failed");
+  const cudaError_t synced = cudaStreamSynchronize((*d)->stream(first));
+  const Status record = (*d)->CheckErrors(0);
+  ExitWith(synced != cudaSuccess && !record.ok() ? 3 : 4,
+       std::string("replay: ") + cudaGetErrorName(synced) + "; rank 0's record: " + record.ToString());
+}
+
+// A barrier kernel recorded in a CUDA graph traps when it fails (here a timeout: rank 1 recorded no barrier), after
+// writing its record: no host call follows a replay to report the record, and the replay must not go on without
+// the peer. The CUDA context stops, so the replay runs in a child process (a death test, re-executed: "threadsafe").
+TEST_P(CudaDomainBarrier, W2_CapturedBarrierThatFailsTrapsAfterItsRecord) {
+  if (GetParam().shared && !GetParam().kernel_barriers) GTEST_SKIP() << "host joins: captured, a join is a graph edge";
+  auto d = Make(2, 0.2);  // only to skip where the placement is missing; the child makes its own
+  if (d.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << d.status().message();
+  ASSERT_TRUE(d.ok()) << d.status();
+  d->reset();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(ReplayOneSidedBarrier(GetParam()), ::testing::ExitedWithCode(3),
+              "replay: cuda.*; rank 0's record: .*device barrier 'smoke' \\(#1\\) timed out after 0.2 s; no arrival from rank\\(s\\) 1");
 }
 
 // Barrier kernels whose epoch counts diverged (rank 1 ran three barriers rank 0 never joined, each timing out)

@@ -191,9 +191,10 @@ class CudaDomain final : public Domain {
 };
 
 // Launches the barrier kernel (cuda_barrier.cu). slot_table[r] points at rank r's num_ranks + 1 uint64 slots
-// (the last: r's epoch counter, advanced by each of r's barriers).
+// (the last: r's epoch counter, advanced by each of r's barriers). trap: after writing the error record, a failed
+// barrier traps (the CUDA context stops with an error): CudaDomain::Barrier asks for it when the stream is capturing.
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
-                          DeviceErrorRecord* error, cudaStream_t stream);
+                          DeviceErrorRecord* error, cudaStream_t stream, bool trap = false);
 
 // Smoke test store: rank writes 1000*rank + q into slot `rank` of every peer q's int64 region.
 Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream);

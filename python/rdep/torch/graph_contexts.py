@@ -27,7 +27,8 @@ forward writes the context the capture used, and each replay of the captured bac
     naming the cause, where the library would only say that the context holds no forward.
 What a replay does not do: check the routing on the host (a bad expert id runs with zero gates, as in an
 eager sync-free forward, but no error is raised: check the routing before capturing, or use the module's
-own router), or release anything.
+own router), report a failed barrier on the host (with several ranks, one a process: the barrier traps after
+writing its record, so the CUDA context stops; Layer.check_errors() names it), or release anything.
 """
 
 from __future__ import annotations

@@ -602,6 +602,17 @@ class Layer(CHandle):
         return (self.capturable_ops and self.backend == "cuda" and self.expert_compute == "cutlass" and self.balance == "off" and self.nodes == 1
                 and self.stash_rows == 0 and self.num_local_ranks == 1)
 
+    def check_errors(self) -> None:
+        """Raises the first failure the device barriers of this process's ranks recorded (rdep.RdepTimeoutError: a
+        barrier no peer reached, naming the phase and the missing rank; rdep.InternalError: a phase mismatch or
+        diverged epochs), else returns. It reads mapped host memory: no CUDA call, no wait, so it is cheap enough for every
+        training step, and it works after the CUDA context stopped. Every eager call of the layer checks first; calls
+        that CUDA graphs replay (the capturable ops under torch.compile(mode="reduce-overhead") with several ranks)
+        run no host code, and a barrier that fails in a replay writes its record and traps: torch's next
+        synchronization raises a CUDA error, and this names the cause. Like NCCL's ncclCommGetAsyncError."""
+        with self._native.lock:
+            _capi.check(_capi.lib().rdep_layer_check_errors(self._live_ptr()), "rdep_layer_check_errors")
+
     def context_bytes(self) -> int:
         """Bytes of saved state held by the live contexts, summed (rdep_context_bytes)."""
         L, p = _capi.lib(), self._live_ptr()
