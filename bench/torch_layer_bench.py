@@ -63,7 +63,9 @@ def read_routing(path: str, tokens: int, topk: int, experts: int) -> tuple[torch
 
 def make_inputs(a, device, dtype, rank: int = 0, world: int = 1, local_experts: range | None = None):
     """x, experts, gates, w1, w2, dy of this process's rank: its tokens drawn from seed + rank (seed at W = 1) or read
-    from --routing-from (FILE at W = 1, FILE.rank<r> above), its experts' slices of all E experts' weights."""
+    from --routing-from (FILE at W = 1, FILE.rank<r> above), its experts' slices of all E experts' weights. (Since the
+    sixteenth session the weights come from a generator of their own and dy right after x, so W = 1's x routing and x
+    are those of earlier receipts, its weights and dy not: the same distributions, for timing.)"""
     g = torch.Generator(device="cpu").manual_seed(a.seed + rank)
     T, H, F, E, K = a.tokens, a.hidden, a.ffn, a.experts, a.topk
     experts = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)

@@ -471,8 +471,11 @@ stage_mem1() {  # the layer's memory per rank with one payload buffer (S >= W*T)
     --warmup 3 --iters 10 --json "$R/mem_w4g1_gate_reduce.json"
 }
 train_env() { echo env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1; }
-pip_wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1
+WHEELS_IN=0
+pip_wheels() {  # the wheels into /tmp/site, once per run of this script
+  [ "$WHEELS_IN" = 1 ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$R/pip.log" 2>&1 &&
+    WHEELS_IN=1
 }
 stage_prof1() {
   pip_wheels
