@@ -47,15 +47,20 @@ def register_autograd(op, backward, setup_context) -> None:
     schema's defaults into the inputs on every call (torch._library.utils.fill_defaults reads the schema's argument
     list again for each argument: ~50 us a forward of the 11-argument capturable op on a fast CPU, a fifth of the
     binding's Python time a forward+backward). Here the defaults are read from the schema once. The ops' schemas
-    have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles)."""
-    schema = op._schema
-    if any(a.kwarg_only for a in schema.arguments) or torch._library.utils.is_out(op):
-        raise NotImplementedError(f"register_autograd: {op} has keyword-only or out= arguments")
-    defaults = tuple(a.default_value for a in schema.arguments)
-    below = torch._C._after_autograd_keyset
+    have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles); a
+    torch without the private pieces used here gets torch.library.register_autograd."""
+    C = torch._C
+    if not all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset")) or \
+            any(a.kwarg_only for a in op._schema.arguments):
+        torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
+        return
+    defaults = tuple(a.default_value for a in op._schema.arguments)
+    below = C._after_autograd_keyset
 
-    def forward(ctx, keyset, *args):
-        with torch._C._AutoDispatchBelowAutograd():
+    def forward(ctx, *args_and_keyset):
+        *args, keyset = args_and_keyset  # the key set last, as torch's own formula passes its metadata
+        args = tuple(args)
+        with C._AutoDispatchBelowAutograd():
             out = op.redispatch(keyset & below, *args)
         ctx.rdep_num_args = len(args)  # the dispatcher leaves trailing defaults out: as many gradients back
         setup_context(ctx, args + defaults[len(args):], out)
@@ -64,15 +69,15 @@ def register_autograd(op, backward, setup_context) -> None:
     def backward_with_keyset(ctx, *grads):
         grads_in = backward(ctx, *grads)
         grads_in = grads_in if isinstance(grads_in, tuple) else (grads_in,)
-        return (None,) + tuple(grads_in[:ctx.rdep_num_args])  # none for the key set
+        return tuple(grads_in[:ctx.rdep_num_args]) + (None,)  # none for the key set
 
     fn = type(f"RdepAutograd_{op._opname}", (torch.autograd.Function,),
               {"forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset)})
 
     def kernel(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return fn.apply(keyset, *args)
-        with torch._C._AutoDispatchBelowAutograd():
+        if C.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return fn.apply(*args, keyset)
+        with C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, *args)
 
     _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
