@@ -5,8 +5,9 @@ Library: the schema, one Python kernel for the CPU and CUDA dispatch keys, the f
 Why not torch.library.custom_op: its kernel wrapper runs checks on every call (the defaults filled again,
 the outputs' aliasing, a dynamo-disabled frame) that cost ~50 us of host time per call on a fast CPU, and
 each rdep call's host time is on the training step's critical path when the GPU waits for it. The
-Library kernel is called by the dispatcher directly; the schema, fake and autograd registrations are the
-same public API, so torch.compile and torch.library.opcheck treat the ops as before.
+Library kernel is called by the dispatcher directly; the schema and fake registrations are the same public
+API, and the autograd kernel is the structure torch.library.register_autograd installs (register_autograd below,
+without its per-call filling of the defaults), so torch.compile and torch.library.opcheck treat the ops as before.
 
 The tag `torch.Tag.cudagraph_unsafe` (where torch has it), on every op but the capturable pair: each such op
 does host work that must run on every call (it acquires and releases the layer's forward contexts, keeps
