@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py
 
 import rdep.torch as rt  # noqa: E402
 import reference as ref  # noqa: E402
+from cuda_graph_helpers import capture  # noqa: E402
+from test_cuda import assert_reduce_overhead_matches_default  # noqa: E402
 
 Y_TOL, GRAD_TOL = 1e-2, 2e-2  # test_cuda.py's (bf16)
 H, F, E, K, T = 64, 32, 8, 2, 48
@@ -51,20 +53,10 @@ def assert_close(a, b, tol: float, what: str) -> None:
 
 def all_inputs(W: int, n: int, kind: str, seed: int):
     """Every rank's x [W, n, H], ids, gates [W, n, K] and all experts' w1 [E, H, 2F], w2 [E, F, H] (CPU, one seed:
-    every process makes the same), and dy [W, n, H]."""
+    every process makes the same; reference.draw_inputs, as test_cuda.py's), and dy [W, n, H] drawn after them."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(W, n, H, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).bfloat16()
-    if kind == "uniform":
-        ids = torch.rand(W * n, E, generator=g).argsort(-1)[:, :K]
-    else:  # zipf-like skew, K distinct experts a token
-        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
-        ids = torch.multinomial(p.expand(W * n, E), K, replacement=False, generator=g)
-    ids = ids.reshape(W, n, K).int()
-    gates = torch.rand(W, n, K, generator=g) * 0.9 + 0.1
-    dy = torch.randn(W, n, H, generator=g).bfloat16()
-    return x, ids, gates, w1, w2, dy
+    x, ids, gates, w1, w2 = ref.draw_inputs(W, n, H, F, E, K, kind, g)
+    return x, ids, gates, w1, w2, torch.randn(W, n, H, generator=g).bfloat16()
 
 
 def mine(layer: rt.Layer, r: int, dev, x, ids, gates, w1, w2, dy):
@@ -111,16 +103,10 @@ def capture_replays_like_eager(W: int, r: int, dev, group) -> None:
     x0, ids0, g0, w1, w2, dy0 = mine(layer, r, dev, *all_inputs(W, n, "uniform", 3))
     w1, w2 = w1.float().requires_grad_(True), w2.float().requires_grad_(True)  # fp32 masters, cast in the ops
     x_s, ids_s, g_s, dy_s = x0.clone().requires_grad_(True), ids0.clone(), g0.clone().requires_grad_(True), dy0.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
-    torch.cuda.current_stream().wait_stream(side)
-    assert layer.live_contexts == 0 and layer.pinned_contexts == 0
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs_s = step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
+    def no_context_left():
+        assert layer.live_contexts == 0 and layer.pinned_contexts == 0
+
+    graph, outs_s = capture(lambda: step(layer, x_s, ids_s, g_s, w1, w2, dy_s), after_warmups=no_context_left)
     assert layer.pinned_contexts == 1 and layer.live_contexts == 0
     for seed in (4, 5, 6):
         x, ids, gates, _, _, dy = mine(layer, r, dev, *all_inputs(W, n, "zipf" if seed == 5 else "uniform", seed))
@@ -147,23 +133,9 @@ def reduce_overhead_records_rdep_ops(W: int, r: int, dev, group) -> None:
     mods = [rt.MoE(64, 32, 8, 2, **args) for _ in range(2)]
     assert mods[1].layer.capturable
     torch._dynamo.reset()
-    runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
-    g = torch.Generator().manual_seed(11 + r)
     patch = {"graph_partition": True} if hasattr(inductor_config, "graph_partition") else {}
     with inductor_config.patch(**patch):
-        for s in range(4):
-            x = torch.randn(1, 32, 64, generator=g).bfloat16().to(dev)
-            outs = []
-            for run, mod in zip(runs, mods):
-                torch.compiler.cudagraph_mark_step_begin()
-                xi = x.clone().requires_grad_(True)
-                o = run(xi)
-                (o.y.float().square().mean() + o.aux_loss).backward()
-                outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
-                mod.zero_grad(set_to_none=True)
-            names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
-            for name, a, b in zip(names, outs[1], outs[0]):
-                assert_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {s}: {name}")
+        assert_reduce_overhead_matches_default(mods, 4, (1, 32, 64), device=dev, seed=11 + r)
     assert mods[1].layer.pinned_contexts >= 1, "reduce-overhead did not record rdep's ops in a CUDA graph"
     assert mods[0].layer.live_contexts == 0 and mods[0].layer.pinned_contexts == 0
     torch._dynamo.reset()

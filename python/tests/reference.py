@@ -60,6 +60,23 @@ def experts(x: torch.Tensor, ids: torch.Tensor, g_eff: torch.Tensor, w1: torch.T
     return y
 
 
+def draw_inputs(W: int, n: int, H: int, F: int, E: int, K: int, kind: str, g: torch.Generator):
+    """bf16 x [W, n, H], w1 [E, H, 2F], w2 [E, F, H] (scaled by fan-in), int32 ids [W, n, K] (K distinct experts a
+    token: 'uniform', or a Zipf-like skew with exponent 1.5 for any other kind) and fp32 gates in [0.1, 1), drawn
+    from g in that order (CPU tensors; the CUDA tests move them)."""
+    x = torch.randn(W, n, H, generator=g).bfloat16()
+    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).bfloat16()
+    if kind == "uniform":
+        ids = torch.rand(W * n, E, generator=g).argsort(-1)[:, :K]
+    else:  # zipf-like skew, K distinct experts a token
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+        ids = torch.multinomial(p.expand(W * n, E), K, replacement=False, generator=g)
+    ids = ids.reshape(W, n, K).int()
+    gates = torch.rand(W, n, K, generator=g) * 0.9 + 0.1
+    return x, ids, gates, w1, w2
+
+
 def moe_layer(x, ids, gates, w1, w2, capacity_factor: float, T: int):
     """The rdep layer: x [W, n, H], ids [W, n, K], gates [W, n, K], w1 [E, H, 2F], w2 [E, F, H] (all experts).
     Returns (y [W, n, H], accepted [W, n, K])."""

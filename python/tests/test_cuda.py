@@ -47,17 +47,7 @@ def assert_bf16_close(a, b, tol, what):
 
 
 def make_inputs(W, n, H, F, E, K, kind, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(W, n, H, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).bfloat16()
-    if kind == "uniform":
-        ids = torch.rand(W * n, E, generator=g).argsort(-1)[:, :K]
-    else:  # zipf-like skew, K distinct experts per token
-        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
-        ids = torch.multinomial(p.expand(W * n, E), K, replacement=False, generator=g)
-    ids = ids.reshape(W, n, K).int()
-    gates = torch.rand(W, n, K, generator=g) * 0.9 + 0.1
+    x, ids, gates, w1, w2 = ref.draw_inputs(W, n, H, F, E, K, kind, torch.Generator().manual_seed(seed))
     return [t.to(DEV).contiguous() for t in (x, ids, gates, w1, w2)]
 
 
@@ -287,14 +277,14 @@ def test_compile_fullgraph_matches_eager_cuda():
         torch.testing.assert_close(pc.grad, pe.grad, msg=k)
 
 
-def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple) -> None:
+def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple, device=DEV, seed: int = 11) -> None:
     """mods[0] compiled in the default mode, mods[1] (the same weights) with mode="reduce-overhead": `steps` training
-    steps with a new x each give the same y, dx and parameter gradients (bf16 tolerances: inductor's kernels may
-    differ between the modes)."""
+    steps with a new x each (drawn from `seed`, on `device`) give the same y, dx and parameter gradients (bf16
+    tolerances: inductor's kernels may differ between the modes)."""
     runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(*x_shape, generator=g).bfloat16().to(DEV)
+        x = torch.randn(*x_shape, generator=g).bfloat16().to(device)
         outs = []
         for run, mod in zip(runs, mods):
             torch.compiler.cudagraph_mark_step_begin()

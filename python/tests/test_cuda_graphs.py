@@ -7,13 +7,11 @@ device, where that is a failure) the CUTLASS compute.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-import rdep._capi as capi
 import rdep.torch as rt
+from cuda_graph_helpers import capture, require_cutlass_gpu
 from test_cuda import DEV, assert_reduce_overhead_matches_default, make_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -22,13 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(autouse=True)
 def _cutlass_gpu():
-    if not capi.built_with_cuda() or capi.cuda_device_count() < 1:
-        pytest.skip("librdep_capi.so was built without CUDA or sees no CUDA device")
-    ok, why = capi.cutlass_available(0)
-    if not ok:
-        if os.environ.get("RDEP_REQUIRE_CUTLASS") == "1":
-            pytest.fail(f"RDEP_REQUIRE_CUTLASS=1 but the CUTLASS compute is not available: {why}")
-        pytest.skip(f"the CUTLASS compute is not available here: {why}")
+    require_cutlass_gpu()
     torch.cuda.set_device(DEV)
 
 
@@ -81,17 +73,10 @@ def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_exp
     x_s, ids_s, g_s = x0.clone().requires_grad_(True), ids0.clone(), g0.clone().requires_grad_(True)
     dy_s = torch.randn_like(x0)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
-    torch.cuda.current_stream().wait_stream(side)
-    assert layer.live_contexts == 0 and layer.pinned_contexts == 0
+    def no_context_left():
+        assert layer.live_contexts == 0 and layer.pinned_contexts == 0
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs_s = _step(layer, x_s, ids_s, g_s, w1, w2, dy_s)
+    graph, outs_s = capture(lambda: _step(layer, x_s, ids_s, g_s, w1, w2, dy_s), after_warmups=no_context_left)
     assert layer.pinned_contexts == 1 and layer.live_contexts == 0
 
     names = ["y", "dx", "dgates", "dw1", "dw2"]

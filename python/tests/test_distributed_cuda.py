@@ -17,19 +17,14 @@ import pytest
 import torch
 
 import rdep._capi as capi
+from cuda_graph_helpers import require_cutlass_gpu
 
 WORKER = Path(__file__).resolve().parent / "dist_capture_worker.py"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs (one rank a process, a GPU each)")
 def test_per_process_ranks_under_torchrun():
-    if not capi.built_with_cuda():
-        pytest.skip("librdep_capi.so was built without CUDA")
-    ok, why = capi.cutlass_available(0)
-    if not ok:
-        if os.environ.get("RDEP_REQUIRE_CUTLASS") == "1":
-            pytest.fail(f"RDEP_REQUIRE_CUTLASS=1 but the CUTLASS compute is not available: {why}")
-        pytest.skip(f"the CUTLASS compute is not available here: {why}")
+    require_cutlass_gpu()
     nproc = min(torch.cuda.device_count(), 4)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONUNBUFFERED="1", RDEP_LIBRARY=str(capi.library_path()))
