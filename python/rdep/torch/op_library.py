@@ -50,33 +50,44 @@ def register_autograd(op, backward, setup_context) -> None:
     binding's Python time a forward+backward). Here the defaults are read from the schema once. The ops' schemas
     have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles); a
     torch without the private pieces used here gets torch.library.register_autograd."""
-    C = torch._C
-    if not all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset")) or \
-            any(a.kwarg_only for a in op._schema.arguments):
+    C, utils, schema = torch._C, torch._library.utils, op._schema
+    plain = not (any(a.kwarg_only for a in schema.arguments) or utils.is_out(op) or
+                 any(utils.is_tensorlist_like_type(a.type) for a in (*schema.arguments, *schema.returns)))
+    if not (plain and all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset"))):
         torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
         return
-    defaults = tuple(a.default_value for a in op._schema.arguments)
+    defaults = tuple(a.default_value for a in schema.arguments)
     below = C._after_autograd_keyset
+    any_requires_grad = getattr(C, "_any_requires_grad", None) or (
+        lambda *args: any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
 
     def forward(ctx, *args_and_keyset):
         *args, keyset = args_and_keyset  # the key set last, as torch's own formula passes its metadata
         args = tuple(args)
+        ctx.rdep_num_args = len(args)  # the dispatcher leaves trailing defaults out: as many gradients back
         with C._AutoDispatchBelowAutograd():
             out = op.redispatch(keyset & below, *args)
-        ctx.rdep_num_args = len(args)  # the dispatcher leaves trailing defaults out: as many gradients back
-        setup_context(ctx, args + defaults[len(args):], out)
+            setup_context(ctx, args + defaults[len(args):], out)
         return out
 
     def backward_with_keyset(ctx, *grads):
-        grads_in = backward(ctx, *grads)
+        needs = ctx.needs_input_grad
+        try:
+            ctx.needs_input_grad = needs[:-1]  # the formula sees one entry an input, as under torch's registration
+            grads_in = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
         grads_in = grads_in if isinstance(grads_in, tuple) else (grads_in,)
-        return tuple(grads_in[:ctx.rdep_num_args]) + (None,)  # none for the key set
+        n = ctx.rdep_num_args
+        if any(g is not None for g in grads_in[n:]):
+            raise RuntimeError(f"the backward formula of {op} returned a gradient for a defaulted input the call left out")
+        return tuple(grads_in[:n]) + (None,)  # none for the key set
 
     fn = type(f"RdepAutograd_{op._opname}", (torch.autograd.Function,),
               {"forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset)})
 
     def kernel(keyset, *args):
-        if C.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if C.is_grad_enabled() and any_requires_grad(*args):
             return fn.apply(*args, keyset)
         with C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, *args)
