@@ -125,6 +125,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 R=/tmp/receipts_w4
+# The first run in a device call (no archive in $OUT yet) starts from an empty folder: a machine may keep /tmp from an
+# earlier call, whose files the archive would otherwise carry; later runs in the same call add to it.
+[ -f "$OUT/receipts_w4.tgz" ] || rm -rf "$R"
 mkdir -p "$R" "$OUT"
 LOG=$OUT/receipts_w4.txt
 touch "$LOG"
