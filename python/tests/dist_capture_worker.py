@@ -103,6 +103,7 @@ def capture_replays_like_eager(W: int, r: int, dev, group) -> None:
     x0, ids0, g0, w1, w2, dy0 = mine(layer, r, dev, *all_inputs(W, n, "uniform", 3))
     w1, w2 = w1.float().requires_grad_(True), w2.float().requires_grad_(True)  # fp32 masters, cast in the ops
     x_s, ids_s, g_s, dy_s = x0.clone().requires_grad_(True), ids0.clone(), g0.clone().requires_grad_(True), dy0.clone()
+
     def no_context_left():
         assert layer.live_contexts == 0 and layer.pinned_contexts == 0
 
