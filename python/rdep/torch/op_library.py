@@ -41,6 +41,14 @@ def define(name: str, schema: str, kernel, fake, capturable: bool = False):
     return getattr(torch.ops.rdep, name).default
 
 
+def _kwarg_only_mutable_or_list(arg) -> bool:
+    """Whether a schema argument or return is one register_autograd below leaves to torch's own registration:
+    keyword-only, written to (out= and in-place variants) or a list of tensors."""
+    alias = arg.alias_info
+    tensor_list = isinstance(arg.type, torch._C.ListType) and "Tensor" in str(arg.type.getElementType())
+    return arg.kwarg_only or (alias is not None and alias.is_write) or tensor_list
+
+
 def register_autograd(op, backward, setup_context) -> None:
     """The autograd formula of an op `define` returned, registered as torch.library.register_autograd registers one
     (an autograd.Function whose forward redispatches below autograd and calls setup_context(ctx, inputs, output),
@@ -49,10 +57,10 @@ def register_autograd(op, backward, setup_context) -> None:
     list again for each argument: ~50 us a forward of the 11-argument capturable op on a fast CPU, a fifth of the
     binding's Python time a forward+backward). Here the defaults are read from the schema once. The ops' schemas
     have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles); a
-    torch without the private pieces used here gets torch.library.register_autograd."""
-    C, utils, schema = torch._C, torch._library.utils, op._schema
-    plain = not (any(a.kwarg_only for a in schema.arguments) or utils.is_out(op) or
-                 any(utils.is_tensorlist_like_type(a.type) for a in (*schema.arguments, *schema.returns)))
+    torch without the private pieces used here gets torch.library.register_autograd. The schema is read through
+    its public fields only (torch._library.utils' helpers differ between torch releases: 2.11 lacks is_out)."""
+    C, schema = torch._C, op._schema
+    plain = not any(_kwarg_only_mutable_or_list(a) for a in (*schema.arguments, *schema.returns))
     if not (plain and all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset"))):
         torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
         return

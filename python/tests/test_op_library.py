@@ -1,0 +1,137 @@
+"""op_library (rdep's operator registration) on test ops of its own, CPU tensors, no C library:
+the autograd kernel register_autograd installs (gradients, the schema's defaults, needs_input_grad, the error
+for a gradient of a left-out default), the fallback to torch.library.register_autograd for schemas it leaves
+to torch, and which schema arguments take that fallback. Exact comparisons: the ops are plain torch arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdep.torch  # noqa: F401  (registers rdep's own ops first: the test ops share their library)
+from rdep.torch import op_library
+
+
+def _scale_kernel(x, w, scale=2.0):
+    return x * w * scale
+
+
+def _scale_fake(x, w, scale=2.0):
+    return torch.empty_like(x)
+
+
+_SEEN = {}
+
+
+def _setup(ctx, inputs, output):
+    x, w, scale = inputs
+    _SEEN["inputs"] = len(inputs)
+    ctx.save_for_backward(x, w)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    _SEEN["needs"] = tuple(ctx.needs_input_grad)
+    return grad * w * ctx.scale, grad * x * ctx.scale, None
+
+
+SCALE = op_library.define("test_oplib_scale", "(Tensor x, Tensor w, float scale=2.0) -> Tensor", _scale_kernel,
+                          _scale_fake)
+op_library.register_autograd(SCALE, _backward, _setup)
+
+
+
+def _setup_kw(ctx, inputs, output, keyword_only_inputs):  # torch's registration's contract for keyword-only inputs
+    _setup(ctx, (*inputs, keyword_only_inputs.get("scale", 2.0)), output)
+
+
+def _backward_kw(ctx, grad):
+    return _backward(ctx, grad)[:2]  # gradients for the positional inputs only
+
+
+# keyword-only: register_autograd leaves it to torch's registration
+SCALE_KW = op_library.define("test_oplib_scale_kw", "(Tensor x, Tensor w, *, float scale=2.0) -> Tensor",
+                             _scale_kernel, _scale_fake)
+op_library.register_autograd(SCALE_KW, _backward_kw, _setup_kw)
+
+
+def _bad_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad * w, grad * x, torch.ones(())  # a "gradient" for the float default the call left out
+
+
+SCALE_BAD = op_library.define("test_oplib_scale_bad", "(Tensor x, Tensor w, Tensor? extra=None) -> Tensor",
+                              lambda x, w, extra=None: x * w, lambda x, w, extra=None: torch.empty_like(x))
+op_library.register_autograd(SCALE_BAD, _bad_backward, lambda ctx, inputs, out: ctx.save_for_backward(*inputs[:2]))
+
+
+def _inputs(requires=(True, True), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w = (torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    return x.requires_grad_(requires[0]), w.requires_grad_(requires[1])
+
+
+@pytest.mark.parametrize("op", [SCALE, SCALE_KW], ids=["plain_kernel", "torch_registration"])
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_gradients_match_the_formula(op, scale):
+    x, w = _inputs()
+    kwargs = {} if scale is None else {"scale": scale}
+    y = op(x, w, **kwargs)
+    s = 2.0 if scale is None else scale
+    assert torch.equal(y, x.detach() * w.detach() * s)
+    gy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), gy)
+    assert torch.equal(gx, gy * w.detach() * s)
+    assert torch.equal(gw, gy * x.detach() * s)
+    assert _SEEN["inputs"] == 3  # setup_context sees the left-out default filled in
+    kernel_name = type(y.grad_fn).__name__
+    assert ("RdepAutograd_test_oplib_scale" in kernel_name) == (op is SCALE), kernel_name
+
+
+def test_gradcheck_through_the_plain_kernel():
+    x, w = _inputs()
+    assert torch.autograd.gradcheck(lambda a, b: SCALE(a, b, 0.25), (x, w))
+
+
+def test_needs_input_grad_has_one_entry_an_input():
+    x, w = _inputs(requires=(False, True))
+    y = SCALE(x, w)
+    y.sum().backward()
+    assert _SEEN["needs"] == (False, True)  # not (False, True, False): the key set's entry is trimmed
+    assert x.grad is None and w.grad is not None
+
+
+def test_no_graph_without_inputs_that_require_grad():
+    x, w = _inputs(requires=(False, False))
+    y = SCALE(x, w)
+    assert not y.requires_grad and y.grad_fn is None
+    x, w = _inputs()
+    with torch.no_grad():
+        y = SCALE(x, w)
+    assert not y.requires_grad
+
+
+def test_gradient_for_a_left_out_default_is_an_error():
+    x, w = _inputs()
+    y = SCALE_BAD(x, w)
+    with pytest.raises(RuntimeError, match="defaulted input the call left out"):
+        y.sum().backward()
+
+
+def test_which_schemas_the_plain_kernel_takes():
+    def flags(op):
+        return [op_library._kwarg_only_mutable_or_list(a) for a in op._schema.arguments]
+
+    assert flags(torch.ops.aten.mul.Tensor) == [False, False]
+    assert flags(torch.ops.aten.add.out) == [False, False, True, True]  # alpha keyword-only, out written
+    assert flags(torch.ops.aten.cat.default)[0]  # a tensor list
+    assert flags(torch.ops.aten.add_.Tensor)[0]  # in place: self written
+    assert not any(flags(SCALE)) and flags(SCALE_KW) == [False, False, True]
+
+
+def test_opcheck_passes_on_both_registrations():
+    for op in (SCALE, SCALE_KW):
+        x, w = _inputs()
+        torch.library.opcheck(op, (x, w))
