@@ -2,6 +2,8 @@
 time split into the C library's calls (every rdep_* function, timed around its ctypes call), the calls into
 torch's caching allocator that the layer's row allocator makes from inside those C calls, and the rest: Python
 (torch's custom-op dispatch and autograd, rdep.torch's validation and bookkeeping) and the torch ops it runs.
+rdep.torch's own functions on the path (PY_FUNCS) are timed too, inclusive of what they call (C calls included),
+as py:module.function: what the op kernels take against what torch's dispatch and autograd around them take.
 
     with instrumented() as probe:
         per_call = breakdown(fn, iters, probe)   # {"host": us, "c:rdep_layer_forward": us, ..., "python": us}
@@ -40,16 +42,39 @@ class _TimedLibrary:
         return timed
 
 
+# rdep.torch's functions on the capturable and plain ops' path, each called through its module's attribute (so a
+# wrapper set there is the one called): the op kernels' parts.
+PY_FUNCS = (("ops", "_backward_on"), ("ops", "_layer_weights"), ("layer_calls", "forward"),
+            ("layer_calls", "backward"), ("graph_contexts", "sweep"), ("graph_contexts", "context_tensor"),
+            ("graph_contexts", "entry_for_backward"), ("graph_contexts", "after_backward"), ("validate", "check_forward"),
+            ("validate", "check_backward"), ("validate", "check_kept_casts"), ("layer_handles", "resolve"))
+
+
 class Probe:
     def __init__(self, lib: _TimedLibrary):
         self.lib = lib
         self.alloc_seconds = 0.0
         self.alloc_calls = 0
+        self.py_seconds = collections.defaultdict(float)
+        self.py_calls = collections.defaultdict(int)
 
     def reset(self) -> None:
         self.lib.seconds.clear()
         self.lib.calls.clear()
         self.alloc_seconds, self.alloc_calls = 0.0, 0
+        self.py_seconds.clear()
+        self.py_calls.clear()
+
+    def timed_python(self, name: str, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.py_seconds[name] += time.perf_counter() - t0
+                self.py_calls[name] += 1
+
+        return call
 
 
 @contextlib.contextmanager
@@ -72,6 +97,14 @@ def instrumented():
 
         return call
 
+    import importlib
+
+    originals = []
+    for module_name, fn_name in PY_FUNCS:
+        module = importlib.import_module(f"rdep.torch.{module_name}")
+        fn = getattr(module, fn_name)
+        originals.append((module, fn_name, fn))
+        setattr(module, fn_name, probe.timed_python(f"{module_name}.{fn_name}", fn))
     _capi._lib = probe.lib
     torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = timed(alloc), timed(free)
     try:
@@ -79,6 +112,8 @@ def instrumented():
     finally:
         _capi._lib = real
         torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = alloc, free
+        for module, fn_name, fn in originals:
+            setattr(module, fn_name, fn)
 
 
 def breakdown(fn, iters: int, probe: Probe) -> dict:
@@ -108,6 +143,9 @@ def breakdown(fn, iters: int, probe: Probe) -> dict:
     out["row_allocator_in_c"] = 1e6 * probe.alloc_seconds / iters
     out["calls:row_allocator"] = probe.alloc_calls / iters
     out["python"] = out["host"] - out["c_total"]
+    for name, s in sorted(probe.py_seconds.items()):
+        out[f"py:{name}"] = 1e6 * s / iters
+        out[f"calls:py:{name}"] = probe.py_calls[name] / iters
     return out
 
 
@@ -116,7 +154,8 @@ def print_breakdown(title: str, b: dict) -> None:
     for k, v in b.items():
         if k.startswith("calls:"):
             continue
-        calls = b.get("calls:" + k[2:]) if k.startswith("c:") else b.get("calls:row_allocator") if k == "row_allocator_in_c" else None
+        calls = (b.get("calls:" + k[2:]) if k.startswith("c:") else b.get("calls:" + k) if k.startswith("py:")
+                 else b.get("calls:row_allocator") if k == "row_allocator_in_c" else None)
         extra = f"  ({calls:g} a call)" if calls is not None else ""
         print(f"    {k:34s} {v:9.1f}{extra}")
 

@@ -7,7 +7,13 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
   * function: a torch.autograd.Function whose forward and backward do one aten op each (a Python
               autograd node, as a binding's custom op has);
   * op:       a custom op through torch.library (a Library-defined Python kernel with register_autograd,
-              as rdep.torch defines its ops), forward and backward each one aten op.
+              as rdep.torch defines its ops), forward and backward each one aten op;
+  * pair:     rdep's capturable op pair with its C library and bookkeeping taken out: the same schemas,
+              registration (rdep.torch.op_library), setup_context and formula shape, four differentiable
+              inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
+              the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
+  * the pieces a kernel of rdep's calls per call: torch.empty, torch.full on the device, the current
+    stream as a Stream object and as a raw handle, the stream's capture status.
 
     python3 bench/torch_autograd_floor.py --json floor.json
 """
@@ -29,6 +35,43 @@ _LIB.impl("twice", lambda x: x * 2, "CUDA")
 torch.library.register_fake("rdep_floor::twice", lambda x: torch.empty_like(x), lib=_LIB)
 torch.library.register_autograd("rdep_floor::twice", lambda ctx, g: g * 2, setup_context=lambda ctx, inputs, output: None,
                                 lib=_LIB)
+
+
+def _pair_forward(handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context=True, check_routing=True):
+    return (torch.empty_like(x), torch.full((), 0, dtype=torch.int64, device=x.device),
+            torch.empty(row_bytes, dtype=torch.uint8, device=x.device), w1.new_empty((0,)), w2.new_empty((0,)))
+
+
+def _pair_backward(handle, layer, ctx, rows, w1c, w2c, dy, w1, w2):
+    return (torch.empty_like(dy), torch.empty(dy.shape[:2] + (6,), dtype=torch.float32, device=dy.device),
+            torch.empty_like(w1), torch.empty_like(w2))
+
+
+def _pair_setup(ctx, inputs, output):
+    handle, layer, _x, _experts, _gates, w1, w2, _row_bytes, _keep, save_context, _check_routing = inputs
+    y, context, rows, w1c, w2c = output
+    ctx.mark_non_differentiable(context, rows, w1c, w2c)
+    ctx.set_materialize_grads(False)
+    ctx.layer = layer
+    ctx.save_for_backward(handle, context, rows, w1c, w2c, w1, w2)
+
+
+def _pair_formula(ctx, dy, *_dsaved):
+    handle, context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
+    dx, dgates, dw1, dw2 = torch.ops.rdep_floor.pair_backward(handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(),
+                                                              w1, w2)
+    return (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype)) + (None,) * 4
+
+
+def _define_pair() -> None:
+    """rdep_floor::pair_forward / pair_backward, registered as rdep.torch registers its capturable pair."""
+    from rdep.torch import op_library, ops
+
+    fwd = op_library.define("pair_forward", ops.CAPTURABLE_FORWARD_SCHEMA, _pair_forward, _pair_forward, capturable=True,
+                            lib=_LIB)
+    op_library.define("pair_backward", ops.CAPTURABLE_BACKWARD_SCHEMA, _pair_backward, _pair_backward, capturable=True,
+                      lib=_LIB)
+    op_library.register_autograd(fwd, _pair_formula, _pair_setup, lib=_LIB)
 
 
 class _Twice(torch.autograd.Function):
@@ -76,9 +119,47 @@ def cases(device: torch.device) -> dict:
         torch.ops.rdep_floor.twice(x).backward(dy)
         clear()
 
-    return {"linear forward": lambda: torch.nn.functional.linear(x, w), "linear f+b": linear_fb,
-            "function forward": lambda: _Twice.apply(x), "function f+b": function_fb,
-            "op forward": lambda: torch.ops.rdep_floor.twice(x), "op f+b": op_fb}
+    out = {"linear forward": lambda: torch.nn.functional.linear(x, w), "linear f+b": linear_fb,
+           "function forward": lambda: _Twice.apply(x), "function f+b": function_fb,
+           "op forward": lambda: torch.ops.rdep_floor.twice(x), "op f+b": op_fb}
+    if hasattr(torch.ops.rdep_floor, "pair_forward"):
+        out.update(_pair_cases(device))
+    out.update(_piece_cases(device))
+    return out
+
+
+def _pair_cases(device: torch.device) -> dict:
+    """rdep's capturable pair's structure at the example's layer shape (E_local 64, H 1024, F 704), kernels that
+    only allocate (bf16 weights, 4096 tokens, top-6)."""
+    n, H, F, E, K = 4096, 1024, 704, 64, 6
+    bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, n, H, device=device, dtype=bf16, requires_grad=True)
+    gates = torch.rand(1, n, K, device=device, requires_grad=True)
+    experts = torch.zeros(1, n, K, dtype=torch.int32, device=device)
+    w1 = torch.randn(E, H, 2 * F, device=device, dtype=bf16, requires_grad=True)
+    w2 = torch.randn(E, F, H, device=device, dtype=bf16, requires_grad=True)
+    handle, dy = torch.zeros(1, device=device), torch.randn(1, n, H, device=device, dtype=bf16)
+    fwd = torch.ops.rdep_floor.pair_forward
+
+    def forward():
+        return fwd(handle, 0, x, experts, gates, w1, w2, 1 << 20, False, True, True)[0]
+
+    def forward_backward():
+        forward().backward(dy)
+        x.grad = gates.grad = w1.grad = w2.grad = None
+
+    return {"pair forward": forward, "pair f+b": forward_backward}
+
+
+def _piece_cases(device: torch.device) -> dict:
+    out = {"empty": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device),
+           "full": lambda: torch.full((), 7, dtype=torch.int64, device=device)}
+    if device.type == "cuda":
+        index = device.index
+        out.update({"current_stream": lambda: torch.cuda.current_stream(device).cuda_stream,
+                    "raw stream": lambda: torch._C._cuda_getCurrentRawStream(index),
+                    "capturing": torch.cuda.is_current_stream_capturing})
+    return out
 
 
 def main() -> int:
@@ -86,6 +167,10 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--json", default="")
     a = p.parse_args()
+    try:
+        _define_pair()
+    except ImportError as e:  # rdep.torch not on the path: the pair is left out
+        print(f"torch_autograd_floor: no pair case ({e})")
     devices = [torch.device("cpu")] + ([torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else [])
     result = {}
     print(f"torch_autograd_floor: torch {torch.__version__}, host us per call (median of {a.iters}, each on an idle device)")

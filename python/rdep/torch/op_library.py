@@ -29,16 +29,17 @@ TAGS: tuple = (_tag,) if _tag is not None else ()
 _LIB = torch.library.Library("rdep", "FRAGMENT")  # module-lifetime: the definitions live as long as the module
 
 
-def define(name: str, schema: str, kernel, fake, capturable: bool = False):
+def define(name: str, schema: str, kernel, fake, capturable: bool = False, lib: torch.library.Library = _LIB):
     """Defines rdep::name with `schema` (its argument list and returns, "(...) -> ..."), `kernel` for CPU and
     CUDA tensors (its Python defaults must equal the schema's: the dispatcher leaves trailing defaults out)
     and `fake` for tracing; returns the op's default overload, which callers call. capturable: a CUDA graph
-    may record the op (no cudagraph_unsafe tag)."""
-    _LIB.define(name + schema, tags=() if capturable else TAGS)
+    may record the op (no cudagraph_unsafe tag). lib: another namespace's Library (benchmarks that time this
+    registration on ops of their own)."""
+    lib.define(name + schema, tags=() if capturable else TAGS)
     for key in ("CPU", "CUDA"):
-        _LIB.impl(name, kernel, key)
-    torch.library.register_fake(f"rdep::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.rdep, name).default
+        lib.impl(name, kernel, key)
+    torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+    return getattr(getattr(torch.ops, lib.ns), name).default
 
 
 def _kwarg_only_mutable_or_list(arg) -> bool:
@@ -49,7 +50,7 @@ def _kwarg_only_mutable_or_list(arg) -> bool:
     return arg.kwarg_only or (alias is not None and alias.is_write) or tensor_list
 
 
-def register_autograd(op, backward, setup_context) -> None:
+def register_autograd(op, backward, setup_context, lib: torch.library.Library = _LIB) -> None:
     """The autograd formula of an op `define` returned, registered as torch.library.register_autograd registers one
     (an autograd.Function whose forward redispatches below autograd and calls setup_context(ctx, inputs, output),
     installed as the op's Autograd kernel with its dispatch key set) less one per-call cost: torch's fills the
@@ -58,11 +59,12 @@ def register_autograd(op, backward, setup_context) -> None:
     binding's Python time a forward+backward). Here the defaults are read from the schema once. The ops' schemas
     have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles); a
     torch without the private pieces used here gets torch.library.register_autograd. The schema is read through
-    its public fields only (torch._library.utils' helpers differ between torch releases: 2.11 lacks is_out)."""
+    its public fields only (torch._library.utils' helpers differ between torch releases: 2.11 lacks is_out).
+    lib: the Library `define` registered op in."""
     C, schema = torch._C, op._schema
     plain = not any(_kwarg_only_mutable_or_list(a) for a in (*schema.arguments, *schema.returns))
     if not (plain and all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset"))):
-        torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
+        torch.library.register_autograd(op, backward, setup_context=setup_context, lib=lib)
         return
     defaults = tuple(a.default_value for a in schema.arguments)
     below = C._after_autograd_keyset
@@ -100,4 +102,4 @@ def register_autograd(op, backward, setup_context) -> None:
         with C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, *args)
 
-    _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
+    lib.impl(op._opname, kernel, "Autograd", with_keyset=True)
