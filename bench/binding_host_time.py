@@ -3,7 +3,8 @@ time split into the C library's calls (every rdep_* function, timed around its c
 torch's caching allocator that the layer's row allocator makes from inside those C calls, and the rest: Python
 (torch's custom-op dispatch and autograd, rdep.torch's validation and bookkeeping) and the torch ops it runs.
 rdep.torch's own functions on the path (PY_FUNCS) are timed too, inclusive of what they call (C calls included),
-as py:module.function: what the op kernels take against what torch's dispatch and autograd around them take.
+as py:module.function, and torch's allocating functions (py:torch.empty, ...; every caller's while the probe is on):
+what the op kernels take against what torch's dispatch and autograd around them take.
 
     with instrumented() as probe:
         per_call = breakdown(fn, iters, probe)   # {"host": us, "c:rdep_layer_forward": us, ..., "python": us}
@@ -46,8 +47,13 @@ class _TimedLibrary:
 # wrapper set there is the one called): the op kernels' parts.
 PY_FUNCS = (("ops", "_backward_on"), ("ops", "_layer_weights"), ("layer_calls", "forward"),
             ("layer_calls", "backward"), ("graph_contexts", "sweep"), ("graph_contexts", "context_tensor"),
-            ("graph_contexts", "entry_for_backward"), ("graph_contexts", "after_backward"), ("validate", "check_forward"),
-            ("validate", "check_backward"), ("validate", "check_kept_casts"), ("layer_handles", "resolve"))
+            ("graph_contexts", "entry_for_backward"), ("graph_contexts", "after_backward"), ("graph_contexts", "capturing"),
+            ("graph_contexts", "StorageWeakRef"), ("graph_contexts", "Entry"), ("layer_calls", "_rank_streams"),
+            ("layer_calls", "_fill_weights"), ("layer_calls", "_new_io"), ("layer_calls", "RowArena"),
+            ("validate", "check_forward"), ("validate", "check_backward"), ("validate", "check_kept_casts"),
+            ("validate", "check_rows"), ("layer_handles", "resolve"))
+# torch's allocating functions as rdep.torch calls them (torch.empty(...): looked up on the module at each call).
+TORCH_FUNCS = ("empty", "empty_like", "full", "zeros")
 
 
 class Probe:
@@ -105,6 +111,10 @@ def instrumented():
         fn = getattr(module, fn_name)
         originals.append((module, fn_name, fn))
         setattr(module, fn_name, probe.timed_python(f"{module_name}.{fn_name}", fn))
+    for fn_name in TORCH_FUNCS:
+        fn = getattr(torch, fn_name)
+        originals.append((torch, fn_name, fn))
+        setattr(torch, fn_name, probe.timed_python(f"torch.{fn_name}", fn))
     _capi._lib = probe.lib
     torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = timed(alloc), timed(free)
     try:

@@ -12,6 +12,9 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
               registration (rdep.torch.op_library), setup_context and formula shape, four differentiable
               inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
               the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
+  * rdep stubbed (--rdep, needs the C library): rdep.torch.moe on a real layer of the pair's shape (CUTLASS
+    expert compute on CUDA, bf16 weights) with the C library's forward and backward calls replaced by no-ops
+    (its context calls stay): rdep.torch's Python on this host without the GPU work, against the pair;
   * the pieces a kernel of rdep's calls per call: torch.empty, torch.full on the device, the current
     stream as a Stream object and as a raw handle, the stream's capture status.
 
@@ -43,7 +46,8 @@ def _pair_forward(handle, layer, x, experts, gates, w1, w2, row_bytes, keep_cast
 
 
 def _pair_backward(handle, layer, ctx, rows, w1c, w2c, dy, w1, w2):
-    return (torch.empty_like(dy), torch.empty(dy.shape[:2] + (6,), dtype=torch.float32, device=dy.device),
+    """handle stands in for the layer: its numel is the layer's top-K (dgates' last dimension)."""
+    return (torch.empty_like(dy), torch.empty(dy.shape[:2] + (handle.numel(),), dtype=torch.float32, device=dy.device),
             torch.empty_like(w1), torch.empty_like(w2))
 
 
@@ -99,7 +103,7 @@ def host_us(fn, iters: int, cuda: bool) -> float:
     return statistics.median(out)
 
 
-def cases(device: torch.device) -> dict:
+def cases(device: torch.device, rdep_stubbed: bool = False) -> dict:
     x = torch.randn(8, 16, device=device, requires_grad=True)
     w = torch.randn(16, 16, device=device, requires_grad=True)
     dy = torch.randn(8, 16, device=device)
@@ -125,6 +129,8 @@ def cases(device: torch.device) -> dict:
     if hasattr(torch.ops.rdep_floor, "pair_forward"):
         out.update(_pair_cases(device))
     out.update(_piece_cases(device))
+    if rdep_stubbed:
+        out.update(_stubbed_rdep_cases(device))
     return out
 
 
@@ -138,7 +144,7 @@ def _pair_cases(device: torch.device) -> dict:
     experts = torch.zeros(1, n, K, dtype=torch.int32, device=device)
     w1 = torch.randn(E, H, 2 * F, device=device, dtype=bf16, requires_grad=True)
     w2 = torch.randn(E, F, H, device=device, dtype=bf16, requires_grad=True)
-    handle, dy = torch.zeros(1, device=device), torch.randn(1, n, H, device=device, dtype=bf16)
+    handle, dy = torch.zeros(K, device=device), torch.randn(1, n, H, device=device, dtype=bf16)
     fwd = torch.ops.rdep_floor.pair_forward
 
     def forward():
@@ -149,6 +155,44 @@ def _pair_cases(device: torch.device) -> dict:
         x.grad = gates.grad = w1.grad = w2.grad = None
 
     return {"pair forward": forward, "pair f+b": forward_backward}
+
+
+def _stubbed_rdep_cases(device: torch.device) -> dict:
+    """rdep.torch.moe at the pair's shape with rdep_layer_forward / rdep_layer_backward made no-ops (the
+    results are garbage; only the host time is read). The stub stays installed for the rest of the run."""
+    import rdep.torch as rt
+    from rdep import _capi
+
+    n, H, F, E, K = 4096, 1024, 704, 64, 6
+    cuda = device.type == "cuda"
+    layer = rt.Layer(H, F, E, K, n, world_size=1, device=device,
+                     **({"expert_compute": "cutlass", "gate_in_expert": True} if cuda else {}))
+    real = _capi.lib()
+
+    class _NoComputeLibrary:
+        def __getattr__(self, name):
+            if name in ("rdep_layer_forward", "rdep_layer_backward", "rdep_context_check_routing"):
+                return lambda *args: 0
+            return getattr(real, name)
+
+    _capi._lib = _NoComputeLibrary()
+    act = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(1, n, H, device=device, dtype=act, requires_grad=True)
+    gates = torch.rand(1, n, K, device=device, requires_grad=True)
+    experts = torch.zeros(1, n, K, dtype=torch.int32, device=device)
+    w1 = torch.randn(E, H, 2 * F, device=device, dtype=act, requires_grad=True)
+    w2 = torch.randn(E, F, H, device=device, dtype=act, requires_grad=True)
+    dy = torch.randn(1, n, H, device=device, dtype=act)
+
+    def forward():
+        return rt.moe(layer, x, experts, gates, w1, w2)
+
+    def forward_backward():
+        forward().backward(dy)
+        x.grad = gates.grad = w1.grad = w2.grad = None
+
+    where = "capturable ops" if layer.capturable else "plain ops"
+    return {f"rdep stubbed forward ({where})": forward, f"rdep stubbed f+b ({where})": forward_backward}
 
 
 def _piece_cases(device: torch.device) -> dict:
@@ -165,6 +209,8 @@ def _piece_cases(device: torch.device) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--rdep", action="store_true",
+                   help="also time rdep.torch.moe with the C library's compute calls stubbed out (needs librdep_capi.so)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     try:
@@ -175,7 +221,7 @@ def main() -> int:
     result = {}
     print(f"torch_autograd_floor: torch {torch.__version__}, host us per call (median of {a.iters}, each on an idle device)")
     for d in devices:
-        for name, fn in cases(d).items():
+        for name, fn in cases(d, a.rdep).items():
             us = host_us(fn, a.iters, d.type == "cuda")
             result[f"{d.type} {name}"] = us
             print(f"  {d.type:5s} {name:18s} {us:9.1f}")

@@ -142,15 +142,19 @@ def check_handle(handle) -> None:
         raise TypeError(f"layer: expected a Layer.handle (an int64 tensor of one element), got {what}")
 
 
+_get_layer = None  # layer.get_layer, once resolve first runs
+
+
 def resolve(handle, rep: int) -> "Layer":
     """The live layer a handle names, for an op's real implementation; `rep` (the op's `int layer`) must be the id of
     a layer configured alike (a compiled graph holds the id it traced with, which may have been closed since)."""
-    from .layer import get_layer
-
+    global _get_layer
+    if _get_layer is None:  # layer.py imports this module: its function is looked up once, on the first call
+        from .layer import get_layer as _get_layer
     if _dead:
         with _lock:
             _drain()
-    layer = get_layer(layer_id(handle))
+    layer = _get_layer(layer_id(handle))
     if rep != layer.rep and _keys.get(int(rep)) != _keys.get(layer.id):
         raise ValueError(f"layer: the handle names layer {layer.id}, whose configuration differs from that of layer "
                          f"{rep} (the op's int layer); pass the layer's handle and its Layer.rep")

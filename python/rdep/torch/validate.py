@@ -24,9 +24,10 @@ def _dtypes_text(dtypes) -> str:
     return " or ".join(str(d) for d in dtypes)
 
 
-def check_tensor(name: str, t, layer: Layer, dtypes, shape: tuple, shape_text: str, device=None) -> None:
+def check_tensor(name: str, t, layer: Layer, dtypes, shape: tuple, shape_text, device=None) -> None:
     """t must be a contiguous tensor of one of `dtypes` on `device` (default: the layer's) with `shape`
-    (None = any size in that dimension). Runs on every call of every op: the checks that pass are kept cheap."""
+    (None = any size in that dimension). Runs on every call of every op: the checks that pass are kept cheap
+    (shape_text, the expected shape in words, may be a function making it: called only for the message)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -36,11 +37,15 @@ def check_tensor(name: str, t, layer: Layer, dtypes, shape: tuple, shape_text: s
     if got != want and (got.type != want.type or (want.index is not None and got.index != want.index)):
         raise ValueError(f"{name}: expected a tensor on {want} (the layer's {layer.backend} backend), got one on {got}")
     size = t.shape
-    if len(size) != len(shape):
-        raise ValueError(f"{name}: expected shape {shape_text}, got {list(size)}")
-    for d, s in zip(size, shape):
-        if s is not None and d != s:
-            raise ValueError(f"{name}: expected shape {shape_text}, got {list(size)}")
+    ok = len(size) == len(shape)
+    if ok:
+        for d, s in zip(size, shape):
+            if s is not None and d != s:
+                ok = False
+                break
+    if not ok:
+        text = shape_text() if callable(shape_text) else shape_text
+        raise ValueError(f"{name}: expected shape {text}, got {list(size)}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (rdep reads row-major memory), got strides "
                          f"{list(t.stride())}; call .contiguous()")
@@ -50,11 +55,16 @@ def _rows_text(layer: Layer, last: str) -> str:
     return f"[L={layer.num_local_ranks}, n, {last}]"
 
 
+def _hidden_rows(layer: Layer):
+    """The expected shape of token rows in words, made only for an error message."""
+    return lambda: _rows_text(layer, f"H={layer.hidden}")
+
+
 def check_weights(layer: Layer, w1, w2) -> None:
     H, F, El = layer.hidden, layer.ffn, layer.num_local_experts
     wd = WEIGHT_DTYPES[layer.backend]
-    check_tensor("w1", w1, layer, wd, (El, H, 2 * F), f"[E_local={El}, H={H}, 2F={2 * F}]")
-    check_tensor("w2", w2, layer, wd, (El, F, H), f"[E_local={El}, F={F}, H={H}]")
+    check_tensor("w1", w1, layer, wd, (El, H, 2 * F), lambda: f"[E_local={El}, H={H}, 2F={2 * F}]")
+    check_tensor("w2", w2, layer, wd, (El, F, H), lambda: f"[E_local={El}, F={F}, H={H}]")
     if w1.dtype != w2.dtype:
         raise TypeError(f"w2: expected the dtype of w1 ({w1.dtype}), got {w2.dtype}")
 
@@ -62,12 +72,13 @@ def check_weights(layer: Layer, w1, w2) -> None:
 def check_forward(layer: Layer, x, experts, gates, w1, w2) -> None:
     L, H, K = layer.num_local_ranks, layer.hidden, layer.topk
     act = (ACT_DTYPE[layer.backend],)
-    check_tensor("x", x, layer, act, (L, None, H), _rows_text(layer, f"H={H}"))
+    check_tensor("x", x, layer, act, (L, None, H), _hidden_rows(layer))
     n = x.shape[1]
     if n > layer.max_tokens:
         raise ValueError(f"x: {n} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
-    check_tensor("experts", experts, layer, (torch.int32,), (L, n, K), f"[L={L}, n={n}, K={K}]")
-    check_tensor("gates", gates, layer, (torch.float32,), (L, n, K), f"[L={L}, n={n}, K={K}]")
+    routing_text = lambda: f"[L={L}, n={n}, K={K}]"  # noqa: E731
+    check_tensor("experts", experts, layer, (torch.int32,), (L, n, K), routing_text)
+    check_tensor("gates", gates, layer, (torch.float32,), (L, n, K), routing_text)
     check_weights(layer, w1, w2)
 
 
@@ -79,7 +90,7 @@ def check_backward(layer: Layer, ctx, dy, w1, w2, device_ctx: bool = False) -> N
     else:
         check_tensor("ctx", ctx, layer, (torch.int64,), (), "[] (the context tensor moe_forward returned)",
                      device=torch.device("cpu"))
-    check_tensor("dy", dy, layer, (ACT_DTYPE[layer.backend],), (L, None, H), _rows_text(layer, f"H={H}"))
+    check_tensor("dy", dy, layer, (ACT_DTYPE[layer.backend],), (L, None, H), _hidden_rows(layer))
     if dy.shape[1] > layer.max_tokens:
         raise ValueError(f"dy: {dy.shape[1]} tokens per rank exceed the layer's max_tokens T={layer.max_tokens}")
     check_weights(layer, w1, w2)
@@ -88,7 +99,7 @@ def check_backward(layer: Layer, ctx, dy, w1, w2, device_ctx: bool = False) -> N
 def check_rows(layer: Layer, rows) -> None:
     """The capturable ops' saved rows: the uint8 tensor moe_forward_capturable returned."""
     b = layer._native.row_bytes
-    check_tensor("rows", rows, layer, (torch.uint8,), (b,), f"[{b}] (the saved rows moe_forward_capturable returned)")
+    check_tensor("rows", rows, layer, (torch.uint8,), (b,), lambda: f"[{b}] (the saved rows moe_forward_capturable returned)")
 
 
 def check_capturable_args(layer: Layer, row_bytes, keep_casts) -> None:
@@ -106,7 +117,7 @@ def check_kept_casts(layer: Layer, w1c, w2c, w1, w2) -> bool:
     keep = isinstance(w1c, torch.Tensor) and w1c.numel() > 0
     for name, c, w in (("w1c", w1c, w1), ("w2c", w2c, w2)):
         want = tuple(w.shape) if keep else (0,)
-        check_tensor(name, c, layer, act, want, f"{list(want)} (the kept cast moe_forward_capturable returned)")
+        check_tensor(name, c, layer, act, want, lambda want=want: f"{list(want)} (the kept cast moe_forward_capturable returned)")
     return keep
 
 
