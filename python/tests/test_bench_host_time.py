@@ -39,6 +39,13 @@ def test_host_breakdown_adds_up_on_the_host_backend(tmp_path, monkeypatch, compi
         calls = {k[len("calls:"):]: v for k, v in b.items() if k.startswith("calls:rdep_")}
         assert calls == {"rdep_context_acquire": 1, "rdep_layer_forward": 1, "rdep_context_release": 2 if backward else 1,
                          **({"rdep_layer_backward": 1} if backward else {})}
+        # rdep.torch's own functions: the C calls inside them, inside the host time (the plain ops on the host backend).
+        assert 0 < b["c:rdep_layer_forward"] <= b["py:layer_calls.forward"] < b["host"]
+        assert b["calls:py:layer_calls.forward"] == 1 and b["calls:py:validate.check_forward"] == 1
+        if backward:
+            assert 0 < b["c:rdep_layer_backward"] <= b["py:layer_calls.backward"] <= b["py:ops._backward_on"] < b["host"]
+        else:
+            assert "py:layer_calls.backward" not in b
     assert rec["torch_peak_allocated_gib"] is None and rec["device"] == "the host backend (CPU)"
 
 
@@ -124,3 +131,53 @@ def test_busy_and_idle_merge_overlapping_kernel_intervals(monkeypatch):
     assert busy_and_idle([]) == (0.0, 0.0)
     assert busy_and_idle([(20, 25), (0, 10), (5, 12), (24, 30)]) == (22, 8)  # unsorted, overlapping, a gap of 8
     assert busy_and_idle([(0, 10), (2, 3)]) == (10, 0)  # nested
+
+
+def test_the_probe_puts_back_what_it_wrapped(monkeypatch):
+    """binding_host_time.instrumented wraps rdep.torch's functions, torch's allocating functions, the C library and the
+    caching allocator's calls while its block runs, and puts every original back when the block ends or raises."""
+    import importlib
+
+    import torch
+
+    from rdep import _capi
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import binding_host_time as bht
+
+    def current():
+        fns = {(m, f): getattr(importlib.import_module(f"rdep.torch.{m}"), f) for m, f in bht.PY_FUNCS}
+        fns.update({("torch", f): getattr(torch, f) for f in bht.TORCH_FUNCS})
+        fns[("cuda", "alloc")] = torch.cuda.caching_allocator_alloc
+        fns[("cuda", "free")] = torch.cuda.caching_allocator_delete
+        return fns
+
+    before, lib = current(), _capi.lib()
+    with pytest.raises(RuntimeError, match="inside"):
+        with bht.instrumented() as probe:
+            during = current()
+            assert all(during[k] is not before[k] for k in before) and _capi.lib() is probe.lib
+            torch.empty(3)
+            assert probe.py_calls["torch.empty"] == 1
+            raise RuntimeError("inside")
+    after = current()
+    assert all(after[k] is before[k] for k in before) and _capi.lib() is lib
+
+
+def test_floor_bench_times_the_pair_and_rdep_stubbed(tmp_path):
+    """bench/torch_autograd_floor.py on the CPU runs every case: torch's ops, the op pair shaped as rdep's (forward and
+    backward through its autograd registration) and, with --rdep, rdep.torch.moe with the compute calls stubbed; in a
+    subprocess, since the stub stays installed for the rest of its run."""
+    import os
+    import subprocess
+
+    out = tmp_path / "floor.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH.parents[1] / "python"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(BENCH.parent / "torch_autograd_floor.py"), "--iters", "3", "--rdep",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    us = json.loads(out.read_text())["host_us"]
+    for name in ("op f+b", "pair forward", "pair f+b", "empty", "full", "rdep stubbed forward (plain ops)",
+                 "rdep stubbed f+b (plain ops)"):
+        assert us[f"cpu {name}"] > 0, name
