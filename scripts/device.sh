@@ -11,8 +11,8 @@
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
 # The device tool brings back at most 8 files from $OUT: this script writes 5 (env.txt, build.log,
-# tests.log, pytest.log, bench.log), so a bench should leave at most 3 more there (archive the rest, as
-# receipts_w4.sh does) or the logs above are the ones left out.
+# tests.log, pytest.log, bench.log); when the benches leave more than 3 others, those others go into one
+# archive, $OUT/bench_files.tgz, so that the logs above always come back.
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts. Write the
 # hash literally into the command (RDEP_COMMIT=$(git rev-parse ...) would run there, on the old .git).
 # CUTLASS: carry the pinned wheel (.whl/, the device has no network: run with carry [".whl"]); the
@@ -79,6 +79,13 @@ for cmd in "${BENCH[@]}"; do
   echo "[rc=$?]" >>"$OUT/bench.log"
 done
 t3=$(date +%s)
+# At most 8 files come back: past that, what the benches wrote is archived (receipts_w4.sh archives its own).
+own='^(env\.txt|build\.log|tests\.log|pytest\.log|bench\.log)$'
+extra=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -printf '%P\n' | grep -vE "$own")
+if [ "$(printf '%s\n' "$extra" | grep -c .)" -gt 3 ]; then
+  (cd "$OUT" && printf '%s\n' "$extra" | tar czf bench_files.tgz -T - && printf '%s\n' "$extra" | xargs -d '\n' rm -rf)
+  echo "device.sh: the benches' $(printf '%s\n' "$extra" | grep -c .) files are in \$OUT/bench_files.tgz" >>"$OUT/bench.log"
+fi
 echo "===== summary (build ${build_rc} in $((t1 - t0))s, tests ${test_rc} in $((t2 - t1))s, bench $((t3 - t2))s)"
 grep -E "^-- rdep: .*(NCCL|CUTLASS|MPI)" "$OUT/build.log" | head -4
 head -3 "$OUT/env.txt" | tail -2
