@@ -106,18 +106,19 @@ def instrumented():
     import importlib
 
     originals = []
-    for module_name, fn_name in PY_FUNCS:
-        module = importlib.import_module(f"rdep.torch.{module_name}")
-        fn = getattr(module, fn_name)
-        originals.append((module, fn_name, fn))
-        setattr(module, fn_name, probe.timed_python(f"{module_name}.{fn_name}", fn))
-    for fn_name in TORCH_FUNCS:
-        fn = getattr(torch, fn_name)
-        originals.append((torch, fn_name, fn))
-        setattr(torch, fn_name, probe.timed_python(f"torch.{fn_name}", fn))
-    _capi._lib = probe.lib
-    torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = timed(alloc), timed(free)
-    try:
+    try:  # everything wrapped is put back, also when wrapping fails partway
+        for module_name, fn_name in PY_FUNCS:
+            module = importlib.import_module(f"rdep.torch.{module_name}")
+            fn = getattr(module, fn_name, None)  # an older rdep.torch (an A/B's base) may lack some: not timed
+            if fn is not None:
+                originals.append((module, fn_name, fn))
+                setattr(module, fn_name, probe.timed_python(f"{module_name}.{fn_name}", fn))
+        for fn_name in TORCH_FUNCS:
+            fn = getattr(torch, fn_name)
+            originals.append((torch, fn_name, fn))
+            setattr(torch, fn_name, probe.timed_python(f"torch.{fn_name}", fn))
+        _capi._lib = probe.lib
+        torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete = timed(alloc), timed(free)
         yield probe
     finally:
         _capi._lib = real

@@ -13,8 +13,9 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
               inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
               the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
   * rdep stubbed (--rdep, needs the C library): rdep.torch.moe on a real layer of the pair's shape (CUTLASS
-    expert compute on CUDA, bf16 weights) with the C library's forward and backward calls replaced by no-ops
-    (its context calls stay): rdep.torch's Python on this host without the GPU work, against the pair;
+    expert compute on CUDA, bf16 weights) with the C library's forward and backward calls and its wait for the
+    routing check replaced by no-ops (its context calls stay): rdep.torch's Python on this host without the GPU
+    work, against the pair;
   * the pieces a kernel of rdep's calls per call: torch.empty, torch.full on the device, the current
     stream as a Stream object and as a raw handle, the stream's capture status.
 
@@ -168,12 +169,20 @@ def _stubbed_rdep_cases(device: torch.device) -> dict:
     layer = rt.Layer(H, F, E, K, n, world_size=1, device=device,
                      **({"expert_compute": "cutlass", "gate_in_expert": True} if cuda else {}))
     real = _capi.lib()
+    real = getattr(real, "real", real)  # the stub an earlier device's cases installed: wrap the library itself
 
     class _NoComputeLibrary:
+        """The C library with its compute calls (the forward, the backward, the wait for the routing check) as
+        no-ops; every other function is the library's own, looked up once."""
+
+        def __init__(self):
+            self.real = real
+
         def __getattr__(self, name):
-            if name in ("rdep_layer_forward", "rdep_layer_backward", "rdep_context_check_routing"):
-                return lambda *args: 0
-            return getattr(real, name)
+            fn = (lambda *args: 0) if name in ("rdep_layer_forward", "rdep_layer_backward", "rdep_context_check_routing") \
+                else getattr(real, name)
+            setattr(self, name, fn)
+            return fn
 
     _capi._lib = _NoComputeLibrary()
     act = torch.bfloat16 if cuda else torch.float32
@@ -215,7 +224,9 @@ def main() -> int:
     a = p.parse_args()
     try:
         _define_pair()
-    except ImportError as e:  # rdep.torch not on the path: the pair is left out
+    except Exception as e:  # rdep.torch not on the path, or not importable here: the pair is left out
+        if a.rdep:
+            raise
         print(f"torch_autograd_floor: no pair case ({e})")
     devices = [torch.device("cpu")] + ([torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else [])
     result = {}

@@ -13,12 +13,18 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 shape=(--tokens "${AB_TOKENS:-4096}" --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert
        --iters 100 --host-breakdown 300)
+fails=0
 for r in $(seq "${AB_ROUNDS:-2}"); do
   for side in base new; do
     pp=$PWD/python
     [ "$side" = base ] && pp=$(cd "$BASE" && pwd)/python
     echo "== $side, round $r"
+    log=/tmp/binding_host_ab_${side}_$r.log  # the whole output; its tail is printed when the run fails
     env PYTHONPATH="$pp:$PWD/bench" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" python3 bench/torch_layer_bench.py \
-      "${shape[@]}" --json "$OUT/ab_${side}_$r.json" 2>&1 | grep -E "^  (forward|host breakdown)|^    (host |c_total|python|py:)"
+      "${shape[@]}" --json "$OUT/ab_${side}_$r.json" >"$log" 2>&1
+    rc=$?
+    grep -E "^  (forward|host breakdown)|^    (host |c_total|python|py:)" "$log"
+    [ $rc -eq 0 ] || { echo "binding_host_ab: the $side run of round $r failed (rc $rc):"; tail -n 20 "$log"; fails=$((fails + 1)); }
   done
 done
+exit $((fails > 0))

@@ -42,11 +42,18 @@ def define(name: str, schema: str, kernel, fake, capturable: bool = False, lib: 
     return getattr(getattr(torch.ops, lib.ns), name).default
 
 
+_MAYBE_TENSOR = torch._C.OptionalType(torch._C.TensorType.get())
+
+
 def _kwarg_only_mutable_or_list(arg) -> bool:
     """Whether a schema argument or return is one register_autograd below leaves to torch's own registration:
-    keyword-only, written to (out= and in-place variants) or a list of tensors."""
+    keyword-only, written to (out= and in-place variants, which torch's registration then refuses), or a list of
+    tensors (Tensor[], Tensor?[], Tensor[]?)."""
     alias = arg.alias_info
-    tensor_list = isinstance(arg.type, torch._C.ListType) and "Tensor" in str(arg.type.getElementType())
+    t = arg.type
+    if isinstance(t, torch._C.OptionalType):
+        t = t.getElementType()
+    tensor_list = isinstance(t, torch._C.ListType) and t.getElementType().isSubtypeOf(_MAYBE_TENSOR)
     return arg.kwarg_only or (alias is not None and alias.is_write) or tensor_list
 
 
@@ -60,7 +67,9 @@ def register_autograd(op, backward, setup_context, lib: torch.library.Library = 
     have no keyword-only arguments, no tensor lists and no out= variants (what torch's version also handles); a
     torch without the private pieces used here gets torch.library.register_autograd. The schema is read through
     its public fields only (torch._library.utils' helpers differ between torch releases: 2.11 lacks is_out).
-    lib: the Library `define` registered op in."""
+    lib: the Library `define` registered op in (its namespace must be op's)."""
+    if op.namespace != lib.ns:
+        raise ValueError(f"lib: {op} is in namespace {op.namespace!r}, the Library given is {lib.ns!r}")
     C, schema = torch._C, op._schema
     plain = not any(_kwarg_only_mutable_or_list(a) for a in (*schema.arguments, *schema.returns))
     if not (plain and all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset"))):
