@@ -68,8 +68,9 @@ def register_autograd(op, backward, setup_context, lib: torch.library.Library = 
     torch without the private pieces used here gets torch.library.register_autograd. The schema is read through
     its public fields only (torch._library.utils' helpers differ between torch releases: 2.11 lacks is_out).
     lib: the Library `define` registered op in (its namespace must be op's)."""
-    if op.namespace != lib.ns:
-        raise ValueError(f"lib: {op} is in namespace {op.namespace!r}, the Library given is {lib.ns!r}")
+    namespace = op._schema.name.split("::")[0]
+    if namespace != lib.ns:
+        raise ValueError(f"lib: {op} is in namespace {namespace!r}, the Library given is {lib.ns!r}")
     C, schema = torch._C, op._schema
     plain = not any(_kwarg_only_mutable_or_list(a) for a in (*schema.arguments, *schema.returns))
     if not (plain and all(hasattr(C, a) for a in ("_AutoDispatchBelowAutograd", "_after_autograd_keyset"))):
