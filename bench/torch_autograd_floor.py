@@ -12,6 +12,9 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
               registration (rdep.torch.op_library), setup_context and formula shape, four differentiable
               inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
               the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
+  * cpp pair (--cpp, compiles bench/torch_floor_pair.cpp with torch.utils.cpp_extension: a C++ compiler and
+    ninja): the same pair as C++ ops with a C++ autograd function, what torch's part would be with rdep's hot
+    pair in C++;
   * rdep stubbed (--rdep, needs the C library): rdep.torch.moe on a real layer of the pair's shape (CUTLASS
     expert compute on CUDA, bf16 weights) with the C library's forward and backward calls and its wait for the
     routing check replaced by no-ops (its context calls stay): rdep.torch's Python on this host without the GPU
@@ -129,15 +132,27 @@ def cases(device: torch.device, rdep_stubbed: bool = False) -> dict:
            "op forward": lambda: torch.ops.rdep_floor.twice(x), "op f+b": op_fb}
     if hasattr(torch.ops.rdep_floor, "pair_forward"):
         out.update(_pair_cases(device))
+    if hasattr(torch.ops, "rdep_floor_cpp") and hasattr(torch.ops.rdep_floor_cpp, "pair_forward"):
+        out.update(_pair_cases(device, torch.ops.rdep_floor_cpp.pair_forward, "cpp pair"))
     out.update(_piece_cases(device))
     if rdep_stubbed:
         out.update(_stubbed_rdep_cases(device))
     return out
 
 
-def _pair_cases(device: torch.device) -> dict:
+def _build_cpp_pair() -> None:
+    """rdep_floor_cpp::pair_forward / pair_backward: bench/torch_floor_pair.cpp, compiled and loaded."""
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name="rdep_floor_cpp", sources=[str(Path(__file__).with_name("torch_floor_pair.cpp"))],
+                       is_python_module=False, verbose=False)
+
+
+def _pair_cases(device: torch.device, fwd=None, name: str = "pair") -> dict:
     """rdep's capturable pair's structure at the example's layer shape (E_local 64, H 1024, F 704), kernels that
-    only allocate (bf16 weights, 4096 tokens, top-6)."""
+    only allocate (bf16 weights, 4096 tokens, top-6). fwd: the pair's forward op (default rdep_floor::pair_forward)."""
     n, H, F, E, K = 4096, 1024, 704, 64, 6
     bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(1, n, H, device=device, dtype=bf16, requires_grad=True)
@@ -146,7 +161,7 @@ def _pair_cases(device: torch.device) -> dict:
     w1 = torch.randn(E, H, 2 * F, device=device, dtype=bf16, requires_grad=True)
     w2 = torch.randn(E, F, H, device=device, dtype=bf16, requires_grad=True)
     handle, dy = torch.zeros(K, device=device), torch.randn(1, n, H, device=device, dtype=bf16)
-    fwd = torch.ops.rdep_floor.pair_forward
+    fwd = fwd if fwd is not None else torch.ops.rdep_floor.pair_forward
 
     def forward():
         return fwd(handle, 0, x, experts, gates, w1, w2, 1 << 20, False, True, True)[0]
@@ -155,7 +170,7 @@ def _pair_cases(device: torch.device) -> dict:
         forward().backward(dy)
         x.grad = gates.grad = w1.grad = w2.grad = None
 
-    return {"pair forward": forward, "pair f+b": forward_backward}
+    return {f"{name} forward": forward, f"{name} f+b": forward_backward}
 
 
 def _stubbed_rdep_cases(device: torch.device) -> dict:
@@ -220,6 +235,8 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--rdep", action="store_true",
                    help="also time rdep.torch.moe with the C library's compute calls stubbed out (needs librdep_capi.so)")
+    p.add_argument("--cpp", action="store_true",
+                   help="also time the pair as C++ ops (compiles bench/torch_floor_pair.cpp; needs a C++ compiler and ninja)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     try:
@@ -228,6 +245,8 @@ def main() -> int:
         if a.rdep:
             raise
         print(f"torch_autograd_floor: no pair case ({e})")
+    if a.cpp:
+        _build_cpp_pair()
     devices = [torch.device("cpu")] + ([torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else [])
     result = {}
     print(f"torch_autograd_floor: torch {torch.__version__}, host us per call (median of {a.iters}, each on an idle device)")

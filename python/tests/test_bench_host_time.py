@@ -181,3 +181,22 @@ def test_floor_bench_times_the_pair_and_rdep_stubbed(tmp_path):
     for name in ("op f+b", "pair forward", "pair f+b", "empty", "full", "rdep stubbed forward (plain ops)",
                  "rdep stubbed f+b (plain ops)"):
         assert us[f"cpu {name}"] > 0, name
+
+
+def test_floor_bench_builds_and_times_the_cpp_pair(tmp_path):
+    """--cpp compiles bench/torch_floor_pair.cpp (torch.utils.cpp_extension) and times the pair as C++ ops; skipped
+    where no C++ compiler or ninja is installed."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("needs ninja and a C++ compiler (torch.utils.cpp_extension)")
+    out = tmp_path / "floor.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH.parents[1] / "python"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(BENCH.parent / "torch_autograd_floor.py"), "--iters", "3", "--cpp",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    us = json.loads(out.read_text())["host_us"]
+    assert us["cpu cpp pair forward"] > 0 and us["cpu cpp pair f+b"] > 0 and us["cpu pair f+b"] > 0
