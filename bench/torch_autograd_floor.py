@@ -12,6 +12,8 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
               registration (rdep.torch.op_library), setup_context and formula shape, four differentiable
               inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
               the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
+  * function pair: the pair's kernels and setup_context through a plain torch.autograd.Function, no dispatcher
+    between (what an eager path calling rdep's Python kernels directly would cost);
   * cpp pair (--cpp, compiles bench/torch_floor_pair.cpp with torch.utils.cpp_extension: a C++ compiler and
     ninja): the same pair as C++ ops with a C++ autograd function, what torch's part would be with rdep's hot
     pair in C++;
@@ -82,6 +84,23 @@ def _define_pair() -> None:
     op_library.register_autograd(fwd, _pair_formula, _pair_setup, lib=_LIB)
 
 
+class _PairFunction(torch.autograd.Function):
+    """The pair's kernels through a plain autograd.Function: no dispatcher between Python and the kernels (an
+    eager path that calls rdep's Python kernels directly would cost this)."""
+
+    @staticmethod
+    def forward(ctx, handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context, check_routing):
+        out = _pair_forward(handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context, check_routing)
+        _pair_setup(ctx, (handle, layer, x, experts, gates, w1, w2, row_bytes, keep_casts, save_context, check_routing), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, *_dsaved):
+        handle, context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
+        dx, dgates, dw1, dw2 = _pair_backward(handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
+        return (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype)) + (None,) * 4
+
+
 class _Twice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -132,6 +151,7 @@ def cases(device: torch.device, rdep_stubbed: bool = False) -> dict:
            "op forward": lambda: torch.ops.rdep_floor.twice(x), "op f+b": op_fb}
     if hasattr(torch.ops.rdep_floor, "pair_forward"):
         out.update(_pair_cases(device))
+    out.update(_pair_cases(device, _PairFunction.apply, "function pair"))
     if hasattr(torch.ops, "rdep_floor_cpp") and hasattr(torch.ops.rdep_floor_cpp, "pair_forward"):
         out.update(_pair_cases(device, torch.ops.rdep_floor_cpp.pair_forward, "cpp pair"))
     out.update(_piece_cases(device))
@@ -147,7 +167,7 @@ def _build_cpp_pair() -> None:
     from torch.utils import cpp_extension
 
     cpp_extension.load(name="rdep_floor_cpp", sources=[str(Path(__file__).with_name("torch_floor_pair.cpp"))],
-                       is_python_module=False, verbose=False)
+                       is_python_module=False, verbose=False, extra_cflags=["-O2"])
 
 
 def _pair_cases(device: torch.device, fwd=None, name: str = "pair") -> dict:

@@ -1,7 +1,9 @@
 """op_library (rdep's operator registration) on test ops of its own, CPU tensors, no C library:
 the autograd kernel register_autograd installs (gradients, the schema's defaults, needs_input_grad, the error
 for a gradient of a left-out default), the fallback to torch.library.register_autograd for schemas it leaves
-to torch, and which schema arguments take that fallback. Exact comparisons: the ops are plain torch arithmetic.
+to torch, and which schema arguments take that fallback; the eager call without the dispatcher (`call`: the same
+results and gradients, the kernel reached without the dispatcher, and `direct_ok` refusing wherever the dispatcher
+is needed). Exact comparisons: the ops are plain torch arithmetic.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ pytestmark = pytest.mark.no_library  # rdep.torch imports without librdep_capi.s
 
 
 def _scale_kernel(x, w, scale=2.0):
+    # Whether the dispatcher ran this kernel below autograd (the Autograd key excluded), or `call` did directly.
+    _SEEN["below_autograd"] = torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
     return x * w * scale
 
 
@@ -148,3 +152,64 @@ def test_opcheck_passes_on_both_registrations():
     for op in (SCALE, SCALE_KW):
         x, w = _inputs()
         torch.library.opcheck(op, (x, w))
+
+
+@pytest.mark.parametrize("requires", [(True, True), (False, True), (False, False)])
+def test_call_without_the_dispatcher_matches_the_op(requires):
+    """op_library.call: the kernel reached directly (not below the dispatcher's autograd), through the same formula:
+    bitwise the op's outputs and gradients, needs_input_grad as the op's, no graph without inputs needing grad."""
+    x, w = _inputs(requires)
+    assert op_library.direct_ok(x, w)
+    y_op = SCALE(x, w, 0.5)
+    assert _SEEN["below_autograd"]
+    y = op_library.call(SCALE, x, w, 0.5)
+    assert not _SEEN["below_autograd"]
+    assert torch.equal(y, y_op) and y.requires_grad == y_op.requires_grad == any(requires)
+    if not any(requires):
+        assert y.grad_fn is None
+        return
+    gy = torch.randn_like(y)
+    leaves = [t for t in (x, w) if t.requires_grad]
+    want = torch.autograd.grad(y_op, leaves, gy)
+    needs_op = _SEEN["needs"]
+    got = torch.autograd.grad(y, leaves, gy)
+    assert _SEEN["needs"] == needs_op == requires + (False,)  # scale's entry: not a tensor
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert type(y.grad_fn).__name__ == type(y_op.grad_fn).__name__
+
+
+def test_call_gradcheck():
+    x, w = _inputs()
+    assert torch.autograd.gradcheck(lambda a, b: op_library.call(SCALE, a, b, 0.25), (x, w))
+
+
+def test_call_of_an_op_without_a_formula_goes_through_the_dispatcher():
+    x, w = _inputs()
+    y = op_library.call(SCALE_KW, x, w)  # torch's own registration: no formula of op_library's to apply
+    assert _SEEN["below_autograd"] and torch.equal(y, x.detach() * w.detach() * 2.0)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_direct_ok_refuses_wherever_the_dispatcher_is_needed():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w = _inputs()
+    assert op_library.direct_ok(x, torch.nn.Parameter(w.detach()))  # a Parameter is a plain tensor here
+    assert not op_library.direct_ok(x, w.detach().as_subclass(_Subclass))
+    with FakeTensorMode():
+        assert not op_library.direct_ok(x, w)
+    with TorchDispatchMode():
+        assert not op_library.direct_ok(x, w)
+    with TorchFunctionMode():
+        assert not op_library.direct_ok(x, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not op_library.direct_ok(x, w)
+    seen = []
+    torch.func.grad(lambda a: (seen.append(op_library.direct_ok(a)), a.sum())[1])(x.detach())
+    assert seen == [False]
+    assert op_library.direct_ok(x, w)  # and back after each

@@ -207,6 +207,58 @@ def test_second_backward_is_refused():
         loss.backward()
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_eager_call_skips_the_dispatcher_with_the_same_results(monkeypatch, grad):
+    """rdep.torch.moe in eager mode calls the op's kernel and formula without the dispatcher (op_library.call): bitwise
+    the results and gradients of the op called through torch.ops, and its kernel not run below the dispatcher's
+    autograd; under a dispatch mode (the profiler's, FakeTensorMode's, ...) it takes the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from rdep.torch import layer_calls
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    below = []
+    real = layer_calls.forward
+
+    def forward(*args, **kwargs):
+        below.append(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_calls, "forward", forward)
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    inputs = make_inputs(layer, 16, "zipf")
+    outs = []
+    for how in ("moe", "op", "moe under a mode"):
+        x, ids, gates, w1, w2 = [t.clone() for t in inputs]
+        leaves = [t.requires_grad_(grad) for t in (x, gates, w1, w2)]
+        if how == "op":
+            y = torch.ops.rdep.moe_forward(layer.handle, layer.rep, *leaves[:1], ids, *leaves[1:], grad, True)[0]
+        elif how == "moe":
+            y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+        else:
+            with PassThrough():
+                y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+        if grad:
+            y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        outs.append([y.detach()] + ([t.grad for t in leaves] if grad else []))
+    assert below == [False, True, True]
+    for got in outs[::2]:
+        for name, a, b in zip(["y", "dx", "dgates", "dw1", "dw2"], got, outs[1]):
+            assert torch.equal(a, b), name
+    assert layer.live_contexts == 0
+
+
+def test_double_backward_is_refused_on_the_eager_path():
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    (g,) = torch.autograd.grad(rt.moe(layer, x, ids, gates, w1, w2).sum(), w1, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
 def test_stale_context_is_refused():
     """An old context tensor whose slot was released and then reused by another forward is refused."""
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)

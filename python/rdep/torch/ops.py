@@ -269,12 +269,17 @@ def _autograd_formula(backward_op, capturable: bool):
         if dy is None:
             shape, dtype, device = ctx.y_like
             dy = torch.zeros(shape, dtype=dtype, device=device)
+        saved = ctx.saved_tensors
         if capturable:
-            handle, context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
-            dx, dgates, dw1, dw2 = backward_op(handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
+            handle, context, rows, w1c, w2c, w1, w2 = saved
+            args = (handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
         else:
-            handle, context, w1, w2 = ctx.saved_tensors
-            dx, dgates, dw1, dw2 = backward_op(handle, ctx.layer, context, dy.contiguous(), w1, w2)
+            handle, context, w1, w2 = saved
+            args = (handle, ctx.layer, context, dy.contiguous(), w1, w2)
+        if op_library.direct_ok(dy, *saved):
+            dx, dgates, dw1, dw2 = op_library.call(backward_op, *args)
+        else:
+            dx, dgates, dw1, dw2 = backward_op(*args)
         grads = (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype))
         return grads + (None,) * (4 if capturable else 2)
 
@@ -316,6 +321,10 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
     if h.capturable:
-        return moe_forward_capturable(h.handle, h.rep, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts, save,
-                                      check_routing)[0]
-    return moe_forward(h.handle, h.rep, x, experts, gates, w1, w2, save, check_routing)[0]
+        op, args = moe_forward_capturable, (h.handle, h.rep, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts,
+                                            save, check_routing)
+    else:
+        op, args = moe_forward, (h.handle, h.rep, x, experts, gates, w1, w2, save, check_routing)
+    if op_library.direct_ok(x, experts, gates, w1, w2):  # eager: the same kernel and formula, no dispatcher
+        return op_library.call(op, *args)[0]
+    return op(*args)[0]
