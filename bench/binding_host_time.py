@@ -49,7 +49,7 @@ PY_FUNCS = (("ops", "_backward_on"), ("ops", "_layer_weights"), ("layer_calls", 
             ("layer_calls", "backward"), ("graph_contexts", "sweep"), ("graph_contexts", "context_tensor"),
             ("graph_contexts", "entry_for_backward"), ("graph_contexts", "after_backward"), ("graph_contexts", "capturing"),
             ("graph_contexts", "StorageWeakRef"), ("graph_contexts", "Entry"), ("layer_calls", "_rank_streams"),
-            ("layer_calls", "_fill_weights"), ("layer_calls", "_new_io"), ("layer_calls", "RowArena"),
+            ("layer_calls", "_fill_weights"), ("layer_calls", "_new_io"),
             ("validate", "check_forward"), ("validate", "check_backward"), ("validate", "check_kept_casts"),
             ("validate", "check_rows"), ("layer_handles", "resolve"))
 # torch's allocating functions as rdep.torch calls them (torch.empty(...): looked up on the module at each call).

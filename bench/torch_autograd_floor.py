@@ -214,7 +214,8 @@ def _stubbed_rdep_cases(device: torch.device) -> dict:
             self.real = real
 
         def __getattr__(self, name):
-            fn = (lambda *args: 0) if name in ("rdep_layer_forward", "rdep_layer_backward", "rdep_context_check_routing") \
+            fn = (lambda *args: 0) if name in ("rdep_layer_forward", "rdep_layer_forward_arena", "rdep_layer_backward",
+                                           "rdep_context_check_routing") \
                 else getattr(real, name)
             setattr(self, name, fn)
             return fn

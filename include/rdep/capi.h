@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 16
+#define RDEP_CAPI_VERSION 17
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -278,6 +278,15 @@ int rdep_layer_set_row_allocator(rdep_layer* layer, rdep_alloc_fn alloc, rdep_fr
  * CUDA graph trees require of every allocation in their pool). 0 on the host backend and without an
  * allocator. */
 int rdep_layer_row_allocator_bytes(const rdep_layer* layer, size_t* bytes);
+/* Version 17. rdep_layer_forward whose contexts' saved rows come from the caller's arena rather than from the row
+ * allocator: consecutive 256-aligned pieces of [rows, rows + row_bytes), handed out without calling alloc (for
+ * rdep.torch a Python callback per request) and never given to free (the caller's buffer holds them: they are
+ * forgotten when the context gives its rows back). A request that does not fit fails the call naming the bytes;
+ * size the arena with rdep_layer_row_allocator_bytes. *used (when not NULL): the bytes the call took. Without a row
+ * allocator set (the host backend, or none set) the arena is not used and *used is 0; rows NULL is
+ * rdep_layer_forward. rdep.torch's capturable ops pass the rows tensor they return. */
+int rdep_layer_forward_arena(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count, void* rows,
+                             size_t row_bytes, size_t* used);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

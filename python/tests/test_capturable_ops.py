@@ -184,24 +184,21 @@ def test_capturable_layers():
     assert y.requires_grad and layer.live_contexts == 1 and not layer._native.by_address  # the plain ops' context
 
 
-def test_row_arena_hands_out_aligned_pieces_and_takes_none_back():
-    """The row allocator's arena (layer.RowArena, through the C callbacks' `user` key): consecutive 256-aligned
-    pieces, None once exhausted (the C call then fails naming the bytes), and a piece given back is a no-op
-    there (the arena tensor's owner frees the memory) that forgets the piece. No device memory is touched."""
+def test_row_allocator_gives_back_only_its_own_blocks():
+    """The row allocator's free (the C library calls it for blocks it took from the allocator; the capturable forward's
+    rows, pieces of its rows tensor, never reach it: row_arena_test.cc) gives torch only the blocks it handed out."""
     from rdep.torch import layer as L
 
     key = next(L._row_keys)
-    base = 1 << 20
-    L._ARENAS[key] = L.RowArena(base, 1024)
+    L._TORCH_BLOCKS[key] = {1 << 20}
+    deleted = []
+    real = torch.cuda.caching_allocator_delete
+    torch.cuda.caching_allocator_delete = deleted.append
     try:
-        p = [L._torch_row_alloc(key, n, 0, 0) for n in (1, 256, 300)]
-        assert p == [base, base + 256, base + 512]
-        assert L._ARENAS[key].used == 1024  # 256 + 256 + 512 (300 bytes round up to 512)
-        assert L._torch_row_alloc(key, 1, 0, 0) is None
+        L._torch_row_free(key, 2 << 20, 256, 0)  # not one of its blocks: nothing given to torch
+        assert deleted == [] and L._TORCH_BLOCKS[key] == {1 << 20}
+        L._torch_row_free(key, 1 << 20, 256, 0)
+        assert deleted == [1 << 20] and L._TORCH_BLOCKS[key] == set()
     finally:
-        L._ARENAS.pop(key, None)
-    assert L._ARENA_PIECES[key] == set(p)
-    for q in p:
-        L._torch_row_free(key, q, 256, 0)
-    assert L._ARENA_PIECES[key] == set()
-    L._ARENA_PIECES.pop(key, None)
+        torch.cuda.caching_allocator_delete = real
+        L._TORCH_BLOCKS.pop(key, None)

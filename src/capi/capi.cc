@@ -15,6 +15,7 @@
 
 #include "capi/capi_internal.h"
 #include "capi/layer_adapter.h"
+#include "capi/row_arena.h"
 #include "layer/weights_in_grads.h"
 #include "rdep/cuda/device_count.h"
 
@@ -67,6 +68,7 @@ struct rdep_layer {
   std::vector<int32_t> ranks;
   std::mutex mu;  // contexts
   std::deque<ContextSlot> slots;  // a deque: slots stay put while others are added
+  rdep::capi::RowArena rows;  // the caller's row allocator behind the arena's trampolines (row_arena.h)
 
   rdep_layer() = default;
   rdep_layer(const rdep_layer&) = delete;
@@ -274,7 +276,14 @@ rdep::Status CheckWeightsInGradsIo(const rdep_layer& l, const rdep_rank_io* io, 
   return rdep::CheckWeightsInGrads(l.config, cuda, r, l.ranks.empty() ? 0 : l.ranks.front());
 }
 
-int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool backward) {
+// The caller's arena of one forward (rdep_layer_forward_arena): base, bytes, and where the bytes taken go.
+struct ArenaArgs {
+  void* base = nullptr;
+  size_t bytes = 0;
+  size_t* used = nullptr;
+};
+
+int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool backward, const ArenaArgs* arena = nullptr) {
   if (!l) return FailInvalid("layer is null");
   if (!io) return FailInvalid("io is null");
   if (count != static_cast<int32_t>(l->ranks.size()))
@@ -295,7 +304,14 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
     slot->holds_forward = false;
     slot->plan_tokens.clear();
     if (backward) return l->adapter->Backward(slot->per_rank, io);
-    RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
+    if (arena && arena->base && l->rows.has_allocator()) {
+      rdep::capi::RowArena::Use use(l->rows, arena->base, arena->bytes);
+      rdep::Status s = l->adapter->Forward(slot->per_rank, io);
+      if (arena->used) *arena->used = use.used();
+      RDEP_RETURN_IF_ERROR(s);
+    } else {
+      RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
+    }
     slot->holds_forward = true;
     return rdep::Status::Ok();
   });
@@ -431,7 +447,11 @@ int rdep_layer_set_row_allocator(rdep_layer* l, rdep_alloc_fn alloc, rdep_free_f
   std::lock_guard<std::mutex> lock(l->mu);
   for (const auto& s : l->slots)
     if (s.in_use) return Fail(rdep::FailedPrecondition("row allocator: set it while no context of the layer is acquired"));
-  return Guard([&]() -> rdep::Status { return l->adapter->SetRowAllocator(alloc, free_fn, user); });
+  return Guard([&]() -> rdep::Status {
+    l->rows.SetAllocator(alloc, free_fn, user);
+    if (!alloc) return l->adapter->SetRowAllocator(nullptr, nullptr, nullptr);
+    return l->adapter->SetRowAllocator(&rdep::capi::RowArena::Alloc, &rdep::capi::RowArena::Free, &l->rows);
+  });
 }
 
 void rdep_layer_destroy(rdep_layer* layer) {
@@ -537,6 +557,13 @@ int rdep_context_bytes(const rdep_layer* l, int64_t ctx, size_t* bytes) {
 
 int rdep_layer_forward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {
   return Call(l, ctx, io, count, /*backward=*/false);
+}
+
+int rdep_layer_forward_arena(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, void* rows, size_t row_bytes,
+                             size_t* used) {
+  if (used) *used = 0;
+  const ArenaArgs arena{rows, row_bytes, used};
+  return Call(l, ctx, io, count, /*backward=*/false, &arena);
 }
 
 int rdep_layer_backward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count) {

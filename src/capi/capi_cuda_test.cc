@@ -85,6 +85,37 @@ struct RowCounter {
   }
 };
 
+// Version 17: a forward whose saved rows come from the caller's arena (rdep_layer_forward_arena) takes exactly
+// rdep_layer_row_allocator_bytes of it and never asks the allocator, gives it nothing back on release, and
+// computes the y the allocator's forward computed (ys: the outputs now); an arena 256 bytes short fails the call
+// naming the bytes, before the collective.
+template <typename Ys>
+void ArenaForward(rdep_layer* l, std::vector<rdep_rank_io>& io, RowCounter& rows, cudaStream_t caller, Ys ys) {
+  const auto W = static_cast<int32_t>(io.size());
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  const auto want = ys();
+  size_t predicted = 0, used = 1;
+  ASSERT_EQ(rdep_layer_row_allocator_bytes(l, &predicted), 0) << rdep_last_error();
+  void* arena = nullptr;
+  ASSERT_EQ(cudaMalloc(&arena, predicted), cudaSuccess);
+  const int64_t allocs = rows.allocs, frees = rows.frees;
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward_arena(l, ctx, io.data(), W, arena, predicted, &used), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  EXPECT_EQ(used, predicted);
+  EXPECT_EQ(rows.allocs, allocs) << "the arena served every request";
+  EXPECT_EQ(ys(), want);
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rows.frees, frees) << "the arena's pieces are the caller's: none given to free";
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_NE(rdep_layer_forward_arena(l, ctx, io.data(), W, arena, predicted - 256, &used), 0);
+  EXPECT_NE(std::string(rdep_last_error()).find("returned no memory"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rows.allocs, allocs);
+  EXPECT_EQ(cudaFree(arena), cudaSuccess);
+}
+
 void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const auto W = static_cast<size_t>(s.ranks);
@@ -218,6 +249,11 @@ void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
   if (row_allocator) {  // the pooled context took its rows again for the second forward, and gave them back
     EXPECT_GE(allocs_before_release, 2 * static_cast<int64_t>(W));
     EXPECT_EQ(rows.live, 0u);
+    ArenaForward(l, io, rows, caller, [&] {
+      std::vector<Bits> y;
+      for (size_t r = 0; r < W; ++r) y.push_back(Download(d_y[r], static_cast<size_t>(routing[r].num_tokens * s.hidden)));
+      return y;
+    });
   }
   for (size_t r = 0; r < W; ++r) {
     const auto ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));

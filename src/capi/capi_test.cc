@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,15 @@ void ExpectAbiMatchesLayer(const Case& c) {
     EXPECT_EQ(dw1[r], dw1_ref[r]) << "rank " << r;
     EXPECT_EQ(dw2[r], dw2_ref[r]) << "rank " << r;
   }
+  // Version 17: the host backend has no row allocator, so a forward given an arena is rdep_layer_forward (none used).
+  for (size_t r = 0; r < W; ++r) std::fill(y[r].begin(), y[r].end(), -7.f);
+  std::vector<char> arena(1024);
+  size_t used = 1;
+  ASSERT_EQ(rdep_context_acquire(abi, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward_arena(abi, ctx, io.data(), count, arena.data(), arena.size(), &used), 0) << rdep_last_error();
+  EXPECT_EQ(used, 0u);
+  EXPECT_EQ(rdep_context_release(abi, ctx), 0);
+  for (size_t r = 0; r < W; ++r) EXPECT_EQ(y[r], y_ref[r]) << "rank " << r;
   rdep_layer_destroy(abi);
 }
 

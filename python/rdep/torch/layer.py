@@ -108,7 +108,7 @@ class _Native:
         self.by_address: dict = {}
         self.pinned: set[int] = set()
         self.displaced: list = []  # pinned entries whose ctx address a later ctx took (still found by token)
-        self.row_key = next(_row_keys)  # the row allocator's `user` for this layer (RowArena)
+        self.row_key = next(_row_keys)  # the row allocator's `user` for this layer
         self.row_bytes = 0              # rdep_layer_row_allocator_bytes: one forward's saved rows (torch_rows)
         self.arena_used = 0             # bytes the last capturable forward took from its arena
 
@@ -135,7 +135,6 @@ class _Native:
                 self.pinned.clear()
                 self.displaced.clear()
                 _capi.lib().rdep_layer_destroy(ptr)  # gives its rows back through the allocator, then forgotten
-                _ARENA_PIECES.pop(self.row_key, None)
                 _TORCH_BLOCKS.pop(self.row_key, None)
 
     def __del__(self):
@@ -153,50 +152,19 @@ def _release_quietly(native: _Native, c_id: int, token: int) -> None:
         pass
 
 
-class RowArena:
-    """One tensor's bytes handed out as a forward's saved rows (the capturable ops, layer_calls.forward): consecutive
-    256-aligned pieces, as rdep_layer_row_allocator_bytes counts them, so that every row lives in a tensor PyTorch
-    tracks (CUDA graph trees require it of every allocation in their pool)."""
-
-    def __init__(self, base: int, size: int):
-        self.base, self.size, self.used = base, size, 0
-        self._lock = threading.Lock()  # several local ranks' threads may take pieces at once
-
-    def take(self, nbytes: int) -> Optional[int]:
-        n = (nbytes + 255) // 256 * 256
-        with self._lock:
-            if self.used + n > self.size:
-                return None
-            p = self.base + self.used
-            self.used += n
-            return p
-
-
-# The row allocator's `user` is a key per layer (_Native.row_key): the arena of that layer's forward running now
-# (set for the call, under the layer's lock); the blocks torch's caching allocator handed the layer and it still
-# holds (only these are given back to torch: any other pointer is an arena's piece, whose memory the arena
-# tensor's owner frees, so giving it back is a no-op); and the arena pieces the layer holds (informational: two
-# pieces may share an address once a graph's pool is reused, which is why deletes are decided by _TORCH_BLOCKS).
-_ARENAS: dict[int, RowArena] = {}
+# The row allocator's `user` is a key per layer (_Native.row_key); the blocks torch's caching allocator handed the layer
+# and it still holds. The capturable forward's saved rows never come here: the C library takes them from the rows
+# tensor the forward returns (rdep_layer_forward_arena, C ABI 17) and gives back only blocks this allocator handed out.
 _TORCH_BLOCKS: dict[int, set] = {}
-_ARENA_PIECES: dict[int, set] = {}
 _row_keys = itertools.count(1)
 _blocks_lock = threading.Lock()  # the ranks' threads call the allocator at once
 
 
 def _torch_row_alloc(user, nbytes, device, stream):
-    """The C layer's RowAllocator (C ABI version 8): a context's saved rows from PyTorch's caching allocator,
-    on the caller's stream of the call (so its later work, the optimizer's say, reuses them once released),
-    or from the arena of the layer's capturable forward running now. None (NULL) when there is no memory:
-    the C call then fails naming the bytes."""
+    """The C layer's RowAllocator (C ABI version 8): a context's saved rows from PyTorch's caching allocator, on the
+    caller's stream of the call (so its later work, the optimizer's say, reuses them once released). None (NULL) when
+    there is no memory: the C call then fails naming the bytes."""
     try:
-        arena = _ARENAS.get(user) if user else None
-        if arena is not None:
-            p = arena.take(int(nbytes))
-            if p is not None:
-                with _blocks_lock:
-                    _ARENA_PIECES.setdefault(user, set()).add(p)
-            return p
         p = torch.cuda.caching_allocator_alloc(int(nbytes), device=int(device), stream=int(stream or 0))
         with _blocks_lock:
             _TORCH_BLOCKS.setdefault(user, set()).add(p)
@@ -211,8 +179,6 @@ def _torch_row_free(user, ptr, nbytes, device):
             ours = ptr in _TORCH_BLOCKS.get(user, ())
             if ours:
                 _TORCH_BLOCKS[user].discard(ptr)
-            else:  # an arena's piece: its tensor's owner (autograd) frees the memory
-                _ARENA_PIECES.get(user, set()).discard(ptr)
         if ours:
             torch.cuda.caching_allocator_delete(int(ptr))
     except Exception:  # interpreter shutdown: torch may be gone; the process frees the device memory

@@ -15,7 +15,7 @@ Context protocol (the C ABI pools contexts; a released id is stale, releasing it
     instead of being paired with another forward's saved state. It runs, then releases the context.
 The C backward consumes its context: one backward per forward (a retain_graph=True double backward is
 refused with an error). The capturable ops (device_ctx) name contexts by a device tensor's address instead
-(graph_contexts.py) and take their saved rows from a tensor the forward returns (layer.RowArena).
+(graph_contexts.py) and take their saved rows from a tensor the forward returns (rdep_layer_forward_arena).
 
 Tensor layout: x, y, dy, dx [L, n, H]; experts, gates, dgates [L, n, K]; w1, dw1 [E_local, H, 2F] and
 w2, dw2 [E_local, F, H], where local rank i's rows start at i*n and its experts at Layer._rank_experts[i].
@@ -32,7 +32,7 @@ import torch
 from .. import _capi
 from .._errors import FailedPreconditionError, error_for_code
 from . import graph_contexts
-from .layer import _ARENAS, Layer, RowArena, _release_quietly
+from .layer import Layer, _release_quietly
 
 NO_CONTEXT = -1  # the token forward returns when it saved nothing (save=False)
 
@@ -90,7 +90,8 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
     will report a fault the sync-free forward could not read yet) before releasing the context; not inside a
     CUDA graph capture, which cannot wait. device_ctx (the capturable ops): returns (y, ctx, rows): ctx is a
     tensor on x's device named by its address, a forward recorded in a capture pins its context
-    (graph_contexts.py), and the context's saved rows are pieces of `rows` (uint8 [Layer row bytes], a RowArena),
+    (graph_contexts.py), and the context's saved rows are pieces of `rows` (uint8 [Layer row bytes]: the C library's
+    arena for the call, rdep_layer_forward_arena),
     which the caller keeps alive until the backward, as autograd keeps any saved activation."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
@@ -116,14 +117,13 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             graph_contexts.sweep(native)  # first, so that the slots of dropped graphs are reused in order
         c_id = ctypes.c_int64()
         _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
-        arena = RowArena(rows.data_ptr(), native.row_bytes) if rows is not None and native.row_bytes else None
-        if arena is not None:
-            _ARENAS[native.row_key] = arena
-        try:
+        if rows is not None and native.row_bytes:
+            used = ctypes.c_size_t()
+            code = lib.rdep_layer_forward_arena(ptr, c_id.value, io, L, rows.data_ptr(), native.row_bytes, ctypes.byref(used))
+            native.arena_used = used.value  # what the call took (tests compare row_bytes)
+        else:
             code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
-        finally:
-            _ARENAS.pop(native.row_key, None)
-        native.arena_used = arena.used if arena is not None else 0  # what the call took (tests compare row_bytes)
+            native.arena_used = 0
         what = "rdep_layer_forward"
         if code == 0 and not save and check_routing and layer.backend == "cuda" and not capturing:
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
