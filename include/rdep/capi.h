@@ -278,11 +278,14 @@ int rdep_layer_set_row_allocator(rdep_layer* layer, rdep_alloc_fn alloc, rdep_fr
  * CUDA graph trees require of every allocation in their pool). 0 on the host backend and without an
  * allocator. */
 int rdep_layer_row_allocator_bytes(const rdep_layer* layer, size_t* bytes);
-/* Version 17. rdep_layer_forward whose contexts' saved rows come from the caller's arena rather than from the row
- * allocator: consecutive 256-aligned pieces of [rows, rows + row_bytes), handed out without calling alloc (for
- * rdep.torch a Python callback per request) and never given to free (the caller's buffer holds them: they are
- * forgotten when the context gives its rows back). A request that does not fit fails the call naming the bytes;
- * size the arena with rdep_layer_row_allocator_bytes. *used (when not NULL): the bytes the call took. Without a row
+/* Version 17. rdep_layer_forward whose contexts' saved rows, those the call reserves, come from the caller's arena
+ * rather than from the row allocator: consecutive 256-aligned pieces of [rows, rows + row_bytes) (rows 256-byte
+ * aligned), handed out without calling alloc (for rdep.torch a Python callback per request) and never given to free
+ * (the caller's buffer holds them: they are forgotten when the context gives its rows back). The arena must stay
+ * valid, and untouched by the caller, until the context is released (for a context a CUDA graph recorded, while the
+ * graph is replayed). A request that does not fit fails the call naming the bytes; size the arena with
+ * rdep_layer_row_allocator_bytes. A context that still holds rows from an earlier forward (not released since)
+ * reserves none: it takes nothing from the arena. *used (when not NULL): the bytes the call took. Without a row
  * allocator set (the host backend, or none set) the arena is not used and *used is 0; rows NULL is
  * rdep_layer_forward. rdep.torch's capturable ops pass the rows tensor they return. */
 int rdep_layer_forward_arena(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count, void* rows,

@@ -212,4 +212,9 @@ def test_direct_ok_refuses_wherever_the_dispatcher_is_needed():
     seen = []
     torch.func.grad(lambda a: (seen.append(op_library.direct_ok(a)), a.sum())[1])(x.detach())
     assert seen == [False]
+    with torch._C._AutoDispatchBelowAutograd():  # a caller's kernel running below autograd
+        assert not op_library.direct_ok(x, w)
+    traced = []
+    torch.jit.trace(lambda a: (traced.append(op_library.direct_ok(a)), a * 2)[1], (x.detach(),), check_trace=False)
+    assert traced == [False]
     assert op_library.direct_ok(x, w)  # and back after each

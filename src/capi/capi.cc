@@ -68,7 +68,11 @@ struct rdep_layer {
   std::vector<int32_t> ranks;
   std::mutex mu;  // contexts
   std::deque<ContextSlot> slots;  // a deque: slots stay put while others are added
-  rdep::capi::RowArena rows;  // the caller's row allocator behind the arena's trampolines (row_arena.h)
+  struct {
+    rdep_alloc_fn alloc = nullptr;
+    rdep_free_fn free = nullptr;
+    void* user = nullptr;
+  } rows;  // the caller's row allocator (rdep_layer_set_row_allocator), put back after an arena forward
 
   rdep_layer() = default;
   rdep_layer(const rdep_layer&) = delete;
@@ -304,11 +308,14 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
     slot->holds_forward = false;
     slot->plan_tokens.clear();
     if (backward) return l->adapter->Backward(slot->per_rank, io);
-    if (arena && arena->base && l->rows.has_allocator()) {
-      rdep::capi::RowArena::Use use(l->rows, arena->base, arena->bytes);
-      rdep::Status s = l->adapter->Forward(slot->per_rank, io);
-      if (arena->used) *arena->used = use.used();
+    if (arena && arena->base && l->rows.alloc) {  // the buffers reserved in this call take pieces of the arena
+      rdep::capi::RowArena pieces(arena->base, arena->bytes);
+      RDEP_RETURN_IF_ERROR(l->adapter->SetRowAllocator(&rdep::capi::RowArena::Alloc, &rdep::capi::RowArena::Free, &pieces));
+      const rdep::Status s = l->adapter->Forward(slot->per_rank, io);
+      const rdep::Status back = l->adapter->SetRowAllocator(l->rows.alloc, l->rows.free, l->rows.user);
+      if (arena->used) *arena->used = pieces.used();
       RDEP_RETURN_IF_ERROR(s);
+      RDEP_RETURN_IF_ERROR(back);
     } else {
       RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
     }
@@ -448,9 +455,9 @@ int rdep_layer_set_row_allocator(rdep_layer* l, rdep_alloc_fn alloc, rdep_free_f
   for (const auto& s : l->slots)
     if (s.in_use) return Fail(rdep::FailedPrecondition("row allocator: set it while no context of the layer is acquired"));
   return Guard([&]() -> rdep::Status {
-    l->rows.SetAllocator(alloc, free_fn, user);
-    if (!alloc) return l->adapter->SetRowAllocator(nullptr, nullptr, nullptr);
-    return l->adapter->SetRowAllocator(&rdep::capi::RowArena::Alloc, &rdep::capi::RowArena::Free, &l->rows);
+    RDEP_RETURN_IF_ERROR(l->adapter->SetRowAllocator(alloc, free_fn, user));
+    l->rows = {alloc, free_fn, user};
+    return rdep::Status::Ok();
   });
 }
 
@@ -562,6 +569,8 @@ int rdep_layer_forward(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32
 int rdep_layer_forward_arena(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, void* rows, size_t row_bytes,
                              size_t* used) {
   if (used) *used = 0;
+  if (reinterpret_cast<uintptr_t>(rows) % rdep::capi::RowArena::kAlign != 0)
+    return FailInvalid("rows: the arena must be " + std::to_string(rdep::capi::RowArena::kAlign) + "-byte aligned");
   const ArenaArgs arena{rows, row_bytes, used};
   return Call(l, ctx, io, count, /*backward=*/false, &arena);
 }

@@ -115,10 +115,12 @@ void ExpectAbiMatchesLayer(const Case& c) {
   }
   // Version 17: the host backend has no row allocator, so a forward given an arena is rdep_layer_forward (none used).
   for (size_t r = 0; r < W; ++r) std::fill(y[r].begin(), y[r].end(), -7.f);
-  std::vector<char> arena(1024);
+  alignas(256) static char arena[1024];
   size_t used = 1;
   ASSERT_EQ(rdep_context_acquire(abi, &ctx), 0);
-  ASSERT_EQ(rdep_layer_forward_arena(abi, ctx, io.data(), count, arena.data(), arena.size(), &used), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_layer_forward_arena(abi, ctx, io.data(), count, arena + 8, sizeof(arena) - 8, &used), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("rows: the arena must be 256-byte aligned"), std::string::npos) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_forward_arena(abi, ctx, io.data(), count, arena, sizeof(arena), &used), 0) << rdep_last_error();
   EXPECT_EQ(used, 0u);
   EXPECT_EQ(rdep_context_release(abi, ctx), 0);
   for (size_t r = 0; r < W; ++r) EXPECT_EQ(y[r], y_ref[r]) << "rank " << r;

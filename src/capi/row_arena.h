@@ -1,18 +1,15 @@
-// The caller's row allocator (rdep_layer_set_row_allocator) behind trampolines that serve one forward call's
-// requests from an arena the caller passes with the call (rdep_layer_forward_arena): consecutive 256-aligned pieces
-// of the caller's buffer, handed out without calling the allocator (for rdep.torch, a Python callback per request).
-// The layer's saved-row buffers are given the trampolines; a request outside such a call goes to the caller's
-// allocator, and only blocks that allocator returned are given back to it (an arena's pieces belong to the caller's
-// buffer: giving one back is a no-op).
+// The caller's arena of one forward call (rdep_layer_forward_arena): the row allocator the C ABI hands the layer's
+// buffers for that call instead of the caller's, taking consecutive 256-aligned pieces of the caller's buffer without
+// calling the caller's allocator (for rdep.torch, a Python callback per request). Each buffer keeps the allocator it
+// was reserved with, so a piece's release calls this arena's Free, a no-op (the caller's buffer holds the memory),
+// and never the caller's free: no address is looked up, so a piece and a block of the caller's allocator that share an
+// address (memory reused between them) are never confused.
 #ifndef RDEP_CAPI_ROW_ARENA_H_
 #define RDEP_CAPI_ROW_ARENA_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
-#include <unordered_set>
-
-#include "rdep/capi.h"
 
 namespace rdep::capi {
 
@@ -20,41 +17,22 @@ class RowArena {
  public:
   static constexpr size_t kAlign = 256;  // CudaMoELayer::kRowAllocAlign: rdep_layer_row_allocator_bytes counts so
 
-  // The caller's allocator (both null: none).
-  void SetAllocator(rdep_alloc_fn alloc, rdep_free_fn free_fn, void* user);
-  bool has_allocator() const { return alloc_ != nullptr; }
+  // [base, base + bytes); base must be kAlign-aligned (the C ABI checks).
+  RowArena(void* base, size_t bytes) : base_(static_cast<char*>(base)), size_(base ? bytes : 0) {}
+  RowArena(const RowArena&) = delete;
+  RowArena& operator=(const RowArena&) = delete;
 
-  // The functions the layer's buffers call, with `self` this arena.
+  // The allocator's functions, with `self` this arena: the next piece, or null once the arena is exhausted (the call
+  // then fails naming the bytes: every row of a captured forward must lie in memory the caller tracks).
   static void* Alloc(void* self, size_t bytes, int32_t device, void* stream);
-  static void Free(void* self, void* ptr, size_t bytes, int32_t device);
-
-  // While one lives, requests take pieces of [base, base + bytes) and null once it is exhausted (the call then fails
-  // naming the bytes, as the caller's own arena did: every row of a captured forward must lie in memory the caller
-  // tracks). used(): the bytes taken so far. One at a time (the caller holds the layer's call lock).
-  class Use {
-   public:
-    Use(RowArena& arena, void* base, size_t bytes);
-    ~Use();
-    Use(const Use&) = delete;
-    Use& operator=(const Use&) = delete;
-    size_t used() const;
-
-   private:
-    RowArena& arena_;
-  };
+  static void Free(void* self, void* ptr, size_t bytes, int32_t device);  // a no-op
+  size_t used() const;  // the bytes taken so far
 
  private:
-  void* Take(size_t bytes, int32_t device, void* stream);
-  void GiveBack(void* ptr, size_t bytes, int32_t device);
-
   mutable std::mutex mu_;  // the local ranks' threads request at once
-  char* base_ = nullptr;
-  size_t size_ = 0, used_ = 0;
-  bool active_ = false;
-  rdep_alloc_fn alloc_ = nullptr;
-  rdep_free_fn free_ = nullptr;
-  void* user_ = nullptr;
-  std::unordered_set<void*> blocks_;  // from the caller's allocator and not yet given back
+  char* base_;
+  size_t size_;
+  size_t used_ = 0;
 };
 
 }  // namespace rdep::capi

@@ -121,10 +121,11 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             used = ctypes.c_size_t()
             code = lib.rdep_layer_forward_arena(ptr, c_id.value, io, L, rows.data_ptr(), native.row_bytes, ctypes.byref(used))
             native.arena_used = used.value  # what the call took (tests compare row_bytes)
+            what = "rdep_layer_forward_arena"
         else:
             code = lib.rdep_layer_forward(ptr, c_id.value, io, L)
             native.arena_used = 0
-        what = "rdep_layer_forward"
+            what = "rdep_layer_forward"
         if code == 0 and not save and check_routing and layer.backend == "cuda" and not capturing:
             # No backward will report a routing fault the sync-free forward could not read yet: wait for the
             # device's check here (the forward that waited on the host has read it already: no wait then).

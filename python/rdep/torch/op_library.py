@@ -142,17 +142,23 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 _profiler = getattr(torch.autograd, "profiler", None)
-_DIRECT_OK = None not in (_dispatch_modes, _function_modes, _functorch) and hasattr(_profiler, "_is_profiler_enabled")
+_tracing = getattr(torch._C, "_get_tracing_state", None)
+_excluded = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+_AUTOGRAD_KEY = getattr(getattr(torch._C, "DispatchKey", None), "AutogradFunctionality", None)
+_DIRECT_OK = (None not in (_dispatch_modes, _function_modes, _functorch, _tracing, _excluded, _AUTOGRAD_KEY)
+              and hasattr(_profiler, "_is_profiler_enabled"))
 
 
 def direct_ok(*tensors) -> bool:
-    """Whether an eager call may skip the dispatcher (`call`): not while torch.compile traces, no torch-function or
-    dispatch mode (FakeTensorMode, FunctionalTensorMode, FlopCounterMode, ...), no functorch transform, the profiler
-    off (its traces then name rdep's ops), and every tensor a plain torch.Tensor or Parameter (no subclass: DTensor,
-    FakeTensor, ...). A torch without one of the calls this reads always takes the dispatcher."""
+    """Whether an eager call may skip the dispatcher (`call`): not while torch.compile or torch.jit.trace traces, no
+    torch-function or dispatch mode (FakeTensorMode, FunctionalTensorMode, FlopCounterMode, torch.set_default_device's
+    mode, ...), no functorch transform, not below the dispatcher's autograd (a caller's kernel running with the
+    Autograd key excluded), the profiler off (its traces then name rdep's ops), and every tensor a plain torch.Tensor or
+    Parameter (no subclass: DTensor, FakeTensor, ...). A torch without one of the calls this reads always takes the
+    dispatcher."""
     if not _DIRECT_OK or torch.compiler.is_compiling() or _dispatch_modes() or _function_modes():
         return False
-    if _functorch() is not None or _profiler._is_profiler_enabled:
+    if _functorch() is not None or _profiler._is_profiler_enabled or _tracing() is not None or _excluded(_AUTOGRAD_KEY):
         return False
     for t in tensors:
         if type(t) not in _PLAIN:
