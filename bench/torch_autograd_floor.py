@@ -13,7 +13,8 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
               inputs, and kernels that only allocate what rdep's return (y, a device ctx made by torch.full,
               the rows, two empty casts; dx, dgates, dw1, dw2): what the structure of rdep's ops costs;
   * function pair: the pair's kernels and setup_context through a plain torch.autograd.Function, no dispatcher
-    between (what an eager path calling rdep's Python kernels directly would cost);
+    between; direct pair: the pair through rdep.torch.op_library.call, rdep.torch's eager path (the same kernels
+    through the op's own autograd.Function, no dispatcher);
   * cpp pair (--cpp, compiles bench/torch_floor_pair.cpp with torch.utils.cpp_extension: a C++ compiler and
     ninja): the same pair as C++ ops with a C++ autograd function, what torch's part would be with rdep's hot
     pair in C++;
@@ -67,9 +68,14 @@ def _pair_setup(ctx, inputs, output):
 
 
 def _pair_formula(ctx, dy, *_dsaved):
-    handle, context, rows, w1c, w2c, w1, w2 = ctx.saved_tensors
-    dx, dgates, dw1, dw2 = torch.ops.rdep_floor.pair_backward(handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(),
-                                                              w1, w2)
+    """As rdep.torch's formula: the backward op's kernel called without the dispatcher where op_library.direct_ok."""
+    from rdep.torch import op_library
+
+    saved = ctx.saved_tensors
+    handle, context, rows, w1c, w2c, w1, w2 = saved
+    args = (handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
+    op = torch.ops.rdep_floor.pair_backward.default
+    dx, dgates, dw1, dw2 = op_library.call(op, *args) if op_library.direct_ok(dy, *saved) else op(*args)
     return (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype)) + (None,) * 4
 
 
@@ -152,6 +158,11 @@ def cases(device: torch.device, rdep_stubbed: bool = False) -> dict:
     if hasattr(torch.ops.rdep_floor, "pair_forward"):
         out.update(_pair_cases(device))
     out.update(_pair_cases(device, _PairFunction.apply, "function pair"))
+    if hasattr(torch.ops.rdep_floor, "pair_forward"):  # rdep.torch's eager path: op_library.call on the pair
+        from rdep.torch import op_library
+
+        pair = torch.ops.rdep_floor.pair_forward.default
+        out.update(_pair_cases(device, lambda *args: op_library.call(pair, *args), "direct pair"))
     if hasattr(torch.ops, "rdep_floor_cpp") and hasattr(torch.ops.rdep_floor_cpp, "pair_forward"):
         out.update(_pair_cases(device, torch.ops.rdep_floor_cpp.pair_forward, "cpp pair"))
     out.update(_piece_cases(device))

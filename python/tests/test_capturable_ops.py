@@ -22,6 +22,36 @@ def _layer(**kw):
     return rt.Layer(8, 6, 6, 2, 16, world_size=kw.pop("world_size", 2), **kw)
 
 
+@pytest.mark.parametrize("requires", ["all", "w1 only", "none"])
+def test_eager_call_without_the_dispatcher_matches_the_op(requires):
+    """The capturable pair through op_library.call (the eager path rdep.torch.moe takes) and through the op: bitwise the
+    same outputs and gradients, with every input, only w1, or none requiring grad; contexts released after each."""
+    from rdep.torch import op_library
+
+    layer = _layer(world_size=1, capacity_factor=0.7)
+    inputs = make_inputs(layer, 16, "zipf")
+    outs = []
+    for direct in (True, False):
+        x, ids, gates, w1, w2 = [t.clone() for t in inputs]
+        leaves = {"x": x, "gates": gates, "w1": w1, "w2": w2}
+        wanted = {"all": ("x", "gates", "w1", "w2"), "w1 only": ("w1",), "none": ()}[requires]
+        for name in wanted:
+            leaves[name].requires_grad_(True)
+        args = (layer.handle, layer.rep, x, ids, gates, w1, w2, layer.row_bytes, layer.keep_weight_casts, bool(wanted), True)
+        assert op_library.direct_ok(x, ids, gates, w1, w2)
+        y = op_library.call(FWD.default, *args)[0] if direct else FWD(*args)[0]
+        if wanted:
+            grads = torch.autograd.grad(y, [leaves[n] for n in wanted], torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        else:
+            grads = ()
+            assert y.grad_fn is None
+        outs.append((y.detach(),) + tuple(grads))
+        assert layer.live_contexts == 0
+    assert len(outs[0]) == len(outs[1])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_same_results_as_the_plain_ops():
     """Forward and backward through autograd give bitwise what the plain ops give (the same C calls)."""
     layer = _layer(world_size=4, capacity_factor=0.7)

@@ -222,3 +222,23 @@ def test_direct_ok_refuses_wherever_the_dispatcher_is_needed():
         torch.jit.trace(lambda a: (traced.append(op_library.direct_ok(a)), a * 2)[1], (x.detach(),), check_trace=False)
     assert traced == [False]
     assert op_library.direct_ok(x, w)  # and back after each
+
+
+NO_FORMULA = op_library.define("test_oplib_no_formula", "(Tensor x) -> Tensor", lambda x: (_SEEN.__setitem__(
+    "below_autograd", torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)), x * 3)[1],
+    lambda x: torch.empty_like(x))
+
+
+def test_call_of_an_op_without_a_formula_runs_its_kernel_when_no_gradient_is_needed():
+    x, _ = _inputs(requires=(False, False))
+    y = op_library.call(NO_FORMULA, x)
+    assert not _SEEN["below_autograd"] and torch.equal(y, x * 3)
+    x.requires_grad_(True)
+    seen = []
+    real = NO_FORMULA.__class__.__call__
+    try:  # a gradient would be needed and no formula is registered: the dispatcher decides (the op is called)
+        NO_FORMULA.__class__.__call__ = lambda self, *a: (seen.append(self), real(self, *a))[1]
+        y = op_library.call(NO_FORMULA, x)
+    finally:
+        NO_FORMULA.__class__.__call__ = real
+    assert seen == [NO_FORMULA] and torch.equal(y.detach(), x.detach() * 3)

@@ -167,12 +167,15 @@ def direct_ok(*tensors) -> bool:
 
 
 def call(op, *args):
-    """op(*args), every argument given, where the caller checked direct_ok on the call's tensors: op's kernel, through
-    its autograd formula (the autograd.Function its Autograd kernel applies) where grad is enabled and an argument
-    requires grad, without the dispatcher; an op with no formula registered here goes through the dispatcher."""
+    """op(*args), every argument given, where the caller checked direct_ok on the call's tensors: op's kernel without the
+    dispatcher, through its autograd formula (the autograd.Function its Autograd kernel applies) where grad is enabled
+    and an argument requires grad; where a gradient is needed and op_library registered no formula for op (torch's own
+    registration, or none), or op is not one `define` made, the call goes through the dispatcher."""
+    grad = torch.is_grad_enabled() and _any_requires_grad(*args)
     fn = _FUNCTIONS.get(op)
-    if fn is None:
-        return op(*args)
-    if torch.is_grad_enabled() and _any_requires_grad(*args):
+    if grad and fn is not None:
         return fn.apply(*args, None)
-    return _KERNELS[op](*args)
+    kernel = _KERNELS.get(op)
+    if grad or kernel is None:  # a gradient without a formula registered here, or not one of op_library's ops
+        return op(*args)
+    return kernel(*args)
