@@ -19,12 +19,12 @@ is not captured. The capturable pair (rdep::moe_forward_capturable, moe_backward
 untagged: a capture records its calls once, on a context the graph then keeps (graph_contexts.py).
 
 Eager calls without the dispatcher (`call`): where nothing between Python and the kernel needs the dispatcher (no
-torch.compile tracing, no torch-function or dispatch mode, no functorch transform, no profiler, and plain tensors),
-rdep.torch's entry points call the op's Python kernel directly, through the same autograd.Function its Autograd
-kernel applies (register_autograd): the same kernel, setup_context and formula, without entering the dispatcher from
-Python and redispatching below autograd (forward+backward of the capturable pair: 116 against 161 us of torch's own
-host time on a fast CPU, bench/torch_autograd_floor.py's "function pair" against "pair"). Everywhere else the call
-goes through the op, as before, so torch.compile, FakeTensor tracing, opcheck and the profiler see rdep's ops.
+torch.compile or jit tracing, no torch-function or dispatch mode, no functorch transform, not below autograd, no
+profiler, and plain tensors), rdep.torch's entry points call the op's Python kernel directly, through an
+autograd.Function with the same setup_context and formula as the op's Autograd kernel (register_autograd), every
+argument given: without entering the dispatcher from Python and redispatching below autograd (the capturable pair's
+host time: bench/torch_autograd_floor.py's "direct pair" against "pair"). Everywhere else the call goes through the op,
+as before, so torch.compile, FakeTensor tracing, opcheck and the profiler see rdep's ops.
 """
 
 from __future__ import annotations
@@ -101,10 +101,6 @@ def register_autograd(op, backward, setup_context, lib: torch.library.Library = 
         *args, keyset = args_and_keyset  # the key set last, as torch's own formula passes its metadata
         args = tuple(args)
         ctx.rdep_num_args = len(args)  # the dispatcher leaves trailing defaults out: as many gradients back
-        if keyset is None:  # `call`: the kernel itself, not through the dispatcher
-            out = direct(*args)
-            setup_context(ctx, args + defaults[len(args):], out)
-            return out
         with C._AutoDispatchBelowAutograd():
             out = op.redispatch(keyset & below, *args)
             setup_context(ctx, args + defaults[len(args):], out)
@@ -134,7 +130,21 @@ def register_autograd(op, backward, setup_context, lib: torch.library.Library = 
 
     lib.impl(op._opname, kernel, "Autograd", with_keyset=True)
     if direct is not None:
-        _FUNCTIONS[op] = fn
+        _FUNCTIONS[op] = _direct_function(op, direct, backward, setup_context)
+
+
+def _direct_function(op, kernel, backward, setup_context):
+    """The autograd.Function `call` applies: the Autograd kernel's (above) with every argument given and no key set,
+    so none of its bookkeeping (the trailing defaults, the key set's entry in needs_input_grad) is needed; named as
+    that one, so the grad_fn reads the same on both paths."""
+
+    def forward(ctx, *args):
+        out = kernel(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    return type(f"RdepAutograd_{op._opname}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -174,7 +184,7 @@ def call(op, *args):
     grad = torch.is_grad_enabled() and _any_requires_grad(*args)
     fn = _FUNCTIONS.get(op)
     if grad and fn is not None:
-        return fn.apply(*args, None)
+        return fn.apply(*args)
     kernel = _KERNELS.get(op)
     if grad or kernel is None:  # a gradient without a formula registered here, or not one of op_library's ops
         return op(*args)
