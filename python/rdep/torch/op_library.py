@@ -37,7 +37,7 @@ TAGS: tuple = (_tag,) if _tag is not None else ()
 _LIB = torch.library.Library("rdep", "FRAGMENT")  # module-lifetime: the definitions live as long as the module
 
 _KERNELS: dict = {}   # op -> its Python kernel (define)
-_FUNCTIONS: dict = {}  # op -> the autograd.Function its Autograd kernel applies (register_autograd's own)
+_FUNCTIONS: dict = {}  # op -> the autograd.Function `call` applies (register_autograd: the op's setup and formula)
 
 
 def define(name: str, schema: str, kernel, fake, capturable: bool = False, lib: torch.library.Library = _LIB):
@@ -178,8 +178,8 @@ def direct_ok(*tensors) -> bool:
 
 def call(op, *args):
     """op(*args), every argument given, where the caller checked direct_ok on the call's tensors: op's kernel without the
-    dispatcher, through its autograd formula (the autograd.Function its Autograd kernel applies) where grad is enabled
-    and an argument requires grad; where a gradient is needed and op_library registered no formula for op (torch's own
+    dispatcher, through its autograd formula (an autograd.Function with the setup_context and formula its Autograd kernel
+    uses: _direct_function) where grad is enabled and an argument requires grad; where a gradient is needed and op_library registered no formula for op (torch's own
     registration, or none), or op is not one `define` made, the call goes through the dispatcher."""
     grad = torch.is_grad_enabled() and _any_requires_grad(*args)
     fn = _FUNCTIONS.get(op)
