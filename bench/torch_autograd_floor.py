@@ -69,8 +69,7 @@ def _pair_setup(ctx, inputs, output):
 
 def _pair_formula(ctx, dy, *_dsaved):
     """As rdep.torch's formula: the backward op's kernel called without the dispatcher where op_library.direct_ok."""
-    from rdep.torch import op_library
-
+    op_library = _OP_LIBRARY
     saved = ctx.saved_tensors
     handle, context, rows, w1c, w2c, w1, w2 = saved
     args = (handle, ctx.layer, context, rows, w1c, w2c, dy.contiguous(), w1, w2)
@@ -79,10 +78,15 @@ def _pair_formula(ctx, dy, *_dsaved):
     return (None, None, dx, None, dgates, dw1.to(w1.dtype), dw2.to(w2.dtype)) + (None,) * 4
 
 
+_OP_LIBRARY = None  # rdep.torch.op_library, once _define_pair imported it (the pair's formula reads it per call)
+
+
 def _define_pair() -> None:
     """rdep_floor::pair_forward / pair_backward, registered as rdep.torch registers its capturable pair."""
+    global _OP_LIBRARY
     from rdep.torch import op_library, ops
 
+    _OP_LIBRARY = op_library
     fwd = op_library.define("pair_forward", ops.CAPTURABLE_FORWARD_SCHEMA, _pair_forward, _pair_forward, capturable=True,
                             lib=_LIB)
     op_library.define("pair_backward", ops.CAPTURABLE_BACKWARD_SCHEMA, _pair_backward, _pair_backward, capturable=True,

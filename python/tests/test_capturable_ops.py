@@ -214,21 +214,16 @@ def test_capturable_layers():
     assert y.requires_grad and layer.live_contexts == 1 and not layer._native.by_address  # the plain ops' context
 
 
-def test_row_allocator_gives_back_only_its_own_blocks():
+def test_row_allocator_gives_back_only_its_own_blocks(monkeypatch):
     """The row allocator's free (the C library calls it for blocks it took from the allocator; the capturable forward's
     rows, pieces of its rows tensor, never reach it: row_arena_test.cc) gives torch only the blocks it handed out."""
     from rdep.torch import layer as L
 
     key = next(L._row_keys)
-    L._TORCH_BLOCKS[key] = {1 << 20}
+    monkeypatch.setitem(L._TORCH_BLOCKS, key, {1 << 20})
     deleted = []
-    real = torch.cuda.caching_allocator_delete
-    torch.cuda.caching_allocator_delete = deleted.append
-    try:
-        L._torch_row_free(key, 2 << 20, 256, 0)  # not one of its blocks: nothing given to torch
-        assert deleted == [] and L._TORCH_BLOCKS[key] == {1 << 20}
-        L._torch_row_free(key, 1 << 20, 256, 0)
-        assert deleted == [1 << 20] and L._TORCH_BLOCKS[key] == set()
-    finally:
-        torch.cuda.caching_allocator_delete = real
-        L._TORCH_BLOCKS.pop(key, None)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", deleted.append)
+    L._torch_row_free(key, 2 << 20, 256, 0)  # not one of its blocks: nothing given to torch
+    assert deleted == [] and L._TORCH_BLOCKS[key] == {1 << 20}
+    L._torch_row_free(key, 1 << 20, 256, 0)
+    assert deleted == [1 << 20] and L._TORCH_BLOCKS[key] == set()

@@ -229,16 +229,13 @@ NO_FORMULA = op_library.define("test_oplib_no_formula", "(Tensor x) -> Tensor", 
     lambda x: torch.empty_like(x))
 
 
-def test_call_of_an_op_without_a_formula_runs_its_kernel_when_no_gradient_is_needed():
+def test_call_of_an_op_without_a_formula_runs_its_kernel_when_no_gradient_is_needed(monkeypatch):
     x, _ = _inputs(requires=(False, False))
     y = op_library.call(NO_FORMULA, x)
     assert not _SEEN["below_autograd"] and torch.equal(y, x * 3)
     x.requires_grad_(True)
     seen = []
-    real = NO_FORMULA.__class__.__call__
-    try:  # a gradient would be needed and no formula is registered: the dispatcher decides (the op is called)
-        NO_FORMULA.__class__.__call__ = lambda self, *a: (seen.append(self), real(self, *a))[1]
-        y = op_library.call(NO_FORMULA, x)
-    finally:
-        NO_FORMULA.__class__.__call__ = real
+    real = type(NO_FORMULA).__call__
+    monkeypatch.setattr(type(NO_FORMULA), "__call__", lambda self, *a: (seen.append(self), real(self, *a))[1])
+    y = op_library.call(NO_FORMULA, x)  # a gradient would be needed and no formula is registered: the op is called
     assert seen == [NO_FORMULA] and torch.equal(y.detach(), x.detach() * 3)
