@@ -172,8 +172,61 @@ def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
             outputs = fn()
         held.append((graph, outputs))  # the graph's output tensors live as long as the graph is replayed
         replays[name] = graph.replay
+    replays["graph forward (C calls)"], release = c_forward_graph(layer, x, experts, gates, w1, w2)
+    held.append(release)
     replays["_held"] = held
     return replays
+
+
+class _Release:
+    """Releases the context a C-calls graph holds when the graph is dropped (graph_calls' `held`)."""
+
+    def __init__(self, layer, c_id: int):
+        self.layer, self.c_id = layer, c_id
+
+    def __del__(self):
+        self.layer._native.release(self.c_id)
+
+
+def c_forward_graph(layer, x, experts, gates, w1, w2):
+    """--graph: the same forward as the C ABI alone issues it: rdep_layer_forward_arena on a context held here, y and
+    the saved rows allocated once, no torch op and no rdep.torch code in the capture (the C++ layer's calls, made from
+    this process on this layer and these tensors). Replayed beside "graph forward", the difference is what rdep.torch's
+    capturable forward adds to a replay, free of the two processes' differences. Returns (replay, a keep-alive that
+    releases the context)."""
+    import ctypes
+
+    from rdep import _capi
+    from rdep.torch import layer_calls
+
+    lib, ptr = _capi.lib(), layer._live_ptr()
+    y = torch.empty_like(x)
+    rows = torch.empty(layer.row_bytes, dtype=torch.uint8, device=x.device)
+    io = layer_calls._new_io(layer)
+    n, H, K = x.shape[1], layer.hidden, layer.topk
+    io[0].num_tokens, io[0].x, io[0].y = n, x.data_ptr(), y.data_ptr()
+    io[0].experts, io[0].gates = experts.data_ptr(), gates.data_ptr()
+    layer_calls._fill_weights(io, layer, w1.detach(), w2.detach())
+    c_id, used = ctypes.c_int64(), ctypes.c_size_t()
+    _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
+    release = _Release(layer, c_id.value)
+
+    def forward():
+        io[0].stream = torch.cuda.current_stream().cuda_stream
+        with layer._native.lock:
+            _capi.check(lib.rdep_layer_forward_arena(ptr, c_id.value, io, 1, rows.data_ptr(), layer.row_bytes,
+                                                     ctypes.byref(used)), "rdep_layer_forward_arena")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay, (graph, y, rows, release)
 
 
 def kernel_table(fn, calls: int) -> list[dict]:
@@ -263,6 +316,12 @@ def main() -> int:
                         "library's kernels apart from torch's (what the binding launches beside the layer)")
     p.add_argument("--cprofile", type=int, default=0,
                    help="after the timing: N calls of each forward+backward kind under cProfile (Python's own time)")
+    p.add_argument("--native-profile", type=float, default=0, metavar="SECONDS",
+                   help="sample the eager forward and forward+backward natively with py-spy for SECONDS each, each call on an "
+                        "idle device, and print where their host time goes (bench/native_host_profile.py; CUDA)")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="N eager forward+backward calls with clock reads around rdep's backward formula, with the autograd "
+                        "engine's device thread and without it (bench/backward_timeline.py; CUDA)")
     p.add_argument("--compile", action="store_true",
                    help="also time the calls through a torch.compile'd function (as the training example calls the op)")
     p.add_argument("--graph", action="store_true",
@@ -279,7 +338,8 @@ def main() -> int:
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        per_process = [f for f in ("kernels", "profile", "host_breakdown", "cprofile") if getattr(a, f)]
+        per_process = [f for f in ("kernels", "profile", "host_breakdown", "cprofile", "native_profile", "timeline")
+                       if getattr(a, f)]
         if not cuda or per_process:
             print(f"torch_layer_bench: under torchrun (WORLD_SIZE={world}) it times the CUDA layer's calls only "
                   f"(refused: {'--backend host' if not cuda else ', '.join('--' + f.replace('_', '-') for f in per_process)})",
@@ -327,6 +387,7 @@ def main() -> int:
         if a.graph:
             kernels["graph forward"] = kernel_table(replays["graph forward"], a.kernels)
             kernels["graph f+b"] = kernel_table(replays["graph f+b"], a.kernels)
+            kernels["graph forward (C calls)"] = kernel_table(replays["graph forward (C calls)"], a.kernels)
         for name, table in kernels.items():
             print_kernel_table(name, table, a.kernels)
     if a.graph:
@@ -382,6 +443,25 @@ def main() -> int:
         for name, fn in calls.items():
             if name.endswith("f+b") or name == "forward+backward":
                 print_cprofile(name, fn, a.cprofile)
+    timeline = {}
+    if a.timeline > 0 and cuda:
+        import backward_timeline
+
+        timeline = backward_timeline.timeline(lambda: rt.moe(layer, x, experts, gates, w1, w2), dy, (x, gates, w1, w2),
+                                              a.timeline)
+        backward_timeline.print_timeline(timeline)
+    native = {}
+    if a.native_profile > 0 and cuda:
+        import native_host_profile
+
+        for name in ("forward", "forward+backward"):
+            got = native_host_profile.record(calls[name], a.native_profile)
+            if got is not None and a.json:  # py-spy's raw samples beside the receipt
+                with open(f"{a.json}.{name.replace('+', '_')}.pyspy.txt", "w") as f:
+                    f.write(got[0])
+            if got is not None:
+                native[name] = native_host_profile.summarize(*got)
+                native_host_profile.print_summary(name, native[name])
     if peak is not None:
         print(f"  torch peak allocated (activations, grads; excludes the layer's own buffers): {peak:.3f} GiB")
     if a.json:
@@ -392,7 +472,8 @@ def main() -> int:
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},
                        "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},
-                       "host_breakdown_us": breakdowns, "kernels_per_call": kernels,
+                       "host_breakdown_us": breakdowns, "kernels_per_call": kernels, "native_host_profile": native,
+                       "host_timeline_us": timeline,
                        "torch_peak_allocated_gib": peak, "samples_ms": rows}, f, indent=1)
     if world > 1:
         layer.close()

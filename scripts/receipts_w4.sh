@@ -94,6 +94,9 @@
 #   graph1     bench/torch_layer_bench.py --graph --kernels 20 (the binding's forward and forward+backward captured in CUDA graphs, and its kernels)
 #              beside rdep bench layer --graph on the same routing (--routing-out / --routing-from), W = 1, the example's
 #              layer shape at 256 and 4096 tokens
+#   native1    where the binding's eager host time goes: bench/torch_layer_bench.py --timeline (the backward's thread
+#              handoffs) and --native-profile (py-spy --native; carry .whl/ with the py_spy wheel) at the example's layer
+#              shape, 256 and 4096 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
@@ -585,6 +588,15 @@ stage_graph1() {  # the binding's captured calls beside the C++ layer's (issue 1
       --json "$R/layer_graph_t$t.json"
     run torch_graph_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --graph --kernels 20 \
       --routing-from "$R/routing_t$t.bin" --json "$R/torch_graph_t$t.json"
+  done
+}
+stage_native1() {  # py-spy samples the binding's eager calls natively (the wheel from .whl/, installed under /tmp/pyspy)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .whl/py_spy-*.whl >/dev/null 2>&1 ||
+    echo "native1: no py_spy wheel in .whl/ (the profiles are skipped)" | tee -a "$LOG"
+  local env=(env PATH="$PATH:/tmp/pyspy/bin" PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  for t in 4096 256; do
+    run torch_native_t$t "${env[@]}" python3 bench/torch_layer_bench.py --tokens $t --hidden 1024 --ffn 704 --experts 64 \
+      --topk 6 --expert-compute cutlass --gate-in-expert --timeline 300 --native-profile 8 --json "$R/torch_native_t$t.json"
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,

@@ -61,7 +61,9 @@ def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flags, refused", [(["--backend", "host"], "--backend host"),
-                                            (["--backend", "cuda", "--kernels", "3", "--cprofile", "2"], "--kernels, --cprofile")])
+                                            (["--backend", "cuda", "--kernels", "3", "--cprofile", "2"], "--kernels, --cprofile"),
+                                            (["--backend", "cuda", "--native-profile", "1", "--timeline", "3"],
+                                             "--native-profile, --timeline")])
 def test_torchrun_refuses_what_it_cannot_time_per_rank(monkeypatch, capsys, flags, refused):
     """Under torchrun (WORLD_SIZE > 1) the bench times the CUDA layer's calls only: the host backend and the per-process
     tables (--kernels, --profile, --host-breakdown, --cprofile) are refused, naming what, before any process group."""
@@ -162,6 +164,75 @@ def test_the_probe_puts_back_what_it_wrapped(monkeypatch):
             raise RuntimeError("inside")
     after = current()
     assert all(after[k] is before[k] for k in before) and _capi.lib() is lib
+
+
+def test_native_profile_sums_the_samples_of_the_calls(monkeypatch):
+    """native_host_profile.summarize on py-spy's raw format (one stack a line, its count last): the main thread counts
+    inside _issue_call only, other threads always, samples between calls (_idle_wait) never; a sample blocked on another
+    thread (pthread_cond_wait) counts apart; µs per call = samples / rate / calls, by thread, by the leaf frame's library
+    and by the innermost Python function."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import native_host_profile as nhp
+
+    main = "thread (1): MainThread;<module> (t.py:1);record (native_host_profile.py:60);_issue_call (native_host_profile.py:35)"
+    raw = "\n".join([
+        f"{main};forward (rdep/torch/layer_calls.py:122);0x1 (_ctypes.so);cuLaunchKernel (libcuda.so.580) 30",
+        f"{main};forward (rdep/torch/layer_calls.py:97);torch::empty_like (libtorch_python.so) 10",
+        f"{main};backward (torch/autograd/__init__.py:351) 5",
+        f"{main};run (graph.py:9);pthread_cond_wait (libc.so.6);ReadyQueue::pop (libtorch_cpu.so) 20",
+        "thread (1): MainThread;<module> (t.py:1);record (native_host_profile.py:58);_idle_wait (native_host_profile.py:39);"
+        "cudaDeviceSynchronize (libcudart.so.13) 400",
+        "thread (1): MainThread;<module> (t.py:1);sleep (time.py:1) 7",  # the main thread outside a call: left out
+        "thread (2);thread_main (libtorch_cpu.so);backward (rdep/torch/layer_calls.py:255);0x2 (librdep_capi.so) 15",
+        "thread (2);thread_main (libtorch_cpu.so);pthread_cond_wait (libc.so.6) 99",
+        "not a sample line",
+    ])
+    s = nhp.summarize(raw, calls=10, done=4, rate=100)
+    us = 1e6 / 100 / 10  # one sample, per call
+    assert s["calls"] == 10 and s["device_done_at_return"] == 4
+    assert s["us_per_call_by_thread"] == pytest.approx({"main (issuing)": 45 * us, "thread (2)": 15 * us})
+    assert s["us_per_call_blocked_by_thread"] == pytest.approx({"main (issuing)": 20 * us, "thread (2)": 99 * us})
+    assert s["us_per_call_by_leaf_library"] == pytest.approx({"libcuda": 30 * us, "libtorch_python": 10 * us,
+                                                              "python": 5 * us, "librdep_capi": 15 * us})
+    assert s["us_per_call_by_python_function"] == pytest.approx({"layer_calls.py:forward": 40 * us,
+                                                                 "layer_calls.py:backward": 15 * us,
+                                                                 "__init__.py:backward": 5 * us})
+
+
+def test_backward_timeline_splits_the_host_time_and_puts_the_formulas_back(monkeypatch):
+    """backward_timeline on the host backend (torch.cuda's synchronize and Event stood in for): the formula's own time
+    is inside the forward+backward's, with and without the engine's threads, and the formulas it wrapped are back after."""
+    import types
+
+    import torch
+
+    import rdep.torch as rt
+    from rdep.torch import op_library
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import backward_timeline as bt
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None, query=lambda: True))
+    before = {fn: fn.backward for fn in op_library._FUNCTIONS.values()}
+    layer = rt.Layer(8, 8, 4, 2, 4, world_size=1, backend="host")
+    try:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(1, 4, 8, generator=g, requires_grad=True)
+        gates = torch.rand(1, 4, 2, generator=g, requires_grad=True)
+        experts = torch.tensor([[[0, 1], [1, 2], [2, 3], [3, 0]]], dtype=torch.int32)
+        w1 = torch.randn(4, 8, 16, generator=g, requires_grad=True)
+        w2 = torch.randn(4, 8, 8, generator=g, requires_grad=True)
+        t = bt.timeline(lambda: rt.moe(layer, x, experts, gates, w1, w2), torch.randn(1, 4, 8, generator=g),
+                        (x, gates, w1, w2), 4)
+    finally:
+        layer.close()
+    assert sorted(t) == ["one thread", "threads"]
+    for r in t.values():
+        assert r["calls"] == 4 and r["device_done_at_return"] == 4
+        assert 0 < r["formula"] < r["forward+backward"] and 0 < r["forward"] < r["forward+backward"]
+        assert r["handoff in"] > 0 and r["handoff out"] > 0
+    assert {fn: fn.backward for fn in op_library._FUNCTIONS.values()} == before
 
 
 def test_floor_bench_times_the_pair_and_rdep_stubbed(tmp_path):

@@ -1,0 +1,94 @@
+"""The eager forward+backward's host timeline (bench/torch_layer_bench.py --timeline N): each call issued on an idle
+device, with clock reads at the forward's return, at the entry and exit of rdep's autograd formula (which the autograd
+engine runs on its device thread for CUDA tensors) and at backward()'s return; so the backward's host time splits into
+  * handoff in:  from backward() called to the formula's first line (torch's argument checks, the engine's graph
+                 task, the device thread woken);
+  * formula:     rdep's backward (its checks, the C call, the outputs);
+  * handoff out: from the formula's return to backward()'s (the gradients accumulated into .grad, the calling thread
+                 woken).
+Also whether the device had already finished the call's work when the host returned (an event recorded and queried
+right after). The same loop then runs with torch.autograd.set_multithreading_enabled(False), where the engine runs the
+backward on the calling thread (no thread handoff): what the device thread's handoffs cost on this host.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _patched_formulas(stamps: list):
+    """Wraps the backward of each autograd.Function rdep.torch's eager path applies (op_library._FUNCTIONS) so that it
+    appends its entry and exit times to stamps; returns the restore list."""
+    from rdep.torch import op_library
+
+    originals = []
+    for fn in op_library._FUNCTIONS.values():
+        orig = fn.backward
+
+        def backward(ctx, *grads, _orig=orig):
+            stamps.append(time.perf_counter())
+            try:
+                return _orig(ctx, *grads)
+            finally:
+                stamps.append(time.perf_counter())
+
+        originals.append((fn, orig))
+        fn.backward = staticmethod(backward)
+    return originals
+
+
+def _loop(forward, dy, leaves, iters: int) -> dict:
+    stamps: list = []
+    originals = _patched_formulas(stamps)
+    rows = {"forward": [], "handoff in": [], "formula": [], "handoff out": [], "forward+backward": []}
+    done = 0
+    try:
+        for i in range(iters + 5):
+            torch.cuda.synchronize()
+            stamps.clear()
+            t0 = time.perf_counter()
+            y = forward()
+            t1 = time.perf_counter()
+            y.backward(dy)
+            t2 = time.perf_counter()
+            mark = torch.cuda.Event()
+            mark.record()
+            finished = bool(mark.query())
+            for t in leaves:
+                t.grad = None
+            del y
+            if i < 5 or len(stamps) != 2:
+                continue  # warm-up (or a formula that did not run: not counted)
+            done += finished
+            f_in, f_out = stamps
+            for name, v in (("forward", t1 - t0), ("handoff in", f_in - t1), ("formula", f_out - f_in),
+                            ("handoff out", t2 - f_out), ("forward+backward", t2 - t0)):
+                rows[name].append(1e6 * v)
+    finally:
+        for fn, orig in originals:
+            fn.backward = staticmethod(orig)
+    out = {k: statistics.median(v) for k, v in rows.items() if v}
+    out["calls"] = len(rows["forward"])
+    out["device_done_at_return"] = done
+    return out
+
+
+def timeline(forward, dy, leaves, iters: int) -> dict:
+    """{"threads": the engine as configured, "one thread": multithreading disabled}, each {part: median µs, calls,
+    device_done_at_return}."""
+    out = {"threads": _loop(forward, dy, leaves, iters)}
+    with torch.autograd.set_multithreading_enabled(False):
+        out["one thread"] = _loop(forward, dy, leaves, iters)
+    return out
+
+
+def print_timeline(t: dict) -> None:
+    for mode, r in t.items():
+        print(f"  host timeline of forward+backward, engine {mode} (median µs of {r['calls']} calls; the device had finished "
+              f"the call's work at its return after {r['device_done_at_return']}):")
+        for k in ("forward", "handoff in", "formula", "handoff out", "forward+backward"):
+            if k in r:
+                print(f"    {k:18s} {r[k]:9.1f}")
