@@ -147,6 +147,30 @@ def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dic
     return out
 
 
+def stack_calls(rt, make_layer, layer, x, experts, gates, w1, w2, dy, n: int) -> dict:
+    """--stack N: N layers configured alike (this one and N - 1 more, each with its own copy of the weights) chained as a
+    model chains its MoE blocks (each layer's y is the next one's x, the same routing), then one backward through all N:
+    the eager forward+backward of a model's N rdep layers, in which autograd's engine hands the backward to its device
+    thread once for all N. Compare with N times the C++ layer's forward+backward. Returns (calls, the extra layers)."""
+    layers = [layer] + [make_layer() for _ in range(n - 1)]
+    weights = [(w1, w2)] + [(w1.detach().clone().requires_grad_(True), w2.detach().clone().requires_grad_(True))
+                            for _ in range(n - 1)]
+    leaves = [x, gates] + [w for pair in weights for w in pair]
+
+    def forward():
+        h = x
+        for lay, (a1, a2) in zip(layers, weights):
+            h = rt.moe(lay, h, experts, gates, a1, a2)
+        return h
+
+    def forward_backward():
+        forward().backward(dy)
+        for t in leaves:
+            t.grad = None
+
+    return {f"stack{n} f+b": forward_backward}, layers[1:]
+
+
 def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
     """--graph: the forward and the forward+backward (torch.autograd.grad: no .grad accumulation) each captured
     once in a CUDA graph with torch.cuda.graph, after two warm-up calls on a side stream as torch's docs say, and
@@ -322,6 +346,9 @@ def main() -> int:
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="N eager forward+backward calls with clock reads around rdep's backward formula, with the autograd "
                         "engine's device thread and without it (bench/backward_timeline.py; CUDA)")
+    p.add_argument("--stack", type=int, default=1, metavar="N",
+                   help="also time the eager forward+backward of N layers chained as a model's MoE blocks, one backward "
+                        "through all (compare with N times rdep bench layer's forward+backward)")
     p.add_argument("--compile", action="store_true",
                    help="also time the calls through a torch.compile'd function (as the training example calls the op)")
     p.add_argument("--graph", action="store_true",
@@ -339,7 +366,7 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         per_process = [f for f in ("kernels", "profile", "host_breakdown", "cprofile", "native_profile", "timeline")
-                       if getattr(a, f)]
+                       if getattr(a, f)] + (["stack"] if a.stack > 1 else [])
         if not cuda or per_process:
             print(f"torch_layer_bench: under torchrun (WORLD_SIZE={world}) it times the CUDA layer's calls only "
                   f"(refused: {'--backend host' if not cuda else ', '.join('--' + f.replace('_', '-') for f in per_process)})",
@@ -373,6 +400,14 @@ def main() -> int:
     rows, host = {}, {}
     for name, fn in calls.items():
         rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+    if a.stack > 1:
+        make = lambda: rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend,  # noqa: E731
+                                device=device, process_group=group, **options)
+        stack, stacked = stack_calls(rt, make, layer, x, experts, gates, w1, w2, dy, a.stack)
+        for name, fn in stack.items():
+            rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+        for extra in stacked:
+            extra.close()
     if a.graph:
         replays = graph_calls(rt, layer, x, experts, gates, w1, w2, dy)
         held = replays.pop("_held")
@@ -429,6 +464,10 @@ def main() -> int:
     print(f"  {'':18s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
         print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
+    if a.stack > 1:
+        name = f"stack{a.stack} f+b"
+        print(f"  {'per layer':18s} {statistics.median(rows[name]) / a.stack:9.3f} {'':9s} "
+              f"{statistics.median(host[name]) / a.stack:12.3f}   ({name} / {a.stack})")
     breakdowns = {}
     if a.host_breakdown > 0:
         from binding_host_time import breakdown, instrumented, print_breakdown

@@ -97,6 +97,9 @@
 #   native1    where the binding's eager host time goes: bench/torch_layer_bench.py --timeline (the backward's thread
 #              handoffs) and --native-profile (py-spy --native; carry .whl/ with the py_spy wheel) at the example's layer
 #              shape, 256 and 4096 tokens
+#   stack1     a model's eager use of the binding: bench/torch_layer_bench.py --stack 3 (three layers chained, one backward
+#              through all) and --timeline beside rdep bench layer's forward+backward on the same routing, W = 1, the
+#              example's layer shape at 4096 and 256 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
@@ -145,7 +148,7 @@ run() {  # run NAME CMD...: full output to $R/NAME.log, the command and its summ
   local t0=$SECONDS
   "$@" >"$R/$name.log" 2>&1
   local rc=$?
-  { grep -E "^  (forward|backward|host time|load:|segments:|graph |memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of)|^    (forward|backward|per rank|one pass) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
+  { grep -E "^  (forward|backward|host time|load:|segments:|graph |memory|rdep dispatch|rdep combine|rdep phases|routing in parts|return in parts|nccl |balance|replica|breakdown|transport SMs|stack of|stack[0-9]|per layer|host timeline)|^    (forward|backward|per rank|one pass|handoff|formula) |passed, |baseline|speedup|traffic|^  [a-z -]+: +[0-9.]+ / |tokens/s|loss" "$R/$name.log" | head -40 ||
       tail -n 6 "$R/$name.log"; } >>"$LOG"
   echo "[$name rc=$rc, $((SECONDS - t0)) s]" >>"$LOG"
   [ $rc -eq 0 ] || fails=$((fails + 1))
@@ -597,6 +600,16 @@ stage_native1() {  # py-spy samples the binding's eager calls natively (the whee
   for t in 4096 256; do
     run torch_native_t$t "${env[@]}" python3 bench/torch_layer_bench.py --tokens $t --hidden 1024 --ffn 704 --experts 64 \
       --topk 6 --expert-compute cutlass --gate-in-expert --timeline 300 --native-profile 8 --json "$R/torch_native_t$t.json"
+  done
+}
+stage_stack1() {  # the binding's eager forward+backward per layer in a stack of 3 against the C++ layer's (issue 15)
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  for t in 4096 256; do
+    local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
+    run layer_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --routing-out "$R/routing_t$t.bin" \
+      --json "$R/layer_t$t.json"
+    run torch_stack_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --stack 3 --timeline 200 \
+      --routing-from "$R/routing_t$t.bin" --json "$R/torch_stack_t$t.json"
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,

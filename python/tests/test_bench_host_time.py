@@ -49,6 +49,22 @@ def test_host_breakdown_adds_up_on_the_host_backend(tmp_path, monkeypatch, compi
     assert rec["torch_peak_allocated_gib"] is None and rec["device"] == "the host backend (CPU)"
 
 
+def test_stack_times_chained_layers(tmp_path, monkeypatch, capsys):
+    """--stack N times N layers chained (one backward through all) beside the single layer, and prints it per layer."""
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--backend", "host", "--tokens", "4", "--hidden", "8", "--ffn", "8",
+                                      "--experts", "4", "--topk", "2", "--warmup", "1", "--iters", "3", "--stack", "3",
+                                      "--json", str(out)])
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH), run_name="__main__")
+    assert done.value.code == 0
+    rec = json.loads(out.read_text())
+    assert sorted(rec["p50_ms"]) == ["forward", "forward+backward", "stack3 f+b"]
+    assert rec["p50_ms"]["stack3 f+b"] > 0 and len(rec["samples_ms"]["stack3 f+b"]) == 3
+    assert "(stack3 f+b / 3)" in capsys.readouterr().out
+
+
 def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
     """--graph on a layer that CUDA graphs cannot record (here the host backend) is refused with the reason."""
     monkeypatch.setattr(sys, "argv", [str(BENCH), "--backend", "host", "--tokens", "4", "--hidden", "8", "--ffn", "8",
@@ -62,8 +78,8 @@ def test_graph_needs_a_capturable_layer(monkeypatch, capsys):
 
 @pytest.mark.parametrize("flags, refused", [(["--backend", "host"], "--backend host"),
                                             (["--backend", "cuda", "--kernels", "3", "--cprofile", "2"], "--kernels, --cprofile"),
-                                            (["--backend", "cuda", "--native-profile", "1", "--timeline", "3"],
-                                             "--native-profile, --timeline")])
+                                            (["--backend", "cuda", "--native-profile", "1", "--timeline", "3", "--stack", "2"],
+                                             "--native-profile, --timeline, --stack")])
 def test_torchrun_refuses_what_it_cannot_time_per_rank(monkeypatch, capsys, flags, refused):
     """Under torchrun (WORLD_SIZE > 1) the bench times the CUDA layer's calls only: the host backend and the per-process
     tables (--kernels, --profile, --host-breakdown, --cprofile) are refused, naming what, before any process group."""
