@@ -400,14 +400,13 @@ def main() -> int:
     rows, host = {}, {}
     for name, fn in calls.items():
         rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+    stack, stacked = {}, []
     if a.stack > 1:
         make = lambda: rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend,  # noqa: E731
                                 device=device, process_group=group, **options)
         stack, stacked = stack_calls(rt, make, layer, x, experts, gates, w1, w2, dy, a.stack)
         for name, fn in stack.items():
             rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
-        for extra in stacked:
-            extra.close()
     if a.graph:
         replays = graph_calls(rt, layer, x, experts, gates, w1, w2, dy)
         held = replays.pop("_held")
@@ -423,10 +422,14 @@ def main() -> int:
             kernels["graph forward"] = kernel_table(replays["graph forward"], a.kernels)
             kernels["graph f+b"] = kernel_table(replays["graph f+b"], a.kernels)
             kernels["graph forward (C calls)"] = kernel_table(replays["graph forward (C calls)"], a.kernels)
+        for name, fn in stack.items():
+            kernels[name] = kernel_table(fn, a.kernels)
         for name, table in kernels.items():
             print_kernel_table(name, table, a.kernels)
     if a.graph:
         del held
+    for extra in stacked:
+        extra.close()
     if world > 1:
         rows, host = max_over_ranks(rows), max_over_ranks(host)
         experts = gather_experts(experts)
