@@ -185,15 +185,7 @@ def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
 
     replays, held = {}, []
     for name, fn in (("graph forward", forward), ("graph f+b", forward_backward)):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = fn()
+        graph, outputs = captured(fn)
         held.append((graph, outputs))  # the graph's output tensors live as long as the graph is replayed
         replays[name] = graph.replay
     replays["graph forward (C calls)"], release = c_forward_graph(layer, x, experts, gates, w1, w2)
@@ -227,8 +219,7 @@ def c_forward_graph(layer, x, experts, gates, w1, w2):
     y = torch.empty_like(x)
     rows = torch.empty(layer.row_bytes, dtype=torch.uint8, device=x.device)
     io = layer_calls._new_io(layer)
-    n, H, K = x.shape[1], layer.hidden, layer.topk
-    io[0].num_tokens, io[0].x, io[0].y = n, x.data_ptr(), y.data_ptr()
+    io[0].num_tokens, io[0].x, io[0].y = x.shape[1], x.data_ptr(), y.data_ptr()
     io[0].experts, io[0].gates = experts.data_ptr(), gates.data_ptr()
     layer_calls._fill_weights(io, layer, w1.detach(), w2.detach())
     c_id, used = ctypes.c_int64(), ctypes.c_size_t()
@@ -241,16 +232,23 @@ def c_forward_graph(layer, x, experts, gates, w1, w2):
             _capi.check(lib.rdep_layer_forward_arena(ptr, c_id.value, io, 1, rows.data_ptr(), layer.row_bytes,
                                                      ctypes.byref(used)), "rdep_layer_forward_arena")
 
+    graph, _ = captured(forward)
+    return graph.replay, (graph, y, rows, release)
+
+
+def captured(fn):
+    """fn called twice on a side stream (as torch's docs say to warm up before a capture), then captured once in a CUDA
+    graph; returns (the graph, what the captured call returned)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            forward()
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        forward()
-    return graph.replay, (graph, y, rows, release)
+        outputs = fn()
+    return graph, outputs
 
 
 def kernel_table(fn, calls: int) -> list[dict]:

@@ -1,6 +1,6 @@
 """Helpers the CUDA-graph tests share (test_cuda_graphs.py, test_distributed_cuda.py and its torchrun worker): the
-CUTLASS compute's skip (a failure under RDEP_REQUIRE_CUTLASS=1, as on the device) and a capture of one call after
-warm-ups on a side stream, as torch's docs prescribe. No test lives here."""
+CUTLASS compute's skip (a failure under RDEP_REQUIRE_CUTLASS=1, as on the device), a capture of one call after
+warm-ups on a side stream, as torch's docs prescribe, and a replay compared with an eager call. No test lives here."""
 
 from __future__ import annotations
 
@@ -39,3 +39,20 @@ def capture(fn, warmups: int = 2, after_warmups=None):
     with torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
+
+
+STEP_OUTPUTS = ("y", "dx", "dgates", "dw1", "dw2")
+
+
+def assert_replay_matches_eager(graph, outputs, captured_inputs, inputs, eager, what: str) -> None:
+    """Copies `inputs` into the tensors the capture read (`captured_inputs`, in the same order), replays the graph and
+    checks that each of its outputs (y, dx, dgates, dw1, dw2) is bitwise the one eager() returns on the same inputs."""
+    with torch.no_grad():
+        for dst, src in zip(captured_inputs, inputs):
+            dst.copy_(src)
+    graph.replay()
+    got = [t.clone() for t in outputs]
+    want = eager()
+    torch.cuda.synchronize()
+    for name, a, b in zip(STEP_OUTPUTS, got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {name} differs from the eager call"

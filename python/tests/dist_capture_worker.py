@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py
 
 import rdep.torch as rt  # noqa: E402
 import reference as ref  # noqa: E402
-from cuda_graph_helpers import capture  # noqa: E402
+from cuda_graph_helpers import assert_replay_matches_eager, capture  # noqa: E402
 from test_cuda import assert_reduce_overhead_matches_default  # noqa: E402
 
 Y_TOL, GRAD_TOL = 1e-2, 2e-2  # test_cuda.py's (bf16)
@@ -111,14 +111,10 @@ def capture_replays_like_eager(W: int, r: int, dev, group) -> None:
     assert layer.pinned_contexts == 1 and layer.live_contexts == 0
     for seed in (4, 5, 6):
         x, ids, gates, _, _, dy = mine(layer, r, dev, *all_inputs(W, n, "zipf" if seed == 5 else "uniform", seed))
-        with torch.no_grad():
-            x_s.copy_(x), ids_s.copy_(ids), g_s.copy_(gates), dy_s.copy_(dy)
-        graph.replay()
-        got = [t.clone() for t in outs_s]
-        want = step(layer, x.clone().requires_grad_(True), ids, gates.clone().requires_grad_(True), w1, w2, dy)
-        torch.cuda.synchronize()
-        for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), got, want):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"replay {seed}: {name} differs from the eager call"
+        assert_replay_matches_eager(
+            graph, outs_s, (x_s, ids_s, g_s, dy_s), (x, ids, gates, dy),
+            lambda: step(layer, x.clone().requires_grad_(True), ids, gates.clone().requires_grad_(True), w1, w2, dy),
+            f"replay {seed}")
     assert layer.live_contexts == 0 and layer.pinned_contexts == 1
     layer.check_errors()  # the replays' barriers recorded no failure
     del graph

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rdep.torch as rt
-from cuda_graph_helpers import capture, require_cutlass_gpu
+from cuda_graph_helpers import assert_replay_matches_eager, capture, require_cutlass_gpu
 from test_cuda import DEV, assert_reduce_overhead_matches_default, make_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -77,18 +77,13 @@ def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_exp
     graph, outs_s = capture(lambda: _step(layer, x_s, ids_s, g_s, w1, w2, dy_s), after_warmups=no_context_left)
     assert layer.pinned_contexts == 1 and layer.live_contexts == 0
 
-    names = ["y", "dx", "dgates", "dw1", "dw2"]
     for seed in (2, 3, 4):
         x, ids, gates, _, _ = make_inputs(1, T, H, F, E, K, "zipf" if seed == 3 else "uniform", seed=seed)
         dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
-        with torch.no_grad():
-            x_s.copy_(x), ids_s.copy_(ids), g_s.copy_(gates), dy_s.copy_(dy)
-        graph.replay()
-        got = [t.clone() for t in outs_s]
-        want = _step(layer, x.clone().requires_grad_(True), ids, gates.clone().requires_grad_(True), w1, w2, dy)
-        torch.cuda.synchronize()
-        for name, a, b in zip(names, got, want):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"replay {seed}: {name} differs from the eager call"
+        assert_replay_matches_eager(
+            graph, outs_s, (x_s, ids_s, g_s, dy_s), (x, ids, gates, dy),
+            lambda: _step(layer, x.clone().requires_grad_(True), ids, gates.clone().requires_grad_(True), w1, w2, dy),
+            f"replay {seed}")
     assert layer.live_contexts == 0 and layer.pinned_contexts == 1
     layer.check_errors()  # nothing recorded (W = 1 runs no barrier)
     del graph
