@@ -7,8 +7,9 @@ engine runs on its device thread for CUDA tensors) and at backward()'s return; s
   * handoff out: from the formula's return to backward()'s (the gradients accumulated into .grad, the calling thread
                  woken).
 Also whether the device had already finished the call's work when the host returned (an event recorded and queried
-right after). The same loop then runs with torch.autograd.set_multithreading_enabled(False), where the engine runs the
-backward on the calling thread (no thread handoff): what the device thread's handoffs cost on this host.
+right after). The same loop also runs with torch.autograd.set_multithreading_enabled(False), where the engine runs the
+backward on the calling thread (no thread handoff): what the device thread's handoffs cost on this host. The two
+alternate in rounds.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def _patched_formulas(stamps: list):
     return originals
 
 
-def _loop(forward, dy, leaves, iters: int) -> dict:
+PARTS = ("forward", "handoff in", "formula", "handoff out", "forward+backward")
+
+
+def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
+    """iters timed calls (after 5 untimed), their parts appended to rows (µs); returns how many found the device done."""
     stamps: list = []
     originals = _patched_formulas(stamps)
-    rows = {"forward": [], "handoff in": [], "formula": [], "handoff out": [], "forward+backward": []}
     done = 0
     try:
         for i in range(iters + 5):
@@ -70,18 +74,25 @@ def _loop(forward, dy, leaves, iters: int) -> dict:
     finally:
         for fn, orig in originals:
             fn.backward = staticmethod(orig)
-    out = {k: statistics.median(v) for k, v in rows.items() if v}
-    out["calls"] = len(rows["forward"])
-    out["device_done_at_return"] = done
-    return out
+    return done
 
 
-def timeline(forward, dy, leaves, iters: int) -> dict:
+def timeline(forward, dy, leaves, iters: int, rounds: int = 4) -> dict:
     """{"threads": the engine as configured, "one thread": multithreading disabled}, each {part: median µs, calls,
-    device_done_at_return}."""
-    out = {"threads": _loop(forward, dy, leaves, iters)}
-    with torch.autograd.set_multithreading_enabled(False):
-        out["one thread"] = _loop(forward, dy, leaves, iters)
+    device_done_at_return}. The two run in alternating rounds (iters split between them), so that a drift of the host's
+    speed during the run falls on both alike."""
+    rows = {mode: {k: [] for k in PARTS} for mode in ("threads", "one thread")}
+    done = {mode: 0 for mode in rows}
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        done["threads"] += _loop(forward, dy, leaves, per_round, rows["threads"])
+        with torch.autograd.set_multithreading_enabled(False):
+            done["one thread"] += _loop(forward, dy, leaves, per_round, rows["one thread"])
+    out = {}
+    for mode, parts in rows.items():
+        out[mode] = {k: statistics.median(v) for k, v in parts.items() if v}
+        out[mode]["calls"] = len(parts["forward"])
+        out[mode]["device_done_at_return"] = done[mode]
     return out
 
 
@@ -89,6 +100,6 @@ def print_timeline(t: dict) -> None:
     for mode, r in t.items():
         print(f"  host timeline of forward+backward, engine {mode} (median µs of {r['calls']} calls; the device had finished "
               f"the call's work at its return after {r['device_done_at_return']}):")
-        for k in ("forward", "handoff in", "formula", "handoff out", "forward+backward"):
+        for k in PARTS:
             if k in r:
                 print(f"    {k:18s} {r[k]:9.1f}")

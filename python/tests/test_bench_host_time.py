@@ -245,7 +245,7 @@ def test_backward_timeline_splits_the_host_time_and_puts_the_formulas_back(monke
         layer.close()
     assert sorted(t) == ["one thread", "threads"]
     for r in t.values():
-        assert r["calls"] == 4 and r["device_done_at_return"] == 4
+        assert r["calls"] == 4 and r["device_done_at_return"] == 4  # 4 rounds of 1
         assert 0 < r["formula"] < r["forward+backward"] and 0 < r["forward"] < r["forward+backward"]
         assert r["handoff in"] > 0 and r["handoff out"] > 0
     assert {fn: fn.backward for fn in op_library._FUNCTIONS.values()} == before
