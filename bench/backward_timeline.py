@@ -98,6 +98,10 @@ def timeline(forward, dy, leaves, iters: int, rounds: int = 4) -> dict:
 
 def print_timeline(t: dict) -> None:
     for mode, r in t.items():
+        if r["calls"] == 0:
+            print(f"  host timeline, engine {mode}: no call ran rdep's formula through op_library's eager path (the op's "
+                  "dispatcher path is not wrapped here: op_library.direct_ok was false); nothing timed")
+            continue
         print(f"  host timeline of forward+backward, engine {mode} (median µs of {r['calls']} calls; the device had finished "
               f"the call's work at its return after {r['device_done_at_return']}):")
         for k in PARTS:

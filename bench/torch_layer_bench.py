@@ -147,12 +147,19 @@ def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dic
     return out
 
 
-def stack_calls(rt, make_layer, layer, x, experts, gates, w1, w2, dy, n: int) -> dict:
+def stack_calls(rt, make_layer, layer, x, experts, gates, w1, w2, dy, n: int) -> tuple[dict, list]:
     """--stack N: N layers configured alike (this one and N - 1 more, each with its own copy of the weights) chained as a
     model chains its MoE blocks (each layer's y is the next one's x, the same routing), then one backward through all N:
     the eager forward+backward of a model's N rdep layers, in which autograd's engine hands the backward to its device
     thread once for all N. Compare with N times the C++ layer's forward+backward. Returns (calls, the extra layers)."""
-    layers = [layer] + [make_layer() for _ in range(n - 1)]
+    layers = [layer]
+    try:
+        for _ in range(n - 1):
+            layers.append(make_layer())
+    except BaseException:
+        for extra in layers[1:]:
+            extra.close()
+        raise
     weights = [(w1, w2)] + [(w1.detach().clone().requires_grad_(True), w2.detach().clone().requires_grad_(True))
                             for _ in range(n - 1)]
     leaves = [x, gates] + [w for pair in weights for w in pair]
@@ -188,19 +195,22 @@ def graph_calls(rt, layer, x, experts, gates, w1, w2, dy) -> dict:
         graph, outputs = captured(fn)
         held.append((graph, outputs))  # the graph's output tensors live as long as the graph is replayed
         replays[name] = graph.replay
-    replays["graph forward (C calls)"], release = c_forward_graph(layer, x, experts, gates, w1, w2)
-    held.append(release)
+    replays["graph forward (C calls)"], c_graph = c_forward_graph(layer, x, experts, gates, w1, w2)
+    held.append(c_graph)
     replays["_held"] = held
     return replays
 
 
-class _Release:
-    """Releases the context a C-calls graph holds when the graph is dropped (graph_calls' `held`)."""
+class _CGraph:
+    """The C-calls graph with what its replays use (y, the rows, the context): dropped, it destroys the graph first and
+    then releases the context, so no replay can follow the release (graph_calls' `held`; drop its replay functions too)."""
 
-    def __init__(self, layer, c_id: int):
-        self.layer, self.c_id = layer, c_id
+    def __init__(self, layer, c_id: int, keep: tuple):
+        self.layer, self.c_id, self.keep = layer, c_id, keep
+        self.graph = None
 
     def __del__(self):
+        self.graph = None  # its executable graph is destroyed with it
         self.layer._native.release(self.c_id)
 
 
@@ -209,7 +219,7 @@ def c_forward_graph(layer, x, experts, gates, w1, w2):
     the saved rows allocated once, no torch op and no rdep.torch code in the capture (the C++ layer's calls, made from
     this process on this layer and these tensors). Replayed beside "graph forward", the difference is what rdep.torch's
     capturable forward adds to a replay, free of the two processes' differences. Returns (replay, a keep-alive that
-    releases the context)."""
+    releases the context: a _CGraph)."""
     import ctypes
 
     from rdep import _capi
@@ -224,7 +234,7 @@ def c_forward_graph(layer, x, experts, gates, w1, w2):
     layer_calls._fill_weights(io, layer, w1.detach(), w2.detach())
     c_id, used = ctypes.c_int64(), ctypes.c_size_t()
     _capi.check(lib.rdep_context_acquire(ptr, ctypes.byref(c_id)), "rdep_context_acquire")
-    release = _Release(layer, c_id.value)
+    held = _CGraph(layer, c_id.value, (y, rows, io))
 
     def forward():
         io[0].stream = torch.cuda.current_stream().cuda_stream
@@ -232,8 +242,8 @@ def c_forward_graph(layer, x, experts, gates, w1, w2):
             _capi.check(lib.rdep_layer_forward_arena(ptr, c_id.value, io, 1, rows.data_ptr(), layer.row_bytes,
                                                      ctypes.byref(used)), "rdep_layer_forward_arena")
 
-    graph, _ = captured(forward)
-    return graph.replay, (graph, y, rows, release)
+    held.graph, _ = captured(forward)
+    return held.graph.replay, held
 
 
 def captured(fn):
@@ -333,9 +343,10 @@ def main() -> int:
                         "rows, so the same GEMM tiles, as the C++ benchmark's) instead of its own; under torchrun each "
                         "rank reads FILE.rank<r>")
     p.add_argument("--kernels", type=int, default=0,
-                   help="after the timing: N forward+backward calls (the captured graph's replays with --graph, else "
-                        "eager calls) under torch.profiler's CUDA activity: every kernel's device time per call, the "
-                        "library's kernels apart from torch's (what the binding launches beside the layer)")
+                   help="after the timing: N forward+backward calls under torch.profiler's CUDA activity (eager, and with "
+                        "--graph the replays of each captured graph, the C calls' own too, with --stack N the stack's "
+                        "call): every kernel's device time per call, the library's kernels apart from torch's (what the "
+                        "binding launches beside the layer)")
     p.add_argument("--cprofile", type=int, default=0,
                    help="after the timing: N calls of each forward+backward kind under cProfile (Python's own time)")
     p.add_argument("--native-profile", type=float, default=0, metavar="SECONDS",
@@ -357,6 +368,9 @@ def main() -> int:
                         "host time on this machine's CPU, wall times only) [cuda where there is a GPU]")
     p.add_argument("--json", default="")
     a = p.parse_args()
+    if a.stack < 1:
+        print(f"torch_layer_bench: --stack takes a number of layers >= 1, got {a.stack}", file=sys.stderr)
+        return 2
     cuda = a.backend == "cuda"
     if cuda and not torch.cuda.is_available():
         print("torch_layer_bench: no CUDA device (--backend host runs the host backend)", file=sys.stderr)
@@ -412,8 +426,9 @@ def main() -> int:
             rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
     forward_backward = calls["forward+backward"]
     kernels = {}
-    if a.kernels > 0 and not cuda:
-        print("torch_layer_bench: --kernels times CUDA kernels; the host backend has none (ignored)", file=sys.stderr)
+    for flag, on in (("--kernels", a.kernels > 0), ("--timeline", a.timeline > 0), ("--native-profile", a.native_profile > 0)):
+        if on and not cuda:
+            print(f"torch_layer_bench: {flag} times CUDA calls; the host backend has none (ignored)", file=sys.stderr)
     if a.kernels > 0 and cuda:
         kernels["forward+backward"] = kernel_table(forward_backward, a.kernels)
         if a.graph:
@@ -425,7 +440,7 @@ def main() -> int:
         for name, table in kernels.items():
             print_kernel_table(name, table, a.kernels)
     if a.graph:
-        del held
+        del held, replays  # the graphs first (their replay functions hold them), then their contexts
     for extra in stacked:
         extra.close()
     if world > 1:
@@ -462,12 +477,12 @@ def main() -> int:
     drawn = f"rdep bench layer's draw, {a.routing_from}" if a.routing_from else "this script's draw; rdep bench layer prints its own"
     print(f"  load: expert max/mean {float(counts.max() / counts.mean()):.2f} (CV {100 * float(counts.std() / counts.mean()):.1f}%), "
           f"{tiles} row tiles of 128 ({drawn})")
-    print(f"  {'':18s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
+    print(f"  {'':23s} {'p50 ms' if cuda else 'wall p50':>9s} {'p99 ms' if cuda else 'wall p99':>9s} {'host p50 ms':>12s}")
     for name, t in rows.items():
-        print(f"  {name:18s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
+        print(f"  {name:23s} {statistics.median(t):9.3f} {percentile(t, 99):9.3f} {statistics.median(host[name]):12.3f}")
     if a.stack > 1:
         name = f"stack{a.stack} f+b"
-        print(f"  {'per layer':18s} {statistics.median(rows[name]) / a.stack:9.3f} {'':9s} "
+        print(f"  {'per layer':23s} {statistics.median(rows[name]) / a.stack:9.3f} {'':9s} "
               f"{statistics.median(host[name]) / a.stack:12.3f}   ({name} / {a.stack})")
     breakdowns = {}
     if a.host_breakdown > 0:

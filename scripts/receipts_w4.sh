@@ -97,7 +97,7 @@
 #   native1    where the binding's eager host time goes: bench/torch_layer_bench.py --timeline (the backward's thread
 #              handoffs) and --native-profile (py-spy --native; carry .whl/ with the py_spy wheel) at the example's layer
 #              shape, 256 and 4096 tokens
-#   stack1     a model's eager use of the binding: bench/torch_layer_bench.py --stack 3 (three layers chained, one backward
+#   tstack1    a model's eager use of the binding: bench/torch_layer_bench.py --stack 3 (three layers chained, one backward
 #              through all) and --timeline beside rdep bench layer's forward+backward on the same routing, W = 1, the
 #              example's layer shape at 4096 and 256 tokens
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
@@ -602,7 +602,7 @@ stage_native1() {  # py-spy samples the binding's eager calls natively (the whee
       --topk 6 --expert-compute cutlass --gate-in-expert --timeline 300 --native-profile 8 --json "$R/torch_native_t$t.json"
   done
 }
-stage_stack1() {  # the binding's eager forward+backward per layer in a stack of 3 against the C++ layer's (issue 15)
+stage_tstack1() {  # the binding's eager forward+backward per layer in a stack of 3 against the C++ layer's (issue 15)
   local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
   for t in 4096 256; do
     local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)

@@ -54,5 +54,6 @@ def assert_replay_matches_eager(graph, outputs, captured_inputs, inputs, eager, 
     got = [t.clone() for t in outputs]
     want = eager()
     torch.cuda.synchronize()
-    for name, a, b in zip(STEP_OUTPUTS, got, want, strict=True):
+    assert len(got) == len(want) == len(STEP_OUTPUTS), (len(got), len(want))
+    for name, a, b in zip(STEP_OUTPUTS, got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {name} differs from the eager call"
