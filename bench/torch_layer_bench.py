@@ -440,7 +440,7 @@ def main() -> int:
         for name, table in kernels.items():
             print_kernel_table(name, table, a.kernels)
     if a.graph:
-        del held, replays  # the graphs first (their replay functions hold them), then their contexts
+        del replays, held  # the graphs first (their replay functions hold them), then their contexts
     for extra in stacked:
         extra.close()
     if world > 1:
