@@ -41,7 +41,7 @@ def _patched_formulas(stamps: list):
     return originals
 
 
-PARTS = ("forward", "handoff in", "formula", "handoff out", "forward+backward")
+PARTS = ("forward", "backward", "handoff in", "formula", "handoff out", "forward+backward")
 
 
 def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
@@ -64,12 +64,14 @@ def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
             for t in leaves:
                 t.grad = None
             del y
-            if i < 5 or len(stamps) != 2:
-                continue  # warm-up (or a formula that did not run: not counted)
+            if i < 5 or len(stamps) not in (0, 2):
+                continue  # warm-up (or a formula that ran more than once: not counted)
             done += finished
-            f_in, f_out = stamps
-            for name, v in (("forward", t1 - t0), ("handoff in", f_in - t1), ("formula", f_out - f_in),
-                            ("handoff out", t2 - f_out), ("forward+backward", t2 - t0)):
+            parts = [("forward", t1 - t0), ("backward", t2 - t1), ("forward+backward", t2 - t0)]
+            if stamps:  # the Python path's formula ran (the C++ path's backward has no Python to wrap)
+                f_in, f_out = stamps
+                parts += [("handoff in", f_in - t1), ("formula", f_out - f_in), ("handoff out", t2 - f_out)]
+            for name, v in parts:
                 rows[name].append(1e6 * v)
     finally:
         for fn, orig in originals:
@@ -77,17 +79,28 @@ def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
     return done
 
 
-def timeline(forward, dy, leaves, iters: int, rounds: int = 4) -> dict:
+def timeline(forward, dy, leaves, iters: int, rounds: int = 4, python_path_too: bool = False) -> dict:
     """{"threads": the engine as configured, "one thread": multithreading disabled}, each {part: median µs, calls,
     device_done_at_return}. The two run in alternating rounds (iters split between them), so that a drift of the host's
-    speed during the run falls on both alike."""
-    rows = {mode: {k: [] for k in PARTS} for mode in ("threads", "one thread")}
+    speed during the run falls on both alike. rdep.torch's eager C++ path (eager_ext) has no Python formula to wrap:
+    its rows hold forward, backward and the total only. python_path_too: also "threads py" and "one thread py", the
+    same loops with the C++ path switched off, in the same rounds."""
+    from rdep.torch import eager_ext
+
+    modes = [("threads", True, True), ("one thread", False, True)]
+    if python_path_too:
+        modes += [("threads py", True, False), ("one thread py", False, False)]
+    rows = {mode: {k: [] for k in PARTS} for mode, _, _ in modes}
     done = {mode: 0 for mode in rows}
     per_round = max(1, iters // rounds)
-    for _ in range(rounds):
-        done["threads"] += _loop(forward, dy, leaves, per_round, rows["threads"])
-        with torch.autograd.set_multithreading_enabled(False):
-            done["one thread"] += _loop(forward, dy, leaves, per_round, rows["one thread"])
+    try:
+        for _ in range(rounds):
+            for mode, threads, ext in modes:
+                eager_ext.enabled = ext
+                with torch.autograd.set_multithreading_enabled(threads):
+                    done[mode] += _loop(forward, dy, leaves, per_round, rows[mode])
+    finally:
+        eager_ext.enabled = True
     out = {}
     for mode, parts in rows.items():
         out[mode] = {k: statistics.median(v) for k, v in parts.items() if v}
@@ -99,8 +112,7 @@ def timeline(forward, dy, leaves, iters: int, rounds: int = 4) -> dict:
 def print_timeline(t: dict) -> None:
     for mode, r in t.items():
         if r["calls"] == 0:
-            print(f"  host timeline, engine {mode}: no call ran rdep's formula through op_library's eager path (the op's "
-                  "dispatcher path is not wrapped here: op_library.direct_ok was false); nothing timed")
+            print(f"  host timeline, engine {mode}: no call counted; nothing timed")
             continue
         print(f"  host timeline of forward+backward, engine {mode} (median µs of {r['calls']} calls; the device had finished "
               f"the call's work at its return after {r['device_done_at_return']}):")

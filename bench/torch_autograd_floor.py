@@ -20,8 +20,8 @@ Timed, on the CPU and (where there is one) on the GPU, with tiny tensors so the 
     pair in C++;
   * rdep stubbed (--rdep, needs the C library): rdep.torch.moe on a real layer of the pair's shape (CUTLASS
     expert compute on CUDA, bf16 weights) with the C library's forward and backward calls and its wait for the
-    routing check replaced by no-ops (its context calls stay): rdep.torch's Python on this host without the GPU
-    work, against the pair;
+    routing check replaced by no-ops (its context calls stay): rdep.torch's Python path (eager_ext off) on this host
+    without the GPU work, against the pair;
   * the pieces a kernel of rdep's calls per call: torch.empty, torch.full on the device, the current
     stream as a Stream object and as a raw handle, the stream's capture status.
 
@@ -236,6 +236,9 @@ def _stubbed_rdep_cases(device: torch.device) -> dict:
             return fn
 
     _capi._lib = _NoComputeLibrary()
+    from rdep.torch import eager_ext
+
+    eager_ext.enabled = False  # the stub is ctypes' (Python) functions: rdep.torch's Python path is what runs
     act = torch.bfloat16 if cuda else torch.float32
     x = torch.randn(1, n, H, device=device, dtype=act, requires_grad=True)
     gates = torch.rand(1, n, K, device=device, requires_grad=True)

@@ -122,6 +122,28 @@ def time_loop(fn, warmup: int, iters: int, cuda: bool = True) -> tuple[list[floa
     return [a.elapsed_time(b) for a, b in events], host
 
 
+def eager_ab_rows(eager: dict, rounds: int, warmup: int, iters: int, cuda: bool, rows: dict, host: dict) -> None:
+    """--eager-ab: each eager call timed with rdep.torch's eager C++ path (rows by its name) and with the Python path
+    (name + " py"), alternated in `rounds` rounds of iters // rounds calls each, so that a drift of the host's speed falls
+    on both alike."""
+    from rdep.torch import eager_ext
+
+    if eager_ext.module() is None:
+        raise SystemExit("torch_layer_bench: --eager-ab needs rdep.torch's eager C++ path, which did not build here")
+    per_round = max(1, iters // rounds)
+    try:
+        for _ in range(rounds):
+            for on in (True, False):
+                eager_ext.enabled = on
+                for name, fn in eager.items():
+                    key = name if on else f"{name} py"
+                    t, h = time_loop(fn, warmup, per_round, cuda)
+                    rows.setdefault(key, []).extend(t)
+                    host.setdefault(key, []).extend(h)
+    finally:
+        eager_ext.enabled = True
+
+
 def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dict:
     """The timed calls by name: forward (a context saved, as in training, and released when y is dropped) and
     forward+backward, eagerly; with `compiled` also both through a torch.compile'd function of the op alone."""
@@ -358,6 +380,9 @@ def main() -> int:
     p.add_argument("--stack", type=int, default=1, metavar="N",
                    help="also time the eager forward+backward of N layers chained as a model's MoE blocks, one backward "
                         "through all (compare with N times rdep bench layer's forward+backward)")
+    p.add_argument("--eager-ab", type=int, default=0, metavar="R",
+                   help="time the eager calls (and --stack, --timeline) with rdep.torch's eager C++ path and with its "
+                        "Python path (rows marked 'py'), alternated in R rounds (rdep/torch/eager_ext.py)")
     p.add_argument("--compile", action="store_true",
                    help="also time the calls through a torch.compile'd function (as the training example calls the op)")
     p.add_argument("--graph", action="store_true",
@@ -409,15 +434,20 @@ def main() -> int:
               f"{a.backend}, expert_compute {getattr(layer, 'expert_compute', 'n/a')}", file=sys.stderr)
         return 2
     calls = layer_calls(rt, layer, x, experts, gates, w1, w2, dy, a.compile)
-    rows, host = {}, {}
-    for name, fn in calls.items():
-        rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
     stack, stacked = {}, []
     if a.stack > 1:
         make = lambda: rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend,  # noqa: E731
                                 device=device, process_group=group, **options)
         stack, stacked = stack_calls(rt, make, layer, x, experts, gates, w1, w2, dy, a.stack)
-        for name, fn in stack.items():
+    rows, host = {}, {}
+    if a.eager_ab > 0:
+        eager = {k: v for k, v in {**calls, **stack}.items() if not k.startswith("compiled")}
+        eager_ab_rows(eager, a.eager_ab, a.warmup, a.iters, cuda, rows, host)
+        for name, fn in calls.items():
+            if name.startswith("compiled"):
+                rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
+    else:
+        for name, fn in {**calls, **stack}.items():
             rows[name], host[name] = time_loop(fn, a.warmup, a.iters, cuda)
     if a.graph:
         replays = graph_calls(rt, layer, x, experts, gates, w1, w2, dy)
@@ -472,6 +502,11 @@ def main() -> int:
     print(f"torch_layer_bench: W={world}{' (one rank a process, max over ranks)' if world > 1 else ''} T={a.tokens} H={a.hidden} D_ff={a.ffn} E={a.experts} K={a.topk}, "
           f"{'bf16' if cuda else 'fp32'}, {where}, torch {torch.__version__}")
     print(f"  layer: {layer.describe()}")
+    from rdep.torch import eager_ext
+
+    ext = eager_ext.module() is not None
+    print(f"  eager calls: rdep.torch's {'C++ path (eager_ext)' if ext else 'Python path'}"
+          + (", and the Python path in the rows marked 'py' (alternated rounds)" if a.eager_ab > 0 else ""))
     counts = torch.bincount(experts.flatten().long().cpu(), minlength=a.experts).double()
     tiles = int(torch.ceil(counts / 128).sum())
     drawn = f"rdep bench layer's draw, {a.routing_from}" if a.routing_from else "this script's draw; rdep bench layer prints its own"
@@ -488,10 +523,18 @@ def main() -> int:
     if a.host_breakdown > 0:
         from binding_host_time import breakdown, instrumented, print_breakdown
 
-        with instrumented() as probe:
-            for name, fn in calls.items():
-                breakdowns[name] = breakdown(fn, a.host_breakdown, probe)
-                print_breakdown(name, breakdowns[name])
+        from rdep.torch import eager_ext
+
+        # It times rdep.torch's Python functions and their ctypes calls: the Python path's (the C++ path has neither).
+        print("  host breakdown: rdep.torch's Python path (eager_ext off)")
+        eager_ext.enabled = False
+        try:
+            with instrumented() as probe:
+                for name, fn in calls.items():
+                    breakdowns[name] = breakdown(fn, a.host_breakdown, probe)
+                    print_breakdown(name, breakdowns[name])
+        finally:
+            eager_ext.enabled = True
     if a.cprofile > 0:
         from binding_host_time import print_cprofile
 
@@ -503,7 +546,7 @@ def main() -> int:
         import backward_timeline
 
         timeline = backward_timeline.timeline(lambda: rt.moe(layer, x, experts, gates, w1, w2), dy, (x, gates, w1, w2),
-                                              a.timeline)
+                                              a.timeline, python_path_too=a.eager_ab > 0)
         backward_timeline.print_timeline(timeline)
     native = {}
     if a.native_profile > 0 and cuda:
@@ -523,7 +566,7 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"bench": "torch_layer", "shape": vars(a), "world_size": world, "device": where,
                        "expert_compute": getattr(layer, "expert_compute", None), "expert_compute_note": getattr(layer, "expert_compute_note", ""),
-                       "torch": torch.__version__,
+                       "torch": torch.__version__, "eager_path": "C++" if ext else "Python", "eager_ab_rounds": a.eager_ab,
                        "p50_ms": {k: statistics.median(v) for k, v in rows.items()},
                        "p99_ms": {k: percentile(v, 99) for k, v in rows.items()},
                        "host_p50_ms": {k: statistics.median(v) for k, v in host.items()},

@@ -10,8 +10,8 @@
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
-# The device tool brings back at most 8 files from $OUT: this script writes 5 (env.txt, build.log,
-# tests.log, pytest.log, bench.log); when the benches leave more than 3 others, those others go into one
+# The device tool brings back at most 8 files from $OUT: this script writes 6 (env.txt, build.log, eager_ext.log,
+# tests.log, pytest.log, bench.log); when the benches leave more than 2 others, those others go into one
 # archive, $OUT/bench_files.tgz, so that the logs above always come back.
 # The machine's copy of .git may be older than the tree: RDEP_COMMIT=<hash> names the receipts. Write the
 # hash literally into the command (RDEP_COMMIT=$(git rev-parse ...) would run there, on the old .git).
@@ -64,6 +64,16 @@ if [ $build_rc -eq 0 ]; then
     >"$OUT/tests.log" 2>&1
   test_rc=$?
 fi
+# rdep.torch's eager C++ path (python/rdep/torch/eager_ext.py), compiled once into the build folder (kept while the
+# machine stays warm) and required: a failed build fails the tests instead of leaving the Python path.
+export TORCH_EXTENSIONS_DIR="$PWD/$BUILD/torch_extensions" RDEP_TORCH_EAGER_EXT=${RDEP_TORCH_EAGER_EXT:-1}
+if [ $build_rc -eq 0 ] && python3 -c 'import torch' >/dev/null 2>&1; then
+  te0=$(date +%s)
+  RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" timeout "$(left 60)" \
+    python3 -m rdep.torch.eager_ext >"$OUT/eager_ext.log" 2>&1
+  echo "[rc=$? in $(( $(date +%s) - te0 )) s]" >>"$OUT/eager_ext.log"
+  tail -3 "$OUT/eager_ext.log" >>"$OUT/env.txt"
+fi
 # The Python package's tests (CUDA ones included) on the library just built, when torch is there.
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
@@ -80,9 +90,9 @@ for cmd in "${BENCH[@]}"; do
 done
 t3=$(date +%s)
 # At most 8 files come back: past that, what the benches wrote is archived (receipts_w4.sh archives its own).
-own='^(env\.txt|build\.log|tests\.log|pytest\.log|bench\.log)$'
+own='^(env\.txt|build\.log|tests\.log|pytest\.log|bench\.log|eager_ext\.log)$'
 extra=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -printf '%P\n' | grep -vE "$own")
-if [ "$(printf '%s\n' "$extra" | grep -c .)" -gt 3 ]; then
+if [ "$(printf '%s\n' "$extra" | grep -c .)" -gt 2 ]; then
   (cd "$OUT" && printf '%s\n' "$extra" | tar czf bench_files.tgz -T - && printf '%s\n' "$extra" | xargs -d '\n' rm -rf)
   echo "device.sh: the benches' $(printf '%s\n' "$extra" | grep -c .) files are in \$OUT/bench_files.tgz" >>"$OUT/bench.log"
 fi

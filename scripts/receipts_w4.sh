@@ -97,6 +97,8 @@
 #   native1    where the binding's eager host time goes: bench/torch_layer_bench.py --timeline (the backward's thread
 #              handoffs) and --native-profile (py-spy --native; carry .whl/ with the py_spy wheel) at the example's layer
 #              shape, 256 and 4096 tokens
+#   eager1     rdep.torch's eager C++ path against its Python path (torch_layer_bench.py --eager-ab 4 --stack 3
+#              --timeline 200) beside the C++ layer, 4096 and 256 tokens
 #   tstack1    a model's eager use of the binding: bench/torch_layer_bench.py --stack 3 (three layers chained, one backward
 #              through all) and --timeline beside rdep bench layer's forward+backward on the same routing, W = 1, the
 #              example's layer shape at 4096 and 256 tokens
@@ -610,6 +612,17 @@ stage_tstack1() {  # the binding's eager forward+backward per layer in a stack o
       --json "$R/layer_t$t.json"
     run torch_stack_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --stack 3 --timeline 200 \
       --routing-from "$R/routing_t$t.bin" --json "$R/torch_stack_t$t.json"
+  done
+}
+stage_eager1() {  # rdep.torch's eager C++ path against its Python path (--eager-ab), one layer and a stack of 3, beside the
+                  # C++ layer (issue 15)
+  local env=(env PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  for t in 4096 256; do
+    local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
+    run layer_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --routing-out "$R/routing_t$t.bin" \
+      --json "$R/layer_t$t.json"
+    run torch_eager_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --stack 3 --eager-ab 4 --iters 200 \
+      --timeline 200 --routing-from "$R/routing_t$t.bin" --json "$R/torch_eager_t$t.json"
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,

@@ -60,3 +60,16 @@ def assert_rel_close(actual, expected, tol: float, what: str) -> None:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def python_path():
+    """rdep.torch.moe's eager calls through the Python path (rdep.torch.eager_ext off) for the test: for tests of that
+    path's own pieces (its ops' kernels and formula, the bookkeeping they keep, what its functions are called with)."""
+    from rdep.torch import eager_ext
+
+    eager_ext.enabled = False
+    try:
+        yield
+    finally:
+        eager_ext.enabled = True

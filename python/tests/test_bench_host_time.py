@@ -224,7 +224,7 @@ def test_backward_timeline_splits_the_host_time_and_puts_the_formulas_back(monke
     import torch
 
     import rdep.torch as rt
-    from rdep.torch import op_library
+    from rdep.torch import eager_ext, op_library
 
     monkeypatch.syspath_prepend(str(BENCH.parent))
     import backward_timeline as bt
@@ -241,15 +241,21 @@ def test_backward_timeline_splits_the_host_time_and_puts_the_formulas_back(monke
         w1 = torch.randn(4, 8, 16, generator=g, requires_grad=True)
         w2 = torch.randn(4, 8, 8, generator=g, requires_grad=True)
         t = bt.timeline(lambda: rt.moe(layer, x, experts, gates, w1, w2), torch.randn(1, 4, 8, generator=g),
-                        (x, gates, w1, w2), 4)
+                        (x, gates, w1, w2), 4, python_path_too=True)
     finally:
         layer.close()
-    assert sorted(t) == ["one thread", "threads"]
-    for r in t.values():
+    assert sorted(t) == ["one thread", "one thread py", "threads", "threads py"]
+    ext = eager_ext.module() is not None
+    for mode, r in t.items():
         assert r["calls"] == 4 and r["device_done_at_return"] == 4  # 4 rounds of 1
-        assert 0 < r["formula"] < r["forward+backward"] and 0 < r["forward"] < r["forward+backward"]
-        assert r["handoff in"] > 0 and r["handoff out"] > 0
+        assert 0 < r["forward"] < r["forward+backward"] and 0 < r["backward"] < r["forward+backward"]
+        if mode.endswith(" py") or not ext:  # the Python formula, wrapped
+            assert 0 < r["formula"] < r["forward+backward"]
+            assert r["handoff in"] > 0 and r["handoff out"] > 0
+        else:  # the C++ path: no Python formula to split the backward at
+            assert "formula" not in r
     assert {fn: fn.backward for fn in op_library._FUNCTIONS.values()} == before
+    assert eager_ext.enabled
 
 
 def test_floor_bench_times_the_pair_and_rdep_stubbed(tmp_path):

@@ -102,7 +102,7 @@ def test_fp32_master_weights():
     assert_bf16_close(w2m.grad, w2r.grad, GRAD_TOL, "dw2")
 
 
-def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch):
+def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch, python_path):
     """keep_weight_casts=True: the forward's bf16 casts of fp32 weights are held with its context and
     used by its backward (which casts nothing), dropped with the context; the gradients are bitwise those
     of a layer that casts again (keep_weight_casts=False, the default). A backward given weights changed in
@@ -153,7 +153,7 @@ def test_fp32_master_weights_keep_the_forward_casts_for_backward(monkeypatch):
 
 
 @pytest.mark.parametrize("W,E", [(1, 8), (2, 8), (4, 2)])
-def test_fp32_master_weights_cast_into_the_gradients_for_backward(monkeypatch, W, E):
+def test_fp32_master_weights_cast_into_the_gradients_for_backward(monkeypatch, W, E, python_path):
     """The CUTLASS layer's backward with fp32 master weights reads their bf16 casts from inside the fp32
     gradient buffers it then overwrites (C ABI 13): the same bits as with the casts apart, and torch holds
     the casts' bytes less during the backward. E = 2 at W = 4: ranks without experts (nothing cast there)."""

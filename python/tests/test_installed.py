@@ -1,6 +1,7 @@
 """The package as `pip install .` leaves it (run by .ci/run from outside the repository, without
 RDEP_LIBRARY or PYTHONPATH): rdep and its librdep_capi.so come from site-packages, and an MoE forward
-and backward on the host backend match a plain PyTorch computation of the same layer."""
+and backward on the host backend match a plain PyTorch computation of the same layer (through rdep.torch's eager C++
+path, compiled from the installed package's sources, when RDEP_TORCH_EAGER_EXT=1)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def test_installed_package_runs_an_moe_layer():
     w1 = (torch.randn(E, H, 2 * Fd) * 0.3).requires_grad_(True)
     w2 = (torch.randn(E, Fd, H) * 0.3).requires_grad_(True)
     y = rt.moe(layer, x, experts, gates, w1, w2)
+    if os.environ.get("RDEP_TORCH_EAGER_EXT") == "1":  # .ci/run: the eager C++ path built from the installed sources
+        assert type(y.grad_fn).__name__ == "CppFunction", type(y.grad_fn).__name__
+        assert (pkg / "include" / "rdep" / "capi.h").is_file() or os.environ.get("RDEP_LIBRARY") is not None
 
     def expert(e, v):
         h = v @ w1[e]

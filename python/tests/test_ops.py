@@ -208,7 +208,7 @@ def test_second_backward_is_refused():
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_eager_call_skips_the_dispatcher_with_the_same_results(monkeypatch, grad):
+def test_eager_call_skips_the_dispatcher_with_the_same_results(monkeypatch, grad, python_path):
     """rdep.torch.moe in eager mode calls the op's kernel and formula without the dispatcher (op_library.call): bitwise
     the results and gradients of the op called through torch.ops, and its kernel not run below the dispatcher's
     autograd; under a dispatch mode (the profiler's, FakeTensorMode's, ...) it takes the op."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layer_calls, layer_handles, validate
+from . import eager_ext, layer_calls, layer_handles, validate
 from .layer import Layer, get_layer
 from . import op_library
 
@@ -326,5 +326,9 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     else:
         op, args = moe_forward, (h.handle, h.rep, x, experts, gates, w1, w2, save, check_routing)
     if op_library.direct_ok(x, experts, gates, w1, w2):  # eager: the same kernel and formula, no dispatcher
+        if save:  # the C++ path (eager_ext.py), where it is built and no capture runs
+            y = eager_ext.forward(h, x, experts, gates, w1, w2)
+            if y is not None:
+                return y
         return op_library.call(op, *args)[0]
     return op(*args)[0]

@@ -1,0 +1,223 @@
+"""rdep.torch's eager C++ path (rdep/torch/eager_ext.py, csrc/eager_moe.cpp) against the Python path it stands in for:
+the same outputs and gradients bit for bit (host backend here; CUDA below, skipped without a GPU), against the fp64
+reference too, the contexts' lifetime (Layer.live_contexts, context_bytes, a graph dropped without backward, a closed
+layer), its refusals (a second backward, double backward), which calls take it, and its mode switch.
+
+The C++ path must build wherever these tests run: .ci/run and scripts/device.sh set RDEP_TORCH_EAGER_EXT=1, so a build
+failure fails here; elsewhere (auto) the tests that need it skip, saying why.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import rdep
+import rdep.torch as rt
+import reference as ref
+from conftest import assert_rel_close
+from rdep.torch import eager_ext
+from test_ops import make_inputs
+
+TOL = 1e-5  # fp32 layer against the fp64 reference, as test_ops.py
+
+
+@pytest.fixture
+def ext():
+    m = eager_ext.module()
+    if m is None:
+        pytest.skip(f"rdep.torch's eager C++ path is not built here: {eager_ext._failed or 'RDEP_TORCH_EAGER_EXT=0'}")
+    return m
+
+
+def _run(layer, inputs, dy, grad_mask=(True, True, True, True), on=True):
+    """y and the leaves' gradients of rt.moe(...).backward(dy), with the C++ path on or off; checks the path taken."""
+    x, ids, gates, w1, w2 = [t.clone() for t in inputs]
+    leaves = [t.requires_grad_(g) for t, g in zip((x, gates, w1, w2), grad_mask)]
+    eager_ext.enabled = on
+    try:
+        y = rt.moe(layer, leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    finally:
+        eager_ext.enabled = True
+    name = type(y.grad_fn).__name__
+    assert (name == "CppFunction") == on, f"grad_fn {name}: the {'C++' if on else 'Python'} path did not run"
+    assert layer.live_contexts == 1
+    y.backward(dy)
+    assert layer.live_contexts == 0
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+CASES = [
+    # id, W, E, K, n, T, capacity_factor, routing
+    ("W1_E4_K2_uniform", 1, 4, 2, 16, 16, 0.0, "uniform"),
+    ("W4_E8_K2_zipf", 4, 8, 2, 12, 12, 0.0, "zipf"),
+    ("W4_E6_K3_zipf_C0.5_drops", 4, 6, 3, 10, 12, 0.5, "zipf"),
+    ("W4_E3_K1_W_gt_E", 4, 3, 1, 9, 9, 0.0, "uniform"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_same_bits_as_the_python_path_and_the_reference(ext, case):
+    _, W, E, K, n, T, C, kind = case
+    layer = rt.Layer(8, 6, E, K, T, world_size=W, capacity_factor=C)
+    inputs = make_inputs(layer, n, kind, seed=11)
+    dy = torch.randn(W, n, 8, generator=torch.Generator().manual_seed(5))
+    cpp, py = _run(layer, inputs, dy, on=True), _run(layer, inputs, dy, on=False)
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), cpp, py):
+        assert torch.equal(a, b), f"{name}: the C++ path's bits differ from the Python path's"
+    x, ids, gates, w1, w2 = inputs
+    rl = [t.double().requires_grad_(True) for t in (x, gates, w1, w2)]
+    y_ref, _ = ref.moe_layer(rl[0], ids, rl[1], rl[2], rl[3], C, T)
+    y_ref.backward(dy.double())
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), cpp, [y_ref] + [t.grad for t in rl]):
+        assert_rel_close(a, b, TOL, name)
+
+
+@pytest.mark.parametrize("mask", [(False, False, True, False), (True, False, False, False), (False, True, False, True)])
+def test_only_the_inputs_that_require_grad_get_one(ext, mask):
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    inputs = make_inputs(layer, 16, "zipf", seed=3)
+    dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(2))
+    cpp, py = _run(layer, inputs, dy, mask, on=True), _run(layer, inputs, dy, mask, on=False)
+    for need, a, b in zip(mask, cpp[1:], py[1:]):
+        assert (a is not None) == need and (b is not None) == need
+        if need:
+            assert torch.equal(a, b)
+
+
+def test_context_lifetime(ext):
+    """A context lives from the forward to its backward (context_bytes counts it), or until the graph is dropped."""
+    layer = rt.Layer(8, 6, 4, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    y = rt.moe(layer, x, ids, gates, w1, w2)
+    assert type(y.grad_fn).__name__ == "CppFunction"
+    assert layer.live_contexts == 1 and layer.context_bytes() > 0
+    del y
+    assert layer.live_contexts == 0 and layer.context_bytes() == 0
+    # Dropped inside a reference cycle: released when the collector runs.
+    holder = {}
+    holder["self"], holder["y"] = holder, rt.moe(layer, x, ids, gates, w1, w2)
+    del holder
+    gc.collect()
+    assert layer.live_contexts == 0
+    # Forwards alive together take a context each; backwards in any order release them.
+    ys = [rt.moe(layer, x, ids, gates, w1, w2) for _ in range(3)]
+    assert layer.live_contexts == 3
+    for y in reversed(ys):
+        y.sum().backward()
+    assert layer.live_contexts == 0
+
+
+def test_refusals_name_the_cause(ext):
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    y = rt.moe(layer, x, ids, gates, w1, w2)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(rdep.FailedPreconditionError, match="backward already ran"):
+        y.sum().backward()
+    y = rt.moe(layer, x, ids, gates, w1, w2)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):  # torch's own refusal: the saved tensors are freed
+        y.sum().backward()
+    (g,) = torch.autograd.grad(rt.moe(layer, x, ids, gates, w1, w2).sum(), w1, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+    assert layer.live_contexts == 0
+    y = rt.moe(layer, x, ids, gates, w1, w2)
+    layer.close()
+    with pytest.raises(rdep.FailedPreconditionError, match=f"layer {layer.id} was closed"):
+        y.sum().backward()
+
+
+def test_bad_input_and_c_errors_raise_as_on_the_python_path(ext):
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        rt.moe(layer, x.double(), ids, gates, w1, w2)
+    with pytest.raises(ValueError, match="w2: expected shape"):
+        rt.moe(layer, x, ids, gates, w1, w2[:, :3])
+    bad = ids.clone()
+    bad[1, 3, 0] = 99  # an expert id out of range: the C library's check names rank, token and slot
+    with pytest.raises(rdep.InvalidArgumentError, match="rank 1") as e_cpp:
+        rt.moe(layer, x, bad, gates, w1, w2)
+    assert layer.live_contexts == 0
+    eager_ext.enabled = False
+    try:
+        with pytest.raises(rdep.InvalidArgumentError) as e_py:
+            rt.moe(layer, x, bad, gates, w1, w2)
+    finally:
+        eager_ext.enabled = True
+    assert str(e_py.value).split(": ", 1)[1] == str(e_cpp.value).split(": ", 1)[1]  # past the call's name, the same
+    assert layer.live_contexts == 0
+
+
+def test_which_calls_take_it(ext):
+    """Calls that need a gradient, eagerly; not without grad, under no_grad, under a dispatch mode or while compiling."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    assert rt.moe(layer, x, ids, gates, w1, w2).grad_fn is None
+    w2.requires_grad_(True)
+    with torch.no_grad():
+        assert rt.moe(layer, x, ids, gates, w1, w2).grad_fn is None
+    with PassThrough():
+        assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ != "CppFunction"
+    assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ == "CppFunction"
+    assert layer.live_contexts == 0
+
+
+def test_mode_switch(monkeypatch):
+    for value, want in (("", "auto"), ("AUTO", "auto"), ("0", "0"), (" 1 ", "1")):
+        monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", value)
+        assert eager_ext.mode() == want
+    monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", "yes")
+    with pytest.raises(ValueError, match="RDEP_TORCH_EAGER_EXT: expected one of auto, 0, 1, got 'yes'"):
+        eager_ext.mode()
+
+
+# CUDA: the layers the training example and the benchmarks run, the C++ path against the Python path, bit for bit.
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+CUDA_CASES = {
+    # id: layer options, W, weights dtype
+    "W1_cutlass_bf16_capturable": (dict(expert_compute="cutlass"), 1, torch.bfloat16),
+    "W1_cutlass_gate_in_expert_fp32_master": (dict(expert_compute="cutlass", gate_in_expert=True), 1, torch.float32),
+    "W1_cutlass_fp32_master_keep_casts": (dict(expert_compute="cutlass", keep_weight_casts=True), 1, torch.float32),
+    "W2_cublaslt_fp32_master_keep_casts": (dict(expert_compute="cublaslt", keep_weight_casts=True), 2, torch.float32),
+    "W4_cutlass_bf16_zipf": (dict(expert_compute="cutlass"), 4, torch.bfloat16),
+}
+
+
+@cuda
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_same_bits_as_the_python_path(ext, name):
+    if not rdep._capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    opts, W, wdt = CUDA_CASES[name]
+    E, K, n, H, F = 8, 2, 64, 128, 64
+    dev = torch.device("cuda", 0)
+    layer = rt.Layer(H, F, E, K, n, world_size=W, backend="cuda", num_gpus=1, **opts)
+    g = torch.Generator().manual_seed(9)
+    x, ids, gates, w1, w2 = ref.draw_inputs(W, n, H, F, E, K, "zipf", g)
+    inputs = [x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev, wdt), w2.to(dev, wdt)]
+    dy = torch.randn(W, n, H, generator=g).to(dev).bfloat16()
+    s = torch.cuda.Stream()  # on a side stream: the C++ path reads torch's current stream, as the Python path does
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cpp, py = _run(layer, inputs, dy, on=True), _run(layer, inputs, dy, on=False)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for what, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), cpp, py):
+        assert a.dtype == b.dtype and torch.isfinite(a.float()).all(), what
+        assert torch.equal(a, b), f"{what}: the C++ path's bits differ from the Python path's"
+    assert cpp[3].dtype == wdt  # the weights' gradients in the weights' dtype
