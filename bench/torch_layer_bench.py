@@ -170,7 +170,7 @@ def layer_calls(rt, layer, x, experts, gates, w1, w2, dy, compiled: bool) -> dic
 
 
 def stack_calls(rt, make_layer, layer, x, experts, gates, w1, w2, dy, n: int) -> tuple[dict, list]:
-    """--stack N: N layers configured alike (this one and N - 1 more, each with its own copy of the weights) chained as a
+    """--stack N: N layers configured alike on one domain (this one and N - 1 more, each with its own copy of the weights) chained as a
     model chains its MoE blocks (each layer's y is the next one's x, the same routing), then one backward through all N:
     the eager forward+backward of a model's N rdep layers, in which autograd's engine hands the backward to its device
     thread once for all N. Compare with N times the C++ layer's forward+backward. Returns (calls, the extra layers)."""
@@ -436,8 +436,8 @@ def main() -> int:
     calls = layer_calls(rt, layer, x, experts, gates, w1, w2, dy, a.compile)
     stack, stacked = {}, []
     if a.stack > 1:
-        make = lambda: rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, world_size=world, backend=a.backend,  # noqa: E731
-                                device=device, process_group=group, **options)
+        # On the first layer's domain, as a model's MoE layers are (the training example's): its regions held once.
+        make = lambda: rt.Layer(a.hidden, a.ffn, a.experts, a.topk, a.tokens, domain=layer.domain, **options)  # noqa: E731
         stack, stacked = stack_calls(rt, make, layer, x, experts, gates, w1, w2, dy, a.stack)
     rows, host = {}, {}
     if a.eager_ab > 0:

@@ -83,6 +83,8 @@
 #              compute (eager and graph replays) and with cuBLASLt (a host wait per segment), beside the baseline
 #   prof1      the training example (compiled, both variants, 40 steps) under torch.profiler for steps 25-27: each
 #              variant's device time per step (the profile's self CUDA total) beside its step time
+#   trainpaire trainpair without torch.compile: each model eagerly, in a process of its own (rdep's MoE blocks through
+#              rdep.torch's eager C++ path)
 #   trainro    the training example with --compile-mode reduce-overhead (CUDA graphs; rdep's ops recorded in them
 #              where its layers are capturable, the default), both variants, 200 steps, steps 100-102 under
 #              torch.profiler; rdep with the default --expert-compute auto
@@ -99,6 +101,8 @@
 #              shape, 256 and 4096 tokens
 #   eager1     rdep.torch's eager C++ path against its Python path (torch_layer_bench.py --eager-ab 4 --stack 3
 #              --timeline 200) beside the C++ layer, 4096 and 256 tokens
+#   eager2     the eager C++ path's stack of 3 beside rdep bench layer --layers 3 (the C++ layer's own stack), and
+#              py-spy --native samples of its calls (where its host time goes)
 #   tstack1    a model's eager use of the binding: bench/torch_layer_bench.py --stack 3 (three layers chained, one backward
 #              through all) and --timeline beside rdep bench layer's forward+backward on the same routing, W = 1, the
 #              example's layer shape at 4096 and 256 tokens
@@ -542,6 +546,15 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
   run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
 }
+stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_paire_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan \
+    --json "$R/train_w1_paire_tt.json"
+  # shellcheck disable=SC2046
+  run train_w1_paire_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --json "$R/train_w1_paire_rdep.json"
+}
 train2() {  # train2 NAME [train.py flags...]: the example under torchrun --nproc-per-node=2, 200 steps
   local name=$1; shift
   # shellcheck disable=SC2046
@@ -623,6 +636,20 @@ stage_eager1() {  # rdep.torch's eager C++ path against its Python path (--eager
       --json "$R/layer_t$t.json"
     run torch_eager_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --stack 3 --eager-ab 4 --iters 200 \
       --timeline 200 --routing-from "$R/routing_t$t.bin" --json "$R/torch_eager_t$t.json"
+  done
+}
+stage_eager2() {  # the eager C++ path's stack of 3 against the C++ layer's stack of 3 (--layers 3), and where its host time
+                  # goes (py-spy --native, the wheel from .whl/ as native1)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .whl/py_spy-*.whl >/dev/null 2>&1 ||
+    echo "eager2: no py_spy wheel in .whl/ (the profiles are skipped)" | tee -a "$LOG"
+  local env=(env PATH="$PATH:/tmp/pyspy/bin" PYTHONPATH="$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so")
+  for t in 4096 256; do
+    local shape=(--tokens $t --hidden 1024 --ffn 704 --experts 64 --topk 6 --expert-compute cutlass --gate-in-expert)
+    run layer_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --routing-out "$R/routing_t$t.bin" \
+      --json "$R/layer_t$t.json"
+    run layer_stack3_t$t "$RDEP" bench layer --ranks 1 "${shape[@]}" --grads bf16 --layers 3 --json "$R/layer_stack3_t$t.json"
+    run torch_stack3_t$t "${env[@]}" python3 bench/torch_layer_bench.py "${shape[@]}" --stack 3 --iters 200 \
+      --routing-from "$R/routing_t$t.bin" --native-profile 6 --json "$R/torch_stack3_t$t.json"
   done
 }
 stage_graph4() {  # every rank's forward (+backward) captured as one graph (CudaDomain::BeginCapture): W = 4 sharing GPU 0,
