@@ -70,7 +70,7 @@ export TORCH_EXTENSIONS_DIR="$PWD/$BUILD/torch_extensions" RDEP_TORCH_EAGER_EXT=
 if [ $build_rc -eq 0 ] && python3 -c 'import torch' >/dev/null 2>&1; then
   te0=$(date +%s)
   RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" timeout "$(left 60)" \
-    python3 -m rdep.torch.eager_ext >"$OUT/eager_ext.log" 2>&1
+    python3 -m rdep.torch build-eager-ext >"$OUT/eager_ext.log" 2>&1
   echo "[rc=$? in $(( $(date +%s) - te0 )) s]" >>"$OUT/eager_ext.log"
   tail -3 "$OUT/eager_ext.log" >>"$OUT/env.txt"
 fi

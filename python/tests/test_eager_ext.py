@@ -221,3 +221,41 @@ def test_cuda_same_bits_as_the_python_path(ext, name):
         assert a.dtype == b.dtype and torch.isfinite(a.float()).all(), what
         assert torch.equal(a, b), f"{what}: the C++ path's bits differ from the Python path's"
     assert cpp[3].dtype == wdt  # the weights' gradients in the weights' dtype
+
+
+def test_a_failed_build_leaves_the_python_path_or_raises(monkeypatch):
+    """auto: a build that fails warns once, naming the error, and the Python path runs (same results); 1: it raises."""
+    def broken(verbose=False):
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(eager_ext, "build", broken)
+    monkeypatch.setattr(eager_ext, "_module", None)
+    monkeypatch.setattr(eager_ext, "_failed", None)
+    monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", "1")
+    with pytest.raises(RuntimeError, match="RDEP_TORCH_EAGER_EXT=1: rdep.torch's eager C\\+\\+ path did not build: no compiler"):
+        eager_ext.module()
+    monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", "auto")
+    with pytest.warns(RuntimeWarning, match="did not build \\(OSError: no compiler here\\); the Python path runs"):
+        assert eager_ext.module() is None
+    assert eager_ext.module() is None  # once: no second warning, no second build
+    layer = rt.Layer(8, 6, 4, 2, 16, world_size=1)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    y = rt.moe(layer, x, ids, gates, w1.requires_grad_(True), w2)
+    assert type(y.grad_fn).__name__ != "CppFunction" and layer.live_contexts == 1
+    y.sum().backward()
+    assert layer.live_contexts == 0 and w1.grad is not None
+    monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", "0")
+    monkeypatch.setattr(eager_ext, "_failed", None)
+    assert eager_ext.module() is None  # mode 0 never builds (broken() would raise)
+
+
+def test_build_command(monkeypatch, capsys):
+    from rdep.torch import __main__ as cli
+
+    assert cli.main(["nonsense"]) == 2
+    assert "usage: python -m rdep.torch build-eager-ext" in capsys.readouterr().err
+    import types
+
+    monkeypatch.setattr(eager_ext, "build", lambda verbose=False: types.ModuleType("rdep_eager_moe_x"))
+    assert cli.main(["build-eager-ext"]) == 0
+    assert "built (rdep_eager_moe_x)" in capsys.readouterr().out

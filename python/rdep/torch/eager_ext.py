@@ -12,7 +12,7 @@ RDEP_TORCH_EAGER_EXT: "auto" (the default: build on first use, keep the Python p
 fails), "1" (required: a failed build raises), "0" (never: the Python path). The build needs a C++ compiler and ninja,
 as any torch extension; it is cached per source and torch version under torch's extension directory
 (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so it runs once (about a minute). `python -m
-rdep.torch.eager_ext` builds it ahead of time.
+rdep.torch build-eager-ext` builds it ahead of time.
 """
 
 from __future__ import annotations
@@ -133,7 +133,3 @@ def forward(layer, x, experts, gates, w1, w2):
     validate.check_forward(layer, x, experts, gates, w1, w2)
     return mod.moe(_layer_of(mod, layer), x, experts, gates, w1, w2)
 
-
-if __name__ == "__main__":
-    build(verbose=True)
-    print(f"rdep.torch eager C++ path: built ({_name(_include_dir())})")

@@ -320,15 +320,16 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     report it); False skips that wait, for routing known to be valid (rdep.torch.MoE's own router)."""
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
+    direct = op_library.direct_ok(x, experts, gates, w1, w2)  # eager: no trace, mode or transform needs the dispatcher
+    if direct and save:  # the C++ path (eager_ext.py), where it is built and no capture runs
+        y = eager_ext.forward(h, x, experts, gates, w1, w2)
+        if y is not None:
+            return y
     if h.capturable:
         op, args = moe_forward_capturable, (h.handle, h.rep, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts,
                                             save, check_routing)
     else:
         op, args = moe_forward, (h.handle, h.rep, x, experts, gates, w1, w2, save, check_routing)
-    if op_library.direct_ok(x, experts, gates, w1, w2):  # eager: the same kernel and formula, no dispatcher
-        if save:  # the C++ path (eager_ext.py), where it is built and no capture runs
-            y = eager_ext.forward(h, x, experts, gates, w1, w2)
-            if y is not None:
-                return y
+    if direct:  # the same kernel and formula as the op's, without the dispatcher
         return op_library.call(op, *args)[0]
     return op(*args)[0]
