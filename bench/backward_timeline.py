@@ -44,7 +44,7 @@ def _patched_formulas(stamps: list):
 PARTS = ("forward", "backward", "handoff in", "formula", "handoff out", "forward+backward")
 
 
-def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
+def _loop(forward, dy, leaves, iters: int, rows: dict, python_formula: bool) -> int:
     """iters timed calls (after 5 untimed), their parts appended to rows (µs); returns how many found the device done."""
     stamps: list = []
     originals = _patched_formulas(stamps)
@@ -64,8 +64,8 @@ def _loop(forward, dy, leaves, iters: int, rows: dict) -> int:
             for t in leaves:
                 t.grad = None
             del y
-            if i < 5 or len(stamps) not in (0, 2):
-                continue  # warm-up (or a formula that ran more than once: not counted)
+            if i < 5 or len(stamps) != (2 if python_formula else 0):
+                continue  # warm-up, or not the path asked for (a formula not wrapped, or run twice): not counted
             done += finished
             parts = [("forward", t1 - t0), ("backward", t2 - t1), ("forward+backward", t2 - t0)]
             if stamps:  # the Python path's formula ran (the C++ path's backward has no Python to wrap)
@@ -87,6 +87,7 @@ def timeline(forward, dy, leaves, iters: int, rounds: int = 4, python_path_too: 
     same loops with the C++ path switched off, in the same rounds."""
     from rdep.torch import eager_ext
 
+    cpp = eager_ext.module() is not None  # the default path: the C++ one where it is built
     modes = [("threads", True, True), ("one thread", False, True)]
     if python_path_too:
         modes += [("threads py", True, False), ("one thread py", False, False)]
@@ -98,7 +99,7 @@ def timeline(forward, dy, leaves, iters: int, rounds: int = 4, python_path_too: 
             for mode, threads, ext in modes:
                 eager_ext.enabled = ext
                 with torch.autograd.set_multithreading_enabled(threads):
-                    done[mode] += _loop(forward, dy, leaves, per_round, rows[mode])
+                    done[mode] += _loop(forward, dy, leaves, per_round, rows[mode], python_formula=not (ext and cpp))
     finally:
         eager_ext.enabled = True
     out = {}

@@ -127,10 +127,32 @@ def test_refusals_name_the_cause(ext):
     with pytest.raises(RuntimeError, match="double backward"):
         g.sum().backward()
     assert layer.live_contexts == 0
-    y = rt.moe(layer, x, ids, gates, w1, w2)
-    layer.close()
-    with pytest.raises(rdep.FailedPreconditionError, match=f"layer {layer.id} was closed"):
-        y.sum().backward()
+    # A backward after the layer was closed: the Python path's error (its ops find no layer by the handle).
+    refusals = []
+    for on in (True, False):
+        layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+        eager_ext.enabled = on
+        try:
+            y = rt.moe(layer, x, ids, gates, w1, w2)
+        finally:
+            eager_ext.enabled = True
+        layer.close()
+        with pytest.raises(ValueError, match=f"layer: {layer.id} is not a live rdep layer handle") as e:
+            y.sum().backward()
+        refusals.append((type(e.value), str(e.value).replace(str(layer.id), "N")))
+        with pytest.raises(ValueError, match=f"layer: {layer.id} is not a live rdep layer handle"):
+            rt.moe(layer, x, ids, gates, w1, w2)
+    assert refusals[0] == refusals[1]
+
+
+def test_a_non_contiguous_gradient(ext):
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    inputs = make_inputs(layer, 16, "zipf", seed=4)
+    dy = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(6)).transpose(1, 2)
+    assert not dy.is_contiguous()
+    cpp, py = _run(layer, inputs, dy, on=True), _run(layer, inputs, dy, on=False)
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), cpp, py):
+        assert torch.equal(a, b), name
 
 
 def test_bad_input_and_c_errors_raise_as_on_the_python_path(ext):
@@ -172,8 +194,40 @@ def test_which_calls_take_it(ext):
         assert rt.moe(layer, x, ids, gates, w1, w2).grad_fn is None
     with PassThrough():
         assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ != "CppFunction"
+    with torch.autograd.profiler.profile():  # the profiler's trace names rdep's ops: the op path
+        assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ != "CppFunction"
+    with torch.inference_mode():
+        assert rt.moe(layer, x, ids, gates, w1, w2).grad_fn is None
     assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ == "CppFunction"
     assert layer.live_contexts == 0
+
+
+def test_compiled_autograd_takes_the_python_path(ext, monkeypatch):
+    """Compiled autograd cannot trace the C++ node's saved state: with it on, the forward takes the Python path."""
+    import sys
+    import types
+
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    for mod, attr in (("torch._dynamo.compiled_autograd", "compiled_autograd_enabled"),
+                      ("torch._dynamo.config", "compiled_autograd")):
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, mod, types.SimpleNamespace(**{attr: True}))
+            assert eager_ext._compiled_autograd()
+            assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ != "CppFunction"
+    assert type(rt.moe(layer, x, ids, gates, w1, w2).grad_fn).__name__ == "CppFunction"
+
+
+def test_layers_build_the_path_before_their_first_call(monkeypatch):
+    """rdep.torch.Layer builds (or loads) the C++ path when it is made, before its collective create, unless mode 0."""
+    calls = []
+    monkeypatch.setattr(eager_ext, "module", lambda: calls.append(1))
+    for value, want in (("auto", 1), ("1", 1), ("0", 0)):
+        calls.clear()
+        monkeypatch.setenv("RDEP_TORCH_EAGER_EXT", value)
+        rt.Layer(8, 6, 4, 2, 16, world_size=1).close()
+        assert len(calls) == want, value
 
 
 def test_mode_switch(monkeypatch):
@@ -196,6 +250,46 @@ CUDA_CASES = {
     "W2_cublaslt_fp32_master_keep_casts": (dict(expert_compute="cublaslt", keep_weight_casts=True), 2, torch.float32),
     "W4_cutlass_bf16_zipf": (dict(expert_compute="cutlass"), 4, torch.bfloat16),
 }
+
+
+@cuda
+@pytest.mark.parametrize("how", ["checkpoint", "save_on_cpu"])
+def test_cuda_saved_tensor_hooks_keep_the_context_rows(ext, how):
+    """Activation checkpointing (non-reentrant) and save_on_cpu act on autograd's saved tensors; the context's saved
+    rows (pieces of the arena the C++ path holds with the context, not as a saved tensor) stay where the context reads
+    them: the same gradients as without the hooks, bit for bit."""
+    if not rdep._capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    from torch.utils.checkpoint import checkpoint
+
+    E, K, n, H, F = 8, 2, 64, 128, 64
+    dev = torch.device("cuda", 0)
+    layer = rt.Layer(H, F, E, K, n, world_size=1, backend="cuda", expert_compute="cutlass")
+    assert layer.row_bytes > 0  # the arena forward
+    g = torch.Generator().manual_seed(13)
+    x, ids, gates, w1, w2 = ref.draw_inputs(1, n, H, F, E, K, "zipf", g)
+    x, ids, gates, w1, w2 = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev), w2.to(dev)
+    dy = torch.randn(1, n, H, generator=g).to(dev).bfloat16()
+    out = {}
+    for mode in ("plain", how):
+        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+        f = lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d)  # noqa: E731
+        if mode == "checkpoint":
+            y = checkpoint(f, *leaves, use_reentrant=False)
+        elif mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = f(*leaves)
+        else:
+            y = f(*leaves)
+        # Other work between the forward and the backward reuses freed memory (a freed arena would be overwritten).
+        junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
+        y.backward(dy)
+        del junk
+        torch.cuda.synchronize()
+        out[mode] = [y.detach()] + [t.grad for t in leaves]
+        assert layer.live_contexts == 0
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["plain"], out[how]):
+        assert torch.equal(a, b), f"{name}: differs under {how}"
 
 
 @cuda
@@ -259,3 +353,47 @@ def test_build_command(monkeypatch, capsys):
     monkeypatch.setattr(eager_ext, "build", lambda verbose=False: types.ModuleType("rdep_eager_moe_x"))
     assert cli.main(["build-eager-ext"]) == 0
     assert "built (rdep_eager_moe_x)" in capsys.readouterr().out
+
+
+def _corruptions(layer, x, ids, gates, w1, w2):
+    """Each way an argument can be wrong, as (name, the five arguments)."""
+    args = dict(x=x, experts=ids, gates=gates, w1=w1, w2=w2)
+    out = []
+    for k, t in args.items():
+        out.append((f"{k} dtype", {**args, k: t.to(torch.float64 if t.is_floating_point() else torch.int64)}))
+        out.append((f"{k} rank count", {**args, k: t[:1]}))
+        out.append((f"{k} last dim", {**args, k: t[..., :1]}))
+        out.append((f"{k} dims", {**args, k: t[0]}))
+        out.append((f"{k} non-contiguous", {**args, k: t.transpose(-1, -2).contiguous().transpose(-1, -2)}))
+        out.append((f"{k} device", {**args, k: t.to("meta")}))
+    out.append(("too many tokens", {**args, "x": torch.cat([x, x], 1), "experts": torch.cat([ids, ids], 1),
+                                    "gates": torch.cat([gates, gates], 1)}))
+    out.append(("token counts differ", {**args, "experts": ids[:, :-1]}))
+    out.append(("w2 dtype of w1", {**args, "w2": w2.to(torch.float64)}))
+    return out
+
+
+def test_argument_checks_match_the_python_path(ext):
+    """The C++ path's own check of the tensors' metadata refuses whatever validate.check_forward refuses, with its
+    exception and message (it calls it): every corruption here is refused by both, alike."""
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform")
+    w1.requires_grad_(True)
+    refused = 0
+    cases = _corruptions(layer, x, ids, gates, w1, w2)
+    for name, a in cases:
+        errors = []
+        for on in (True, False):
+            eager_ext.enabled = on
+            try:
+                y = rt.moe(layer, a["x"], a["experts"], a["gates"], a["w1"], a["w2"])
+                errors.append(None)
+                assert (type(y.grad_fn).__name__ == "CppFunction") == on, name
+            except (TypeError, ValueError) as e:
+                errors.append((type(e), str(e)))
+            finally:
+                eager_ext.enabled = True
+        assert errors[0] == errors[1], f"{name}: C++ path {errors[0]}, Python path {errors[1]}"
+        refused += errors[0] is not None
+    assert refused == len(cases), f"{len(cases) - refused} corruptions accepted by both paths"
+    assert layer.live_contexts == 0

@@ -8,8 +8,8 @@ context: the Python path's per-call host time (several hundred microseconds a fo
 host, perf-notes "twentieth session") is what it removes. Everywhere else, and where it cannot be built, the Python
 path runs; the results are the same bit for bit (python/tests/test_eager_ext.py).
 
-RDEP_TORCH_EAGER_EXT: "auto" (the default: build on first use, keep the Python path with a warning when the build
-fails), "1" (required: a failed build raises), "0" (never: the Python path). The build needs a C++ compiler and ninja,
+RDEP_TORCH_EAGER_EXT: "auto" (the default: build when the first rdep.torch.Layer is made, keep the Python path with a
+warning when the build fails), "1" (required: a failed build raises), "0" (never: the Python path). The build needs a C++ compiler and ninja,
 as any torch extension; it is cached per source and torch version under torch's extension directory
 (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so it runs once (about a minute). `python -m
 rdep.torch build-eager-ext` builds it ahead of time.
@@ -73,6 +73,25 @@ def build(verbose: bool = False):
                               extra_cflags=["-O2"], verbose=verbose)
 
 
+def _cached() -> bool:
+    """Whether torch's extension cache holds this build already (else module() says it compiles)."""
+    try:
+        from torch.utils import cpp_extension
+
+        name = _name(_include_dir())
+        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001 - a private helper of torch's; the build itself reports real problems
+        return False
+
+
+def prepare() -> None:
+    """Builds (or loads) the C++ path now, unless switched off: rdep.torch.Layer calls it before it creates the C layer,
+    so that a first build runs before any collective call (a peer process waiting in one would time out) rather than in
+    the first training step."""
+    if mode() != "0":
+        module()
+
+
 def module():
     """The compiled module, or None (mode 0, switched off, or a failed build in auto mode). Builds on first use."""
     global _module, _failed
@@ -86,6 +105,9 @@ def module():
     with _lock:
         if _module is None and _failed is None:
             try:
+                if not _cached():
+                    print(f"rdep.torch: compiling the eager C++ path for torch {torch.__version__} (once; about a minute; "
+                          "RDEP_TORCH_EAGER_EXT=0 skips it)", file=sys.stderr, flush=True)
                 _module = build()
             except Exception as e:  # noqa: BLE001 - any build failure leaves the Python path
                 if m == "1":
@@ -113,8 +135,10 @@ def _layer_of(mod, layer):
         one_segment = ops._one_segment(layer)
         cuda = layer.backend == "cuda"
         e = mod.make_layer(
-            layer._native, _errors.error_for_code, _errors.FailedPreconditionError, layer.id, layer.num_local_ranks,
-            layer.hidden, layer.ffn, layer.topk, [tuple(p) for p in layer._rank_experts], cuda,
+            layer._native, _errors.error_for_code, _errors.FailedPreconditionError, validate.check_forward,
+            graph_contexts.sweep, layer.id,
+            layer.num_local_ranks, layer.hidden, layer.ffn, layer.topk, layer.max_tokens,
+            [tuple(p) for p in layer._rank_experts], cuda, layer.device.index if cuda else -1,
             layer._native.row_bytes, bool(layer.keep_weight_casts),
             cuda and one_segment and layer.balance == "off",
             cuda and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes <= 1 and one_segment,
@@ -125,11 +149,20 @@ def _layer_of(mod, layer):
 
 def forward(layer, x, experts, gates, w1, w2):
     """y of rdep.torch.moe through the C++ path, or None where it does not apply (the caller runs the Python path):
-    for a call that saves a context (the caller checked direct_ok) outside a CUDA graph capture. The arguments are
-    checked here, as the ops check them (validate.py), before the C++ path reads them."""
+    for a call that saves a context (the caller checked direct_ok: plain tensors) outside a CUDA graph capture. The
+    C++ path checks the tensors' metadata as validate.check_forward does and calls it where they differ, so the
+    errors name the argument as the ops' do."""
     mod = module()
-    if mod is None or graph_contexts.capturing(x):
+    if mod is None or graph_contexts.capturing(x) or _compiled_autograd():
         return None
-    validate.check_forward(layer, x, experts, gates, w1, w2)
-    return mod.moe(_layer_of(mod, layer), x, experts, gates, w1, w2)
+    return mod.moe(_layer_of(mod, layer), layer, x, experts, gates, w1, w2)
+
+
+def _compiled_autograd() -> bool:
+    """Whether compiled autograd is on (torch._dynamo.compiled_autograd): it cannot trace the C++ node's saved state
+    (its guard is an opaque capsule), so the Python path runs. Read without importing torch._dynamo."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    cfg = sys.modules.get("torch._dynamo.config")
+    return bool((ca is not None and getattr(ca, "compiled_autograd_enabled", False))
+                or (cfg is not None and getattr(cfg, "compiled_autograd", False)))
 

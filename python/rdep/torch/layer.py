@@ -401,6 +401,9 @@ class Layer(CHandle):
                     transport_sms=transport_sms, stash_rows=stash_rows, overlap_segments=int(overlap_segments),
                     gate_in_expert=int(gate_in_expert))
 
+        from . import eager_ext  # noqa: PLC0415 - eager_ext imports this module
+
+        eager_ext.prepare()  # a first build of the eager C++ path runs here, before the collective create, not mid-step
         self.domain = self._create_native(spec, domain, keepalive, resolved, world_size, process_group, device, torch_rows)
 
         self.hidden, self.ffn, self.num_experts, self.topk, self.max_tokens = hidden, ffn, num_experts, topk, max_tokens

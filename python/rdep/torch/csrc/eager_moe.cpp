@@ -7,8 +7,8 @@
 // these contexts as they see the Python path's.
 //
 // The context is named by the node, not by a tensor: the node's saved data holds a guard that releases the context
-// when the backward ran, or when the graph is dropped without a backward. One backward per forward: a second one
-// (retain_graph=True) is refused naming the cause.
+// when the backward ran, or when the graph is dropped without a backward, and holds the arena of the context's saved
+// rows until then. One backward per forward: a second one (retain_graph=True) is refused naming the cause.
 //
 // Built by torch.utils.cpp_extension (eager_ext.py), against include/rdep/capi.h.
 
@@ -54,11 +54,15 @@ bool python_alive() {
 // The layer as the eager path reads it: fixed at the layer's creation (eager_ext.for_layer builds it once).
 struct EagerLayer {
   py::object native;          // rdep.torch.layer._Native: lock, ptr, live, casts
+  py::object lock_enter, lock_exit;  // native.lock's __enter__ and __exit__, bound once
   py::object error_for_code;  // rdep._errors.error_for_code
   py::object failed_precondition;
+  py::object check_forward;   // rdep.torch.validate.check_forward: raises naming the argument
+  py::object sweep;           // rdep.torch.graph_contexts.sweep
   int64_t id = 0;
   int32_t ranks = 1;
-  int64_t hidden = 0, ffn = 0, topk = 0;
+  int64_t hidden = 0, ffn = 0, topk = 0, max_tokens = 0, local_experts = 0;
+  c10::Device device = c10::Device(c10::kCPU);
   std::vector<std::pair<int64_t, int64_t>> rank_experts;  // (first local expert, count) per local rank
   bool cuda = false;
   int64_t row_bytes = 0;         // the arena each forward takes from torch (CUDA with torch's rows), else 0
@@ -70,17 +74,18 @@ struct EagerLayer {
   ~EagerLayer() {
     if (python_alive()) {
       py::gil_scoped_acquire gil;
-      native = py::object();
-      error_for_code = py::object();
-      failed_precondition = py::object();
+      for (py::object* o : refs()) *o = py::object();
     } else {  // the interpreter is gone: leak the references rather than touch it
-      native.release();
-      error_for_code.release();
-      failed_precondition.release();
+      for (py::object* o : refs()) o->release();
     }
   }
 
   at::ScalarType act() const { return cuda ? at::kBFloat16 : at::kFloat; }
+
+ private:
+  std::vector<py::object*> refs() {
+    return {&native, &lock_enter, &lock_exit, &error_for_code, &failed_precondition, &check_forward, &sweep};
+  }
 };
 
 using LayerPtr = std::shared_ptr<EagerLayer>;
@@ -112,19 +117,42 @@ std::string c_message(const EagerLayer& l, const char* call) {
 // where the layer's rows come from torch). The GIL must be held.
 class LayerLock {
  public:
-  explicit LayerLock(const EagerLayer& l) : lock_(l.native.attr("lock")) { lock_.attr("__enter__")(); }
+  explicit LayerLock(const EagerLayer& l) : l_(l) { l_.lock_enter(); }
   ~LayerLock() {
     try {
-      lock_.attr("__exit__")(py::none(), py::none(), py::none());
+      l_.lock_exit(py::none(), py::none(), py::none());
     } catch (...) {
+      PyErr_Clear();
     }
   }
   LayerLock(const LayerLock&) = delete;
   LayerLock& operator=(const LayerLock&) = delete;
 
  private:
-  py::object lock_;
+  const EagerLayer& l_;
 };
+
+// Whether the forward's tensors are what validate.check_forward accepts, read from their metadata alone: the common
+// case, with no Python call. Anything else goes to validate.check_forward, which raises naming the argument.
+bool arguments_ok(const EagerLayer& l, const at::Tensor& x, const at::Tensor& experts, const at::Tensor& gates,
+                  const at::Tensor& w1, const at::Tensor& w2) {
+  auto placed = [&](const at::Tensor& t) { return t.device() == l.device && t.is_contiguous(); };
+  auto sized = [](const at::Tensor& t, std::initializer_list<int64_t> want) {
+    if (t.dim() != static_cast<int64_t>(want.size())) return false;
+    int64_t d = 0;
+    for (int64_t w : want)
+      if (t.size(d++) != w) return false;
+    return true;
+  };
+  if (x.scalar_type() != l.act() || x.dim() != 3 || !placed(x)) return false;
+  const int64_t n = x.size(1);
+  const bool weights_dtype = w1.scalar_type() == l.act() || (l.cuda && w1.scalar_type() == at::kFloat);
+  return sized(x, {l.ranks, n, l.hidden}) && n <= l.max_tokens && experts.scalar_type() == at::kInt &&
+         placed(experts) && sized(experts, {l.ranks, n, l.topk}) && gates.scalar_type() == at::kFloat &&
+         placed(gates) && sized(gates, {l.ranks, n, l.topk}) && weights_dtype && w2.scalar_type() == w1.scalar_type() &&
+         placed(w1) && placed(w2) && sized(w1, {l.local_experts, l.hidden, 2 * l.ffn}) &&
+         sized(w2, {l.local_experts, l.ffn, l.hidden});
+}
 
 // The C handle, or nullptr once the layer was closed (native.ptr is None). Under the lock.
 rdep_layer* live_ptr(const EagerLayer& l) {
@@ -146,13 +174,16 @@ void forget_and_release(const EagerLayer& l, rdep_layer* ptr, int64_t c_id) {
   if (ptr != nullptr) l.c.release(ptr, c_id);  // a stale id is a no-op in C
 }
 
-// Holds a forward's context until its backward ran, or releases it when the autograd graph is dropped.
+// Holds a forward's context until its backward ran, or releases it when the autograd graph is dropped; and the
+// arena the context's saved rows are pieces of (not a saved tensor: saved-tensor hooks, such as activation
+// checkpointing's or save_on_cpu's, would free or move it while the context points into it).
 struct ContextGuard : torch::CustomClassHolder {
   LayerPtr layer;
   int64_t c_id;
+  at::Tensor rows;
   bool consumed = false;
 
-  ContextGuard(LayerPtr l, int64_t id) : layer(std::move(l)), c_id(id) {}
+  ContextGuard(LayerPtr l, int64_t id, at::Tensor arena) : layer(std::move(l)), c_id(id), rows(std::move(arena)) {}
   ~ContextGuard() override {
     if (consumed || !python_alive()) return;
     try {
@@ -168,10 +199,23 @@ struct ContextGuard : torch::CustomClassHolder {
   }
 };
 
+c10::Stream current_stream_of(const at::Device& device) {
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
+}
+
 void* current_stream(const EagerLayer& l, const at::Device& device) {
-  if (!l.cuda) return nullptr;
-  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-  return impl.getStream(device).native_handle();
+  return l.cuda ? current_stream_of(device).native_handle() : nullptr;
+}
+
+std::string closed_message(const EagerLayer& l) {
+  return "layer: " + std::to_string(l.id) + " is not a live rdep layer handle (closed or garbage-collected)";
+}
+
+// The capturable ops' contexts whose ctx tensor died without a backward (a dropped graph) go back first, as the
+// Python capturable forward does (graph_contexts.sweep), when there are any. Under the lock.
+void sweep_dropped_graphs(const EagerLayer& l) {
+  py::object by_address = l.native.attr("by_address");
+  if (PyDict_Size(by_address.ptr()) > 0) l.sweep(l.native);
 }
 
 std::vector<rdep_rank_io> new_io(const EagerLayer& l) { return std::vector<rdep_rank_io>(l.ranks, rdep_rank_io{}); }
@@ -241,7 +285,8 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
     {
       LayerLock lock(l);
       rdep_layer* ptr = live_ptr(l);
-      if (ptr == nullptr) throw py::value_error("layer: " + std::to_string(l.id) + " was closed");
+      if (ptr == nullptr) throw py::value_error(closed_message(l));
+      sweep_dropped_graphs(l);
       int code = 0;
       const char* what = "rdep_context_acquire";
       {
@@ -265,12 +310,12 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
       py::dict live = l.native.attr("live");
       live[py::int_(c_id >> 32)] = py::int_(c_id);
     }
-    ctx->saved_data["guard"] = c10::IValue::make_capsule(c10::make_intrusive<ContextGuard>(layer, c_id));
+    ctx->saved_data["guard"] = c10::IValue::make_capsule(c10::make_intrusive<ContextGuard>(layer, c_id, rows));
     // The casts kept for the backward: fp32 master weights with keep_weight_casts (autograd's saved-tensor check
     // then refuses a backward after an in-place update of w1 or w2, so the casts are always these weights').
     const bool keep = l.keep_weight_casts && w1c.data_ptr() != w1.data_ptr() && !w1.is_inference() &&
                       !w2.is_inference();
-    ctx->save_for_backward({w1, w2, keep ? w1c : at::Tensor(), keep ? w2c : at::Tensor(), rows});
+    ctx->save_for_backward({w1, w2, keep ? w1c : at::Tensor(), keep ? w2c : at::Tensor()});
     ctx->saved_data["y_sizes"] = y.sizes();
     ctx->set_materialize_grads(false);
     return y;
@@ -311,7 +356,7 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
     if (saved[2].defined()) {  // the forward's kept casts
       fill_weights(l, io, saved[2], saved[3], &dw1, &dw2);
       if (l.cuda) {  // made on the forward's stream, read on this one: not reused before this backward ends
-        const c10::Stream s = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(dy.device());
+        const c10::Stream s = current_stream_of(dy.device());
         saved[2].record_stream(s);
         saved[3].record_stream(s);
       }
@@ -333,9 +378,8 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
                                   "retain_graph=True double backward through an rdep MoE layer is not supported)");
         throw_for_engine();
       }
-      if (ptr == nullptr) {
-        set_precondition_error(l, "rdep.torch.moe: layer " + std::to_string(l.id) +
-                                      " was closed before this forward's backward");
+      if (ptr == nullptr) {  // as the ops' handle lookup says it
+        PyErr_SetString(PyExc_ValueError, closed_message(l).c_str());
         throw_for_engine();
       }
       int code = 0;
@@ -346,6 +390,10 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
       const std::string msg = code != 0 ? c_message(l, "rdep_layer_backward") : std::string();
       guard->consumed = true;
       forget_and_release(l, ptr, guard->c_id);
+      // The arena goes back to torch now, as the Python path's rows go back at the release (not when the graph dies:
+      // retain_graph=True keeps the graph). Its last reader is this call's work, on this stream.
+      if (l.cuda && guard->rows.defined()) guard->rows.record_stream(current_stream_of(dy.device()));
+      guard->rows = at::Tensor();
       if (code != 0) {
         set_rdep_error(l, code, msg);
         throw_for_engine();
@@ -377,24 +425,32 @@ struct EagerMoe : torch::autograd::Function<EagerMoe> {
   }
 };
 
-LayerPtr make_layer(py::object native, py::object error_for_code, py::object failed_precondition, int64_t id,
-                    int32_t ranks, int64_t hidden, int64_t ffn, int64_t topk,
-                    std::vector<std::pair<int64_t, int64_t>> rank_experts, bool cuda, int64_t row_bytes,
-                    bool keep_weight_casts, bool grad_bf16_ok, bool casts_in_grads_ok,
-                    std::vector<uintptr_t> functions) {
+LayerPtr make_layer(py::object native, py::object error_for_code, py::object failed_precondition,
+                    py::object check_forward, py::object sweep, int64_t id, int32_t ranks, int64_t hidden, int64_t ffn, int64_t topk,
+                    int64_t max_tokens, std::vector<std::pair<int64_t, int64_t>> rank_experts, bool cuda,
+                    int32_t device_index, int64_t row_bytes, bool keep_weight_casts, bool grad_bf16_ok,
+                    bool casts_in_grads_ok, std::vector<uintptr_t> functions) {
   if (functions.size() != 6) throw py::value_error("functions: expected 6 addresses");
   if (static_cast<int32_t>(rank_experts.size()) != ranks) throw py::value_error("rank_experts: one pair a rank");
   auto l = std::make_shared<EagerLayer>();
   l->native = std::move(native);
+  py::object lock = l->native.attr("lock");
+  l->lock_enter = lock.attr("__enter__");
+  l->lock_exit = lock.attr("__exit__");
   l->error_for_code = std::move(error_for_code);
   l->failed_precondition = std::move(failed_precondition);
+  l->check_forward = std::move(check_forward);
+  l->sweep = std::move(sweep);
   l->id = id;
   l->ranks = ranks;
   l->hidden = hidden;
   l->ffn = ffn;
   l->topk = topk;
+  l->max_tokens = max_tokens;
   l->rank_experts = std::move(rank_experts);
+  for (const auto& [first, count] : l->rank_experts) l->local_experts += count;
   l->cuda = cuda;
+  l->device = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index)) : c10::Device(c10::kCPU);
   l->row_bytes = row_bytes;
   l->keep_weight_casts = keep_weight_casts;
   l->grad_bf16_ok = grad_bf16_ok;
@@ -408,8 +464,14 @@ LayerPtr make_layer(py::object native, py::object error_for_code, py::object fai
   return l;
 }
 
-at::Tensor moe(const LayerPtr& layer, const at::Tensor& x, const at::Tensor& experts, const at::Tensor& gates,
-               const at::Tensor& w1, const at::Tensor& w2) {
+// y for rdep.torch.moe; `owner` is the rdep.torch.Layer (passed to validate.check_forward where a tensor is not what
+// the layer takes; not held).
+at::Tensor moe(const LayerPtr& layer, py::handle owner, const at::Tensor& x, const at::Tensor& experts,
+               const at::Tensor& gates, const at::Tensor& w1, const at::Tensor& w2) {
+  if (!arguments_ok(*layer, x, experts, gates, w1, w2)) {
+    layer->check_forward(owner, x, experts, gates, w1, w2);  // raises naming the argument
+    throw py::value_error("rdep.torch.moe: the arguments were refused without a reason; report this");
+  }
   return EagerMoe::apply(layer, x, experts, gates, w1, w2);
 }
 
