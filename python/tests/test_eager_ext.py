@@ -239,6 +239,52 @@ def test_mode_switch(monkeypatch):
         eager_ext.mode()
 
 
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
+def test_saved_tensor_hooks(ext, how):
+    """Activation checkpointing and save_on_cpu act on autograd's saved tensors. Non-reentrant checkpointing recomputes
+    the forward inside the backward and stops the recomputation early by raising from a saved-tensor hook, inside the
+    C++ path's autograd call: that exception must reach checkpointing as itself, and the recomputation's context, whose
+    node is dropped while it is pending, must be released with the layer's lock given back. The same gradients as
+    without the hooks, bit for bit; no context left; the lock free."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
+    dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for mode in ("plain", how):
+        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+        f = lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d)  # noqa: E731
+        if mode.startswith("checkpoint"):
+            y = checkpoint(f, *leaves, use_reentrant=mode.endswith("reentrant"))
+        elif mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = f(*leaves)
+        else:
+            y = f(*leaves)
+        y.backward(dy)
+        out[mode] = [y.detach()] + [t.grad for t in leaves]
+        del y
+    got = []  # the layer's lock, taken from another thread: free (a lock left held would hang the next call)
+
+    def take():
+        lock = layer._native.lock._lock
+        got.append(lock.acquire(timeout=10))
+        if got[-1]:
+            lock.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    assert got == [True]
+    gc.collect()
+    assert layer.live_contexts == 0
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["plain"], out[how]):
+        assert torch.equal(a, b), f"{name}: differs under {how}"
+
+
 # CUDA: the layers the training example and the benchmarks run, the C++ path against the Python path, bit for bit.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 

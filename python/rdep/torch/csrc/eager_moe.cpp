@@ -74,6 +74,7 @@ struct EagerLayer {
   ~EagerLayer() {
     if (python_alive()) {
       py::gil_scoped_acquire gil;
+      py::error_scope keep;  // a Python error pending on this thread stays as it was
       for (py::object* o : refs()) *o = py::object();
     } else {  // the interpreter is gone: leak the references rather than touch it
       for (py::object* o : refs()) o->release();
@@ -119,6 +120,7 @@ class LayerLock {
  public:
   explicit LayerLock(const EagerLayer& l) : l_(l) { l_.lock_enter(); }
   ~LayerLock() {
+    py::error_scope keep;  // released while an exception unwinds: run __exit__ with no error pending, then restore it
     try {
       l_.lock_exit(py::none(), py::none(), py::none());
     } catch (...) {
@@ -184,17 +186,18 @@ struct ContextGuard : torch::CustomClassHolder {
   bool consumed = false;
 
   ContextGuard(LayerPtr l, int64_t id, at::Tensor arena) : layer(std::move(l)), c_id(id), rows(std::move(arena)) {}
+  // It may run where a Python error is pending (the node dropped while an exception unwinds, e.g. activation
+  // checkpointing's early stop of a recomputation): Python is called only with that error set aside, and it is
+  // restored after (calling Python with an error set can skip the lock's release).
   ~ContextGuard() override {
     if (consumed || !python_alive()) return;
+    py::gil_scoped_acquire gil;
+    py::error_scope keep;
     try {
-      py::gil_scoped_acquire gil;
       LayerLock lock(*layer);
       forget_and_release(*layer, live_ptr(*layer), c_id);
     } catch (...) {
-      if (python_alive()) {
-        py::gil_scoped_acquire gil;
-        PyErr_Clear();
-      }
+      PyErr_Clear();
     }
   }
 };
@@ -472,7 +475,13 @@ at::Tensor moe(const LayerPtr& layer, py::handle owner, const at::Tensor& x, con
     layer->check_forward(owner, x, experts, gates, w1, w2);  // raises naming the argument
     throw py::value_error("rdep.torch.moe: the arguments were refused without a reason; report this");
   }
-  return EagerMoe::apply(layer, x, experts, gates, w1, w2);
+  try {
+    return EagerMoe::apply(layer, x, experts, gates, w1, w2);
+  } catch (python_error& e) {  // a Python exception from inside autograd (a saved-tensor hook's): raise it as itself
+    e.persist();
+    e.restore();
+    throw py::error_already_set();
+  }
 }
 
 }  // namespace
