@@ -51,7 +51,7 @@ bool python_alive() {
 #endif
 }
 
-// The layer as the eager path reads it: fixed at the layer's creation (eager_ext.for_layer builds it once).
+// The layer as the eager path reads it, made once a layer (eager_ext._layer_of, at its first call through this path).
 struct EagerLayer {
   py::object native;          // rdep.torch.layer._Native: lock, ptr, live, casts
   py::object lock_enter, lock_exit;  // native.lock's __enter__ and __exit__, bound once
