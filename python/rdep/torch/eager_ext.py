@@ -1,4 +1,4 @@
-"""rdep.torch's eager MoE call in C++ (csrc/eager_moe.cpp), compiled on first use with torch.utils.cpp_extension.
+"""rdep.torch's eager MoE call in C++ (csrc/eager_moe.cpp), compiled when the first Layer is made.
 
 rdep.torch.moe takes it for a call that needs a gradient and runs eagerly: where op_library.direct_ok holds (no
 torch.compile or jit trace, no torch-function or dispatch mode, no functorch transform, no profiler, plain tensors) and
@@ -9,9 +9,9 @@ host, perf-notes "twentieth session") is what it removes. Everywhere else, and w
 path runs; the results are the same bit for bit (python/tests/test_eager_ext.py).
 
 RDEP_TORCH_EAGER_EXT: "auto" (the default: build when the first rdep.torch.Layer is made, keep the Python path with a
-warning when the build fails), "1" (required: a failed build raises), "0" (never: the Python path). The build needs a C++ compiler and ninja,
-as any torch extension; it is cached per source and torch version under torch's extension directory
-(TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so it runs once (about a minute). `python -m
+warning when the build fails), "1" (required: a failed build raises), "0" (never: the Python path). The build needs a
+C++ compiler and ninja, as any torch extension; it is cached per source, torch and Python version under torch's
+extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so it runs once (about a minute). `python -m
 rdep.torch build-eager-ext` builds it ahead of time.
 """
 
