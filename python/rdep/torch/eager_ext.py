@@ -1,8 +1,8 @@
 """rdep.torch's eager MoE call in C++ (csrc/eager_moe.cpp), compiled when the first Layer is made.
 
 rdep.torch.moe takes it for a call that needs a gradient and runs eagerly: where op_library.direct_ok holds (no
-torch.compile or jit trace, no torch-function or dispatch mode, no functorch transform, no profiler, plain tensors) and
-the current stream is not capturing a CUDA graph. It makes the calls the Python kernels make (ops.py, layer_calls.py:
+torch.compile or jit trace, no torch-function or dispatch mode, no functorch transform, no profiler, plain tensors), the
+current stream is not capturing a CUDA graph, and compiled autograd is off. It makes the calls the Python kernels make (ops.py, layer_calls.py:
 the same allocations, C ABI calls and context bookkeeping), from C++, as one autograd node that holds the forward's
 context: the Python path's per-call host time (several hundred microseconds a forward+backward on a GPU machine's
 host, perf-notes "twentieth session") is what it removes. Everywhere else, and where it cannot be built, the Python
