@@ -132,7 +132,6 @@ def _layer_of(mod, layer):
     if e is None:
         from . import ops  # noqa: PLC0415 - ops imports this module
 
-        one_segment = ops._one_segment(layer)
         cuda = layer.backend == "cuda"
         e = mod.make_layer(
             layer._native, _errors.error_for_code, _errors.FailedPreconditionError, validate.check_forward,
@@ -140,8 +139,7 @@ def _layer_of(mod, layer):
             layer.num_local_ranks, layer.hidden, layer.ffn, layer.topk, layer.max_tokens,
             [tuple(p) for p in layer._rank_experts], cuda, layer.device.index if cuda else -1,
             layer._native.row_bytes, bool(layer.keep_weight_casts),
-            cuda and one_segment and layer.balance == "off",
-            cuda and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes <= 1 and one_segment,
+            ops._layer_writes_bf16_grads(layer), ops._layer_reads_casts_in_grads(layer),
             _functions())
         layer._eager = e
     return e

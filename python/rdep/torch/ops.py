@@ -182,13 +182,27 @@ def _one_segment(layer: Layer) -> bool:
     return layer.segment_tokens == 0 or layer.segment_tokens >= layer.world_size * layer.max_tokens
 
 
+def _layer_reads_casts_in_grads(layer: Layer) -> bool:
+    """The layer's part of _casts_in_grads: its backward reads each weight before it writes that weight's gradient
+    (C ABI 13: CUDA, CUTLASS compute, one segment, no balancing, one node). Also read by eager_ext.py."""
+    return (layer.backend == "cuda" and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes <= 1
+            and _one_segment(layer))
+
+
 def _casts_in_grads(layer: Layer, w1: Tensor, w2: Tensor, grad_dtype: torch.dtype) -> bool:
     """Whether the backward's bf16 casts of fp32 master weights go into the fp32 gradient buffers it is about
     to write (layer_calls.backward): where the layer's backward reads each weight before it writes that
-    weight's gradient (C ABI 13: CUDA, CUTLASS compute, one segment, no balancing, one node), so that no
-    separate copy of the weights (3 * H * F * 2 bytes an expert) is alive during the backward."""
-    return (layer.backend == "cuda" and layer.expert_compute == "cutlass" and layer.balance == "off" and layer.nodes <= 1
-            and _one_segment(layer) and grad_dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32)
+    weight's gradient (_layer_reads_casts_in_grads), so that no separate copy of the weights (3 * H * F * 2 bytes
+    an expert) is alive during the backward."""
+    return (_layer_reads_casts_in_grads(layer) and grad_dtype == torch.float32 and w1.dtype == torch.float32
+            and w2.dtype == torch.float32)
+
+
+def _layer_writes_bf16_grads(layer: Layer) -> bool:
+    """The layer's part of _grad_dtype: bf16 weights get bf16 gradients on CUDA when every forward runs in one segment
+    and balancing is off. Also read by eager_ext.py."""
+    # With balancing, replica gradients are reduced into fp32 main-expert gradients (the layer refuses bf16 ones).
+    return layer.backend == "cuda" and _one_segment(layer) and layer.balance == "off"
 
 
 def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
@@ -196,8 +210,7 @@ def _grad_dtype(layer: Layer, w1: Tensor) -> torch.dtype:
     (the layer's GEMMs write them directly), fp32 otherwise (fp32 master weights, the host backend,
     several segments, whose gradients accumulate in fp32, or balancing, whose replica gradients are
     added into fp32 ones)."""
-    # With balancing, replica gradients are reduced into fp32 main-expert gradients (the layer refuses bf16 ones).
-    if layer.backend == "cuda" and w1.dtype == torch.bfloat16 and _one_segment(layer) and layer.balance == "off":
+    if w1.dtype == torch.bfloat16 and _layer_writes_bf16_grads(layer):
         return torch.bfloat16
     return torch.float32
 
