@@ -239,16 +239,39 @@ def test_mode_switch(monkeypatch):
         eager_ext.mode()
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
-def test_saved_tensor_hooks(ext, how):
-    """Activation checkpointing and save_on_cpu act on autograd's saved tensors. Non-reentrant checkpointing recomputes
-    the forward inside the backward and stops the recomputation early by raising from a saved-tensor hook, inside the
-    C++ path's autograd call: that exception must reach checkpointing as itself, and the recomputation's context, whose
-    node is dropped while it is pending, must be released with the layer's lock given back. The same gradients as
-    without the hooks, bit for bit; no context left; the lock free."""
-    import threading
+HOOKS = ["checkpoint", "checkpoint_reentrant", "save_on_cpu", "save_on_cpu_pinned"]
 
+
+def _forward_under(how, f, leaves):
+    """f(*leaves) under the saved-tensor hooks `how` names (or none: "plain")."""
     from torch.utils.checkpoint import checkpoint
+
+    if how.startswith("checkpoint"):
+        return checkpoint(f, *leaves, use_reentrant=how.endswith("reentrant"))
+    if how.startswith("save_on_cpu"):
+        with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
+            return f(*leaves)
+    return f(*leaves)
+
+
+# Between the forward and the backward: the contexts alive (the saved rows with them) and the path the forward took.
+# Non-reentrant checkpointing drops the forward's saved tensors, and with them (the plain ops) its context and rows;
+# reentrant checkpointing runs the forward with grad off (no context). save_on_cpu keeps the context: the C++ path holds
+# it in autograd's node, whose rows no hook moves (with pinned copies too, which copy CPU tensors as well).
+HOOKS_EXPECT = {  # how: (live contexts after the forward, the C++ path taken)
+    "plain": (1, True), "checkpoint": (0, False), "checkpoint_reentrant": (0, False), "save_on_cpu": (1, True),
+    "save_on_cpu_pinned": (1, True),
+}
+
+
+@pytest.mark.parametrize("how", HOOKS)
+def test_saved_tensor_hooks(ext, how):
+    """Activation checkpointing and save_on_cpu act on autograd's saved tensors. Non-reentrant checkpointing drops them
+    after the forward (the plain ops then release the context, and its rows, at once: the memory checkpointing is for)
+    and recomputes the forward inside the backward, stopping the recomputation early by raising from a saved-tensor hook;
+    that exception must reach checkpointing as itself, and the layer's lock must be free after. The same outputs and
+    gradients as without the hooks, bit for bit; no context left."""
+    import threading
 
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
@@ -256,14 +279,12 @@ def test_saved_tensor_hooks(ext, how):
     out = {}
     for mode in ("plain", how):
         leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-        f = lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d)  # noqa: E731
-        if mode.startswith("checkpoint"):
-            y = checkpoint(f, *leaves, use_reentrant=mode.endswith("reentrant"))
-        elif mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu():
-                y = f(*leaves)
-        else:
-            y = f(*leaves)
+        y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
+        gc.collect()
+        live, cpp = HOOKS_EXPECT[mode]
+        assert layer.live_contexts == live, f"{mode}: {layer.live_contexts} contexts alive after the forward"
+        if not mode.endswith("reentrant"):  # reentrant checkpointing's node is its own
+            assert (type(y.grad_fn).__name__ == "CppFunction") == cpp, f"{mode}: grad_fn {type(y.grad_fn).__name__}"
         y.backward(dy)
         out[mode] = [y.detach()] + [t.grad for t in leaves]
         del y
@@ -285,6 +306,28 @@ def test_saved_tensor_hooks(ext, how):
         assert torch.equal(a, b), f"{name}: differs under {how}"
 
 
+@pytest.mark.parametrize("how", ["save_on_cpu", "save_on_cpu_pinned"])
+def test_saved_tensor_hooks_on_the_python_path(python_path, how):
+    """The Python path under save_on_cpu takes the plain ops. A pinned copy drops the ctx tensor the forward returned
+    (whose buffer releases the context when freed): the node keeps it, and the backward finds the context by its copy."""
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
+    dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for mode in ("plain", how):
+        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+        y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
+        gc.collect()
+        assert layer.live_contexts == 1 and type(y.grad_fn).__name__ != "CppFunction"
+        y.backward(dy)
+        out[mode] = [y.detach()] + [t.grad for t in leaves]
+        del y
+        gc.collect()
+        assert layer.live_contexts == 0
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["plain"], out[how]):
+        assert torch.equal(a, b), f"{name}: differs under {how}"
+
+
 # CUDA: the layers the training example and the benchmarks run, the C++ path against the Python path, bit for bit.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
@@ -299,41 +342,49 @@ CUDA_CASES = {
 
 
 @cuda
-@pytest.mark.parametrize("how", ["checkpoint", "save_on_cpu"])
-def test_cuda_saved_tensor_hooks_keep_the_context_rows(ext, how):
-    """Activation checkpointing (non-reentrant) and save_on_cpu act on autograd's saved tensors; the context's saved
-    rows (pieces of the arena the C++ path holds with the context, not as a saved tensor) stay where the context reads
-    them: the same gradients as without the hooks, bit for bit."""
+@pytest.mark.parametrize("path", ["cpp", "python"])
+@pytest.mark.parametrize("how", ["checkpoint", "save_on_cpu", "save_on_cpu_pinned"])
+def test_cuda_saved_tensor_hooks_keep_the_context_rows(ext, how, path):
+    """Activation checkpointing (non-reentrant) and save_on_cpu act on autograd's saved tensors, on a capturable layer
+    (whose Python path otherwise saves its rows as a device tensor). The context's saved rows stay where the context
+    reads them, with other work reusing freed memory between the forward and the backward: the same outputs and
+    gradients as without the hooks, bit for bit. Under checkpointing the forward's context and rows go back at once:
+    no context alive and no more of torch's memory held after the forward than before it (but y)."""
     if not rdep._capi.built_with_cuda():
         pytest.skip("librdep_capi.so was built without CUDA")
-    from torch.utils.checkpoint import checkpoint
-
     E, K, n, H, F = 8, 2, 64, 128, 64
     dev = torch.device("cuda", 0)
     layer = rt.Layer(H, F, E, K, n, world_size=1, backend="cuda", expert_compute="cutlass")
-    assert layer.row_bytes > 0  # the arena forward
+    assert layer.capturable and layer.row_bytes > 0  # the arena forward
     g = torch.Generator().manual_seed(13)
     x, ids, gates, w1, w2 = ref.draw_inputs(1, n, H, F, E, K, "zipf", g)
     x, ids, gates, w1, w2 = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev), w2.to(dev)
     dy = torch.randn(1, n, H, generator=g).to(dev).bfloat16()
     out = {}
-    for mode in ("plain", how):
-        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-        f = lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d)  # noqa: E731
-        if mode == "checkpoint":
-            y = checkpoint(f, *leaves, use_reentrant=False)
-        elif mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu():
-                y = f(*leaves)
-        else:
-            y = f(*leaves)
-        # Other work between the forward and the backward reuses freed memory (a freed arena would be overwritten).
-        junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
-        y.backward(dy)
-        del junk
-        torch.cuda.synchronize()
-        out[mode] = [y.detach()] + [t.grad for t in leaves]
-        assert layer.live_contexts == 0
+    eager_ext.enabled = path == "cpp"
+    try:
+        for mode in ("plain", how):
+            leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(dev)
+            y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
+            gc.collect()
+            if mode == "checkpoint":
+                held = torch.cuda.memory_allocated(dev) - before - y.untyped_storage().nbytes()
+                assert layer.live_contexts == 0 and held <= 0, f"checkpointed forward kept {held} bytes"
+            else:
+                assert layer.live_contexts == 1
+            # Other work between the forward and the backward reuses freed memory (a freed arena would be overwritten).
+            junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
+            y.backward(dy)
+            del junk
+            torch.cuda.synchronize()
+            out[mode] = [y.detach()] + [t.grad for t in leaves]
+            del y
+            gc.collect()
+            assert layer.live_contexts == 0
+    finally:
+        eager_ext.enabled = True
     for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["plain"], out[how]):
         assert torch.equal(a, b), f"{name}: differs under {how}"
 

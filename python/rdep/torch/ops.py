@@ -255,6 +255,8 @@ def _setup_context(ctx, inputs, output):
     ctx.saved_context = save_context
     ctx.backward_ran = False
     ctx.save_for_backward(handle, context, w1, w2)
+    if save_context:
+        _hold_ctx_past_copies(ctx, context)
 
 
 def _setup_capturable_context(ctx, inputs, output):
@@ -323,6 +325,34 @@ for _op in (moe_backward, moe_backward_capturable):
     op_library.register_autograd(_op, _double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks():
+    """The innermost saved-tensor hooks set, (pack, unpack), or None (also on a torch without the query). Such hooks
+    act on autograd's saved tensors: non-reentrant activation checkpointing drops them after the forward and
+    recomputes them in the backward; save_on_cpu (or a caller's torch.autograd.graph.saved_tensors_hooks) copies
+    them to host memory and back."""
+    return None if _top_saved_tensor_hooks is None else _top_saved_tensor_hooks(False)
+
+
+def _recomputes(hooks) -> bool:
+    """Whether hooks are activation checkpointing's (torch.utils.checkpoint, non-reentrant: its forward's hooks and
+    its recomputation's), which drop the saved tensors after the forward."""
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def _hold_ctx_past_copies(ctx, context: Tensor) -> None:
+    """The plain ops' context lives as long as the ctx tensor the forward returned (layer_calls._context_tensor).
+    A hook that copies saved tensors, CPU ones too (save_on_cpu(pin_memory=True)), drops that tensor after the
+    forward: the node keeps it then, and the backward finds the context by the token its copy holds.
+    Checkpointing's hooks drop it so that the context and its rows go back after the forward (the recomputation
+    makes another): not kept then."""
+    hooks = _saved_tensor_hooks()
+    if hooks is not None and not _recomputes(hooks):
+        ctx.held_ctx = context  # a CPU int64 tensor no gradient flows through: no reference cycle
+
+
 def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, *, check_routing: bool = True) -> Tensor:
     """y = sum_k g'_k expert_{e_k}(x) for the local ranks' tokens, through rdep (see the module docstring).
 
@@ -334,11 +364,17 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     h = get_layer(layer) if isinstance(layer, int) else layer
     save = torch.is_grad_enabled() and (x.requires_grad or gates.requires_grad or w1.requires_grad or w2.requires_grad)
     direct = op_library.direct_ok(x, experts, gates, w1, w2)  # eager: no trace, mode or transform needs the dispatcher
-    if direct and save:  # the C++ path (eager_ext.py), where it is built and no capture runs
-        y = eager_ext.forward(h, x, experts, gates, w1, w2)
+    # Saved-tensor hooks (_saved_tensor_hooks), read where the call runs eagerly (not while torch.compile traces):
+    # under checkpointing's the plain ops, whose context and rows go back with the ctx tensor the checkpoint drops
+    # (the C++ path's node would keep them to the backward); under other hooks the C++ path, whose rows no hook can
+    # move, else the plain ops, whose rows are the library's (the capturable ops' rows are a saved device tensor,
+    # which save_on_cpu would move while the context points into it).
+    hooks = _saved_tensor_hooks() if save and (direct or not torch.compiler.is_compiling()) else None
+    if direct and save and (hooks is None or not _recomputes(hooks)):  # the C++ path (eager_ext.py), where it is
+        y = eager_ext.forward(h, x, experts, gates, w1, w2)          # built and no capture runs
         if y is not None:
             return y
-    if h.capturable:
+    if h.capturable and hooks is None:
         op, args = moe_forward_capturable, (h.handle, h.rep, x, experts, gates, w1, w2, h.row_bytes, h.keep_weight_casts,
                                             save, check_routing)
     else:
