@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 17
+#define RDEP_CAPI_VERSION 18
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -290,6 +290,14 @@ int rdep_layer_row_allocator_bytes(const rdep_layer* layer, size_t* bytes);
  * rdep_layer_forward. rdep.torch's capturable ops pass the rows tensor they return. */
 int rdep_layer_forward_arena(rdep_layer* layer, int64_t ctx, const rdep_rank_io* io, int32_t count, void* rows,
                              size_t row_bytes, size_t* used);
+/* Version 18. The arena [old_rows, old_rows + row_bytes) whose pieces the forward held in ctx took
+ * (rdep_layer_forward_arena) was copied, byte for byte, to new_rows (for rdep.torch, a saved-tensor hook that moved
+ * the rows tensor: save_on_cpu, activation offloading): the context's saved rows are read from the same offsets of
+ * new_rows from now on, and the old bytes are no longer read. new_rows must be 256-byte aligned and stay valid, as
+ * the arena had to, until the context is released. Not for a forward a CUDA graph recorded: its replays read the
+ * addresses the capture saw. FailedPrecondition when ctx holds no forward; InvalidArgument for a stale id, a null
+ * or misaligned new_rows; the host backend takes no rows from an arena (0, nothing changes). */
+int rdep_context_rebase_rows(rdep_layer* layer, int64_t ctx, const void* old_rows, size_t row_bytes, void* new_rows);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

@@ -227,3 +227,21 @@ def test_row_allocator_gives_back_only_its_own_blocks(monkeypatch):
     assert deleted == [] and L._TORCH_BLOCKS[key] == {1 << 20}
     L._torch_row_free(key, 1 << 20, 256, 0)
     assert deleted == [1 << 20] and L._TORCH_BLOCKS[key] == set()
+
+
+def test_rows_moved_under_a_recorded_context_are_refused():
+    """A rows tensor a saved-tensor hook moved cannot be followed by a context a CUDA graph recorded (its replays read the
+    recorded addresses): refused naming rows and the cause. Rows where the forward left them, or a forward that took
+    none from an arena (rows_bytes 0, the host backend), need nothing."""
+    layer = _layer()
+    rows = torch.empty(512, dtype=torch.uint8)
+    e = graph_contexts.Entry(c_id=1 << 32, address=0, storage=None, pinned=True, rows_at=rows.data_ptr() + 256, rows_bytes=512)
+    with pytest.raises(rdep.FailedPreconditionError, match=r"rows: layer \d+'s saved rows tensor moved .* a CUDA graph recorded"):
+        graph_contexts.follow_rows(layer, e, rows, capturing_now=False)
+    e.pinned = False
+    with pytest.raises(rdep.FailedPreconditionError, match="a CUDA graph recorded"):
+        graph_contexts.follow_rows(layer, e, rows, capturing_now=True)
+    e.rows_at = rows.data_ptr()
+    graph_contexts.follow_rows(layer, e, rows, capturing_now=True)  # not moved: nothing to do
+    e.rows_at, e.rows_bytes = 0, 0
+    graph_contexts.follow_rows(layer, e, rows, capturing_now=False)  # no arena rows

@@ -390,6 +390,57 @@ def test_cuda_saved_tensor_hooks_keep_the_context_rows(ext, how, path):
 
 
 @cuda
+@pytest.mark.parametrize("pin", [False, True])
+def test_cuda_compiled_capturable_ops_follow_rows_a_hook_moved(ext, monkeypatch, pin):
+    """A compiled graph's saved activations pass through saved-tensor hooks when it runs, whatever the hooks were at
+    compile time: under save_on_cpu the capturable ops' rows tensor (the arena the context's saved rows are pieces of)
+    and ctx come back to the backward as copies at other addresses, the old bytes overwritten meanwhile. The context
+    then reads the copy (graph_contexts.follow_rows, rdep_context_rebase_rows): the same outputs and gradients as an
+    eager call, bit for bit, and the context released."""
+    if not rdep._capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    from rdep.torch import graph_contexts
+
+    E, K, n, H, F = 8, 2, 64, 128, 64
+    dev = torch.device("cuda", 0)
+    layer = rt.Layer(H, F, E, K, n, world_size=1, backend="cuda", expert_compute="cutlass")
+    assert layer.capturable and layer.row_bytes > 0
+    g = torch.Generator().manual_seed(17)
+    x, ids, gates, w1, w2 = ref.draw_inputs(1, n, H, F, E, K, "zipf", g)
+    x, ids, gates, w1, w2 = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev).bfloat16(), w2.to(dev).bfloat16()
+    dy = torch.randn(1, n, H, generator=g).to(dev).bfloat16()
+    moved = []
+    follow = graph_contexts.follow_rows
+
+    def spy(layer_, e, rows, capturing_now):
+        moved.append(rows.data_ptr() != e.rows_at)
+        return follow(layer_, e, rows, capturing_now)
+
+    monkeypatch.setattr(graph_contexts, "follow_rows", spy)
+    f = lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d)  # noqa: E731
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out = {}
+    for mode in ("eager", "compiled"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+        if mode == "eager":
+            y = f(*leaves)
+        else:
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                y = compiled(*leaves)
+        junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
+        y.backward(dy)
+        del junk
+        torch.cuda.synchronize()
+        out[mode] = [y.detach()] + [t.grad for t in leaves]
+        del y
+        gc.collect()
+        assert layer.live_contexts == 0
+    assert moved == [True], f"the compiled backward's rows: moved {moved} (the test needs the hook to move them)"
+    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["eager"], out["compiled"]):
+        assert torch.equal(a, b), f"{name}: differs"
+
+
+@cuda
 @pytest.mark.parametrize("name", list(CUDA_CASES))
 def test_cuda_same_bits_as_the_python_path(ext, name):
     if not rdep._capi.built_with_cuda():

@@ -544,6 +544,21 @@ int rdep_context_check_routing(rdep_layer* l, int64_t ctx) {
   return Guard([&]() -> rdep::Status { return l->adapter->CheckRoutingFaults(s->per_rank); });
 }
 
+int rdep_context_rebase_rows(rdep_layer* l, int64_t ctx, const void* old_rows, size_t row_bytes, void* new_rows) {
+  if (!l) return FailInvalid("layer is null");
+  if (!new_rows || reinterpret_cast<uintptr_t>(new_rows) % rdep::capi::RowArena::kAlign != 0)
+    return FailInvalid("new_rows must be a non-null, " + std::to_string(rdep::capi::RowArena::kAlign) + "-byte aligned address");
+  std::lock_guard<std::mutex> lock(l->mu);
+  ContextSlot* s = l->Find(ctx);
+  if (!s) return FailInvalid("context " + std::to_string(ctx) + " is not a live context of this layer");
+  if (!s->holds_forward)
+    return Fail(rdep::FailedPrecondition("context " + std::to_string(ctx) + " holds no forward (none ran into it, or its backward did)"));
+  return Guard([&]() -> rdep::Status {
+    l->adapter->RebaseRows(s->per_rank, old_rows, row_bytes, new_rows);
+    return rdep::Status::Ok();
+  });
+}
+
 int rdep_layer_check_errors(rdep_layer* l) {
   if (!l) return FailInvalid("layer is null");
   std::lock_guard<std::mutex> lock(l->mu);

@@ -116,6 +116,43 @@ void ArenaForward(rdep_layer* l, std::vector<rdep_rank_io>& io, RowCounter& rows
   EXPECT_EQ(cudaFree(arena), cudaSuccess);
 }
 
+// Version 18: the arena moved between the forward and the backward (a saved-tensor hook copied the caller's rows
+// tensor): after rdep_context_rebase_rows the backward reads the copy, and the old bytes, overwritten, are not read:
+// the same outputs and gradients (outs: all of them now) as a backward on the arena where the forward left it.
+template <typename Outs>
+void ArenaRebase(rdep_layer* l, std::vector<rdep_rank_io>& io, cudaStream_t caller, Outs outs) {
+  const auto W = static_cast<int32_t>(io.size());
+  size_t bytes = 0;
+  ASSERT_EQ(rdep_layer_row_allocator_bytes(l, &bytes), 0) << rdep_last_error();
+  void *arena = nullptr, *moved = nullptr;
+  ASSERT_EQ(cudaMalloc(&arena, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&moved, bytes), cudaSuccess);
+  int64_t ctx = 0;
+  size_t used = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  ASSERT_EQ(rdep_layer_forward_arena(l, ctx, io.data(), W, arena, bytes, &used), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), W), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  const auto want = outs();
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_EQ(rdep_context_rebase_rows(l, ctx, arena, bytes, moved), 2) << "FailedPrecondition: no forward yet";
+  ASSERT_EQ(rdep_layer_forward_arena(l, ctx, io.data(), W, arena, bytes, &used), 0) << rdep_last_error();
+  ASSERT_EQ(cudaMemcpyAsync(moved, arena, bytes, cudaMemcpyDeviceToDevice, caller), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(arena, 0xff, bytes, caller), cudaSuccess);  // what reuses the old bytes
+  EXPECT_EQ(rdep_context_rebase_rows(l, ctx, arena, bytes, static_cast<char*>(moved) + 8), 1) << "misaligned";
+  EXPECT_NE(std::string(rdep_last_error()).find("256-byte aligned"), std::string::npos) << rdep_last_error();
+  ASSERT_EQ(rdep_context_rebase_rows(l, ctx, arena, bytes, moved), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), W), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  EXPECT_EQ(outs(), want) << "the backward read the moved rows";
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  EXPECT_EQ(rdep_context_rebase_rows(l, ctx, arena, bytes, moved), 1) << "a stale id";
+  EXPECT_EQ(cudaFree(arena), cudaSuccess);
+  EXPECT_EQ(cudaFree(moved), cudaSuccess);
+}
+
 void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const auto W = static_cast<size_t>(s.ranks);
@@ -253,6 +290,21 @@ void Compare(const LayerShape& s, double capacity, bool row_allocator = false) {
       std::vector<Bits> y;
       for (size_t r = 0; r < W; ++r) y.push_back(Download(d_y[r], static_cast<size_t>(routing[r].num_tokens * s.hidden)));
       return y;
+    });
+    ArenaRebase(l, io, caller, [&] {
+      std::vector<Bits> all;  // y, dx, the bf16 weight gradients per rank, and dgates' bits
+      for (size_t r = 0; r < W; ++r) {
+        const auto n = static_cast<size_t>(routing[r].num_tokens), ne = static_cast<size_t>(own.num_local(static_cast<int32_t>(r)));
+        all.push_back(Download(d_y[r], n * static_cast<size_t>(H)));
+        all.push_back(Download(d_dx[r], n * static_cast<size_t>(H)));
+        all.push_back(Download(d_bw1[r], ne * n1));
+        all.push_back(Download(d_bw2[r], ne * n2));
+        const auto dg = Download(d_dg[r], n * static_cast<size_t>(K));
+        Bits dg_bits(dg.size() * 2);
+        std::memcpy(dg_bits.data(), dg.data(), dg.size() * sizeof(float));
+        all.push_back(std::move(dg_bits));
+      }
+      return all;
     });
   }
   for (size_t r = 0; r < W; ++r) {

@@ -122,7 +122,14 @@ void ExpectAbiMatchesLayer(const Case& c) {
   EXPECT_NE(std::string(rdep_last_error()).find("rows: the arena must be 256-byte aligned"), std::string::npos) << rdep_last_error();
   ASSERT_EQ(rdep_layer_forward_arena(abi, ctx, io.data(), count, arena, sizeof(arena), &used), 0) << rdep_last_error();
   EXPECT_EQ(used, 0u);
+  // Version 18: no rows came from the arena, so a move of it changes nothing; a bad new address is still refused.
+  alignas(256) static char moved[1024];
+  EXPECT_EQ(rdep_context_rebase_rows(abi, ctx, arena, sizeof(arena), moved + 16), 1);
+  EXPECT_NE(std::string(rdep_last_error()).find("256-byte aligned"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_context_rebase_rows(abi, ctx, arena, sizeof(arena), moved), 0) << rdep_last_error();
+  EXPECT_EQ(rdep_context_rebase_rows(nullptr, ctx, arena, sizeof(arena), moved), 1);
   EXPECT_EQ(rdep_context_release(abi, ctx), 0);
+  EXPECT_EQ(rdep_context_rebase_rows(abi, ctx, arena, sizeof(arena), moved), 1) << "a stale id";
   for (size_t r = 0; r < W; ++r) EXPECT_EQ(y[r], y_ref[r]) << "rank " << r;
   rdep_layer_destroy(abi);
 }

@@ -77,6 +77,9 @@ class CudaAdapter final : public LayerAdapter {
     DeviceGuard guard;  // the stash's give-back launches on each rank's device: the caller's stays current
     for (auto& c : ctx) (void)layer_->ReleaseRows(c);
   }
+  void RebaseRows(std::vector<ForwardContext>& ctx, const void* old_base, size_t bytes, void* new_base) override {
+    for (auto& c : ctx) layer_->RebaseRows(c, old_base, bytes, new_base);
+  }
 
   // Before a call that forwards or plans in ctx: each rank's caller stream, and a released context's rows
   // taken again from the row allocator on this thread (CudaMoELayer::PrepareRows).

@@ -36,6 +36,8 @@ class LayerAdapter {
   // What one forward asks that allocator for, summed over the local ranks (capi.h version 15; 0 on the host).
   virtual size_t row_allocator_bytes() const { return 0; }
   virtual void ReleaseRows(std::vector<ForwardContext>& ctx) = 0;
+  // The caller's arena of ctx's forward moved (capi.h version 18; the host backend takes no rows from one).
+  virtual void RebaseRows(std::vector<ForwardContext>&, const void* /*old_base*/, size_t /*bytes*/, void* /*new_base*/) {}
   // Collective over the local ranks: io[i] belongs to local_ranks()[i], ctx[i] is its context.
   virtual Status Forward(std::vector<ForwardContext>& ctx, const rdep_rank_io* io) = 0;
   // Waits for the device's check of the routing of the forward in ctx (rdep_context_check_routing); the

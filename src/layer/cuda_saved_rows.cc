@@ -4,6 +4,7 @@
 // again), so a training step's other work (the optimizer) can reuse them; without one they stay with the
 // context, as pooled contexts keep them.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "layer/context_access.h"
@@ -80,6 +81,17 @@ Status CudaMoELayer::ReleaseRows(ForwardContext& ctx) {
   }
   if (freed) ContextAccess::Abandon(ctx);  // its forward's rows are gone: a backward is refused, not run on null rows
   return Status::Ok();
+}
+
+void CudaMoELayer::RebaseRows(ForwardContext& ctx, const void* old_base, size_t bytes, void* new_base) {
+  const int32_t rank = ctx.rank();
+  Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::StateOf<Saved>(ctx, id_, rank) : nullptr;
+  if (!sv) return;
+  const auto lo = reinterpret_cast<uintptr_t>(old_base), to = reinterpret_cast<uintptr_t>(new_base);
+  for (auto* b : {&sv->saved_f, &sv->x_rows, &sv->h_rows, &sv->f_rows}) {
+    const auto at = reinterpret_cast<uintptr_t>(b->ptr);
+    if (b->ptr && at >= lo && at - lo < bytes) b->ptr = reinterpret_cast<__nv_bfloat16*>(to + (at - lo));
+  }
 }
 
 }  // namespace rdep

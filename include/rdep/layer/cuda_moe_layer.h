@@ -141,6 +141,11 @@ class CudaMoELayer {
   // stream of the forward: release them only after the calls that used them, in that stream's order
   // (the C API joins the layer's streams back into the caller's at the end of each call).
   Status ReleaseRows(ForwardContext& ctx);
+  // The bytes [old_base, old_base + bytes) that ctx's saved rows were taken from (a caller's arena) were copied to
+  // new_base: the rows that lay there are read at the same offsets of new_base from now on. The others (cudaMalloc'd,
+  // the stash's pages, another arena's) are left. For a forward no CUDA graph recorded (its replays keep the
+  // addresses the capture saw). Call between calls.
+  void RebaseRows(ForwardContext& ctx, const void* old_base, size_t bytes, void* new_base);
   ~CudaMoELayer();
 
   // Collective (call from every rank inside CudaDomain::Run). Device pointers on rank's GPU:

@@ -50,6 +50,8 @@ class Entry:
     storage: StorageWeakRef  # ctx's storage: expired once the tensor is freed (its address may then be reused)
     pinned: bool = False     # recorded in a stream capture: never released (the graph's replays use it)
     backward_ran: bool = False
+    rows_at: int = 0         # the address of the rows tensor (the arena) whose pieces the context's saved rows are
+    rows_bytes: int = 0      # and its bytes (0: none)
 
 
 # torch's own calls without their Python wrappers (the wrappers where a torch lacks them).
@@ -82,9 +84,10 @@ def sweep(native) -> None:
         native.release(e.c_id, e.c_id >> 32)
 
 
-def context_tensor(native, c_id: int, device: torch.device, pinned: bool) -> torch.Tensor:
+def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A new ctx for the context c_id (call under native.lock, after `sweep`): registered by address, with
-    its token in native.live (so that casts kept for its backward are found as the plain ops' are)."""
+    its token in native.live (so that casts kept for its backward are found as the plain ops' are). rows: the
+    (address, bytes) of the arena the forward took the context's saved rows from."""
     ctx = torch.full((), c_id >> 32, dtype=torch.int64, device=device)
     address = ctx.data_ptr()
     old = native.by_address.pop(address, None)  # an address is reused only once its old ctx was freed
@@ -92,7 +95,8 @@ def context_tensor(native, c_id: int, device: torch.device, pinned: bool) -> tor
         native.displaced.append(old)  # still found by its token (a replayed forward's ctx holds it)
     elif old is not None:
         native.release(old.c_id, old.c_id >> 32)
-    native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned)
+    native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned, rows_at=rows[0],
+                                       rows_bytes=rows[1])
     native.live[c_id >> 32] = c_id
     if pinned:
         native.pinned.add(c_id)
@@ -146,6 +150,27 @@ def entry_for_backward(layer, ctx: torch.Tensor, capturing_now: bool) -> Entry:
             "backward cannot follow a replay of that forward (the library's state is the capture's). Capture the "
             "backward too (torch.compile(mode='reduce-overhead') records both), or run the forward eagerly")
     return e
+
+
+def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> None:
+    """Where the rows tensor a backward is given is not where the forward's arena was (a saved-tensor hook moved it:
+    save_on_cpu, activation offloading, also around a compiled graph, whose saved activations pass through the hooks
+    when it runs), the context reads its saved rows from the copy (rdep_context_rebase_rows; under native.lock): the
+    old bytes went back to torch and may hold other tensors now. A context a CUDA graph recorded cannot follow (its
+    replays read the recorded addresses): refused, naming the cause."""
+    if not e.rows_bytes or rows.data_ptr() == e.rows_at:
+        return
+    if e.pinned or capturing_now:
+        raise FailedPreconditionError(
+            f"rows: layer {layer.id}'s saved rows tensor moved (from {e.rows_at:#x} to {rows.data_ptr():#x}), so a "
+            "saved-tensor hook (save_on_cpu, activation offloading) copied it, but a CUDA graph recorded this context, "
+            "whose replays read the recorded addresses. Capture without such hooks, or use capturable_ops=False")
+    from .. import _capi  # here: graph_contexts is imported by the ops' fake kernels, which need no library
+
+    lib = _capi.lib()
+    _capi.check(lib.rdep_context_rebase_rows(layer._live_ptr(), e.c_id, e.rows_at, e.rows_bytes, rows.data_ptr()),
+                "rdep_context_rebase_rows")
+    e.rows_at = rows.data_ptr()
 
 
 def after_backward(native, e: Entry, capturing_now: bool) -> None:

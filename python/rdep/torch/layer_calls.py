@@ -142,7 +142,8 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
                 return y, graph_contexts.no_context(x.device), rows
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         if device_ctx:
-            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing)
+            rows_at = (rows.data_ptr(), native.row_bytes) if native.arena_used else (0, 0)
+            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing, rows=rows_at)
         else:
             ctx = _context_tensor(layer, c_id.value)
         if keep_casts is not None:
@@ -208,13 +209,14 @@ def live_context_id(layer: Layer, ctx, not_live: str, older: str, whose: str) ->
     return c_id, token
 
 
-def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_grads=False, device_ctx=False):
+def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_grads=False, device_ctx=False, rows=None):
     """Runs the backward collective of the forward that returned ctx, then releases its context (unless a
     CUDA graph holds it: device_ctx, graph_contexts.py); returns (dx, dgates, dw1, dw2) with dw1, dw2 in
     grad_dtype: fp32, or on CUDA bf16 (the gradients of bf16 weights, written by the layer's GEMMs directly:
     no fp32 copy, no cast). casts_in_grads (fp32 w1, w2, fp32 gradients; ops._casts_in_grads says where): the
     layer reads the weights' bf16 casts from inside the gradient buffers it then overwrites
-    (_casts_into_grads), so no separate copy is alive meanwhile."""
+    (_casts_into_grads), so no separate copy is alive meanwhile. rows (device_ctx): the rows tensor the forward
+    returned, as the backward was given it (graph_contexts.follow_rows: where a hook moved it)."""
     L, n, H, K = layer.num_local_ranks, dy.shape[1], layer.hidden, layer.topk
     native = layer._native
     with native.lock:
@@ -222,6 +224,8 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
             capturing = graph_contexts.capturing(dy)
             entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
             c_id, token = entry.c_id, entry.c_id >> 32
+            if rows is not None:
+                graph_contexts.follow_rows(layer, entry, rows, capturing)
         else:
             c_id, token = live_context_id(
                 layer, ctx, ": its forward ran with grad off (save_context=False), or its backward already ran (one "

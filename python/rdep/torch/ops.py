@@ -146,8 +146,8 @@ def _moe_backward(handle: Tensor, layer: int, ctx: Tensor, dy: Tensor, w1: Tenso
 
 
 def _backward_on(h: Layer, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *, device_ctx: bool,
-                 casts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward of both op pairs on the layer their handle named."""
+                 casts, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward of both op pairs on the layer their handle named (rows: the capturable pair's)."""
     validate.check_backward(h, ctx, dy, w1, w2, device_ctx=device_ctx)
     grad_dtype = _grad_dtype(h, w1)
     kept = None if device_ctx else layer_calls.kept_casts(h, ctx)  # the forward's casts, when made from these weights
@@ -160,21 +160,23 @@ def _backward_on(h: Layer, ctx: Tensor, dy: Tensor, w1: Tensor, w2: Tensor, *, d
             w1.record_stream(stream)
             w2.record_stream(stream)
     elif _casts_in_grads(h, w1, w2, grad_dtype):
-        return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, casts_in_grads=True, device_ctx=device_ctx)
+        return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, casts_in_grads=True, device_ctx=device_ctx,
+                                    rows=rows)
     else:
         w1, w2 = _layer_weights(h, w1, w2)
-    return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx)
+    return layer_calls.backward(h, ctx, dy, w1, w2, grad_dtype, device_ctx=device_ctx, rows=rows)
 
 
 def _moe_backward_capturable(handle: Tensor, layer: int, ctx: Tensor, rows: Tensor, w1c: Tensor, w2c: Tensor, dy: Tensor,
                              w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """rows (the forward's third output) is not read here: the context's saved rows are pieces of it, and taking it
-    keeps it alive (and, in a compiled graph, saved) until this backward. w1c, w2c: the forward's kept casts of
-    w1, w2 (read in their place), or empty (cast here, as the plain backward does)."""
+    """rows (the forward's third output): the context's saved rows are pieces of it, and taking it keeps it alive (and,
+    in a compiled graph, saved) until this backward; where a saved-tensor hook moved it, the context reads the copy
+    (graph_contexts.follow_rows). w1c, w2c: the forward's kept casts of w1, w2 (read in their place), or empty (cast
+    here, as the plain backward does)."""
     h = layer_handles.resolve(handle, layer)
     validate.check_rows(h, rows)
     keep = validate.check_kept_casts(h, w1c, w2c, w1, w2)
-    return _backward_on(h, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None)
+    return _backward_on(h, ctx, dy, w1, w2, device_ctx=True, casts=(w1c, w2c) if keep else None, rows=rows)
 
 
 def _one_segment(layer: Layer) -> bool:
