@@ -130,3 +130,32 @@ def test_call_lock_pauses_the_collector_only_when_asked():
         gc.enable()
     layer = rt.Layer(8, 6, 4, 2, 8, world_size=2)  # the host backend: no row allocator, no pause
     assert layer._native.lock.pause_gc is False
+
+
+def test_call_locks_of_two_threads_keep_the_collector_paused_until_both_let_go():
+    """Two layers' locks held by two threads at once (a backward on autograd's device thread while another thread calls
+    another layer): the collector stays off until the last of them is released, whichever lets go first, and is on
+    again after."""
+    import threading
+
+    from rdep.torch.layer import _CallLock
+
+    a, b = _CallLock(), _CallLock()
+    a.pause_gc = b.pause_gc = True
+    b_held, a_released, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with b:
+            b_held.set()
+            a_released.wait(10)
+            seen.append(gc.isenabled())  # a let go first: b still holds the pause
+
+    assert gc.isenabled()
+    t = threading.Thread(target=other)
+    with a:
+        t.start()
+        assert b_held.wait(10)
+    a_released.set()
+    t.join(10)
+    assert seen == [False]
+    assert gc.isenabled()

@@ -59,33 +59,61 @@ def get_layer(layer_id: int) -> "Layer":
     return layer
 
 
+class _GcPause:
+    """Python's cyclic collector paused while any thread holds a layer lock that asks for it (_CallLock.pause_gc),
+    process-wide: the first holder disables it (if it was enabled) and the last one to let go enables it again, so
+    that one thread's exit does not turn the collector back on while another thread's C call still runs callbacks."""
+
+    def __init__(self):
+        self._mu = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    def hold(self) -> None:
+        with self._mu:
+            self._holders += 1
+            if self._holders == 1:
+                self._was_enabled = gc.isenabled()
+                if self._was_enabled:
+                    gc.disable()
+
+    def release(self) -> None:
+        with self._mu:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                self._was_enabled = False
+                gc.enable()
+
+
+_gc_pause = _GcPause()
+
+
 class _CallLock:
     """The layer's re-entrant lock (one C call on the layer at a time). With `pause_gc` (set when the layer's
     contexts take their rows from torch's caching allocator, whose callbacks run Python code on the C call's
-    threads) it also pauses Python's cyclic collector while held: a collection inside a callback could run a
-    context's finalizer, which would wait for this lock from a rank thread, or re-enter rdep_context_release
-    while the C layer holds its context lock."""
+    threads) it also pauses Python's cyclic collector while held (_GcPause, counted across threads and layers): a
+    collection inside a callback could run a context's finalizer, which would wait for this lock from a rank thread,
+    or re-enter rdep_context_release while the C layer holds its context lock."""
 
     def __init__(self):
         self._lock = threading.RLock()
         self._depth = 0
-        self._was_enabled = False
+        self._paused = False
         self.pause_gc = False
 
     def __enter__(self):
         self._lock.acquire()
         self._depth += 1
         if self._depth == 1 and self.pause_gc:
-            self._was_enabled = gc.isenabled()
-            if self._was_enabled:
-                gc.disable()
+            _gc_pause.hold()
+            self._paused = True
         return self
 
     def __exit__(self, *exc):
         self._depth -= 1
-        if self._depth == 0 and self._was_enabled:
-            self._was_enabled = False
-            gc.enable()
+        if self._depth == 0 and self._paused:
+            self._paused = False
+            _gc_pause.release()
         self._lock.release()
         return False
 
