@@ -115,3 +115,48 @@ def test_per_process_cuda_layer_through_gloo(gloo_group):
         y1 = rt.moe(one_process, x, ids, gates, w1, w2)
         assert torch.equal(y, y1)
     assert torch.isfinite(y.float()).all()
+
+
+class _TwoMoEBlocks(torch.nn.Module):
+    def __init__(self, H=8):
+        super().__init__()
+        self.inp = torch.nn.Linear(H, H)
+        self.blocks = torch.nn.ModuleList(
+            rt.MoE(H, 6, 4, 2, max_tokens=8, world_size=1, backend="host", shared_ffn=4, seed=i) for i in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x).y
+        return x
+
+
+def test_ddp_ignores_the_experts_and_averages_the_rest(gloo_group):
+    """rdep.torch.ddp_ignore_experts: the MoE modules' expert parameters go on DistributedDataParallel's ignore list (a
+    list the model had is kept), so DDP's reducer syncs exactly the other parameters; the wrapped model's step gives the
+    unwrapped model's gradients (one process); wrapping first is refused."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _TwoMoEBlocks()
+    model._ddp_params_and_buffers_to_ignore = ["inp.bias"]
+    names = rt.ddp_ignore_experts(model)
+    assert names == ["blocks.0.w1", "blocks.0.w2", "blocks.1.w1", "blocks.1.w2"]
+    assert rt.expert_parameter_names(model) == names
+    assert model._ddp_params_and_buffers_to_ignore == ["inp.bias"] + names
+    assert rt.ddp_ignore_experts(model) == names and model._ddp_params_and_buffers_to_ignore == ["inp.bias"] + names
+
+    plain = _TwoMoEBlocks()
+    plain.load_state_dict(model.state_dict())
+    ddp = DDP(model, process_group=gloo_group)
+    synced = {n for n, p in model.named_parameters() if not getattr(p, "_ddp_ignored", False)}
+    assert synced == {n for n, _ in model.named_parameters()} - set(names) - {"inp.bias"}
+    if hasattr(ddp, "_module_parameters"):  # the reducer's parameters (a DDP internal)
+        assert {id(p) for p in ddp._module_parameters} == {id(p) for n, p in model.named_parameters() if n in synced}
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ddp(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    with pytest.raises(ValueError, match="model: already wrapped in DistributedDataParallel"):
+        rt.ddp_ignore_experts(ddp)

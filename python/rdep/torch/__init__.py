@@ -6,11 +6,13 @@
     rdep.torch.Domain     the ranks and placement several layers share, with their replica slots (domain.py)
     rdep.torch.moe        functional: y = moe(layer, x, experts, gates, w1, w2) with autograd (ops.py)
     rdep.torch.plan / dispatch / combine   the caller's own experts: rdep moves the rows (rows.py)
+    rdep.torch.ddp_ignore_experts         the experts kept out of DistributedDataParallel's averaging (data_parallel.py)
     torch.ops.rdep.moe_forward / moe_backward, moe_plan / moe_dispatch / moe_combine (+ backward ops)
 
 Importing this module registers the ops; the C library is loaded when the first Layer is made.
 """
 
+from .data_parallel import ddp_ignore_experts, expert_parameter_names
 from .domain import Domain
 from .layer import Layer, get_layer
 from .moe import MoE, MoEOutput, SwiGLU
@@ -19,4 +21,5 @@ from .router import Router, RouterOutput
 from .rows import RoutingPlan, combine, dispatch, plan
 
 __all__ = ["Domain", "Layer", "get_layer", "moe", "moe_forward", "moe_backward", "Router", "RouterOutput", "MoE",
-           "MoEOutput", "SwiGLU", "plan", "dispatch", "combine", "RoutingPlan"]
+           "MoEOutput", "SwiGLU", "plan", "dispatch", "combine", "RoutingPlan", "ddp_ignore_experts",
+           "expert_parameter_names"]
