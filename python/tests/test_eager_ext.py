@@ -239,6 +239,21 @@ def test_mode_switch(monkeypatch):
         eager_ext.mode()
 
 
+def test_keep_weight_casts_set_after_the_first_call_is_read(ext):
+    """Layer.keep_weight_casts is an attribute a caller may set between calls: the C++ path's view of the layer, made at
+    the first call, is made again when it changed (the Python path reads it every call)."""
+    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+    x, ids, gates, w1, w2 = make_inputs(layer, 16, "uniform", seed=2)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+    rt.moe(layer, leaves[0], ids, *leaves[1:]).sum().backward()
+    first = layer._eager
+    rt.moe(layer, leaves[0], ids, *leaves[1:]).sum().backward()
+    assert layer._eager is first
+    layer.keep_weight_casts = True
+    rt.moe(layer, leaves[0], ids, *leaves[1:]).sum().backward()
+    assert layer._eager is not first and layer._eager_keep is True
+
+
 HOOKS = ["checkpoint", "checkpoint_reentrant", "save_on_cpu", "save_on_cpu_pinned"]
 
 
@@ -438,6 +453,33 @@ def test_cuda_compiled_capturable_ops_follow_rows_a_hook_moved(ext, monkeypatch,
     assert moved == [True], f"the compiled backward's rows: moved {moved} (the test needs the hook to move them)"
     for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["eager"], out["compiled"]):
         assert torch.equal(a, b), f"{name}: differs"
+
+
+@cuda
+def test_cuda_keep_weight_casts_set_after_the_first_call_keeps_the_casts(ext):
+    """fp32 master weights: with keep_weight_casts set after a first call, the next forward keeps its bf16 casts for the
+    backward (torch's memory after the forward grows by their bytes), as the Python path does."""
+    if not rdep._capi.built_with_cuda():
+        pytest.skip("librdep_capi.so was built without CUDA")
+    E, K, n, H, F = 8, 2, 64, 128, 64
+    dev = torch.device("cuda", 0)
+    layer = rt.Layer(H, F, E, K, n, world_size=1, backend="cuda", expert_compute="cutlass")
+    g = torch.Generator().manual_seed(5)
+    x, ids, gates, w1, w2 = ref.draw_inputs(1, n, H, F, E, K, "zipf", g)
+    x, ids, gates, w1, w2 = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev), w2.to(dev)
+    casts = (w1.numel() + w2.numel()) * 2  # their bf16 bytes
+    held = {}
+    for keep in (False, True, False):
+        layer.keep_weight_casts = keep
+        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(dev)
+        y = rt.moe(layer, leaves[0], ids, *leaves[1:])
+        assert type(y.grad_fn).__name__ == "CppFunction"
+        held[keep] = torch.cuda.memory_allocated(dev) - before
+        y.sum().backward()
+        del y
+    assert held[True] - held[False] >= casts, held
 
 
 @cuda

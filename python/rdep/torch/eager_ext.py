@@ -127,9 +127,11 @@ def _functions() -> list[int]:
 
 
 def _layer_of(mod, layer):
-    """The C++ view of the layer (built once a layer; it holds the layer's _Native, not the Layer)."""
+    """The C++ view of the layer (built once a layer, and again when its keep_weight_casts, an attribute callers may set,
+    changed: the view reads it when made; it holds the layer's _Native, not the Layer)."""
     e = getattr(layer, "_eager", None)
-    if e is None:
+    keep = bool(layer.keep_weight_casts)
+    if e is None or layer._eager_keep != keep:
         from . import ops  # noqa: PLC0415 - ops imports this module
 
         cuda = layer.backend == "cuda"
@@ -138,10 +140,10 @@ def _layer_of(mod, layer):
             graph_contexts.sweep, layer.id,
             layer.num_local_ranks, layer.hidden, layer.ffn, layer.topk, layer.max_tokens,
             [tuple(p) for p in layer._rank_experts], cuda, layer.device.index if cuda else -1,
-            layer._native.row_bytes, bool(layer.keep_weight_casts),
+            layer._native.row_bytes, keep,
             ops._layer_writes_bf16_grads(layer), ops._layer_reads_casts_in_grads(layer),
             _functions())
-        layer._eager = e
+        layer._eager, layer._eager_keep = e, keep
     return e
 
 
