@@ -117,6 +117,26 @@ def test_per_process_cuda_layer_through_gloo(gloo_group):
     assert torch.isfinite(y.float()).all()
 
 
+def _assert_reducer_syncs(ddp, want_ids):
+    """The parameters DDP's reducer averages are exactly want_ids (read from DDP's own builder, a DDP internal where a
+    torch has it; else from the parameters DDP keeps)."""
+    if hasattr(ddp, "_build_params_for_reducer"):
+        params, _ = ddp._build_params_for_reducer()
+        assert {id(p) for p in params} == want_ids
+    assert {id(p) for p in ddp._module_parameters} == want_ids
+
+
+def test_ddp_ignores_the_experts_of_a_moe_that_is_the_root_module(gloo_group):
+    """An MoE wrapped alone: its own parameters are named "w1" by named_parameters() and ".w1" by DDP's reducer; both
+    forms are listed, so the reducer leaves w1, w2 alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    moe = rt.MoE(8, 6, 4, 2, max_tokens=8, world_size=1, backend="host", shared_ffn=4)
+    assert rt.ddp_ignore_experts(moe) == ["w1", "w2"]
+    ddp = DDP(moe, process_group=gloo_group)
+    _assert_reducer_syncs(ddp, {id(p) for p in moe.dense_parameters()})
+
+
 class _TwoMoEBlocks(torch.nn.Module):
     def __init__(self, H=8):
         super().__init__()
@@ -149,10 +169,8 @@ def test_ddp_ignores_the_experts_and_averages_the_rest(gloo_group):
     plain = _TwoMoEBlocks()
     plain.load_state_dict(model.state_dict())
     ddp = DDP(model, process_group=gloo_group)
-    synced = {n for n, p in model.named_parameters() if not getattr(p, "_ddp_ignored", False)}
-    assert synced == {n for n, _ in model.named_parameters()} - set(names) - {"inp.bias"}
-    if hasattr(ddp, "_module_parameters"):  # the reducer's parameters (a DDP internal)
-        assert {id(p) for p in ddp._module_parameters} == {id(p) for n, p in model.named_parameters() if n in synced}
+    synced = {id(p) for n, p in model.named_parameters() if n not in names and n != "inp.bias"}
+    _assert_reducer_syncs(ddp, synced)
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     ddp(x).square().sum().backward()
     plain(x).square().sum().backward()

@@ -410,8 +410,9 @@ def test_cuda_compiled_capturable_ops_follow_rows_a_hook_moved(ext, monkeypatch,
     """A compiled graph's saved activations pass through saved-tensor hooks when it runs, whatever the hooks were at
     compile time: under save_on_cpu the capturable ops' rows tensor (the arena the context's saved rows are pieces of)
     and ctx come back to the backward as copies at other addresses, the old bytes overwritten meanwhile. The context
-    then reads the copy (graph_contexts.follow_rows, rdep_context_rebase_rows): the same outputs and gradients as an
-    eager call, bit for bit, and the context released."""
+    is held past its ctx's death (a second forward and a read of live_contexts between do not release it or take its
+    slot) and reads the copy (graph_contexts.follow_rows, rdep_context_rebase_rows): the same outputs and gradients as
+    an eager call, bit for bit, and the contexts released."""
     if not rdep._capi.built_with_cuda():
         pytest.skip("librdep_capi.so was built without CUDA")
     from rdep.torch import graph_contexts
@@ -442,15 +443,24 @@ def test_cuda_compiled_capturable_ops_follow_rows_a_hook_moved(ext, monkeypatch,
         else:
             with torch.autograd.graph.save_on_cpu(pin_memory=pin):
                 y = compiled(*leaves)
+                other = [(t * 0.5).requires_grad_(True) for t in (x, gates, w1, w2)]
+                y_other = compiled(*other)  # a second forward before the first backward, on other inputs
+            gc.collect()
+            assert layer.live_contexts == 2  # read: a sweep, which must not release the held contexts
+        # Other work between the forward and the backward takes the freed bytes (the hook's copy then lands elsewhere,
+        # and a context still reading the old rows would read these).
         junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
         y.backward(dy)
+        if mode == "compiled":
+            y_other.backward(dy)
+            del y_other, other
         del junk
         torch.cuda.synchronize()
         out[mode] = [y.detach()] + [t.grad for t in leaves]
         del y
         gc.collect()
         assert layer.live_contexts == 0
-    assert moved == [True], f"the compiled backward's rows: moved {moved} (the test needs the hook to move them)"
+    assert moved == [True, True], f"the compiled backwards' rows: moved {moved} (the test needs the hook to move them)"
     for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["eager"], out["compiled"]):
         assert torch.equal(a, b), f"{name}: differs"
 

@@ -131,6 +131,7 @@ void ArenaRebase(rdep_layer* l, std::vector<rdep_rank_io>& io, cudaStream_t call
   size_t used = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   ASSERT_EQ(rdep_layer_forward_arena(l, ctx, io.data(), W, arena, bytes, &used), 0) << rdep_last_error();
+  ASSERT_EQ(used, bytes) << "the forward's saved rows are all in the arena";
   ASSERT_EQ(rdep_layer_backward(l, ctx, io.data(), W), 0) << rdep_last_error();
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
   const auto want = outs();
@@ -430,6 +431,99 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
     cudaFree(p);
   cudaStreamDestroy(caller);
 }
+
+// Version 18 on the sync-free (CUTLASS) layouts, whose saved rows are the owner's x rows and SwiGLU inputs (and, with
+// owner_reduce and the gate after W2, its outputs) besides the front-end's returned rows: every one of them follows the
+// moved arena (ArenaRebase), at W = 1 and with 2 ranks sharing the GPU.
+struct RebaseCase {
+  int32_t ranks, owner_reduce, gate_in_expert;
+};
+
+class CApiCudaRebase : public ::testing::TestWithParam<RebaseCase> {};
+
+TEST_P(CApiCudaRebase, EverySavedRowFollowsTheArena) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
+  const RebaseCase c = GetParam();
+  const int64_t T = 48, H = 64, F = 32, E = 4, K = 2;
+  const auto W = static_cast<size_t>(c.ranks);
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+  spec.world_size = c.ranks;
+  spec.num_gpus = 1;
+  spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
+  spec.barrier_timeout_s = 20;
+  spec.expert_compute = 1;
+  spec.owner_reduce = c.owner_reduce;
+  spec.gate_in_expert = c.gate_in_expert;
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  RowCounter rows;
+  ASSERT_EQ(rdep_layer_set_row_allocator(l, &RowCounter::Alloc, &RowCounter::Free, &rows), 0) << rdep_last_error();
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t El = E / c.ranks;
+  std::vector<rdep_rank_io> io(W);
+  std::vector<void*> owned;
+  auto up = [&](auto v) {
+    auto* d = Upload(v);
+    owned.push_back(static_cast<void*>(d));
+    return d;
+  };
+  std::vector<uint16_t*> d_y(W), d_dx(W), d_dw1(W), d_dw2(W);
+  std::vector<float*> d_dg(W);
+  for (size_t r = 0; r < W; ++r) {
+    std::vector<int32_t> experts(static_cast<size_t>(T * K));
+    std::vector<float> gates(static_cast<size_t>(T * K));
+    Bits x(static_cast<size_t>(T * H)), dy(x.size()), w1(static_cast<size_t>(El * H * 2 * F)), w2(static_cast<size_t>(El * F * H));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t * 7 + static_cast<int64_t>(r) + k * 3) % E);
+        gates[static_cast<size_t>(t * K + k)] = 0.25f + 0.125f * static_cast<float>((t + k) % 5);
+      }
+    uint32_t h = 0x9e3779b9u * static_cast<uint32_t>(r + 1);  // small bf16 values of either sign
+    auto next = [&h] {
+      h = h * 1664525u + 1013904223u;
+      return static_cast<uint16_t>(0x3c00u + ((h >> 16) & 0xffu) + ((h >> 8) & 1u ? 0x8000u : 0u));
+    };
+    for (auto* v : {&x, &dy, &w1, &w2})
+      for (auto& e : *v) e = next();
+    d_y[r] = up(Bits(x.size(), 0x7fc1));
+    d_dx[r] = up(Bits(x.size(), 0x7fc1));
+    d_dg[r] = up(std::vector<float>(gates.size(), -7.f));
+    d_dw1[r] = up(Bits(w1.size(), 0x7fc1));
+    d_dw2[r] = up(Bits(w2.size(), 0x7fc1));
+    io[r] = rdep_rank_io{T, up(experts), up(gates), up(x), d_y[r], up(w1), up(w2), up(dy), d_dx[r], d_dg[r], d_dw1[r], d_dw2[r],
+                         caller, 0, 0};
+    io[r].grad_bf16 = 1;
+  }
+  ArenaRebase(l, io, caller, [&] {
+    std::vector<Bits> all;
+    for (size_t r = 0; r < W; ++r) {
+      all.push_back(Download(d_y[r], static_cast<size_t>(T * H)));
+      all.push_back(Download(d_dx[r], static_cast<size_t>(T * H)));
+      all.push_back(Download(d_dw1[r], static_cast<size_t>(El * H * 2 * F)));
+      all.push_back(Download(d_dw2[r], static_cast<size_t>(El * F * H)));
+      const auto dg = Download(d_dg[r], static_cast<size_t>(T * K));
+      Bits dg_bits(dg.size() * 2);
+      std::memcpy(dg_bits.data(), dg.data(), dg.size() * sizeof(float));
+      all.push_back(std::move(dg_bits));
+    }
+    return all;
+  });
+  rdep_layer_destroy(l);
+  for (void* p : owned) cudaFree(p);
+  cudaStreamDestroy(caller);
+}
+
+INSTANTIATE_TEST_SUITE_P(CApi_Cuda, CApiCudaRebase,
+                         ::testing::Values(RebaseCase{1, 0, 0}, RebaseCase{1, 0, 1}, RebaseCase{1, 1, 0}, RebaseCase{2, 0, 0},
+                                           RebaseCase{2, 1, 0}),
+                         [](const ::testing::TestParamInfo<RebaseCase>& i) {
+                           return "W" + std::to_string(i.param.ranks) + (i.param.owner_reduce ? "_owner_reduce" : "") +
+                                  (i.param.gate_in_expert ? "_gate_in_expert" : "");
+                         });
 
 TEST(CApi_Cuda, W1_MatchesCudaLayer) { Compare({.tokens = 64, .hidden = 128, .ffn = 64, .experts = 8, .topk = 2, .ranks = 1}, 0.0); }
 

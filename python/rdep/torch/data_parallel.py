@@ -31,7 +31,10 @@ def ddp_ignore_experts(model: nn.Module) -> list[str]:
         raise ValueError("model: already wrapped in DistributedDataParallel, which read its parameters to ignore "
                          "when it was made; call ddp_ignore_experts(model) before wrapping it")
     names = expert_parameter_names(model)
+    # DDP's reducer names a parameter "<module>.<param>", which for the model's own parameters (an MoE as the root
+    # module) is ".w1", while its broadcast and bookkeeping use named_parameters()' "w1": list both forms.
+    listed = names + ["." + n for n in names if "." not in n]
     kept = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, kept + [n for n in names if n not in kept])
+        model, kept + [n for n in listed if n not in kept])
     return names

@@ -52,6 +52,7 @@ class Entry:
     backward_ran: bool = False
     rows_at: int = 0         # the address of the rows tensor (the arena) whose pieces the context's saved rows are
     rows_bytes: int = 0      # and its bytes (0: none)
+    held: bool = False       # saved-tensor hooks may have copied ctx: kept (not swept) until its backward or close
 
 
 # torch's own calls without their Python wrappers (the wrappers where a torch lacks them).
@@ -78,25 +79,26 @@ def no_context(device: torch.device) -> torch.Tensor:
 
 def sweep(native) -> None:
     """Releases the unpinned contexts whose ctx tensor was freed without a backward (call under native.lock)."""
-    dead = [a for a, e in native.by_address.items() if not e.pinned and e.storage.expired()]
+    dead = [a for a, e in native.by_address.items() if not e.pinned and not e.held and e.storage.expired()]
     for a in dead:
         e = native.by_address.pop(a)
         native.release(e.c_id, e.c_id >> 32)
 
 
-def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
+def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: tuple[int, int] = (0, 0),
+                   held: bool = False) -> torch.Tensor:
     """A new ctx for the context c_id (call under native.lock, after `sweep`): registered by address, with
     its token in native.live (so that casts kept for its backward are found as the plain ops' are). rows: the
-    (address, bytes) of the arena the forward took the context's saved rows from."""
+    (address, bytes) of the arena the forward took the context's saved rows from. held: see Entry."""
     ctx = torch.full((), c_id >> 32, dtype=torch.int64, device=device)
     address = ctx.data_ptr()
     old = native.by_address.pop(address, None)  # an address is reused only once its old ctx was freed
-    if old is not None and old.pinned:
-        native.displaced.append(old)  # still found by its token (a replayed forward's ctx holds it)
+    if old is not None and (old.pinned or old.held):
+        native.displaced.append(old)  # still found by its token (a replayed forward's ctx, or a hook's copy, holds it)
     elif old is not None:
         native.release(old.c_id, old.c_id >> 32)
     native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned, rows_at=rows[0],
-                                       rows_bytes=rows[1])
+                                       rows_bytes=rows[1], held=held)
     native.live[c_id >> 32] = c_id
     if pinned:
         native.pinned.add(c_id)
@@ -124,11 +126,16 @@ def entry_of(native, ctx: torch.Tensor, capturing_now: bool = False):
     return None
 
 
+def native_entries(native):
+    """Every unreleased entry: by address and displaced (under native.lock)."""
+    return list(native.by_address.values()) + native.displaced
+
+
 def release_pinned(native) -> int:
     """Releases every pinned context (Layer.release_graph_contexts; call under native.lock); returns how many."""
     ids = list(native.pinned)
     native.pinned.clear()
-    native.displaced.clear()
+    native.displaced = [e for e in native.displaced if e.c_id not in ids]  # held ones stay
     for a in [a for a, e in native.by_address.items() if e.c_id in ids]:
         del native.by_address[a]
     for c_id in ids:
@@ -160,11 +167,20 @@ def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> Non
     replays read the recorded addresses): refused, naming the cause."""
     if not e.rows_bytes or rows.data_ptr() == e.rows_at:
         return
+    others = [o for o in list(native_entries(layer._native)) if o is not e and o.rows_bytes and o.rows_at == rows.data_ptr()]
+    if others:
+        raise FailedPreconditionError(
+            f"rows: this tensor holds another forward's saved rows (layer {layer.id}'s context {others[0].c_id >> 32}), "
+            f"not those of ctx's (context {e.c_id >> 32}): pass each backward the rows its own forward returned")
     if e.pinned or capturing_now:
         raise FailedPreconditionError(
             f"rows: layer {layer.id}'s saved rows tensor moved (from {e.rows_at:#x} to {rows.data_ptr():#x}), so a "
             "saved-tensor hook (save_on_cpu, activation offloading) copied it, but a CUDA graph recorded this context, "
             "whose replays read the recorded addresses. Capture without such hooks, or use capturable_ops=False")
+    if rows.data_ptr() % 256 != 0:
+        raise FailedPreconditionError(
+            f"rows: layer {layer.id}'s saved rows tensor came back from a saved-tensor hook at {rows.data_ptr():#x}, "
+            "not 256-byte aligned (a view into a pooled buffer?); the context's saved rows need a 256-byte aligned copy")
     from .. import _capi  # here: graph_contexts is imported by the ops' fake kernels, which need no library
 
     lib = _capi.lib()
@@ -182,5 +198,23 @@ def after_backward(native, e: Entry, capturing_now: bool) -> None:
         native.pinned.add(e.c_id)
     if e.pinned:
         return
-    native.by_address.pop(e.address, None)
+    forget(native, e)
     native.release(e.c_id, e.c_id >> 32)
+
+
+def forget(native, e: Entry) -> None:
+    """Drops e from the lookups (under native.lock): its address, where a later ctx has not taken it, else displaced."""
+    if native.by_address.get(e.address) is e:
+        del native.by_address[e.address]
+    elif e in native.displaced:
+        native.displaced.remove(e)
+
+
+def keep_by_node(native, ctx: torch.Tensor) -> bool:
+    """An eager call's held entry for ctx (the tensor the forward returned, its node about to keep it): no longer held,
+    so that its graph's drop releases it again (the node keeps ctx alive until then). Whether ctx had one."""
+    e = native.by_address.get(ctx.data_ptr())
+    if e is None or not e.held:
+        return False
+    e.held = False
+    return True

@@ -135,7 +135,10 @@ class _Native:
         # contexts CUDA graphs recorded (pinned: never released while the layer lives; also in `live`).
         self.by_address: dict = {}
         self.pinned: set[int] = set()
-        self.displaced: list = []  # pinned entries whose ctx address a later ctx took (still found by token)
+        self.displaced: list = []  # pinned or held entries whose ctx address a later ctx took (found by token)
+        # The plain ops' ctx tensors kept while saved-tensor hooks that copy them may have dropped the originals (whose
+        # finalizer would release the context): token -> ctx, until the context is released (ops._hooks_copy_saved).
+        self.held: dict[int, "torch.Tensor"] = {}
         self.row_key = next(_row_keys)  # the row allocator's `user` for this layer
         self.row_bytes = 0              # rdep_layer_row_allocator_bytes: one forward's saved rows (torch_rows)
         self.arena_used = 0             # bytes the last capturable forward took from its arena
@@ -150,6 +153,7 @@ class _Native:
                 if self.live.get(token) == c_id:
                     del self.live[token]
                     self.casts.pop(token, None)
+                    self.held.pop(token, None)  # its finalizer then releases a stale id: a no-op
             if self.ptr is not None:
                 _capi.check(_capi.lib().rdep_context_release(self.ptr, c_id), "rdep_context_release")
 
@@ -162,6 +166,7 @@ class _Native:
                 self.by_address.clear()
                 self.pinned.clear()
                 self.displaced.clear()
+                self.held.clear()
                 _capi.lib().rdep_layer_destroy(ptr)  # gives its rows back through the allocator, then forgotten
                 _TORCH_BLOCKS.pop(self.row_key, None)
 

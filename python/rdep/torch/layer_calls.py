@@ -83,7 +83,7 @@ def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
 
 
 def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None, check_routing: bool = True,
-            device_ctx: bool = False):
+            device_ctx: bool = False, hold: bool = False):
     """Runs the forward collective for the local ranks; returns (y, ctx). keep_casts (w1, w2 and what they
     were cast from, ops._CastSource) is kept with the context for its backward (kept_casts) when save is set.
     check_routing: without a saved context on CUDA, wait for the device's check of the routing (no backward
@@ -92,7 +92,9 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
     tensor on x's device named by its address, a forward recorded in a capture pins its context
     (graph_contexts.py), and the context's saved rows are pieces of `rows` (uint8 [Layer row bytes]: the C library's
     arena for the call, rdep_layer_forward_arena),
-    which the caller keeps alive until the backward, as autograd keeps any saved activation."""
+    which the caller keeps alive until the backward, as autograd keeps any saved activation. hold (saved-tensor hooks
+    that may copy ctx are set, ops._hooks_copy_saved): the context is kept until its backward or the layer's close
+    rather than released when the ctx tensor returned dies (the hooks may have dropped it for a copy)."""
     L, n, H, K = layer.num_local_ranks, x.shape[1], layer.hidden, layer.topk
     y = torch.empty_like(x)
     io = _new_io(layer)
@@ -143,9 +145,12 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         if device_ctx:
             rows_at = (rows.data_ptr(), native.row_bytes) if native.arena_used else (0, 0)
-            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing, rows=rows_at)
+            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing, rows=rows_at,
+                                                held=hold and not capturing)
         else:
             ctx = _context_tensor(layer, c_id.value)
+            if hold:
+                native.held[c_id.value >> 32] = ctx
         if keep_casts is not None:
             native.casts[c_id.value >> 32] = (c_id.value,) + tuple(keep_casts)
         return (y, ctx, rows) if device_ctx else (y, ctx)
@@ -162,6 +167,11 @@ def kept_casts(layer: Layer, ctx):
         if kept is None or native.live.get(token) != kept[0] or (c_id_seen is not None and c_id_seen != kept[0]):
             return None
         return kept[1:]
+
+
+def context_token(ctx: torch.Tensor) -> int:
+    """The token a plain op's ctx (or a copy of it) holds."""
+    return _read_context(ctx)[0]
 
 
 def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import eager_ext, layer_calls, layer_handles, validate
+from . import eager_ext, graph_contexts, layer_calls, layer_handles, validate
 from .layer import Layer, get_layer
 from . import op_library
 
@@ -96,7 +96,8 @@ def _moe_forward(handle: Tensor, layer: int, x: Tensor, experts: Tensor, gates: 
     validate.check_forward(h, x, experts, gates, w1, w2)
     w1c, w2c = _layer_weights(h, w1, w2)
     keep = _keep(h, w1, w2, w1c, w2c, save_context)
-    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing)
+    return layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, keep_casts=keep, check_routing=check_routing,
+                               hold=save_context and _hooks_copy_saved())
 
 
 def _moe_forward_fake(handle, layer, x, experts, gates, w1, w2, save_context=True, check_routing=True):
@@ -119,7 +120,7 @@ def _moe_forward_capturable(handle: Tensor, layer: int, x: Tensor, experts: Tens
     validate.check_capturable_args(h, row_bytes, keep_casts)
     w1c, w2c = _layer_weights(h, w1, w2)
     y, ctx, rows = layer_calls.forward(h, x, experts, gates, w1c, w2c, save_context, check_routing=check_routing,
-                                       device_ctx=True)
+                                       device_ctx=True, hold=save_context and _hooks_copy_saved())
     if _keeps_casts(h, w1, keep_casts, save_context):
         return y, ctx, rows, w1c, w2c
     act = validate.ACT_DTYPE[h.backend]
@@ -258,7 +259,7 @@ def _setup_context(ctx, inputs, output):
     ctx.backward_ran = False
     ctx.save_for_backward(handle, context, w1, w2)
     if save_context:
-        _hold_ctx_past_copies(ctx, context)
+        _keep_by_node(ctx, handle, layer, context, capturable=False)
 
 
 def _setup_capturable_context(ctx, inputs, output):
@@ -270,6 +271,30 @@ def _setup_capturable_context(ctx, inputs, output):
     ctx.saved_context = save_context
     ctx.backward_ran = False
     ctx.save_for_backward(handle, context, rows, w1c, w2c, w1, w2)
+    if save_context:
+        _keep_by_node(ctx, handle, layer, context, capturable=True)
+
+
+def _keep_by_node(ctx, handle, layer, context: Tensor, capturable: bool) -> None:
+    """A forward under saved-tensor hooks that may copy ctx keeps its context past the death of the ctx it returned
+    (_hooks_copy_saved; held by the layer until its backward or close). Called eagerly (real tensors; not while
+    AOTAutograd traces, whose compiled graphs keep the layer's hold), the hold moves to the autograd node: the node keeps
+    the original ctx alive, so a graph dropped without backward still releases the context."""
+    if type(context) is not torch.Tensor or type(handle) is not torch.Tensor:
+        return  # traced (FakeTensor, FunctionalTensor): the compiled graph's runs keep the layer's hold
+    native = layer_handles.resolve(handle, layer)._native
+    if not capturable and not native.held:
+        return  # nothing held (no such hooks): the common case, without the lock
+    with native.lock:
+        if capturable:
+            moved = graph_contexts.keep_by_node(native, context)
+        else:
+            token = layer_calls.context_token(context)
+            moved = native.held.get(token) is context
+            if moved:
+                del native.held[token]
+    if moved:
+        ctx.held_ctx = context  # an int64 tensor no gradient flows through: no reference cycle
 
 
 def _autograd_formula(backward_op, capturable: bool):
@@ -344,15 +369,15 @@ def _recomputes(hooks) -> bool:
     return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
-def _hold_ctx_past_copies(ctx, context: Tensor) -> None:
-    """The plain ops' context lives as long as the ctx tensor the forward returned (layer_calls._context_tensor).
-    A hook that copies saved tensors, CPU ones too (save_on_cpu(pin_memory=True)), drops that tensor after the
-    forward: the node keeps it then, and the backward finds the context by the token its copy holds.
-    Checkpointing's hooks drop it so that the context and its rows go back after the forward (the recomputation
-    makes another): not kept then."""
+def _hooks_copy_saved() -> bool:
+    """Whether saved-tensor hooks other than checkpointing's are set (save_on_cpu, activation offloading, a caller's
+    torch.autograd.graph.saved_tensors_hooks), read by the ops' kernels when they run (also inside a compiled graph,
+    whose saved activations pass through the hooks set when it runs). Such hooks may hand the backward a copy of ctx
+    and drop the tensor the forward returned, whose death would otherwise release the context (a dropped graph): the
+    context is then held until its backward or the layer's close (layer_calls.forward's hold). Checkpointing's hooks
+    drop the saved tensors on purpose (the recomputation makes another context): not held."""
     hooks = _saved_tensor_hooks()
-    if hooks is not None and not _recomputes(hooks):
-        ctx.held_ctx = context  # a CPU int64 tensor no gradient flows through: no reference cycle
+    return hooks is not None and not _recomputes(hooks)
 
 
 def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor, *, check_routing: bool = True) -> Tensor:
@@ -371,7 +396,7 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     # (the C++ path's node would keep them to the backward); under other hooks the C++ path, whose rows no hook can
     # move, else the plain ops, whose rows are the library's (the capturable ops' rows are a saved device tensor,
     # which save_on_cpu would move while the context points into it).
-    hooks = _saved_tensor_hooks() if save and (direct or not torch.compiler.is_compiling()) else None
+    hooks = _saved_tensor_hooks() if save and not torch.compiler.is_compiling() else None
     if direct and save and (hooks is None or not _recomputes(hooks)):  # the C++ path (eager_ext.py), where it is
         y = eager_ext.forward(h, x, experts, gates, w1, w2)          # built and no capture runs
         if y is not None:
