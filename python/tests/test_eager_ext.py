@@ -476,7 +476,8 @@ def test_cuda_keep_weight_casts_set_after_the_first_call_keeps_the_casts(ext):
     layer = rt.Layer(H, F, E, K, n, world_size=1, backend="cuda", expert_compute="cutlass")
     g = torch.Generator().manual_seed(5)
     x, ids, gates, w1, w2 = ref.draw_inputs(1, n, H, F, E, K, "zipf", g)
-    x, ids, gates, w1, w2 = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev), w1.to(dev), w2.to(dev)
+    x, ids, gates = x.to(dev).bfloat16(), ids.to(dev), gates.to(dev)
+    w1, w2 = w1.to(dev, torch.float32), w2.to(dev, torch.float32)  # master weights: cast to bf16 in every forward
     casts = (w1.numel() + w2.numel()) * 2  # their bf16 bytes
     held = {}
     for keep in (False, True, False):
