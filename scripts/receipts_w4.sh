@@ -109,6 +109,8 @@
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
+#   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
+#              training with a large global batch runs it), 100 steps, each model in its own process
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
 #              capturable ops recorded in the graphs, one rank a process), rdep --capturable-ops off
 #              (train2rdep, train2rdepp: its two rdep runs alone; TorchTitan's all-to-all has a new shape each step,
@@ -545,6 +547,16 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
   # shellcheck disable=SC2046
   run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
+}
+stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
+  pip_wheels
+  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps 100 --agree-from 50 --agree-to 100)
+  # shellcheck disable=SC2046
+  run train_w1_pairga_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan "${ga[@]}" \
+    --json "$R/train_w1_pairga_tt.json"
+  # shellcheck disable=SC2046
+  run train_w1_pairga_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
+    --json "$R/train_w1_pairga_rdep.json"
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels

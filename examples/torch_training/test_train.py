@@ -162,3 +162,24 @@ def test_keep_weight_casts_choice_reaches_each_moe_layer(choice, want):
     a = train.parse_args(TINY + ["--moe", "rdep", "--layers", "3"] + choice)
     model = train.build_model("rdep", train.model_config(a), a, train.Dist("cpu"))
     assert [m.moe.layer.keep_weight_casts for m in model.moe_layers()] == want
+
+
+def test_grad_accum_steps_once_per_micro_batches():
+    """--grad-accum 2: a step is two micro-batches (batches 2s and 2s + 1), their mean loss recorded, twice the tokens.
+    With the weights and the expert bias held (lr 0, bias rate 0) every forward sees the initial model, so step s's loss
+    is the mean of the single-micro-batch run's losses of batches 2s and 2s + 1 (to fp32 rounding), for rdep and the
+    torch reference alike; and a refused value is named."""
+    held = ["--lr", "0", "--bias-rate", "0", "--clip", "0", "--moe", "both", "--baseline", "reference"]
+    base = [a for a in TINY]
+    base[base.index("--steps") + 1] = "4"
+    single = train.main(base + held)
+    base[base.index("--steps") + 1] = "2"
+    accum = train.main(base + held + ["--grad-accum", "2"])
+    assert accum["config"]["tokens_per_step"] == 2 * single["config"]["tokens_per_step"]
+    for one, two in zip(single["variants"], accum["variants"]):
+        assert one["label"] == two["label"] and len(two["loss"]) == 2
+        for s in range(2):
+            want = (one["loss"][2 * s] + one["loss"][2 * s + 1]) / 2
+            assert two["loss"][s] == pytest.approx(want, rel=1e-5, abs=1e-6), (two["label"], s)
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--grad-accum", "0"])

@@ -93,7 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--route-scale", type=float, default=d.route_scale)
     m.add_argument("--seq-len", type=int, default=d.seq_len)
     t = p.add_argument_group("training")
-    t.add_argument("--batch", type=int, default=8, help="sequences per process per step")
+    t.add_argument("--batch", type=int, default=8, help="sequences per process per micro-batch (per step with --grad-accum 1)")
+    t.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step: each one's forward and backward (gradients summed, the loss scaled by "
+                        "1/N), then the gradients' sync, the clip, the optimizer and the expert-bias update once per step, "
+                        "as training with a large global batch runs them (default 1: every step one micro-batch)")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup", type=int, default=20, help="linear LR warmup steps (then cosine to 10%%)")
@@ -157,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                "both models are resident; run without --interleave"),
               (a.memory_step >= 0 and a.device != "cuda", "--memory-step: needs --device cuda (torch's CUDA allocator)"),
               (bool(a.memory_snapshot) and a.memory_step < 0, "--memory-snapshot: needs --memory-step S (the step recorded)"),
-              (bool(a.profile_trace) and a.profile_steps <= 0, "--profile-trace: needs --profile-steps N")]
+              (bool(a.profile_trace) and a.profile_steps <= 0, "--profile-trace: needs --profile-steps N"),
+              (a.grad_accum < 1, f"--grad-accum: expected an int >= 1, got {a.grad_accum}")]
     for bad, why in refuse:
         if bad:
             p.error(why)
@@ -300,7 +305,7 @@ def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd:
             if hasattr(inductor_config, "graph_partition"):  # capture around rdep's ops rather than skip their graphs
                 inductor_config.graph_partition = True
         model.compile(mode=a.compile_mode)  # in place: the module and its MoE layers stay reachable as before
-    tokens_global = a.batch * cfg.seq_len * dd.world
+    tokens_global = a.batch * cfg.seq_len * dd.world * a.grad_accum
     v = VariantRun(kind, note, model, corpus, a, dd, tokens_global, measure_memory)
     dd.print(f"\n=== {v.describe()}, W={dd.world}, {tokens_global} tokens/step" + (f"\n    note: {note}" if note else ""))
     if kind == "rdep" and model.moe_layers():
@@ -462,7 +467,7 @@ def main(argv=None) -> dict:
 
     receipt = {
         "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,
-                   "tokens_per_step": a.batch * cfg.seq_len * dd.world},
+                   "tokens_per_step": a.batch * cfg.seq_len * dd.world * a.grad_accum},
         "torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
         "cuda": torch.version.cuda if cuda else None,
         "corpus": {"name": "pydoc_data.topics (CPython language reference / library topics)",

@@ -122,7 +122,8 @@ class VariantRun:
     def step(self, step: int) -> bool:
         """Trains one step; False (and no more steps) when the loss is not finite."""
         a, dd, cuda = self.a, self.dd, self.cuda
-        x, y = self.corpus.batch("train", step, a.seed, dd.rank, dd.world, a.batch, dd.device)
+        n = a.grad_accum  # micro-batch i of step s is batch s * n + i (with n = 1, batch s)
+        micro = [self.corpus.batch("train", step * n + i, a.seed, dd.rank, dd.world, a.batch, dd.device) for i in range(n)]
         lr = lr_at(step, a)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -133,7 +134,7 @@ class VariantRun:
         phases = PhasePeaks(dd, self.memory and step == a.memory_step,
                             f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
         try:
-            loss, gnorm, loads = self._train_step(x, y, phases)
+            loss, gnorm, loads = self._train_step(micro, phases)
             dd.sync()
         except BaseException:
             phases.stop_recording()
@@ -159,15 +160,21 @@ class VariantRun:
             for m in self.model.moe_layers():
                 m.moe.layer.check_errors()
 
-    def _train_step(self, x, y, phases):
-        """(loss, the gradient norm on the device, each MoE layer's expert load)."""
+    def _train_step(self, micro, phases):
+        """(the micro-batches' mean loss, the gradient norm on the device, each MoE layer's expert load over the step)."""
         if self.a.compile_mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's graph outputs may be reused
-        with self.autocast:
-            loss, router_loss = self.model(x, y)
-        phases.mark("forward")
-        (loss + router_loss).backward()
-        phases.mark("backward")
+            # A new step: the last step's graph outputs may be reused. Once a step, not once a micro-batch: the
+            # gradients a micro-batch's backward leaves in .grad (graph outputs) are still alive for the next one.
+            torch.compiler.cudagraph_mark_step_begin()
+        total, scale = None, 1.0 / len(micro)
+        for i, (x, y) in enumerate(micro):
+            with self.autocast:
+                loss, router_loss = self.model(x, y)
+            phases.mark("forward" if i == 0 else f"forward.{i}")  # each micro-batch's phases kept apart
+            ((loss + router_loss) * scale if scale != 1.0 else loss + router_loss).backward()
+            phases.mark("backward" if i == 0 else f"backward.{i}")
+            total = loss.detach().clone() if total is None else total + loss.detach()
+        loss = total * scale if scale != 1.0 else total
         sync_gradients(self.experts, self.dense, self.dd)
         gnorm = clip_gradients(self.experts, self.dense, self.a.clip, self.dd)
         phases.mark("clip")
