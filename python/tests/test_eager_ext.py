@@ -279,12 +279,15 @@ HOOKS_EXPECT = {  # how: (live contexts after the forward, the C++ path taken)
 }
 
 
+@pytest.mark.parametrize("path", ["cpp", "python"])
 @pytest.mark.parametrize("how", HOOKS)
-def test_saved_tensor_hooks(ext, how):
+def test_saved_tensor_hooks(ext, how, path):
     """Activation checkpointing and save_on_cpu act on autograd's saved tensors. Non-reentrant checkpointing drops them
     after the forward (the plain ops then release the context, and its rows, at once: the memory checkpointing is for)
     and recomputes the forward inside the backward, stopping the recomputation early by raising from a saved-tensor hook;
-    that exception must reach checkpointing as itself, and the layer's lock must be free after. The same outputs and
+    that exception must reach checkpointing as itself, and the layer's lock must be free after. The Python path takes
+    the plain ops under save_on_cpu too; a pinned copy drops the ctx tensor the forward returned (whose buffer releases
+    the context when freed), so the node keeps it and the backward finds the context by its copy. The same outputs and
     gradients as without the hooks, bit for bit; no context left."""
     import threading
 
@@ -292,17 +295,22 @@ def test_saved_tensor_hooks(ext, how):
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
     dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(9))
     out = {}
-    for mode in ("plain", how):
-        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-        y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
-        gc.collect()
-        live, cpp = HOOKS_EXPECT[mode]
-        assert layer.live_contexts == live, f"{mode}: {layer.live_contexts} contexts alive after the forward"
-        if not mode.endswith("reentrant"):  # reentrant checkpointing's node is its own
-            assert (type(y.grad_fn).__name__ == "CppFunction") == cpp, f"{mode}: grad_fn {type(y.grad_fn).__name__}"
-        y.backward(dy)
-        out[mode] = [y.detach()] + [t.grad for t in leaves]
-        del y
+    eager_ext.enabled = path == "cpp"
+    try:
+        for mode in ("plain", how):
+            leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
+            y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
+            gc.collect()
+            live, cpp = HOOKS_EXPECT[mode]
+            assert layer.live_contexts == live, f"{mode}: {layer.live_contexts} contexts alive after the forward"
+            if not mode.endswith("reentrant"):  # reentrant checkpointing's node is its own
+                got = type(y.grad_fn).__name__ == "CppFunction"
+                assert got == (cpp and path == "cpp"), f"{mode}: grad_fn {type(y.grad_fn).__name__}"
+            y.backward(dy)
+            out[mode] = [y.detach()] + [t.grad for t in leaves]
+            del y
+    finally:
+        eager_ext.enabled = True
     got = []  # the layer's lock, taken from another thread: free (a lock left held would hang the next call)
 
     def take():
@@ -321,28 +329,6 @@ def test_saved_tensor_hooks(ext, how):
         assert torch.equal(a, b), f"{name}: differs under {how}"
 
 
-@pytest.mark.parametrize("how", ["save_on_cpu", "save_on_cpu_pinned"])
-def test_saved_tensor_hooks_on_the_python_path(python_path, how):
-    """The Python path under save_on_cpu takes the plain ops. A pinned copy drops the ctx tensor the forward returned
-    (whose buffer releases the context when freed): the node keeps it, and the backward finds the context by its copy."""
-    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
-    x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
-    dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(9))
-    out = {}
-    for mode in ("plain", how):
-        leaves = [t.clone().requires_grad_(True) for t in (x, gates, w1, w2)]
-        y = _forward_under(mode, lambda a, b, c, d: rt.moe(layer, a, ids, b, c, d), leaves)
-        gc.collect()
-        assert layer.live_contexts == 1 and type(y.grad_fn).__name__ != "CppFunction"
-        y.backward(dy)
-        out[mode] = [y.detach()] + [t.grad for t in leaves]
-        del y
-        gc.collect()
-        assert layer.live_contexts == 0
-    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), out["plain"], out[how]):
-        assert torch.equal(a, b), f"{name}: differs under {how}"
-
-
 # CUDA: the layers the training example and the benchmarks run, the C++ path against the Python path, bit for bit.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
@@ -354,6 +340,16 @@ CUDA_CASES = {
     "W2_cublaslt_fp32_master_keep_casts": (dict(expert_compute="cublaslt", keep_weight_casts=True), 2, torch.float32),
     "W4_cutlass_bf16_zipf": (dict(expert_compute="cutlass"), 4, torch.bfloat16),
 }
+
+
+def _backward_after_reuse(layer, dev, dy, *ys):
+    """The backwards of ys in order, after other work took the freed memory (four 0xFF buffers of the layer's row bytes):
+    a context still reading a freed arena, or one a hook moved, would read these bytes."""
+    junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
+    for y in ys:
+        y.backward(dy)
+    del junk
+    torch.cuda.synchronize()
 
 
 @cuda
@@ -389,11 +385,7 @@ def test_cuda_saved_tensor_hooks_keep_the_context_rows(ext, how, path):
                 assert layer.live_contexts == 0 and held <= 0, f"checkpointed forward kept {held} bytes"
             else:
                 assert layer.live_contexts == 1
-            # Other work between the forward and the backward reuses freed memory (a freed arena would be overwritten).
-            junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
-            y.backward(dy)
-            del junk
-            torch.cuda.synchronize()
+            _backward_after_reuse(layer, dev, dy, y)
             out[mode] = [y.detach()] + [t.grad for t in leaves]
             del y
             gc.collect()
@@ -447,15 +439,9 @@ def test_cuda_compiled_capturable_ops_follow_rows_a_hook_moved(ext, monkeypatch,
                 y_other = compiled(*other)  # a second forward before the first backward, on other inputs
             gc.collect()
             assert layer.live_contexts == 2  # read: a sweep, which must not release the held contexts
-        # Other work between the forward and the backward takes the freed bytes (the hook's copy then lands elsewhere,
-        # and a context still reading the old rows would read these).
-        junk = [torch.full((layer.row_bytes,), 0xFF, dtype=torch.uint8, device=dev) for _ in range(4)]
-        y.backward(dy)
+        _backward_after_reuse(layer, dev, dy, *([y, y_other] if mode == "compiled" else [y]))
         if mode == "compiled":
-            y_other.backward(dy)
             del y_other, other
-        del junk
-        torch.cuda.synchronize()
         out[mode] = [y.detach()] + [t.grad for t in leaves]
         del y
         gc.collect()
