@@ -283,8 +283,12 @@ def _keep_by_node(ctx, handle, layer, context: Tensor, capturable: bool) -> None
     if type(context) is not torch.Tensor or type(handle) is not torch.Tensor:
         return  # traced (FakeTensor, FunctionalTensor): the compiled graph's runs keep the layer's hold
     native = layer_handles.resolve(handle, layer)._native
-    if not capturable and not native.held:
-        return  # nothing held (no such hooks): the common case, without the lock
+    if capturable:
+        e = native.by_address.get(context.data_ptr())
+        if e is None or not e.held:
+            return  # not held (no such hooks): the common case, without the lock
+    elif not native.held:
+        return
     with native.lock:
         if capturable:
             moved = graph_contexts.keep_by_node(native, context)
@@ -394,8 +398,8 @@ def moe(layer, x: Tensor, experts: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     # Saved-tensor hooks (_saved_tensor_hooks), read where the call runs eagerly (not while torch.compile traces):
     # under checkpointing's the plain ops, whose context and rows go back with the ctx tensor the checkpoint drops
     # (the C++ path's node would keep them to the backward); under other hooks the C++ path, whose rows no hook can
-    # move, else the plain ops, whose rows are the library's (the capturable ops' rows are a saved device tensor,
-    # which save_on_cpu would move while the context points into it).
+    # move, else the plain ops, whose rows are the library's (the capturable ops' rows are a saved device tensor, which
+    # save_on_cpu moves: their context follows the copy, graph_contexts.follow_rows, which compiled graphs need).
     hooks = _saved_tensor_hooks() if save and not torch.compiler.is_compiling() else None
     if direct and save and (hooks is None or not _recomputes(hooks)):  # the C++ path (eager_ext.py), where it is
         y = eager_ext.forward(h, x, experts, gates, w1, w2)          # built and no capture runs
