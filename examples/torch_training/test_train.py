@@ -164,22 +164,48 @@ def test_keep_weight_casts_choice_reaches_each_moe_layer(choice, want):
     assert [m.moe.layer.keep_weight_casts for m in model.moe_layers()] == want
 
 
-def test_grad_accum_steps_once_per_micro_batches():
-    """--grad-accum 2: a step is two micro-batches (batches 2s and 2s + 1), their mean loss recorded, twice the tokens.
-    With the weights and the expert bias held (lr 0, bias rate 0) every forward sees the initial model, so step s's loss
-    is the mean of the single-micro-batch run's losses of batches 2s and 2s + 1 (to fp32 rounding), for rdep and the
-    torch reference alike; and a refused value is named."""
-    held = ["--lr", "0", "--bias-rate", "0", "--clip", "0", "--moe", "both", "--baseline", "reference"]
+def test_grad_accum_steps_once_per_micro_batches(monkeypatch):
+    """--grad-accum 2: a step is two micro-batches (batches 2s and 2s + 1), their mean loss recorded, twice the tokens,
+    one optimizer step and one expert-bias update per MoE layer a step. With the weights and the expert bias held (lr 0,
+    bias rate 0, no clip) every forward sees the initial model, so step s's loss is the mean of the single-micro-batch
+    run's losses of batches 2s and 2s + 1, and the gradients the optimizer is given are the mean of those two runs'
+    (to fp32 rounding; rdep and the torch reference alike for the losses); a refused value is named."""
+    import torch
+
+    import rdep.torch as rt
+
+    grads, bias_updates = [], []
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: grads.append([p.grad.detach().clone() if p.grad is not None else None
+                                                for grp in opt.param_groups for p in grp["params"]]))
+    update = rt.MoE.update_expert_bias
+    monkeypatch.setattr(rt.MoE, "update_expert_bias", lambda self, *a, **k: bias_updates.append(1) or update(self, *a, **k))
+    held = ["--lr", "0", "--bias-rate", "0", "--clip", "0"]
     base = [a for a in TINY]
-    base[base.index("--steps") + 1] = "4"
-    single = train.main(base + held)
-    base[base.index("--steps") + 1] = "2"
-    accum = train.main(base + held + ["--grad-accum", "2"])
+    try:
+        base[base.index("--steps") + 1] = "4"
+        single = train.main(base + held + ["--moe", "both", "--baseline", "reference"])
+        single_grads = grads[:4]  # rdep's run first
+        base[base.index("--steps") + 1] = "2"
+        grads.clear()
+        bias_updates.clear()
+        accum = train.main(base + held + ["--moe", "both", "--baseline", "reference", "--grad-accum", "2"])
+    finally:
+        hook.remove()
     assert accum["config"]["tokens_per_step"] == 2 * single["config"]["tokens_per_step"]
+    assert len(grads) == 4 and len(bias_updates) == 2  # 2 steps a model; rdep's one MoE layer updated once a step
     for one, two in zip(single["variants"], accum["variants"]):
         assert one["label"] == two["label"] and len(two["loss"]) == 2
         for s in range(2):
             want = (one["loss"][2 * s] + one["loss"][2 * s + 1]) / 2
             assert two["loss"][s] == pytest.approx(want, rel=1e-5, abs=1e-6), (two["label"], s)
+    for s in range(2):
+        for i, (got, g0, g1) in enumerate(zip(grads[s], single_grads[2 * s], single_grads[2 * s + 1])):
+            if got is None:
+                assert g0 is None and g1 is None
+                continue
+            torch.testing.assert_close(got, (g0 + g1) / 2, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {s} param {i}: {m}")
     with pytest.raises(SystemExit):
         train.main(TINY + ["--grad-accum", "0"])

@@ -166,15 +166,16 @@ class VariantRun:
             # A new step: the last step's graph outputs may be reused. Once a step, not once a micro-batch: the
             # gradients a micro-batch's backward leaves in .grad (graph outputs) are still alive for the next one.
             torch.compiler.cudagraph_mark_step_begin()
-        total, scale = None, 1.0 / len(micro)
+        losses, scale = [], 1.0 / len(micro)
         for i, (x, y) in enumerate(micro):
             with self.autocast:
                 loss, router_loss = self.model(x, y)
             phases.mark("forward" if i == 0 else f"forward.{i}")  # each micro-batch's phases kept apart
             ((loss + router_loss) * scale if scale != 1.0 else loss + router_loss).backward()
             phases.mark("backward" if i == 0 else f"backward.{i}")
-            total = loss.detach().clone() if total is None else total + loss.detach()
-        loss = total * scale if scale != 1.0 else total
+            # A copy per micro-batch (a graph output's memory may be reused by the next replay); none with one.
+            losses.append(loss.detach() if len(micro) == 1 else loss.detach().clone())
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         sync_gradients(self.experts, self.dense, self.dd)
         gnorm = clip_gradients(self.experts, self.dense, self.a.clip, self.dd)
         phases.mark("clip")

@@ -281,7 +281,7 @@ HOOKS_EXPECT = {  # how: (live contexts after the forward, the C++ path taken)
 
 @pytest.mark.parametrize("path", ["cpp", "python"])
 @pytest.mark.parametrize("how", HOOKS)
-def test_saved_tensor_hooks(ext, how, path):
+def test_saved_tensor_hooks(how, path):
     """Activation checkpointing and save_on_cpu act on autograd's saved tensors. Non-reentrant checkpointing drops them
     after the forward (the plain ops then release the context, and its rows, at once: the memory checkpointing is for)
     and recomputes the forward inside the backward, stopping the recomputation early by raising from a saved-tensor hook;
@@ -291,6 +291,8 @@ def test_saved_tensor_hooks(ext, how, path):
     gradients as without the hooks, bit for bit; no context left."""
     import threading
 
+    if path == "cpp" and eager_ext.module() is None:
+        pytest.skip(f"rdep.torch's eager C++ path is not built here: {eager_ext._failed or 'RDEP_TORCH_EAGER_EXT=0'}")
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
     x, ids, gates, w1, w2 = make_inputs(layer, 16, "zipf", seed=8)
     dy = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(9))
@@ -309,6 +311,8 @@ def test_saved_tensor_hooks(ext, how, path):
             y.backward(dy)
             out[mode] = [y.detach()] + [t.grad for t in leaves]
             del y
+            gc.collect()
+            assert layer.live_contexts == 0, f"{mode}: a context left after the backward"
     finally:
         eager_ext.enabled = True
     got = []  # the layer's lock, taken from another thread: free (a lock left held would hang the next call)

@@ -87,33 +87,60 @@ def test_eager_forward_under_copying_hooks_dropped_without_backward_releases_its
     assert layer.live_contexts == 0
 
 
-def test_compiled_forward_under_copying_hooks_dropped_without_backward_is_kept_until_close():
+@pytest.mark.parametrize("kind", ["plain", "capturable"])
+def test_compiled_forward_under_copying_hooks_dropped_without_backward_is_held_until_released(kind):
     """A compiled forward under such hooks whose graph is dropped without backward: the hooks hid the drop (its ctx's
-    death no longer says it), so its context is kept until the layer closes."""
-    layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
-    x, ids, g, w1, w2 = make_inputs(layer, 16, "uniform", seed=7)
-    compiled = torch.compile(_calls(layer, "plain"), backend="aot_eager", fullgraph=True)
-    with _pinned_save_on_cpu():
-        y = compiled(x.requires_grad_(True), ids, g, w1, w2)
-    del y
-    gc.collect()
-    assert layer.live_contexts == 1
-    layer.close()
+    death no longer says it), so its context is held until Layer.release_held_contexts() (or close()); a layer dropped
+    without either is still collected (the hold keeps nothing that keeps the layer), closing its C layer."""
+    import weakref
+
+    for release in (True, False):
+        layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
+        x, ids, g, w1, w2 = make_inputs(layer, 16, "uniform", seed=7)
+        compiled = torch.compile(_calls(layer, kind), backend="aot_eager", fullgraph=True)
+        with _pinned_save_on_cpu():
+            y = compiled(x.requires_grad_(True), ids, g, w1, w2)
+        del y
+        gc.collect()
+        assert layer.live_contexts == 1
+        if release:
+            assert layer.release_held_contexts() == 1
+            assert layer.live_contexts == 0 and layer.release_held_contexts() == 0
+            continue
+        native = weakref.ref(layer._native)
+        del layer, compiled, x, ids, g, w1, w2
+        torch._dynamo.reset()  # its caches hold the compiled function, whose closure holds the layer
+        gc.collect()
+        assert native() is None, "the held context kept the layer's native state alive"
 
 
 def test_rows_of_another_forward_or_misaligned_are_refused():
-    """graph_contexts.follow_rows: a rows tensor that is another live entry's (a direct op call given the wrong rows)
-    is refused naming both contexts, and a copy a hook returned misaligned is refused naming rows."""
+    """graph_contexts.follow_rows: a rows tensor that is another live entry's, still where its forward left it (a direct
+    op call given the wrong rows), is refused naming both contexts; at the old address of another entry's rows that
+    died (a hook moved them, and this copy took their freed bytes) it is not. A copy a hook returned misaligned is
+    refused naming rows."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def aligned(n):  # a 256-byte aligned uint8 view (the CPU allocator aligns less)
+        buf = torch.empty(n + 256, dtype=torch.uint8)
+        off = (-buf.data_ptr()) % 256
+        return buf[off:off + n]
+
     layer = rt.Layer(8, 6, 6, 2, 16, world_size=2)
     native = layer._native
-    mine, other = torch.empty(1024, dtype=torch.uint8), torch.empty(1024, dtype=torch.uint8)
-    a = graph_contexts.Entry(c_id=1 << 32, address=1, storage=None, rows_at=mine.data_ptr(), rows_bytes=512)
-    b = graph_contexts.Entry(c_id=2 << 32, address=2, storage=None, rows_at=other.data_ptr(), rows_bytes=512)
+    mine, other = aligned(1024), aligned(1024)
+    a = graph_contexts.Entry(c_id=1 << 32, address=1, storage=None, rows_at=mine.data_ptr(), rows_bytes=512,
+                             rows_storage=StorageWeakRef(mine.untyped_storage()))
+    b = graph_contexts.Entry(c_id=2 << 32, address=2, storage=None, rows_at=other.data_ptr(), rows_bytes=512,
+                             rows_storage=StorageWeakRef(other.untyped_storage()))
     native.by_address.update({1: a, 2: b})
     try:
         with pytest.raises(rdep.FailedPreconditionError, match=r"rows: this tensor holds another forward's saved rows .*"
                                                               r"context 2\), not those of ctx's \(context 1\)"):
             graph_contexts.follow_rows(layer, a, other, capturing_now=False)
+        b.rows_storage = StorageWeakRef(torch.empty(8, dtype=torch.uint8).untyped_storage())  # b's rows died
+        with pytest.raises(rdep.InvalidArgumentError, match="rdep_context_rebase_rows: context 4294967296 is not a live"):
+            graph_contexts.follow_rows(layer, a, other, capturing_now=False)  # followed (a here is no real context)
         off = (-mine.data_ptr()) % 256 + 8  # 8 bytes past a 256-byte boundary
         with pytest.raises(rdep.FailedPreconditionError, match="not 256-byte aligned"):
             graph_contexts.follow_rows(layer, a, mine[off:off + 512], capturing_now=False)

@@ -52,6 +52,7 @@ class Entry:
     backward_ran: bool = False
     rows_at: int = 0         # the address of the rows tensor (the arena) whose pieces the context's saved rows are
     rows_bytes: int = 0      # and its bytes (0: none)
+    rows_storage: StorageWeakRef | None = None  # that tensor's storage (a hook's copy replaces it: follow_rows)
     held: bool = False       # saved-tensor hooks may have copied ctx: kept (not swept) until its backward or close
 
 
@@ -85,11 +86,11 @@ def sweep(native) -> None:
         native.release(e.c_id, e.c_id >> 32)
 
 
-def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: tuple[int, int] = (0, 0),
+def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: torch.Tensor | None = None,
                    held: bool = False) -> torch.Tensor:
     """A new ctx for the context c_id (call under native.lock, after `sweep`): registered by address, with
     its token in native.live (so that casts kept for its backward are found as the plain ops' are). rows: the
-    (address, bytes) of the arena the forward took the context's saved rows from. held: see Entry."""
+    arena the forward took the context's saved rows from, if any. held: see Entry."""
     ctx = torch.full((), c_id >> 32, dtype=torch.int64, device=device)
     address = ctx.data_ptr()
     old = native.by_address.pop(address, None)  # an address is reused only once its old ctx was freed
@@ -97,8 +98,10 @@ def context_tensor(native, c_id: int, device: torch.device, pinned: bool, rows: 
         native.displaced.append(old)  # still found by its token (a replayed forward's ctx, or a hook's copy, holds it)
     elif old is not None:
         native.release(old.c_id, old.c_id >> 32)
-    native.by_address[address] = Entry(c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned, rows_at=rows[0],
-                                       rows_bytes=rows[1], held=held)
+    native.by_address[address] = Entry(
+        c_id, address, StorageWeakRef(ctx.untyped_storage()), pinned, held=held,
+        rows_at=rows.data_ptr() if rows is not None else 0, rows_bytes=rows.numel() if rows is not None else 0,
+        rows_storage=StorageWeakRef(rows.untyped_storage()) if rows is not None else None)
     native.live[c_id >> 32] = c_id
     if pinned:
         native.pinned.add(c_id)
@@ -129,6 +132,19 @@ def entry_of(native, ctx: torch.Tensor, capturing_now: bool = False):
 def native_entries(native):
     """Every unreleased entry: by address and displaced (under native.lock)."""
     return list(native.by_address.values()) + native.displaced
+
+
+def release_held(native) -> int:
+    """Releases every held context, the capturable ops' entries and the plain ops' (Layer.release_held_contexts; under
+    native.lock); returns how many."""
+    entries = [e for e in native_entries(native) if e.held and not e.pinned]
+    for e in entries:
+        forget(native, e)
+        native.release(e.c_id, e.c_id >> 32)
+    plain = list(native.held.items())
+    for token, c_id in plain:
+        native.release(c_id, token)
+    return len(entries) + len(plain)
 
 
 def release_pinned(native) -> int:
@@ -167,7 +183,9 @@ def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> Non
     replays read the recorded addresses): refused, naming the cause."""
     if not e.rows_bytes or rows.data_ptr() == e.rows_at:
         return
-    others = [o for o in list(native_entries(layer._native)) if o is not e and o.rows_bytes and o.rows_at == rows.data_ptr()]
+    # Another forward's rows, still alive where it left them (a dead one's old address may hold this copy now).
+    others = [o for o in native_entries(layer._native) if o is not e and o.rows_bytes and o.rows_at == rows.data_ptr()
+              and o.rows_storage is not None and not o.rows_storage.expired()]
     if others:
         raise FailedPreconditionError(
             f"rows: this tensor holds another forward's saved rows (layer {layer.id}'s context {others[0].c_id >> 32}), "
@@ -186,7 +204,7 @@ def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> Non
     lib = _capi.lib()
     _capi.check(lib.rdep_context_rebase_rows(layer._live_ptr(), e.c_id, e.rows_at, e.rows_bytes, rows.data_ptr()),
                 "rdep_context_rebase_rows")
-    e.rows_at = rows.data_ptr()
+    e.rows_at, e.rows_storage = rows.data_ptr(), StorageWeakRef(rows.untyped_storage())
 
 
 def after_backward(native, e: Entry, capturing_now: bool) -> None:
@@ -206,8 +224,8 @@ def forget(native, e: Entry) -> None:
     """Drops e from the lookups (under native.lock): its address, where a later ctx has not taken it, else displaced."""
     if native.by_address.get(e.address) is e:
         del native.by_address[e.address]
-    elif e in native.displaced:
-        native.displaced.remove(e)
+    else:
+        native.displaced = [d for d in native.displaced if d is not e]
 
 
 def keep_by_node(native, ctx: torch.Tensor) -> bool:

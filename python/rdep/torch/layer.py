@@ -136,9 +136,9 @@ class _Native:
         self.by_address: dict = {}
         self.pinned: set[int] = set()
         self.displaced: list = []  # pinned or held entries whose ctx address a later ctx took (found by token)
-        # The plain ops' ctx tensors kept while saved-tensor hooks that copy them may have dropped the originals (whose
-        # finalizer would release the context): token -> ctx, until the context is released (ops._hooks_copy_saved).
-        self.held: dict[int, "torch.Tensor"] = {}
+        # The plain ops' contexts held while saved-tensor hooks that copy the ctx may have dropped the original (whose
+        # death would release the context): token -> C id, until the context is released (ops._hooks_copy_saved).
+        self.held: dict[int, int] = {}
         self.row_key = next(_row_keys)  # the row allocator's `user` for this layer
         self.row_bytes = 0              # rdep_layer_row_allocator_bytes: one forward's saved rows (torch_rows)
         self.arena_used = 0             # bytes the last capturable forward took from its arena
@@ -153,7 +153,7 @@ class _Native:
                 if self.live.get(token) == c_id:
                     del self.live[token]
                     self.casts.pop(token, None)
-                    self.held.pop(token, None)  # its finalizer then releases a stale id: a no-op
+                    self.held.pop(token, None)
             if self.ptr is not None:
                 _capi.check(_capi.lib().rdep_context_release(self.ptr, c_id), "rdep_context_release")
 
@@ -565,7 +565,10 @@ class Layer(CHandle):
     def live_contexts(self) -> int:
         """Forward contexts acquired and not yet released (saved state held for a backward), not counting
         those CUDA graphs hold (pinned_contexts). The capturable ops' contexts whose graph was dropped without
-        backward are released first (graph_contexts.sweep; otherwise at the layer's next forward)."""
+        backward are released first (graph_contexts.sweep; otherwise at the layer's next forward). A forward a
+        compiled graph ran under saved-tensor hooks other than checkpointing's (save_on_cpu, offloading) is held until
+        its backward: one whose graph is dropped without it stays counted here until release_held_contexts() or
+        close()."""
         with self._native.lock:
             graph_contexts.sweep(self._native)
             return len(self._native.live) - len(self._native.pinned)
@@ -581,6 +584,14 @@ class Layer(CHandle):
         """Forward contexts that CUDA graphs recorded (graph_contexts.py): kept, with their saved rows, while
         the layer lives, since the graphs' replays write and read them."""
         return len(self._native.pinned)
+
+    def release_held_contexts(self) -> int:
+        """Releases the contexts held for forwards that ran under saved-tensor hooks other than checkpointing's inside
+        compiled graphs (whose hooks may drop the ctx tensor for a copy, so its death cannot say that the graph was
+        dropped) and whose backward has not run, returning how many. Call it when no such graph is alive (after a
+        step abandoned between forward and backward): a backward of a released forward is refused."""
+        with self._native.lock:
+            return graph_contexts.release_held(self._native)
 
     def release_graph_contexts(self) -> int:
         """Releases the contexts CUDA graphs recorded (pinned_contexts), returning how many: call it once every

@@ -72,14 +72,34 @@ def _new_io(layer: Layer):
     return (_capi.RankIO * layer.num_local_ranks)()
 
 
-def _context_tensor(layer: Layer, c_id: int) -> torch.Tensor:
+def _context_tensor(layer: Layer, c_id: int, hold: bool = False) -> torch.Tensor:
+    """The plain ops' ctx for c_id. hold: the layer holds the context (native.held, until its backward, close or
+    Layer.release_held_contexts) instead of the ctx's finalizer releasing it when the ctx dies (a hook may drop it for
+    a copy). No finalizer then: one would keep the layer's _Native alive from the finalizers' registry for as long as
+    the layer itself holds the ctx's buffer."""
     native = layer._native
     token = c_id >> 32
     buf = array.array("q", [token, c_id])
     ctx = torch.frombuffer(buf, dtype=torch.int64)[0]  # a view: its storage keeps buf (and the C id) alive
     native.live[token] = c_id
-    weakref.finalize(buf, _release_quietly, native, c_id, token)
+    if hold:
+        native.held[token] = c_id
+    else:
+        weakref.finalize(buf, _release_quietly, native, c_id, token)
     return ctx
+
+
+def keep_by_node(layer: Layer, ctx: torch.Tensor) -> bool:
+    """A held plain context (the ctx its eager forward returned, about to be kept by its autograd node): released again
+    when that ctx dies, i.e. when the node does (a finalizer on the tensor, which the node keeps alive), not by the
+    layer. Under native.lock. Whether it was held."""
+    native = layer._native
+    token, c_id = _read_context(ctx)
+    if c_id is None or native.held.get(token) != c_id:
+        return False
+    del native.held[token]
+    weakref.finalize(ctx, _release_quietly, native, c_id, token)
+    return True
 
 
 def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None, check_routing: bool = True,
@@ -144,13 +164,11 @@ def forward(layer: Layer, x, experts, gates, w1, w2, save: bool, keep_casts=None
                 return y, graph_contexts.no_context(x.device), rows
             return y, torch.full((), NO_CONTEXT, dtype=torch.int64)
         if device_ctx:
-            rows_at = (rows.data_ptr(), native.row_bytes) if native.arena_used else (0, 0)
-            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing, rows=rows_at,
+            ctx = graph_contexts.context_tensor(native, c_id.value, x.device, pinned=capturing,
+                                                rows=rows if native.arena_used else None,
                                                 held=hold and not capturing)
         else:
-            ctx = _context_tensor(layer, c_id.value)
-            if hold:
-                native.held[c_id.value >> 32] = ctx
+            ctx = _context_tensor(layer, c_id.value, hold=hold)
         if keep_casts is not None:
             native.casts[c_id.value >> 32] = (c_id.value,) + tuple(keep_casts)
         return (y, ctx, rows) if device_ctx else (y, ctx)
@@ -167,11 +185,6 @@ def kept_casts(layer: Layer, ctx):
         if kept is None or native.live.get(token) != kept[0] or (c_id_seen is not None and c_id_seen != kept[0]):
             return None
         return kept[1:]
-
-
-def context_token(ctx: torch.Tensor) -> int:
-    """The token a plain op's ctx (or a copy of it) holds."""
-    return _read_context(ctx)[0]
 
 
 def _read_context(ctx: torch.Tensor) -> tuple[int, int | None]:

@@ -280,23 +280,13 @@ def _keep_by_node(ctx, handle, layer, context: Tensor, capturable: bool) -> None
     (_hooks_copy_saved; held by the layer until its backward or close). Called eagerly (real tensors; not while
     AOTAutograd traces, whose compiled graphs keep the layer's hold), the hold moves to the autograd node: the node keeps
     the original ctx alive, so a graph dropped without backward still releases the context."""
+    if _saved_tensor_hooks() is None:
+        return  # no hooks: nothing was held (the common case; the hooks are those the kernel saw)
     if type(context) is not torch.Tensor or type(handle) is not torch.Tensor:
         return  # traced (FakeTensor, FunctionalTensor): the compiled graph's runs keep the layer's hold
-    native = layer_handles.resolve(handle, layer)._native
-    if capturable:
-        e = native.by_address.get(context.data_ptr())
-        if e is None or not e.held:
-            return  # not held (no such hooks): the common case, without the lock
-    elif not native.held:
-        return
-    with native.lock:
-        if capturable:
-            moved = graph_contexts.keep_by_node(native, context)
-        else:
-            token = layer_calls.context_token(context)
-            moved = native.held.get(token) is context
-            if moved:
-                del native.held[token]
+    h = layer_handles.resolve(handle, layer)
+    with h._native.lock:
+        moved = graph_contexts.keep_by_node(h._native, context) if capturable else layer_calls.keep_by_node(h, context)
     if moved:
         ctx.held_ctx = context  # an int64 tensor no gradient flows through: no reference cycle
 
