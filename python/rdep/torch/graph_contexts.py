@@ -123,7 +123,7 @@ def entry_of(native, ctx: torch.Tensor, capturing_now: bool = False):
     if capturing_now:
         return None
     token = int(ctx)  # a copy: read its value (on CUDA this synchronizes; only on this path)
-    for e in list(native.by_address.values()) + native.displaced:  # unreleased contexts: one per slot
+    for e in native_entries(native):  # unreleased contexts: one per slot
         if e.c_id >> 32 == token:
             return e
     return None
