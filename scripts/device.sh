@@ -8,6 +8,7 @@
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
+#   --pytest-k EXPR   run only the Python tests pytest -k EXPR selects
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
 # The device tool brings back at most 8 files from $OUT: this script writes 6 (env.txt, build.log, eager_ext.log,
@@ -26,13 +27,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export RDEP_REQUIRE_CUTLASS=${RDEP_REQUIRE_CUTLASS:-1}
 ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || [ -n "${RDEP_CUTLASS_DIR:-}" ] ||
   echo "device.sh: no .whl/nvidia_cutlass-*.whl (not carried?) and no RDEP_CUTLASS_DIR: the build will lack CUTLASS" >&2
-TESTS="" TARGETS="" BENCH=() PYTEST=1 BUDGET=570
+TESTS="" TARGETS="" BENCH=() PYTEST=1 PYTEST_K="" BUDGET=570
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=$2; shift 2 ;;
     --targets) TARGETS=$2; shift 2 ;;
     --bench|--mpi) BENCH+=("$2"); shift 2 ;;
     --no-pytest) PYTEST=0; shift ;;
+    --pytest-k) PYTEST_K=$2; shift 2 ;;
     --budget) BUDGET=$2; shift 2 ;;
     *) echo "device.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -78,7 +80,8 @@ fi
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
-    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
+    >"$OUT/pytest.log" 2>&1
   pytest_rc=$?
 fi
 t2=$(date +%s)

@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 18
+#define RDEP_CAPI_VERSION 19
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -298,6 +298,14 @@ int rdep_layer_forward_arena(rdep_layer* layer, int64_t ctx, const rdep_rank_io*
  * addresses the capture saw. FailedPrecondition when ctx holds no forward; InvalidArgument for a stale id, a null
  * or misaligned new_rows; the host backend takes no rows from an arena (0, nothing changes). */
 int rdep_context_rebase_rows(rdep_layer* layer, int64_t ctx, const void* old_rows, size_t row_bytes, void* new_rows);
+/* Version 19. ctx's forward, whose backward already ran, may run a backward again: for a context a CUDA graph
+ * recorded, whose forward's replays rewrite its saved state. CUDA graph trees (torch.compile's reduce-overhead)
+ * record a second backward node under a replayed forward node when the first one's invariants fail; that
+ * recording runs the backward's calls again on the context the forward's capture used, after the forward's replay.
+ * The caller vouches that the context's saved state is a forward's (a replay wrote it since the last backward).
+ * 0 also when ctx holds a forward no backward used yet (nothing changes); FailedPrecondition when no forward
+ * completed into ctx (or it ran through the dispatch/combine steps); InvalidArgument for a stale id. */
+int rdep_context_rearm(rdep_layer* layer, int64_t ctx);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);
 /* The rank's GPU, or -1 on the host backend. */

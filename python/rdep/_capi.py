@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 18  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 19  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -206,6 +206,7 @@ _PROTOTYPES = {
     "rdep_layer_forward_arena": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32,
                                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "rdep_context_rebase_rows": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
+    "rdep_context_rearm": (ctypes.c_int, [LayerPtr, ctypes.c_int64]),
     "rdep_layer_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
     "rdep_layer_plan": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankIO), ctypes.c_int32]),
     "rdep_context_recv_counts": (

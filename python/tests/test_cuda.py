@@ -277,25 +277,32 @@ def test_compile_fullgraph_matches_eager_cuda():
         torch.testing.assert_close(pc.grad, pe.grad, msg=k)
 
 
-def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple, device=DEV, seed: int = 11) -> None:
+def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple, device=DEV, seed: int = 11,
+                                           micro: int = 1) -> None:
     """mods[0] compiled in the default mode, mods[1] (the same weights) with mode="reduce-overhead": `steps` training
     steps with a new x each (drawn from `seed`, on `device`) give the same y, dx and parameter gradients (bf16
-    tolerances: inductor's kernels may differ between the modes)."""
+    tolerances: inductor's kernels may differ between the modes). micro > 1: gradient accumulation, `micro` forwards
+    and backwards a step (each its own x) with one cudagraph_mark_step_begin a step, as training with micro-batches
+    runs (CUDA graph trees then record a forward node per micro-batch, each with a context of its own); the gradients
+    are compared once a step, after the last micro-batch."""
     runs = [torch.compile(mods[0]), torch.compile(mods[1], mode="reduce-overhead")]
     g = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(*x_shape, generator=g).bfloat16().to(device)
+        xs = [torch.randn(*x_shape, generator=g).bfloat16().to(device) for _ in range(micro)]
         outs = []
         for run, mod in zip(runs, mods):
             torch.compiler.cudagraph_mark_step_begin()
-            xi = x.clone().requires_grad_(True)
-            o = run(xi)
-            (o.y.float().square().mean() + o.aux_loss).backward()
-            outs.append([o.y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
+            got = []
+            for x in xs:
+                xi = x.clone().requires_grad_(True)
+                o = run(xi)
+                (o.y.float().square().mean() + o.aux_loss).backward()
+                got += [o.y.detach().clone(), xi.grad.clone()]
+            outs.append(got + [p.grad.clone() for p in mod.parameters()])
             mod.zero_grad(set_to_none=True)
-        names = ["y", "dx"] + [k for k, _ in mods[0].named_parameters()]
-        for name, a, b in zip(names, outs[1], outs[0]):
-            assert_bf16_close(a, b, Y_TOL if name == "y" else GRAD_TOL, f"step {step}: {name}")
+        names = [f"{n}[{i}]" for i in range(micro) for n in ("y", "dx")] + [k for k, _ in mods[0].named_parameters()]
+        for name, a, b in zip(names, outs[1], outs[0], strict=True):
+            assert_bf16_close(a, b, Y_TOL if name.startswith("y") else GRAD_TOL, f"step {step}: {name}")
 
 
 @pytest.mark.parametrize("compute", ["cublaslt", "cutlass"])

@@ -140,6 +140,25 @@ def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts):
     torch._dynamo.reset()
 
 
+def test_reduce_overhead_with_micro_batches():
+    """Gradient accumulation under reduce-overhead (three micro-batches a step, one cudagraph_mark_step_begin a step,
+    as the training example's --grad-accum): CUDA graph trees record a forward and a backward node per micro-batch,
+    so a forward is captured while no released context is free and its context is made inside the capture (once a
+    cudaMalloc there invalidated the capture: the example's first recorded step failed). Three steps give what the
+    default mode gives, and every recorded forward pinned a context of its own."""
+    import torch._inductor.config as inductor_config
+
+    args = dict(max_tokens=32, world_size=1, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
+                expert_compute="cutlass", dtype=torch.float32)
+    mods = [rt.MoE(64, 32, 8, 2, **args) for _ in range(2)]
+    torch._dynamo.reset()
+    patch = {"graph_partition": True} if hasattr(inductor_config, "graph_partition") else {}
+    with inductor_config.patch(**patch):
+        assert_reduce_overhead_matches_default(mods, 3, (1, 32, 64), micro=3)
+    assert mods[1].layer.pinned_contexts >= 2, "reduce-overhead recorded fewer than two of the micro-batches' forwards"
+    torch._dynamo.reset()
+
+
 def test_backward_fills_no_zero_gradients_for_saved_outputs():
     """Autograd gives the outputs that carry saved state (ctx, the rows tensor, the kept casts) no gradient: no
     zero tensor is filled for them before the backward (set_materialize_grads(False); once a 36 µs memset of

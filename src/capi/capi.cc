@@ -41,6 +41,7 @@ struct ContextSlot {
   uint32_t generation = 1;
   bool in_use = false;
   bool holds_forward = false;  // a forward completed into it since it was acquired, and no backward yet
+  bool forward_ran = false;    // a forward completed into it since it was acquired (its backward may have run)
   std::vector<int64_t> plan_tokens;  // per local rank: num_tokens of the last rdep_layer_plan (empty: none)
   std::vector<rdep::ForwardContext> per_rank;  // memory kept across reuses of the slot
 };
@@ -260,6 +261,7 @@ int RowsCall(rdep_layer* l, int64_t ctx, const rdep_rank_rows* rows, int32_t cou
     if (!slot) return NoSlot(ctx);
     RDEP_RETURN_IF_ERROR(CheckRowCounts(*l, *slot, rows, step));
     slot->holds_forward = false;  // a plain backward never follows these steps
+    slot->forward_ran = false;
     return l->adapter->Rows(step, slot->per_rank, rows);
   });
 }
@@ -308,6 +310,7 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
     slot->holds_forward = false;
     slot->plan_tokens.clear();
     if (backward) return l->adapter->Backward(slot->per_rank, io);
+    slot->forward_ran = false;  // until this forward completes
     if (arena && arena->base && l->rows.alloc) {  // the buffers reserved in this call take pieces of the arena
       rdep::capi::RowArena pieces(arena->base, arena->bytes);
       RDEP_RETURN_IF_ERROR(l->adapter->SetRowAllocator(&rdep::capi::RowArena::Alloc, &rdep::capi::RowArena::Free, &pieces));
@@ -320,6 +323,7 @@ int Call(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t count, bool
       RDEP_RETURN_IF_ERROR(l->adapter->Forward(slot->per_rank, io));
     }
     slot->holds_forward = true;
+    slot->forward_ran = true;
     return rdep::Status::Ok();
   });
 }
@@ -529,6 +533,7 @@ int rdep_context_release(rdep_layer* l, int64_t ctx) {
   l->adapter->ReleaseRows(s->per_rank);  // rows from the caller's allocator go back to it (CUDA, version 8)
   s->in_use = false;
   s->holds_forward = false;
+  s->forward_ran = false;
   s->plan_tokens.clear();
   if (++s->generation == 0) s->generation = 1;
   return 0;
@@ -542,6 +547,20 @@ int rdep_context_check_routing(rdep_layer* l, int64_t ctx) {
   if (!s->holds_forward)
     return Fail(rdep::FailedPrecondition("context " + std::to_string(ctx) + " holds no forward (none ran into it, or its backward did)"));
   return Guard([&]() -> rdep::Status { return l->adapter->CheckRoutingFaults(s->per_rank); });
+}
+
+int rdep_context_rearm(rdep_layer* l, int64_t ctx) {
+  if (!l) return FailInvalid("layer is null");
+  std::lock_guard<std::mutex> lock(l->mu);
+  ContextSlot* s = l->Find(ctx);
+  if (!s) return Fail(NoSlot(ctx));
+  if (s->holds_forward) return 0;
+  for (auto& c : s->per_rank)
+    if (!s->forward_ran || !c.RearmBackward())
+      return Fail(rdep::FailedPrecondition("context " + std::to_string(ctx) +
+                                           " holds no completed forward of the layer's experts to run a backward again"));
+  s->holds_forward = true;
+  return 0;
 }
 
 int rdep_context_rebase_rows(rdep_layer* l, int64_t ctx, const void* old_rows, size_t row_bytes, void* new_rows) {
@@ -606,6 +625,7 @@ int rdep_layer_plan(rdep_layer* l, int64_t ctx, const rdep_rank_io* io, int32_t 
     ContextSlot* slot = FindSlot(l, ctx);
     if (!slot) return NoSlot(ctx);
     slot->holds_forward = false;
+    slot->forward_ran = false;
     slot->plan_tokens.clear();
     RDEP_RETURN_IF_ERROR(l->adapter->Plan(slot->per_rank, io));
     for (int32_t i = 0; i < count; ++i) slot->plan_tokens.push_back(io[i].num_tokens);

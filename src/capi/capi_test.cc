@@ -303,6 +303,15 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   EXPECT_EQ(dx, dx_b);
   // A second backward of one forward is refused.
   EXPECT_EQ(rdep_layer_backward(l, a, io.data(), 2), 2);
+  // Version 19: re-armed (as for a context a CUDA graph recorded, whose forward replays wrote it), the forward runs a
+  // backward again, with its saved state: the same dx. Re-arming a context holding an unused forward changes nothing.
+  std::fill(dx.begin(), dx.end(), -7.0f);
+  ASSERT_EQ(rdep_context_rearm(l, a), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_context_rearm(l, a), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_layer_backward(l, a, io.data(), 2), 0) << rdep_last_error();
+  EXPECT_EQ(dx, dx_b);
+  EXPECT_EQ(rdep_layer_backward(l, a, io.data(), 2), 2);
+  EXPECT_EQ(rdep_context_rearm(nullptr, a), 1);
   // A slot released after its forward and acquired again holds no forward for a backward.
   ASSERT_EQ(rdep_layer_forward(l, a, io.data(), 2), 0) << rdep_last_error();
   EXPECT_EQ(rdep_context_release(l, a), 0);
@@ -311,6 +320,9 @@ TEST(CApi, CallErrorsNameRankFieldAndContext) {
   EXPECT_EQ(again >> 32, a >> 32);
   EXPECT_EQ(rdep_layer_backward(l, again, io.data(), 2), 2);
   EXPECT_NE(std::string(rdep_last_error()).find("holds no forward"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_context_rearm(l, again), 2);  // no forward completed into it: nothing to re-arm
+  EXPECT_NE(std::string(rdep_last_error()).find("no completed forward"), std::string::npos) << rdep_last_error();
+  EXPECT_EQ(rdep_context_rearm(l, a), 1);  // released: a stale id
   io[0].reserved = 3;
   EXPECT_EQ(rdep_layer_forward(l, again, io.data(), 2), 1);
   io[0].reserved = 0;

@@ -180,12 +180,18 @@ class CudaAdapter final : public LayerAdapter {
         if (ranks_[i] == r) return fn(i, r);
       return InternalError("layer call: rank " + std::to_string(r) + " is not local");
     });
+    // The call's own error first: a failure that invalidated a capture also fails the joins after it.
+    const Status joined = JoinCallers(io);
+    return status.ok() ? joined : status;
+  }
+  template <typename Io>
+  Status JoinCallers(const Io* io) {
     for (size_t i = 0; i < ranks_.size(); ++i) {
       RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_->device(ranks_[i])));
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(out_[i], domain_->stream(ranks_[i])));
       RDEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(io[i].stream), out_[i], 0));
     }
-    return status;
+    return Status::Ok();
   }
 
   CudaDomain* domain_;  // the rdep_domain's, which outlives the adapter

@@ -32,6 +32,25 @@ enum MarkPhase {
   kMarkReturnWait,  // the one-domain exchange's final barrier: part of return_ms, also in return_wait_ms
 };
 
+// This thread's stream-capture mode set to relaxed for the scope's life, then restored. A context's first
+// forward allocates its buffers (cudaMalloc, cudaHostAlloc: CudaMoELayer::NewSaved); when that forward is being
+// captured (a new pinned context: CUDA graph trees record one per forward node), those calls would invalidate the
+// capture in the global or thread-local mode. They are not stream work and the buffers outlive the graph (a
+// captured context is kept while the layer lives), so the capture may ignore them.
+class RelaxedCaptureScope {
+ public:
+  RelaxedCaptureScope() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  ~RelaxedCaptureScope() {
+    if (ok_) cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
+
 // A device buffer that keeps its allocation across calls and grows only when asked for more.
 template <typename T>
 struct DeviceBuffer {

@@ -102,6 +102,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   auto saved = std::make_unique<Saved>();
   saved->device = domain_.device(rank);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(saved->device));
+  const RelaxedCaptureScope relaxed;  // a new context's first forward may be captured: its allocations are not graph work
   const auto nk = static_cast<size_t>(std::max<int64_t>(s.tokens * s.topk, 1));
   RDEP_RETURN_IF_ERROR(saved->experts.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->gates.Reserve(nk));

@@ -163,7 +163,10 @@ LayerConfig GraphConfig(const LayerShape& shape, int64_t segment_tokens, bool ov
 // device buffers: bitwise the eager results on those inputs.
 // With overlap_segments the capture forks the rank's compute stream from the capturing stream and
 // joins it back (cuda_overlap.cc); with gate_in_expert the dgates come through the dots region.
-class CudaSyncFree_Graph : public ::testing::TestWithParam<std::tuple<int64_t, bool, bool>> {};  // segment tokens, overlap, gate
+// fresh_context: the captured calls run in a context no forward used before (its buffers are made inside the
+// capture, as when CUDA graph trees record a new forward node while another forward's context is live), under the
+// global capture mode (torch.cuda.graph's default, the strictest).
+class CudaSyncFree_Graph : public ::testing::TestWithParam<std::tuple<int64_t, bool, bool, bool>> {};  // segment tokens, overlap, gate, fresh_context
 
 TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   std::string why;
@@ -176,21 +179,25 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t H = first.shape.hidden, n = first.routing[0].num_tokens;
   ASSERT_EQ(second.routing[0].num_tokens, n);
+  const bool fresh_context = std::get<3>(GetParam());
   Batch b;
-  ForwardContext ctx;
+  ForwardContext ctx, warm_ctx;
   std::vector<uint16_t> y_graph, dx_graph, y_eager, dx_eager;
   std::vector<float> dg_graph, dg_eager;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     cudaStream_t stream = (*domain)->stream(r);
     RDEP_RETURN_IF_ERROR(Upload(first.routing[0], first.x[0], first.dy[0], H, b));
-    auto step = [&]() -> Status {
-      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, ctx, b.e, b.g, n, b.x, b.y));
-      return (*layer)->Backward(r, ctx, b.dy, b.dx, b.dg);
+    auto step_in = [&](ForwardContext& c) -> Status {
+      RDEP_RETURN_IF_ERROR((*layer)->Forward(r, c, b.e, b.g, n, b.x, b.y));
+      return (*layer)->Backward(r, c, b.dy, b.dx, b.dg);
     };
-    RDEP_RETURN_IF_ERROR(step());  // eager first: the context's buffers are made outside the capture
+    auto step = [&]() -> Status { return step_in(ctx); };
+    // Eager first: the layer's buffers (and, unless fresh_context, the captured context's) are made outside the capture.
+    RDEP_RETURN_IF_ERROR(step_in(fresh_context ? warm_ctx : ctx));
     RDEP_RETURN_IF_ERROR((*domain)->Synchronize(r));
     cudaGraph_t graph = nullptr;
-    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    RDEP_CUDA_RETURN_IF_ERROR(
+        cudaStreamBeginCapture(stream, fresh_context ? cudaStreamCaptureModeGlobal : cudaStreamCaptureModeThreadLocal));
     const Status captured = step();
     const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
     RDEP_RETURN_IF_ERROR(captured);  // the layer's own error first: it names the cause
@@ -227,13 +234,14 @@ TEST_P(CudaSyncFree_Graph, W1_CapturedLayerReplaysLikeEagerCalls) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaSyncFree_Graph,
-                         ::testing::Values(std::tuple{int64_t{0}, false, false}, std::tuple{int64_t{16}, false, false},
-                                           std::tuple{int64_t{16}, true, false}, std::tuple{int64_t{0}, false, true},
-                                           std::tuple{int64_t{16}, true, true}),
-                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool, bool>>& i) {
+                         ::testing::Values(std::tuple{int64_t{0}, false, false, false}, std::tuple{int64_t{16}, false, false, false},
+                                           std::tuple{int64_t{16}, true, false, false}, std::tuple{int64_t{0}, false, true, false},
+                                           std::tuple{int64_t{16}, true, true, false}, std::tuple{int64_t{0}, false, false, true},
+                                           std::tuple{int64_t{0}, false, true, true}, std::tuple{int64_t{16}, true, true, true}),
+                         [](const ::testing::TestParamInfo<std::tuple<int64_t, bool, bool, bool>>& i) {
                            const int64_t seg = std::get<0>(i.param);
                            return (seg > 0 ? "S" + std::to_string(seg) : std::string("one_segment")) + (std::get<1>(i.param) ? "_overlap" : "") +
-                                  (std::get<2>(i.param) ? "_gate_in_expert" : "");
+                                  (std::get<2>(i.param) ? "_gate_in_expert" : "") + (std::get<3>(i.param) ? "_fresh_context" : "");
                          });
 
 // W = 2 and 4 ranks round-robin over the GPUs present (up to W of them): on one GPU every rank shares it

@@ -18,4 +18,10 @@ void ForwardContext::Release() {
   combine_grad_ = false;
 }
 
+bool ForwardContext::RearmBackward() {
+  if (!ready_ || !state_ || dispatched_) return false;
+  consumed_ = false;
+  return true;
+}
+
 }  // namespace rdep

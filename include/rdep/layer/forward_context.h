@@ -53,6 +53,12 @@ class ForwardContext {
   size_t bytes() const;
   // Frees what the context holds; it stays bound to its layer and rank.
   void Release();
+  // Marks a forward whose backward ran as ready for a backward again: for a context whose forward a CUDA graph
+  // recorded, the graph's replays rewrite its saved state, so a backward captured anew after a replay (CUDA graph
+  // trees record a second backward node under a replayed forward node) reads that replay's forward. The caller
+  // vouches that the saved state is a forward's. False, changing nothing, without a completed forward of the layer's
+  // own experts (none ran, or a dispatch/combine forward).
+  bool RearmBackward();
 
   // A layer's saved state; each layer defines its own (internal).
   struct State {

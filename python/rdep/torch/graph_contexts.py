@@ -24,7 +24,12 @@ forward writes the context the capture used, and each replay of the captured bac
     capture of a forward takes a context of its own.
   * a pinned context whose backward already ran (captured) and whose forward a graph replays cannot run
     an eager backward again (the library's host state says its backward ran): such a backward is refused
-    naming the cause, where the library would only say that the context holds no forward.
+    naming the cause, where the library would only say that the context holds no forward. A backward *captured*
+    again after such a replay (CUDA graph trees record a second backward node under a replayed forward node when
+    the first one's checks fail) runs: the replay wrote the context's state, and the library is told so (`rearm`);
+  * a forward captured while no released context is free takes a new one, whose buffers the library makes inside
+    the capture (outside the graph: gradient accumulation under reduce-overhead records a forward node per
+    micro-batch, each with a context of its own).
 What a replay does not do: check the routing on the host (a bad expert id runs with zero gates, as in an
 eager sync-free forward, but no error is raised: check the routing before capturing, or use the module's
 own router), report a failed barrier on the host (with several ranks, one a process: the barrier traps after
@@ -205,6 +210,16 @@ def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> Non
     _capi.check(lib.rdep_context_rebase_rows(layer._live_ptr(), e.c_id, e.rows_at, e.rows_bytes, rows.data_ptr()),
                 "rdep_context_rebase_rows")
     e.rows_at, e.rows_storage = rows.data_ptr(), StorageWeakRef(rows.untyped_storage())
+
+
+def rearm(layer, e: Entry) -> None:
+    """A backward is being captured for a recorded forward whose backward already ran (CUDA graph trees record a
+    second backward node under the replayed forward node when the first one's checks fail): the forward's replay
+    wrote the context's saved state, so the library may run the backward's calls on it again (rdep_context_rearm;
+    under native.lock). The new graph reads the same context, after the forward node's replay, as the first did."""
+    from .. import _capi
+
+    _capi.check(_capi.lib().rdep_context_rearm(layer._live_ptr(), e.c_id), "rdep_context_rearm")
 
 
 def after_backward(native, e: Entry, capturing_now: bool) -> None:

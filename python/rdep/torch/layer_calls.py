@@ -247,6 +247,8 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
             capturing = graph_contexts.capturing(dy)
             entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
             c_id, token = entry.c_id, entry.c_id >> 32
+            if capturing and entry.pinned and entry.backward_ran:
+                graph_contexts.rearm(layer, entry)
             if rows is not None:
                 graph_contexts.follow_rows(layer, entry, rows, capturing)
         else:
