@@ -132,6 +132,9 @@
 #   gaps1      where the training step's GPU waits for its host: the example under --compile-mode reduce-overhead (200
 #              steps, steps 100-102 traced) and default compile (60 steps, 40-42 traced), both variants, each trace's idle
 #              gaps charged to the host op that launched the work after them (scripts/trace_gaps.py); traces kept in /tmp
+#   gemmex1    the training example's expert GEMMs (E_loc 64, H 1024, F 704, bf16 gradients; mu 96, 384 = its 4,096 tokens
+#              top-6, 1536): rdep bench gemm over cuBLASLt, the default CUTLASS tiles and every tile (cutlass:all), beside
+#              torch._grouped_mm (TorchTitan's) on the same counts
 #   clocks1    rdep bench gemm (the default CUTLASS path, mu = 1536 and 3072) while nvidia-smi dmon samples the SM
 #              clock, the power and the temperature every second, and nvidia-smi -q reads the clock-event reasons mid-run
 # The baseline must travel: copy ../shared/baselines into ./shared/baselines (ignored), carry `shared`.
@@ -739,6 +742,12 @@ stage_gaps1() {
   run gaps_train_c $(train_env) python3 examples/torch_training/train.py --device cuda --moe both --compile --steps 60 \
     --agree-from 30 --agree-to 60 --profile-steps 3 --profile-at 40 --profile-trace /tmp/gaps_c --json "$R/gaps_train_c.json"
   run gaps_c python3 scripts/trace_gaps.py /tmp/gaps_c.rdep.r0.json /tmp/gaps_c.torchtitan.r0.json --json "$R/gaps_c.json"
+}
+stage_gemmex1() {
+  local shape=(--experts 64 --hidden 1024 --ffn 704 --mu 96,384,1536 --grads bf16 --iters 50 --warmup 10)
+  run gemm_ex "$RDEP" bench gemm "${shape[@]}" --path lt,cutlass,cutlass:all --json "$R/gemm_ex.json"
+  run torch_gmm_ex python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_ex.json" \
+    --json "$R/torch_gmm_ex.json"
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

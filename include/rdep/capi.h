@@ -302,9 +302,13 @@ int rdep_context_rebase_rows(rdep_layer* layer, int64_t ctx, const void* old_row
  * recorded, whose forward's replays rewrite its saved state. CUDA graph trees (torch.compile's reduce-overhead)
  * record a second backward node under a replayed forward node when the first one's invariants fail; that
  * recording runs the backward's calls again on the context the forward's capture used, after the forward's replay.
- * The caller vouches that the context's saved state is a forward's (a replay wrote it since the last backward).
- * 0 also when ctx holds a forward no backward used yet (nothing changes); FailedPrecondition when no forward
- * completed into ctx (or it ran through the dispatch/combine steps); InvalidArgument for a stale id. */
+ * On CUDA the backward still checks on the device that a forward ran into the context since the last backward took
+ * it (a replay of the forward counts; the backward consumes saved rows, so a second backward of one forward would be
+ * wrong): where none did, the rank's error record says so (rdep_layer_check_errors, and every later call) and a
+ * captured backward traps, as a failed barrier does. The host backward keeps its saved state: there the forward runs
+ * a backward again. 0 also when ctx holds a forward no backward used yet (nothing changes); FailedPrecondition when
+ * no forward completed into ctx since it was acquired (or it ran through the dispatch/combine steps); InvalidArgument
+ * for a stale id. */
 int rdep_context_rearm(rdep_layer* layer, int64_t ctx);
 int rdep_layer_local_ranks(const rdep_layer* layer, int32_t* first, int32_t* count);
 int rdep_layer_owned_experts(const rdep_layer* layer, int32_t rank, int64_t* first, int64_t* count);

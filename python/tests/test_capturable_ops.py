@@ -245,3 +245,31 @@ def test_rows_moved_under_a_recorded_context_are_refused():
     graph_contexts.follow_rows(layer, e, rows, capturing_now=True)  # not moved: nothing to do
     e.rows_at, e.rows_bytes = 0, 0
     graph_contexts.follow_rows(layer, e, rows, capturing_now=False)  # no arena rows
+
+
+def test_a_backward_recorded_again_finds_its_forward_by_ctx_and_rows():
+    """A backward captured again for a recorded forward whose backward ran (CUDA graph trees re-record a backward node
+    under a replayed forward node) follows the forward whose ctx *and* rows tensors had the addresses it is given: the
+    newest entry at ctx's address where its rows match, else the one displaced recorded entry whose rows do. None, or
+    several, is refused naming the ambiguity (graph trees reuse their pool's addresses across nodes)."""
+    layer = _layer()
+    native = layer._native
+    rows_a = torch.empty(512, dtype=torch.uint8)
+    rows_b = torch.empty(512, dtype=torch.uint8)
+
+    def entry(c, rows):
+        return graph_contexts.Entry(c_id=c << 32, address=4096, storage=None, pinned=True, backward_ran=True,
+                                    rows_at=rows.data_ptr(), rows_bytes=512)
+
+    newest, older = entry(7, rows_b), entry(6, rows_a)
+    native.displaced.append(older)
+    try:
+        assert graph_contexts.recorded_entry(layer, newest, rows_b) is newest
+        assert graph_contexts.recorded_entry(layer, newest, rows_a) is older  # the newest's rows are elsewhere
+        native.displaced.append(entry(5, rows_a))
+        with pytest.raises(rdep.FailedPreconditionError, match="recorded again for a ctx at 0x1000 .* ambiguous"):
+            graph_contexts.recorded_entry(layer, newest, rows_a)
+        with pytest.raises(rdep.FailedPreconditionError, match="no recorded forwards' outputs had"):
+            graph_contexts.recorded_entry(layer, newest, torch.empty(512, dtype=torch.uint8))
+    finally:
+        native.displaced.clear()

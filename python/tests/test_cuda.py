@@ -301,7 +301,8 @@ def assert_reduce_overhead_matches_default(mods, steps: int, x_shape: tuple, dev
             outs.append(got + [p.grad.clone() for p in mod.parameters()])
             mod.zero_grad(set_to_none=True)
         names = [f"{n}[{i}]" for i in range(micro) for n in ("y", "dx")] + [k for k, _ in mods[0].named_parameters()]
-        for name, a, b in zip(names, outs[1], outs[0], strict=True):
+        assert len(names) == len(outs[0]) == len(outs[1]), (len(names), len(outs[0]), len(outs[1]))
+        for name, a, b in zip(names, outs[1], outs[0]):
             assert_bf16_close(a, b, Y_TOL if name.startswith("y") else GRAD_TOL, f"step {step}: {name}")
 
 

@@ -140,13 +140,20 @@ def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts):
     torch._dynamo.reset()
 
 
-def test_reduce_overhead_with_micro_batches():
+def test_reduce_overhead_with_micro_batches(monkeypatch):
     """Gradient accumulation under reduce-overhead (three micro-batches a step, one cudagraph_mark_step_begin a step,
     as the training example's --grad-accum): CUDA graph trees record a forward and a backward node per micro-batch,
     so a forward is captured while no released context is free and its context is made inside the capture (once a
     cudaMalloc there invalidated the capture: the example's first recorded step failed). Three steps give what the
-    default mode gives, and every recorded forward pinned a context of its own."""
+    default mode gives, every recorded forward pinned a context of its own (at most one a micro-batch of each step),
+    and the layer's calls recorded no device fault (a backward without its forward: CudaDomain::TakeForward). Whether
+    graph trees recorded a backward again (rdep_context_rearm) depends on torch's checks: counted, and printed."""
     import torch._inductor.config as inductor_config
+    from rdep.torch import graph_contexts
+
+    rearmed = []
+    real_rearm = graph_contexts.rearm
+    monkeypatch.setattr(graph_contexts, "rearm", lambda layer, e: (rearmed.append(e.c_id), real_rearm(layer, e)))
 
     args = dict(max_tokens=32, world_size=1, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
                 expert_compute="cutlass", dtype=torch.float32)
@@ -155,7 +162,11 @@ def test_reduce_overhead_with_micro_batches():
     patch = {"graph_partition": True} if hasattr(inductor_config, "graph_partition") else {}
     with inductor_config.patch(**patch):
         assert_reduce_overhead_matches_default(mods, 3, (1, 32, 64), micro=3)
-    assert mods[1].layer.pinned_contexts >= 2, "reduce-overhead recorded fewer than two of the micro-batches' forwards"
+    torch.cuda.synchronize()
+    mods[1].layer.check_errors()
+    pinned = mods[1].layer.pinned_contexts
+    print(f"pinned contexts {pinned}, backwards recorded again {len(rearmed)}")
+    assert 2 <= pinned <= 3 * 3, f"{pinned} pinned contexts for 3 steps of 3 micro-batches"
     torch._dynamo.reset()
 
 

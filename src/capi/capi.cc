@@ -551,16 +551,23 @@ int rdep_context_check_routing(rdep_layer* l, int64_t ctx) {
 
 int rdep_context_rearm(rdep_layer* l, int64_t ctx) {
   if (!l) return FailInvalid("layer is null");
-  std::lock_guard<std::mutex> lock(l->mu);
-  ContextSlot* s = l->Find(ctx);
-  if (!s) return Fail(NoSlot(ctx));
-  if (s->holds_forward) return 0;
-  for (auto& c : s->per_rank)
-    if (!s->forward_ran || !c.RearmBackward())
-      return Fail(rdep::FailedPrecondition("context " + std::to_string(ctx) +
-                                           " holds no completed forward of the layer's experts to run a backward again"));
-  s->holds_forward = true;
-  return 0;
+  return Guard([&]() -> rdep::Status {
+    std::lock_guard<std::mutex> call(l->call_mu());  // the calls write the slot's flags and the contexts under it
+    std::lock_guard<std::mutex> lock(l->mu);
+    ContextSlot* s = l->Find(ctx);
+    if (!s) return NoSlot(ctx);
+    if (s->holds_forward) return rdep::Status::Ok();
+    const auto none = [&] {
+      return rdep::FailedPrecondition("context " + std::to_string(ctx) +
+                                      " holds no completed forward of the layer's experts to run a backward again");
+    };
+    if (!s->forward_ran || s->per_rank.empty()) return none();
+    for (const auto& c : s->per_rank)
+      if (!c.rearmable()) return none();
+    for (auto& c : s->per_rank) c.RearmBackward();
+    s->holds_forward = true;
+    return rdep::Status::Ok();
+  });
 }
 
 int rdep_context_rebase_rows(rdep_layer* l, int64_t ctx, const void* old_rows, size_t row_bytes, void* new_rows) {

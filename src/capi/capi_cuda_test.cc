@@ -432,6 +432,66 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   cudaStreamDestroy(caller);
 }
 
+// Version 19: a backward captured again after its forward's replay re-arms the context on the host
+// (rdep_context_rearm); the device still checks that a forward ran into it since the last backward (CudaDomain::
+// TakeForward). Forwards and backwards in turn pass it; a backward re-armed without a forward in between (as a second
+// backward of one forward would be) writes the rank's error record, which rdep_layer_check_errors and every later call
+// report (no trap: the call was eager).
+TEST(CApi_Cuda, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
+  const int64_t T = 16, H = 64, F = 32, E = 4, K = 2;
+  rdep_layer_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+  spec.world_size = 1;
+  spec.num_gpus = 1;
+  spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
+  spec.barrier_timeout_s = 20;
+  spec.expert_compute = 1;
+  rdep_layer* l = nullptr;
+  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
+  std::vector<int32_t> experts(static_cast<size_t>(T * K));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t + k) % E);
+  int32_t* d_e = Upload(experts);
+  float* d_gates = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.5f));
+  uint16_t* d_x = Upload(Bits(static_cast<size_t>(T * H), 0x3f80));
+  uint16_t* d_y = Upload(Bits(static_cast<size_t>(T * H), 0));
+  uint16_t* d_dx = Upload(Bits(static_cast<size_t>(T * H), 0));
+  float* d_dg = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.f));
+  uint16_t* d_w1 = Upload(Bits(static_cast<size_t>(E * H * 2 * F), 0x3c23));
+  uint16_t* d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
+  float* d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
+  float* d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
+  rdep_rank_io io{T, d_e, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
+  int64_t ctx = 0;
+  ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
+  EXPECT_EQ(rdep_context_rearm(l, ctx), static_cast<int>(StatusCode::kFailedPrecondition)) << "no forward yet";
+  for (int i = 0; i < 3; ++i) {  // forward, backward in turn, into one context: each backward takes its forward
+    ASSERT_EQ(rdep_layer_forward(l, ctx, &io, 1), 0) << rdep_last_error();
+    ASSERT_EQ(rdep_layer_backward(l, ctx, &io, 1), 0) << rdep_last_error();
+  }
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  ASSERT_EQ(rdep_layer_check_errors(l), 0) << rdep_last_error();
+  ASSERT_EQ(rdep_context_rearm(l, ctx), 0) << rdep_last_error();  // the host allows it; no forward ran since
+  ASSERT_EQ(rdep_layer_backward(l, ctx, &io, 1), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  EXPECT_EQ(rdep_layer_check_errors(l), static_cast<int>(StatusCode::kFailedPrecondition));
+  const std::string why = rdep_last_error();
+  EXPECT_NE(why.find("rank 0: a backward ran on a context whose forward had not run since the last backward"), std::string::npos) << why;
+  EXPECT_NE(rdep_layer_forward(l, ctx, &io, 1), 0) << "the record stays: later calls fail";
+  EXPECT_EQ(rdep_context_release(l, ctx), 0);
+  rdep_layer_destroy(l);
+  for (void* p : {static_cast<void*>(d_e), static_cast<void*>(d_gates), static_cast<void*>(d_x), static_cast<void*>(d_y),
+                  static_cast<void*>(d_dx), static_cast<void*>(d_dg), static_cast<void*>(d_w1), static_cast<void*>(d_w2),
+                  static_cast<void*>(d_dw1), static_cast<void*>(d_dw2)})
+    cudaFree(p);
+  cudaStreamDestroy(caller);
+}
+
 // Version 18 on the sync-free (CUTLASS) layouts, whose saved rows are the owner's x rows and SwiGLU inputs (and, with
 // owner_reduce and the gate after W2, its outputs) besides the front-end's returned rows: every one of them follows the
 // moved arena (ArenaRebase), at W = 1 and with 2 ranks sharing the GPU.

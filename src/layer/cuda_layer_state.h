@@ -177,6 +177,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<int32_t> experts, tok_index;
   cuda_layer::DeviceBuffer<float> gates, effective;
   cuda_layer::DeviceBuffer<uint8_t> accepted;
+  cuda_layer::DeviceBuffer<int32_t> armed;  // [1] set by each completed forward, taken by its backward (CudaDomain::TakeForward)
   cuda_layer::DeviceBuffer<int64_t> dropped, control;  // dropped: [0] rows dropped (zeroed by the routing check's second kernel), [1] the check's word (zeroed once when
                                                        // the context is made; the check leaves it 0)
   cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate (not with owner_reduce)
@@ -255,7 +256,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     cudaSetDevice(current);
   }
   size_t bytes() const override {
-    return (experts.count + tok_index.count + gates.count + effective.count + inv.count) * 4 + accepted.count + lead.count +
+    return (experts.count + tok_index.count + gates.count + effective.count + inv.count + armed.count) * 4 + accepted.count + lead.count +
            (dropped.count + control.count + rows_per_expert.count + dev_counts.count + stash_state.count) * 8 + stash_pages.count * 4 +
            (saved_f.count + x_rows.count + h_rows.count + f_rows.count) * 2 +
            grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4 + cuda_layer::TwoPhaseBytes(two_phase.get());

@@ -99,10 +99,11 @@ CudaMoELayer::CudaMoELayer(CudaDomain& domain, LayerConfig config, OwnershipMap 
 
 StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t rank) const {
   const LayerShape& s = config_.shape;
+  // A new context's first forward may be captured: its allocations (and, on a failure, their frees) are not graph work.
+  const RelaxedCaptureScope relaxed;
   auto saved = std::make_unique<Saved>();
   saved->device = domain_.device(rank);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(saved->device));
-  const RelaxedCaptureScope relaxed;  // a new context's first forward may be captured: its allocations are not graph work
   const auto nk = static_cast<size_t>(std::max<int64_t>(s.tokens * s.topk, 1));
   RDEP_RETURN_IF_ERROR(saved->experts.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->gates.Reserve(nk));
@@ -111,6 +112,8 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));
   if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(*ranks_[static_cast<size_t>(rank)], *saved));  // else no f_k here
+  RDEP_RETURN_IF_ERROR(saved->armed.Reserve(1));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(saved->armed.ptr, 0, sizeof(int32_t), domain_.stream(rank)));  // no forward yet
   RDEP_RETURN_IF_ERROR(saved->dropped.Reserve(2));  // [0] rows dropped, [1] the routing check's scratch word
   // Zero once, in the rank's stream order (a capture records it as a node that runs first); from then on
   // the check's second kernel leaves [1] at 0 and zeroes [0] before each plan's acceptance.
@@ -579,6 +582,7 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
                                                  domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/!sv.counts_on_device));
+  RDEP_RETURN_IF_ERROR(ArmForward(rank, sv));
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }
@@ -642,6 +646,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   Saved& sv = *saved;
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
+  RDEP_RETURN_IF_ERROR(domain_.TakeForward(rank, sv.armed.ptr));  // a replayed backward without its forward: recorded, trapped
   st.plan_copy_pending = false;
   if (config_.nodes.nodes > 1) return BackwardTwoPhase(rank, st, sv, dy, dx, dgates);  // cuda_two_phase.cc
   const LayerShape& s = config_.shape;
@@ -669,6 +674,13 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
   // A sync-free forward whose routing check had not completed reports it here (after the collective).
   return sv.fault_unchecked ? CheckRoutingInput(rank, sv, /*wait=*/false) : Status::Ok();
+}
+
+// The context holds a completed forward (its backward's TakeForward takes it): on the rank's stream, so a captured
+// forward's replays set it too.
+Status CudaMoELayer::ArmForward(int32_t rank, Saved& sv) {
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sv.armed.ptr, 1, sizeof(int32_t), domain_.stream(rank)));
+  return Status::Ok();
 }
 
 dispatch::RouteTargets CudaMoELayer::Targets(const RankState& st, const Saved& sv) const {

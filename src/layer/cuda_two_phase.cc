@@ -213,6 +213,7 @@ Status CudaMoELayer::RunTwoPhase(int32_t rank, ForwardContext& ctx, RankState& s
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/true));
   RDEP_RETURN_IF_ERROR(CheckNodeCap(rank, sv));
+  RDEP_RETURN_IF_ERROR(ArmForward(rank, sv));
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
 }

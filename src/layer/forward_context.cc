@@ -19,7 +19,7 @@ void ForwardContext::Release() {
 }
 
 bool ForwardContext::RearmBackward() {
-  if (!ready_ || !state_ || dispatched_) return false;
+  if (!rearmable()) return false;
   consumed_ = false;
   return true;
 }

@@ -78,7 +78,21 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
   if ((v >> 16) == epoch && (v & 0xFFFF) != phase) Fail(error, 2, phase, p, v, epoch, trap);
 }
 
+__global__ void TakeForwardKernel(int32_t* armed, DeviceErrorRecord* error, bool trap) {
+  if (*armed == 0) {
+    Fail(error, 4, 0, -1, 0, 0, trap);
+    return;
+  }
+  *armed = 0;
+}
+
 }  // namespace
+
+Status LaunchTakeForward(int32_t* armed, DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
+  TakeForwardKernel<<<1, 1, 0, stream>>>(armed, error, trap);
+  RDEP_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
 
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
                           DeviceErrorRecord* error, cudaStream_t stream, bool trap) {

@@ -611,6 +611,12 @@ Status CudaDomain::Barrier(int32_t rank, Phase phase) {
                             errors_dev_[static_cast<size_t>(rank)], stream(rank), capture != cudaStreamCaptureStatusNone);
 }
 
+Status CudaDomain::TakeForward(int32_t rank, int32_t* armed) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream(rank), &capture));
+  return LaunchTakeForward(armed, errors_dev_[static_cast<size_t>(rank)], stream(rank), capture != cudaStreamCaptureStatusNone);
+}
+
 Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {
   JoinState& j = *join_;
   const auto me = static_cast<size_t>(rank);
@@ -665,6 +671,11 @@ Status CudaDomain::CheckErrors(int32_t rank) {
   e.peer_epoch = v->peer_epoch;
   if (e.code == 0) return Status::Ok();
   std::ostringstream os;
+  if (e.code == 4)
+    return FailedPrecondition(
+        "rank " + std::to_string(rank) + ": a backward ran on a context whose forward had not run since the last backward "
+        "on it (a CUDA graph's backward replayed, or recorded again, without its forward's replay, as a second backward of "
+        "one forward does); its gradients are not valid, and the domain's calls fail from here on");
   if (e.code == 1) {
     os << "device barrier '" << PhaseName(static_cast<Phase>(e.phase)) << "' (#" << e.epoch << ") timed out after "
        << options_.barrier_timeout_s << " s; no arrival from rank(s) " << e.peer;

@@ -375,6 +375,7 @@ class CudaMoELayer {
   StatusOr<std::vector<int64_t>> DeviceCounts(int32_t rank, const Saved& sv) const;
   Status Mark(int32_t rank, RankState& st, bool backward, int phase);
   Status CheckRoutingInput(int32_t rank, Saved& sv, bool wait);
+  Status ArmForward(int32_t rank, Saved& sv);  // a completed forward, for its backward's device check
   Status CheckRowsSupported(const char* call) const;
   Status HostRecvCounts(int32_t rank, Saved& sv);
   Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;

@@ -19,8 +19,9 @@
 // it is freed with the context (or by Release), also after its layer is destroyed. A context belongs
 // to one layer and one rank from its first forward on; handing it to another layer or rank, a
 // backward without a completed forward, or a second backward of the same forward, is an error
-// naming what is wrong. Forward into a context that holds an earlier forward replaces it, reusing
-// its memory. Not thread-safe: one rank's thread uses a context at a time.
+// naming what is wrong (RearmBackward, below, re-arms a captured forward's context after its replay).
+// Forward into a context that holds an earlier forward replaces it, reusing its memory. Not
+// thread-safe: one rank's thread uses a context at a time.
 //
 // With the caller's own experts (the layers' dispatch/combine steps) a forward is Plan, Dispatch,
 // Combine and its backward CombineBackward, then DispatchBackward; the context tracks those steps too
@@ -56,9 +57,12 @@ class ForwardContext {
   // Marks a forward whose backward ran as ready for a backward again: for a context whose forward a CUDA graph
   // recorded, the graph's replays rewrite its saved state, so a backward captured anew after a replay (CUDA graph
   // trees record a second backward node under a replayed forward node) reads that replay's forward. The caller
-  // vouches that the saved state is a forward's. False, changing nothing, without a completed forward of the layer's
-  // own experts (none ran, or a dispatch/combine forward).
+  // vouches that the saved state is a forward's; the CUDA layer's backward also checks it on the device (each
+  // forward sets a word of the context that each backward takes: CudaDomain::TakeForward). False, changing nothing,
+  // without a completed forward of the layer's own experts (none ran, or a dispatch/combine forward).
   bool RearmBackward();
+  // Whether RearmBackward would re-arm it (a completed forward of the layer's own experts).
+  bool rearmable() const { return ready_ && state_ && !dispatched_; }
 
   // A layer's saved state; each layer defines its own (internal).
   struct State {

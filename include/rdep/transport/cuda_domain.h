@@ -59,7 +59,7 @@ std::vector<int> RoundRobinDevices(int64_t num_ranks, int num_gpus);
 
 // What a barrier that failed recorded (host-mapped, written by the device).
 struct DeviceErrorRecord {
-  int32_t code;          // 0 none, 1 timeout, 2 phase mismatch, 3 epochs diverged
+  int32_t code;          // 0 none, 1 timeout, 2 phase mismatch, 3 epochs diverged, 4 a backward without its forward
   int32_t phase;         // Phase
   int32_t peer;          // the missing (or mismatching) rank
   int32_t peer_phase;    // mismatch, divergence: the phase the peer announced
@@ -126,6 +126,12 @@ class CudaDomain final : public Domain {
   // Synchronizes rank's stream and reports a device-recorded barrier failure, if any.
   Status Synchronize(int32_t rank) override;
   Status CheckErrors(int32_t rank);
+  // A backward's check that its context holds a forward: `armed` is a device word of the context that each forward
+  // sets as it completes (on the rank's stream, so also in every replay of a captured forward). Enqueues its take
+  // (cleared for the next forward) or, where no forward set it since the last backward took it (a CUDA graph's
+  // backward replayed, or recorded again, without its forward's replay in between), the rank's error record (code 4)
+  // and, inside a capture, a trap as a failed barrier's. The host refuses such an eager backward before it gets here.
+  Status TakeForward(int32_t rank, int32_t* armed);
 
   // CUDA-graph capture of the work of every local rank as one graph (cuda_domain_capture.cc). Collective
   // over the local ranks' threads (inside Run): each calls BeginCapture, issues its work (a layer's
@@ -195,6 +201,9 @@ class CudaDomain final : public Domain {
 // barrier traps (the CUDA context stops with an error): CudaDomain::Barrier asks for it when the stream is capturing.
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
                           DeviceErrorRecord* error, cudaStream_t stream, bool trap = false);
+
+// Launches TakeForward's one-thread kernel (cuda_barrier.cu).
+Status LaunchTakeForward(int32_t* armed, DeviceErrorRecord* error, cudaStream_t stream, bool trap);
 
 // Smoke test store: rank writes 1000*rank + q into slot `rank` of every peer q's int64 region.
 Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream);

@@ -212,11 +212,35 @@ def follow_rows(layer, e: Entry, rows: torch.Tensor, capturing_now: bool) -> Non
     e.rows_at, e.rows_storage = rows.data_ptr(), StorageWeakRef(rows.untyped_storage())
 
 
+def recorded_entry(layer, e: Entry, rows: torch.Tensor | None) -> Entry:
+    """The recorded forward a backward captured again follows (e: the entry ctx's address found, pinned, its backward
+    run). Graph trees reuse their pool's addresses across nodes, so several recorded forwards' ctx tensors may have
+    had ctx's address: e, the newest, when its rows tensor is at rows' address too, else the one other recorded forward
+    whose ctx and rows were at both addresses. Raises where none or several others were (under native.lock). Where an
+    older forward's outputs had both addresses as well, e is taken: the backward's device check then traps if e's
+    forward did not run since its last backward (CudaDomain::TakeForward)."""
+    def fits(o: Entry) -> bool:
+        return rows is None or not o.rows_bytes or o.rows_at == rows.data_ptr()
+
+    if fits(e):
+        return e
+    same = [o for o in native_entries(layer._native) if o is not e and o.pinned and o.address == e.address and fits(o)]
+    if len(same) == 1:
+        return same[0]
+    raise FailedPreconditionError(
+        f"ctx: layer {layer.id}'s backward is being recorded again for a ctx at {e.address:#x} (rows at "
+        f"{rows.data_ptr() if rows is not None else 0:#x}), which {len(same) or 'no'} recorded forwards' outputs had: "
+        "which forward it follows is ambiguous. Call torch.compiler.cudagraph_mark_step_begin() once a step, or use "
+        "capturable_ops=False")
+
+
 def rearm(layer, e: Entry) -> None:
     """A backward is being captured for a recorded forward whose backward already ran (CUDA graph trees record a
     second backward node under the replayed forward node when the first one's checks fail): the forward's replay
     wrote the context's saved state, so the library may run the backward's calls on it again (rdep_context_rearm;
-    under native.lock). The new graph reads the same context, after the forward node's replay, as the first did."""
+    under native.lock). The new graph reads the same context, after the forward node's replay, as the first did. Where
+    no forward ran since the last backward (a second backward of one forward), the backward's device check records
+    it and traps (rdep_layer_check_errors names it)."""
     from .. import _capi
 
     _capi.check(_capi.lib().rdep_context_rearm(layer._live_ptr(), e.c_id), "rdep_context_rearm")

@@ -14,7 +14,8 @@ Context protocol (the C ABI pools contexts; a released id is stale, releasing it
     copy), checks the C id: an older forward's ctx whose slot was released and reused is refused
     instead of being paired with another forward's saved state. It runs, then releases the context.
 The C backward consumes its context: one backward per forward (a retain_graph=True double backward is
-refused with an error). The capturable ops (device_ctx) name contexts by a device tensor's address instead
+refused with an error; inside a CUDA graph, where the host cannot see it, the backward's device check records it and
+traps: CudaDomain::TakeForward). The capturable ops (device_ctx) name contexts by a device tensor's address instead
 (graph_contexts.py) and take their saved rows from a tensor the forward returns (rdep_layer_forward_arena).
 
 Tensor layout: x, y, dy, dx [L, n, H]; experts, gates, dgates [L, n, K]; w1, dw1 [E_local, H, 2F] and
@@ -246,9 +247,9 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
         if device_ctx:
             capturing = graph_contexts.capturing(dy)
             entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
+            if capturing and entry.pinned and entry.backward_ran:  # recorded again (rearm below)
+                entry = graph_contexts.recorded_entry(layer, entry, rows)
             c_id, token = entry.c_id, entry.c_id >> 32
-            if capturing and entry.pinned and entry.backward_ran:
-                graph_contexts.rearm(layer, entry)
             if rows is not None:
                 graph_contexts.follow_rows(layer, entry, rows, capturing)
         else:
@@ -279,6 +280,8 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
             for i, ptrs in enumerate(_casts_into_grads(layer, w1, w2, dw1, dw2)):
                 if ptrs is not None:  # a rank without experts keeps _fill_weights' (unread) addresses
                     io[i].w1, io[i].w2 = ptrs
+        if device_ctx and capturing and entry.pinned and entry.backward_ran:
+            graph_contexts.rearm(layer, entry)  # last before the call: nothing above may fail after it
         lib = _capi.lib()
         try:
             _capi.check(lib.rdep_layer_backward(layer._live_ptr(), c_id, io, L), "rdep_layer_backward")
