@@ -336,7 +336,9 @@ int rdep_context_bytes(const rdep_layer* layer, int64_t ctx, size_t* bytes);
 int rdep_context_check_routing(rdep_layer* layer, int64_t ctx);
 /* Version 16. Reads the error records the device barriers of the layer's local ranks write (mapped host memory:
  * no CUDA call, no wait) and returns the first failure as its status (Timeout: a barrier no peer reached, naming the
- * phase, its sequence number and the missing rank; Internal: a phase mismatch, or epochs that diverged), else 0.
+ * phase, its sequence number and the missing rank; Internal: a phase mismatch, or epochs that diverged; since version
+ * 19 FailedPrecondition: a backward that found no forward in its context, see rdep_context_rearm), else 0, each
+ * prefixed with its rank.
  * Every call of the layer checks these records first; a layer whose calls a CUDA graph replays makes no call, and a
  * barrier recorded in a graph that fails in a replay traps after writing its record (the CUDA context stops): this
  * call then says why. Not a collective; safe once the context stopped. The host backend has no records (0). */

@@ -250,8 +250,8 @@ def test_rows_moved_under_a_recorded_context_are_refused():
 def test_a_backward_recorded_again_finds_its_forward_by_ctx_and_rows():
     """A backward captured again for a recorded forward whose backward ran (CUDA graph trees re-record a backward node
     under a replayed forward node) follows the forward whose ctx *and* rows tensors had the addresses it is given: the
-    newest entry at ctx's address where its rows match, else the one displaced recorded entry whose rows do. None, or
-    several, is refused naming the ambiguity (graph trees reuse their pool's addresses across nodes)."""
+    newest entry at ctx's address where its rows match, else the one displaced recorded entry whose rows do. Several is
+    refused naming the ambiguity (graph trees reuse their pool's addresses across nodes), none naming moved rows."""
     layer = _layer()
     native = layer._native
     rows_a = torch.empty(512, dtype=torch.uint8)
@@ -269,7 +269,11 @@ def test_a_backward_recorded_again_finds_its_forward_by_ctx_and_rows():
         native.displaced.append(entry(5, rows_a))
         with pytest.raises(rdep.FailedPreconditionError, match="recorded again for a ctx at 0x1000 .* ambiguous"):
             graph_contexts.recorded_entry(layer, newest, rows_a)
-        with pytest.raises(rdep.FailedPreconditionError, match="no recorded forwards' outputs had"):
-            graph_contexts.recorded_entry(layer, newest, torch.empty(512, dtype=torch.uint8))
+        elsewhere = torch.empty(512, dtype=torch.uint8)
+        with pytest.raises(rdep.FailedPreconditionError, match="no recorded forward's outputs were at both addresses: a "
+                                                                "saved-tensor hook moved the rows"):
+            graph_contexts.recorded_entry(layer, newest, elsewhere)
+        newest.backward_ran = False  # its first backward: follow_rows names the moved rows
+        assert graph_contexts.recorded_entry(layer, newest, elsewhere) is newest
     finally:
         native.displaced.clear()

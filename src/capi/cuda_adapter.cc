@@ -103,7 +103,10 @@ class CudaAdapter final : public LayerAdapter {
   }
 
   Status CheckDeviceErrors() override {
-    for (int32_t r : ranks_) RDEP_RETURN_IF_ERROR(domain_->CheckErrors(r));
+    for (int32_t r : ranks_) {  // named by rank here, as CudaDomain::Run names a call's errors
+      const Status s = domain_->CheckErrors(r);
+      if (!s.ok()) return Status(s.code(), "rank " + std::to_string(r) + ": " + s.message());
+    }
     return Status::Ok();
   }
 

@@ -80,7 +80,7 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
 
 __global__ void TakeForwardKernel(int32_t* armed, DeviceErrorRecord* error, bool trap) {
   if (*armed == 0) {
-    Fail(error, 4, 0, -1, 0, 0, trap);
+    Fail(error, 4, 0, -1, 0, 0, trap);  // code 4 uses no other field
     return;
   }
   *armed = 0;

@@ -659,7 +659,7 @@ Status CudaDomain::JoinBarrier(int32_t rank, Phase phase, uint64_t epoch) {
   return Status::Ok();
 }
 
-Status CudaDomain::CheckErrors(int32_t rank) {
+Status CudaDomain::CheckErrors(int32_t rank) {  // rank: the caller names it (Run's prefix, CudaAdapter::CheckDeviceErrors)
   // The device writes this record through a mapped pointer: read it field by field, volatile.
   const volatile DeviceErrorRecord* v = errors_ + rank;
   DeviceErrorRecord e;
@@ -673,7 +673,7 @@ Status CudaDomain::CheckErrors(int32_t rank) {
   std::ostringstream os;
   if (e.code == 4)
     return FailedPrecondition(
-        "rank " + std::to_string(rank) + ": a backward ran on a context whose forward had not run since the last backward "
+        "a backward ran on a context whose forward had not run since the last backward "
         "on it (a CUDA graph's backward replayed, or recorded again, without its forward's replay, as a second backward of "
         "one forward does); its gradients are not valid, and the domain's calls fail from here on");
   if (e.code == 1) {

@@ -57,7 +57,8 @@ constexpr int64_t kMaxCudaRanks = 1024;
 // Ranks placed round-robin over the first `num_gpus` local GPUs (rank r on GPU r mod num_gpus).
 std::vector<int> RoundRobinDevices(int64_t num_ranks, int num_gpus);
 
-// What a barrier that failed recorded (host-mapped, written by the device).
+// What a barrier that failed, or a backward without its forward (TakeForward), recorded (host-mapped, written by
+// the device). The first failure of a rank stays: every later call of the domain on that rank reports it.
 struct DeviceErrorRecord {
   int32_t code;          // 0 none, 1 timeout, 2 phase mismatch, 3 epochs diverged, 4 a backward without its forward
   int32_t phase;         // Phase
@@ -130,7 +131,8 @@ class CudaDomain final : public Domain {
   // sets as it completes (on the rank's stream, so also in every replay of a captured forward). Enqueues its take
   // (cleared for the next forward) or, where no forward set it since the last backward took it (a CUDA graph's
   // backward replayed, or recorded again, without its forward's replay in between), the rank's error record (code 4)
-  // and, inside a capture, a trap as a failed barrier's. The host refuses such an eager backward before it gets here.
+  // and, inside a capture, a trap as a failed barrier's. The host refuses such an eager backward before it gets here,
+  // unless rdep_context_rearm vouched for the context.
   Status TakeForward(int32_t rank, int32_t* armed);
 
   // CUDA-graph capture of the work of every local rank as one graph (cuda_domain_capture.cc). Collective

@@ -33,7 +33,8 @@ forward writes the context the capture used, and each replay of the captured bac
 What a replay does not do: check the routing on the host (a bad expert id runs with zero gates, as in an
 eager sync-free forward, but no error is raised: check the routing before capturing, or use the module's
 own router), report a failed barrier on the host (with several ranks, one a process: the barrier traps after
-writing its record, so the CUDA context stops; Layer.check_errors() names it), or release anything.
+writing its record, so the CUDA context stops; Layer.check_errors() names it), or a backward replayed without
+its forward's replay (at any W: the backward's device check writes the record and traps), or release anything.
 """
 
 from __future__ import annotations
@@ -227,11 +228,18 @@ def recorded_entry(layer, e: Entry, rows: torch.Tensor | None) -> Entry:
     same = [o for o in native_entries(layer._native) if o is not e and o.pinned and o.address == e.address and fits(o)]
     if len(same) == 1:
         return same[0]
+    if not same and not e.backward_ran:
+        return e  # no other forward fits either: follow_rows names the moved rows
+    at = f"a ctx at {e.address:#x} with rows at {rows.data_ptr() if rows is not None else 0:#x}"
+    if not same:
+        raise FailedPreconditionError(
+            f"ctx: layer {layer.id}'s backward is being recorded again for {at}, and no recorded forward's outputs were "
+            "at both addresses: a saved-tensor hook moved the rows (save_on_cpu, offloading: not for recorded "
+            "forwards), or these are not the tensors a recorded forward returned")
     raise FailedPreconditionError(
-        f"ctx: layer {layer.id}'s backward is being recorded again for a ctx at {e.address:#x} (rows at "
-        f"{rows.data_ptr() if rows is not None else 0:#x}), which {len(same) or 'no'} recorded forwards' outputs had: "
-        "which forward it follows is ambiguous. Call torch.compiler.cudagraph_mark_step_begin() once a step, or use "
-        "capturable_ops=False")
+        f"ctx: layer {layer.id}'s backward is being recorded again for {at}, which {len(same)} recorded forwards' "
+        "outputs had: which forward it follows is ambiguous. Call torch.compiler.cudagraph_mark_step_begin() once a "
+        "step, or use capturable_ops=False")
 
 
 def rearm(layer, e: Entry) -> None:

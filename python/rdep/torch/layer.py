@@ -618,7 +618,8 @@ class Layer(CHandle):
     def check_errors(self) -> None:
         """Raises the first failure the device barriers of this process's ranks recorded (rdep.RdepTimeoutError: a
         barrier no peer reached, naming the phase and the missing rank; rdep.InternalError: a phase mismatch or
-        diverged epochs), else returns. It reads mapped host memory: no CUDA call, no wait, so it is cheap enough for every
+        diverged epochs), or a backward that found no forward in its context (rdep.FailedPreconditionError: a CUDA
+        graph's backward replayed, or recorded again, without its forward's replay; it traps in a replay), else returns. It reads mapped host memory: no CUDA call, no wait, so it is cheap enough for every
         training step, and it works after the CUDA context stopped. Every eager call of the layer checks first; calls
         that CUDA graphs replay (the capturable ops under torch.compile(mode="reduce-overhead") with several ranks)
         run no host code, and a barrier that fails in a replay writes its record and traps: torch's next

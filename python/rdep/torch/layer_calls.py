@@ -247,7 +247,7 @@ def backward(layer: Layer, ctx, dy, w1, w2, grad_dtype=torch.float32, casts_in_g
         if device_ctx:
             capturing = graph_contexts.capturing(dy)
             entry = graph_contexts.entry_for_backward(layer, ctx, capturing)
-            if capturing and entry.pinned and entry.backward_ran:  # recorded again (rearm below)
+            if capturing and entry.pinned:  # recorded again (rearm below), or an older recorded forward's tensors
                 entry = graph_contexts.recorded_entry(layer, entry, rows)
             c_id, token = entry.c_id, entry.c_id >> 32
             if rows is not None:
