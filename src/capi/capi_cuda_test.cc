@@ -363,38 +363,67 @@ TEST(CApi_Cuda, CutlassAvailabilityMatchesTheCompute) {
 // stream is held, so it reports nothing; rdep_context_check_routing then waits and names rank, token, slot
 // and value. A warm-up forward and backward first make the context's buffers (allocations may wait on the
 // device, which the held stream would block); a watchdog releases the stream if the forward waited on it.
+// A small one-rank CUDA layer through the C ABI with the CUTLASS compute, its device buffers (routing (t + k) mod E,
+// gates 0.5, x = dy = 1.0, weights ~0.01) and a caller stream: io names them all. Freed with the struct.
+struct SmallCutlassLayer {
+  static constexpr int64_t T = 16, H = 64, F = 32, E = 4, K = 2;
+  rdep_layer* l = nullptr;
+  std::vector<int32_t> experts = std::vector<int32_t>(static_cast<size_t>(T * K));
+  int32_t* d_e = nullptr;
+  float* d_gates = nullptr;
+  uint16_t *d_x = nullptr, *d_y = nullptr, *d_dx = nullptr, *d_w1 = nullptr, *d_w2 = nullptr;
+  float *d_dg = nullptr, *d_dw1 = nullptr, *d_dw2 = nullptr;
+  cudaStream_t caller = nullptr;
+  rdep_rank_io io{};
+  int created = -1;  // rdep_layer_create's code
+
+  SmallCutlassLayer() {
+    rdep_layer_spec spec{};
+    spec.struct_size = sizeof spec;
+    spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
+    spec.world_size = 1;
+    spec.num_gpus = 1;
+    spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
+    spec.barrier_timeout_s = 20;
+    spec.expert_compute = 1;
+    created = rdep_layer_create(&spec, &l);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t + k) % E);
+    d_e = Upload(experts);
+    d_gates = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.5f));
+    d_x = Upload(Bits(static_cast<size_t>(T * H), 0x3f80));  // 1.0
+    d_y = Upload(Bits(static_cast<size_t>(T * H), 0));
+    d_dx = Upload(Bits(static_cast<size_t>(T * H), 0));
+    d_dg = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.f));
+    d_w1 = Upload(Bits(static_cast<size_t>(E * H * 2 * F), 0x3c23));  // ~0.01
+    d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
+    d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
+    d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
+    cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+    io = rdep_rank_io{T, d_e, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
+  }
+  ~SmallCutlassLayer() {
+    if (l) rdep_layer_destroy(l);
+    for (void* p : {static_cast<void*>(d_e), static_cast<void*>(d_gates), static_cast<void*>(d_x), static_cast<void*>(d_y),
+                    static_cast<void*>(d_dx), static_cast<void*>(d_dg), static_cast<void*>(d_w1), static_cast<void*>(d_w2),
+                    static_cast<void*>(d_dw1), static_cast<void*>(d_dw2)})
+      cudaFree(p);
+    if (caller) cudaStreamDestroy(caller);
+  }
+  SmallCutlassLayer(const SmallCutlassLayer&) = delete;
+  SmallCutlassLayer& operator=(const SmallCutlassLayer&) = delete;
+};
+
 TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
-  const int64_t T = 16, H = 64, F = 32, E = 4, K = 2;
-  rdep_layer_spec spec{};
-  spec.struct_size = sizeof spec;
-  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
-  spec.world_size = 1;
-  spec.num_gpus = 1;
-  spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
-  spec.barrier_timeout_s = 20;
-  spec.expert_compute = 1;
-  rdep_layer* l = nullptr;
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  std::vector<int32_t> experts(static_cast<size_t>(T * K));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t + k) % E);
-  int32_t* d_good = Upload(experts);
-  experts[3 * K + 1] = 9;  // token 3, slot 1: outside [0, E)
+  SmallCutlassLayer s;
+  ASSERT_EQ(s.created, 0) << rdep_last_error();
+  rdep_layer* l = s.l;
+  std::vector<int32_t> experts = s.experts;
+  experts[3 * SmallCutlassLayer::K + 1] = 9;  // token 3, slot 1: outside [0, E)
   int32_t* d_bad = Upload(experts);
-  float* d_gates = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.5f));
-  uint16_t* d_x = Upload(Bits(static_cast<size_t>(T * H), 0x3f80));  // 1.0
-  uint16_t* d_y = Upload(Bits(static_cast<size_t>(T * H), 0));
-  uint16_t* d_dx = Upload(Bits(static_cast<size_t>(T * H), 0));
-  float* d_dg = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.f));
-  uint16_t* d_w1 = Upload(Bits(static_cast<size_t>(E * H * 2 * F), 0x3c23));  // ~0.01
-  uint16_t* d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
-  float* d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
-  float* d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
-  cudaStream_t caller = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
-  rdep_rank_io io{T, d_good, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
+  rdep_rank_io& io = s.io;
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   EXPECT_EQ(rdep_context_check_routing(l, ctx), static_cast<int>(StatusCode::kFailedPrecondition)) << "no forward yet";
@@ -407,7 +436,7 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   StreamHold hold;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);  // the pooled slot: its buffers exist
   io.experts = d_bad;
-  ASSERT_EQ(cudaLaunchHostFunc(caller, &StreamHold::Wait, &hold), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(s.caller, &StreamHold::Wait, &hold), cudaSuccess);
   std::promise<void> returned;
   std::thread watchdog([&, done = returned.get_future()] {
     done.wait_for(std::chrono::seconds(10));
@@ -423,13 +452,8 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   EXPECT_NE(why.find("forward on rank 0: routing token 3 slot 1: expert 9 outside [0, E=4)"), std::string::npos) << why;
   EXPECT_EQ(rdep_context_release(l, ctx), 0);
   EXPECT_EQ(rdep_context_check_routing(l, ctx), static_cast<int>(StatusCode::kInvalidArgument)) << "released: stale";
-  EXPECT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
-  rdep_layer_destroy(l);
-  for (void* p : {static_cast<void*>(d_good), static_cast<void*>(d_bad), static_cast<void*>(d_gates), static_cast<void*>(d_x),
-                  static_cast<void*>(d_y), static_cast<void*>(d_dx), static_cast<void*>(d_dg), static_cast<void*>(d_w1),
-                  static_cast<void*>(d_w2), static_cast<void*>(d_dw1), static_cast<void*>(d_dw2)})
-    cudaFree(p);
-  cudaStreamDestroy(caller);
+  EXPECT_EQ(cudaStreamSynchronize(s.caller), cudaSuccess);
+  cudaFree(d_bad);
 }
 
 // Version 19: a backward captured again after its forward's replay re-arms the context on the host
@@ -440,56 +464,26 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
 TEST(CApi_Cuda, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
-  const int64_t T = 16, H = 64, F = 32, E = 4, K = 2;
-  rdep_layer_spec spec{};
-  spec.struct_size = sizeof spec;
-  spec.backend = RDEP_BACKEND_CUDA_ONE_PROCESS;
-  spec.world_size = 1;
-  spec.num_gpus = 1;
-  spec.tokens = T, spec.hidden = H, spec.ffn = F, spec.experts = E, spec.topk = K;
-  spec.barrier_timeout_s = 20;
-  spec.expert_compute = 1;
-  rdep_layer* l = nullptr;
-  ASSERT_EQ(rdep_layer_create(&spec, &l), 0) << rdep_last_error();
-  std::vector<int32_t> experts(static_cast<size_t>(T * K));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) experts[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t + k) % E);
-  int32_t* d_e = Upload(experts);
-  float* d_gates = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.5f));
-  uint16_t* d_x = Upload(Bits(static_cast<size_t>(T * H), 0x3f80));
-  uint16_t* d_y = Upload(Bits(static_cast<size_t>(T * H), 0));
-  uint16_t* d_dx = Upload(Bits(static_cast<size_t>(T * H), 0));
-  float* d_dg = Upload(std::vector<float>(static_cast<size_t>(T * K), 0.f));
-  uint16_t* d_w1 = Upload(Bits(static_cast<size_t>(E * H * 2 * F), 0x3c23));
-  uint16_t* d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
-  float* d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
-  float* d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
-  cudaStream_t caller = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
-  rdep_rank_io io{T, d_e, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
+  SmallCutlassLayer s;
+  ASSERT_EQ(s.created, 0) << rdep_last_error();
+  rdep_layer* l = s.l;
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
   EXPECT_EQ(rdep_context_rearm(l, ctx), static_cast<int>(StatusCode::kFailedPrecondition)) << "no forward yet";
   for (int i = 0; i < 3; ++i) {  // forward, backward in turn, into one context: each backward takes its forward
-    ASSERT_EQ(rdep_layer_forward(l, ctx, &io, 1), 0) << rdep_last_error();
-    ASSERT_EQ(rdep_layer_backward(l, ctx, &io, 1), 0) << rdep_last_error();
+    ASSERT_EQ(rdep_layer_forward(l, ctx, &s.io, 1), 0) << rdep_last_error();
+    ASSERT_EQ(rdep_layer_backward(l, ctx, &s.io, 1), 0) << rdep_last_error();
   }
-  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s.caller), cudaSuccess);
   ASSERT_EQ(rdep_layer_check_errors(l), 0) << rdep_last_error();
   ASSERT_EQ(rdep_context_rearm(l, ctx), 0) << rdep_last_error();  // the host allows it; no forward ran since
-  ASSERT_EQ(rdep_layer_backward(l, ctx, &io, 1), 0) << rdep_last_error();
-  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  ASSERT_EQ(rdep_layer_backward(l, ctx, &s.io, 1), 0) << rdep_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(s.caller), cudaSuccess);
   EXPECT_EQ(rdep_layer_check_errors(l), static_cast<int>(StatusCode::kFailedPrecondition));
   const std::string why = rdep_last_error();
   EXPECT_NE(why.find("rank 0: a backward ran on a context whose forward had not run since the last backward"), std::string::npos) << why;
-  EXPECT_NE(rdep_layer_forward(l, ctx, &io, 1), 0) << "the record stays: later calls fail";
+  EXPECT_NE(rdep_layer_forward(l, ctx, &s.io, 1), 0) << "the record stays: later calls fail";
   EXPECT_EQ(rdep_context_release(l, ctx), 0);
-  rdep_layer_destroy(l);
-  for (void* p : {static_cast<void*>(d_e), static_cast<void*>(d_gates), static_cast<void*>(d_x), static_cast<void*>(d_y),
-                  static_cast<void*>(d_dx), static_cast<void*>(d_dg), static_cast<void*>(d_w1), static_cast<void*>(d_w2),
-                  static_cast<void*>(d_dw1), static_cast<void*>(d_dw2)})
-    cudaFree(p);
-  cudaStreamDestroy(caller);
 }
 
 // Version 18 on the sync-free (CUTLASS) layouts, whose saved rows are the owner's x rows and SwiGLU inputs (and, with
