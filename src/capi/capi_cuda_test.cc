@@ -375,7 +375,8 @@ struct SmallCutlassLayer {
   float *d_dg = nullptr, *d_dw1 = nullptr, *d_dw2 = nullptr;
   cudaStream_t caller = nullptr;
   rdep_rank_io io{};
-  int created = -1;  // rdep_layer_create's code
+  int created = -1;                 // rdep_layer_create's code
+  cudaError_t stream_created = cudaErrorUnknown;  // the caller stream's
 
   SmallCutlassLayer() {
     rdep_layer_spec spec{};
@@ -399,7 +400,7 @@ struct SmallCutlassLayer {
     d_w2 = Upload(Bits(static_cast<size_t>(E * F * H), 0x3c23));
     d_dw1 = Upload(std::vector<float>(static_cast<size_t>(E * H * 2 * F), 0.f));
     d_dw2 = Upload(std::vector<float>(static_cast<size_t>(E * F * H), 0.f));
-    cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+    stream_created = cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
     io = rdep_rank_io{T, d_e, d_gates, d_x, d_y, d_w1, d_w2, d_x, d_dx, d_dg, d_dw1, d_dw2, caller, 0, 0};
   }
   ~SmallCutlassLayer() {
@@ -419,6 +420,7 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
   SmallCutlassLayer s;
   ASSERT_EQ(s.created, 0) << rdep_last_error();
+  ASSERT_EQ(s.stream_created, cudaSuccess);
   rdep_layer* l = s.l;
   std::vector<int32_t> experts = s.experts;
   experts[3 * SmallCutlassLayer::K + 1] = 9;  // token 3, slot 1: outside [0, E)
@@ -466,6 +468,7 @@ TEST(CApi_Cuda, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
   if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
   SmallCutlassLayer s;
   ASSERT_EQ(s.created, 0) << rdep_last_error();
+  ASSERT_EQ(s.stream_created, cudaSuccess);
   rdep_layer* l = s.l;
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
