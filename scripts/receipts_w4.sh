@@ -109,6 +109,8 @@
 #   trainsep   reduce-overhead with each model in a process of its own: TorchTitan's, rdep --keep-weight-casts (all),
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
+#   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
+#              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), 100 steps, each model in its own process
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
@@ -560,6 +562,18 @@ stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and
   # shellcheck disable=SC2046
   run train_w1_pairga_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
     --json "$R/train_w1_pairga_rdep.json"
+}
+stage_trainprof() {  # trainpair's two runs (each model in its own process), 104 steps, steps 100-102 profiled: each
+  pip_wheels         # trace's kernels summed per step with full names and one step in order (bench/trace_kernels.py)
+  local v
+  for v in torchtitan rdep; do
+    # shellcheck disable=SC2046
+    run train_w1_prof_$v $(train_env) python3 examples/torch_training/train.py --device cuda --moe $v \
+      --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace" \
+      --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_$v.json"
+    run kernels_$v python3 bench/trace_kernels.py "$R/trace.$v.r0.json" --steps 3 --top 80 --sequence
+    rm -f "$R/trace.$v.r0.json"  # tens of MB: the summary comes back, the trace does not
+  done
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels
