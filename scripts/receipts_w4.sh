@@ -111,6 +111,7 @@
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
 #              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
+#   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), 100 steps, each model in its own process
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
@@ -574,6 +575,13 @@ stage_trainprof() {  # trainpair's two runs (each model in its own process), 104
     run kernels_$v python3 bench/trace_kernels.py "$R/trace.$v.r0.json" --steps 3 --top 80 --sequence
     rm -f "$R/trace.$v.r0.json"  # tens of MB: the summary comes back, the trace does not
   done
+}
+stage_trainor() {  # trainpair (200 steps, each model in its own process) and rdep again with --owner-reduce
+  pip_wheels
+  stage_trainpair
+  # shellcheck disable=SC2046
+  run train_w1_pair_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
+    --compile-mode reduce-overhead --owner-reduce --json "$R/train_w1_pair_rdep_or.json"
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels

@@ -106,7 +106,8 @@ class RdepMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, *, device: torch.device, tokens: int, group=None,
                  ranks: int = 1, seed: int = 0, expert_compute: str = "auto", domain=None,
-                 keep_weight_casts: bool = False, gate_in_expert: Optional[bool] = None, capturable_ops: bool = True):
+                 keep_weight_casts: bool = False, gate_in_expert: Optional[bool] = None, capturable_ops: bool = True,
+                 owner_reduce: bool = False):
         super().__init__()
         import rdep.torch as rt
 
@@ -115,7 +116,7 @@ class RdepMoE(nn.Module):
                   topk_groups=cfg.topk_groups, normalize_topk=True, scaling_factor=cfg.route_scale,
                   expert_bias=True, shared_ffn=cfg.shared_ffn, seed=seed, dtype=torch.float32,
                   init_std=cfg.init_std, expert_compute=expert_compute, keep_weight_casts=keep_weight_casts,
-                  gate_in_expert=gate_in_expert, capturable_ops=capturable_ops)
+                  gate_in_expert=gate_in_expert, capturable_ops=capturable_ops, owner_reduce=owner_reduce)
         if group is not None:
             kw.update(process_group=group, device=device)
         else:

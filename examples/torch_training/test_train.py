@@ -164,6 +164,14 @@ def test_keep_weight_casts_choice_reaches_each_moe_layer(choice, want):
     assert [m.moe.layer.keep_weight_casts for m in model.moe_layers()] == want
 
 
+@pytest.mark.parametrize("flag, want", [([], False), (["--owner-reduce"], True)])
+def test_owner_reduce_flag_reaches_each_moe_layer(flag, want):
+    """--owner-reduce: every MoE layer's owner sums a token's rows before they return (off by default)."""
+    a = train.parse_args(TINY + ["--moe", "rdep", "--layers", "3"] + flag)
+    model = train.build_model("rdep", train.model_config(a), a, train.Dist("cpu"))
+    assert [m.moe.layer.owner_reduce for m in model.moe_layers()] == [want, want]
+
+
 def test_grad_accum_steps_once_per_micro_batches(monkeypatch):
     """--grad-accum 2: a step is two micro-batches (batches 2s and 2s + 1), their mean loss recorded, twice the tokens,
     one optimizer step and one expert-bias update per MoE layer a step. With the weights and the expert bias held (lr 0,

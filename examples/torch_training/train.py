@@ -139,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rdep: the gate multiplied before W2 (rdep.torch.MoE(gate_in_expert=...)): auto (the binding's "
                         "default) is on where rdep's expert compute is cutlass on CUDA (--expert-compute auto picks it on sm_90), where it keeps no expert outputs for the "
                         "router's gradient; off weights the rows at the combine")
+    p.add_argument("--owner-reduce", action="store_true",
+                   help="rdep: each owner sums a token's rows before they go back (rdep.torch.MoE(owner_reduce=True)): "
+                        "one row per (token, owner) returns instead of one per (token, slot)")
     o.add_argument("--interleave", action="store_true",
                    help="with --moe both: build both models, then train them step by step in turn (the tokens/s "
                         "ratio under the same machine state); memory is not measured then")
@@ -272,7 +275,7 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
                           domain=domain[0] if domain else None,
                           keep_weight_casts=a.keep_weight_casts == "all" or (a.keep_weight_casts == "after-first"
                                                                               and layer > cfg.dense_layers),
-                          capturable_ops=a.capturable_ops == "on",
+                          capturable_ops=a.capturable_ops == "on", owner_reduce=a.owner_reduce,
                           gate_in_expert={"auto": None, "on": True, "off": False}[a.gate_in_expert] if dd.device.type == "cuda" else None)
             domain[:] = [moe.moe.layer.domain]
             return moe

@@ -55,15 +55,16 @@ def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp32_master", "fp32_master_kept_casts"])
-@pytest.mark.parametrize("gate_in_expert", [False, True])
-def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_expert):
+@pytest.mark.parametrize("gate_in_expert, owner_reduce", [(False, False), (True, False), (True, True)])
+def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_expert, owner_reduce):
     """One capture of forward + backward (torch.cuda.graph, after two eager warm-up steps on a side stream, as
     torch's docs prescribe); three replays, each with new x, routing, gates and dy copied into the captured
     inputs, give y, dx, dgates, dw1, dw2 bitwise equal to eager calls on the same inputs. The capture pins one
     context; the eager calls leave none. fp32_master_kept_casts: keep_weight_casts, the forward's bf16 casts
-    returned as tensors autograd saves for the backward."""
+    returned as tensors autograd saves for the backward. owner_reduce: a token's rows summed by the owner before
+    they return (the training example's --owner-reduce)."""
     layer = rt.Layer(H, F, E, K, T, world_size=1, backend="cuda", expert_compute="cutlass", gate_in_expert=gate_in_expert,
-                     keep_weight_casts=weights.endswith("kept_casts"))
+                     keep_weight_casts=weights.endswith("kept_casts"), owner_reduce=owner_reduce)
     assert layer.capturable
     wdt = torch.bfloat16 if weights == "bf16" else torch.float32
     x0, ids0, g0, w1, w2 = make_inputs(1, T, H, F, E, K, "uniform", seed=1)
@@ -117,8 +118,8 @@ def test_grad_off_forward_is_captured():
         assert torch.equal(y_s, rt.moe(layer, x, ids, gates, w1, w2))
 
 
-@pytest.mark.parametrize("keep_weight_casts", [False, True])
-def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts):
+@pytest.mark.parametrize("keep_weight_casts, owner_reduce", [(False, False), (True, False), (True, True)])
+def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts, owner_reduce):
     """torch.compile(mode="reduce-overhead") on a model holding rdep's MoE at W = 1 (capturable): the capturable
     ops carry no cudagraph_unsafe tag, so CUDA graph trees record them with the rest of the forward and the
     backward (contexts pinned: the proof that they were captured). Four steps with new inputs each give what the
@@ -127,7 +128,8 @@ def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts):
     import torch._inductor.config as inductor_config
 
     args = dict(max_tokens=32, world_size=1, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
-                expert_compute="cutlass", dtype=torch.float32, keep_weight_casts=keep_weight_casts)
+                expert_compute="cutlass", dtype=torch.float32, keep_weight_casts=keep_weight_casts,
+                owner_reduce=owner_reduce)
     mods = [rt.MoE(64, 32, 8, 2, **args) for _ in range(2)]
     assert mods[1].layer.capturable
     torch._dynamo.reset()
