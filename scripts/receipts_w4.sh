@@ -111,9 +111,12 @@
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
 #              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
+#   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
+#   trainprofor trainprof's rdep run with --owner-reduce
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
-#              training with a large global batch runs it), 100 steps, each model in its own process
+#              training with a large global batch runs it), GA_STEPS steps (default 100; the loss
+#              agreement over the second half), each model in its own process
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
 #              capturable ops recorded in the graphs, one rank a process), rdep --capturable-ops off
 #              (train2rdep, train2rdepp: its two rdep runs alone; TorchTitan's all-to-all has a new shape each step,
@@ -556,7 +559,8 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels
-  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps 100 --agree-from 50 --agree-to 100)
+  local n=${GA_STEPS:-100}
+  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n")
   # shellcheck disable=SC2046
   run train_w1_pairga_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan "${ga[@]}" \
     --json "$R/train_w1_pairga_tt.json"
@@ -582,6 +586,26 @@ stage_trainor() {  # trainpair (200 steps, each model in its own process) and rd
   # shellcheck disable=SC2046
   run train_w1_pair_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --owner-reduce --json "$R/train_w1_pair_rdep_or.json"
+}
+stage_trainrep() {  # trainpair's two runs twice, alternated (TorchTitan, rdep, TorchTitan, rdep): the spread between runs
+  pip_wheels
+  local i v
+  for i in 1 2; do
+    for v in torchtitan rdep; do
+      # shellcheck disable=SC2046
+      run train_w1_rep${i}_$v $(train_env) python3 examples/torch_training/train.py --device cuda --moe $v \
+        --compile-mode reduce-overhead --json "$R/train_w1_rep${i}_$v.json"
+    done
+  done
+}
+stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
+  pip_wheels
+  # shellcheck disable=SC2046
+  run train_w1_prof_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep --owner-reduce \
+    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace_or" \
+    --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_rdep_or.json"
+  run kernels_rdep_or python3 bench/trace_kernels.py "$R/trace_or.rdep.r0.json" --steps 3 --top 80 --sequence
+  rm -f "$R/trace_or.rdep.r0.json"
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels
