@@ -113,6 +113,7 @@
 #              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
 #   trainprofor trainprof's rdep run with --owner-reduce
+#   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), GA_STEPS steps (default 100; the loss
@@ -606,6 +607,20 @@ stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels p
     --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_rdep_or.json"
   run kernels_rdep_or python3 bench/trace_kernels.py "$R/trace_or.rdep.r0.json" --steps 3 --top 80 --sequence
   rm -f "$R/trace_or.rdep.r0.json"
+}
+stage_trainpairgaor() {  # trainpairga's runs and rdep with --owner-reduce between them (TorchTitan, rdep --owner-reduce, rdep)
+  pip_wheels
+  local n=${GA_STEPS:-100}
+  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n")
+  # shellcheck disable=SC2046
+  run train_w1_pairgaor_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan "${ga[@]}" \
+    --json "$R/train_w1_pairgaor_tt.json"
+  # shellcheck disable=SC2046
+  run train_w1_pairgaor_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
+    --owner-reduce --json "$R/train_w1_pairgaor_rdep_or.json"
+  # shellcheck disable=SC2046
+  run train_w1_pairgaor_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
+    --json "$R/train_w1_pairgaor_rdep.json"
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels
