@@ -39,7 +39,8 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       rdep.torch.moe, which takes the caller's routing, waits for it with grad off unless check_routing=False)
   owner_reduce=True: each owner sums a token's rows before they cross back (one row per (token, owner)
       instead of one per slot; dgate's dot products are taken by the owner). Tested against the per-slot
-      return on the host backend and on GPUs (H100). Not with nodes > 1, nor with the caller's-experts
+      return on the host backend and on GPUs (H100), and recorded in CUDA graphs (torch.cuda.graph and
+      reduce-overhead, H200). Not with nodes > 1, nor with the caller's-experts
       API (rdep.torch.dispatch/combine)
   transport_sms=N (CUDA): the SM budget of the kernels that store into peer memory (scatter, return,
       the owner's reduce):
