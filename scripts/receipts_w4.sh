@@ -558,28 +558,31 @@ stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep w
   run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
 }
+train_ga() {  # train_ga NAME MOE [train.py flags...]: the example with --grad-accum 4 under reduce-overhead, GA_STEPS steps
+  local name=$1 moe=$2; shift 2
+  local n=${GA_STEPS:-100}
+  # shellcheck disable=SC2046
+  run "$name" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" --compile-mode reduce-overhead \
+    --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n" "$@" --json "$R/$name.json"
+}
+train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce-overhead, steps 100-102 profiled, then the
+  local tag=$1 moe=$2; shift 2  # trace's kernels per step (bench/trace_kernels.py); the trace itself is not kept
+  # shellcheck disable=SC2046
+  run "train_w1_prof_$tag" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" "$@" \
+    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace_$tag" \
+    --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_$tag.json"
+  run "kernels_$tag" python3 bench/trace_kernels.py "$R/trace_$tag.$moe.r0.json" --steps 3 --top 80 --sequence
+  rm -f "$R/trace_$tag.$moe.r0.json"  # tens of MB: the summary comes back, the trace does not
+}
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels
-  local n=${GA_STEPS:-100}
-  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n")
-  # shellcheck disable=SC2046
-  run train_w1_pairga_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan "${ga[@]}" \
-    --json "$R/train_w1_pairga_tt.json"
-  # shellcheck disable=SC2046
-  run train_w1_pairga_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
-    --json "$R/train_w1_pairga_rdep.json"
+  train_ga train_w1_pairga_tt torchtitan
+  train_ga train_w1_pairga_rdep rdep
 }
 stage_trainprof() {  # trainpair's two runs (each model in its own process), 104 steps, steps 100-102 profiled: each
   pip_wheels         # trace's kernels summed per step with full names and one step in order (bench/trace_kernels.py)
-  local v
-  for v in torchtitan rdep; do
-    # shellcheck disable=SC2046
-    run train_w1_prof_$v $(train_env) python3 examples/torch_training/train.py --device cuda --moe $v \
-      --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace" \
-      --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_$v.json"
-    run kernels_$v python3 bench/trace_kernels.py "$R/trace.$v.r0.json" --steps 3 --top 80 --sequence
-    rm -f "$R/trace.$v.r0.json"  # tens of MB: the summary comes back, the trace does not
-  done
+  train_prof torchtitan torchtitan
+  train_prof rdep rdep
 }
 stage_trainor() {  # trainpair (200 steps, each model in its own process) and rdep again with --owner-reduce
   pip_wheels
@@ -601,26 +604,13 @@ stage_trainrep() {  # trainpair's two runs twice, alternated (TorchTitan, rdep, 
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
   pip_wheels
-  # shellcheck disable=SC2046
-  run train_w1_prof_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep --owner-reduce \
-    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace_or" \
-    --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_rdep_or.json"
-  run kernels_rdep_or python3 bench/trace_kernels.py "$R/trace_or.rdep.r0.json" --steps 3 --top 80 --sequence
-  rm -f "$R/trace_or.rdep.r0.json"
+  train_prof rdep_or rdep --owner-reduce
 }
 stage_trainpairgaor() {  # trainpairga's runs and rdep with --owner-reduce between them (TorchTitan, rdep --owner-reduce, rdep)
   pip_wheels
-  local n=${GA_STEPS:-100}
-  local ga=(--compile-mode reduce-overhead --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n")
-  # shellcheck disable=SC2046
-  run train_w1_pairgaor_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan "${ga[@]}" \
-    --json "$R/train_w1_pairgaor_tt.json"
-  # shellcheck disable=SC2046
-  run train_w1_pairgaor_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
-    --owner-reduce --json "$R/train_w1_pairgaor_rdep_or.json"
-  # shellcheck disable=SC2046
-  run train_w1_pairgaor_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep "${ga[@]}" \
-    --json "$R/train_w1_pairgaor_rdep.json"
+  train_ga train_w1_pairgaor_tt torchtitan
+  train_ga train_w1_pairgaor_rdep_or rdep --owner-reduce
+  train_ga train_w1_pairgaor_rdep rdep
 }
 stage_trainpaire() {  # trainpair eagerly (no torch.compile): rdep's MoE blocks through rdep.torch's eager C++ path
   pip_wheels
