@@ -111,6 +111,8 @@
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
 #              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
+#   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
+#              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
@@ -799,6 +801,10 @@ stage_gemmex1() {
   run gemm_ex "$RDEP" bench gemm "${shape[@]}" --path lt,cutlass,cutlass:all --json "$R/gemm_ex.json"
   run torch_gmm_ex python3 bench/torch_grouped_mm.py --iters 50 --warmup 10 --backward --counts-from "$R/gemm_ex.json" \
     --json "$R/torch_gmm_ex.json"
+}
+stage_tilesex() {  # the example's expert GEMMs alone per tile (device.sh --targets "rdep grouped_gemm_tiles")
+  run tiles_ex build-dev/bench/lab/grouped_gemm_tiles --experts 64 --hidden 1024 --ffn 704 --mu 96,384,1536 \
+    --iters 30 --warmup 5
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
