@@ -6,7 +6,9 @@ per step: where a training step's device time goes, with full kernel names (the 
 
 --steps: how many training steps the trace covers (the per-step column divides by it).
 --sequence: also list one step's kernels in launch order with their start (µs from the first kernel), so a
-block's kernels can be told apart (a step is taken as the trace's kernels split into --steps equal spans).
+block's kernels can be told apart. A step is taken as the trace's kernels split into --steps parts of equal count (no
+step marker is read), so where steps launch different numbers of kernels (copies, sorts) the listed span can start
+or end a few kernels into a neighbouring step.
 """
 import argparse
 import collections
@@ -23,7 +25,7 @@ def kernels(path: str) -> list[dict]:
 
 
 def short(name: str, width: int) -> str:
-    """The name without template arguments' noise: namespaces of CUTLASS's long types kept to their heads."""
+    """The name on one line (whitespace runs collapsed), cut to `width` characters."""
     name = re.sub(r"\s+", " ", name)
     return name if len(name) <= width else name[:width - 3] + "..."
 
@@ -45,8 +47,8 @@ def table(ks: list[dict], steps: int, top: int, width: int) -> str:
 
 
 def sequence(ks: list[dict], steps: int, width: int) -> str:
-    """One step's kernels in order: the trace's span split into `steps` parts by kernel count, the second part
-    (the first may hold the profiler's start-up)."""
+    """One step's kernels in order: the trace's kernels split into `steps` parts of equal count, the second part
+    (the first may hold the profiler's start-up); approximate where steps launch different numbers of kernels."""
     n = len(ks) // steps
     part = ks[n:2 * n] if steps > 1 else ks
     t0 = part[0]["ts"] if part else 0
@@ -68,7 +70,7 @@ def main() -> None:
         raise SystemExit(f"{a.trace}: no device kernels in the trace (was it recorded with the CUDA activity?)")
     print(table(ks, a.steps, a.top, a.width))
     if a.sequence:
-        print("\n--- one step's kernels in order (start us, duration us, name)")
+        print("\n--- one step's kernels in order (start us, duration us, name; the trace split by kernel count)")
         print(sequence(ks, a.steps, a.width))
 
 

@@ -80,7 +80,7 @@ fi
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
-    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEsP -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
+    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEsP -p no:cacheprovider -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} \
     >"$OUT/pytest.log" 2>&1
   pytest_rc=$?
 fi

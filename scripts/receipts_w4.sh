@@ -110,7 +110,8 @@
 #              rdep --keep-weight-casts after-first (the default), rdep --keep-weight-casts none
 #   trainpair  trainsep's TorchTitan run and rdep with the example's defaults (--keep-weight-casts after-first) only
 #   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
-#              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces are not kept)
+#              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces stay in
+#              /tmp/rdep_traces on the device, not in the archive)
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
@@ -118,8 +119,8 @@
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
-#              training with a large global batch runs it), GA_STEPS steps (default 100; the loss
-#              agreement over the second half), each model in its own process
+#              training with a large global batch runs it), GA_STEPS steps (default 100), each model in its own
+#              process (examples/torch_training/compare_receipts.py compares the two receipts)
 #   train2sep  trainsep's protocol at W = 2 under torchrun --nproc-per-node=2 (2-GPU machine): TorchTitan's MoE, rdep (its
 #              capturable ops recorded in the graphs, one rank a process), rdep --capturable-ops off
 #              (train2rdep, train2rdepp: its two rdep runs alone; TorchTitan's all-to-all has a new shape each step,
@@ -565,16 +566,17 @@ train_ga() {  # train_ga NAME MOE [train.py flags...]: the example with --grad-a
   local n=${GA_STEPS:-100}
   # shellcheck disable=SC2046
   run "$name" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" --compile-mode reduce-overhead \
-    --grad-accum 4 --steps "$n" --agree-from $((n / 2)) --agree-to "$n" "$@" --json "$R/$name.json"
+    --grad-accum 4 --steps "$n" "$@" --json "$R/$name.json"
 }
 train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce-overhead, steps 100-102 profiled, then the
-  local tag=$1 moe=$2; shift 2  # trace's kernels per step (bench/trace_kernels.py); the trace itself is not kept
+  local tag=$1 moe=$2; shift 2  # trace's kernels per step (bench/trace_kernels.py); the trace stays outside $R (not archived)
+  local trace=/tmp/rdep_traces/trace_$tag
+  mkdir -p /tmp/rdep_traces
   # shellcheck disable=SC2046
   run "train_w1_prof_$tag" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" "$@" \
-    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$R/trace_$tag" \
-    --agree-from 50 --agree-to 104 --json "$R/train_w1_prof_$tag.json"
-  run "kernels_$tag" python3 bench/trace_kernels.py "$R/trace_$tag.$moe.r0.json" --steps 3 --top 80 --sequence
-  rm -f "$R/trace_$tag.$moe.r0.json"  # tens of MB: the summary comes back, the trace does not
+    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace" \
+    --json "$R/train_w1_prof_$tag.json"
+  run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels

@@ -92,6 +92,30 @@ def test_receipt_fields(both):
     assert Path(on_disk["png"]).exists() or "matplotlib is not installed" in on_disk["png"]
 
 
+def test_receipts_of_separate_runs_compare_as_one_process_compares(both, tmp_path, capsys):
+    """compare_receipts.py on the two variants written as receipts of one variant each gives the comparison the
+    process made; a receipt of two variants, or runs of another model or seed, are refused naming what differs."""
+    import compare_receipts
+
+    receipt, path = both
+    paths = []
+    for i, run in enumerate(receipt["variants"]):
+        one = dict(json.loads(path.read_text()), variants=[run])
+        one.pop("comparison")
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(one))
+    got = compare_receipts.main([str(paths[0]), str(paths[1]), "--agree-from", "3", "--agree-to", "6"])
+    assert json.loads(json.dumps(got)) == json.loads(json.dumps(receipt["comparison"]))
+    assert "tokens/s, rdep / baseline" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="expected a receipt of one variant"):
+        compare_receipts.main([str(path), str(paths[1])])
+    other = json.loads(paths[1].read_text())
+    other["config"]["args"]["seed"] += 1
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="config.args.seed differs"):
+        compare_receipts.main([str(paths[0]), str(paths[1])])
+
+
 def test_rdep_two_ranks_in_one_process_match_one_rank(both):
     receipt, _ = both
     two = train.main(TINY + ["--moe", "rdep", "--ranks-per-process", "2"])
