@@ -55,7 +55,7 @@ def test_saved_rows_are_pieces_of_the_rows_tensor(gate_in_expert):
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp32_master", "fp32_master_kept_casts"])
-@pytest.mark.parametrize("gate_in_expert, owner_reduce", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("gate_in_expert, owner_reduce", [(False, False), (True, False), (False, True), (True, True)])
 def test_captured_forward_backward_replays_like_eager_calls(weights, gate_in_expert, owner_reduce):
     """One capture of forward + backward (torch.cuda.graph, after two eager warm-up steps on a side stream, as
     torch's docs prescribe); three replays, each with new x, routing, gates and dy copied into the captured
@@ -124,7 +124,7 @@ def test_reduce_overhead_records_rdep_ops_in_its_graphs(keep_weight_casts, owner
     ops carry no cudagraph_unsafe tag, so CUDA graph trees record them with the rest of the forward and the
     backward (contexts pinned: the proof that they were captured). Four steps with new inputs each give what the
     default mode gives (y, dx and every parameter's gradient; bf16 tolerances: inductor's kernels may differ
-    between the modes)."""
+    between the modes); with the casts kept, and with the owner's reduce (the training example's --owner-reduce)."""
     import torch._inductor.config as inductor_config
 
     args = dict(max_tokens=32, world_size=1, backend="cuda", shared_ffn=16, aux_loss_coeff=1e-2, seed=5, init_std=0.1,
