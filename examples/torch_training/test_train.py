@@ -116,6 +116,16 @@ def test_receipts_of_separate_runs_compare_as_one_process_compares(both, tmp_pat
         compare_receipts.main([str(paths[0]), str(paths[1])])
 
 
+def test_profiled_steps_are_named_ranges_in_the_trace(tmp_path):
+    """--profile-steps with --profile-trace: each profiled step is a "train step N" range in the Chrome trace, which
+    bench/trace_kernels.py splits a trace's kernels by (its own tests: python/tests/test_trace_kernels.py)."""
+    prefix = tmp_path / "trace"
+    train.main(TINY + ["--moe", "rdep", "--profile-steps", "2", "--profile-at", "2", "--profile-trace", str(prefix)])
+    events = json.loads(Path(f"{prefix}.rdep.r0.json").read_text())["traceEvents"]
+    names = sorted(e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("train step"))
+    assert names == ["train step 2", "train step 3"], names
+
+
 def test_rdep_two_ranks_in_one_process_match_one_rank(both):
     receipt, _ = both
     two = train.main(TINY + ["--moe", "rdep", "--ranks-per-process", "2"])

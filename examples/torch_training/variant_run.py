@@ -10,6 +10,7 @@ train.py's docstring for what each figure counts).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -134,8 +135,10 @@ class VariantRun:
         phases = PhasePeaks(dd, self.memory and step == a.memory_step,
                             f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
         try:
-            loss, gnorm, loads = self._train_step(micro, phases)
-            dd.sync()
+            # Under the profiler each step is a named range, which bench/trace_kernels.py splits the trace's kernels by.
+            with torch.profiler.record_function(f"train step {step}") if self.prof is not None else contextlib.nullcontext():
+                loss, gnorm, loads = self._train_step(micro, phases)
+                dd.sync()
         except BaseException:
             phases.stop_recording()
             self._check_rdep()  # raises the cause when an rdep barrier failed (inside a replay only a CUDA error shows)
