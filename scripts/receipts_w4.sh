@@ -552,30 +552,26 @@ stage_trainsep() {  # reduce-overhead, each model in a process of its own (no sh
   run train_w1_sep_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
     --compile-mode reduce-overhead --keep-weight-casts none --json "$R/train_w1_sep_rdep.json"
 }
-stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep with the example's defaults (after-first)
-  pip_wheels
-  # shellcheck disable=SC2046
-  run train_w1_pair_tt $(train_env) python3 examples/torch_training/train.py --device cuda --moe torchtitan \
-    --compile-mode reduce-overhead --json "$R/train_w1_pair_tt.json"
-  # shellcheck disable=SC2046
-  run train_w1_pair_rdep $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
-    --compile-mode reduce-overhead --json "$R/train_w1_pair_rdep.json"
-}
-train_ga() {  # train_ga NAME MOE [train.py flags...]: the example with --grad-accum 4 under reduce-overhead, GA_STEPS steps
+train_ro() {  # train_ro NAME MOE [train.py flags...]: the example on one GPU under reduce-overhead, its receipt $R/NAME.json
   local name=$1 moe=$2; shift 2
-  local n=${GA_STEPS:-100}
   # shellcheck disable=SC2046
   run "$name" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" --compile-mode reduce-overhead \
-    --grad-accum 4 --steps "$n" "$@" --json "$R/$name.json"
+    "$@" --json "$R/$name.json"
+}
+stage_trainpair() {  # trainsep's first pair only: TorchTitan's MoE, then rdep with the example's defaults (after-first)
+  pip_wheels
+  train_ro train_w1_pair_tt torchtitan
+  train_ro train_w1_pair_rdep rdep
+}
+train_ga() {  # train_ga NAME MOE [train.py flags...]: train_ro with --grad-accum 4, GA_STEPS steps (default 100)
+  local name=$1 moe=$2; shift 2
+  train_ro "$name" "$moe" --grad-accum 4 --steps "${GA_STEPS:-100}" "$@"
 }
 train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce-overhead, steps 100-102 profiled, then the
   local tag=$1 moe=$2; shift 2  # trace's kernels per step (bench/trace_kernels.py); the trace stays outside $R (not archived)
   local trace=/tmp/rdep_traces/trace_$tag
   mkdir -p /tmp/rdep_traces
-  # shellcheck disable=SC2046
-  run "train_w1_prof_$tag" $(train_env) python3 examples/torch_training/train.py --device cuda --moe "$moe" "$@" \
-    --compile-mode reduce-overhead --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace" \
-    --json "$R/train_w1_prof_$tag.json"
+  train_ro "train_w1_prof_$tag" "$moe" "$@" --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace"
   run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
@@ -591,19 +587,13 @@ stage_trainprof() {  # trainpair's two runs (each model in its own process), 104
 stage_trainor() {  # trainpair (200 steps, each model in its own process) and rdep again with --owner-reduce
   pip_wheels
   stage_trainpair
-  # shellcheck disable=SC2046
-  run train_w1_pair_rdep_or $(train_env) python3 examples/torch_training/train.py --device cuda --moe rdep \
-    --compile-mode reduce-overhead --owner-reduce --json "$R/train_w1_pair_rdep_or.json"
+  train_ro train_w1_pair_rdep_or rdep --owner-reduce
 }
 stage_trainrep() {  # trainpair's two runs twice, alternated (TorchTitan, rdep, TorchTitan, rdep): the spread between runs
   pip_wheels
   local i v
   for i in 1 2; do
-    for v in torchtitan rdep; do
-      # shellcheck disable=SC2046
-      run train_w1_rep${i}_$v $(train_env) python3 examples/torch_training/train.py --device cuda --moe $v \
-        --compile-mode reduce-overhead --json "$R/train_w1_rep${i}_$v.json"
-    done
+    for v in torchtitan rdep; do train_ro "train_w1_rep${i}_$v" "$v"; done
   done
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
