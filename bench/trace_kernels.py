@@ -11,6 +11,11 @@ the first, after the last) are counted apart. A trace without such ranges is spl
 kernel count instead, which is approximate where steps launch different numbers of kernels (copies, sorts).
 --sequence: also list one step's kernels in launch order with their start (µs from the step's first kernel), so a
 block's kernels can be told apart (the second step, the first may hold the profiler's start-up).
+--gaps US: where each ranged step's GPU sits idle: the step's host range against the union of its kernels' busy time,
+the idle time before the first kernel and after the last, and the idle gaps of at least US µs between kernels, each
+with the kernel that ended it, how long after the gap began the host launched that kernel (a gap the host caused),
+the host calls that launch sat in, and the step's top-level host calls that ran during the gap. The profiler slows
+the host, so the gaps are upper bounds of an unprofiled step's.
 """
 import argparse
 import collections
@@ -32,19 +37,29 @@ def kernels(events: list[dict]) -> list[dict]:
     return ks
 
 
+def step_ranges(events: list[dict]) -> list[dict]:
+    """The "train step N" range events in time order."""
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and STEP_RANGE.match(e.get("name", ""))), key=lambda e: e["ts"])
+
+
+def launches(events: list[dict]) -> dict:
+    """correlation id -> the host call (runtime or driver API event) that launched the kernel or copy."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+
+
 def steps_by_range(events: list[dict], ks: list[dict]) -> tuple[list[list[dict]], int] | None:
     """(each annotated step's kernels in order, kernels outside every step), or None without "train step N" ranges."""
-    ranges = sorted((e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events
-                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := STEP_RANGE.match(e.get("name", ""))))
+    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in step_ranges(events)]
     if not ranges:
         return None
-    launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    launched = launches(events)
     per_step: list[list[dict]] = [[] for _ in ranges]
     outside = 0
     for k in ks:
-        t = launched.get(k.get("args", {}).get("correlation"))
-        i = next((i for i, (lo, hi, _) in enumerate(ranges) if t is not None and lo <= t <= hi), None)
+        t = launched.get(k.get("args", {}).get("correlation"), {}).get("ts")
+        i = next((i for i, (lo, hi) in enumerate(ranges) if t is not None and lo <= t <= hi), None)
         if i is None:
             outside += 1
         else:
@@ -86,6 +101,69 @@ def sequence(part: list[dict], width: int) -> str:
     return "\n".join(f"{k['ts'] - t0:10.1f} {k['dur']:8.1f}  {short(k['name'], width)}" for k in part)
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+
+
+def busy_intervals(part: list[dict]) -> list[tuple[float, float, dict]]:
+    """The union of the kernels' [start, end) intervals, each with the kernel that opened it."""
+    out: list[list] = []
+    for k in sorted(part, key=lambda k: k["ts"]):
+        end = k["ts"] + k["dur"]
+        if out and k["ts"] <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([k["ts"], end, k])
+    return [tuple(iv) for iv in out]
+
+
+def host_calls(events: list[dict], rng: dict) -> list[dict]:
+    """The host calls inside a step's range on its thread, the range left out, each with its depth (0: not inside
+    another of them)."""
+    lo, hi = rng["ts"], rng["ts"] + rng["dur"]
+    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and e is not rng
+                    and e.get("tid") == rng.get("tid") and lo <= e["ts"] and e["ts"] + e["dur"] <= hi),
+                   key=lambda e: (e["ts"], -e["dur"]))
+    stack: list[float] = []
+    out = []
+    for e in calls:
+        while stack and e["ts"] >= stack[-1]:
+            stack.pop()
+        out.append({**e, "depth": len(stack)})
+        stack.append(e["ts"] + e["dur"])
+    return out
+
+
+def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: int, top: int = 8) -> str:
+    """Each ranged step's GPU idle time and its gaps of at least min_gap µs (see --gaps)."""
+    launched = launches(events)
+    lines = []
+    for rng, part in zip(step_ranges(events), per_step):
+        lo, hi = rng["ts"], rng["ts"] + rng["dur"]
+        busy = busy_intervals(part)
+        if not busy:
+            lines.append(f"{rng['name']}: no kernels")
+            continue
+        calls = host_calls(events, rng)
+        held = [(busy[i][1], busy[i + 1][0], busy[i + 1][2]) for i in range(len(busy) - 1)
+                if busy[i + 1][0] - busy[i][1] >= min_gap]
+        busy_us = sum(b - a for a, b, _ in busy)
+        lines.append(f"{rng['name']}: host range {hi - lo:.0f} us, GPU busy {busy_us:.0f} us, idle {hi - lo - busy_us:.0f} us: "
+                     f"{busy[0][0] - lo:.0f} before the first kernel, {max(0.0, hi - busy[-1][1]):.0f} after the last, "
+                     f"{sum(g1 - g0 for g0, g1, _ in held):.0f} in {len(held)} gaps of >= {min_gap:g} us")
+        for g0, g1, k in sorted(held, key=lambda g: g[0] - g[1])[:top]:
+            launch = launched.get(k.get("args", {}).get("correlation"), {})
+            t = launch.get("ts")
+            chain = [c["name"] for c in calls if t is not None and c["ts"] <= t <= c["ts"] + c["dur"]][-3:]
+            during = sorted(((min(g1, c["ts"] + c["dur"]) - max(g0, c["ts"]), c["name"]) for c in calls
+                             if c["depth"] == 0 and c["ts"] < g1 and c["ts"] + c["dur"] > g0), reverse=True)[:3]
+            late = f"launched {t - g0:+.0f} us into it" if t is not None else "launch not in the trace"
+            lines.append(f"  at +{g0 - lo:.0f} us: {g1 - g0:.0f} us idle, {late}; ended by {short(k['name'], 60)}")
+            lines.append(f"      launched inside: {' > '.join(short(n, width // 3) for n in chain) or '-'}")
+            lines.append(f"      top-level host calls meanwhile: "
+                         f"{', '.join(f'{short(n, width // 3)} ({us:.0f} us)' for us, n in during) or '-'}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
@@ -93,9 +171,13 @@ def main(argv=None) -> None:
     p.add_argument("--top", type=int, default=60)
     p.add_argument("--width", type=int, default=160)
     p.add_argument("--sequence", action="store_true")
+    p.add_argument("--gaps", type=float, default=0.0, metavar="US",
+                   help="list each ranged step's GPU idle gaps of at least US microseconds")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps: at least 1")
+    if a.gaps < 0:
+        p.error("--gaps: a gap length in microseconds, at least 0")
     events = load(a.trace)
     ks = kernels(events)
     if not ks:
@@ -113,6 +195,12 @@ def main(argv=None) -> None:
         part = per_step[1] if len(per_step) > 1 else per_step[0]
         print("\n--- one step's kernels in order (start us, duration us, name)")
         print(sequence(part, a.width))
+    if a.gaps > 0:
+        if ranged is None:
+            print("\n--- gaps: not computed (no 'train step N' ranges in the trace)")
+        else:
+            print(f"\n--- where the GPU sits idle in each step (gaps >= {a.gaps:g} us)")
+            print(gaps(events, per_step, a.gaps, a.width))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,31 @@ def test_a_trace_without_kernels_is_named(tmp_path):
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]}))
     with pytest.raises(SystemExit, match="no device kernels"):
         trace_kernels.main([str(path)])
+
+
+def test_gaps_name_the_idle_time_and_the_host_calls_that_caused_it(tmp_path, capsys):
+    """One 200 µs step: k1 runs 30-50 µs (launched from a compiled forward), k2 172-190 µs, launched at 170 µs from the
+    optimizer's step, which began at 100 µs: the GPU idles 122 µs between them, and the host launched k2 120 µs into
+    that gap. 30 µs before the first kernel and 10 µs after the last are idle too."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "train step 7", "ts": 0.0, "dur": 200.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "CompiledFunction", "ts": 10.0, "dur": 50.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 15.0, "dur": 5.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step", "ts": 100.0, "dur": 80.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "other thread's op", "ts": 60.0, "dur": 100.0, "tid": 2}]
+    for corr, t_launch, name, t_run, dur in [(1, 18.0, "k1", 30.0, 20.0), (2, 170.0, "k2", 172.0, 18.0)]:
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t_launch, "dur": 1.0, "tid": 1,
+                   "args": {"correlation": corr}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": t_run, "dur": dur, "args": {"correlation": corr}})
+    per_step, _ = trace_kernels.steps_by_range(ev, trace_kernels.kernels(ev))
+    out = trace_kernels.gaps(ev, per_step, 50.0, 120)
+    assert "train step 7: host range 200 us, GPU busy 38 us, idle 162 us: 30 before the first kernel, 10 after the last, " \
+           "122 in 1 gaps of >= 50 us" in out
+    assert "at +50 us: 122 us idle, launched +120 us into it; ended by k2" in out
+    assert "launched inside: Optimizer.step\n" in out
+    assert "top-level host calls meanwhile: Optimizer.step (72 us), CompiledFunction (10 us)" in out
+    assert "other thread" not in out
+    assert "gaps of >= 200 us" in trace_kernels.gaps(ev, per_step, 200.0, 120)  # no gap that long: none listed
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    trace_kernels.main([str(path), "--gaps", "50"])
+    assert "where the GPU sits idle in each step (gaps >= 50 us)" in capsys.readouterr().out
