@@ -114,6 +114,8 @@
 #              /tmp/rdep_traces on the device, not in the archive)
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
+#   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
+#              --timing overlapped (a step launched before the last is read back, timed between CUDA events)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
@@ -572,7 +574,7 @@ train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce
   local trace=/tmp/rdep_traces/trace_$tag
   mkdir -p /tmp/rdep_traces
   train_ro "train_w1_prof_$tag" "$moe" "$@" --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace"
-  run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence
+  run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence --gaps 30
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels
@@ -594,6 +596,14 @@ stage_trainrep() {  # trainpair's two runs twice, alternated (TorchTitan, rdep, 
   local i v
   for i in 1 2; do
     for v in torchtitan rdep; do train_ro "train_w1_rep${i}_$v" "$v"; done
+  done
+}
+stage_trainov() {  # trainpair with each --timing, alternated: TorchTitan and rdep synced, then both overlapped
+  pip_wheels
+  local t
+  for t in synced overlapped; do
+    train_ro "train_w1_${t}_tt" torchtitan --timing "$t"
+    train_ro "train_w1_${t}_rdep" rdep --timing "$t"
   done
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step

@@ -176,6 +176,7 @@ def test_interleaved_runs_train_like_the_sequential_ones(both):
 @pytest.mark.parametrize("args, why", [
     (["--moe", "rdep", "--interleave"], "--interleave: needs --moe both"),
     (["--moe", "both", "--interleave", "--profile-steps", "2"], "profilers would overlap"),
+    (["--moe", "both", "--interleave", "--timing", "overlapped"], "--interleave with --timing overlapped"),
     (["--moe", "both", "--memory-step", "3"], "--memory-step: needs --device cuda"),
     (["--moe", "both", "--memory-snapshot", "/tmp/x"], "--memory-snapshot: needs --memory-step"),
     (["--moe", "both", "--profile-trace", "/tmp/t"], "--profile-trace: needs --profile-steps"),
@@ -251,3 +252,42 @@ def test_grad_accum_steps_once_per_micro_batches(monkeypatch):
             torch.testing.assert_close(got, (g0 + g1) / 2, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {s} param {i}: {m}")
     with pytest.raises(SystemExit):
         train.main(TINY + ["--grad-accum", "0"])
+
+
+def test_overlapped_timing_trains_as_the_synced_run(both):
+    """--timing overlapped: each step launched before the one before it is read back gives the synced run's
+    losses (the same math: only when the host reads the figures back changes), a step time for every step, the
+    host's launch time beside it, and the timing named in the receipt."""
+    receipt, _ = both
+    over = train.main(TINY + ["--moe", "both", "--baseline", "reference", "--timing", "overlapped"])
+    for run, seq in zip(over["variants"], receipt["variants"]):
+        assert run["timing"] == "overlapped" and seq["timing"] == "synced"
+        assert run["loss"] == seq["loss"], run["label"]
+        assert len(run["step_ms"]) == len(run["host_launch_ms"]) == 6 and all(t > 0 for t in run["step_ms"])
+        assert run["max_load_ratio"][0] is not None and run["max_load_ratio"][0] >= 1.0
+        assert "host_launch_ms" not in seq
+    assert over["comparison"]["speedup"] > 0
+
+
+def test_overlapped_figures_are_reduced_over_ranks_once():
+    """Overlapped timing keeps each rank's per-step figures and reduces them at the end: the loss summed over
+    ranks and divided by W, the step time and memory the maximum (with None as not measured), tokens/s from the
+    reduced step time."""
+    from types import SimpleNamespace
+
+    from variant_run import VariantRun
+
+    class TwoRanks:  # the other rank's figures: loss 3, step 20 ms, peaks 5 MiB
+        group, world = object(), 2
+
+        def reduce(self, values, op):
+            other = [3.0] * len(values) if op == "sum" else [20.0, 20.0] + [5.0] * (len(values) - 2)
+            return [a + b for a, b in zip(values, other)] if op == "sum" else [max(a, b) for a, b in zip(values, other)]
+
+    rec = {"loss": [1.0, 2.0], "step_ms": [10.0, 30.0], "peak_mem_mib": [7.0, 1.0], "device_used_mib": [7.0, 1.0],
+           "peak_whole_mib": [7.0, 1.0], "tokens_per_s": [0.0, 0.0]}
+    run = SimpleNamespace(dd=TwoRanks(), rec=rec, memory=True, tokens_global=1000)
+    VariantRun._reduce_over_ranks(run)
+    assert rec["loss"] == [2.0, 2.5] and rec["step_ms"] == [20.0, 30.0]
+    assert rec["tokens_per_s"] == pytest.approx([50000.0, 1000 / 0.030])
+    assert rec["peak_mem_mib"] == [7.0, 5.0]

@@ -142,6 +142,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--owner-reduce", action="store_true",
                    help="rdep: each owner sums a token's rows before they go back (rdep.torch.MoE(owner_reduce=True)): "
                         "one row per (token, owner) returns instead of one per (token, slot)")
+    o.add_argument("--timing", choices=("synced", "overlapped"), default="synced",
+                   help="synced: each step timed between two device synchronizations (the host's time to launch a "
+                        "step adds where the GPU waits for it); overlapped: as a training loop that does not wait for "
+                        "the GPU each step, step s+1 launched before step s is read back and each step timed on the "
+                        "GPU between the events that end it and the step before (variant_run.py's docstring)")
     o.add_argument("--interleave", action="store_true",
                    help="with --moe both: build both models, then train them step by step in turn (the tokens/s "
                         "ratio under the same machine state); memory is not measured then")
@@ -158,6 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     refuse = [(a.compile_mode == "reduce-overhead" and a.device != "cuda", "--compile-mode reduce-overhead: CUDA graphs "
                "need --device cuda"),
               (a.interleave and a.moe != "both", "--interleave: needs --moe both (two models to interleave)"),
+              (a.interleave and a.timing == "overlapped", "--interleave with --timing overlapped: each step of "
+               "one model would be timed across the other's; interleave with --timing synced"),
               (a.interleave and a.profile_steps > 0, "--interleave with --profile-steps: the two variants' profilers "
                "would overlap; profile without --interleave"),
               (a.interleave and a.memory_step >= 0, "--interleave with --memory-step: memory is not measured when "

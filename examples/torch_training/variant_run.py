@@ -3,9 +3,18 @@ a step at a time, so that train.py can run the variants one after the other (mem
 interleaved step by step (--interleave: both see the same machine state, for the tokens/s ratio).
 
 A step: forward under bf16 autocast, backward, dense gradients averaged over ranks, the global-norm clip,
-fused AdamW, the aux-loss-free bias update; timed between two device synchronizations. Per step the
-record keeps the loss, tokens/s, torch's peak memory and the memory outside torch's allocator (see
-train.py's docstring for what each figure counts).
+fused AdamW, the aux-loss-free bias update. Per step the record keeps the loss, tokens/s, torch's peak
+memory and the memory outside torch's allocator (see train.py's docstring for what each figure counts).
+
+Timing (--timing):
+  synced      each step timed on the host between two device synchronizations: the step's host time and
+              its device time add where they do not overlap (the GPU idles while the host prepares a step).
+  overlapped  as a training loop that does not wait for the GPU each step runs: step s+1 is launched
+              before step s is read back, and a step's time is the GPU timeline between the CUDA events that
+              end step s-1 and step s. Where the host keeps ahead of the GPU that is the step's device time;
+              where it does not, the GPU's idle time counts. The step's loss, gradient norm and expert load
+              come back through one non-blocking copy per step; the per-step line is printed one step late,
+              and across ranks the figures are reduced once at the end (the per-step lines show rank 0's).
 """
 
 from __future__ import annotations
@@ -109,19 +118,25 @@ class VariantRun:
         self.rec = {"kind": kind, "label": self.label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
                     "peak_mem_mib": [], "device_used_mib": [], "peak_whole_mib": [], "grad_norm": [], "lr": [],
                     "max_load_ratio": []}
+        if a.timing == "overlapped":
+            self.rec["host_launch_ms"] = []
         if not measure_memory:
             self.rec["memory_note"] = "not measured: interleaved with another model resident on the device"
         self.prof = None
         self.peak_so_far = 0.0  # torch's peak over the steps (a --memory-step resets the allocator's own)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
         self.alive = True  # False once the loss is not finite
+        self.overlapped = a.timing == "overlapped"
+        self.pending = None  # overlapped: the launched step not yet read back (_Launched)
+        self.last_end = None  # overlapped: the end of the last step read back (a CUDA event, or perf_counter's time)
         model.train()
 
     def describe(self) -> str:
         return f"{self.label}: {self.n_dense / 1e6:.2f}M dense + {self.n_expert / 1e6:.2f}M expert parameters per process"
 
     def step(self, step: int) -> bool:
-        """Trains one step; False (and no more steps) when the loss is not finite."""
+        """Trains one step; False (and no more steps) when the loss is not finite (with --timing overlapped,
+        the loss of the step before, read back after this one was launched)."""
         a, dd, cuda = self.a, self.dd, self.cuda
         n = a.grad_accum  # micro-batch i of step s is batch s * n + i (with n = 1, batch s)
         micro = [self.corpus.batch("train", step * n + i, a.seed, dd.rank, dd.world, a.batch, dd.device) for i in range(n)]
@@ -130,7 +145,9 @@ class VariantRun:
             g["lr"] = lr
         if a.profile_steps > 0 and step == a.profile_at:
             self.prof = start_profiler(cuda)
-        dd.sync()
+        if not self.overlapped or self.last_end is None:
+            dd.sync()
+            self.last_end = _mark_end(cuda)  # overlapped: the first step's start
         t0 = time.perf_counter()
         phases = PhasePeaks(dd, self.memory and step == a.memory_step,
                             f"{a.memory_snapshot}.{self.kind}.r{dd.rank}.pickle" if a.memory_snapshot else "")
@@ -138,22 +155,47 @@ class VariantRun:
             # Under the profiler each step is a named range, which bench/trace_kernels.py splits the trace's kernels by.
             with torch.profiler.record_function(f"train step {step}") if self.prof is not None else contextlib.nullcontext():
                 loss, gnorm, loads = self._train_step(micro, phases)
-                dd.sync()
+                if not self.overlapped:
+                    dd.sync()
         except BaseException:
             phases.stop_recording()
             self._check_rdep()  # raises the cause when an rdep barrier failed (inside a replay only a CUDA error shows)
             raise
         dt = time.perf_counter() - t0
-        self._check_rdep()
+        launched = _Launched(step, lr, dt, _step_figures(loss, gnorm, loads, cuda and self.overlapped), phases)
+        if self.overlapped:
+            launched.end = _mark_end(cuda)
+            self.rec["host_launch_ms"].append(dt * 1e3)  # the host's time to launch the step (>= step_ms: host-bound)
+            if self.pending is not None:
+                self._read_back(self.pending)
+            self.pending = launched
+        else:
+            self._read_back(launched)
         if self.prof is not None and step == a.profile_at + a.profile_steps - 1:
             trace = f"{a.profile_trace}.{self.kind}.r{dd.rank}.json" if a.profile_trace else ""
             self.rec["profile"] = stop_profiler(self.prof, cuda, f"{self.label}, steps [{a.profile_at}, {step + 1})", dd, trace)
             self.prof = None
-        if phases.on:
-            self.rec["memory_phases"] = phases.report(step, self.kind)
-            self._report_rdep_memory()
-        self._record(step, lr, dt, float(loss.detach()), float(gnorm), loads, phases.peak())
         return self.alive
+
+    def _read_back(self, s: "_Launched") -> None:
+        """Records a launched step: waits for its end (overlapped) and takes its figures off the device."""
+        if self.overlapped:
+            dt = _seconds_between(self.last_end, s.end)
+            self.last_end = s.end
+        else:
+            dt = s.dt
+        self._check_rdep()
+        if s.phases.on:
+            self.rec["memory_phases"] = s.phases.report(s.step, self.kind)
+            self._report_rdep_memory()
+        loss, gnorm, load_ratio = s.figures.tolist()
+        self._record(s.step, s.lr, dt, loss, gnorm, None if math.isnan(load_ratio) else load_ratio, s.phases.peak())
+
+    def flush(self) -> None:
+        """Reads back the step still in flight (overlapped); finish() calls it."""
+        if self.pending is not None:
+            s, self.pending = self.pending, None
+            self._read_back(s)
 
     def _check_rdep(self) -> None:
         """Raises what rdep's device barriers recorded, if anything (Layer.check_errors: no CUDA call). Under
@@ -190,6 +232,23 @@ class VariantRun:
             moe.update_bias(self.a.bias_rate)
         return loss, gnorm, loads
 
+    def _reduce_over_ranks(self) -> None:
+        """Overlapped: the per-step figures, kept per rank during the run, reduced over the ranks in one go (the
+        loss summed and divided by W, times and memory the maximum), as synced timing reduces them each step."""
+        dd, rec = self.dd, self.rec
+        if dd.group is None or not rec["step_ms"]:
+            return
+        n = len(rec["step_ms"])
+        nan = float("nan")
+        mem = lambda k: [nan if v is None else v for v in rec[k]]  # noqa: E731
+        loss = dd.reduce(rec["loss"], "sum")
+        both = dd.reduce(rec["step_ms"] + mem("peak_mem_mib") + mem("device_used_mib") + mem("peak_whole_mib"), "max")
+        rec["loss"] = [v / dd.world for v in loss]
+        rec["step_ms"] = both[:n]
+        rec["tokens_per_s"] = [self.tokens_global / (ms / 1e3) for ms in rec["step_ms"]]
+        if self.memory:
+            rec["peak_mem_mib"], rec["device_used_mib"], rec["peak_whole_mib"] = both[n:2 * n], both[2 * n:3 * n], both[3 * n:]
+
     def _report_rdep_memory(self) -> None:
         """rdep's own device memory per rank (outside torch's allocator): its domains' regions."""
         import rdep.torch as rt
@@ -204,12 +263,14 @@ class VariantRun:
         self.dd.print(f"[{self.kind:>10}] rdep's domain regions per rank: {sym:.1f} MiB symmetric, {shared:.1f} MiB shared "
                       f"(rdep.torch.Domain.memory(), {len(domains)} domain(s))")
 
-    def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, loads, phase_peak: float) -> None:
+    def _record(self, step: int, lr: float, dt: float, loss: float, gnorm: float, load_ratio, phase_peak: float) -> None:
         a, dd, rec = self.a, self.dd, self.rec
         # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
-        rec["max_load_ratio"].append(max((float(ld.max()) / max(float(ld.float().mean()), 1e-9)
-                                          for ld in loads if ld is not None), default=None))
-        (loss_sum,) = dd.reduce([loss], "sum")
+        rec["max_load_ratio"].append(load_ratio)
+        # Overlapped: no collective per step (its wait would hold the host until the step in flight ends); the
+        # figures are reduced over the ranks once, in finish().
+        reduce = (lambda v, op="sum": v) if self.overlapped else dd.reduce
+        (loss_sum,) = reduce([loss], "sum")
         peak = used = whole = float("nan")
         if self.memory:
             self.peak_so_far = max(self.peak_so_far, phase_peak, torch.cuda.max_memory_allocated(dd.device) / MIB)
@@ -219,8 +280,8 @@ class VariantRun:
             # Device memory outside torch's allocator (the CUDA context, libraries' workspaces and, for rdep,
             # the layers' own buffers and pooled contexts, allocated once) added to torch's peak.
             whole = peak + max(0.0, used - torch.cuda.memory_reserved(dd.device) / MIB)
-        dt_max, peak_max, used_max, whole_max = dd.reduce([dt, peak, used, whole], "max")
-        rec["loss"].append(loss_sum / dd.world)
+        dt_max, peak_max, used_max, whole_max = reduce([dt, peak, used, whole], "max")
+        rec["loss"].append(loss_sum / (1 if self.overlapped else dd.world))
         rec["tokens_per_s"].append(self.tokens_global / dt_max)
         rec["step_ms"].append(dt_max * 1e3)
         rec["peak_mem_mib"].append(peak_max if self.memory else None)
@@ -234,13 +295,18 @@ class VariantRun:
         elif step % a.print_every == 0 or step == a.steps - 1:
             mem = f"peak {peak_max:9.1f} MiB" if self.memory else "peak mem n/a"
             lr_ = rec["max_load_ratio"][-1]
-            dd.print(f"[{self.kind:>10}] step {step:4d} | loss {rec['loss'][-1]:.4f} | {self.tokens_global / dt_max:10,.0f} tok/s"
+            who = " (rank 0)" if self.overlapped and dd.world > 1 else ""
+            dd.print(f"[{self.kind:>10}] step {step:4d}{who} | loss {rec['loss'][-1]:.4f} | {self.tokens_global / dt_max:10,.0f} tok/s"
                      f" | {dt_max * 1e3:8.1f} ms | {mem} | gnorm {gnorm:.3f}"
                      + (f" | max/mean expert load {lr_:.2f}" if lr_ is not None else ""))
 
     def finish(self) -> dict:
         """The validation loss and the medians; closes the model's MoE layers and frees the model."""
         a, dd, rec, model = self.a, self.dd, self.rec, self.model
+        self.flush()
+        if self.overlapped:
+            self._reduce_over_ranks()
+        rec["timing"] = a.timing
         model.eval()
         val = []
         with torch.no_grad(), self.autocast:
@@ -251,6 +317,8 @@ class VariantRun:
         # Medians over the steps after the first few, profiled steps left out.
         skip = min(a.warmup_steps_timing, max(0, len(rec["tokens_per_s"]) - 1))
         profiled = set(range(a.profile_at, a.profile_at + a.profile_steps)) | ({a.memory_step} if self.memory else set())
+        if self.overlapped:  # a step that waited for the GPU (profiler, memory phases) delays the next one's start
+            profiled |= {t + 1 for t in profiled}
         timed = [t for t in range(skip, len(rec["step_ms"])) if t not in profiled] or list(range(len(rec["step_ms"])))
         rec["timed_steps"] = [timed[0], timed[-1] + 1] if timed else None
         rec["tokens_per_s_median"] = statistics.median(rec["tokens_per_s"][t] for t in timed) if timed else None
@@ -318,6 +386,45 @@ class PhasePeaks:
         text = ", ".join(f"{p} peak {pk:.1f} (after {now:.1f})" for p, (pk, now) in self.peaks.items())
         self.dd.print(f"[{kind:>10}] step {step} torch memory MiB by phase: {text}")
         return {p: {"peak_mib": pk, "after_mib": now} for p, (pk, now) in self.peaks.items()}
+
+
+class _Launched:
+    """A step launched and not yet recorded: its figures (a tensor on the host, filled by a non-blocking copy
+    when overlapped) and, overlapped, the event that ends it."""
+
+    def __init__(self, step: int, lr: float, dt: float, figures: torch.Tensor, phases: "PhasePeaks"):
+        self.step, self.lr, self.dt, self.figures, self.phases = step, lr, dt, figures, phases
+        self.end = None
+
+
+def _step_figures(loss: torch.Tensor, gnorm: torch.Tensor, loads, non_blocking: bool) -> torch.Tensor:
+    """[loss, gradient norm, max over MoE layers of busiest expert's rows / mean rows (nan: no load)] in float64 on
+    the host, taken from the device in one copy; non_blocking: into pinned memory, valid once the step's end event
+    has passed. Enqueued right after the step, before the next step's graph replays may reuse their outputs."""
+    ratios = [ld.max().double() / ld.double().mean().clamp_min(1e-9) for ld in loads if ld is not None]
+    ratio = torch.stack(ratios).max() if ratios else torch.full((), float("nan"), dtype=torch.float64, device=loss.device)
+    dev = torch.stack([loss.detach().double().reshape(()), gnorm.double().reshape(()), ratio])
+    if not non_blocking:
+        return dev.cpu()
+    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    host.copy_(dev, non_blocking=True)
+    return host
+
+
+def _mark_end(cuda: bool):
+    """A point on the step timeline: a CUDA event recorded on the current stream, or the host's time."""
+    if not cuda:
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _seconds_between(start, end) -> float:
+    if isinstance(end, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def start_profiler(cuda: bool):
