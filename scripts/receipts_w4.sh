@@ -112,6 +112,8 @@
 #   trainprof  trainpair's two runs for 104 steps with steps 100-102 under torch.profiler: each Chrome trace's kernels
 #              per step, full names, and one step's kernels in order (bench/trace_kernels.py; the traces stay in
 #              /tmp/rdep_traces on the device, not in the archive)
+#   wgrad1     the weight-gradient GEMMs with beta 0 (as training) at E_loc 64, 8 and 1 (same tiles and bytes), ncu on
+#              dW1, the example's MLP with pingpong tiles against the defaults (--targets "rdep grouped_gemm_tiles")
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
@@ -807,6 +809,25 @@ stage_gemmex1() {
 stage_tilesex() {  # the example's expert GEMMs alone per tile (device.sh --targets "rdep grouped_gemm_tiles")
   run tiles_ex build-dev/bench/lab/grouped_gemm_tiles --experts 64 --hidden 1024 --ffn 704 --mu 96,384,1536 \
     --iters 30 --warmup 5
+}
+stage_wgrad1() {  # the weight-gradient GEMMs as training runs them (beta 0), at the example's shape (E_loc 64) and with
+  # the same tiles and bytes in 8 and 1 groups (a CTA's consecutive tiles change group: does that cost?); ncu on dW1;
+  # then the example's MLP with the pingpong tile on the four other GEMMs, alternated with the defaults
+  local L=build-dev/bench/lab/grouped_gemm_tiles ex="--iters 30 --warmup 5 --roles dw2,dw1 --wgrad-beta 0"
+  run wgrad_e64 $L --experts 64 --hidden 1024 --ffn 704 --mu 384,1536 $ex
+  run wgrad_e8 $L --experts 8 --hidden 1024 --ffn 5632 --mu 384 $ex
+  run wgrad_e1 $L --experts 1 --hidden 1024 --ffn 45056 --mu 384 $ex
+  local sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
+  local one="--roles dw1 --tiles ping_128x128_c2x1 --wgrad-beta 0 --mu 384 --iters 1 --warmup 2"
+  # shellcheck disable=SC2086
+  run ncu_dw1_e64 ncu --clock-control none -k regex:GemmUniversal --launch-skip 2 --launch-count 1 $sec \
+    $L --experts 64 --hidden 1024 --ffn 704 $one
+  # shellcheck disable=SC2086
+  run ncu_dw1_e1 ncu --clock-control none -k regex:GemmUniversal --launch-skip 2 --launch-count 1 $sec \
+    $L --experts 1 --hidden 1024 --ffn 45056 $one
+  local ping=cutlass:ping_128x128/ping_128x128/ping_128x128/ping_128x128//
+  run gemm_ex_tiles "$RDEP" bench gemm --experts 64 --hidden 1024 --ffn 704 --mu 384 \
+    --path "cutlass,$ping,cutlass,$ping" --iters 100 --warmup 10 --json "$R/gemm_ex_tiles.json"
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

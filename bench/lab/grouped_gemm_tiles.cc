@@ -4,7 +4,11 @@
 // chosen from one run. Operands are random bf16 (a uniform draw per element); the tables are filled
 // from the host once per (role, mu), so only the kernel is timed (CUDA events around each Run).
 //   build-dev/bench/lab/grouped_gemm_tiles [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072
-//                                          --iters 50 --warmup 10]
+//                                          --iters 50 --warmup 10 --roles g1,g2,dz,dx,dw2,dw1 --tiles all
+//                                          --wgrad-beta 1]
+// --roles, --tiles: only these GEMMs, only these tiles (names as printed; all: every tile built).
+// --wgrad-beta: the weight gradients' beta, 1 (accumulate into D: reads and writes the fp32 gradient) or 0
+// (overwrite: writes it only, as the first micro-batch of a step does).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -40,7 +44,21 @@ struct Options {
   int64_t E = 16, H = 2048, F = 1408;
   std::vector<int64_t> mus = {128, 384, 768, 1536, 3072};
   int iters = 50, warmup = 10;
+  std::vector<std::string> roles, tiles;  // empty: all
+  float wgrad_beta = 1.f;
 };
+
+std::vector<std::string> SplitList(const std::string& v) {
+  std::vector<std::string> out;
+  std::stringstream ss(v);
+  for (std::string p; std::getline(ss, p, ',');)
+    if (!p.empty() && p != "all") out.push_back(p);
+  return out;
+}
+
+bool Chosen(const std::vector<std::string>& list, const std::string& name) {
+  return list.empty() || std::find(list.begin(), list.end(), name) != list.end();
+}
 
 Options Parse(int argc, char** argv) {
   Options o;
@@ -51,6 +69,9 @@ Options Parse(int argc, char** argv) {
     else if (k == "--ffn") o.F = std::atoll(v.c_str());
     else if (k == "--iters") o.iters = std::atoi(v.c_str());
     else if (k == "--warmup") o.warmup = std::atoi(v.c_str());
+    else if (k == "--roles") o.roles = SplitList(v);
+    else if (k == "--tiles") o.tiles = SplitList(v);
+    else if (k == "--wgrad-beta") o.wgrad_beta = static_cast<float>(std::atof(v.c_str()));
     else if (k == "--mu") {
       o.mus.clear();
       std::stringstream ss(v);
@@ -64,6 +85,20 @@ Options Parse(int argc, char** argv) {
     std::fprintf(stderr, "grouped_gemm_tiles: need experts >= 1, hidden and ffn multiples of 8, iters >= 1\n");
     std::exit(2);
   }
+  if (o.wgrad_beta != 0.f && o.wgrad_beta != 1.f) {
+    std::fprintf(stderr, "grouped_gemm_tiles: --wgrad-beta: 0 or 1\n");
+    std::exit(2);
+  }
+  for (const std::string& r : o.roles)
+    if (!Chosen({"g1", "g2", "dz", "dx", "dw2", "dw1"}, r)) {
+      std::fprintf(stderr, "grouped_gemm_tiles: --roles: unknown GEMM %s (g1, g2, dz, dx, dw2, dw1)\n", r.c_str());
+      std::exit(2);
+    }
+  for (const std::string& t : o.tiles)
+    if (!rdep::kernels::internal::ParseGroupedGemmTile(t).ok()) {
+      std::fprintf(stderr, "grouped_gemm_tiles: --tiles: unknown tile %s\n", t.c_str());
+      std::exit(2);
+    }
   return o;
 }
 
@@ -169,20 +204,25 @@ int main(int argc, char** argv) {
   b.dw2 = static_cast<char*>(Random(Es * Fs * Hs, 4, 12));
   const Role roles[] = {{"g1", GroupedGemmKind::kNN, H, 2 * F, 2 * F, 0.f},   {"g2", GroupedGemmKind::kNN, F, H, H, 0.f},
                         {"dz", GroupedGemmKind::kNT, H, H, F, 0.f},           {"dx", GroupedGemmKind::kNT, 2 * F, 2 * F, H, 0.f},
-                        {"dw2", GroupedGemmKind::kTN_F32, F, H, H, 1.f},      {"dw1", GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, 1.f}};
+                        {"dw2", GroupedGemmKind::kTN_F32, F, H, H, o.wgrad_beta},
+                        {"dw1", GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, o.wgrad_beta}};
   cudaStream_t s;
   CHECK_CUDA(cudaStreamCreate(&s));
-  std::printf("grouped_gemm_tiles: E=%lld H=%lld F=%lld, p50 of %d iters; TFLOP/s = 2*m*n*k over real rows / p50\n",
-              static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(F), o.iters);
+  std::printf("grouped_gemm_tiles: E=%lld H=%lld F=%lld, wgrad beta %g, p50 of %d iters; TFLOP/s = 2*m*n*k over real rows / p50\n",
+              static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(F), o.wgrad_beta, o.iters);
+  std::vector<GroupedGemmTile> tiles;
+  for (GroupedGemmTile t : rdep::kernels::internal::kGroupedGemmTiles)
+    if (Chosen(o.tiles, rdep::kernels::internal::GroupedGemmTileName(t))) tiles.push_back(t);
   std::printf("%-5s %6s", "role", "mu");
-  for (GroupedGemmTile t : rdep::kernels::internal::kGroupedGemmTiles) std::printf(" %18s", rdep::kernels::internal::GroupedGemmTileName(t));
+  for (GroupedGemmTile t : tiles) std::printf(" %18s", rdep::kernels::internal::GroupedGemmTileName(t));
   std::printf("   best\n");
   for (const Role& r : roles) {
+    if (!Chosen(o.roles, r.name)) continue;
     for (int64_t mu : o.mus) {
       std::printf("%-5s %6lld", r.name, static_cast<long long>(mu));
       double best = 0;
       const char* best_name = "-";
-      for (GroupedGemmTile t : rdep::kernels::internal::kGroupedGemmTiles) {
+      for (GroupedGemmTile t : tiles) {
         double flops = 0;
         const double us = TimeRole(r, t, o, b, mu, s, &flops);
         const double tf = us > 0 ? flops / (us * 1e-6) / 1e12 : 0;
