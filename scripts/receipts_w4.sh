@@ -114,6 +114,8 @@
 #              /tmp/rdep_traces on the device, not in the archive)
 #   wgrad1     the weight-gradient GEMMs with beta 0 (as training) at E_loc 64, 8 and 1 (same tiles and bytes), ncu on
 #              dW1, the example's MLP with pingpong tiles against the defaults (--targets "rdep grouped_gemm_tiles")
+#   ncuwg      ncu on dW1 (beta 0) at E_loc 64 and in one group of the same tiles and bytes (wgrad1 runs it too)
+#   trainovor  rdep with --timing overlapped, then with --owner-reduce too
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
@@ -817,17 +819,27 @@ stage_wgrad1() {  # the weight-gradient GEMMs as training runs them (beta 0), at
   run wgrad_e64 $L --experts 64 --hidden 1024 --ffn 704 --mu 384,1536 $ex
   run wgrad_e8 $L --experts 8 --hidden 1024 --ffn 5632 --mu 384 $ex
   run wgrad_e1 $L --experts 1 --hidden 1024 --ffn 45056 --mu 384 $ex
-  local sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
-  local one="--roles dw1 --tiles ping_128x128_c2x1 --wgrad-beta 0 --mu 384 --iters 1 --warmup 2"
-  # shellcheck disable=SC2086
-  run ncu_dw1_e64 ncu --clock-control none -k regex:GemmUniversal --launch-skip 2 --launch-count 1 $sec \
-    $L --experts 64 --hidden 1024 --ffn 704 $one
-  # shellcheck disable=SC2086
-  run ncu_dw1_e1 ncu --clock-control none -k regex:GemmUniversal --launch-skip 2 --launch-count 1 $sec \
-    $L --experts 1 --hidden 1024 --ffn 45056 $one
+  stage_ncuwg
   local ping=cutlass:ping_128x128/ping_128x128/ping_128x128/ping_128x128//
   run gemm_ex_tiles "$RDEP" bench gemm --experts 64 --hidden 1024 --ffn 704 --mu 384 \
     --path "cutlass,$ping,cutlass,$ping" --iters 100 --warmup 10 --json "$R/gemm_ex_tiles.json"
+}
+stage_ncuwg() {  # ncu on dW1 (beta 0, its default tile) at E_loc 64 and in 1 group of the same tiles and bytes
+  local L=build-dev/bench/lab/grouped_gemm_tiles
+  local sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
+  local one="--roles dw1 --tiles ping_128x128_c2x1 --wgrad-beta 0 --mu 384 --iters 1 --warmup 2"
+  # CUTLASS's kernels are all named cutlass::device_kernel<...>: the third launch is the first timed one
+  # shellcheck disable=SC2086
+  run ncu_dw1_e64 ncu --clock-control none -k regex:device_kernel --launch-skip 2 --launch-count 1 $sec \
+    $L --experts 64 --hidden 1024 --ffn 704 $one
+  # shellcheck disable=SC2086
+  run ncu_dw1_e1 ncu --clock-control none -k regex:device_kernel --launch-skip 2 --launch-count 1 $sec \
+    $L --experts 1 --hidden 1024 --ffn 45056 $one
+}
+stage_trainovor() {  # rdep with --timing overlapped, without and with --owner-reduce (after trainov: TorchTitan's runs there)
+  pip_wheels
+  train_ro train_w1_overlapped_rdep2 rdep --timing overlapped
+  train_ro train_w1_overlapped_rdep_or rdep --timing overlapped --owner-reduce
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
