@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "rdep/cuda/check.h"
 
@@ -75,6 +76,21 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCublasLtExpertCompute(const ExpertM
   RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max<int64_t>(desc.num_experts, 1)),
                                           cudaHostAllocPortable));
   return std::unique_ptr<ExpertCompute>(new CublasLtExpertCompute(std::move(mlp), static_cast<int64_t*>(pinned)));
+}
+
+StatusOr<CutlassTiles> ParseCutlassTileSpec(const std::string& spec, const std::string& what) {
+  std::vector<std::string> f(1);  // the '/'-separated fields, empty ones kept
+  for (char ch : spec) {
+    if (ch == '/') f.emplace_back();
+    else f.back() += ch;
+  }
+  if (f.size() == 1) f.assign(6, f[0]);
+  if (f.size() != 6)
+    return InvalidArgument(what + " = '" + spec + "': give one tile (every GEMM) or six, G1/G2/DZ/DX/DW2/DW1 (" +
+                           std::to_string(f.size()) + " fields given)");
+  CutlassTiles t;
+  t.gemm1 = f[0], t.gemm2 = f[1], t.dgrad_z = f[2], t.dgrad_x = f[3], t.wgrad_w2 = f[4], t.wgrad_w1 = f[5];
+  return t;
 }
 
 }  // namespace rdep::kernels

@@ -83,5 +83,28 @@ TEST(ExpertCompute_Cuda_bf16, BadCallsAreInvalidArgument) {
   EXPECT_EQ((*ec)->Forward({nullptr, 7, counts}, p, {p, p, &scale, nullptr}, p, p, nullptr).code(), StatusCode::kInvalidArgument);  // FP8 scales
 }
 
+// RDEP_CUTLASS_TILES and `rdep bench gemm --path cutlass:SPEC`: one tile for every GEMM, six in CutlassTiles' order
+// with empty fields for the defaults, anything else named. Host only (no device needed).
+TEST(ExpertCompute_TileSpec, OneTileOrSixFieldsInCutlassTilesOrder) {
+  auto one = ParseCutlassTileSpec("ping_128x128", "RDEP_CUTLASS_TILES");
+  ASSERT_TRUE(one.ok()) << one.status();
+  for (const std::string* t : {&one->gemm1, &one->gemm2, &one->dgrad_z, &one->dgrad_x, &one->wgrad_w2, &one->wgrad_w1})
+    EXPECT_EQ(*t, "ping_128x128");
+  auto six = ParseCutlassTileSpec("a/b//d//f", "RDEP_CUTLASS_TILES");
+  ASSERT_TRUE(six.ok()) << six.status();
+  EXPECT_EQ(six->gemm1, "a");
+  EXPECT_EQ(six->gemm2, "b");
+  EXPECT_EQ(six->dgrad_z, "");
+  EXPECT_EQ(six->dgrad_x, "d");
+  EXPECT_EQ(six->wgrad_w2, "");
+  EXPECT_EQ(six->wgrad_w1, "f");
+  EXPECT_FALSE(six->swiglu_epilogue);
+  auto bad = ParseCutlassTileSpec("a/b/c", "RDEP_CUTLASS_TILES");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("RDEP_CUTLASS_TILES = 'a/b/c'"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("3 fields"), std::string::npos) << bad.status();
+}
+
 }  // namespace
 }  // namespace rdep::kernels

@@ -349,7 +349,12 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     if (L > 0) {
       const kernels::ExpertMlpDesc desc{L, H, F, std::max<int64_t>(seg_rows, 1), config.gate_up};
       if (config.expert_compute == ExpertComputeKind::kCutlass) {
+        // RDEP_CUTLASS_TILES: every CUTLASS layer's tiles, for tuning without a rebuild (names and format as
+        // `rdep bench gemm --path cutlass:SPEC`); unset or empty = each GEMM's default.
         kernels::CutlassTiles tiles;
+        if (const char* env = std::getenv("RDEP_CUTLASS_TILES"); env != nullptr && *env != '\0') {
+          RDEP_ASSIGN_OR_RETURN(tiles, kernels::ParseCutlassTileSpec(env, "RDEP_CUTLASS_TILES"));
+        }
         if (config.overlap_segments && config.transport_sms > 0) {  // the GEMMs leave the transport its SMs
           int sms = 0;
           RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, st->device));
@@ -361,8 +366,11 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
         }
         void* scratch = domain.region(q, layer->scratch_in_return_ ? layer->regions_.ret : layer->expert_scratch_);
         auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, scratch);
-        if (!cutlass.ok())
-          return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message());
+        if (!cutlass.ok()) {
+          const char* env = std::getenv("RDEP_CUTLASS_TILES");
+          return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message() +
+                                                     (env && *env ? std::string(" (tiles from RDEP_CUTLASS_TILES = '") + env + "')" : ""));
+        }
         st->mlp = std::move(*cutlass);
         if (DxOverDout(config) && !st->mlp->dx_may_alias_dout())  // the output rows hold one set (OwnerOutputRowSets)
           return InternalError(std::string("cuda layer: expert compute ") + st->mlp->name() + " cannot write dx over dout");

@@ -255,17 +255,12 @@ rdep::StatusOr<std::vector<BenchPath>> ParseCutlassPath(const std::string& spec)
     if (paths.empty()) return rdep::InvalidArgument("--path cutlass:all: this build has no CUTLASS tiles");
     return paths;
   }
-  std::vector<std::string> f(1);  // the '/'-separated fields, empty ones kept
-  for (char ch : spec) {
-    if (ch == '/') f.emplace_back();
-    else f.back() += ch;
-  }
-  if (f.size() == 1) f.assign(6, f[0]);
-  if (f.size() != 6) return rdep::InvalidArgument("--path cutlass:" + spec + ": give TILE, G1/G2/DZ/DX/DW2/DW1 or all");
-  for (const std::string& t : f)  // names are checked again by MakeCutlassExpertCompute; here for an early exit 2
-    if (!t.empty() && !known.empty() && std::find(known.begin(), known.end(), t) == known.end())
-      return rdep::InvalidArgument("--path cutlass:" + spec + ": unknown tile '" + t + "'");
-  paths.push_back({"cutlass:" + spec, true, {}, {f[0], f[1], f[2], f[3], f[4], f[5]}});
+  RDEP_ASSIGN_OR_RETURN(const rdep::kernels::CutlassTiles tiles, rdep::kernels::ParseCutlassTileSpec(spec, "--path cutlass:SPEC"));
+  for (const std::string* t : {&tiles.gemm1, &tiles.gemm2, &tiles.dgrad_z, &tiles.dgrad_x, &tiles.wgrad_w2, &tiles.wgrad_w1})
+    // names are checked again by MakeCutlassExpertCompute; here for an early exit 2
+    if (!t->empty() && !known.empty() && std::find(known.begin(), known.end(), *t) == known.end())
+      return rdep::InvalidArgument("--path cutlass:" + spec + ": unknown tile '" + *t + "'");
+  paths.push_back({"cutlass:" + spec, true, {}, tiles});
   return paths;
 }
 

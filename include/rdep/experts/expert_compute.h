@@ -125,6 +125,10 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
 size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc);
 // The tile names this build has (empty without CUTLASS).
 std::vector<std::string> CutlassTileNames();
+// A tile spec as `rdep bench gemm --path cutlass:SPEC` and RDEP_CUTLASS_TILES take it: TILE (every GEMM) or
+// G1/G2/DZ/DX/DW2/DW1 (CutlassTiles' order, an empty field keeps that GEMM's default). Only the shape is checked
+// here (InvalidArgument naming `what`); MakeCutlassExpertCompute checks the names.
+StatusOr<CutlassTiles> ParseCutlassTileSpec(const std::string& spec, const std::string& what);
 
 // What MakeCublasLtExpertCompute(desc, ..., config) will allocate on the device.
 size_t ExpertComputeWorkspaceBytes(const ExpertMlpDesc& desc, const ExpertMlpConfig& config = {});
