@@ -116,8 +116,6 @@
 #              dW1, the example's MLP with pingpong tiles against the defaults (--targets "rdep grouped_gemm_tiles")
 #   ncuwg      ncu on dW1 (beta 0) at E_loc 64 and in one group of the same tiles and bytes (wgrad1 runs it too)
 #   trainovor  rdep with --timing overlapped, then with --owner-reduce too
-#   regs1      the register-epilogue tile (ping_128x128_c2x1_regs) for the weight gradients: lab, then the example with
-#              and without it (RDEP_CUTLASS_TILES); --targets "rdep rdep_capi grouped_gemm_tiles"
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
@@ -842,25 +840,6 @@ stage_trainovor() {  # rdep with --timing overlapped, without and with --owner-r
   pip_wheels
   train_ro train_w1_overlapped_rdep2 rdep --timing overlapped
   train_ro train_w1_overlapped_rdep_or rdep --timing overlapped --owner-reduce
-}
-stage_regs1() {  # the weight gradients' tile with the register epilogue (ping_128x128_c2x1_regs) against the TMA-store
-  # tiles at the example's shape (beta 0 and 1) and the Moonlight expert's, the other GEMMs with it, then the example
-  # (overlapped timing) with the defaults and with RDEP_CUTLASS_TILES putting both weight gradients on it
-  local L=build-dev/bench/lab/grouped_gemm_tiles ex="--experts 64 --hidden 1024 --ffn 704 --iters 30 --warmup 5"
-  local wt="--roles dw2,dw1 --tiles ping_128x128_c2x1,ping_128x128_c2x1_regs,coop_128x256,coop_128x256_c2x1"
-  # shellcheck disable=SC2086
-  run regs_wgrad_b0 $L $ex --mu 384,1536 $wt --wgrad-beta 0
-  # shellcheck disable=SC2086
-  run regs_wgrad_b1 $L $ex --mu 384 $wt --wgrad-beta 1
-  # shellcheck disable=SC2086
-  run regs_wgrad_moonlight $L --experts 16 --hidden 2048 --ffn 1408 --mu 384,1536 --iters 30 --warmup 5 $wt --wgrad-beta 1
-  # shellcheck disable=SC2086
-  run regs_others $L $ex --mu 384 --roles g1,g2,dz,dx --tiles coop_128x256,coop_128x128,ping_128x128_c2x1,ping_128x128_c2x1_regs
-  pip_wheels
-  train_ro train_w1_overlapped_rdep_def rdep --timing overlapped
-  export RDEP_CUTLASS_TILES=////ping_128x128_c2x1_regs/ping_128x128_c2x1_regs
-  train_ro train_w1_overlapped_rdep_regs rdep --timing overlapped
-  unset RDEP_CUTLASS_TILES
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

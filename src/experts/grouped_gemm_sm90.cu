@@ -54,7 +54,6 @@ const char* GroupedGemmTileName(GroupedGemmTile t) {
     case GroupedGemmTile::kPing128x128C2x1: return "ping_128x128_c2x1";
     case GroupedGemmTile::kCoop256x128C2x1: return "coop_256x128_c2x1";
     case GroupedGemmTile::kCoop128x256C2x1: return "coop_128x256_c2x1";
-    case GroupedGemmTile::kPing128x128C2x1Regs: return "ping_128x128_c2x1_regs";
   }
   return "?";
 }
@@ -92,8 +91,6 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKi
       return MakeTiled<GroupedGemmTile::kCoop256x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
     case GroupedGemmTile::kCoop128x256C2x1:
       return MakeTiled<GroupedGemmTile::kCoop128x256C2x1>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmTile::kPing128x128C2x1Regs:
-      return MakeTiled<GroupedGemmTile::kPing128x128C2x1Regs>(kind, num_groups, lda, ldb, ldd, device);
   }
   return InvalidArgument(what + "unknown tile");
 }

@@ -38,9 +38,6 @@ const char* GroupedGemmKindName(GroupedGemmKind k);
 // The kernel configurations built (grouped_gemm_sm90_runner.cuh): CTA tile M x N (x 64 of K), cluster
 // (C<m>x<n>; none = 1x1), cooperative (two consumer warpgroups on one tile) or pingpong (a tile per
 // consumer warpgroup, alternating). Names: coop_128x128, coop_128x256, coop_128x128_c1x2, ...
-// The epilogue stores D through shared memory with TMA, except in the _regs tiles, whose consumer warps
-// store their accumulators straight from registers (no shared-memory staging, no wait for a store
-// before the next tile: for the weight gradients, whose fp32 tiles are large beside their short K).
 enum class GroupedGemmTile {
   kCoop128x128,
   kCoop128x256,
@@ -50,13 +47,11 @@ enum class GroupedGemmTile {
   kPing128x128C2x1,
   kCoop256x128C2x1,
   kCoop128x256C2x1,
-  kPing128x128C2x1Regs,
 };
 inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::kCoop128x128,     GroupedGemmTile::kCoop128x256,
                                                        GroupedGemmTile::kCoop128x128C1x2, GroupedGemmTile::kCoop256x128C1x2,
                                                        GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1,
-                                                       GroupedGemmTile::kCoop256x128C2x1, GroupedGemmTile::kCoop128x256C2x1,
-                                                       GroupedGemmTile::kPing128x128C2x1Regs};
+                                                       GroupedGemmTile::kCoop256x128C2x1, GroupedGemmTile::kCoop128x256C2x1};
 const char* GroupedGemmTileName(GroupedGemmTile t);
 // The tiles built with kNN_SwiGLU (each kind a tile has costs compile time; these are GEMM1's candidates).
 constexpr bool GroupedGemmTileHasSwiglu(GroupedGemmTile t) {

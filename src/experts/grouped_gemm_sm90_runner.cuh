@@ -32,18 +32,15 @@ namespace rdep::kernels::internal {
 
 // A tile configuration: CTA tile M x N x 64, cluster M x N, and the kernel schedule (cooperative: two
 // consumer warpgroups share one tile; pingpong: each consumer warpgroup owns a tile, their mainloops
-// and epilogues alternate). kRegsEpilogue: D stored from the registers (CUTLASS's no-smem ptr-array
-// epilogue) instead of through shared memory and TMA; not with the SwiGLU epilogue (a visitor tree).
-template <int kM, int kN, int kClusterM, int kClusterN, bool kPingpong, bool kRegsEpilogue = false>
+// and epilogues alternate).
+template <int kM, int kN, int kClusterM, int kClusterN, bool kPingpong>
 struct TileConfig {
   using TileShape = cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using MainloopSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using TmaEpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule =
-      cute::conditional_t<kRegsEpilogue, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized, TmaEpilogueSchedule>;
+  using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
 template <GroupedGemmTile T> struct TileOf;
@@ -55,7 +52,6 @@ template <> struct TileOf<GroupedGemmTile::kPing128x128> : TileConfig<128, 128, 
 template <> struct TileOf<GroupedGemmTile::kPing128x128C2x1> : TileConfig<128, 128, 2, 1, true> {};
 template <> struct TileOf<GroupedGemmTile::kCoop256x128C2x1> : TileConfig<256, 128, 2, 1, false> {};
 template <> struct TileOf<GroupedGemmTile::kCoop128x256C2x1> : TileConfig<128, 256, 2, 1, false> {};
-template <> struct TileOf<GroupedGemmTile::kPing128x128C2x1Regs> : TileConfig<128, 128, 2, 1, true, true> {};
 
 namespace tiled {
 
