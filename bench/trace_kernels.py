@@ -14,7 +14,8 @@ block's kernels can be told apart (the second step, the first may hold the profi
 --gaps US: where each ranged step's GPU sits idle: the step's host range against the union of its kernels' busy time,
 the idle time before the first kernel and after the last, and the idle gaps of at least US µs between kernels, each
 with the kernel that ended it, how long after the gap began the host launched that kernel (a gap the host caused),
-the host calls that launch sat in, and the step's top-level host calls that ran during the gap. The profiler slows
+the host calls that launch sat in (on the launching thread: autograd runs a backward on a thread of its own), and the
+top-level host calls of the step's thread and the launching thread that ran during the gap. The profiler slows
 the host, so the gaps are upper bounds of an unprofiled step's.
 """
 import argparse
@@ -116,12 +117,14 @@ def busy_intervals(part: list[dict]) -> list[tuple[float, float, dict]]:
     return [tuple(iv) for iv in out]
 
 
-def host_calls(events: list[dict], rng: dict) -> list[dict]:
-    """The host calls inside a step's range on its thread, the range left out, each with its depth (0: not inside
-    another of them)."""
+def host_calls(events: list[dict], rng: dict, tid) -> list[dict]:
+    """The host calls of thread tid in a step's range, each with its depth (0: not inside another of them): on the
+    range's own thread those inside it (the range left out), on another (autograd's device thread, which runs a
+    backward) those overlapping it."""
     lo, hi = rng["ts"], rng["ts"] + rng["dur"]
     calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and e is not rng
-                    and e.get("tid") == rng.get("tid") and lo <= e["ts"] and e["ts"] + e["dur"] <= hi),
+                    and e.get("tid") == tid and (e["ts"] + e["dur"] >= lo and e["ts"] <= hi if tid != rng.get("tid")
+                                                  else lo <= e["ts"] and e["ts"] + e["dur"] <= hi)),
                    key=lambda e: (e["ts"], -e["dur"]))
     stack: list[float] = []
     out = []
@@ -143,7 +146,13 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
         if not busy:
             lines.append(f"{rng['name']}: no kernels")
             continue
-        calls = host_calls(events, rng)
+        threads: dict = {}  # tid -> that thread's host calls in the range
+
+        def calls_of(tid):
+            if tid not in threads:
+                threads[tid] = host_calls(events, rng, tid)
+            return threads[tid]
+
         held = [(busy[i][1], busy[i + 1][0], busy[i + 1][2]) for i in range(len(busy) - 1)
                 if busy[i + 1][0] - busy[i][1] >= min_gap]
         busy_us = sum(b - a for a, b, _ in busy)
@@ -153,8 +162,9 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
         for g0, g1, k in sorted(held, key=lambda g: g[0] - g[1])[:top]:
             launch = launched.get(k.get("args", {}).get("correlation"), {})
             t = launch.get("ts")
-            chain = [c["name"] for c in calls if t is not None and c["ts"] <= t <= c["ts"] + c["dur"]][-3:]
-            during = sorted(((min(g1, c["ts"] + c["dur"]) - max(g0, c["ts"]), c["name"]) for c in calls
+            chain = [c["name"] for c in calls_of(launch.get("tid")) if t is not None and c["ts"] <= t <= c["ts"] + c["dur"]][-3:]
+            tids = [rng.get("tid")] + ([launch["tid"]] if launch.get("tid", rng.get("tid")) != rng.get("tid") else [])
+            during = sorted(((min(g1, c["ts"] + c["dur"]) - max(g0, c["ts"]), c["name"]) for tid in tids for c in calls_of(tid)
                              if c["depth"] == 0 and c["ts"] < g1 and c["ts"] + c["dur"] > g0), reverse=True)[:3]
             late = f"launched {t - g0:+.0f} us into it" if t is not None else "launch not in the trace"
             lines.append(f"  at +{g0 - lo:.0f} us: {g1 - g0:.0f} us idle, {late}; ended by {short(k['name'], 60)}")

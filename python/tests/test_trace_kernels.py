@@ -83,9 +83,27 @@ def test_gaps_name_the_idle_time_and_the_host_calls_that_caused_it(tmp_path, cap
     assert "at +50 us: 122 us idle, launched +120 us into it; ended by k2" in out
     assert "launched inside: Optimizer.step\n" in out
     assert "top-level host calls meanwhile: Optimizer.step (72 us), CompiledFunction (10 us)" in out
-    assert "other thread" not in out
+    assert "other thread" not in out  # a thread that launched nothing in the gap
     assert "gaps of >= 200 us" in trace_kernels.gaps(ev, per_step, 200.0, 120)  # no gap that long: none listed
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     trace_kernels.main([str(path), "--gaps", "50"])
     assert "where the GPU sits idle in each step (gaps >= 50 us)" in capsys.readouterr().out
+
+
+def test_a_gap_ended_by_another_threads_launch_names_that_threads_calls():
+    """A backward launched from autograd's device thread (tid 2), 40 µs after the forward's last kernel ended: the gap
+    names the call it was launched inside on that thread and that thread's top-level call meanwhile."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "train step 3", "ts": 0.0, "dur": 300.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "forward", "ts": 0.0, "dur": 20.0, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function", "ts": 50.0, "dur": 100.0, "tid": 2},
+          {"ph": "X", "cat": "cpu_op", "name": "CompiledFunctionBackward", "ts": 60.0, "dur": 80.0, "tid": 2}]
+    for corr, tid, t_launch, name, t_run, dur in [(1, 1, 10.0, "fwd", 20.0, 30.0), (2, 2, 90.0, "bwd", 90.0, 10.0)]:
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t_launch, "dur": 1.0, "tid": tid,
+                   "args": {"correlation": corr}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": t_run, "dur": dur, "args": {"correlation": corr}})
+    per_step, _ = trace_kernels.steps_by_range(ev, trace_kernels.kernels(ev))
+    out = trace_kernels.gaps(ev, per_step, 30.0, 120)
+    assert "at +50 us: 40 us idle, launched +40 us into it; ended by bwd" in out
+    assert "launched inside: autograd::engine::evaluate_function > CompiledFunctionBackward\n" in out
+    assert "top-level host calls meanwhile: autograd::engine::evaluate_function (40 us)" in out
