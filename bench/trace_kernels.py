@@ -16,7 +16,8 @@ the idle time before the first kernel and after the last, and the idle gaps of a
 with the kernel that ended it, how long after the gap began the host launched that kernel (a gap the host caused),
 the host calls that launch sat in (on the launching thread: autograd runs a backward on a thread of its own), and the
 top-level host calls of the step's thread and the launching thread that ran during the gap. The profiler slows
-the host, so the gaps are upper bounds of an unprofiled step's.
+the host, so the gaps are upper bounds of an unprofiled step's. For traces of synced steps (the example's default
+--timing): with --timing overlapped a step's kernels run after its range, beside the next step's launches.
 """
 import argparse
 import collections
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=160)
     p.add_argument("--sequence", action="store_true")
     p.add_argument("--gaps", type=float, default=0.0, metavar="US",
-                   help="list each ranged step's GPU idle gaps of at least US microseconds")
+                   help="list each ranged step's GPU idle gaps of at least US microseconds (synced steps' traces)")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps: at least 1")

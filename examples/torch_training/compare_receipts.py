@@ -24,7 +24,8 @@ import train  # noqa: E402
 
 # The receipt's args that make two runs comparable (the MoE variant and its own flags may differ).
 SAME_ARGS = ("seed", "steps", "batch", "grad_accum", "lr", "warmup", "weight_decay", "clip", "bias_rate", "device",
-             "eval_batches", "compile", "compile_mode")
+             "eval_batches", "compile", "compile_mode", "timing")
+ARG_DEFAULTS = {"timing": "synced"}  # receipts written before the option existed
 
 
 def load(path: str) -> dict:
@@ -48,7 +49,7 @@ def check_comparable(a: dict, b: dict, pa: str, pb: str) -> None:
         if ca.get(key) != cb.get(key):
             raise SystemExit(f"config.{key} differs: {ca.get(key)} in {pa}, {cb.get(key)} in {pb}")
     for key in SAME_ARGS:
-        va, vb = ca["args"].get(key), cb["args"].get(key)
+        va, vb = ca["args"].get(key, ARG_DEFAULTS.get(key)), cb["args"].get(key, ARG_DEFAULTS.get(key))
         if va != vb:
             raise SystemExit(f"config.args.{key} differs: {va} in {pa}, {vb} in {pb}")
     if a["corpus"].get("sha256") != b["corpus"].get("sha256"):

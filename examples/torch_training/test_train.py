@@ -110,6 +110,14 @@ def test_receipts_of_separate_runs_compare_as_one_process_compares(both, tmp_pat
     with pytest.raises(SystemExit, match="expected a receipt of one variant"):
         compare_receipts.main([str(path), str(paths[1])])
     other = json.loads(paths[1].read_text())
+    del other["config"]["args"]["timing"]  # a receipt from before --timing: synced
+    paths[1].write_text(json.dumps(other))
+    compare_receipts.main([str(paths[0]), str(paths[1])])
+    other["config"]["args"]["timing"] = "overlapped"
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="config.args.timing differs"):
+        compare_receipts.main([str(paths[0]), str(paths[1])])
+    other["config"]["args"]["timing"] = "synced"
     other["config"]["args"]["seed"] += 1
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="config.args.seed differs"):
@@ -270,24 +278,54 @@ def test_overlapped_timing_trains_as_the_synced_run(both):
 
 
 def test_overlapped_figures_are_reduced_over_ranks_once():
-    """Overlapped timing keeps each rank's per-step figures and reduces them at the end: the loss summed over
-    ranks and divided by W, the step time and memory the maximum (with None as not measured), tokens/s from the
-    reduced step time."""
+    """Overlapped timing keeps each rank's step times and memory and reduces them at the end: the maximum, memory
+    not measured (None) left as it is, tokens/s from the reduced step time; the loss, summed over the ranks on the
+    device each step, is not reduced again."""
     from types import SimpleNamespace
 
     from variant_run import VariantRun
 
-    class TwoRanks:  # the other rank's figures: loss 3, step 20 ms, peaks 5 MiB
+    class TwoRanks:  # the other rank's figures: step 20 ms, peaks 5 MiB
         group, world = object(), 2
 
         def reduce(self, values, op):
-            other = [3.0] * len(values) if op == "sum" else [20.0, 20.0] + [5.0] * (len(values) - 2)
-            return [a + b for a, b in zip(values, other)] if op == "sum" else [max(a, b) for a, b in zip(values, other)]
+            assert op == "max", op
+            other = [20.0, 20.0] + [5.0] * (len(values) - 2)
+            return [b if a != a else max(a, b) for a, b in zip(values, other)]  # NaN (not measured) loses, as in NCCL's max
 
-    rec = {"loss": [1.0, 2.0], "step_ms": [10.0, 30.0], "peak_mem_mib": [7.0, 1.0], "device_used_mib": [7.0, 1.0],
-           "peak_whole_mib": [7.0, 1.0], "tokens_per_s": [0.0, 0.0]}
-    run = SimpleNamespace(dd=TwoRanks(), rec=rec, memory=True, tokens_global=1000)
-    VariantRun._reduce_over_ranks(run)
-    assert rec["loss"] == [2.0, 2.5] and rec["step_ms"] == [20.0, 30.0]
-    assert rec["tokens_per_s"] == pytest.approx([50000.0, 1000 / 0.030])
-    assert rec["peak_mem_mib"] == [7.0, 5.0]
+    def rec(mem):
+        return {"loss": [1.0, 2.0], "step_ms": [10.0, 30.0], "peak_mem_mib": mem, "device_used_mib": mem,
+                "peak_whole_mib": mem, "tokens_per_s": [0.0, 0.0]}
+
+    measured = rec([7.0, 1.0])
+    VariantRun._reduce_over_ranks(SimpleNamespace(dd=TwoRanks(), rec=measured, memory=True, tokens_global=1000))
+    assert measured["loss"] == [1.0, 2.0] and measured["step_ms"] == [20.0, 30.0]
+    assert measured["tokens_per_s"] == pytest.approx([50000.0, 1000 / 0.030])
+    assert measured["peak_mem_mib"] == measured["device_used_mib"] == measured["peak_whole_mib"] == [7.0, 5.0]
+    unmeasured = rec([None, None])
+    VariantRun._reduce_over_ranks(SimpleNamespace(dd=TwoRanks(), rec=unmeasured, memory=False, tokens_global=1000))
+    assert unmeasured["step_ms"] == [20.0, 30.0] and unmeasured["peak_mem_mib"] == [None, None]
+    assert unmeasured["peak_whole_mib"] == [None, None]
+
+
+def test_overlapped_timing_under_torchrun_matches_synced(tmp_path):
+    """Two processes under torchrun (gloo, the torch reference MoE): overlapped timing's loss, summed over the ranks
+    on the device each step, and its step times, reduced at the end, give the synced run's losses and a time for
+    every step."""
+    import os
+    import subprocess
+
+    args = [a for a in TINY]
+    args[args.index("--steps") + 1] = "3"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "python"), os.environ.get("PYTHONPATH", "")]))
+    runs = {}
+    for timing in ("synced", "overlapped"):
+        out = tmp_path / f"{timing}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "train.py"),
+               *args, "--moe", "reference", "--timing", timing, "--json", str(out)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        runs[timing] = json.loads(out.read_text())
+    synced, over = (runs[t]["variants"][0] for t in ("synced", "overlapped"))
+    assert runs["overlapped"]["config"]["world_size"] == 2
+    assert over["loss"] == synced["loss"] and len(over["step_ms"]) == 3 and all(t > 0 for t in over["step_ms"])

@@ -13,8 +13,10 @@ Timing (--timing):
               before step s is read back, and a step's time is the GPU timeline between the CUDA events that
               end step s-1 and step s. Where the host keeps ahead of the GPU that is the step's device time;
               where it does not, the GPU's idle time counts. The step's loss, gradient norm and expert load
-              come back through one non-blocking copy per step; the per-step line is printed one step late,
-              and across ranks the figures are reduced once at the end (the per-step lines show rank 0's).
+              come back through one non-blocking copy per step (the loss summed over the ranks on the device);
+              the per-step line is printed one step late, and across ranks the times and memory are reduced once
+              at the end (the per-step lines show rank 0's times). A step whose loss is not finite stops the run one
+              step late: the step launched after it is recorded too.
 """
 
 from __future__ import annotations
@@ -162,7 +164,10 @@ class VariantRun:
             self._check_rdep()  # raises the cause when an rdep barrier failed (inside a replay only a CUDA error shows)
             raise
         dt = time.perf_counter() - t0
-        launched = _Launched(step, lr, dt, _step_figures(loss, gnorm, loads, cuda and self.overlapped), phases)
+        if phases.on:  # this step waited for the GPU between its phases: its memory report is complete now
+            self.rec["memory_phases"] = phases.report(step, self.kind)
+            self._report_rdep_memory()
+        launched = _Launched(step, lr, dt, _step_figures(loss, gnorm, loads, cuda and self.overlapped, dd.group), phases)
         if self.overlapped:
             launched.end = _mark_end(cuda)
             self.rec["host_launch_ms"].append(dt * 1e3)  # the host's time to launch the step (>= step_ms: host-bound)
@@ -185,9 +190,6 @@ class VariantRun:
         else:
             dt = s.dt
         self._check_rdep()
-        if s.phases.on:
-            self.rec["memory_phases"] = s.phases.report(s.step, self.kind)
-            self._report_rdep_memory()
         loss, gnorm, load_ratio = s.figures.tolist()
         self._record(s.step, s.lr, dt, loss, gnorm, None if math.isnan(load_ratio) else load_ratio, s.phases.peak())
 
@@ -233,17 +235,15 @@ class VariantRun:
         return loss, gnorm, loads
 
     def _reduce_over_ranks(self) -> None:
-        """Overlapped: the per-step figures, kept per rank during the run, reduced over the ranks in one go (the
-        loss summed and divided by W, times and memory the maximum), as synced timing reduces them each step."""
+        """Overlapped: the per-step times and memory, kept per rank during the run, reduced over the ranks in one go
+        (the maximum, as synced timing reduces them each step; the loss was summed on the device each step)."""
         dd, rec = self.dd, self.rec
         if dd.group is None or not rec["step_ms"]:
             return
         n = len(rec["step_ms"])
         nan = float("nan")
         mem = lambda k: [nan if v is None else v for v in rec[k]]  # noqa: E731
-        loss = dd.reduce(rec["loss"], "sum")
         both = dd.reduce(rec["step_ms"] + mem("peak_mem_mib") + mem("device_used_mib") + mem("peak_whole_mib"), "max")
-        rec["loss"] = [v / dd.world for v in loss]
         rec["step_ms"] = both[:n]
         rec["tokens_per_s"] = [self.tokens_global / (ms / 1e3) for ms in rec["step_ms"]]
         if self.memory:
@@ -270,7 +270,7 @@ class VariantRun:
         # Overlapped: no collective per step (its wait would hold the host until the step in flight ends); the
         # figures are reduced over the ranks once, in finish().
         reduce = (lambda v, op="sum": v) if self.overlapped else dd.reduce
-        (loss_sum,) = reduce([loss], "sum")
+        loss_sum = loss  # summed over the ranks on the device (_step_figures)
         peak = used = whole = float("nan")
         if self.memory:
             self.peak_so_far = max(self.peak_so_far, phase_peak, torch.cuda.max_memory_allocated(dd.device) / MIB)
@@ -281,7 +281,7 @@ class VariantRun:
             # the layers' own buffers and pooled contexts, allocated once) added to torch's peak.
             whole = peak + max(0.0, used - torch.cuda.memory_reserved(dd.device) / MIB)
         dt_max, peak_max, used_max, whole_max = reduce([dt, peak, used, whole], "max")
-        rec["loss"].append(loss_sum / (1 if self.overlapped else dd.world))
+        rec["loss"].append(loss_sum / dd.world)
         rec["tokens_per_s"].append(self.tokens_global / dt_max)
         rec["step_ms"].append(dt_max * 1e3)
         rec["peak_mem_mib"].append(peak_max if self.memory else None)
@@ -290,12 +290,13 @@ class VariantRun:
         rec["grad_norm"].append(gnorm)
         rec["lr"].append(lr)
         if not math.isfinite(rec["loss"][-1]):
-            dd.print(f"step {step}: loss is {rec['loss'][-1]}; stopping this variant")
+            if self.alive:  # overlapped: the step launched after it is read back too, and may print the same
+                dd.print(f"step {step}: loss is {rec['loss'][-1]}; stopping this variant")
             self.alive = False
         elif step % a.print_every == 0 or step == a.steps - 1:
             mem = f"peak {peak_max:9.1f} MiB" if self.memory else "peak mem n/a"
             lr_ = rec["max_load_ratio"][-1]
-            who = " (rank 0)" if self.overlapped and dd.world > 1 else ""
+            who = " (rank 0's time)" if self.overlapped and dd.world > 1 else ""
             dd.print(f"[{self.kind:>10}] step {step:4d}{who} | loss {rec['loss'][-1]:.4f} | {self.tokens_global / dt_max:10,.0f} tok/s"
                      f" | {dt_max * 1e3:8.1f} ms | {mem} | gnorm {gnorm:.3f}"
                      + (f" | max/mean expert load {lr_:.2f}" if lr_ is not None else ""))
@@ -397,13 +398,18 @@ class _Launched:
         self.end = None
 
 
-def _step_figures(loss: torch.Tensor, gnorm: torch.Tensor, loads, non_blocking: bool) -> torch.Tensor:
-    """[loss, gradient norm, max over MoE layers of busiest expert's rows / mean rows (nan: no load)] in float64 on
-    the host, taken from the device in one copy; non_blocking: into pinned memory, valid once the step's end event
-    has passed. Enqueued right after the step, before the next step's graph replays may reuse their outputs."""
+def _step_figures(loss: torch.Tensor, gnorm: torch.Tensor, loads, non_blocking: bool, group) -> torch.Tensor:
+    """[loss summed over the ranks, gradient norm, max over MoE layers of this process's busiest expert's rows /
+    mean rows (nan: no load)] in float64 on the host, taken from the device in one copy; non_blocking: into pinned
+    memory, valid once the step's end event has passed. Enqueued right after the step, before the next step's graph
+    replays may reuse their outputs. The loss's sum is a collective enqueued like the rest (no host wait), so every
+    rank sees the same loss and stops at the same step when it is not finite."""
     ratios = [ld.max().double() / ld.double().mean().clamp_min(1e-9) for ld in loads if ld is not None]
     ratio = torch.stack(ratios).max() if ratios else torch.full((), float("nan"), dtype=torch.float64, device=loss.device)
-    dev = torch.stack([loss.detach().double().reshape(()), gnorm.double().reshape(()), ratio])
+    loss_sum = loss.detach().double().reshape(()).clone()
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+    dev = torch.stack([loss_sum, gnorm.double().reshape(()), ratio])
     if not non_blocking:
         return dev.cpu()
     host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)

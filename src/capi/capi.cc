@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -503,6 +504,10 @@ int rdep_layer_describe(const rdep_layer* l, char* buf, size_t cap, size_t* need
   return Guard([&]() -> rdep::Status {
     std::ostringstream os;
     os << l->config << "; " << l->adapter->placement();
+    // The environment's tile override (src/layer/cuda_moe_layer.cc) changes the layer's speed: say so where it applies.
+    if (const char* env = std::getenv("RDEP_CUTLASS_TILES");
+        env != nullptr && *env != '\0' && l->config.expert_compute == rdep::ExpertComputeKind::kCutlass)
+      os << "; CUTLASS tiles from RDEP_CUTLASS_TILES=" << env;
     rdep::capi::CopyOutString(os.str(), buf, cap, needed);
     return rdep::Status::Ok();
   });
