@@ -267,10 +267,9 @@ class VariantRun:
         a, dd, rec = self.a, self.dd, self.rec
         # Routing balance: max over MoE layers of (busiest expert's rows / mean rows), this process's tokens.
         rec["max_load_ratio"].append(load_ratio)
-        # Overlapped: no collective per step (its wait would hold the host until the step in flight ends); the
-        # figures are reduced over the ranks once, in finish().
-        reduce = (lambda v, op="sum": v) if self.overlapped else dd.reduce
-        loss_sum = loss  # summed over the ranks on the device (_step_figures)
+        # Overlapped: no collective per step (its wait would hold the host until the step in flight ends); times and
+        # memory are reduced over the ranks once, in finish(). The loss came summed over the ranks (_step_figures).
+        reduce = (lambda v, op: v) if self.overlapped else dd.reduce
         peak = used = whole = float("nan")
         if self.memory:
             self.peak_so_far = max(self.peak_so_far, phase_peak, torch.cuda.max_memory_allocated(dd.device) / MIB)
@@ -281,7 +280,7 @@ class VariantRun:
             # the layers' own buffers and pooled contexts, allocated once) added to torch's peak.
             whole = peak + max(0.0, used - torch.cuda.memory_reserved(dd.device) / MIB)
         dt_max, peak_max, used_max, whole_max = reduce([dt, peak, used, whole], "max")
-        rec["loss"].append(loss_sum / dd.world)
+        rec["loss"].append(loss / dd.world)
         rec["tokens_per_s"].append(self.tokens_global / dt_max)
         rec["step_ms"].append(dt_max * 1e3)
         rec["peak_mem_mib"].append(peak_max if self.memory else None)

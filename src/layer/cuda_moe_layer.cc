@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/bf16.h"
@@ -352,8 +353,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
         // RDEP_CUTLASS_TILES: every CUTLASS layer's tiles, for tuning without a rebuild (names and format as
         // `rdep bench gemm --path cutlass:SPEC`); unset or empty = each GEMM's default.
         kernels::CutlassTiles tiles;
-        if (const char* env = std::getenv("RDEP_CUTLASS_TILES"); env != nullptr && *env != '\0') {
-          RDEP_ASSIGN_OR_RETURN(tiles, kernels::ParseCutlassTileSpec(env, "RDEP_CUTLASS_TILES"));
+        const char* env = std::getenv("RDEP_CUTLASS_TILES");
+        const std::string env_tiles = env != nullptr ? env : "";
+        if (!env_tiles.empty()) {
+          RDEP_ASSIGN_OR_RETURN(tiles, kernels::ParseCutlassTileSpec(env_tiles, "RDEP_CUTLASS_TILES"));
         }
         if (config.overlap_segments && config.transport_sms > 0) {  // the GEMMs leave the transport its SMs
           int sms = 0;
@@ -366,11 +369,9 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
         }
         void* scratch = domain.region(q, layer->scratch_in_return_ ? layer->regions_.ret : layer->expert_scratch_);
         auto cutlass = kernels::MakeCutlassExpertCompute(desc, st->device, tiles, scratch);
-        if (!cutlass.ok()) {
-          const char* env = std::getenv("RDEP_CUTLASS_TILES");
+        if (!cutlass.ok())
           return Status(cutlass.status().code(), "cuda layer: expert compute cutlass: " + cutlass.status().message() +
-                                                     (env && *env ? std::string(" (tiles from RDEP_CUTLASS_TILES = '") + env + "')" : ""));
-        }
+                                                     (env_tiles.empty() ? "" : " (tiles from RDEP_CUTLASS_TILES = '" + env_tiles + "')"));
         st->mlp = std::move(*cutlass);
         if (DxOverDout(config) && !st->mlp->dx_may_alias_dout())  // the output rows hold one set (OwnerOutputRowSets)
           return InternalError(std::string("cuda layer: expert compute ") + st->mlp->name() + " cannot write dx over dout");
