@@ -18,6 +18,9 @@ the host calls that launch sat in (on the launching thread: autograd runs a back
 top-level host calls of the step's thread and the launching thread that ran during the gap. The profiler slows
 the host, so the gaps are upper bounds of an unprofiled step's. For traces of synced steps (the example's default
 --timing): with --timing overlapped a step's kernels run after its range, beside the next step's launches.
+--waits US: the host calls in each ranged step that waited for the device at least US µs (a synchronization, a
+blocking copy, any CUDA API call that long), each with the host calls it sat in: where a loop that should keep
+ahead of the GPU (--timing overlapped) waits for it.
 """
 import argparse
 import collections
@@ -175,6 +178,31 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
     return "\n".join(lines)
 
 
+WAIT_NAMES = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$|^cudaFree|^cuMemFree")
+
+
+def waits(events: list[dict], min_us: float, width: int) -> str:
+    """The CUDA API calls of each ranged step (on any thread) that lasted at least min_us, or that synchronize
+    (WAIT_NAMES) and lasted at least min_us / 10, with the host calls they sat in (see --waits)."""
+    api = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES
+                  and (e["dur"] >= min_us or (WAIT_NAMES.search(e.get("name", "")) and e["dur"] >= min_us / 10))),
+                 key=lambda e: e["ts"])
+    lines = []
+    for rng in step_ranges(events):
+        lo, hi = rng["ts"], rng["ts"] + rng["dur"]
+        mine = [e for e in api if lo <= e["ts"] <= hi]
+        lines.append(f"{rng['name']}: host range {hi - lo:.0f} us, {len(mine)} waits, {sum(e['dur'] for e in mine):.0f} us")
+        threads: dict = {}
+        for e in mine:
+            tid = e.get("tid")
+            if tid not in threads:
+                threads[tid] = host_calls(events, rng, tid)
+            chain = [c["name"] for c in threads[tid] if c["ts"] <= e["ts"] <= c["ts"] + c["dur"]][-3:]
+            lines.append(f"  at +{e['ts'] - lo:.0f} us: {e['name']} {e['dur']:.0f} us, inside: "
+                         f"{' > '.join(short(n, width // 3) for n in chain) or '-'}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
@@ -184,11 +212,15 @@ def main(argv=None) -> None:
     p.add_argument("--sequence", action="store_true")
     p.add_argument("--gaps", type=float, default=0.0, metavar="US",
                    help="list each ranged step's GPU idle gaps of at least US microseconds (synced steps' traces)")
+    p.add_argument("--waits", type=float, default=0.0, metavar="US",
+                   help="list each ranged step's host calls that waited for the device at least US microseconds")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps: at least 1")
     if a.gaps < 0:
         p.error("--gaps: a gap length in microseconds, at least 0")
+    if a.waits < 0:
+        p.error("--waits: a duration in microseconds, at least 0")
     events = load(a.trace)
     ks = kernels(events)
     if not ks:
@@ -212,6 +244,9 @@ def main(argv=None) -> None:
         else:
             print(f"\n--- where the GPU sits idle in each step (gaps >= {a.gaps:g} us)")
             print(gaps(events, per_step, a.gaps, a.width))
+    if a.waits > 0:
+        print(f"\n--- where the host waits in each step (CUDA API calls >= {a.waits:g} us; synchronizations >= {a.waits / 10:g} us)")
+        print(waits(events, a.waits, a.width) if step_ranges(events) else "no 'train step N' ranges in the trace")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
 #              --timing overlapped (a step launched before the last is read back, timed between CUDA events)
+#   trainrouter the router's fp32 linear (bench/lab/router_linear.py: its weight gradient over token chunks against one
+#              GEMM), trainov's four runs plus rdep synced with RDEP_ROUTER_WGRAD_CHUNKS=1, rdep's overlapped profile
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
@@ -578,7 +580,7 @@ train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce
   local trace=/tmp/rdep_traces/trace_$tag
   mkdir -p /tmp/rdep_traces
   train_ro "train_w1_prof_$tag" "$moe" "$@" --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace"
-  run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence --gaps 30
+  run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence --gaps 30 --waits 100
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels
@@ -609,6 +611,19 @@ stage_trainov() {  # trainpair with each --timing, alternated: TorchTitan and rd
     train_ro "train_w1_${t}_tt" torchtitan --timing "$t"
     train_ro "train_w1_${t}_rdep" rdep --timing "$t"
   done
+}
+stage_trainrouter() {  # the router's weight gradient over token chunks: bench/lab/router_linear.py, then trainov's
+  pip_wheels            # runs with rdep also at RDEP_ROUTER_WGRAD_CHUNKS=1 (one GEMM), and rdep's overlapped profile
+  # shellcheck disable=SC2046
+  run router_lab $(train_env) python3 bench/lab/router_linear.py --json "$R/router_lab.json"
+  train_ro train_w1_synced_tt torchtitan
+  train_ro train_w1_synced_rdep rdep
+  # shellcheck disable=SC2046
+  run train_w1_synced_rdep_c1 $(train_env) RDEP_ROUTER_WGRAD_CHUNKS=1 python3 examples/torch_training/train.py \
+    --device cuda --moe rdep --compile-mode reduce-overhead --json "$R/train_w1_synced_rdep_c1.json"
+  train_ro train_w1_overlapped_tt torchtitan --timing overlapped
+  train_ro train_w1_overlapped_rdep rdep --timing overlapped
+  train_prof rdep_ov rdep --timing overlapped
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
   pip_wheels

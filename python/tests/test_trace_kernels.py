@@ -108,3 +108,33 @@ def test_a_gap_ended_by_another_threads_launch_names_that_threads_calls():
     assert "at +50 us: 40 us idle, launched +40 us into it; ended by bwd" in out
     assert "launched inside: autograd::engine::evaluate_function > CompiledFunctionBackward\n" in out
     assert "top-level host calls meanwhile: autograd::engine::evaluate_function (40 us)" in out
+
+
+def test_waits_name_the_synchronizations_and_where_they_sat(tmp_path, capsys):
+    """Step 0 holds a 400 µs cudaStreamSynchronize inside aten::copy_ (inside a python call), a 40 µs
+    cudaEventSynchronize (a synchronization: listed from a tenth of the threshold) and a 40 µs kernel launch (not
+    listed: under the threshold, not a synchronization); step 1 holds a 300 µs cudaLaunchKernel (any API call that
+    long is listed) on another thread."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": f"train step {s}", "ts": 1000.0 * s, "dur": 900.0, "tid": 1}
+          for s in (0, 1)]
+    ev += [{"ph": "X", "cat": "python_function", "name": "train.py: batch", "ts": 10.0, "dur": 500.0, "tid": 1},
+           {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 20.0, "dur": 450.0, "tid": 1},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 30.0, "dur": 400.0, "tid": 1},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 600.0, "dur": 40.0, "tid": 1},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 700.0, "dur": 40.0, "tid": 1,
+            "args": {"correlation": 1}},
+           {"ph": "X", "cat": "kernel", "name": "k", "ts": 750.0, "dur": 5.0, "args": {"correlation": 1}},
+           {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1100.0, "dur": 300.0, "tid": 2}]
+    out = trace_kernels.waits(ev, 200.0, 120)
+    lines = out.splitlines()
+    assert lines[0] == "train step 0: host range 900 us, 2 waits, 440 us"
+    assert lines[1] == "  at +30 us: cudaStreamSynchronize 400 us, inside: train.py: batch > aten::copy_"
+    assert lines[2] == "  at +600 us: cudaEventSynchronize 40 us, inside: -"
+    assert lines[3] == "train step 1: host range 900 us, 1 waits, 300 us"
+    assert lines[4] == "  at +100 us: cudaLaunchKernel 300 us, inside: -"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    trace_kernels.main([str(path), "--waits", "200"])
+    assert "--- where the host waits in each step" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        trace_kernels.main([str(path), "--waits", "-1"])
