@@ -120,8 +120,8 @@
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
 #              --timing overlapped (a step launched before the last is read back, timed between CUDA events)
-#   trainrouter the router's fp32 linear (bench/lab/router_linear.py: its weight gradient over token chunks against one
-#              GEMM), trainov's four runs plus rdep synced with RDEP_ROUTER_WGRAD_CHUNKS=1, rdep's overlapped profile
+#   trainbwac  the compiled backward's autocast: trainov's synced pair with --compiled-backward-autocast off (the example's
+#              default) and same_as_forward (torch's), the overlapped pair (off), both models' profiles (off)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
@@ -612,18 +612,17 @@ stage_trainov() {  # trainpair with each --timing, alternated: TorchTitan and rd
     train_ro "train_w1_${t}_rdep" rdep --timing "$t"
   done
 }
-stage_trainrouter() {  # the router's weight gradient over token chunks: bench/lab/router_linear.py, then trainov's
-  pip_wheels            # runs with rdep also at RDEP_ROUTER_WGRAD_CHUNKS=1 (one GEMM), and rdep's overlapped profile
-  # shellcheck disable=SC2046
-  run router_lab $(train_env) python3 bench/lab/router_linear.py --json "$R/router_lab.json"
-  train_ro train_w1_synced_tt torchtitan
-  train_ro train_w1_synced_rdep rdep
-  # shellcheck disable=SC2046
-  run train_w1_synced_rdep_c1 $(train_env) RDEP_ROUTER_WGRAD_CHUNKS=1 python3 examples/torch_training/train.py \
-    --device cuda --moe rdep --compile-mode reduce-overhead --json "$R/train_w1_synced_rdep_c1.json"
+stage_trainbwac() {  # the compiled backward's autocast (--compiled-backward-autocast): TorchTitan and rdep synced with
+  pip_wheels         # the example's default (off), then both with torch's default (same_as_forward), then both overlapped
+  local m            # (off), then rdep's profile (off): its kernels a step
+  for m in off same_as_forward; do
+    train_ro "train_w1_synced_tt_$m" torchtitan --compiled-backward-autocast "$m"
+    train_ro "train_w1_synced_rdep_$m" rdep --compiled-backward-autocast "$m"
+  done
   train_ro train_w1_overlapped_tt torchtitan --timing overlapped
   train_ro train_w1_overlapped_rdep rdep --timing overlapped
-  train_prof rdep_ov rdep --timing overlapped
+  train_prof rdep rdep
+  train_prof torchtitan torchtitan
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
   pip_wheels

@@ -45,7 +45,7 @@ def load(path: str) -> dict:
 def check_comparable(a: dict, b: dict, pa: str, pb: str) -> None:
     """SystemExit naming the first field in which the two runs' training differs."""
     ca, cb = a["config"], b["config"]
-    for key in ("model", "world_size", "tokens_per_step"):
+    for key in ("model", "world_size", "tokens_per_step", "compiled_backward_autocast"):
         if ca.get(key) != cb.get(key):
             raise SystemExit(f"config.{key} differs: {ca.get(key)} in {pa}, {cb.get(key)} in {pb}")
     for key in SAME_ARGS:

@@ -118,6 +118,11 @@ def test_receipts_of_separate_runs_compare_as_one_process_compares(both, tmp_pat
     with pytest.raises(SystemExit, match="config.args.timing differs"):
         compare_receipts.main([str(paths[0]), str(paths[1])])
     other["config"]["args"]["timing"] = "synced"
+    other["config"]["compiled_backward_autocast"] = "same_as_forward"  # a compiled run's backward under autocast
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="config.compiled_backward_autocast differs"):
+        compare_receipts.main([str(paths[0]), str(paths[1])])
+    other["config"]["compiled_backward_autocast"] = None
     other["config"]["args"]["seed"] += 1
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="config.args.seed differs"):
@@ -163,6 +168,9 @@ def test_compiled_rdep_model_trains_like_the_eager_one(both):
     receipt, _ = both
     compiled = train.main(TINY + ["--moe", "rdep", "--steps", "3", "--compile"])
     assert compiled["config"]["args"]["compile"] is True
+    # the compiled backward runs without autocast, as the eager one (train.set_compiled_backward_autocast)
+    assert compiled["config"]["compiled_backward_autocast"] == "off"
+    assert receipt["config"]["compiled_backward_autocast"] is None
     for a, b in zip(compiled["variants"][0]["loss"], receipt["variants"][0]["loss"][:3]):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-3)
 

@@ -121,6 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.compile's mode (implies --compile). reduce-overhead: CUDA graphs, with inductor's graph "
                         "partitioning on; rdep's ops are recorded in the graphs where its layer is capturable "
                         "(rdep.torch.Layer.capturable: CUTLASS, one rank a process), else run between captured partitions")
+    o.add_argument("--compiled-backward-autocast", choices=("off", "same_as_forward"), default="off",
+                   help="compiled models: the autocast state their backward is traced under (torch._functorch.config."
+                        "backward_pass_autocast). off (the default): none, as eager runs a backward; same_as_forward "
+                        "(torch's default through 2.15): the forward caller's bf16 autocast, which ignores the MoE "
+                        "block's autocast(enabled=False) and so runs the gradients of a model compiled whole through "
+                        "its fp32 parts (shared experts, a plain router) in bf16")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
@@ -300,6 +306,22 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
     return model.to(dd.device)
 
 
+def set_compiled_backward_autocast(mode: str) -> str:
+    """The autocast state compiled backward passes are traced under (--compiled-backward-autocast). By default
+    torch traces a compiled region's backward under the autocast state of its forward's caller
+    (torch._functorch.config.backward_pass_autocast = "same_as_forward"), not under the autocast(enabled=False)
+    regions its forward ran in. The MoE block runs outside autocast (model.py), so a model compiled whole
+    takes its shared experts' (and a plain router's) gradients in bf16 there, while a model whose MoE breaks the
+    graph takes them in fp32: the two variants would not train the same model. "off" runs every compiled
+    backward as eager does. Returns the setting in force."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "backward_pass_autocast"):
+        return "not settable in this torch"
+    functorch_config.backward_pass_autocast = mode
+    return mode
+
+
 def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist,
                   measure_memory: bool = True) -> VariantRun:
     torch.manual_seed(a.seed)
@@ -309,6 +331,7 @@ def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd:
         torch.cuda.reset_peak_memory_stats(dd.device)
     model = build_model(kind, cfg, a, dd)
     if a.compile:
+        set_compiled_backward_autocast(a.compiled_backward_autocast)
         if a.compile_mode == "reduce-overhead":
             import torch._inductor.config as inductor_config
 
@@ -477,7 +500,9 @@ def main(argv=None) -> dict:
 
     receipt = {
         "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,
-                   "tokens_per_step": a.batch * cfg.seq_len * dd.world * a.grad_accum},
+                   "tokens_per_step": a.batch * cfg.seq_len * dd.world * a.grad_accum,
+                   "compiled_backward_autocast": set_compiled_backward_autocast(a.compiled_backward_autocast)
+                   if a.compile else None},
         "torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
         "cuda": torch.version.cuda if cuda else None,
         "corpus": {"name": "pydoc_data.topics (CPython language reference / library topics)",

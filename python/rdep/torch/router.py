@@ -24,7 +24,6 @@ Expert bias update (aux-loss-free balancing): b_e <- b_e + rate * sign(mean_e lo
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -43,73 +42,34 @@ class RouterOutput(NamedTuple):
     logits: Tensor             # fp32 [..., E]
 
 
-def wgrad_chunks(tokens: int, device: torch.device) -> int:
-    """How many token chunks the router's weight gradient is split into on this device (1: one GEMM).
-    dW = dL^T x has only E x H outputs (64 x 1024 in the training example) over a reduction of N tokens:
-    cuBLAS gives that GEMM a handful of thread blocks, each walking all N tokens (70 us on an H200 at
-    N = 4096, for 0.5 GFLOP), so on CUDA the tokens are split into chunks of at least 128, one batched
-    GEMM computes each chunk's partial [E, H], and the partials are summed. RDEP_ROUTER_WGRAD_CHUNKS overrides
-    it (read at import)."""
-    if _CHUNKS_OVERRIDE is not None:
-        return _CHUNKS_OVERRIDE
-    if device.type != "cuda":
-        return 1
-    return max(1, min(32, tokens // 128))
-
-
-def _chunks_from_env() -> Optional[int]:
-    """RDEP_ROUTER_WGRAD_CHUNKS=C: every router's weight gradient in C token chunks (1: one GEMM), for A/B runs."""
-    v = os.environ.get("RDEP_ROUTER_WGRAD_CHUNKS", "")
-    if not v:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"RDEP_ROUTER_WGRAD_CHUNKS: expected a positive integer, got {v!r}")
-    return int(v)
-
-
-_CHUNKS_OVERRIDE = _chunks_from_env()
-
-
 class _RouterLinear(torch.autograd.Function):
-    """logits = x W^T in fp32, with the weight gradient split over token chunks (wgrad_chunks)."""
+    """logits = x W^T for fp32 x and W, with a backward that runs in fp32 as well. torch.compile traces a
+    backward under the autocast state of the forward's caller, not the autocast(enabled=False) region the
+    forward ran in (torch._functorch.config.backward_pass_autocast = "same_as_forward", its default through
+    torch 2.15), so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16
+    autocast; this backward turns autocast off itself."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, chunks: int) -> Tensor:
+    def forward(x: Tensor, w: Tensor) -> Tensor:
         return F.linear(x, w)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, chunks = inputs
-        ctx.save_for_backward(x, w)
-        ctx.chunks = chunks
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         x, w = ctx.saved_tensors
-        dx = g @ w if ctx.needs_input_grad[0] else None
-        dw = split_weight_grad(g, x, ctx.chunks) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
-
-
-def split_weight_grad(g: Tensor, x: Tensor, chunks: int) -> Tensor:
-    """g^T x for g [N, E], x [N, H] as the sum of `chunks` partial products over contiguous token chunks
-    (one batched GEMM; the remainder rows, if chunks does not divide N, in one more GEMM)."""
-    n, e, h = g.shape[0], g.shape[1], x.shape[1]
-    if chunks <= 1 or n < 2 * chunks:
-        return g.t() @ x
-    per = n // chunks
-    body = chunks * per
-    dw = torch.bmm(g[:body].reshape(chunks, per, e).transpose(1, 2), x[:body].reshape(chunks, per, h)).sum(0)
-    if body < n:
-        dw = dw + g[body:].t() @ x[body:]
-    return dw
+        with torch.autocast(device_type=g.device.type, enabled=False):
+            g = g.to(x.dtype)  # the dtype the forward ran in (fp32 in the router)
+            dx = g @ w if ctx.needs_input_grad[0] else None
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
 def router_logits(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., H] @ w[E, H]^T (both fp32), the weight gradient split over token chunks (wgrad_chunks)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    return _RouterLinear.apply(x2, w, wgrad_chunks(x2.shape[0], x.device)).reshape(*lead, w.shape[0])
+    """x [..., H] @ w [E, H]^T, both fp32, its gradients in fp32 (see _RouterLinear)."""
+    return _RouterLinear.apply(x, w)
 
 
 class Router(nn.Module):
