@@ -15,7 +15,8 @@ they are. Every size is an argument of ModelConfig.
 
 Precision: parameters are fp32 (master weights). On CUDA the dense parts run under bf16 autocast; the MoE
 block runs outside autocast on fp32 activations, its router in fp32 and its routed experts in bf16 inside
-each variant (rdep, TorchTitan and the torch reference alike); the shared experts in fp32 (TF32 matmuls).
+each variant (rdep, TorchTitan and the torch reference alike); the shared experts in fp32 (TF32 matmuls). Compiled,
+their backward is fp32 only when torch traces it without autocast (train.py --compiled-backward-autocast off, the default).
 On the CPU everything is fp32 (TorchTitan's GroupedExperts still casts its experts to bf16 there).
 """
 
