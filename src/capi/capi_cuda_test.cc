@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <future>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -415,12 +416,30 @@ struct SmallCutlassLayer {
   SmallCutlassLayer& operator=(const SmallCutlassLayer&) = delete;
 };
 
-TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
-  SmallCutlassLayer s;
-  ASSERT_EQ(s.created, 0) << rdep_last_error();
-  ASSERT_EQ(s.stream_created, cudaSuccess);
+// Skips without a GPU or where the CUTLASS compute does not run (it names why).
+class CApiCudaCutlass : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
+  }
+};
+
+// The small CUTLASS layer, made (its creation and its caller stream's checked).
+class CApiCudaSmallLayer : public CApiCudaCutlass {
+ protected:
+  void SetUp() override {
+    CApiCudaCutlass::SetUp();
+    if (IsSkipped()) return;
+    s_ = std::make_unique<SmallCutlassLayer>();
+    ASSERT_EQ(s_->created, 0) << rdep_last_error();
+    ASSERT_EQ(s_->stream_created, cudaSuccess);
+  }
+  std::unique_ptr<SmallCutlassLayer> s_;
+};
+
+TEST_F(CApiCudaSmallLayer, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
+  SmallCutlassLayer& s = *s_;
   rdep_layer* l = s.l;
   std::vector<int32_t> experts = s.experts;
   experts[3 * SmallCutlassLayer::K + 1] = 9;  // token 3, slot 1: outside [0, E)
@@ -463,12 +482,8 @@ TEST(CApi_Cuda, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
 // TakeForward). Forwards and backwards in turn pass it; a backward re-armed without a forward in between (as a second
 // backward of one forward would be) writes the rank's error record, which rdep_layer_check_errors and every later call
 // report (no trap: the call was eager).
-TEST(CApi_Cuda, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
-  SmallCutlassLayer s;
-  ASSERT_EQ(s.created, 0) << rdep_last_error();
-  ASSERT_EQ(s.stream_created, cudaSuccess);
+TEST_F(CApiCudaSmallLayer, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
+  SmallCutlassLayer& s = *s_;
   rdep_layer* l = s.l;
   int64_t ctx = 0;
   ASSERT_EQ(rdep_context_acquire(l, &ctx), 0);
@@ -496,11 +511,9 @@ struct RebaseCase {
   int32_t ranks, owner_reduce, gate_in_expert;
 };
 
-class CApiCudaRebase : public ::testing::TestWithParam<RebaseCase> {};
+class CApiCudaRebase : public CApiCudaCutlass, public ::testing::WithParamInterface<RebaseCase> {};
 
 TEST_P(CApiCudaRebase, EverySavedRowFollowsTheArena) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  if (!rdep_cutlass_available(0)) GTEST_SKIP() << "the CUTLASS compute does not run here: " << rdep_last_error();
   const RebaseCase c = GetParam();
   const int64_t T = 48, H = 64, F = 32, E = 4, K = 2;
   const auto W = static_cast<size_t>(c.ranks);
