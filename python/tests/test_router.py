@@ -1,10 +1,12 @@
-"""The router's gradients stay fp32 under torch.compile inside bf16 autocast: torch.compile traces a backward
-under the autocast state of the forward's caller (torch._functorch.config.backward_pass_autocast's default,
-"same_as_forward"), not the autocast(enabled=False) region the router's forward runs in, so a plain F.linear
-router would take its weight and input gradients in bf16 there. rdep.torch.router.router_logits turns
-autocast off in its own backward. Checked on the host (CPU autocast, bf16), where torch.compile shows the same
-behaviour: the compiled router's gradients equal the eager ones (fp32) to fp32 rounding, and a plain F.linear's
-compiled gradients do not (the check can fail).
+"""The router's gradients stay fp32 under torch.compile inside bf16 autocast: torch.compile traces a backward under
+the autocast state of the forward's caller (torch._functorch.config.backward_pass_autocast = "same_as_forward", its
+default through torch 2.15), not the autocast(enabled=False) region the router's forward runs in, so a plain F.linear
+router would take its weight and input gradients in bf16 there. rdep.torch.router.router_logits is a custom op
+(torch.ops.rdep.router_logits) whose forward and backward run with autocast off. Checked on the host (CPU autocast,
+bf16), where torch.compile shows the same behaviour, with that setting forced for these tests (an earlier test, or the
+training example, may have changed it for the process): the compiled router's gradients equal the eager ones (fp32)
+to fp32 rounding, and a plain F.linear's compiled gradients do not (the check can fail). The op passes opcheck and
+keeps a compiled graph cacheable (a torch.autograd.Function would not).
 """
 
 from __future__ import annotations
@@ -16,6 +18,20 @@ import torch.nn.functional as F
 from rdep.torch import router as rt
 
 pytestmark = pytest.mark.no_library  # the router is plain PyTorch: no librdep_capi.so needed
+
+
+@pytest.fixture(autouse=True)
+def backward_under_forward_autocast():
+    """torch's default, whatever this process set before (train.py sets "off"); fresh dynamo state."""
+    import torch._functorch.config as cfg
+
+    if not hasattr(cfg, "backward_pass_autocast"):
+        yield
+        return
+    torch._dynamo.reset()
+    with cfg.patch(backward_pass_autocast="same_as_forward"):
+        yield
+    torch._dynamo.reset()
 
 
 def _inputs(seed: int):
@@ -49,7 +65,6 @@ def _max_rel(a, b) -> float:
 
 
 def test_router_logits_keeps_fp32_gradients_under_compile_and_autocast():
-    torch._dynamo.reset()
     x, w = _inputs(1)
     gx_e, gw_e = _grads(rt.router_logits, x, w, compiled=False)
     gx_c, gw_c = _grads(rt.router_logits, x, w, compiled=True)
@@ -59,29 +74,38 @@ def test_router_logits_keeps_fp32_gradients_under_compile_and_autocast():
 
 
 def test_plain_linear_loses_fp32_gradients_under_compile_and_autocast():
-    """The behaviour router_logits guards against: if this stops failing in some torch release (its default
-    backward_pass_autocast becoming "off"), the guard is no longer needed there, and the check above still holds."""
-    torch._dynamo.reset()
+    """The behaviour router_logits guards against, under the setting the fixture forces."""
     x, w = _inputs(2)
     _, gw_e = _grads(F.linear, x, w, compiled=False)
     _, gw_c = _grads(F.linear, x, w, compiled=True)
-    mode = getattr(torch._functorch.config, "backward_pass_autocast", "same_as_forward")
-    if mode != "same_as_forward":
-        pytest.skip(f"torch._functorch.config.backward_pass_autocast = {mode!r}: compiled backward runs without autocast")
     assert _max_rel(gw_c, gw_e) > 1e-4, "expected the compiled F.linear's weight gradient in bf16"
 
 
-def test_router_logits_matches_linear_and_gradcheck():
+def test_router_logits_matches_linear_gradcheck_and_opcheck():
     torch.manual_seed(3)
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     assert torch.equal(rt.router_logits(x, w), F.linear(x, w))
     assert torch.autograd.gradcheck(rt.router_logits, (x, w))
+    xt = torch.randn(8, 6, dtype=torch.float64).t().requires_grad_(True)  # non-contiguous [6, 8]
+    assert torch.autograd.gradcheck(rt.router_logits, (xt, w))
+    for args in ((x, w), (xt, w), (x.detach(), w)):
+        assert torch.library.opcheck(torch.ops.rdep.router_logits.default, args) is not None
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        assert rt.router_logits(x.float(), w.float()).dtype == torch.float32  # the forward ignores autocast too
+
+
+def test_router_logits_keeps_a_compiled_graph_cacheable():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    x, w = _inputs(5)
+    _grads(rt.router_logits, x, w, compiled=True)
+    assert counters["aot_autograd"].get("autograd_cache_bypass", 0) == 0, dict(counters["aot_autograd"])
 
 
 def test_router_module_weight_gradient_is_fp32_under_compile_and_autocast():
     """The Router module end to end (sigmoid scores, expert bias, z-loss), compiled against eager."""
-    torch._dynamo.reset()
     grads = []
     for compiled in (False, True):
         torch.manual_seed(4)
