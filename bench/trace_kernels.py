@@ -18,9 +18,10 @@ the host calls that launch sat in (on the launching thread: autograd runs a back
 top-level host calls of the step's thread and the launching thread that ran during the gap. The profiler slows
 the host, so the gaps are upper bounds of an unprofiled step's. For traces of synced steps (the example's default
 --timing): with --timing overlapped a step's kernels run after its range, beside the next step's launches.
---waits US: the host calls in each ranged step that waited for the device at least US µs (a synchronization, a
-blocking copy, any CUDA API call that long), each with the host calls it sat in: where a loop that should keep
-ahead of the GPU (--timing overlapped) waits for it.
+--waits US: the CUDA API calls in each ranged step that lasted at least US µs (a graph launch that long is host
+launch cost, not a wait) and the synchronizing ones (device, stream or event synchronizations, blocking copies, frees)
+that lasted at least US/10 µs, each with the host calls it sat in: where a loop that should keep ahead of the GPU
+(--timing overlapped) waits for it.
 """
 import argparse
 import collections
@@ -178,7 +179,7 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
     return "\n".join(lines)
 
 
-WAIT_NAMES = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$|^cudaFree|^cuMemFree")
+WAIT_NAMES = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$|^cudaFree(Host)?$|^cuMemFree(Host)?(_v2)?$")
 
 
 def waits(events: list[dict], min_us: float, width: int) -> str:
@@ -191,7 +192,9 @@ def waits(events: list[dict], min_us: float, width: int) -> str:
     for rng in step_ranges(events):
         lo, hi = rng["ts"], rng["ts"] + rng["dur"]
         mine = [e for e in api if lo <= e["ts"] <= hi]
-        lines.append(f"{rng['name']}: host range {hi - lo:.0f} us, {len(mine)} waits, {sum(e['dur'] for e in mine):.0f} us")
+        syncs = [e for e in mine if WAIT_NAMES.search(e.get("name", ""))]
+        lines.append(f"{rng['name']}: host range {hi - lo:.0f} us, {len(mine)} long or synchronizing calls, "
+                     f"{sum(e['dur'] for e in mine):.0f} us ({len(syncs)} synchronizing, {sum(e['dur'] for e in syncs):.0f} us)")
         threads: dict = {}
         for e in mine:
             tid = e.get("tid")
@@ -245,7 +248,7 @@ def main(argv=None) -> None:
             print(f"\n--- where the GPU sits idle in each step (gaps >= {a.gaps:g} us)")
             print(gaps(events, per_step, a.gaps, a.width))
     if a.waits > 0:
-        print(f"\n--- where the host waits in each step (CUDA API calls >= {a.waits:g} us; synchronizations >= {a.waits / 10:g} us)")
+        print(f"\n--- where the host waits in each step (CUDA API calls >= {a.waits:g} us; synchronizing ones >= {a.waits / 10:g} us)")
         print(waits(events, a.waits, a.width) if step_ranges(events) else "no 'train step N' ranges in the trace")
 
 

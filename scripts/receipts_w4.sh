@@ -614,15 +614,15 @@ stage_trainov() {  # trainpair with each --timing, alternated: TorchTitan and rd
 }
 stage_trainbwac() {  # the compiled backward's autocast (--compiled-backward-autocast): TorchTitan and rdep synced with
   pip_wheels         # the example's default (off), then both with torch's default (same_as_forward), then both overlapped
-  local m            # (off), then rdep's profile (off): its kernels a step
+  local m            # (off), then both models' profiles (off): their kernels a step
   for m in off same_as_forward; do
     train_ro "train_w1_synced_tt_$m" torchtitan --compiled-backward-autocast "$m"
     train_ro "train_w1_synced_rdep_$m" rdep --compiled-backward-autocast "$m"
   done
-  train_ro train_w1_overlapped_tt torchtitan --timing overlapped
-  train_ro train_w1_overlapped_rdep rdep --timing overlapped
-  train_prof rdep rdep
-  train_prof torchtitan torchtitan
+  train_ro train_w1_overlapped_tt torchtitan --timing overlapped --compiled-backward-autocast off
+  train_ro train_w1_overlapped_rdep rdep --timing overlapped --compiled-backward-autocast off
+  train_prof rdep rdep --compiled-backward-autocast off
+  train_prof torchtitan torchtitan --compiled-backward-autocast off
 }
 stage_trainprofor() {  # trainprof's rdep run with --owner-reduce: its kernels per step
   pip_wheels

@@ -42,12 +42,23 @@ def load(path: str) -> dict:
     return receipt
 
 
+def backward_autocast(config: dict):
+    """The compiled backward's autocast setting a run trained under: None for an eager run; a compiled run's receipt
+    written before the setting was recorded ran under torch's default, same_as_forward."""
+    if not config["args"].get("compile"):
+        return None
+    return config.get("compiled_backward_autocast") or "same_as_forward"
+
+
 def check_comparable(a: dict, b: dict, pa: str, pb: str) -> None:
     """SystemExit naming the first field in which the two runs' training differs."""
     ca, cb = a["config"], b["config"]
-    for key in ("model", "world_size", "tokens_per_step", "compiled_backward_autocast"):
+    for key in ("model", "world_size", "tokens_per_step"):
         if ca.get(key) != cb.get(key):
             raise SystemExit(f"config.{key} differs: {ca.get(key)} in {pa}, {cb.get(key)} in {pb}")
+    va, vb = backward_autocast(ca), backward_autocast(cb)
+    if va != vb:
+        raise SystemExit(f"config.compiled_backward_autocast differs: {va} in {pa}, {vb} in {pb}")
     for key in SAME_ARGS:
         va, vb = ca["args"].get(key, ARG_DEFAULTS.get(key)), cb["args"].get(key, ARG_DEFAULTS.get(key))
         if va != vb:

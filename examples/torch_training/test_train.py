@@ -118,11 +118,19 @@ def test_receipts_of_separate_runs_compare_as_one_process_compares(both, tmp_pat
     with pytest.raises(SystemExit, match="config.args.timing differs"):
         compare_receipts.main([str(paths[0]), str(paths[1])])
     other["config"]["args"]["timing"] = "synced"
-    other["config"]["compiled_backward_autocast"] = "same_as_forward"  # a compiled run's backward under autocast
+    # Compiled runs: a receipt from before the setting was recorded ran under torch's default, same_as_forward.
+    first = json.loads(paths[0].read_text())
+    first["config"]["args"]["compile"] = other["config"]["args"]["compile"] = True
+    first["config"].pop("compiled_backward_autocast")
+    paths[0].write_text(json.dumps(first))
+    other["config"]["compiled_backward_autocast"] = "same_as_forward"
     paths[1].write_text(json.dumps(other))
-    with pytest.raises(SystemExit, match="config.compiled_backward_autocast differs"):
+    compare_receipts.main([str(paths[0]), str(paths[1])])
+    other["config"]["compiled_backward_autocast"] = "off"
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="config.compiled_backward_autocast differs: same_as_forward in .* off in"):
         compare_receipts.main([str(paths[0]), str(paths[1])])
-    other["config"]["compiled_backward_autocast"] = None
+    other["config"]["compiled_backward_autocast"] = "same_as_forward"
     other["config"]["args"]["seed"] += 1
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="config.args.seed differs"):

@@ -306,6 +306,13 @@ def build_model(kind: str, cfg: ModelConfig, a, dd: Dist) -> MoonlightLM:
     return model.to(dd.device)
 
 
+def compiled_backward_autocast() -> str:
+    """The setting in force (set_compiled_backward_autocast), for the receipt."""
+    import torch._functorch.config as functorch_config
+
+    return getattr(functorch_config, "backward_pass_autocast", "not settable in this torch")
+
+
 def set_compiled_backward_autocast(mode: str) -> str:
     """The autocast state compiled backward passes are traced under (--compiled-backward-autocast). By default
     torch traces a compiled region's backward under the autocast state of its forward's caller
@@ -501,8 +508,7 @@ def main(argv=None) -> dict:
     receipt = {
         "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,
                    "tokens_per_step": a.batch * cfg.seq_len * dd.world * a.grad_accum,
-                   "compiled_backward_autocast": set_compiled_backward_autocast(a.compiled_backward_autocast)
-                   if a.compile else None},
+                   "compiled_backward_autocast": compiled_backward_autocast() if a.compile else None},
         "torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
         "cuda": torch.version.cuda if cuda else None,
         "corpus": {"name": "pydoc_data.topics (CPython language reference / library topics)",

@@ -127,10 +127,10 @@ def test_waits_name_the_synchronizations_and_where_they_sat(tmp_path, capsys):
            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1100.0, "dur": 300.0, "tid": 2}]
     out = trace_kernels.waits(ev, 200.0, 120)
     lines = out.splitlines()
-    assert lines[0] == "train step 0: host range 900 us, 2 waits, 440 us"
+    assert lines[0] == "train step 0: host range 900 us, 2 long or synchronizing calls, 440 us (2 synchronizing, 440 us)"
     assert lines[1] == "  at +30 us: cudaStreamSynchronize 400 us, inside: train.py: batch > aten::copy_"
     assert lines[2] == "  at +600 us: cudaEventSynchronize 40 us, inside: -"
-    assert lines[3] == "train step 1: host range 900 us, 1 waits, 300 us"
+    assert lines[3] == "train step 1: host range 900 us, 1 long or synchronizing calls, 300 us (0 synchronizing, 0 us)"
     assert lines[4] == "  at +100 us: cudaLaunchKernel 300 us, inside: -"
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))

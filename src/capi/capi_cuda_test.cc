@@ -8,10 +8,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <future>
-#include <memory>
 #include <cstdlib>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -417,7 +417,7 @@ struct SmallCutlassLayer {
 };
 
 // Skips without a GPU or where the CUTLASS compute does not run (it names why).
-class CApiCudaCutlass : public ::testing::Test {
+class CApi_CudaCutlass : public ::testing::Test {
  protected:
   void SetUp() override {
     if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -426,10 +426,10 @@ class CApiCudaCutlass : public ::testing::Test {
 };
 
 // The small CUTLASS layer, made (its creation and its caller stream's checked).
-class CApiCudaSmallLayer : public CApiCudaCutlass {
+class CApi_CudaSmallLayer : public CApi_CudaCutlass {
  protected:
   void SetUp() override {
-    CApiCudaCutlass::SetUp();
+    CApi_CudaCutlass::SetUp();
     if (IsSkipped()) return;
     s_ = std::make_unique<SmallCutlassLayer>();
     ASSERT_EQ(s_->created, 0) << rdep_last_error();
@@ -438,7 +438,7 @@ class CApiCudaSmallLayer : public CApiCudaCutlass {
   std::unique_ptr<SmallCutlassLayer> s_;
 };
 
-TEST_F(CApiCudaSmallLayer, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
+TEST_F(CApi_CudaSmallLayer, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead) {
   SmallCutlassLayer& s = *s_;
   rdep_layer* l = s.l;
   std::vector<int32_t> experts = s.experts;
@@ -482,7 +482,7 @@ TEST_F(CApiCudaSmallLayer, CheckRoutingReportsWhatTheSyncFreeForwardCouldNotRead
 // TakeForward). Forwards and backwards in turn pass it; a backward re-armed without a forward in between (as a second
 // backward of one forward would be) writes the rank's error record, which rdep_layer_check_errors and every later call
 // report (no trap: the call was eager).
-TEST_F(CApiCudaSmallLayer, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
+TEST_F(CApi_CudaSmallLayer, BackwardWithoutItsForwardIsCaughtOnTheDevice) {
   SmallCutlassLayer& s = *s_;
   rdep_layer* l = s.l;
   int64_t ctx = 0;
@@ -511,7 +511,7 @@ struct RebaseCase {
   int32_t ranks, owner_reduce, gate_in_expert;
 };
 
-class CApiCudaRebase : public CApiCudaCutlass, public ::testing::WithParamInterface<RebaseCase> {};
+class CApiCudaRebase : public CApi_CudaCutlass, public ::testing::WithParamInterface<RebaseCase> {};
 
 TEST_P(CApiCudaRebase, EverySavedRowFollowsTheArena) {
   const RebaseCase c = GetParam();

@@ -274,9 +274,11 @@ class MoE(nn.Module):
         # no wait for the device's check of it with grad off.
         y = ops.moe(self.layer, xe, r.experts, r.gates, self.w1, self.w2, check_routing=False)
         if self.shared is not None:
-            # The caller's x, not the routed experts' cast of it: fp32 x with fp32 shared weights is neither
-            # rounded to bf16 nor copied (a copy the shared experts' backward would keep, T x H x 4 bytes).
-            y = y + self.shared(xs.to(self.shared.w1.dtype)).to(y.dtype)
+            # The caller's x in the shared weights' dtype: fp32 x with fp32 shared weights is neither rounded to
+            # bf16 nor copied (a copy the shared experts' backward would keep, T x H x 4 bytes); the routed experts'
+            # cast when it already is that dtype.
+            sdt = self.shared.w1.dtype
+            y = y + self.shared(xe if xe.dtype == sdt else xs.to(sdt)).to(y.dtype)
         return MoEOutput(y.to(x.dtype).reshape(x.shape), r.aux_loss, r.z_loss, r.tokens_per_expert)
 
     def update_expert_bias(self, tokens_per_expert: Tensor, rate: float = 1e-3) -> Tensor:
