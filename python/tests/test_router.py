@@ -89,6 +89,13 @@ def test_router_logits_matches_linear_and_gradcheck():
     xt = torch.randn(8, 6, dtype=torch.float64).t().requires_grad_(True)  # non-contiguous [6, 8]
     assert torch.autograd.gradcheck(rt.router_logits, (xt, w))
     assert torch.autograd.gradcheck(lambda w: rt.router_logits(x.detach(), w), (w,))  # x without a gradient
+    # torch.func: vmap over a batch of weights, and grad through the vmapped call
+    ws = torch.randn(3, 4, 8, dtype=torch.float64)
+    got = torch.func.vmap(lambda w: rt.router_logits(x.detach(), w))(ws)
+    assert torch.allclose(got, torch.stack([F.linear(x.detach(), wi) for wi in ws]))
+    g = torch.func.grad(lambda w: torch.func.vmap(lambda wi: rt.router_logits(x.detach(), wi))(w).sin().sum())(ws)
+    want = torch.func.grad(lambda w: torch.func.vmap(lambda wi: F.linear(x.detach(), wi))(w).sin().sum())(ws)
+    assert torch.allclose(g, want)
 
 
 def test_router_module_weight_gradient_is_fp32_under_compile_and_autocast():
