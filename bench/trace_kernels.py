@@ -141,6 +141,23 @@ def host_calls(events: list[dict], rng: dict, tid) -> list[dict]:
     return out
 
 
+def thread_calls(events: list[dict], rng: dict):
+    """tid -> host_calls(events, rng, tid), each thread's computed once."""
+    cache: dict = {}
+
+    def of(tid):
+        if tid not in cache:
+            cache[tid] = host_calls(events, rng, tid)
+        return cache[tid]
+    return of
+
+
+def inside(calls: list[dict], t, width: int) -> str:
+    """The innermost three of `calls` open at time t, outermost first ('-' for none, or no t)."""
+    chain = [c["name"] for c in calls if t is not None and c["ts"] <= t <= c["ts"] + c["dur"]][-3:]
+    return " > ".join(short(n, width // 3) for n in chain) or "-"
+
+
 def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: int, top: int = 8) -> str:
     """Each ranged step's GPU idle time and its gaps of at least min_gap µs (see --gaps)."""
     launched = launches(events)
@@ -151,13 +168,7 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
         if not busy:
             lines.append(f"{rng['name']}: no kernels")
             continue
-        threads: dict = {}  # tid -> that thread's host calls in the range
-
-        def calls_of(tid):
-            if tid not in threads:
-                threads[tid] = host_calls(events, rng, tid)
-            return threads[tid]
-
+        calls_of = thread_calls(events, rng)
         held = [(busy[i][1], busy[i + 1][0], busy[i + 1][2]) for i in range(len(busy) - 1)
                 if busy[i + 1][0] - busy[i][1] >= min_gap]
         busy_us = sum(b - a for a, b, _ in busy)
@@ -167,13 +178,12 @@ def gaps(events: list[dict], per_step: list[list[dict]], min_gap: float, width: 
         for g0, g1, k in sorted(held, key=lambda g: g[0] - g[1])[:top]:
             launch = launched.get(k.get("args", {}).get("correlation"), {})
             t = launch.get("ts")
-            chain = [c["name"] for c in calls_of(launch.get("tid")) if t is not None and c["ts"] <= t <= c["ts"] + c["dur"]][-3:]
             tids = [rng.get("tid")] + ([launch["tid"]] if launch.get("tid", rng.get("tid")) != rng.get("tid") else [])
             during = sorted(((min(g1, c["ts"] + c["dur"]) - max(g0, c["ts"]), c["name"]) for tid in tids for c in calls_of(tid)
                              if c["depth"] == 0 and c["ts"] < g1 and c["ts"] + c["dur"] > g0), reverse=True)[:3]
             late = f"launched {t - g0:+.0f} us into it" if t is not None else "launch not in the trace"
             lines.append(f"  at +{g0 - lo:.0f} us: {g1 - g0:.0f} us idle, {late}; ended by {short(k['name'], 60)}")
-            lines.append(f"      launched inside: {' > '.join(short(n, width // 3) for n in chain) or '-'}")
+            lines.append(f"      launched inside: {inside(calls_of(launch.get('tid')), t, width)}")
             lines.append(f"      top-level host calls meanwhile: "
                          f"{', '.join(f'{short(n, width // 3)} ({us:.0f} us)' for us, n in during) or '-'}")
     return "\n".join(lines)
@@ -195,14 +205,10 @@ def waits(events: list[dict], min_us: float, width: int) -> str:
         syncs = [e for e in mine if WAIT_NAMES.search(e.get("name", ""))]
         lines.append(f"{rng['name']}: host range {hi - lo:.0f} us, {len(mine)} long or synchronizing calls, "
                      f"{sum(e['dur'] for e in mine):.0f} us ({len(syncs)} synchronizing, {sum(e['dur'] for e in syncs):.0f} us)")
-        threads: dict = {}
+        calls_of = thread_calls(events, rng)
         for e in mine:
-            tid = e.get("tid")
-            if tid not in threads:
-                threads[tid] = host_calls(events, rng, tid)
-            chain = [c["name"] for c in threads[tid] if c["ts"] <= e["ts"] <= c["ts"] + c["dur"]][-3:]
             lines.append(f"  at +{e['ts'] - lo:.0f} us: {e['name']} {e['dur']:.0f} us, inside: "
-                         f"{' > '.join(short(n, width // 3) for n in chain) or '-'}")
+                         f"{inside(calls_of(e.get('tid')), e['ts'], width)}")
     return "\n".join(lines)
 
 
@@ -249,7 +255,7 @@ def main(argv=None) -> None:
             print(gaps(events, per_step, a.gaps, a.width))
     if a.waits > 0:
         print(f"\n--- where the host waits in each step (CUDA API calls >= {a.waits:g} us; synchronizing ones >= {a.waits / 10:g} us)")
-        print(waits(events, a.waits, a.width) if step_ranges(events) else "no 'train step N' ranges in the trace")
+        print(waits(events, a.waits, a.width) if ranged is not None else "no 'train step N' ranges in the trace")
 
 
 if __name__ == "__main__":

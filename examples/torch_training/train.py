@@ -313,20 +313,18 @@ def compiled_backward_autocast() -> str:
     return getattr(functorch_config, "backward_pass_autocast", "not settable in this torch")
 
 
-def set_compiled_backward_autocast(mode: str) -> str:
+def set_compiled_backward_autocast(mode: str) -> None:
     """The autocast state compiled backward passes are traced under (--compiled-backward-autocast). By default
     torch traces a compiled region's backward under the autocast state of its forward's caller
     (torch._functorch.config.backward_pass_autocast = "same_as_forward"), not under the autocast(enabled=False)
     regions its forward ran in. The MoE block runs outside autocast (model.py), so a model compiled whole
     takes its shared experts' (and a plain router's) gradients in bf16 there, while a model whose MoE breaks the
     graph takes them in fp32: the two variants would not train the same model. "off" runs every compiled
-    backward as eager does. Returns the setting in force."""
+    backward as eager does (compiled_backward_autocast reads the setting in force)."""
     import torch._functorch.config as functorch_config
 
-    if not hasattr(functorch_config, "backward_pass_autocast"):
-        return "not settable in this torch"
-    functorch_config.backward_pass_autocast = mode
-    return mode
+    if hasattr(functorch_config, "backward_pass_autocast"):
+        functorch_config.backward_pass_autocast = mode
 
 
 def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist,

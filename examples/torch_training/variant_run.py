@@ -120,7 +120,8 @@ class VariantRun:
         self.rec = {"kind": kind, "label": self.label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
                     "peak_mem_mib": [], "device_used_mib": [], "peak_whole_mib": [], "grad_norm": [], "lr": [],
                     "max_load_ratio": []}
-        if a.timing == "overlapped":
+        self.overlapped = a.timing == "overlapped"
+        if self.overlapped:
             self.rec["host_launch_ms"] = []
         if not measure_memory:
             self.rec["memory_note"] = "not measured: interleaved with another model resident on the device"
@@ -128,7 +129,6 @@ class VariantRun:
         self.peak_so_far = 0.0  # torch's peak over the steps (a --memory-step resets the allocator's own)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
         self.alive = True  # False once the loss is not finite
-        self.overlapped = a.timing == "overlapped"
         self.pending = None  # overlapped: the launched step not yet read back (_Launched)
         self.last_end = None  # overlapped: the end of the last step read back (a CUDA event, or perf_counter's time)
         model.train()
