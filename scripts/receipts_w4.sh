@@ -122,7 +122,8 @@
 #              order) on the default tiles, beta 0, at the example's shape and the Moonlight expert's (build the
 #              grouped_gemm_tiles target)
 #   trainchunk rdep's training run (synced, then overlapped) with the default tile order and with CHUNK_SPEC
-#              (RDEP_CUTLASS_TILES, default ////@8/@8: the weight gradients' CTAs taking 8 tiles in a row), alternated
+#              (RDEP_CUTLASS_TILES, default ////@8/@8: the weight gradients' CTAs taking 8 tiles in a row), alternated;
+#              CHUNK_TIMINGS (default "synced overlapped") picks the timings
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
 #              --timing overlapped (a step launched before the last is read back, timed between CUDA events)
 #   trainbwac  the compiled backward's autocast: trainov's synced pair with --compiled-backward-autocast off (the example's
@@ -839,7 +840,7 @@ stage_chunks() {  # the expert GEMMs per tile chunk (device.sh --targets "rdep g
 stage_trainchunk() {  # rdep's step with the default tile order and with CHUNK_SPEC, synced then overlapped, alternated
   pip_wheels
   local t spec=${CHUNK_SPEC:-////@8/@8}
-  for t in synced overlapped; do
+  for t in ${CHUNK_TIMINGS:-synced overlapped}; do
     train_ro "train_w1_${t}_rdep_chunk1" rdep --timing "$t"
     (export RDEP_CUTLASS_TILES=$spec; train_ro "train_w1_${t}_rdep_chunked" rdep --timing "$t")
   done

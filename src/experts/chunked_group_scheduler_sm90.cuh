@@ -6,7 +6,7 @@
 // example's shape: 88 tiles a group against 132 CTAs; docs/perf-notes.md, twenty-fourth session). With
 // chunk B the CTA's n-th tile is
 //     ((n / B) * P + c) * B + n % B
-// (in units of clusters along the raster's minor mode, the CTA's place in its cluster kept), so it
+// (for clustered tiles, in units of whole clusters: cluster tiles, cluster c of P, its CTAs' places kept), so it
 // stays in one group for up to B tiles, while the P CTAs in flight still cover about P * B tiles of
 // the order (a few groups: their operands stay in L2). B = 1 is CUTLASS's order. Which CTA computes a
 // tile changes, not how: every output is the same bits for every B.
@@ -42,15 +42,18 @@ class ChunkedTileSchedulerSm90Group : public cutlass::gemm::kernel::detail::Pers
   CUTLASS_DEVICE explicit ChunkedTileSchedulerSm90Group(Params const& params, SchedulerResponse* response_ptr)
       : Base(params, response_ptr) {
 #if defined(__CUDA_ARCH__)
-    // The CTA's first linear index as the base computes it, split into its cluster and its place there.
+    // The CTA's first linear index as the base computes it, split into its cluster and its place there: the CTAs of
+    // one cluster hold an aligned run of cluster-size linear indices (the raster's minor mode from blockIdx, the
+    // major one from the index), and each group's tiles are rounded to whole clusters, so the run stays one
+    // cluster tile of one group at every step.
     const uint64_t first = params.raster_order_ == Base::RasterOrder::AlongN
                                ? uint64_t(blockIdx.x) + uint64_t(blockIdx.y) * uint64_t(gridDim.x)
                                : uint64_t(blockIdx.x) * uint64_t(gridDim.y) + uint64_t(blockIdx.y);
-    const uint64_t minor = params.divmod_cluster_shape_minor_.divisor;
-    cluster_ = first / minor;
-    in_cluster_ = first % minor;
-    clusters_ = (uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z)) / minor;
-    minor_ = minor;
+    const uint64_t size = uint64_t(params.cluster_shape_.m()) * uint64_t(params.cluster_shape_.n());
+    cluster_ = first / size;
+    in_cluster_ = first % size;
+    clusters_ = (uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z)) / size;
+    cluster_size_ = size;
     chunk_ = params.problem_shapes_.chunk > 1 ? uint64_t(params.problem_shapes_.chunk) : uint64_t{1};
 #endif
   }
@@ -79,10 +82,10 @@ class ChunkedTileSchedulerSm90Group : public cutlass::gemm::kernel::detail::Pers
   // The linear index of this CTA's n-th tile: increasing in n, as the base's group search needs.
   CUTLASS_DEVICE uint64_t LinearIdx(uint64_t n) const {
     const uint64_t cluster_tile = ((n / chunk_) * clusters_ + cluster_) * chunk_ + n % chunk_;
-    return cluster_tile * minor_ + in_cluster_;
+    return cluster_tile * cluster_size_ + in_cluster_;
   }
 
-  uint64_t step_ = 0, cluster_ = 0, in_cluster_ = 0, clusters_ = 1, minor_ = 1, chunk_ = 1;
+  uint64_t step_ = 0, cluster_ = 0, in_cluster_ = 0, clusters_ = 1, cluster_size_ = 1, chunk_ = 1;
 };
 
 }  // namespace rdep::kernels::internal
