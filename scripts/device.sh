@@ -9,6 +9,7 @@
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 #   --pytest-k EXPR   run only the Python tests pytest -k EXPR selects
+# CTEST_TIMEOUT (default 240) bounds each ctest test in seconds (a hung GPU test costs no more).
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
 # The device tool brings back at most 8 files from $OUT: this script writes 6 (env.txt, build.log, eager_ext.log,
@@ -62,7 +63,7 @@ fi
 t1=$(date +%s)
 test_rc=-1
 if [ $build_rc -eq 0 ]; then
-  timeout "$(left 60)" ctest --test-dir "$BUILD" ${TESTS:+-R "$TESTS"} --timeout 240 --output-on-failure -j 4 \
+  timeout "$(left 60)" ctest --test-dir "$BUILD" ${TESTS:+-R "$TESTS"} --timeout "${CTEST_TIMEOUT:-240}" --output-on-failure -j 4 \
     >"$OUT/tests.log" 2>&1
   test_rc=$?
 fi
