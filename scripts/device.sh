@@ -9,9 +9,9 @@
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
 #   --pytest-k EXPR   run only the Python tests pytest -k EXPR selects
-# CTEST_TIMEOUT (default 240) bounds each ctest test in seconds (a hung GPU test costs no more).
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
+# CTEST_TIMEOUT (default 240) bounds each ctest test in seconds (a hung GPU test costs no more).
 # The device tool brings back at most 8 files from $OUT: this script writes 6 (env.txt, build.log, eager_ext.log,
 # tests.log, pytest.log, bench.log); when the benches leave more than 2 others, those others go into one
 # archive, $OUT/bench_files.tgz, so that the logs above always come back.
