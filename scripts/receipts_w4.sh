@@ -118,12 +118,6 @@
 #   trainovor  rdep with --timing overlapped, then with --owner-reduce too
 #   tilesex    tiles1 at the training example's shape (E_loc 64, H 1024, F 704; mu 96, 384, 1536): the weight-gradient
 #              GEMMs' tiles (build the grouped_gemm_tiles target)
-#   chunks     the expert GEMMs alone with tile chunks 1-16 (each CTA taking that many consecutive tiles of the grouped
-#              order) on the default tiles, beta 0, at the example's shape and the Moonlight expert's (build the
-#              grouped_gemm_tiles target)
-#   trainchunk rdep's training run (synced, then overlapped) with the default tile order and with CHUNK_SPEC
-#              (RDEP_CUTLASS_TILES, default ////@8/@8: the weight gradients' CTAs taking 8 tiles in a row), alternated;
-#              CHUNK_TIMINGS (default "synced overlapped") picks the timings
 #   trainov    trainpair's two runs with --timing synced (each step between two device synchronizations), then with
 #              --timing overlapped (a step launched before the last is read back, timed between CUDA events)
 #   trainbwac  the compiled backward's autocast: trainov's synced pair with --compiled-backward-autocast off (the example's
@@ -831,19 +825,6 @@ stage_gemmex1() {
 stage_tilesex() {  # the example's expert GEMMs alone per tile (device.sh --targets "rdep grouped_gemm_tiles")
   run tiles_ex build-dev/bench/lab/grouped_gemm_tiles --experts 64 --hidden 1024 --ffn 704 --mu 96,384,1536 \
     --iters 30 --warmup 5
-}
-stage_chunks() {  # the expert GEMMs per tile chunk (device.sh --targets "rdep grouped_gemm_tiles")
-  local L=build-dev/bench/lab/grouped_gemm_tiles ex="--iters 30 --warmup 5 --wgrad-beta 0 --chunks 1,2,4,8,16"
-  run chunks_ex $L --experts 64 --hidden 1024 --ffn 704 --mu 384,1536 --tiles coop_128x256,coop_128x128,ping_128x128_c2x1 $ex
-  run chunks_moon $L --experts 16 --hidden 2048 --ffn 1408 --mu 384,1536 --tiles coop_128x256,coop_128x128,ping_128x128_c2x1 $ex
-}
-stage_trainchunk() {  # rdep's step with the default tile order and with CHUNK_SPEC, synced then overlapped, alternated
-  pip_wheels
-  local t spec=${CHUNK_SPEC:-////@8/@8}
-  for t in ${CHUNK_TIMINGS:-synced overlapped}; do
-    train_ro "train_w1_${t}_rdep_chunk1" rdep --timing "$t"
-    (export RDEP_CUTLASS_TILES=$spec; train_ro "train_w1_${t}_rdep_chunked" rdep --timing "$t")
-  done
 }
 stage_wgrad1() {  # the weight-gradient GEMMs as training runs them (beta 0), at the example's shape (E_loc 64) and with
   # the same tiles and bytes in 8 and 1 groups (a CTA's consecutive tiles change group: does that cost?); ncu on dW1;

@@ -5,9 +5,8 @@
 // from the host once per (role, mu), so only the kernel is timed (CUDA events around each Run).
 //   build-dev/bench/lab/grouped_gemm_tiles [--experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072
 //                                          --iters 50 --warmup 10 --roles g1,g2,dz,dx,dw2,dw1 --tiles all
-//                                          --wgrad-beta 1 --chunks 1]
+//                                          --wgrad-beta 1]
 // --roles, --tiles: only these GEMMs, only these tiles (names as printed; all: every tile built).
-// --chunks: each tile with each of these tile chunks (GroupedGemmSm90::SetTileChunk; printed as TILE@CHUNK).
 // --wgrad-beta: the weight gradients' beta, 1 (accumulate into D: reads and writes the fp32 gradient) or 0
 // (overwrite: writes it only, as the first micro-batch of a step does).
 #include <cuda_bf16.h>
@@ -21,7 +20,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "experts/grouped_gemm_sm90.h"
@@ -48,7 +46,6 @@ struct Options {
   int iters = 50, warmup = 10;
   std::vector<std::string> roles, tiles;  // empty: all
   float wgrad_beta = 1.f;
-  std::vector<int> chunks = {1};
 };
 
 std::vector<std::string> SplitList(const std::string& v) {
@@ -75,10 +72,6 @@ Options Parse(int argc, char** argv) {
     else if (k == "--roles") o.roles = SplitList(v);
     else if (k == "--tiles") o.tiles = SplitList(v);
     else if (k == "--wgrad-beta") o.wgrad_beta = static_cast<float>(std::atof(v.c_str()));
-    else if (k == "--chunks") {
-      o.chunks.clear();
-      for (const std::string& c : SplitList(v)) o.chunks.push_back(std::atoi(c.c_str()));
-    }
     else if (k == "--mu") {
       o.mus.clear();
       std::stringstream ss(v);
@@ -90,15 +83,6 @@ Options Parse(int argc, char** argv) {
   }
   if (o.E < 1 || o.H < 8 || o.F < 8 || o.H % 8 || o.F % 8 || o.iters < 1) {
     std::fprintf(stderr, "grouped_gemm_tiles: need experts >= 1, hidden and ffn multiples of 8, iters >= 1\n");
-    std::exit(2);
-  }
-  for (int c : o.chunks)
-    if (c < 1 || c > GroupedGemmSm90::kMaxTileChunk) {
-      std::fprintf(stderr, "grouped_gemm_tiles: --chunks: each in [1, %d]\n", GroupedGemmSm90::kMaxTileChunk);
-      std::exit(2);
-    }
-  if (o.chunks.empty()) {
-    std::fprintf(stderr, "grouped_gemm_tiles: --chunks: give at least one\n");
     std::exit(2);
   }
   if (o.wgrad_beta != 0.f && o.wgrad_beta != 1.f) {
@@ -157,14 +141,10 @@ void Group(const Role& r, const Options& o, const Buffers& b, int64_t e, int64_t
   if (m == 0) p.m = 0;  // an empty group gets m = 0 (grouped_gemm_sm90.h)
 }
 
-double TimeRole(const Role& r, GroupedGemmTile tile, int chunk, const Options& o, const Buffers& b, int64_t mu, cudaStream_t s,
-                double* flops) {
+double TimeRole(const Role& r, GroupedGemmTile tile, const Options& o, const Buffers& b, int64_t mu, cudaStream_t s, double* flops) {
   auto made = GroupedGemmSm90::Create(r.kind, static_cast<int32_t>(o.E), r.lda, r.ldb, r.ldd, 0, tile);
-  if (made.ok() && chunk != 1) {
-    if (auto st = (*made)->SetTileChunk(chunk); !st.ok()) made = st;
-  }
   if (!made.ok()) {
-    std::fprintf(stderr, "%s %s@%d: %s\n", r.name, rdep::kernels::internal::GroupedGemmTileName(tile), chunk, made.status().message().c_str());
+    std::fprintf(stderr, "%s %s: %s\n", r.name, rdep::kernels::internal::GroupedGemmTileName(tile), made.status().message().c_str());
     return -1;
   }
   GroupedGemmSm90& g = **made;
@@ -233,15 +213,8 @@ int main(int argc, char** argv) {
   std::vector<GroupedGemmTile> tiles;
   for (GroupedGemmTile t : rdep::kernels::internal::kGroupedGemmTiles)
     if (Chosen(o.tiles, rdep::kernels::internal::GroupedGemmTileName(t))) tiles.push_back(t);
-  std::vector<std::pair<GroupedGemmTile, int>> columns;
-  std::vector<std::string> names;
-  for (GroupedGemmTile t : tiles)
-    for (int c : o.chunks) {
-      columns.emplace_back(t, c);
-      names.push_back(std::string(rdep::kernels::internal::GroupedGemmTileName(t)) + (c == 1 ? "" : "@" + std::to_string(c)));
-    }
   std::printf("%-5s %6s", "role", "mu");
-  for (const std::string& n : names) std::printf(" %18s", n.c_str());
+  for (GroupedGemmTile t : tiles) std::printf(" %18s", rdep::kernels::internal::GroupedGemmTileName(t));
   std::printf("   best\n");
   for (const Role& r : roles) {
     if (!Chosen(o.roles, r.name)) continue;
@@ -249,12 +222,12 @@ int main(int argc, char** argv) {
       std::printf("%-5s %6lld", r.name, static_cast<long long>(mu));
       double best = 0;
       const char* best_name = "-";
-      for (size_t i = 0; i < columns.size(); ++i) {
+      for (GroupedGemmTile t : tiles) {
         double flops = 0;
-        const double us = TimeRole(r, columns[i].first, columns[i].second, o, b, mu, s, &flops);
+        const double us = TimeRole(r, t, o, b, mu, s, &flops);
         const double tf = us > 0 ? flops / (us * 1e-6) / 1e12 : 0;
         std::printf(" %9.1fus %6.0fT", us, tf);
-        if (tf > best) best = tf, best_name = names[i].c_str();
+        if (tf > best) best = tf, best_name = rdep::kernels::internal::GroupedGemmTileName(t);
       }
       std::printf("   %s\n", best_name);
     }

@@ -47,51 +47,28 @@ using internal::GroupedGemmKind;
 using internal::GroupedGemmSm90;
 using internal::GroupedGemmTile;
 
-// Each GEMM's kernel configuration: its tile and its tile chunk (GroupedGemmSm90::SetTileChunk). The tiles are
-// the fastest per GEMM over mu in 128..3072 at the Moonlight expert (E_loc 16, H 2048, F 1408) on an H100
-// (bench/lab/grouped_gemm_tiles; docs/perf-notes.md, "CUTLASS tiles"). An H200 sweep favoured ping_128x128 for the
-// first three GEMMs alone, but the whole MLP and the layer were slower with it (docs/perf-notes.md, "CUTLASS tiles
-// on an H200").
-struct RoleTile {
-  GroupedGemmTile tile;
-  int32_t chunk = 1;
-};
+// Each GEMM's kernel configuration. The defaults are the fastest of the tiles per GEMM over mu in
+// 128..3072 at the Moonlight expert (E_loc 16, H 2048, F 1408) on an H100 (bench/lab/grouped_gemm_tiles;
+// docs/perf-notes.md, "CUTLASS tiles"). An H200 sweep favoured ping_128x128 for the first three GEMMs
+// alone, but the whole MLP and the layer were slower with it (docs/perf-notes.md, "CUTLASS tiles on an H200").
 struct RoleTiles {
-  RoleTile g1{GroupedGemmTile::kCoop128x256};
-  RoleTile g2{GroupedGemmTile::kCoop128x256};
-  RoleTile dz{GroupedGemmTile::kCoop128x128};
-  RoleTile dx{GroupedGemmTile::kCoop128x256};
-  RoleTile dw2{GroupedGemmTile::kCoop128x256};
-  RoleTile dw1{GroupedGemmTile::kPing128x128C2x1};
+  GroupedGemmTile g1 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile g2 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dz = GroupedGemmTile::kCoop128x128;
+  GroupedGemmTile dx = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dw2 = GroupedGemmTile::kCoop128x256;
+  GroupedGemmTile dw1 = GroupedGemmTile::kPing128x128C2x1;
 };
-
-// A role's field of CutlassTiles: TILE, TILE@CHUNK or @CHUNK (the default tile), CHUNK in [1, kMaxTileChunk].
-Status ResolveRole(const std::string& field, const char* role, RoleTile* out) {
-  const std::string where = std::string("cutlass expert compute: tiles.") + role + " = '" + field + "': ";
-  const size_t at = field.find('@');
-  const std::string name = field.substr(0, at);
-  if (!name.empty()) {
-    auto tile = internal::ParseGroupedGemmTile(name);
-    if (!tile.ok()) return InvalidArgument(where + tile.status().message());
-    out->tile = *tile;
-  }
-  if (at == std::string::npos) return Status::Ok();
-  const std::string digits = field.substr(at + 1);
-  const bool numeric = !digits.empty() && digits.size() <= 6 && digits.find_first_not_of("0123456789") == std::string::npos;
-  const long chunk = numeric ? std::stol(digits) : 0;
-  if (chunk < 1 || chunk > GroupedGemmSm90::kMaxTileChunk)
-    return InvalidArgument(where + "the tile chunk after '@' must be an integer in [1, " +
-                           std::to_string(GroupedGemmSm90::kMaxTileChunk) + "]");
-  out->chunk = static_cast<int32_t>(chunk);
-  return Status::Ok();
-}
 
 StatusOr<RoleTiles> ResolveTiles(const CutlassTiles& names) {
   RoleTiles t;
   for (auto [name, role, out] : {std::tuple{&names.gemm1, "gemm1", &t.g1}, {&names.gemm2, "gemm2", &t.g2},
                                  {&names.dgrad_z, "dgrad_z", &t.dz}, {&names.dgrad_x, "dgrad_x", &t.dx},
                                  {&names.wgrad_w2, "wgrad_w2", &t.dw2}, {&names.wgrad_w1, "wgrad_w1", &t.dw1}}) {
-    if (!name->empty()) RDEP_RETURN_IF_ERROR(ResolveRole(*name, role, out));
+    if (name->empty()) continue;
+    auto tile = internal::ParseGroupedGemmTile(*name);
+    if (!tile.ok()) return InvalidArgument(std::string("cutlass expert compute: tiles.") + role + ": " + tile.status().message());
+    *out = *tile;
   }
   return t;
 }
@@ -256,17 +233,16 @@ class CutlassExpertCompute final : public ExpertCompute {
   Status Init() {
     const auto E = static_cast<int32_t>(desc_.num_experts);
     const int64_t H = desc_.hidden, F = desc_.ffn;
-    auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, const RoleTile& tile,
+    auto make = [&](GroupedGemmKind k, int64_t lda, int64_t ldb, int64_t ldd, GroupedGemmTile tile,
                     std::unique_ptr<GroupedGemmSm90>& out) -> Status {
-      RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_, tile.tile));
-      if (tile.chunk != 1) RDEP_RETURN_IF_ERROR(out->SetTileChunk(tile.chunk));
+      RDEP_ASSIGN_OR_RETURN(out, GroupedGemmSm90::Create(k, E, lda, ldb, ldd, device_, tile));
       return Status::Ok();
     };
     gemms_ = std::make_unique<Gemms>();
     Gemms& g = *gemms_;
     const RoleTiles& t = tiles_;
-    if (fused_swiglu_ && !internal::GroupedGemmTileHasSwiglu(t.g1.tile))
-      return InvalidArgument(std::string("cutlass expert compute: tiles.gemm1 = ") + internal::GroupedGemmTileName(t.g1.tile) +
+    if (fused_swiglu_ && !internal::GroupedGemmTileHasSwiglu(t.g1))
+      return InvalidArgument(std::string("cutlass expert compute: tiles.gemm1 = ") + internal::GroupedGemmTileName(t.g1) +
                              " has no SwiGLU epilogue (built: coop_128x128, coop_128x256, ping_128x128); name one of those or set "
                              "tiles.swiglu_epilogue = false");
     RDEP_RETURN_IF_ERROR(make(fused_swiglu_ ? GroupedGemmKind::kNN_SwiGLU : GroupedGemmKind::kNN, H, 2 * F, 2 * F, t.g1,

@@ -176,80 +176,12 @@ std::vector<Case> TileCases() {
   for (const std::string& t : CutlassTileNames()) {
     cases.push_back({t + "_accumulate", 256, 136, {129, 0, 255, 7, 300, 0}, true, false, t});
     cases.push_back({t + "_bf16_gradients", 128, 96, {64, 0, 200, 3, 0, 385}, false, true, t});
-    cases.push_back({t + "_chunk3_accumulate", 256, 136, {129, 0, 255, 7, 300, 0}, true, false, t + "@3"});
   }
   if (cases.empty()) cases.push_back({"no_cutlass_build", 64, 48, {1}, false, false, ""});  // skips without CUTLASS
   return cases;
 }
 INSTANTIATE_TEST_SUITE_P(Tiles_bf16, CutlassExpertCompute, ::testing::ValuesIn(TileCases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
-
-// Each CTA taking several consecutive tiles (TILE@CHUNK, GroupedGemmSm90::SetTileChunk) changes which CTA computes a
-// tile, not how: forward and backward outputs are the same bits as with chunk 1, for chunks below, at and above a
-// group's tiles (here 1-9 a group per GEMM) and with the default tiles' clusters (dW1's ping_128x128_c2x1).
-TEST(CutlassExpertCompute_TileChunk, SameBitsForEveryChunk) {
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  const int64_t H = 256, F = 136, max_rows = 1100;
-  const std::vector<int64_t> counts = {129, 0, 255, 7, 300, 1, 0, 385};
-  const auto E = static_cast<int64_t>(counts.size());
-  Dev<int64_t> dcounts(counts.size());
-  dcounts.Upload(counts);
-  Dev<uint16_t> x(max_rows * H), w1(E * H * 2 * F), w2(E * F * H), dout(max_rows * H);
-  x.Upload(RandomBf16(x.n, 31, 1.f));
-  w1.Upload(RandomBf16(w1.n, 32, 1.f / 16));
-  w2.Upload(RandomBf16(w2.n, 33, 1.f / 12));
-  dout.Upload(RandomBf16(dout.n, 34, 1.f));
-  struct Out {
-    std::vector<uint16_t> h, y, dx;
-    std::vector<float> dw1, dw2;
-  };
-  auto run = [&](const std::string& spec, Out* out) {
-    std::string skip;
-    auto ec = MakeOrSkipReason({E, H, F, max_rows}, &skip, {spec, spec, spec, spec, spec, spec});
-    if (!skip.empty()) GTEST_SKIP() << skip;
-    ASSERT_TRUE(ec.ok()) << spec << ": " << ec.status();
-    Dev<uint16_t> h(max_rows * 2 * F), y(x.n), dx(x.n);
-    Dev<float> dw1(w1.n), dw2(w2.n);
-    for (auto* d : {&h, &y, &dx}) d->Poison();
-    for (auto* d : {&dw1, &dw2}) d->Poison();
-    const ExpertRows rows{dcounts.p, max_rows, nullptr};
-    ASSERT_TRUE((*ec)->Forward(rows, x.bf(), {w1.bf(), w2.bf()}, h.bf(), y.bf(), nullptr).ok()) << spec;
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << spec;
-    out->h = h.Download();
-    ASSERT_TRUE((*ec)->Backward(rows, x.bf(), h.bf(), dout.bf(), {w1.bf(), w2.bf()}, dx.bf(), {dw1.p, dw2.p}, false, nullptr).ok()) << spec;
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << spec;
-    *out = {out->h, y.Download(), dx.Download(), dw1.Download(), dw2.Download()};
-  };
-  for (const auto& [tile, chunks] : {std::pair<std::string, std::vector<std::string>>{"", {"@2", "@7", "@64"}},
-                                     {"coop_128x128", {"coop_128x128@5"}}}) {
-    Out base;
-    run(tile, &base);
-    if (IsSkipped() || HasFatalFailure()) return;
-    const size_t written = static_cast<size_t>(std::accumulate(counts.begin(), counts.end(), int64_t{0}) * H);
-    ASSERT_NE(base.y[0], 0xFFFF) << "the forward wrote nothing";
-    ASSERT_EQ(base.y[written], 0xFFFF) << "a row past the counts was written";
-    for (const std::string& spec : chunks) {
-      Out got;
-      run(spec, &got);
-      if (HasFatalFailure()) return;
-      EXPECT_EQ(got.h, base.h) << spec;
-      EXPECT_EQ(got.y, base.y) << spec;
-      EXPECT_EQ(got.dx, base.dx) << spec;
-      EXPECT_EQ(got.dw1, base.dw1) << spec;
-      EXPECT_EQ(got.dw2, base.dw2) << spec;
-    }
-  }
-}
-
-TEST(CutlassExpertCompute_TileNames, BadTileChunkIsInvalidArgumentNamingTheRole) {
-  for (const std::string spec : {"@0", "@x", "coop_128x128@", "@70000", "@-1"}) {
-    auto ec = MakeCutlassExpertCompute({2, 64, 48, 16}, 0, {"", "", "", "", spec, ""});
-    if (!ec.ok() && ec.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << ec.status();  // no CUTLASS in this build
-    ASSERT_FALSE(ec.ok()) << spec;
-    EXPECT_EQ(ec.status().code(), StatusCode::kInvalidArgument) << ec.status();
-    EXPECT_NE(ec.status().message().find("tiles.wgrad_w2 = '" + spec + "'"), std::string::npos) << ec.status();
-  }
-}
 
 TEST(CutlassExpertCompute_TileNames, UnknownTileIsInvalidArgumentNamingTheRole) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";

@@ -93,14 +93,6 @@ class GroupedGemmSm90 {
   // computes change, not how any tile is computed: results are the same bits. Launches nothing.
   virtual Status LimitSms(int32_t sms) = 0;
 
-  // The persistent grid's tile order: each CTA computes `tiles` consecutive tiles of the grouped order
-  // (groups in order, each group's tiles in the raster order) before moving on, so that it changes group
-  // (and rewrites its TMA descriptors) less often; 1 (the default) = CUTLASS's order, every CTA's next
-  // tile a grid further on (chunked_group_scheduler_sm90.cuh). Same results bit for bit. Launches nothing.
-  static constexpr int32_t kMaxTileChunk = 1 << 16;
-  virtual Status SetTileChunk(int32_t tiles) = 0;
-  virtual int32_t tile_chunk() const = 0;
-
   // Enqueues the grouped GEMM on `stream`. beta (kTN_F32 only): 0 overwrites D, 1 adds to it.
   // Never synchronizes the host; capturable in a CUDA graph.
   virtual Status Run(float beta, cudaStream_t stream) = 0;

@@ -5,8 +5,8 @@
 //
 // The kernels: KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong} (TMA loads whose descriptors the
 // kernel rewrites per group, wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
-// tiles of every group (PersistentTileSchedulerSm90Group, in the order of chunked_group_scheduler_sm90.cuh:
-// SetTileChunk); with no host copy of the problem sizes the grid is sized from the SM count. Epilogue: D = acc (+ beta*C for the fp32 weight gradients, C = D)
+// tiles of every group (PersistentTileSchedulerSm90Group); with no host copy of the problem sizes the
+// grid is sized from the SM count. Epilogue: D = acc (+ beta*C for the fp32 weight gradients, C = D)
 // through TMA stores; kNN_SwiGLU also writes z = swiglu(D) from the registers (swiglu_epilogue_sm90.cuh).
 #pragma once
 
@@ -24,7 +24,6 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "experts/chunked_group_scheduler_sm90.cuh"
 #include "experts/grouped_gemm_sm90.h"
 #include "experts/swiglu_epilogue_sm90.cuh"
 #include "rdep/cuda/check.h"
@@ -57,7 +56,7 @@ template <> struct TileOf<GroupedGemmTile::kCoop128x256C2x1> : TileConfig<128, 2
 namespace tiled {
 
 
-using ProblemShape = ChunkedGroupProblemShape<cute::Shape<int, int, int>>;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == sizeof(GemmProblem), "GemmProblem mirrors cute::Shape<int,int,int>");
 
 // One kernel configuration: bf16 A and B in the given layouts (CUTLASS's convention: A is M x K, B is
@@ -205,15 +204,6 @@ class Runner final : public GroupedGemmSm90 {
     return Prepare(prepared_beta_ < 0.0f ? 0.0f : prepared_beta_, nullptr);
   }
 
-  Status SetTileChunk(int32_t tiles) override {
-    if (tiles < 1 || tiles > kMaxTileChunk)
-      return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": tile chunk must be in [1, " +
-                             std::to_string(kMaxTileChunk) + "], got " + std::to_string(tiles));
-    chunk_ = tiles;
-    return Prepare(prepared_beta_ < 0.0f ? 0.0f : prepared_beta_, nullptr);
-  }
-  int32_t tile_chunk() const override { return chunk_; }
-
   Status Run(float beta, cudaStream_t stream) override {
     if (beta != 0.0f && !kHasSource)
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");
@@ -237,10 +227,7 @@ class Runner final : public GroupedGemmSm90 {
   typename Gemm::Arguments Arguments(float beta) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape.num_groups = groups_;
-    args.problem_shape.problem_shapes = static_cast<typename ProblemShape::UnderlyingProblemShape*>(problems_.ptr);
-    args.problem_shape.host_problem_shapes = nullptr;
-    args.problem_shape.chunk = chunk_;
+    args.problem_shape = {groups_, static_cast<typename ProblemShape::UnderlyingProblemShape*>(problems_.ptr), nullptr};
     args.mainloop.ptr_A = static_cast<const ElementA**>(ptr_a_.ptr);
     args.mainloop.dA = static_cast<StrideA*>(stride_a_.ptr);
     args.mainloop.ptr_B = static_cast<const ElementB**>(ptr_b_.ptr);
@@ -281,7 +268,6 @@ class Runner final : public GroupedGemmSm90 {
   int64_t ldz_ = 0;
   Gemm gemm_;
   float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
-  int32_t chunk_ = 1;             // SetTileChunk
 };
 
 template <class Cfg>

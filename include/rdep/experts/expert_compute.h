@@ -98,10 +98,8 @@ class ExpertCompute {
 // CUTLASS (RDEP_HAVE_CUTLASS) or on a GPU other than sm_90.
 // tiles: the kernel configuration of each GEMM by name (coop_128x128, coop_128x256, coop_128x128_c1x2,
 // coop_256x128_c1x2, ping_128x128, ping_128x128_c2x1, coop_256x128_c2x1, coop_128x256_c2x1; "" = that
-// GEMM's default, chosen by measurement: docs/perf-notes.md, "CUTLASS tiles"), optionally followed by
-// @CHUNK (or @CHUNK alone, the default tile): each CTA of the persistent grid computes CHUNK consecutive
-// tiles of the grouped order before moving on (1..65536, default 1: CUTLASS's order; the same results bit for
-// bit, fewer changes of group a CTA); an unknown name or a bad chunk is InvalidArgument naming the field. The layer (CudaMoELayer, so rdep.torch and the C ABI too) takes
+// GEMM's default, chosen by measurement: docs/perf-notes.md, "CUTLASS tiles"); an unknown
+// name is InvalidArgument naming the field. The layer (CudaMoELayer, so rdep.torch and the C ABI too) takes
 // the defaults; RDEP_CUTLASS_TILES=G1/G2/DZ/DX/DW2/DW1 (or one TILE) in the environment overrides them for
 // every CUTLASS layer the process creates: tuning without a rebuild (ParseCutlassTileSpec's format).
 struct CutlassTiles {
