@@ -42,12 +42,12 @@ class RouterOutput(NamedTuple):
     logits: Tensor             # fp32 [..., E]
 
 
-# The router's logits as two custom ops with a registered autograd formula, fp32 forward and backward. torch.compile
+# The router's logits as a custom op with a registered autograd formula, fp32 forward and backward. torch.compile
 # traces a backward under the autocast state of the forward's caller (torch._functorch.config.backward_pass_autocast =
 # "same_as_forward", its default through torch 2.15), not under the autocast(enabled=False) region the router's forward
-# runs in, so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16 autocast. A
-# custom op is opaque to autocast, and each runs with autocast off; unlike a torch.autograd.Function, a custom op keeps
-# a compiled graph in AOTAutograd's cache.
+# runs in, so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16 autocast. The
+# op runs with autocast off, and its formula turns autocast off around the gradients' GEMMs, which stay plain ATen ops
+# in the compiled backward. Unlike a torch.autograd.Function, a custom op keeps a compiled graph in AOTAutograd's cache.
 @torch.library.custom_op("rdep::router_logits", mutates_args=())
 def _router_logits(x: Tensor, w: Tensor) -> Tensor:
     with torch.autocast(device_type=x.device.type, enabled=False):
@@ -59,41 +59,32 @@ def _(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-@torch.library.custom_op("rdep::router_logits_backward", mutates_args=())
-def _router_logits_backward(g: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    with torch.autocast(device_type=g.device.type, enabled=False):
-        g = g.to(x.dtype)  # the dtype the forward ran in (fp32 in the router)
-        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return g @ w, dw
-
-
-@_router_logits_backward.register_fake
-def _(g: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), w.new_empty(w.shape)
-
-
 def _router_logits_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
 def _router_logits_grad(ctx, g: Tensor):
     x, w = ctx.saved_tensors
-    dx, dw = _router_logits_backward(g, x, w)
-    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None)
+    with torch.autocast(device_type=g.device.type, enabled=False):
+        g = g.to(x.dtype)  # the dtype the forward ran in (fp32 in the router)
+        dx = g @ w if ctx.needs_input_grad[0] else None
+        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    return dx, dw
 
 
 _router_logits.register_autograd(_router_logits_grad, setup_context=_router_logits_setup)
 
 
 def router_logits(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., H] @ w [E, H]^T in the dtype of x and w (fp32 in the router), forward and backward with autocast off
-    (torch.ops.rdep.router_logits; see the comment above it). Under torch.func's transforms (vmap, grad, jacrev...),
-    which a custom op's registered autograd formula does not take, it is a plain F.linear with autocast off: those
-    run the backward eagerly, where autograd keeps the forward's fp32."""
-    if torch._C._are_functorch_transforms_active():
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x, w)
-    return _router_logits(x, w)
+    """x [..., H] @ w [E, H]^T in the dtype of x and w (fp32 in the router), forward and backward with autocast off.
+    Traced by torch.compile it is the custom op torch.ops.rdep.router_logits (see the comment above it). Run eagerly it
+    is a plain F.linear with autocast off: an eager backward keeps the forward's fp32 by itself, and the plain call
+    costs no custom-op wrapper (~50 us of host time a call) and takes torch.func's transforms (vmap, grad, jacrev...),
+    which a custom op's registered autograd formula does not."""
+    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        return _router_logits(x, w)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x, w)
 
 
 class Router(nn.Module):
