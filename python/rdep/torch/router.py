@@ -42,49 +42,38 @@ class RouterOutput(NamedTuple):
     logits: Tensor             # fp32 [..., E]
 
 
-# The router's logits as a custom op with a registered autograd formula, fp32 forward and backward. torch.compile
-# traces a backward under the autocast state of the forward's caller (torch._functorch.config.backward_pass_autocast =
-# "same_as_forward", its default through torch 2.15), not under the autocast(enabled=False) region the router's forward
-# runs in, so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16 autocast. The
-# op runs with autocast off, and its formula turns autocast off around the gradients' GEMMs, which stay plain ATen ops
-# in the compiled backward. Unlike a torch.autograd.Function, a custom op keeps a compiled graph in AOTAutograd's cache.
-@torch.library.custom_op("rdep::router_logits", mutates_args=())
-def _router_logits(x: Tensor, w: Tensor) -> Tensor:
-    with torch.autocast(device_type=x.device.type, enabled=False):
+class _RouterLinear(torch.autograd.Function):
+    """logits = x W^T for fp32 x and W, with a backward that runs in fp32 as well. torch.compile traces a
+    backward under the autocast state of the forward's caller, not the autocast(enabled=False) region the
+    forward ran in (torch._functorch.config.backward_pass_autocast = "same_as_forward", its default through
+    torch 2.15), so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16
+    autocast; this backward turns autocast off itself. Cost: a graph holding an autograd.Function skips AOTAutograd's
+    cache (torch._functorch.config.autograd_cache_allow_custom_autograd_functions is off by default), so a warm
+    compile of a model with rdep's router takes ~3 s longer (the training example's first step, H200)."""
+
+    generate_vmap_rule = True  # torch.func.vmap over the router, as over the F.linear it replaces
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor) -> Tensor:
         return F.linear(x, w)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
 
-@_router_logits.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], w.shape[0])
-
-
-def _router_logits_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _router_logits_grad(ctx, g: Tensor):
-    x, w = ctx.saved_tensors
-    with torch.autocast(device_type=g.device.type, enabled=False):
-        g = g.to(x.dtype)  # the dtype the forward ran in (fp32 in the router)
-        dx = g @ w if ctx.needs_input_grad[0] else None
-        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-    return dx, dw
-
-
-_router_logits.register_autograd(_router_logits_grad, setup_context=_router_logits_setup)
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w = ctx.saved_tensors
+        with torch.autocast(device_type=g.device.type, enabled=False):
+            g = g.to(x.dtype)  # the dtype the forward ran in (fp32 in the router)
+            dx = g @ w if ctx.needs_input_grad[0] else None
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
 def router_logits(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., H] @ w [E, H]^T in the dtype of x and w (fp32 in the router), forward and backward with autocast off.
-    Traced by torch.compile it is the custom op torch.ops.rdep.router_logits (see the comment above it). Run eagerly it
-    is a plain F.linear with autocast off: an eager backward keeps the forward's fp32 by itself, and the plain call
-    costs no custom-op wrapper (~50 us of host time a call) and takes torch.func's transforms (vmap, grad, jacrev...),
-    which a custom op's registered autograd formula does not."""
-    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-        return _router_logits(x, w)
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.linear(x, w)
+    """x [..., H] @ w [E, H]^T, both fp32, its gradients in fp32 (see _RouterLinear)."""
+    return _RouterLinear.apply(x, w)
 
 
 class Router(nn.Module):
