@@ -123,6 +123,9 @@
 #   trainbwac  the compiled backward's autocast: trainov's synced pair with --compiled-backward-autocast off (the example's
 #              default) and same_as_forward (torch's), the overlapped pair (off), both models' profiles (off)
 #   trainrep   trainpair's two runs twice, alternated (the spread of the tokens/s ratio between runs of one call)
+#   trainwarm  rdep's first step (compile included), 30 steps under reduce-overhead: on an empty inductor cache, then
+#              warm, then warm with --autograd-cache-functions off (AOTAutograd's cache bypassing the router's autograd
+#              function, torch's default), then warm again with it on
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
@@ -603,6 +606,16 @@ stage_trainrep() {  # trainpair's two runs twice, alternated (TorchTitan, rdep, 
   for i in 1 2; do
     for v in torchtitan rdep; do train_ro "train_w1_rep${i}_$v" "$v"; done
   done
+}
+stage_trainwarm() {  # the first step's time on a cold and a warm compile cache (the example's --autograd-cache-functions)
+  pip_wheels
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/rdep_inductor_trainwarm
+  rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+  train_ro train_w1_warm_cold rdep --steps 30
+  train_ro train_w1_warm_on rdep --steps 30
+  train_ro train_w1_warm_off rdep --steps 30 --autograd-cache-functions off
+  train_ro train_w1_warm_on2 rdep --steps 30
+  unset TORCHINDUCTOR_CACHE_DIR
 }
 stage_trainov() {  # trainpair with each --timing, alternated: TorchTitan and rdep synced, then both overlapped
   pip_wheels

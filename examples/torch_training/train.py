@@ -127,6 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(torch's default through 2.15): the forward caller's bf16 autocast, which ignores the MoE "
                         "block's autocast(enabled=False) and so runs the gradients of a model compiled whole through "
                         "its fp32 parts (shared experts, a plain router) in bf16")
+    o.add_argument("--autograd-cache-functions", choices=("on", "off"), default="on",
+                   help="compiled models: let AOTAutograd's cache keep graphs that hold a torch.autograd.Function "
+                        "(torch._functorch.config.autograd_cache_allow_custom_autograd_functions, off in torch by "
+                        "default). rdep's router is one (its backward turns autocast off), so with off a warm "
+                        "compile of rdep's model misses the cache and traces again. Both variants alike; the "
+                        "graphs and the steps are the same either way")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)
@@ -327,6 +333,25 @@ def set_compiled_backward_autocast(mode: str) -> None:
         functorch_config.backward_pass_autocast = mode
 
 
+def set_autograd_cache_functions(mode: str) -> None:
+    """Whether AOTAutograd's cache keeps compiled graphs that hold a torch.autograd.Function
+    (--autograd-cache-functions). torch bypasses the cache for such graphs by default, as a Function's backward
+    may read Python state the cache key does not see; rdep's router function (rdep.torch.router) reads none, its
+    traced forward and backward are part of the key. Only a warm compile's time changes."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = mode == "on"
+
+
+def autograd_cache_functions() -> str:
+    """The setting in force (set_autograd_cache_functions), for the receipt."""
+    import torch._functorch.config as functorch_config
+
+    v = getattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", None)
+    return "not settable in this torch" if v is None else ("on" if v else "off")
+
+
 def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd: Dist,
                   measure_memory: bool = True) -> VariantRun:
     torch.manual_seed(a.seed)
@@ -337,6 +362,7 @@ def start_variant(kind: str, note: str, cfg: ModelConfig, corpus: Corpus, a, dd:
     model = build_model(kind, cfg, a, dd)
     if a.compile:
         set_compiled_backward_autocast(a.compiled_backward_autocast)
+        set_autograd_cache_functions(a.autograd_cache_functions)
         if a.compile_mode == "reduce-overhead":
             import torch._inductor.config as inductor_config
 
@@ -506,7 +532,8 @@ def main(argv=None) -> dict:
     receipt = {
         "config": {"args": vars(a), "model": cfg.as_dict(), "world_size": dd.world,
                    "tokens_per_step": a.batch * cfg.seq_len * dd.world * a.grad_accum,
-                   "compiled_backward_autocast": compiled_backward_autocast() if a.compile else None},
+                   "compiled_backward_autocast": compiled_backward_autocast() if a.compile else None,
+                   "autograd_cache_functions": autograd_cache_functions() if a.compile else None},
         "torch": torch.__version__, "python": platform.python_version(), "device": dev_name,
         "cuda": torch.version.cuda if cuda else None,
         "corpus": {"name": "pydoc_data.topics (CPython language reference / library topics)",

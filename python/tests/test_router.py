@@ -5,7 +5,8 @@ router would take its weight and input gradients in bf16 there. rdep.torch.route
 function whose backward runs with autocast off. Checked on the host (CPU autocast,
 bf16), where torch.compile shows the same behaviour, with that setting forced for these tests (an earlier test, or the
 training example, may have changed it for the process): the compiled router's gradients equal the eager ones (fp32)
-to fp32 rounding, and a plain F.linear's compiled gradients do not (the check can fail).
+to fp32 rounding, and a plain F.linear's compiled gradients do not (the check can fail). A compiled graph holding
+the function is AOTAutograd-cacheable only with torch's setting that allows autograd functions.
 """
 
 from __future__ import annotations
@@ -70,6 +71,37 @@ def test_router_logits_keeps_fp32_gradients_under_compile_and_autocast():
     assert gw_c.dtype == torch.float32 and gx_c.dtype == torch.float32
     assert _max_rel(gw_c, gw_e) < 1e-5, "router weight gradient: compiled differs from eager beyond fp32 rounding"
     assert _max_rel(gx_c, gx_e) < 1e-2  # x's gradient leaves through the bf16 projection in both
+
+
+def test_router_graph_is_aot_cacheable_once_autograd_functions_are_allowed():
+    """router_logits is a torch.autograd.Function, so AOTAutograd's cache bypasses a compiled graph holding it unless
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions is on (the training example's
+    --autograd-cache-functions, its default); with it on the graph is saved to or found in the cache, and the compiled
+    gradients are the eager ones (both checks can fail: the counters are the cache's own)."""
+    import torch._functorch.config as cfg
+    from torch._dynamo.utils import counters
+
+    if not hasattr(cfg, "autograd_cache_allow_custom_autograd_functions"):
+        pytest.skip("this torch has no autograd_cache_allow_custom_autograd_functions")
+
+    def f(x, w):
+        with torch.autocast(device_type="cpu", enabled=False):
+            return rt.router_logits(x, w).sin().sum()
+
+    x0, w0 = _inputs(6)
+    want = torch.func.grad(lambda w: F.linear(x0, w).sin().sum())(w0)
+    seen = {}
+    for allow in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        w = w0.clone().requires_grad_(True)
+        with cfg.patch(autograd_cache_allow_custom_autograd_functions=allow):
+            torch.compile(f, backend="inductor", fullgraph=True)(x0, w).backward()
+        seen[allow] = dict(counters["aot_autograd"])
+        assert _max_rel(w.grad, want) < 1e-5
+    assert seen[False].get("autograd_cache_bypass", 0) >= 1, seen
+    assert seen[True].get("autograd_cache_bypass", 0) == 0, seen
+    assert seen[True].get("autograd_cache_saved", 0) + seen[True].get("autograd_cache_hit", 0) >= 1, seen
 
 
 def test_plain_linear_loses_fp32_gradients_under_compile_and_autocast():

@@ -47,9 +47,10 @@ class _RouterLinear(torch.autograd.Function):
     backward under the autocast state of the forward's caller, not the autocast(enabled=False) region the
     forward ran in (torch._functorch.config.backward_pass_autocast = "same_as_forward", its default through
     torch 2.15), so a plain F.linear here would take its gradients in bf16 inside a compiled model under bf16
-    autocast; this backward turns autocast off itself. Cost: a graph holding an autograd.Function skips AOTAutograd's
-    cache (torch._functorch.config.autograd_cache_allow_custom_autograd_functions is off by default), so a warm
-    compile of a model with rdep's router takes ~3 s longer (the training example's first step, H200)."""
+    autocast; this backward turns autocast off itself. A graph holding an autograd.Function skips AOTAutograd's cache
+    unless torch._functorch.config.autograd_cache_allow_custom_autograd_functions is on (off by default; this function
+    reads no Python state outside its traced forward and backward, so it is safe to turn on): the training example does,
+    and its warm compile's first step took 2.7-3.7 s on an H200 against 5.7 s with the setting off."""
 
     generate_vmap_rule = True  # torch.func.vmap over the router, as over the F.linear it replaces
 
