@@ -25,6 +25,7 @@
 //   NCCL_NVLS_ENABLE=0 rdep bench dispatch --ranks 4 --hidden 2048 --experts 64 --topk 6 --json d.json
 #include <iostream>
 
+#include "bench_dispatch_floor.h"
 #include "bench_dispatch_nodes.h"
 #include "cli.h"
 
@@ -84,6 +85,12 @@ NCCL baseline (ncclCommInitAll, the ranks' streams, NCCL_NVLS_ENABLE=0 forced):
   combine  = the reverse exchange of the same rows (the sizes are known from dispatch)
   Not timed (a lower bound on an NCCL EP layer): packing rows by destination, unpacking, and the
   gate-weighted sum of combine.
+Floor (W >= 2; --no-floor skips it): the payload rows rdep's dispatch and combine move between each pair
+of ranks (dispatch P_x, combine R_x or with --owner-reduce P_x), copied into the destinations' memory by
+rdep's own row copy (a warp per row, 16-byte vectors, every SM) with nothing else to do: no routing,
+sideband, placement or barrier after it (dispatch::LaunchPeerRowsCopy). All ranks copy at once after a
+device barrier; per iteration the max over ranks of the copy kernel's time; the rows are checked after.
+rdep's time over the floor's is what its protocol adds to moving the bytes on this machine.
 
 Bytes (bf16 rows, 2*H bytes; "remote" = crossing between GPUs, a rank's rows to itself excluded;
 dropless, so every (token, slot) row is accepted):
@@ -113,6 +120,7 @@ flags [defaults: the Moonlight shape]:
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --owner-reduce       the owners reduce before the return (LayerConfig::owner_reduce), identity expert
   --no-nccl            skip the baseline
+  --no-floor           skip the floor
   --json FILE          write the receipt (raw per-iteration max-rank times included)
   --max-memory-gib G   host memory limit [$RDEP_MAX_MEMORY_GIB, else 3/4 of physical memory]; the
                        layer's estimated device memory must also fit each GPU (checked before allocating)
@@ -169,6 +177,7 @@ Status LaunchAhead(cudaStream_t stream, const int64_t* us) {
 // Row accounting of a (dropless) routing: see the help text for the names.
 struct RowCounts {
   std::vector<std::vector<int64_t>> slot_rows;  // [W][W]: (token, slot) rows rank r sends to owner q
+  std::vector<std::vector<int64_t>> pair_rows;  // [W][W]: distinct (token, owner q) pairs of rank r's tokens
   int64_t pairs_remote = 0;                     // P_x
   int64_t slots_remote = 0;                     // R_x
   int64_t slots_total = 0;                      // R
@@ -178,6 +187,7 @@ struct RowCounts {
 RowCounts CountRows(const rdep::Routing& routing, const rdep::OwnershipMap& own, int64_t W) {
   RowCounts c;
   c.slot_rows.assign(static_cast<size_t>(W), std::vector<int64_t>(static_cast<size_t>(W), 0));
+  c.pair_rows = c.slot_rows;
   std::vector<int64_t> seen(static_cast<size_t>(W), -1);
   for (int64_t r = 0; r < W; ++r) {
     const auto& rr = routing[static_cast<size_t>(r)];
@@ -190,6 +200,7 @@ RowCounts CountRows(const rdep::Routing& routing, const rdep::OwnershipMap& own,
         if (q != r) ++c.slots_remote;
         if (seen[static_cast<size_t>(q)] != t) {
           seen[static_cast<size_t>(q)] = t;
+          ++c.pair_rows[static_cast<size_t>(r)][static_cast<size_t>(q)];
           ++c.pairs_total;
           if (q != r) ++c.pairs_remote;
         }
@@ -294,6 +305,7 @@ struct DispatchBenchOptions {
   uint64_t seed = 0;
   int64_t launch_ahead_us = 0;  // the timed loops take its address (LaunchAhead): it outlives them
   bool no_nccl = false;
+  bool no_floor = false;
   bool owner_reduce = false;  // LayerConfig::owner_reduce and the identity expert (else the sentinel)
   std::string json;
   rdep::cli::Limits limits;
@@ -322,6 +334,7 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.seed = static_cast<uint64_t>(f.get_int("seed", 1));
   o.launch_ahead_us = f.get_int("launch-ahead-us", 100);
   o.no_nccl = f.get_bool("no-nccl");
+  o.no_floor = f.get_bool("no-floor");
   o.owner_reduce = f.get_bool("owner-reduce");
   o.cfg.owner_reduce = o.owner_reduce;
   auto transport_sms = rdep::bench::ReadTransportSms(f);
@@ -404,8 +417,13 @@ struct DispatchBenchResults {
   size_t nccl_bytes_max = 0;
   bool round_trip_ok = false;
   bool have_nccl = false;
+  // the floor (bench_dispatch_floor.h), per iteration max over ranks
+  std::string floor_state;
+  std::vector<double> floor_dispatch, floor_combine;
+  size_t floor_bytes_max = 0;
+  bool floor_exact = false;
   // summaries
-  rdep::Summary s_rd, s_rc, s_rf, s_nd, s_nc, s_ncnt;
+  rdep::Summary s_rd, s_rc, s_rf, s_nd, s_nc, s_ncnt, s_fd, s_fc;
   size_t layer_max = 0;
 };
 
@@ -702,11 +720,31 @@ Status RunNcclTimings(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetu
 }
 #endif  // RDEP_HAVE_NCCL
 
+// 4. The floor: the same payload rows per rank pair, by rdep's row copy alone (bench_dispatch_floor.h). The
+// combine's rows go back from the owners: owner q sends rank s's rows (per slot, or per token with the owner reduce).
+Status RunFloor(const DispatchBenchOptions& o, rdep::bench::LayerBenchSetup& setup, DispatchBenchResults& res) {
+  const RowCounts& rows = res.rows;
+  const size_t W = rows.pair_rows.size();
+  rdep::bench::PairRows combine(W, std::vector<int64_t>(W, 0));
+  for (size_t s = 0; s < W; ++s)
+    for (size_t q = 0; q < W; ++q) combine[q][s] = o.owner_reduce ? rows.pair_rows[s][q] : rows.slot_rows[s][q];
+  RDEP_ASSIGN_OR_RETURN(rdep::bench::PeerStoreFloor fl, rdep::bench::RunPeerStoreFloor(*setup.domain, rows.pair_rows, combine,
+                                                                                       o.cfg.shape.hidden, o.warmup, o.iters,
+                                                                                       &o.launch_ahead_us));
+  res.floor_dispatch = std::move(fl.dispatch_ms);
+  res.floor_combine = std::move(fl.combine_ms);
+  res.floor_bytes_max = fl.bytes_max_rank;
+  res.floor_exact = fl.exact;
+  res.floor_state = fl.exact ? "ok" : "ROWS MISMATCH";
+  return Status::Ok();
+}
+
 // ---- report ----------------------------------------------------------------------------------------
 
 // Bytes each side moves (see the help text for the formulas).
 struct TransportBytes {
   double rdep_dispatch = 0, rdep_combine = 0, nccl_dispatch = 0, nccl_combine = 0;
+  double floor_dispatch = 0;  // the payload rows alone (the floor's combine moves rdep_combine's bytes)
 };
 
 TransportBytes CountTransportBytes(const RowCounts& rows, int64_t H, int64_t W, bool owner_reduce) {
@@ -714,6 +752,7 @@ TransportBytes CountTransportBytes(const RowCounts& rows, int64_t H, int64_t W, 
   TransportBytes b;
   b.rdep_dispatch = static_cast<double>(rows.pairs_remote) * (row_b + 8) + static_cast<double>(rows.slots_remote) * 16;
   b.rdep_combine = static_cast<double>(owner_reduce ? rows.pairs_remote : rows.slots_remote) * row_b;
+  b.floor_dispatch = static_cast<double>(rows.pairs_remote) * row_b;
   b.nccl_dispatch = static_cast<double>(rows.slots_remote) * row_b + Wd * (Wd - 1) * 8;
   b.nccl_combine = static_cast<double>(rows.slots_remote) * row_b;
   return b;
@@ -767,8 +806,20 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
                 res.round_trip_ok ? "bitwise exact" : "MISMATCH", res.nccl_version.c_str());
   else
     std::printf("  nccl baseline: %s\n", res.nccl_state.c_str());
-  std::printf("  device memory per rank (max): layer %.3f GiB, nccl buffers %.3f GiB\n", static_cast<double>(res.layer_max) / (1 << 30),
-              static_cast<double>(res.nccl_bytes_max) / (1 << 30));
+  if (!res.floor_dispatch.empty()) {
+    const double Wd = static_cast<double>(s.ranks);
+    std::printf("  floor (the same payload rows by rdep's row copy alone, max-rank p50/p99 us): dispatch %.1f/%.1f (%.2f MB/GPU, "
+                "%.1f GB/s; rdep %.2fx it), combine %.1f/%.1f (%.2f MB/GPU, %.1f GB/s; rdep %.2fx it); rows %s\n",
+                res.s_fd.p50 * 1e3, res.s_fd.p99 * 1e3, bytes.floor_dispatch / Wd / 1e6, AlgBw(bytes.floor_dispatch, res.s_fd.p50, s.ranks),
+                res.s_rd.p50 / res.s_fd.p50, res.s_fc.p50 * 1e3, res.s_fc.p99 * 1e3, bytes.rdep_combine / Wd / 1e6,
+                AlgBw(bytes.rdep_combine, res.s_fc.p50, s.ranks), res.s_rc.p50 / res.s_fc.p50,
+                res.floor_exact ? "landed exactly" : "MISMATCH");
+  } else {
+    std::printf("  floor: %s\n", res.floor_state.c_str());
+  }
+  std::printf("  device memory per rank (max): layer %.3f GiB, nccl buffers %.3f GiB, floor buffers %.3f GiB\n",
+              static_cast<double>(res.layer_max) / (1 << 30), static_cast<double>(res.nccl_bytes_max) / (1 << 30),
+              static_cast<double>(res.floor_bytes_max) / (1 << 30));
 }
 
 // The receipt's head: the tool, the environment, the workload, the normalization, rows and bytes.
@@ -829,6 +880,18 @@ void WriteDispatchReceipt(const DispatchBenchOptions& o, int64_t segment, const 
     j.field("speedup_dispatch", res.s_nd.p50 / res.s_rd.p50).field("speedup_combine", res.s_nc.p50 / res.s_rc.p50);
   }
   j.end_object();
+  j.key("floor").begin_object().field("name", "the payload rows per rank pair by dispatch::LaunchPeerRowsCopy alone");
+  j.field("state", res.floor_state);
+  if (!res.floor_dispatch.empty()) {
+    rdep::bench::WriteSummary(j, "dispatch", res.floor_dispatch);
+    rdep::bench::WriteSummary(j, "combine", res.floor_combine);
+    j.field("dispatch_bytes", bytes.floor_dispatch).field("combine_bytes", bytes.rdep_combine);
+    j.field("dispatch_algbw_gbps", AlgBw(bytes.floor_dispatch, res.s_fd.p50, W));
+    j.field("combine_algbw_gbps", AlgBw(bytes.rdep_combine, res.s_fc.p50, W));
+    j.field("rdep_over_floor_dispatch", res.s_rd.p50 / res.s_fd.p50).field("rdep_over_floor_combine", res.s_rc.p50 / res.s_fc.p50);
+    j.field("rows_exact", res.floor_exact).field("buffer_bytes_max_rank", static_cast<int64_t>(res.floor_bytes_max));
+  }
+  j.end_object();
   j.end_object();
   if (!rdep::bench::WriteFile(o.json, j.str())) std::cerr << "rdep bench dispatch: could not write " << o.json << "\n";
 }
@@ -850,6 +913,9 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   res.rows = CountRows(setup->routing, setup->ownership, o.cfg.shape.ranks);
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
   if (Status st = RunRdepTimings(o, *setup, bufs, res); !st.ok()) return Fail(st);
+  res.floor_state = o.no_floor ? "skipped (--no-floor)" : "none (one rank: no peers)";
+  if (!o.no_floor && o.cfg.shape.ranks >= 2)
+    if (Status st = RunFloor(o, *setup, res); !st.ok()) return Fail(st);
   res.nccl_state = o.no_nccl ? "skipped (--no-nccl)" : "unavailable (this build has no NCCL)";
 #if defined(RDEP_HAVE_NCCL)
   if (!o.no_nccl)
@@ -862,6 +928,8 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   res.s_nd = rdep::Summarize(res.nccl_dispatch);
   res.s_nc = rdep::Summarize(res.nccl_combine);
   res.s_ncnt = rdep::Summarize(res.nccl_counts);
+  res.s_fd = rdep::Summarize(res.floor_dispatch);
+  res.s_fc = rdep::Summarize(res.floor_combine);
   for (auto b : res.layer_bytes) res.layer_max = std::max(res.layer_max, b);
 
   const TransportBytes bytes = CountTransportBytes(res.rows, o.cfg.shape.hidden, o.cfg.shape.ranks, o.owner_reduce);
@@ -870,6 +938,10 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   FreeRankBuffers(*setup->domain, bufs);
   if (res.have_nccl && !res.round_trip_ok) {
     std::cerr << "rdep bench dispatch: the NCCL baseline's round trip did not return the rows it sent\n";
+    return 1;
+  }
+  if (!res.floor_dispatch.empty() && !res.floor_exact) {
+    std::cerr << "rdep bench dispatch: the floor's copies did not land the rows sent\n";
     return 1;
   }
   return 0;
