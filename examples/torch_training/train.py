@@ -131,8 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compiled models: let AOTAutograd's cache keep graphs that hold a torch.autograd.Function "
                         "(torch._functorch.config.autograd_cache_allow_custom_autograd_functions, off in torch by "
                         "default). rdep's router is one (its backward turns autocast off), so with off a warm "
-                        "compile of rdep's model misses the cache and traces again. Both variants alike; the "
-                        "graphs and the steps are the same either way")
+                        "compile of rdep's model misses the cache and traces again. Process-wide: it covers every "
+                        "autograd.Function in either variant's compiled graphs (their traced forward and backward "
+                        "are in the cache key; a Function reading other Python state would be cached wrongly). "
+                        "Both variants alike; the graphs and the steps are the same either way")
     o.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps (torch.profiler) from --profile-at; print the top ops by device time")
     o.add_argument("--profile-at", type=int, default=20)

@@ -11,6 +11,8 @@ the function is AOTAutograd-cacheable only with torch's setting that allows auto
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,14 @@ def test_router_graph_is_aot_cacheable_once_autograd_functions_are_allowed():
 
     if not hasattr(cfg, "autograd_cache_allow_custom_autograd_functions"):
         pytest.skip("this torch has no autograd_cache_allow_custom_autograd_functions")
+    if "TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD" in os.environ:
+        pytest.skip("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD forces the setting this test turns")
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
+    except ImportError:
+        pytest.skip("this torch's AOTAutograd cache has no should_use_local_autograd_cache")
+    if not should_use_local_autograd_cache():
+        pytest.skip("AOTAutograd's local cache is off in this environment")
 
     def f(x, w):
         with torch.autocast(device_type="cpu", enabled=False):

@@ -46,6 +46,7 @@
 #include "rdep/core/routing.h"
 #include "rdep/cuda/bf16.h"
 #include "rdep/cuda/check.h"
+#include "rdep/dispatch/peer_rows_copy.h"
 #include "rdep/layer/cuda_moe_layer.h"
 
 #if defined(RDEP_HAVE_NCCL)
@@ -85,12 +86,14 @@ NCCL baseline (ncclCommInitAll, the ranks' streams, NCCL_NVLS_ENABLE=0 forced):
   combine  = the reverse exchange of the same rows (the sizes are known from dispatch)
   Not timed (a lower bound on an NCCL EP layer): packing rows by destination, unpacking, and the
   gate-weighted sum of combine.
-Floor (W >= 2; --no-floor skips it): the payload rows rdep's dispatch and combine move between each pair
-of ranks (dispatch P_x, combine R_x or with --owner-reduce P_x), copied into the destinations' memory by
-rdep's own row copy (a warp per row, 16-byte vectors, every SM) with nothing else to do: no routing,
-sideband, placement or barrier after it (dispatch::LaunchPeerRowsCopy). All ranks copy at once after a
-device barrier; per iteration the max over ranks of the copy kernel's time; the rows are checked after.
-rdep's time over the floor's is what its protocol adds to moving the bytes on this machine.
+Floor (2 <= W <= 9; --no-floor skips it): the payload rows rdep's dispatch and combine move between each
+pair of ranks (dispatch P_x, combine R_x or with --owner-reduce P_x), copied into the destinations' memory
+by rdep's own row copy (a warp per row, 16-byte vectors, on every SM whatever --transport-sms says) with
+nothing else to do: no routing, sideband, rows to the rank itself, placement, barrier after it or sum
+(dispatch::LaunchPeerRowsCopy). All ranks copy at once after a device barrier; per iteration the max over
+ranks of the copy kernel's time. After the timed loops each direction's copy runs once more into poisoned
+buffers and every row is checked. rdep's time over the floor's is what all of that adds to moving the
+payload bytes on this machine.
 
 Bytes (bf16 rows, 2*H bytes; "remote" = crossing between GPUs, a rank's rows to itself excluded;
 dropless, so every (token, slot) row is accepted):
@@ -913,8 +916,10 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   res.rows = CountRows(setup->routing, setup->ownership, o.cfg.shape.ranks);
   std::vector<RankBuffers> bufs(static_cast<size_t>(o.cfg.shape.ranks));
   if (Status st = RunRdepTimings(o, *setup, bufs, res); !st.ok()) return Fail(st);
-  res.floor_state = o.no_floor ? "skipped (--no-floor)" : "none (one rank: no peers)";
-  if (!o.no_floor && o.cfg.shape.ranks >= 2)
+  res.floor_state = o.no_floor ? "skipped (--no-floor)"
+                    : o.cfg.shape.ranks < 2 ? "none (one rank: no peers)"
+                                            : "none (W > " + std::to_string(rdep::dispatch::kMaxPeerCopyDestinations + 1) + ")";
+  if (!o.no_floor && o.cfg.shape.ranks >= 2 && o.cfg.shape.ranks <= rdep::dispatch::kMaxPeerCopyDestinations + 1)
     if (Status st = RunFloor(o, *setup, res); !st.ok()) return Fail(st);
   res.nccl_state = o.no_nccl ? "skipped (--no-nccl)" : "unavailable (this build has no NCCL)";
 #if defined(RDEP_HAVE_NCCL)

@@ -18,7 +18,7 @@ using PairRows = std::vector<std::vector<int64_t>>;
 
 struct PeerStoreFloor {
   std::vector<double> dispatch_ms, combine_ms;  // per timed iteration, the max over ranks of the copy's time
-  bool exact = false;                           // after the timed loop every destination held the rows sent to it
+  bool exact = false;  // each direction's copy, run once more after the timed loops into poisoned buffers, landed every row
   size_t bytes_max_rank = 0;                    // the floor's buffers on the largest rank
 };
 
