@@ -1,11 +1,11 @@
 // Lab (issue 19: the transport's floor): how fast the SMs of one GPU write rows into a peer GPU's memory over
-// NVLink, by the copy the scatter and the return use (a warp per 4 KiB row, 16-byte vectors, kUnroll loads in
-// flight per lane) and by the bulk copy engine (cp.async.bulk: a row into shared memory, then from there into
+// NVLink, by the copy the scatter and the return use (rdep's detail::WarpCopyRow from src/dispatch/warp_rows.cuh: a
+// warp per 4 KiB row, 16-byte vectors, 8 loads in flight per lane) and by the bulk copy engine (cp.async.bulk: a row into shared memory, then from there into
 // the peer's memory, kStages rows in flight per block), against cudaMemcpyPeerAsync (the copy engines, one
 // contiguous copy). The kernels' rows land at a permuted position (as the scatter's slots do). One direction
 // (GPU 0 writes to GPU 1) and both at once (each writes to the other, as every rank of a dispatch does).
 // Each result is checked.
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/psr bench/lab/peer_store_rate.cu && /tmp/psr [rows [row_bytes]]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Iinclude -Isrc -o /tmp/psr bench/lab/peer_store_rate.cu && /tmp/psr [rows [row_bytes]]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "dispatch/warp_rows.cuh"
 
 #define CK(x)                                                                                 \
   do {                                                                                        \
@@ -28,27 +30,11 @@
 // spread order of ReturnRowsKernel).
 __host__ __device__ inline int64_t Perm(int64_t r, int64_t rows) { return (r * 2654435761LL) % rows; }
 
-template <int kUnroll>
-__global__ void __launch_bounds__(256) WarpRows(const int4* __restrict__ src, int4* __restrict__ dst, int64_t rows, int64_t n16) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
+__global__ void __launch_bounds__(256) WarpRows(const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int64_t rows,
+                                                int64_t H) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
-  for (int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; r < rows; r += warps) {
-    const int4* s = src + r * n16;
-    int4* d = dst + Perm(r, rows) * n16;
-    for (int64_t base = 0; base < n16; base += 32 * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n16) v[u] = __ldg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < n16) d[i] = v[u];
-      }
-    }
-  }
+  for (int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; r < rows; r += warps)
+    rdep::dispatch::detail::WarpCopyRow(src + r * H, dst + Perm(r, rows) * H, H);
 }
 
 __device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -172,7 +158,7 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("peer_store_rate: %lld rows of %lld bytes (%.1f MiB) a side, %d SMs; p50 of 30, GB/s = bytes a side / time\n",
               static_cast<long long>(rows), static_cast<long long>(row_bytes), bytes / 1048576.0, sms);
-  const int64_t n16 = row_bytes / 16;
+  const int64_t H = row_bytes / 2;  // bf16 elements a row
   auto report = [&](const char* what, int blocks, float us_one, float us_both, bool permuted = true) {
     bool ok = true;
     for (int d = 0; d < 2; ++d) ok = ok && Check(side[d], host, rows, row_bytes, permuted);
@@ -189,12 +175,10 @@ int main(int argc, char** argv) {
     report("cudaMemcpyPeerAsync", 0, TimeSides(one, ce), TimeSides(both, ce), /*permuted=*/false);
   }
   for (int blocks : {16, 32, 66, 132, 264, 528, 1056}) {
-    auto k8 = [&](Side& s) { WarpRows<8><<<blocks, 256, 0, s.stream>>>(reinterpret_cast<const int4*>(s.src), reinterpret_cast<int4*>(s.dst), rows, n16); };
-    report("warp row, unroll 8", blocks, TimeSides(one, k8), TimeSides(both, k8));
-  }
-  for (int blocks : {132, 1056}) {
-    auto k2 = [&](Side& s) { WarpRows<2><<<blocks, 256, 0, s.stream>>>(reinterpret_cast<const int4*>(s.src), reinterpret_cast<int4*>(s.dst), rows, n16); };
-    report("warp row, unroll 2", blocks, TimeSides(one, k2), TimeSides(both, k2));
+    auto kw = [&](Side& s) {
+      WarpRows<<<blocks, 256, 0, s.stream>>>(reinterpret_cast<const uint16_t*>(s.src), reinterpret_cast<uint16_t*>(s.dst), rows, H);
+    };
+    report("warp row (WarpCopyRow)", blocks, TimeSides(one, kw), TimeSides(both, kw));
   }
   constexpr int kStages = 4;
   const size_t smem = kStages * static_cast<size_t>(row_bytes);

@@ -33,13 +33,11 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
-#include <thread>
 
 #include "bench_util.h"
 #include "rdep/core/reference.h"
@@ -163,18 +161,6 @@ constexpr int64_t kLayerFfn = 16;  // expert weights the sentinel never touches:
 int Fail(const Status& s) {
   std::cerr << "rdep bench dispatch: " << s.message() << "\n";
   return 1;
-}
-
-void CUDART_CB HostSleep(void* us) {
-  std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(us)));
-}
-
-// Blocks `stream` for `*us` microseconds (host function), so the rank's host thread enqueues the
-// iteration while the GPU waits. `us` must outlive the call; nothing when *us <= 0.
-Status LaunchAhead(cudaStream_t stream, const int64_t* us) {
-  if (*us <= 0) return Status::Ok();
-  RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, HostSleep, const_cast<int64_t*>(us)));
-  return Status::Ok();
 }
 
 // Row accounting of a (dropless) routing: see the help text for the names.
@@ -437,7 +423,7 @@ Status TimeRankForward(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int3
   const int64_t total = o.warmup + o.iters;
   cudaStream_t stream = domain.stream(r);
   for (int64_t i = 0; i < total; ++i) {
-    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(rdep::bench::LaunchAhead(stream, &o.launch_ahead_us));
     RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));  // ranks start together
     RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[static_cast<size_t>(2 * i)], stream));
     RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
@@ -459,7 +445,7 @@ Status TimeRankPhases(rdep::CudaDomain& domain, rdep::CudaMoELayer& layer, int32
   const int64_t total = o.warmup + o.iters;
   cudaStream_t stream = domain.stream(r);
   for (int64_t i = 0; i < total; ++i) {
-    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(rdep::bench::LaunchAhead(stream, &o.launch_ahead_us));
     RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
     RDEP_RETURN_IF_ERROR(layer.Forward(r, b.experts, b.gates, n, b.x, b.y));
     RDEP_ASSIGN_OR_RETURN(auto p, layer.LastPhaseTimes(r, false));  // synchronizes this rank
@@ -644,10 +630,10 @@ Status TimeNcclRank(rdep::CudaDomain& domain, int32_t r, NcclRank& n, const Disp
   cudaStream_t stream = domain.stream(r);
   for (int64_t i = 0; i < total; ++i) {
     const cudaEvent_t* ev = n.ev.data() + 5 * i;
-    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(rdep::bench::LaunchAhead(stream, &o.launch_ahead_us));
     RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
     RDEP_RETURN_IF_ERROR(NcclDispatch(n, Wi, H, stream, ev));
-    RDEP_RETURN_IF_ERROR(LaunchAhead(stream, &o.launch_ahead_us));
+    RDEP_RETURN_IF_ERROR(rdep::bench::LaunchAhead(stream, &o.launch_ahead_us));
     RDEP_RETURN_IF_ERROR(domain.Barrier(r, rdep::Phase::kTest));
     RDEP_RETURN_IF_ERROR(NcclCombine(n, Wi, H, stream, ev + 3));
   }

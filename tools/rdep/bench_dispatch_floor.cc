@@ -8,18 +8,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <string>
-#include <thread>
+#include <vector>
 
+#include "bench_util.h"
 #include "rdep/core/stats.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/peer_rows_copy.h"
 
 namespace rdep::bench {
 namespace {
-
-void CUDART_CB SleepHost(void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(us))); }
 
 // The row pattern of rank r's source: element j of row i, a hash of (r, i, j) (so no row of one rank equals a shifted
 // row of another), never 0xFFFF (the poison of the receive buffers).
@@ -131,8 +129,7 @@ Status TimeRank(CudaDomain& domain, int32_t r, FloorRank& f, const dispatch::Pee
   cudaStream_t stream = domain.stream(r);
   for (int64_t i = 0; i < warmup + iters; ++i)
     for (int d = 0; d < 2; ++d) {
-      if (*launch_ahead_us > 0)
-        RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, SleepHost, const_cast<int64_t*>(launch_ahead_us)));
+      RDEP_RETURN_IF_ERROR(LaunchAhead(stream, launch_ahead_us));
       RDEP_RETURN_IF_ERROR(domain.Barrier(r, Phase::kTest));
       RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(f.ev[static_cast<size_t>(4 * i + 2 * d)], stream));
       RDEP_RETURN_IF_ERROR(dispatch::LaunchPeerRowsCopy(f.src, copy[d], H, stream));

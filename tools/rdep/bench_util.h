@@ -5,11 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_receipt.h"
@@ -19,6 +21,7 @@
 #include "rdep/core/reference.h"
 #include "rdep/core/routing.h"
 #include "rdep/core/stats.h"
+#include "rdep/cuda/check.h"
 #include "rdep/layer/cuda_moe_layer.h"
 #include "rdep/testing/validation.h"
 
@@ -34,6 +37,16 @@ inline void WriteEnvironment(JsonWriter& j, int num_gpus) {
   j.field("sms", p.multiProcessorCount).field("memory_gib", static_cast<double>(p.totalGlobalMem) / (1 << 30)).end_object();
   j.key("software").begin_object().field("cuda_runtime", runtime).field("cuda_driver", driver);
   j.field("rdep_commit", rdep::cli::kBuildCommit).end_object();
+}
+
+inline void CUDART_CB HostSleep(void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(us))); }
+
+// Blocks `stream` for `*us` microseconds (host function), so the rank's host thread enqueues the
+// iteration while the GPU waits. `us` must outlive the call; nothing when *us <= 0.
+inline Status LaunchAhead(cudaStream_t stream, const int64_t* us) {
+  if (*us <= 0) return Status::Ok();
+  RDEP_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, HostSleep, const_cast<int64_t*>(us)));
+  return Status::Ok();
 }
 
 // The table's line for LayerConfig::transport_sms (printed by bench layer and bench dispatch).
