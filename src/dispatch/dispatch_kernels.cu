@@ -49,19 +49,21 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
   }
 }
 
+// window_rank >= 0: per-source windows (region_layout.h), the copy is window_word's and my_control is not read.
 __global__ void AcceptKernel(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                              RegionLayout l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                             uint8_t* accepted, float* effective, int64_t* dropped) {
+                             uint8_t* accepted, float* effective, int64_t* dropped, int32_t window_rank) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t))) control_copy[t] = my_control[t];
+  if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)))
+    control_copy[t] = window_rank >= 0 ? l.window_word(window_rank, t) : my_control[t];
   if (t >= n) return;
   const int64_t K = l.K;
   int64_t drops = 0;
   for (int64_t k = 0; k < K; ++k) {
     const int64_t i = t * K + k;
     const int32_t e = experts[i];
-    const int64_t admitted = my_control[l.send_admitted(own.owner[e], own.local[e])];
-    const bool acc = rank_in_expert == nullptr || rank_in_expert[i] < admitted;  // null: dropless, every row admitted
+    // rank_in_expert null: dropless, every row admitted (the admitted counts are not read)
+    const bool acc = rank_in_expert == nullptr || rank_in_expert[i] < my_control[l.send_admitted(own.owner[e], own.local[e])];
     accepted[i] = acc ? 1 : 0;
     if (!acc) ++drops;
   }
@@ -117,18 +119,36 @@ __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const 
     WarpCopyRow(payload + t * l.H, static_cast<bf16_bits*>(payload_of[q]) + (static_cast<int64_t>(buf) * l.S + slot) * l.H, l.H);
 }
 
+// Per-source windows (window_tokens non-null): every position of this rank's window in each owner's
+// stream past its tokens there gets a row count of 0 in the sideband, a thread each, so that the
+// owner's expansion, which reads every window whole, finds no rows in them (whatever an earlier call left).
+__device__ __forceinline__ void ClearWindowTails(const int64_t* window_tokens, const RegionLayout& l, const int64_t* my_control,
+                                                 int64_t lo, int32_t buf, void* const* sideband_of) {
+  if (window_tokens == nullptr) return;
+  const size_t tsb = l.token_sideband_bytes();
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < l.W * l.T; i += threads) {
+    const int64_t q = i / l.T, j = i % l.T;
+    if (j < window_tokens[q]) continue;
+    const int64_t slot = my_control[l.send_offsets(q)] + j - lo;
+    if (slot < 0 || slot >= l.S) continue;
+    *reinterpret_cast<int64_t*>(static_cast<char*>(sideband_of[q]) + (static_cast<size_t>(buf) * l.S + slot) * tsb) = 0;
+  }
+}
+
 // A warp per token, its owners in order (RDEP_SCATTER=token, kept for A/B timing: on 4x H100 the pair
 // kernel below took dispatch from 266 to 202 us at the Moonlight shape, 805 to 551 us at DeepSeek-V3's).
 __global__ void __launch_bounds__(kTransportThreads)
 ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
               const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
               RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
-              void* const* payload_of, void* const* sideband_of) {
+              void* const* payload_of, void* const* sideband_of, const int64_t* window_tokens) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps)
     for (int64_t q = 0; q < l.W; ++q)
       ScatterTokenToOwner(t, q, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
                           payload_of, sideband_of);
+  ClearWindowTails(window_tokens, l, my_control, lo, buf, sideband_of);
 }
 
 // A warp per (token, owner) pair (the default): a token's stores to its owners proceed in parallel, from
@@ -137,11 +157,12 @@ __global__ void __launch_bounds__(kTransportThreads)
 ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                   const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
                   RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
-                  void* const* payload_of, void* const* sideband_of) {
+                  void* const* payload_of, void* const* sideband_of, const int64_t* window_tokens) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
     ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
                         payload_of, sideband_of);
+  ClearWindowTails(window_tokens, l, my_control, lo, buf, sideband_of);
 }
 
 // The rows a launch covers: M, or (device_rows non-null) the device count capped by it.
@@ -281,12 +302,17 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s) {
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s, int32_t window_rank) {
+  if (window_rank >= 0 && rank_in_expert != nullptr)
+    return InvalidArgument("accept: per-source windows (window_rank " + std::to_string(window_rank) +
+                           ") admit every row; rank_in_expert must be null");
+  if (window_rank >= l.W) return InvalidArgument("accept: window_rank " + std::to_string(window_rank) + " >= W=" + std::to_string(l.W));
   const int64_t words = control_copy ? static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)) : 0;
   const int64_t threads = std::max(n, words);
   if (threads == 0) return Status::Ok();
   AcceptKernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
-                                                                             control_copy, accepted, effective_gates, dropped);
+                                                                             control_copy, accepted, effective_gates, dropped,
+                                                                             window_rank);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -302,20 +328,20 @@ Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, in
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted, const float* effective_gates,
                      const int32_t* tok_index, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                      const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
-                     cudaStream_t s) {
-  if (n == 0) return Status::Ok();
+                     cudaStream_t s, const int64_t* window_tokens) {
+  if (n == 0 && window_tokens == nullptr) return Status::Ok();  // with windows, the tails are cleared still
   static const std::string k = [] {  // the kernel's shape, for A/B timing: pair (default) | token; read once
     const char* v = std::getenv("RDEP_SCATTER");
     return std::string(v ? v : "pair");
   }();
   if (k == "pair") {
-    const detail::TransportGrid g = detail::TransportGridFor(n * l.W, l);
+    const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n * l.W, 1), l);
     ScatterPairKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
-                                                     my_control, lo, buf, payload_of, sideband_of);
+                                                     my_control, lo, buf, payload_of, sideband_of, window_tokens);
   } else if (k == "token") {
-    const detail::TransportGrid g = detail::TransportGridFor(n, l);
+    const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n, 1), l);
     ScatterKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
-                                                 my_control, lo, buf, payload_of, sideband_of);
+                                                 my_control, lo, buf, payload_of, sideband_of, window_tokens);
   } else {
     return InvalidArgument("RDEP_SCATTER='" + k + "': expected pair (a warp per (token, owner), the default) or token (a warp per token)");
   }

@@ -211,6 +211,10 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   cuda_layer::DeviceBuffer<int64_t> dev_counts;
   bool counts_on_device = false;
   bool overlapped = false;  // the forward ran its segments as the pipeline (LayerConfig::overlap_segments)
+  // Per-source windows (CudaMoELayer::PlanWindowed): the plan exchanged nothing; this rank's tokens for each
+  // owner ([W], device), whose window tails its scatters clear (forward and backward).
+  bool windowed = false;
+  cuda_layer::DeviceBuffer<int64_t> window_tokens;
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the pool pages this context's owner rows
   // are in ([StashMaxPages]), the device state ([0] pages held or -1 after an overflow, [1] rows << 32 |
   // pages needed), every rank's outcome of the same forward copied to the host after its final barrier
@@ -247,7 +251,7 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     if (fault_copied) cudaEventDestroy(fault_copied);
     for (auto* b : {&experts, &tok_index}) b->Free();
     for (auto* b : {&gates, &effective}) b->Free();
-    for (auto* b : {&dropped, &control, &rows_per_expert, &dev_counts}) b->Free();
+    for (auto* b : {&dropped, &control, &rows_per_expert, &dev_counts, &window_tokens}) b->Free();
     for (auto* b : {&saved_f, &x_rows, &h_rows, &f_rows}) b->Free();
     accepted.Free();
     lead.Free();
@@ -257,7 +261,8 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
   }
   size_t bytes() const override {
     return (experts.count + tok_index.count + gates.count + effective.count + inv.count + armed.count) * 4 + accepted.count + lead.count +
-           (dropped.count + control.count + rows_per_expert.count + dev_counts.count + stash_state.count) * 8 + stash_pages.count * 4 +
+           (dropped.count + control.count + rows_per_expert.count + dev_counts.count + stash_state.count + window_tokens.count) * 8 +
+           stash_pages.count * 4 +
            (saved_f.count + x_rows.count + h_rows.count + f_rows.count) * 2 +
            grouped.count * sizeof(dispatch::GroupedRow) + plan.bytes() + (dest_rank.count + dest_local.count + phys_global.count) * 4 + cuda_layer::TwoPhaseBytes(two_phase.get());
   }

@@ -121,6 +121,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(saved->dropped.ptr, 0, 2 * sizeof(int64_t), domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(saved->control.Reserve(layout_.control_bytes() / sizeof(int64_t)));
   RDEP_RETURN_IF_ERROR(saved->rows_per_expert.Reserve(static_cast<size_t>(std::max(physical_experts(*ranks_[static_cast<size_t>(rank)]), 1))));
+  if (SourceWindows()) RDEP_RETURN_IF_ERROR(saved->window_tokens.Reserve(static_cast<size_t>(s.ranks)));
   if (SyncFree(*ranks_[static_cast<size_t>(rank)])) RDEP_RETURN_IF_ERROR(ReserveSyncFree(*ranks_[static_cast<size_t>(rank)], *saved));
   if (config_.nodes.nodes > 1) RDEP_RETURN_IF_ERROR(ReserveTwoPhase(*saved));
   if (config_.balance.enabled()) {
@@ -452,6 +453,14 @@ bool CudaMoELayer::overlapped(const ForwardContext& ctx, int32_t r) const {
   const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
   return saved && saved->overlapped;
 }
+bool CudaMoELayer::source_windows(int32_t r) const {
+  const Saved* saved = CheckLocalRank(r).ok() ? last(r) : nullptr;
+  return saved && saved->windowed;
+}
+bool CudaMoELayer::source_windows(const ForwardContext& ctx, int32_t r) const {
+  const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
+  return saved && saved->windowed;
+}
 int64_t CudaMoELayer::segments(int32_t r) const {
   const Saved* saved = last(r);
   return saved ? saved->num_segments : 0;
@@ -470,13 +479,36 @@ Status CudaMoELayer::Backward(int32_t rank, const __nv_bfloat16* dy, __nv_bfloat
 
 Status CudaMoELayer::Forward(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates,
                              int64_t num_tokens, const __nv_bfloat16* x, __nv_bfloat16* y) {
-  const Status planned = Plan(rank, ctx, experts, gates, num_tokens);
+  const Status planned = PlanFor(rank, ctx, experts, gates, num_tokens, /*windows_allowed=*/true);
   if (!ctx.planned()) return planned;  // not bound, or a CUDA error: the collective cannot go on
   const Status ran = Run(rank, ctx, x, y);
   return planned.ok() ? ran : planned;
 }
 
 Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens) {
+  return PlanFor(rank, ctx, experts, gates, num_tokens, /*windows_allowed=*/false);
+}
+
+bool CudaMoELayer::SourceWindows() const {
+  return config_.source_windows && config_.capacity.dropless() && !config_.balance.enabled() && config_.nodes.nodes <= 1 &&
+         layout_.E_load == 0 && layout_.S >= layout_.W * layout_.T;
+}
+
+
+Status CudaMoELayer::PlanWindowed(int32_t rank, RankState& st, Saved& sv) {
+  cudaStream_t stream = domain_.stream(rank);
+  const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
+  RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, sv.num_tokens, layout_, own, rank, sv.tok_index.ptr,
+                                                       /*control_of=*/nullptr, st.count_scratch.ptr,
+                                                       static_cast<int64_t>(st.count_scratch.count), stream, sv.window_tokens.ptr));
+  if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));
+  return dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, /*rank_in_expert=*/nullptr, sv.num_tokens, layout_, own,
+                                /*my_control=*/nullptr, sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream,
+                                /*window_rank=*/rank);
+}
+
+Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
+                             bool windows_allowed) {
   RDEP_RETURN_IF_ERROR(CheckLocalRank(rank));
   RankState& st = *ranks_[static_cast<size_t>(rank)];
   if (Stashing(st)) RDEP_RETURN_IF_ERROR(RefuseStashInCapture(rank, "forward"));  // before the collective
@@ -489,14 +521,18 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const bool arrays_ok = num_tokens <= 0 || (experts != nullptr && gates != nullptr);  // null routing: taken as no tokens
   const int64_t n = count_ok && arrays_ok ? num_tokens : 0;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
-  if (st.plan_copy_pending) RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kPlanStart));
-  st.plan_copy_pending = true;
+  // A plan after another one's (not yet run) waits until every rank has copied that plan's control words,
+  // before this one's phase 1 rewrites them; a windowed plan writes no peer memory and sets nothing pending.
+  const bool windowed = windows_allowed && SourceWindows();
+  if (st.plan_copy_pending && !windowed) RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kPlanStart));
+  if (!windowed) st.plan_copy_pending = true;
   cudaStream_t stream = domain_.stream(rank);
   auto control_of = reinterpret_cast<int64_t* const*>(domain_.peer_table(rank, regions_.control));
   auto* my_control = static_cast<int64_t*>(domain_.region(rank, regions_.control));
   const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
   sv.num_tokens = n;
   sv.have_recv_counts = false;
+  sv.windowed = windowed;
   if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(st, sv));  // a no-op unless ReleaseRows gave them back
   // The check copies the caller's routing into the context's (sv.experts, sv.gates) as it reads it; with no
   // tokens (or bad input, which takes part with none) the caller's arrays are not read.
@@ -514,7 +550,9 @@ Status CudaMoELayer::Plan(int32_t rank, ForwardContext& ctx, const int32_t* expe
   const bool need_ranks = config_.balance.enabled() || !config_.capacity.dropless();
   if (need_ranks)
     RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
-  if (config_.balance.enabled()) {
+  if (windowed) {
+    RDEP_RETURN_IF_ERROR(PlanWindowed(rank, st, sv));
+  } else if (config_.balance.enabled()) {
     // The balancer's plan decides acceptance and each row's physical instance (cuda_balance.cc); it
     // ends with the control words copied into the context, as Accept does below.
     RDEP_RETURN_IF_ERROR(PlanBalanced(rank, st, sv));
@@ -716,7 +754,8 @@ Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backw
     const int64_t lo = seg * S;
     RDEP_RETURN_IF_ERROR(dispatch::LaunchScatter(Bits(payload), sv.experts.ptr, sv.accepted.ptr, sv.effective.ptr, sv.tok_index.ptr,
                                                  sv.num_tokens, layout_, targets, rank, sv.control.ptr, lo, buf,
-                                                 domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream));
+                                                 domain_.peer_table(rank, regions_.payload), domain_.peer_table(rank, regions_.sideband), stream,
+                                                 sv.windowed ? sv.window_tokens.ptr : nullptr));
     RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardSegment : Phase::kDispatchSegment));
     RDEP_RETURN_IF_ERROR(Mark(rank, st, backward, kMarkDispatch));
     const auto* seg_payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload)) + static_cast<int64_t>(buf) * S * config_.shape.hidden;

@@ -88,6 +88,9 @@ StatusOr<std::vector<int64_t>> CudaMoELayer::recv_counts(ForwardContext& ctx) {
   const int32_t rank = ctx.rank();
   Saved* sv = CheckLocalRank(rank).ok() ? ContextAccess::PeekMutable<Saved>(ctx, id_, rank) : nullptr;
   if (!sv) return FailedPrecondition("recv counts: the context holds no plan of this layer (call Plan first)");
+  if (sv->windowed)
+    return FailedPrecondition("recv counts: the context holds a Forward of rank " + std::to_string(rank) +
+                              ", whose rows took per-source windows and were never counted at its plan (call Plan for the counts)");
   RDEP_RETURN_IF_ERROR(CheckRowsSupported("recv counts"));
   RDEP_RETURN_IF_ERROR(HostRecvCounts(rank, *sv));
   return sv->recv_counts;

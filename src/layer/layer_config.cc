@@ -86,6 +86,7 @@ std::ostream& operator<<(std::ostream& os, const LayerConfig& c) {
   if (c.stash_rows > 0) os << " stash-rows=" << c.stash_rows;
   if (c.overlap_segments) os << " overlap";
   if (c.gate_in_expert) os << " gate-in-expert";
+  if (!c.source_windows) os << " no-source-windows";
   if (c.gate_up != mlp::GateUp::kSplit) os << " gate-up=" << mlp::GateUpName(c.gate_up);
   return c.load_matrix ? os << " load-matrix" : os;  // the backend's default (host: T; CUDA: W*T, the worst case)
 }

@@ -174,5 +174,32 @@ TEST(RegionLayoutBuffers, OneBufferWhenEveryCallHasOneSegment) {
   }
 }
 
+// Per-source windows: the context's control copy reads every window as T tokens long, source s's at
+// s*T of each owner's stream and this rank's at rank*T of every owner's; counts and loads 0.
+TEST(RegionLayoutWindows, TheControlCopyDescribesFixedWindows) {
+  const LayerShape s{.tokens = 100, .hidden = 16, .ffn = 8, .experts = 16, .topk = 4, .ranks = 4};
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, s.ranks);
+  const RegionLayout l = MakeRegionLayout(MakeLayerConfig(s), own, 2);
+  const int64_t rank = 2, words = static_cast<int64_t>(l.control_bytes() / sizeof(int64_t));
+  std::vector<int64_t> want(static_cast<size_t>(words), 0);
+  for (int64_t q = 0; q < l.W; ++q) {
+    want[static_cast<size_t>(l.recv_tokens(q))] = 100;
+    want[static_cast<size_t>(l.recv_offsets(q))] = q * 100;
+    want[static_cast<size_t>(l.send_offsets(q))] = rank * 100;
+    want[static_cast<size_t>(l.owner_tokens(q))] = 400;
+  }
+  for (int64_t w = 0; w < words; ++w) EXPECT_EQ(l.window_word(rank, w), want[static_cast<size_t>(w)]) << "word " << w;
+}
+
+TEST(LayerConfigPrint, SourceWindowsOffIsPrinted) {
+  LayerConfig c = MakeLayerConfig(LayerShape{.tokens = 8, .hidden = 16, .ffn = 8, .experts = 4, .topk = 2, .ranks = 1});
+  std::ostringstream on, off;
+  on << c;
+  c.source_windows = false;
+  off << c;
+  EXPECT_EQ(on.str().find("no-source-windows"), std::string::npos) << on.str();
+  EXPECT_NE(off.str().find("no-source-windows"), std::string::npos) << off.str();
+}
+
 }  // namespace
 }  // namespace rdep

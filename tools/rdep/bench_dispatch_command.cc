@@ -120,6 +120,10 @@ flags [defaults: the Moonlight shape]:
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
   --owner-reduce       the owners reduce before the return (LayerConfig::owner_reduce), identity expert
+  --no-source-windows  the three phases for every forward (LayerConfig::source_windows off): by default a
+                       dropless forward in one segment places each source's tokens in a fixed window of
+                       every owner's stream and its routing exchanges nothing (no counts, owner scan or
+                       barriers; the counts barrier and owner scan parts then read 0)
   --no-nccl            skip the baseline
   --no-floor           skip the floor
   --json FILE          write the receipt (raw per-iteration max-rank times included)
@@ -326,6 +330,7 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.no_floor = f.get_bool("no-floor");
   o.owner_reduce = f.get_bool("owner-reduce");
   o.cfg.owner_reduce = o.owner_reduce;
+  o.cfg.source_windows = !f.get_bool("no-source-windows");
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   o.json = f.get_string("json", "");
   auto limits = rdep::cli::ReadLimits(f);
@@ -754,10 +759,11 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
   const auto& s = o.cfg.shape;
   const auto& rows = res.rows;
   const bool have_nccl = res.have_nccl;
-  std::printf("rdep bench dispatch: %s, routing %s, dropless%s, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
+  std::printf("rdep bench dispatch: %s, routing %s, dropless%s%s, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
               [&] { std::ostringstream os; os << "W=" << s.ranks << " T=" << s.tokens << " H=" << s.hidden << " E=" << s.experts
                                               << " K=" << s.topk; return os.str(); }().c_str(),
-              o.spec.name().c_str(), o.owner_reduce ? ", owner reduce (identity expert)" : "", static_cast<long long>(s.ranks),
+              o.spec.name().c_str(), o.owner_reduce ? ", owner reduce (identity expert)" : "",
+              o.cfg.source_windows ? ", source windows" : ", three phases (no source windows)", static_cast<long long>(s.ranks),
               static_cast<long long>(o.warmup),
               static_cast<long long>(o.iters), static_cast<long long>(o.launch_ahead_us));
   std::printf("  rows: slot rows R=%lld (remote R_x=%lld), token-owner pairs %lld (remote P_x=%lld): rdep sends %.3fx the "
@@ -820,7 +826,7 @@ void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, i
   j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name()).field("capacity", "dropless");
   j.field("layer_ffn", kLayerFfn).field("expert", o.owner_reduce ? "identity" : "sentinel echo").field("segment", segment);
-  j.field("owner_reduce", o.owner_reduce);
+  j.field("owner_reduce", o.owner_reduce).field("source_windows", o.cfg.source_windows);
   j.field("seed", static_cast<int64_t>(o.seed)).field("warmup", o.warmup).field("iters", o.iters);
   j.field("launch_ahead_us", o.launch_ahead_us).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).end_object();
   j.field("normalization",

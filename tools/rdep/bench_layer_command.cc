@@ -75,6 +75,9 @@ flags [defaults: the Moonlight shape]:
                        layer runs the SwiGLU kernel with either [split]
   --transport-sms N    SM budget of the kernels that store into peer memory (scatter, return): N blocks,
                        so at most N SMs; 0 = grids sized by the work, every SM [0]
+  --no-source-windows  the three phases of dispatch for every forward (LayerConfig::source_windows off); by
+                       default a dropless forward in one segment without --balance places each source's
+                       tokens in a fixed window of every owner's stream and its plan exchanges nothing
   --overlap            run the segments as a pipeline: the dispatch of segment s+1 and the return of s-1 beside
                        the experts' compute of s (a second stream per rank; same bits as without); needs
                        --expert-compute cutlass, no --balance or --owner-reduce, and --segment below W*T to
@@ -185,6 +188,7 @@ int ParseLayerBenchOptions(const rdep::cli::Args& args, LayerBenchOptions& o) {
   o.cfg.stash_rows = f.get_int("stash-rows", 0);
   o.cfg.overlap_segments = f.get_bool("overlap");
   o.cfg.gate_in_expert = f.get_bool("gate-in-expert");
+  o.cfg.source_windows = !f.get_bool("no-source-windows");
   auto gate_up = rdep::ParseGateUp(f.get_string("gate-up", "split"));
   auto transport_sms = rdep::bench::ReadTransportSms(f);
   const std::string grads = f.get_string("grads", "fp32");
@@ -653,7 +657,7 @@ void WriteLayerReceipt(const LayerBenchOptions& o, const rdep::bench::LayerBench
   rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
   j.key("workload").begin_object().field("ranks", s.ranks).field("placement", setup.domain->placement()).field("ranks_share_gpus", setup.domain->shares_gpus()).field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("ffn", s.ffn).field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name());
-  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("gate_in_expert", o.cfg.gate_in_expert).field("gate_up", rdep::mlp::GateUpName(o.cfg.gate_up)).field("seed", static_cast<int64_t>(o.seed));
+  j.field("capacity_factor", o.cfg.capacity.capacity_factor).field("segment", setup.layer->layout().S).field("owner_reduce", o.cfg.owner_reduce).field("transport_sms", static_cast<int64_t>(o.cfg.transport_sms)).field("stash_rows", o.cfg.stash_rows).field("overlap_segments", o.cfg.overlap_segments).field("gate_in_expert", o.cfg.gate_in_expert).field("source_windows", o.cfg.source_windows).field("gate_up", rdep::mlp::GateUpName(o.cfg.gate_up)).field("seed", static_cast<int64_t>(o.seed));
   j.field("warmup", o.warmup).field("iters", o.iters).end_object();
   j.field("normalization", "max over ranks per iteration; useful FLOPs = 6*accepted_rows*H*D_ff (fwd), x3 (fwd+bwd), per GPU");
   j.field("accepted_rows", res.accepted_rows);

@@ -85,10 +85,12 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
 // counting only the slots the plan sends there (accepted ones).
 // scratch: device int32s, scratch_ints of them, at least CountScratchInts(l, n) (per block of 256
 // tokens and owner, its tokens and rows: two kernels, a thread per token); fewer is InvalidArgument.
+// With window_tokens (per-source windows, region_layout.h; device int64 [W]) nothing is published:
+// window_tokens[q] = the tokens for owner q, and control_of may be null.
 int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens);
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets,
                              int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch,
-                             int64_t scratch_ints, cudaStream_t s);
+                             int64_t scratch_ints, cudaStream_t s, int64_t* window_tokens = nullptr);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
@@ -102,20 +104,25 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 // row, so the ranks need not be computed), effective
 // gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped;
 // and, when control_copy is not null, a copy of this rank's control words there (the forward's own).
+// window_rank >= 0 (per-source windows, region_layout.h; this rank): no phase 2 ran, so rank_in_expert must
+// be null, my_control is not read (it may be null) and the copy is RegionLayout::window_word(window_rank, ·).
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s);
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s, int32_t window_rank = -1);
 // With balancing, at a source after the plan assigned the accepted set (rdep::LaunchAssignInstances):
 // effective gates by rdep::RenormalizeTokenGates over `accepted`, dropped rows added to *dropped.
 Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,
                                  int64_t* dropped, cudaStream_t s);
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
 // this rank's tokens that falls in the window, into the owner's segment buffer `buf` (each accepted
-// slot to targets.rank, with local expert targets.local). Row ids by rdep::RowIdCodec.
+// slot to targets.rank, with local expert targets.local). Row ids by rdep::RowIdCodec. With window_tokens
+// (per-source windows: the plan's LaunchCountAndPublish output, device [W]; one segment) also a row count
+// of 0 at every position of this rank's window in each owner's stream past its window_tokens[q] tokens.
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                      const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,
                      RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
-                     void* const* payload_of, void* const* sideband_of, cudaStream_t s);
+                     void* const* payload_of, void* const* sideband_of, cudaStream_t s,
+                     const int64_t* window_tokens = nullptr);
 // Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
 // then the grouped rows (written at grouped + 0). counts is [num_local] int64. inv (nullable,
 // [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's

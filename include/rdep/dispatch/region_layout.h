@@ -12,6 +12,11 @@
 //   owner_stream_tokens  [W]     tokens owner d receives in total (phase 2, written by d to every rank)
 //   load_matrix          [W][E]  rows source s routes to expert e, the full load matrix Lambda (phase 1,
 //                                written by s to every rank); present only when E_load = E > 0
+// Per-source windows (CudaMoELayer's forward when dropless with one segment, LayerConfig::source_windows):
+// source s's tokens take [s*T, s*T + n) of every owner's stream, n its tokens for that owner, so the
+// bases are known without phase 2; no control words are exchanged. The source clears the sideband's row
+// count of each position past its n in the window (those positions carry no rows), and the context's
+// copy of the control words is window_word's: every window read as T tokens long.
 // segment payload  [B][S][H] activations (the backend's element type; B = 2, double-buffered, when a call can
 //                  have several segments; B = 1 when S >= W*T, since every call then has one segment: buffer 0)
 // segment sideband [B][S] x { int64 num_rows; RowSideband rows[slots_per_token] }
@@ -60,6 +65,15 @@ struct RegionLayout {
   RDEP_HD int64_t owner_tokens(int64_t owner) const { return 2 * W * L + 3 * W + owner; }
   RDEP_HD int64_t load(int64_t src, int64_t e) const { return 2 * W * L + 4 * W + src * E_load + e; }
   RDEP_HD size_t control_bytes() const { return static_cast<size_t>(2 * W * L + 4 * W + W * E_load) * sizeof(int64_t); }
+  // Word w of rank's control copy under per-source windows: recv_tokens T (a window's extent), recv_offsets
+  // s*T, send_offsets rank*T, owner_tokens W*T; the counts and the load matrix, never exchanged, 0.
+  RDEP_HD int64_t window_word(int64_t rank, int64_t w) const {
+    if (w >= W * L && w < W * L + W) return T;
+    if (w >= W * L + W && w < W * L + 2 * W) return (w - W * L - W) * T;
+    if (w >= 2 * W * L + 2 * W && w < 2 * W * L + 3 * W) return rank * T;
+    if (w >= 2 * W * L + 3 * W && w < 2 * W * L + 4 * W) return W * T;
+    return 0;
+  }
   RDEP_HD size_t token_sideband_bytes() const {
     return sizeof(int64_t) + static_cast<size_t>(slots_per_token) * sizeof(RowSideband);
   }

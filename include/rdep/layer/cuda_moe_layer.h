@@ -172,7 +172,8 @@ class CudaMoELayer {
   // decision), the accepted set and effective gates, into ctx. Run: phase 3, expert compute, return
   // and combine of the plan in ctx. A bad num_tokens makes Plan return InvalidArgument after the rank
   // took part with no tokens; its Run still follows (the other ranks need it). A bad routing slot is
-  // reported by Run (after the collective), naming the rank, token and slot.
+  // reported by Run (after the collective), naming the rank, token and slot. Forward (not Plan) takes the
+  // per-source windows where they apply (LayerConfig::source_windows): its plan then exchanges nothing.
   Status Plan(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens);
   Status Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* x, __nv_bfloat16* y);
   // The caller's own experts (dispatch / combine; rdep/layer/host_moe_layer.h describes the steps and
@@ -222,6 +223,10 @@ class CudaMoELayer {
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
   bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
+  // Whether rank's last forward placed its rows in per-source windows (LayerConfig::source_windows,
+  // region_layout.h): no phase 2 and no routing barriers.
+  bool source_windows(int32_t rank) const;
+  bool source_windows(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
   // Testing only: in the overlapped pipeline, block the compute stream for compute_ns before each
   // segment's compute, and the domain's stream for return_ns before each segment's return (a host
   // function that sleeps; 0 = none), so that a missing wait between the two streams shows as a wrong
@@ -386,6 +391,15 @@ class CudaMoELayer {
   struct ExpertCall;
   Status CreateBalancing(RankState& st);
   Status PlanBalanced(int32_t rank, RankState& st, Saved& sv);
+  // Plan with windows allowed (Forward) or not (Plan: the caller's experts need the counts at the plan).
+  Status PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
+                 bool windows_allowed);
+  // Whether this layer's forwards can take per-source windows: LayerConfig::source_windows, dropless, no
+  // balancing, one node, no load matrix, one segment (S >= W*T).
+  bool SourceWindows() const;
+  // The plan after the routing check when every source has a fixed window: counts and positions kept
+  // local, every row accepted, the control copy of window words; no peer memory touched, no barrier.
+  Status PlanWindowed(int32_t rank, RankState& st, Saved& sv);
   Status SolveBalancePlan(int32_t rank, RankState& st, Saved& sv);
   Status StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward);
   Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);

@@ -84,6 +84,12 @@ struct LayerConfig {
                                    // tolerances. With owner_reduce the owner sums the weighted rows and keeps no
                                    // outputs for dgate either. Needs expert_compute cutlass, no balancing and one
                                    // node; the SwiGLU expert only. The host backend ignores it
+  bool source_windows = true;      // CUDA: a Forward (Plan + Run in one call) that is dropless, in one segment, without
+                                   // balancing, nodes or the load matrix places each source's tokens in a fixed window
+                                   // (source s at s*T) of every owner's stream, so its plan exchanges no counts: no
+                                   // owner scan and no routing barriers (region_layout.h). The same outputs bit for
+                                   // bit; off = the three phases for every forward (A/B timing). The host backend and
+                                   // Plan (the caller's experts need the counts first) always take the three phases
   mlp::GateUp gate_up = mlp::GateUp::kSplit;  // where each expert's W1 (and so its gradient) holds the gate and up
                                    // projections' columns (rdep/core/expert_mlp.h): kSplit (gate | up) or kInterleaved8
                                    // (blocks of 8; needs ffn % 8 == 0), the layout GEMM1's SwiGLU epilogue needs; the
