@@ -49,13 +49,11 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
   }
 }
 
-// window_rank >= 0: per-source windows (region_layout.h), the copy is window_word's and my_control is not read.
 __global__ void AcceptKernel(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                              RegionLayout l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                             uint8_t* accepted, float* effective, int64_t* dropped, int32_t window_rank) {
+                             uint8_t* accepted, float* effective, int64_t* dropped) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)))
-    control_copy[t] = window_rank >= 0 ? l.window_word(window_rank, t) : my_control[t];
+  if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t))) control_copy[t] = my_control[t];
   if (t >= n) return;
   const int64_t K = l.K;
   int64_t drops = 0;
@@ -302,17 +300,12 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s, int32_t window_rank) {
-  if (window_rank >= 0 && rank_in_expert != nullptr)
-    return InvalidArgument("accept: per-source windows (window_rank " + std::to_string(window_rank) +
-                           ") admit every row; rank_in_expert must be null");
-  if (window_rank >= l.W) return InvalidArgument("accept: window_rank " + std::to_string(window_rank) + " >= W=" + std::to_string(l.W));
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s) {
   const int64_t words = control_copy ? static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)) : 0;
   const int64_t threads = std::max(n, words);
   if (threads == 0) return Status::Ok();
   AcceptKernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
-                                                                             control_copy, accepted, effective_gates, dropped,
-                                                                             window_rank);
+                                                                             control_copy, accepted, effective_gates, dropped);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

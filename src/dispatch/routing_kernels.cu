@@ -171,11 +171,10 @@ __global__ void __launch_bounds__(kCountThreads) CountBlockKernel(const int32_t*
 }
 
 // Block (b, q): tok_index[q*n + t] for its tokens; block (0, q) publishes q's rows per local expert and
-// tokens into q's control words, or with window_tokens (per-source windows) writes q's tokens there alone.
+// tokens into q's control words.
 __global__ void __launch_bounds__(kCountThreads) PlaceTokensKernel(const int32_t* experts, int64_t n, RegionLayout l,
                                                                    RouteTargets targets, int32_t rank, const int32_t* part,
-                                                                   int32_t* tok_index, int64_t* const* control_of,
-                                                                   int64_t* window_tokens) {
+                                                                   int32_t* tok_index, int64_t* const* control_of) {
   extern __shared__ int sums_shared[];  // [L + 1], block 0 only
   __shared__ typename CountScan::TempStorage scan;
   const int q = static_cast<int>(blockIdx.y);
@@ -196,10 +195,6 @@ __global__ void __launch_bounds__(kCountThreads) PlaceTokensKernel(const int32_t
   __syncthreads();
   for (int64_t i = threadIdx.x; i < B * (L + 1); i += blockDim.x) atomicAdd(&sums_shared[i % (L + 1)], of_q[i]);
   __syncthreads();
-  if (window_tokens) {
-    if (threadIdx.x == 0) window_tokens[q] = sums_shared[L];
-    return;
-  }
   int64_t* c = control_of[q];
   for (int64_t j = threadIdx.x; j < L; j += blockDim.x) c[l.recv_counts(rank, j)] = sums_shared[j];
   if (threadIdx.x == 0) c[l.recv_tokens(rank)] = sums_shared[L];
@@ -301,18 +296,16 @@ Status CheckKernelLimits(const RegionLayout& l) {
 
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                              int32_t* tok_index, int64_t* const* control_of, int32_t* scratch, int64_t scratch_ints,
-                             cudaStream_t s, int64_t* window_tokens) {
+                             cudaStream_t s) {
   RDEP_RETURN_IF_ERROR(CheckKernelLimits(l));
   if (scratch_ints < CountScratchInts(l, n))
     return InvalidArgument("phase 1 counts: " + std::to_string(scratch_ints) + " scratch ints for n=" + std::to_string(n) +
                            " tokens, which need " + std::to_string(CountScratchInts(l, n)));
-  if (control_of == nullptr && window_tokens == nullptr)
-    return InvalidArgument("phase 1 counts: neither control_of (publish to the owners) nor window_tokens (per-source windows) given");
   const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
   const dim3 grid(static_cast<unsigned>(CountBlocks(n)), static_cast<unsigned>(l.W));
   CountBlockKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, scratch);
   RDEP_CUDA_CHECK_LAUNCH();
-  PlaceTokensKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, rank, scratch, tok_index, control_of, window_tokens);
+  PlaceTokensKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, rank, scratch, tok_index, control_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -265,20 +265,6 @@ TEST_P(PhaseOneCounts, MatchTheHostExactly) {
       EXPECT_EQ(got[static_cast<size_t>(l.recv_tokens(s))], -1) << "owner " << q << " source " << s;
     }
   }
-  // Per-source windows: the same positions, each owner's tokens into window_tokens, and no owner's control
-  // word written (every one still poison).
-  for (auto& ctl : control) ctl->Poison();
-  tok.Poison();
-  scratch.Poison();
-  Dev<int64_t> window_tokens(static_cast<size_t>(c.W));
-  window_tokens.Poison();
-  ASSERT_TRUE(LaunchCountAndPublish(e_ptr, c.n, l, targets, rank, tok.p, nullptr, scratch.p, static_cast<int64_t>(scratch.n), nullptr,
-                                    window_tokens.p).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(tok.Download(), want_tok) << "windows";
-  EXPECT_EQ(window_tokens.Download(), want_tokens);
-  for (int64_t q = 0; q < c.W; ++q)
-    for (int64_t v : control[static_cast<size_t>(q)]->Download()) ASSERT_EQ(v, -1) << "windows wrote owner " << q << "'s control words";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -316,22 +302,6 @@ TEST(PhaseOneLimits, ShapesBeyondTheKernelsAreRefusedWithTheirNumbers) {
   EXPECT_NE(st.message().find("n=1000"), std::string::npos) << st.message();
   EXPECT_EQ(CountScratchInts(l, 1000), 4 * 4 * 17);  // ceil(1000/256) blocks of each of W owners, L + 1 words
   EXPECT_EQ(CountScratchInts(l, 0), 4 * 1 * 17);     // n = 0 still launches one block per owner
-  // Neither the owners' control words nor the windows' counts to write: refused, naming both.
-  st = LaunchCountAndPublish(nullptr, 10, l, RouteTargets(OwnerMapView{nullptr, nullptr}), 0, nullptr, nullptr, nullptr,
-                             CountScratchInts(l, 10), nullptr, nullptr);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("control_of"), std::string::npos) << st.message();
-  EXPECT_NE(st.message().find("window_tokens"), std::string::npos) << st.message();
-  // Acceptance under windows admits every row: expert ranks with it, or a rank outside the layout, refused.
-  int32_t fake_ranks = 0;
-  st = LaunchAccept(nullptr, nullptr, &fake_ranks, 10, l, OwnerMapView{nullptr, nullptr}, nullptr, nullptr, nullptr, nullptr, nullptr,
-                    nullptr, /*window_rank=*/1);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("rank_in_expert must be null"), std::string::npos) << st.message();
-  st = LaunchAccept(nullptr, nullptr, nullptr, 10, l, OwnerMapView{nullptr, nullptr}, nullptr, nullptr, nullptr, nullptr, nullptr,
-                    nullptr, /*window_rank=*/4);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("window_rank 4 >= W=4"), std::string::npos) << st.message();
   // The expansion refuses more local experts than its offsets' shared memory holds.
   st = LaunchExpand(nullptr, 0, 0, l, nullptr, static_cast<int32_t>(kMaxExpandLocalExperts + 1), nullptr, nullptr, 0, nullptr, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);

@@ -495,16 +495,12 @@ bool CudaMoELayer::SourceWindows() const {
 }
 
 
-Status CudaMoELayer::PlanWindowed(int32_t rank, RankState& st, Saved& sv) {
-  cudaStream_t stream = domain_.stream(rank);
-  const dispatch::OwnerMapView own{st.owner.ptr, st.local.ptr};
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCountAndPublish(sv.experts.ptr, sv.num_tokens, layout_, own, rank, sv.tok_index.ptr,
-                                                       /*control_of=*/nullptr, st.count_scratch.ptr,
-                                                       static_cast<int64_t>(st.count_scratch.count), stream, sv.window_tokens.ptr));
-  if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));
-  return dispatch::LaunchAccept(sv.experts.ptr, sv.gates.ptr, /*rank_in_expert=*/nullptr, sv.num_tokens, layout_, own,
-                                /*my_control=*/nullptr, sv.control.ptr, sv.accepted.ptr, sv.effective.ptr, sv.dropped.ptr, stream,
-                                /*window_rank=*/rank);
+Status CudaMoELayer::PlanWindowed(int32_t rank, RankState& st, Saved& sv, const int32_t* experts, const float* gates) {
+  return dispatch::LaunchWindowPlan(experts, gates, sv.num_tokens, layout_, dispatch::OwnerMapView{st.owner.ptr, st.local.ptr},
+                                    static_cast<int32_t>(config_.shape.experts), rank, sv.experts.ptr, sv.gates.ptr, sv.tok_index.ptr,
+                                    sv.window_tokens.ptr, sv.accepted.ptr, sv.effective.ptr, sv.control.ptr,
+                                    reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev, /*zero=*/sv.dropped.ptr,
+                                    st.count_scratch.ptr, static_cast<int64_t>(st.count_scratch.count), domain_.stream(rank));
 }
 
 Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
@@ -537,10 +533,13 @@ Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* e
   // The check copies the caller's routing into the context's (sv.experts, sv.gates) as it reads it; with no
   // tokens (or bad input, which takes part with none) the caller's arrays are not read.
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkStart));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
-                                                       reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
-                                                       stream, /*zero=*/sv.dropped.ptr,  // also zeroes the drop count
-                                                       n > 0 ? experts : nullptr, n > 0 ? gates : nullptr));
+  if (windowed)  // the check, the positions and the acceptance in two kernels, nothing exchanged
+    RDEP_RETURN_IF_ERROR(PlanWindowed(rank, st, sv, n > 0 ? experts : nullptr, n > 0 ? gates : nullptr));
+  else
+    RDEP_RETURN_IF_ERROR(dispatch::LaunchValidateRouting(sv.experts.ptr, sv.gates.ptr, n, K, static_cast<int32_t>(s.experts),
+                                                         reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev,
+                                                         stream, /*zero=*/sv.dropped.ptr,  // also zeroes the drop count
+                                                         n > 0 ? experts : nullptr, n > 0 ? gates : nullptr));
   RDEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(sv.fault_copied, stream));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RDEP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
@@ -551,7 +550,7 @@ Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* e
   if (need_ranks)
     RDEP_RETURN_IF_ERROR(dispatch::LaunchExpertRank(sv.experts.ptr, n, K, static_cast<int32_t>(s.experts), st.rank_in_expert.ptr, stream));
   if (windowed) {
-    RDEP_RETURN_IF_ERROR(PlanWindowed(rank, st, sv));
+    if (routing_detail_) RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkRouteLocal));  // all of it: nothing to wait for
   } else if (config_.balance.enabled()) {
     // The balancer's plan decides acceptance and each row's physical instance (cuda_balance.cc); it
     // ends with the control words copied into the context, as Accept does below.

@@ -85,12 +85,23 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
 // counting only the slots the plan sends there (accepted ones).
 // scratch: device int32s, scratch_ints of them, at least CountScratchInts(l, n) (per block of 256
 // tokens and owner, its tokens and rows: two kernels, a thread per token); fewer is InvalidArgument.
-// With window_tokens (per-source windows, region_layout.h; device int64 [W]) nothing is published:
-// window_tokens[q] = the tokens for owner q, and control_of may be null.
 int64_t CountScratchInts(const RegionLayout& l, int64_t max_tokens);
 Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayout& l, RouteTargets targets,
                              int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch,
-                             int64_t scratch_ints, cudaStream_t s, int64_t* window_tokens = nullptr);
+                             int64_t scratch_ints, cudaStream_t s);
+// Per-source windows (region_layout.h; a dropless forward in one segment with the owner map's targets):
+// the whole plan in two kernels (window_plan_kernels.cu), exchanging nothing. As LaunchValidateRouting
+// with the caller's arrays, the routing is copied into experts, gates and checked, each faulty token
+// rewritten to the stand-in, *fault the first fault's record (its values as the caller gave them),
+// *worst and *zero left 0; as LaunchCountAndPublish, tok_index[q*n + t] (-1 for none); window_tokens[q]
+// ([W]) the tokens for owner q; every slot accepted with effective gates by RenormalizeTokenGates; and
+// the control copy RegionLayout::window_word(rank, ·). from_experts, from_gates: read only (null only
+// when n == 0). scratch: WindowPlanScratchInts(l, n) device int32s (fewer is InvalidArgument).
+int64_t WindowPlanScratchInts(const RegionLayout& l, int64_t max_tokens);
+Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, int64_t n, const RegionLayout& l, OwnerMapView own,
+                        int32_t num_experts, int32_t rank, int32_t* experts, float* gates, int32_t* tok_index, int64_t* window_tokens,
+                        uint8_t* accepted, float* effective, int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
+                        int64_t* zero, int32_t* scratch, int64_t scratch_ints, cudaStream_t s);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
@@ -104,11 +115,9 @@ Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, i
 // row, so the ranks need not be computed), effective
 // gates by rdep::RenormalizeTokenGates (bitwise rdep::RenormalizeGates), dropped rows added to *dropped;
 // and, when control_copy is not null, a copy of this rank's control words there (the forward's own).
-// window_rank >= 0 (per-source windows, region_layout.h; this rank): no phase 2 ran, so rank_in_expert must
-// be null, my_control is not read (it may be null) and the copy is RegionLayout::window_word(window_rank, ·).
 Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                     const RegionLayout& l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
-                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s, int32_t window_rank = -1);
+                    uint8_t* accepted, float* effective_gates, int64_t* dropped, cudaStream_t s);
 // With balancing, at a source after the plan assigned the accepted set (rdep::LaunchAssignInstances):
 // effective gates by rdep::RenormalizeTokenGates over `accepted`, dropped rows added to *dropped.
 Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,

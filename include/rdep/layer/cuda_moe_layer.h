@@ -397,9 +397,9 @@ class CudaMoELayer {
   // Whether this layer's forwards can take per-source windows: LayerConfig::source_windows, dropless, no
   // balancing, one node, no load matrix, one segment (S >= W*T).
   bool SourceWindows() const;
-  // The plan after the routing check when every source has a fixed window: counts and positions kept
-  // local, every row accepted, the control copy of window words; no peer memory touched, no barrier.
-  Status PlanWindowed(int32_t rank, RankState& st, Saved& sv);
+  // The plan when every source has a fixed window (dispatch::LaunchWindowPlan, from the caller's routing):
+  // the check, positions, every row accepted, the control copy of window words; no peer memory touched.
+  Status PlanWindowed(int32_t rank, RankState& st, Saved& sv, const int32_t* experts, const float* gates);
   Status SolveBalancePlan(int32_t rank, RankState& st, Saved& sv);
   Status StreamReplicas(int32_t rank, RankState& st, const Saved& sv, bool backward);
   Status ReduceReplicas(int32_t rank, RankState& st, const Saved& sv);
