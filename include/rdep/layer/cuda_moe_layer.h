@@ -62,7 +62,8 @@ struct RouteTargets;  // rdep/dispatch/dispatch_kernels.h
 
 // Where a layer call's time goes (CUDA events at phase boundaries, summed over segments).
 struct PhaseTimes {
-  double routing_ms = 0;   // forward: counts, owner scan, acceptance (2 barriers); backward: dgate
+  double routing_ms = 0;   // forward: counts, owner scan, acceptance (2 barriers; with per-source windows the
+                           // two kernels of LaunchWindowPlan, no barrier); backward: dgate
   double dispatch_ms = 0;  // scatter of payload + sideband, segment barrier
   double expert_ms = 0;    // expansion, gather and the expert MLP (forward) / dgrad + wgrad (backward)
   double return_ms = 0;    // rows back to their front-ends, final barrier
