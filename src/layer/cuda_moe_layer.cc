@@ -89,8 +89,7 @@ size_t CudaMoELayer::device_bytes(int32_t rank) const {
   size_t b = layout_.total_bytes() - shared_transport_bytes();
   b += (st.w1.count + st.w2.count) * 2;
   b += (st.dw1.count + st.dw2.count + st.scratch.count + st.rank_in_expert.count) * 4;
-  b += (st.owner.count + st.local.count + st.local_to_global.count + st.count_scratch.count + st.expand_scratch.count) * 4 +
-       (st.seg_counts.count + st.window_state.count) * 8;
+  b += (st.owner.count + st.local.count + st.local_to_global.count + st.count_scratch.count + st.expand_scratch.count) * 4 + st.seg_counts.count * 8;
   if (st.mlp) b += st.mlp->workspace_bytes();
   if (st.slot_mlp) b += st.slot_mlp->workspace_bytes();
   return b + st.own_context.bytes();  // the shared regions: replica_slot_bytes(), shared_row_bytes(), shared_transport_bytes()
@@ -342,11 +341,6 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     const int32_t phys = layer->physical_experts(*st);  // L, or with balancing the layout's L (slots last)
     RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(phys, 1))));
     RDEP_RETURN_IF_ERROR(st->count_scratch.Reserve(static_cast<size_t>(dispatch::CountScratchInts(l, T))));
-    if (layer->SourceWindows()) {
-      const auto words = static_cast<size_t>(dispatch::WindowPlanStateWords(l, T));
-      RDEP_RETURN_IF_ERROR(st->window_state.Reserve(words));
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(st->window_state.ptr, 0, words * sizeof(uint64_t)));
-    }
     RDEP_RETURN_IF_ERROR(st->expand_scratch.Reserve(static_cast<size_t>(dispatch::ExpandScratchInts(l, std::max(phys, 1)))));
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
@@ -506,7 +500,7 @@ Status CudaMoELayer::PlanWindowed(int32_t rank, RankState& st, Saved& sv, const 
                                     static_cast<int32_t>(config_.shape.experts), rank, sv.experts.ptr, sv.gates.ptr, sv.tok_index.ptr,
                                     sv.window_tokens.ptr, sv.accepted.ptr, sv.effective.ptr, sv.control.ptr,
                                     reinterpret_cast<unsigned long long*>(sv.dropped.ptr + 1), sv.fault_dev, /*zero=*/sv.dropped.ptr,
-                                    st.window_state.ptr, static_cast<int64_t>(st.window_state.count), domain_.stream(rank));
+                                    st.count_scratch.ptr, static_cast<int64_t>(st.count_scratch.count), domain_.stream(rank));
 }
 
 Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,

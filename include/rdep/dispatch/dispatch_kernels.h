@@ -90,21 +90,18 @@ Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayo
                              int32_t rank, int32_t* tok_index, int64_t* const* control_of, int32_t* scratch,
                              int64_t scratch_ints, cudaStream_t s);
 // Per-source windows (region_layout.h; a dropless forward in one segment with the owner map's targets):
-// the whole plan in one kernel (window_plan_kernels.cu), exchanging nothing. As LaunchValidateRouting
+// the whole plan in two kernels (window_plan_kernels.cu), exchanging nothing. As LaunchValidateRouting
 // with the caller's arrays, the routing is copied into experts, gates and checked, each faulty token
 // rewritten to the stand-in, *fault the first fault's record (its values as the caller gave them),
 // *worst and *zero left 0; as LaunchCountAndPublish, tok_index[q*n + t] (-1 for none); window_tokens[q]
 // ([W]) the tokens for owner q; every slot accepted with effective gates by RenormalizeTokenGates; and
 // the control copy RegionLayout::window_word(rank, ·). from_experts, from_gates: read only (null only
-// when n == 0). state: the kernel's own words across launches (its blocks' order, the counts they
-// publish to each other, an epoch), WindowPlanStateWords(l, n) uint64s (fewer is InvalidArgument),
-// zeroed once before the first launch and written by nothing else; launches on one state are ordered
-// (one stream).
-int64_t WindowPlanStateWords(const RegionLayout& l, int64_t max_tokens);
+// when n == 0). scratch: WindowPlanScratchInts(l, n) device int32s (fewer is InvalidArgument).
+int64_t WindowPlanScratchInts(const RegionLayout& l, int64_t max_tokens);
 Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, int64_t n, const RegionLayout& l, OwnerMapView own,
                         int32_t num_experts, int32_t rank, int32_t* experts, float* gates, int32_t* tok_index, int64_t* window_tokens,
                         uint8_t* accepted, float* effective, int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
-                        int64_t* zero, uint64_t* state, int64_t state_words, cudaStream_t s);
+                        int64_t* zero, int32_t* scratch, int64_t scratch_ints, cudaStream_t s);
 // rank_in_expert[t*K+k]: how many earlier tokens of this rank chose the same expert (token order).
 Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t num_experts, int32_t* rank_in_expert,
                         cudaStream_t s);
