@@ -7,7 +7,8 @@
 // earlier call filled must read as empty (the scatter clears it). Outputs are poisoned with NaN first.
 // The windowed layer must report the windows (source_windows) and the other must not; Plan + Run on the
 // windowed layer takes the three phases (the caller's experts need the counts at the plan) and gives
-// the same bits; recv_counts of a windowed Forward's context is refused, naming the windows. Cases: the
+// the same bits; recv_counts of a windowed Forward's context is refused, naming the windows. A stack of two
+// layers sharing the transport regions, with the owner's reduce, checks the backward's own tail clear. Cases: the
 // per-slot return (cuBLASLt), Zipf 2, one expert set for every token (three owners' windows empty), the
 // owner's reduce, an SM budget of 3 blocks, H = 40, and the CUTLASS (sync-free) compute, which skips
 // where it cannot be made (a failure under RDEP_REQUIRE_CUTLASS=1). Every test skips without a GPU.
@@ -116,8 +117,9 @@ StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool windows
       RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, static_cast<size_t>(b.n * s.topk)));
       RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(r), L * static_cast<size_t>(2 * s.hidden * s.ffn)));
       RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(r), L * static_cast<size_t>(s.ffn * s.hidden)));
-      for (float v : o.y)
-        if (std::isnan(v)) return InternalError("rank " + std::to_string(r) + ": y holds a value nobody wrote (NaN)");
+      for (const auto* v : {&o.y, &o.dx, &o.dg})
+        for (float value : *v)
+          if (std::isnan(value)) return InternalError("rank " + std::to_string(r) + ": an output holds a value nobody wrote (NaN)");
       return Status::Ok();
     }));
   }
@@ -183,6 +185,78 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaSourceWindows,
                                            Case{.name = "H40", .routing = "zipf:1", .hidden = 40},
                                            Case{.name = "cutlass_zipf1", .routing = "zipf:1", .cutlass = true}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Two layers of one shape on one domain share the segment payload and sideband (LayerRegions::shared_transport),
+// with the owner's reduce, whose backward reads every position's row count: forward A (short windows: rank 1
+// holds 17 tokens, rank 2 none), forward B (full windows), backward B, backward A. B's calls leave rows in A's
+// window tails, so A's backward is right only if its own scatter clears them again. Windows against the three
+// phases, both layers' outputs and gradients bit for bit, none left unwritten.
+StatusOr<std::vector<std::vector<RankOut>>> RunStack(bool windows) {
+  const Case c{.name = "stack", .owner_reduce = true};
+  const LayerShape s = Shape(c);
+  LayerConfig cfg = MakeLayerConfig(s);
+  cfg.source_windows = windows;
+  cfg.owner_reduce = true;
+  const OwnershipMap own = *OwnershipMap::Contiguous(s.experts, kW);
+  RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(
+                                         kW, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(kW, std::min(kW, cuda::DeviceCount()))}));
+  RDEP_ASSIGN_OR_RETURN(auto a, CudaMoELayer::Create(*domain, cfg, own, RandomWeights(s, 7)));
+  RDEP_ASSIGN_OR_RETURN(auto b, CudaMoELayer::Create(*domain, cfg, own, RandomWeights(s, 8)));
+  std::vector<ForwardContext> ctx_a(kW), ctx_b(kW);
+  RDEP_ASSIGN_OR_RETURN(Routing rt_a, CallRouting(c, s, 3));  // short and empty ranks
+  RDEP_ASSIGN_OR_RETURN(Routing rt_b, CallRouting(c, s, 1));  // every rank full
+  const auto x_a = RandomActivations(s, rt_a, 31), dy_a = RandomActivations(s, rt_a, 32);
+  const auto x_b = RandomActivations(s, rt_b, 33), dy_b = RandomActivations(s, rt_b, 34);
+  std::vector<std::vector<RankOut>> out(2, std::vector<RankOut>(kW));
+  RDEP_RETURN_IF_ERROR(domain->Run([&](int32_t r) -> Status {
+    const auto i = static_cast<size_t>(r);
+    Batch ba, bb;
+    RDEP_RETURN_IF_ERROR(Upload(rt_a[i], x_a[i], dy_a[i], s.hidden, ba));
+    RDEP_RETURN_IF_ERROR(Upload(rt_b[i], x_b[i], dy_b[i], s.hidden, bb));
+    for (Batch* bt : {&ba, &bb}) {
+      const auto nh = static_cast<size_t>(std::max<int64_t>(bt->n * s.hidden, 1)), nk = static_cast<size_t>(std::max<int64_t>(bt->n * s.topk, 1));
+      for (auto [p, bytes] : {std::pair<void*, size_t>{bt->y, nh * 2}, {bt->dx, nh * 2}, {bt->dg, nk * 4}})
+        RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0xFF, bytes));
+    }
+    RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    RDEP_RETURN_IF_ERROR(a->Forward(r, ctx_a[i], ba.e, ba.g, ba.n, ba.x, ba.y));
+    RDEP_RETURN_IF_ERROR(b->Forward(r, ctx_b[i], bb.e, bb.g, bb.n, bb.x, bb.y));
+    RDEP_RETURN_IF_ERROR(b->Backward(r, ctx_b[i], bb.dy, bb.dx, bb.dg));
+    RDEP_RETURN_IF_ERROR(a->Backward(r, ctx_a[i], ba.dy, ba.dx, ba.dg));
+    RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
+    const auto L = static_cast<size_t>(own.num_local(r));
+    const std::pair<CudaMoELayer*, Batch*> layers[] = {{a.get(), &ba}, {b.get(), &bb}};
+    for (size_t m = 0; m < 2; ++m) {
+      auto [layer, bt] = layers[m];
+      RankOut& o = out[m][i];
+      o.windowed = layer->source_windows(m == 0 ? ctx_a[i] : ctx_b[i], r);
+      RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(bt->y, static_cast<size_t>(bt->n * s.hidden)));
+      RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(bt->dx, static_cast<size_t>(bt->n * s.hidden)));
+      RDEP_ASSIGN_OR_RETURN(o.dg, Download(bt->dg, static_cast<size_t>(bt->n * s.topk)));
+      RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(r), L * static_cast<size_t>(2 * s.hidden * s.ffn)));
+      RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(r), L * static_cast<size_t>(s.ffn * s.hidden)));
+      for (const auto* v : {&o.y, &o.dx, &o.dg})
+        for (float value : *v)
+          if (std::isnan(value)) return InternalError("layer " + std::to_string(m) + " rank " + std::to_string(r) + ": an output nobody wrote");
+    }
+    return Status::Ok();
+  }));
+  return out;
+}
+
+TEST(CudaSourceWindowsStack, BackwardsOfTwoLayersWithTheOwnersReduce) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device: the CUDA layer runs on a GPU";
+  auto windowed = RunStack(true);
+  ASSERT_TRUE(windowed.ok()) << windowed.status();
+  auto phased = RunStack(false);
+  ASSERT_TRUE(phased.ok()) << phased.status();
+  for (size_t m = 0; m < 2; ++m)
+    for (int32_t r = 0; r < kW; ++r) {
+      EXPECT_TRUE((*windowed)[m][static_cast<size_t>(r)].windowed) << "layer " << m << " rank " << r;
+      EXPECT_FALSE((*phased)[m][static_cast<size_t>(r)].windowed) << "layer " << m << " rank " << r;
+    }
+  ExpectSameBits(*windowed, *phased);  // [layer][rank]: the helper's "call" is the layer here
+}
 
 // The counts of a windowed Forward were never exchanged: recv_counts refuses its context, naming the
 // windows and what gives the counts; after a Plan on the same layer it answers.
