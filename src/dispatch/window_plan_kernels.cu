@@ -1,7 +1,7 @@
 // A forward's whole plan under per-source windows (LaunchWindowPlan, rdep/dispatch/dispatch_kernels.h)
-// in two kernels, a thread per token. The three-phase plan takes five kernels and two barriers: the
-// routing check and its one-block finish, the counts and the positions, then (after the counts barrier,
-// the owner scan and the offsets barrier) the acceptance. With windows nothing is exchanged, so:
+// in two kernels, a thread per token. The three-phase plan takes six kernels and two barriers: the
+// routing check and its one-block finish, the counts and the positions, then the counts barrier, the
+// owner scan, the offsets barrier and the acceptance. With windows nothing is exchanged, so:
 //   1. copy the caller's routing, check it (rdep::CheckRouteSlot, as LaunchValidateRouting), rewrite a
 //      faulty token in place by its own thread (the stand-in of the check's finish), fold the first
 //      fault into *worst; per block of kThreads tokens, the tokens it sends to each owner;
@@ -9,7 +9,9 @@
 //      tokens; every slot accepted with its effective gates; the control copy; the fault record (the
 //      first fault's values read from the caller's arrays, which nothing rewrites) and the words reset.
 // Positions come from scans in token order, as the three-phase plan's (routing_kernels.cu), so the
-// windows hold the same rows in the same order as the packed stream.
+// windows hold the same rows in the same order as the packed stream. One kernel instead of two (blocks
+// numbered by tickets in start order, each waiting on the earlier ones' published counts) measured slower:
+// 19.8 against 17.5 us at W = 2 on 2x H200 (docs/perf-notes.md, twenty-eighth session).
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>

@@ -90,7 +90,8 @@ StatusOr<std::vector<int64_t>> CudaMoELayer::recv_counts(ForwardContext& ctx) {
   if (!sv) return FailedPrecondition("recv counts: the context holds no plan of this layer (call Plan first)");
   if (sv->windowed)
     return FailedPrecondition("recv counts: the context holds a Forward of rank " + std::to_string(rank) +
-                              ", whose rows took per-source windows and were never counted at its plan (call Plan for the counts)");
+                              ", whose rows took per-source windows and were never counted at its plan (call Plan for the counts, "
+                              "or set LayerConfig::source_windows false)");
   RDEP_RETURN_IF_ERROR(CheckRowsSupported("recv counts"));
   RDEP_RETURN_IF_ERROR(HostRecvCounts(rank, *sv));
   return sv->recv_counts;

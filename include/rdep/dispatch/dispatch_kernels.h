@@ -125,7 +125,7 @@ Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, in
 // Phase 3 for one segment [lo, lo+S) of every owner's token stream: payload row + sideband of each of
 // this rank's tokens that falls in the window, into the owner's segment buffer `buf` (each accepted
 // slot to targets.rank, with local expert targets.local). Row ids by rdep::RowIdCodec. With window_tokens
-// (per-source windows: the plan's LaunchCountAndPublish output, device [W]; one segment) also a row count
+// (per-source windows: LaunchWindowPlan's output, device [W]; one segment) also a row count
 // of 0 at every position of this rank's window in each owner's stream past its window_tokens[q] tokens.
 Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                      const float* effective_gates, const int32_t* tok_index, int64_t n, const RegionLayout& l,

@@ -168,7 +168,9 @@ class CudaMoELayer {
   // dy, dx [n][H] bf16; dgates [n][K] fp32 (w.r.t. the router's gates). Weight gradients of this call
   // (overwritten) in dw1(rank), dw2(rank): fp32 [E_loc][H][2F], [E_loc][F][H].
   Status Backward(int32_t rank, ForwardContext& ctx, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dgates);
-  // A forward in its two steps (Forward = Plan + Run; both collective, every rank in the same order).
+  // A forward in its two steps (both collective, every rank in the same order; every rank of a forward
+  // calls Forward, or every rank Plan then Run: Forward's plan may take per-source windows, whose calls
+  // and barriers differ from Plan's).
   // Plan: the routing checked on the device, phases 1-2 of dispatch (counts, the owners' capacity
   // decision), the accepted set and effective gates, into ctx. Run: phase 3, expert compute, return
   // and combine of the plan in ctx. A bad num_tokens makes Plan return InvalidArgument after the rank
@@ -228,6 +230,9 @@ class CudaMoELayer {
   // region_layout.h): no phase 2 and no routing barriers.
   bool source_windows(int32_t rank) const;
   bool source_windows(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
+  // Whether this layer's Forward takes per-source windows: LayerConfig::source_windows, dropless, no
+  // balancing, one node, no load matrix, one segment (S >= W*T).
+  bool SourceWindows() const;
   // Testing only: in the overlapped pipeline, block the compute stream for compute_ns before each
   // segment's compute, and the domain's stream for return_ns before each segment's return (a host
   // function that sleeps; 0 = none), so that a missing wait between the two streams shows as a wrong
@@ -395,9 +400,6 @@ class CudaMoELayer {
   // Plan with windows allowed (Forward) or not (Plan: the caller's experts need the counts at the plan).
   Status PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* experts, const float* gates, int64_t num_tokens,
                  bool windows_allowed);
-  // Whether this layer's forwards can take per-source windows: LayerConfig::source_windows, dropless, no
-  // balancing, one node, no load matrix, one segment (S >= W*T).
-  bool SourceWindows() const;
   // The plan when every source has a fixed window (dispatch::LaunchWindowPlan, from the caller's routing):
   // the check, positions, every row accepted, the control copy of window words; no peer memory touched.
   Status PlanWindowed(int32_t rank, RankState& st, Saved& sv, const int32_t* experts, const float* gates);
