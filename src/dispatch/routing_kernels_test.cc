@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/routing_test_util.h"
 #include "experts/experts_test_util.h"
 #include "rdep/core/random.h"
 #include "rdep/core/route_rules.h"
@@ -28,22 +29,8 @@ namespace {
 
 using kernels::test_util::Dev;
 
-// n tokens of K distinct experts in [0, E), gates in [0, 1).
-void RandomRouting(int64_t n, int64_t K, int64_t E, uint64_t seed, std::vector<int32_t>& experts, std::vector<float>& gates) {
-  Rng rng(seed);
-  experts.assign(static_cast<size_t>(n * K), 0);
-  gates.assign(static_cast<size_t>(n * K), 0.f);
-  std::vector<int32_t> pool(static_cast<size_t>(E));
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t e = 0; e < E; ++e) pool[static_cast<size_t>(e)] = static_cast<int32_t>(e);
-    for (int64_t k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct ids
-      const auto j = static_cast<size_t>(k + static_cast<int64_t>(rng.below(static_cast<uint64_t>(E - k))));
-      std::swap(pool[static_cast<size_t>(k)], pool[j]);
-      experts[static_cast<size_t>(t * K + k)] = pool[static_cast<size_t>(k)];
-      gates[static_cast<size_t>(t * K + k)] = static_cast<float>(rng.uniform());
-    }
-  }
-}
+using test_util::InjectRoutingFaults;
+using test_util::RandomRouting;
 
 struct CheckCase {
   std::string name;
@@ -60,16 +47,7 @@ TEST_P(RoutingCheck, NamesTheFirstFaultAndRewritesOnlyFaultyTokens) {
   std::vector<int32_t> experts;
   std::vector<float> gates;
   RandomRouting(c.n, c.K, c.E, 11 + static_cast<uint64_t>(c.n), experts, gates);
-  for (size_t b = 0; b < c.bad_tokens.size(); ++b) {
-    const int64_t t = c.bad_tokens[b], k = (c.K - 1) / 2;  // a middle slot, so earlier slots are checked first
-    const auto i = static_cast<size_t>(t * c.K + k);
-    switch (b % 4) {
-      case 0: experts[i] = static_cast<int32_t>(c.E); break;
-      case 1: experts[i] = -1; break;
-      case 2: gates[i] = std::numeric_limits<float>::quiet_NaN(); break;
-      default: if (c.K > 1) experts[i] = experts[static_cast<size_t>(t * c.K + (k == 0 ? 1 : 0))]; else gates[i] = -1.f;
-    }
-  }
+  InjectRoutingFaults(c.bad_tokens, c.K, c.E, experts, gates);
   // The host's answer: the first faulty slot in (t, k) order, and the faulty tokens.
   unsigned long long want = ~0ull;
   std::vector<bool> faulty(static_cast<size_t>(c.n), false);

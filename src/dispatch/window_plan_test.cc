@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/routing_test_util.h"
 #include "experts/experts_test_util.h"
 #include "rdep/core/capacity_rules.h"
 #include "rdep/core/random.h"
@@ -37,32 +38,10 @@ struct PlanCase {
 };
 void PrintTo(const PlanCase& c, std::ostream* os) { *os << c.name; }
 
-// n tokens of K distinct experts in [0, E) (only the first `used` experts when used > 0), gates in [0, 1).
+// n tokens of K distinct experts among the first `used` (all E when used is 0), gates in [0, 1), the case's faults.
 void Routing(const PlanCase& c, int64_t used, std::vector<int32_t>& experts, std::vector<float>& gates) {
-  Rng rng(31 + static_cast<uint64_t>(c.n * c.K));
-  const int64_t pool_size = used > 0 ? used : c.E;
-  experts.assign(static_cast<size_t>(c.n * c.K), 0);
-  gates.assign(static_cast<size_t>(c.n * c.K), 0.f);
-  std::vector<int32_t> pool(static_cast<size_t>(pool_size));
-  for (int64_t t = 0; t < c.n; ++t) {
-    for (int64_t e = 0; e < pool_size; ++e) pool[static_cast<size_t>(e)] = static_cast<int32_t>(e);
-    for (int64_t k = 0; k < c.K; ++k) {
-      const auto j = static_cast<size_t>(k + static_cast<int64_t>(rng.below(static_cast<uint64_t>(pool_size - k))));
-      std::swap(pool[static_cast<size_t>(k)], pool[j]);
-      experts[static_cast<size_t>(t * c.K + k)] = pool[static_cast<size_t>(k)];
-      gates[static_cast<size_t>(t * c.K + k)] = static_cast<float>(rng.uniform());
-    }
-  }
-  for (size_t b = 0; b < c.bad_tokens.size(); ++b) {
-    const int64_t t = c.bad_tokens[b], k = (c.K - 1) / 2;
-    const auto i = static_cast<size_t>(t * c.K + k);
-    switch (b % 4) {
-      case 0: experts[i] = static_cast<int32_t>(c.E); break;
-      case 1: experts[i] = -1; break;
-      case 2: gates[i] = std::numeric_limits<float>::quiet_NaN(); break;
-      default: if (c.K > 1) experts[i] = experts[static_cast<size_t>(t * c.K + (k == 0 ? 1 : 0))]; else gates[i] = -1.f;
-    }
-  }
+  test_util::RandomRouting(c.n, c.K, used > 0 ? used : c.E, 31 + static_cast<uint64_t>(c.n * c.K), experts, gates);
+  test_util::InjectRoutingFaults(c.bad_tokens, c.K, c.E, experts, gates);
 }
 
 class WindowPlan : public ::testing::TestWithParam<PlanCase> {};

@@ -52,13 +52,6 @@ struct LayerResult {
   BalancePlan plan;            // rank 0's
 };
 
-StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
-  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
-  return out;
-}
-
 // One layer's inputs on every rank.
 struct Inputs {
   Routing rt;
@@ -126,10 +119,6 @@ StatusOr<LayerResult> RunAlone(const LayerConfig& cfg, uint64_t seed, const Inpu
   layer->set_replica_fault_for_test(fault);
   RDEP_ASSIGN_OR_RETURN(std::vector<LayerResult> r, RunSchedule(*domain, {layer.get()}, {in}, {{0, false}, {0, true}}));
   return std::move(r[0]);
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 double RelL2(const float* a, const float* b, size_t n) {

@@ -75,13 +75,6 @@ struct CudaRun {
   BalanceTelemetry telemetry;      // balanced: rank 0's
 };
 
-StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
-  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
-  return out;
-}
-
 // Forward (the layer's own context) and backward on every rank, with host copies of what the checks read.
 Status ForwardBackward(CudaDomain& domain, CudaMoELayer& layer, const Routing& rt, const Activations& x, const Activations& dy,
                        CudaRun& out) {
@@ -164,10 +157,6 @@ StatusOr<HostRun> RunHost(const LayerConfig& cfg, const Routing& rt, const Activ
     h.inst.push_back(std::move(inst));
   }
   return h;
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // ||a - b|| / ||b|| (0 when both are zero; +inf on a NaN or a size mismatch).

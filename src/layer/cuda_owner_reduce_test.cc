@@ -55,13 +55,6 @@ struct RankOut {
   std::vector<float> y, dx, dg, dw1, dw2;
 };
 
-StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
-  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
-  return out;
-}
-
 // Two forward+backward calls (routing seeds 1 and 2) on one layer: [call][rank] outputs.
 StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool owner_reduce, int32_t transport_sms = 0) {
   const LayerShape s = Shape(c);
@@ -117,10 +110,6 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
     den += static_cast<double>(b[i]) * b[i];
   }
   return num == 0 ? 0 : (den == 0 ? INFINITY : std::sqrt(num / den));
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 class CudaOwnerReduce : public ::testing::TestWithParam<Case> {};

@@ -52,11 +52,17 @@ struct RankOut {
   bool windowed = false;
 };
 
-StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
-  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
-  return out;
+// Rank r's outputs and gradients of one forward+backward into o; an output left NaN (the poison) is an error.
+Status Collect(const CudaMoELayer& layer, int32_t r, const Batch& b, const LayerShape& s, size_t num_local, RankOut& o) {
+  RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(b.y, static_cast<size_t>(b.n * s.hidden)));
+  RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(b.dx, static_cast<size_t>(b.n * s.hidden)));
+  RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, static_cast<size_t>(b.n * s.topk)));
+  RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer.dw1(r), num_local * static_cast<size_t>(2 * s.hidden * s.ffn)));
+  RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer.dw2(r), num_local * static_cast<size_t>(s.ffn * s.hidden)));
+  for (const auto* v : {&o.y, &o.dx, &o.dg})
+    for (float value : *v)
+      if (std::isnan(value)) return InternalError("rank " + std::to_string(r) + ": an output holds a value nobody wrote (NaN)");
+  return Status::Ok();
 }
 
 // The routing of call `call` (1-based): uniform, the case's, then uniform with short and empty ranks.
@@ -111,23 +117,10 @@ StatusOr<std::vector<std::vector<RankOut>>> RunLayer(const Case& c, bool windows
       o.windowed = layer->source_windows(ctx, r);
       RDEP_RETURN_IF_ERROR(layer->Backward(r, ctx, b.dy, b.dx, b.dg));
       RDEP_RETURN_IF_ERROR(domain->Synchronize(r));
-      const auto L = static_cast<size_t>(own.num_local(r));
-      RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(b.y, static_cast<size_t>(b.n * s.hidden)));
-      RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(b.dx, static_cast<size_t>(b.n * s.hidden)));
-      RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, static_cast<size_t>(b.n * s.topk)));
-      RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(r), L * static_cast<size_t>(2 * s.hidden * s.ffn)));
-      RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(r), L * static_cast<size_t>(s.ffn * s.hidden)));
-      for (const auto* v : {&o.y, &o.dx, &o.dg})
-        for (float value : *v)
-          if (std::isnan(value)) return InternalError("rank " + std::to_string(r) + ": an output holds a value nobody wrote (NaN)");
-      return Status::Ok();
+      return Collect(*layer, r, b, s, static_cast<size_t>(own.num_local(r)), o);
     }));
   }
   return out;
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 void ExpectSameBits(const std::vector<std::vector<RankOut>>& a, const std::vector<std::vector<RankOut>>& b) {
@@ -230,14 +223,7 @@ StatusOr<std::vector<std::vector<RankOut>>> RunStack(bool windows) {
       auto [layer, bt] = layers[m];
       RankOut& o = out[m][i];
       o.windowed = layer->source_windows(m == 0 ? ctx_a[i] : ctx_b[i], r);
-      RDEP_ASSIGN_OR_RETURN(o.y, DownloadBf16(bt->y, static_cast<size_t>(bt->n * s.hidden)));
-      RDEP_ASSIGN_OR_RETURN(o.dx, DownloadBf16(bt->dx, static_cast<size_t>(bt->n * s.hidden)));
-      RDEP_ASSIGN_OR_RETURN(o.dg, Download(bt->dg, static_cast<size_t>(bt->n * s.topk)));
-      RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(r), L * static_cast<size_t>(2 * s.hidden * s.ffn)));
-      RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(r), L * static_cast<size_t>(s.ffn * s.hidden)));
-      for (const auto* v : {&o.y, &o.dx, &o.dg})
-        for (float value : *v)
-          if (std::isnan(value)) return InternalError("layer " + std::to_string(m) + " rank " + std::to_string(r) + ": an output nobody wrote");
+      RDEP_RETURN_IF_ERROR(Collect(*layer, r, *bt, s, L, o));
     }
     return Status::Ok();
   }));

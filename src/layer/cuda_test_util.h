@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -130,6 +131,19 @@ StatusOr<std::vector<T>> Download(const T* p, size_t n) {
   std::vector<T> out(n);
   if (n) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
   return out;
+}
+
+// n bf16 values on the device, as floats.
+inline StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
+  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
+  return out;
+}
+
+// The same size and the same bits (NaNs compare by their bits).
+inline bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 }  // namespace rdep

@@ -105,13 +105,6 @@ StatusOr<std::unique_ptr<CudaDomain>> SharedGpuDomain(int64_t W) {
   return CudaDomain::CreateSingleProcess(W, {.barrier_timeout_s = 20, .devices = RoundRobinDevices(W, 1)});
 }
 
-StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t n) {
-  RDEP_ASSIGN_OR_RETURN(std::vector<uint16_t> bits, Download(reinterpret_cast<const uint16_t*>(p), n));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
-  return out;
-}
-
 // One forward (and, for the SwiGLU kind, backward) of a fresh CUDA layer on every rank.
 StatusOr<Run> RunCuda(const LayerConfig& cfg, const Inputs& in, bool sentinel = false) {
   const LayerShape& s = cfg.shape;
@@ -176,10 +169,6 @@ StatusOr<Run> RunHost(const LayerConfig& cfg, const Inputs& in, bool sentinel = 
     o.dw2.assign(layer->dw2(r).begin(), layer->dw2(r).end());
   }
   return out;
-}
-
-bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // ||a - b|| / ||b|| (0 when both are zero; infinite on a size mismatch or NaN).
