@@ -494,7 +494,6 @@ bool CudaMoELayer::SourceWindows() const {
          layout_.E_load == 0 && layout_.S >= layout_.W * layout_.T;
 }
 
-
 Status CudaMoELayer::PlanWindowed(int32_t rank, RankState& st, Saved& sv, const int32_t* experts, const float* gates) {
   return dispatch::LaunchWindowPlan(experts, gates, sv.num_tokens, layout_, dispatch::OwnerMapView{st.owner.ptr, st.local.ptr},
                                     static_cast<int32_t>(config_.shape.experts), rank, sv.experts.ptr, sv.gates.ptr, sv.tok_index.ptr,
