@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 19
+#define RDEP_CAPI_VERSION 20
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -152,6 +152,11 @@ typedef struct rdep_layer_spec {
    * less) and the owners take dgate's dot products; y and the gradients differ by bf16 rounding. Needs
    * expert_compute 1, no balancing, one node and owner_reduce 0. The host backend ignores it. */
   int64_t gate_in_expert;
+  /* Version 20. CUDA: 1 = every forward plans by the three phases (LayerConfig::source_windows false). 0 (the
+   * default): a forward that is dropless in one segment, without balancing or nodes, gives each source a fixed
+   * window of every owner's token stream and exchanges no counts before its scatter; the same bits. The host
+   * backend ignores it (it always takes the three phases). */
+  int64_t no_source_windows;
 } rdep_layer_spec;
 
 enum rdep_balance_kind { RDEP_BALANCE_OFF = 0, RDEP_BALANCE_ULTRAEP = 1, RDEP_BALANCE_EPLB = 2, RDEP_BALANCE_EPLB_EXACT = 3 };

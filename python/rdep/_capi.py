@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 19  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 20  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -88,6 +88,7 @@ LAYER_SPEC_FIELDS = (
     ("stash_rows", "int64_t"),  # version 10
     ("overlap_segments", "int64_t"),  # version 11
     ("gate_in_expert", "int64_t"),  # version 12
+    ("no_source_windows", "int64_t"),  # version 20
 )
 
 BALANCE_KINDS = {"off": 0, "ultraep": 1, "eplb": 2, "eplb-exact": 3}  # rdep_balance_kind

@@ -13,6 +13,22 @@ import rdep
 import rdep.torch as rt
 
 
+def test_source_windows_is_a_bool_the_layer_and_module_keep():
+    """source_windows (C ABI version 20's no_source_windows, inverted): on by default, off when asked, a bool or a
+    TypeError naming it; the module passes it to its layer. The host backend always takes the three phases, so
+    both give the same outputs there (the CUDA layer's equality is its C++ GPU test, CudaSourceWindows)."""
+    assert rt.Layer(8, 6, 7, 2, 16, world_size=2).source_windows is True
+    assert rt.Layer(8, 6, 7, 2, 16, world_size=2, source_windows=False).source_windows is False
+    with pytest.raises(TypeError, match="source_windows: expected a bool, got int"):
+        rt.Layer(8, 6, 7, 2, 16, world_size=2, source_windows=1)
+    outs = []
+    for windows in (True, False):
+        moe = rt.MoE(8, 6, num_experts=4, topk=2, max_tokens=16, world_size=1, seed=3, source_windows=windows)
+        assert moe.layer.source_windows is windows
+        outs.append(moe(torch.randn(16, 8, generator=torch.Generator().manual_seed(5))).y)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_host_layer_reports_its_configuration():
     layer = rt.Layer(8, 6, 7, 2, 16, world_size=3, capacity_factor=0.5)
     assert layer.backend == "host" and layer.device == torch.device("cpu")

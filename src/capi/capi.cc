@@ -29,8 +29,9 @@ using rdep::capi::Guard;
 // A layer spec of another header version is refused before any field is read: 0 when its size fits.
 // Every version that changes the spec changes its size (version 6 added transport_sms and reserved: 144 ->
 // 152 bytes; versions 7 and 8 added functions only; version 9 added balance_min_gain: 160 bytes; version 10
-// stash_rows: 168 bytes; version 11 overlap_segments: 176 bytes; version 12 gate_in_expert: 184 bytes).
-static_assert(sizeof(rdep_layer_spec) == 184, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
+// stash_rows: 168 bytes; version 11 overlap_segments: 176 bytes; version 12 gate_in_expert: 184 bytes; version 20
+// no_source_windows: 192 bytes).
+static_assert(sizeof(rdep_layer_spec) == 192, "rdep_layer_spec changed: bump RDEP_CAPI_VERSION and make the size differ");
 int CheckStructSize(const rdep_layer_spec& spec) {
   if (spec.struct_size == static_cast<int32_t>(sizeof(rdep_layer_spec))) return 0;
   return FailInvalid("layer spec: struct_size " + std::to_string(spec.struct_size) + " != " + std::to_string(sizeof(rdep_layer_spec)) +
@@ -135,6 +136,9 @@ rdep::Status CheckSpec(const rdep_layer_spec& s) {
     return InvalidArgument("layer spec: overlap_segments " + std::to_string(s.overlap_segments) + " is not 0 (off) or 1 (on)");
   if (s.gate_in_expert != 0 && s.gate_in_expert != 1)
     return InvalidArgument("layer spec: gate_in_expert " + std::to_string(s.gate_in_expert) + " is not 0 (off) or 1 (on)");
+  if (s.no_source_windows != 0 && s.no_source_windows != 1)
+    return InvalidArgument("layer spec: no_source_windows " + std::to_string(s.no_source_windows) +
+                           " is not 0 (per-source windows where they apply) or 1 (the three phases)");
   return rdep::Status::Ok();
 }
 
@@ -342,6 +346,7 @@ rdep::Status ConfigOf(const rdep_layer_spec& spec, rdep::LayerConfig& c) {
   c.stash_rows = spec.backend == RDEP_BACKEND_HOST ? 0 : spec.stash_rows;  // the host backend ignores it
   c.overlap_segments = spec.backend != RDEP_BACKEND_HOST && spec.overlap_segments == 1;  // so does this
   c.gate_in_expert = spec.backend != RDEP_BACKEND_HOST && spec.gate_in_expert == 1;      // and this
+  c.source_windows = spec.no_source_windows == 0;  // the host backend never takes the windows
   if (spec.balance_relay_above >= 0) c.balance.relay_above = spec.balance_relay_above;
   c.nodes = rdep::NodeConfig{spec.nodes > 0 ? spec.nodes : 1, spec.max_nodes};
   c.expert_compute = spec.expert_compute == 1 ? rdep::ExpertComputeKind::kCutlass : rdep::ExpertComputeKind::kCublasLt;

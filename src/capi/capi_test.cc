@@ -178,6 +178,8 @@ TEST(CApi, SpecErrorsNameTheField) {
   refused([](rdep_layer_spec& x) { x.transport_sms = 1025; }, "transport_sms: 1025 is outside [0, 1024]");
   refused([](rdep_layer_spec& x) { x.transport_sms = -1; }, "transport_sms: -1 is outside");
   refused([](rdep_layer_spec& x) { x.reserved = 3; }, "reserved must be 0, got 3");
+  refused([](rdep_layer_spec& x) { x.no_source_windows = 2; }, "no_source_windows 2 is not 0 (per-source windows where they apply)");
+  made([](rdep_layer_spec& x) { x.no_source_windows = 1; }, "no_source_windows 1 (the host backend ignores it)");
   refused([](rdep_layer_spec& x) { x.transport_sms = 2, x.nodes = 2; }, "transport_sms: not with nodes");
   made([](rdep_layer_spec& x) { x.transport_sms = 8; }, "transport_sms 8 (the host backend ignores it)");
   refused([](rdep_layer_spec& x) { x.overlap_segments = 2; }, "overlap_segments 2 is not 0 (off) or 1 (on)");

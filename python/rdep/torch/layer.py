@@ -386,9 +386,12 @@ class Layer(CHandle):
         overlap_segments: bool = False,
         gate_in_expert: Optional[bool] = False,
         capturable_ops: bool = True,
+        source_windows: bool = True,
     ):
         if not isinstance(capturable_ops, bool):
             raise TypeError(f"capturable_ops: expected a bool, got {type(capturable_ops).__name__}")
+        if not isinstance(source_windows, bool):
+            raise TypeError(f"source_windows: expected a bool, got {type(source_windows).__name__}")
         _check_config(hidden, ffn, num_experts, topk, max_tokens, capacity_factor, segment_tokens)
         if not isinstance(torch_rows, bool):
             raise TypeError(f"torch_rows: expected a bool, got {type(torch_rows).__name__}")
@@ -432,7 +435,7 @@ class Layer(CHandle):
                     balance_relay_above=relay_above, nodes=nodes, max_nodes=max_nodes,
                     expert_compute=_capi.EXPERT_COMPUTE[expert_compute], owner_reduce=int(owner_reduce),
                     transport_sms=transport_sms, stash_rows=stash_rows, overlap_segments=int(overlap_segments),
-                    gate_in_expert=int(gate_in_expert))
+                    gate_in_expert=int(gate_in_expert), no_source_windows=int(not source_windows))
 
         from . import eager_ext  # noqa: PLC0415 - eager_ext imports this module
 
@@ -453,6 +456,7 @@ class Layer(CHandle):
         self.stash_rows = stash_rows
         self.capturable_ops = capturable_ops
         self.gate_in_expert = gate_in_expert
+        self.source_windows = source_windows
         self.backend = resolved
         self.process_group = process_group
         with _registry_lock:

@@ -79,6 +79,11 @@ gradients in fp32). Initialization is deterministic in `seed`: expert e's weight
       differ from weighting at the combine by bf16 rounding. None (default) = on where the layer allows it
       (CUDA, expert_compute='cutlass', balance='off', nodes=1; with owner_reduce too), off elsewhere; True asks
       for it (a ValueError where it cannot run); False weights at the combine
+  source_windows=True (CUDA): a forward that is dropless in one segment (segment_tokens 0 or >= world_size *
+      max_tokens), with balance='off' and nodes=1, gives each source rank a fixed window of every owner's token
+      stream, so its routing exchanges no counts before the rows cross (no owner scan, no barriers: dispatch 80.3
+      against 100.6 us at the Moonlight shape on 2x H200); the same outputs bit for bit. False plans every forward
+      by the three phases (for A/B timing). The host backend always takes the three phases
 
 forward(x) returns MoEOutput(y, aux_loss, z_loss, tokens_per_expert):
   x [..., H] when the process drives one rank (L = 1), [L, ..., H] when it drives L > 1 ranks (one
@@ -188,6 +193,7 @@ class MoE(nn.Module):
         overlap_segments: bool = False,
         gate_in_expert: Optional[bool] = None,
         capturable_ops: bool = True,
+        source_windows: bool = True,
     ):
         super().__init__()
         self._layer_args = dict(
@@ -198,7 +204,7 @@ class MoE(nn.Module):
             max_nodes=max_nodes, expert_compute=expert_compute, owner_reduce=owner_reduce, transport_sms=transport_sms,
             domain=domain, balance_min_gain=balance_min_gain, stash_rows=stash_rows,
             keep_weight_casts=keep_weight_casts, overlap_segments=overlap_segments, gate_in_expert=gate_in_expert,
-            capturable_ops=capturable_ops)
+            capturable_ops=capturable_ops, source_windows=source_windows)
         self._backend_arg = backend
         self.layer = Layer(backend=backend, device=device, **self._layer_args)
         device = self.layer.device
