@@ -31,6 +31,9 @@
 #   rows       the owner's rows in one set (seventh session): the layer at W = 4 beside the baseline (fp32 and
 #              --grads bf16), the pipeline with 2 and 4 segments, the cuBLASLt and balanced layers (two sets), then
 #              stage one (W = 1 on GPU 0)
+#   windows    per-source windows (LayerConfig::source_windows, the default) against the three phases
+#              (--no-source-windows) at W = WIN_W (default 4) on WIN_W GPUs: rdep check, then bench dispatch at the
+#              Moonlight shape (uniform and Zipf 1) and DeepSeek-V3's, alternated a/b, and the layer beside the baseline
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
@@ -867,6 +870,29 @@ stage_trainovor() {  # rdep with --timing overlapped, without and with --owner-r
   pip_wheels
   train_ro train_w1_overlapped_rdep2 rdep --timing overlapped
   train_ro train_w1_overlapped_rdep_or rdep --timing overlapped --owner-reduce
+}
+stage_windows() {
+  local w=${WIN_W:-4}
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  run check_windows_w$w "$RDEP" check --backend cuda --ranks "$w" --gpus "$w" --json "$R/check_windows_w$w.json"
+  for round in a b; do
+    for mode in win 3ph; do
+      local flag=()
+      [ "$mode" = 3ph ] && flag=(--no-source-windows)
+      run dispatch_w${w}_${mode}_$round "$RDEP" bench dispatch --ranks "$w" "${moon[@]}" "${flag[@]}" --json "$R/dispatch_w${w}_${mode}_$round.json"
+    done
+  done
+  for mode in win 3ph; do
+    local flag=()
+    [ "$mode" = 3ph ] && flag=(--no-source-windows)
+    run dispatch_zipf1_w${w}_$mode "$RDEP" bench dispatch --ranks "$w" "${moon[@]}" --routing zipf:1 "${flag[@]}" \
+      --json "$R/dispatch_zipf1_w${w}_$mode.json"
+    run dispatch_dsv3_w${w}_$mode "$RDEP" bench dispatch --ranks "$w" --tokens 4096 --hidden 7168 --experts 256 --topk 8 --warmup 20 \
+      --iters 100 "${flag[@]}" --json "$R/dispatch_dsv3_w${w}_$mode.json"
+  done
+  layer windows_w$w "$w" 0
+  run layer_windows_w${w}_3ph "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --no-source-windows \
+    --json "$R/layer_windows_w${w}_3ph.json" --baseline-json "$R/torch_windows_w$w.json"
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &
