@@ -453,10 +453,6 @@ bool CudaMoELayer::overlapped(const ForwardContext& ctx, int32_t r) const {
   const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
   return saved && saved->overlapped;
 }
-bool CudaMoELayer::source_windows(int32_t r) const {
-  const Saved* saved = CheckLocalRank(r).ok() ? last(r) : nullptr;
-  return saved && saved->windowed;
-}
 bool CudaMoELayer::source_windows(const ForwardContext& ctx, int32_t r) const {
   const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
   return saved && saved->windowed;

@@ -226,10 +226,9 @@ class CudaMoELayer {
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
   bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
-  // Whether rank's last forward placed its rows in per-source windows (LayerConfig::source_windows,
+  // Whether the forward held in ctx placed rank's rows in per-source windows (LayerConfig::source_windows,
   // region_layout.h): no phase 2 and no routing barriers.
-  bool source_windows(int32_t rank) const;
-  bool source_windows(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
+  bool source_windows(const ForwardContext& ctx, int32_t rank) const;
   // Whether this layer's Forward takes per-source windows: LayerConfig::source_windows, dropless, no
   // balancing, one node, no load matrix, one segment (S >= W*T).
   bool SourceWindows() const;
