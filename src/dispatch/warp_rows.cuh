@@ -8,8 +8,11 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "rdep/dispatch/region_layout.h"
+#include "rdep/status.h"
 
 namespace rdep::dispatch::detail {
 
@@ -47,6 +50,61 @@ __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, 
     for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
   }
 }
+
+// RDEP_EARLY_LOADS: on (the default) or off, the load order of the kernels that store rows into peer memory
+// (the scatter, the return, the owner's reduce: their kEarly), for A/B timing; read once per process.
+// InvalidArgument naming the variable for any other value.
+inline Status EarlyLoads(bool* early) {
+  static const std::string v = [] {
+    const char* e = std::getenv("RDEP_EARLY_LOADS");
+    return std::string(e ? e : "on");
+  }();
+  if (v != "on" && v != "off")
+    return InvalidArgument("RDEP_EARLY_LOADS='" + v +
+                           "': expected on (a row's loads issued before its destination is known, the default) or off");
+  *early = v == "on";
+  return Status::Ok();
+}
+
+// A warp's row copy in two steps, for a row whose destination comes out of a chain of dependent loads (a
+// stream position, a row id, an owner): Load issues the first 32 * kCopyUnroll 16-byte vectors of the
+// source (a whole 2048-wide bf16 row) before the chain, so they are in flight while it resolves; Store
+// writes them to the destination and copies the rest. A warp that finds nothing to send drops the loads.
+// The vector path needs H % 8 == 0 and both rows 16-byte aligned; Load sees only the source, so Store
+// falls back to 2-byte elements from the source when the destination is not aligned.
+struct WarpRowHead {
+  static constexpr int64_t kVectors = 32 * kCopyUnroll;
+  int4 v[kCopyUnroll];
+  bool vec = false;
+
+  __device__ __forceinline__ void Load(const uint16_t* src, int64_t H) {
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    vec = (H % 8) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0;
+    if (!vec) return;
+    const auto* s = reinterpret_cast<const int4*>(src);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = u * 32 + lane;
+      if (i < H / 8) v[u] = __ldg(s + i);
+    }
+  }
+
+  __device__ __forceinline__ void Store(const uint16_t* src, uint16_t* dst, int64_t H) const {
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    if (!vec || (reinterpret_cast<uintptr_t>(dst) % 16) != 0) {
+      for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
+      return;
+    }
+    auto* d = reinterpret_cast<int4*>(dst);
+    const int64_t n16 = H / 8;
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = u * 32 + lane;
+      if (i < n16) d[i] = v[u];
+    }
+    if (n16 > kVectors) WarpCopyVec16(reinterpret_cast<const int4*>(src) + kVectors, d + kVectors, n16 - kVectors);
+  }
+};
 
 // dst = w * src for one row of H bf16 by a warp, each element rounded to bf16 once, the element-wise form's
 // bits: 16-byte vectors with kCopyUnroll loads in flight per lane (as WarpCopyVec16) when aligned, else

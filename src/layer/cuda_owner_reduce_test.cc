@@ -43,12 +43,13 @@ struct Case {
   bool balance = false;
   bool cutlass = false;
   int64_t hidden = 64;
+  int64_t experts = 16, topk = 4;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 LayerShape Shape(const Case& c) {
-  return LayerShape{.tokens = 48, .hidden = c.hidden, .ffn = 32, .experts = 16, .topk = 4, .ranks = kW};
+  return LayerShape{.tokens = 48, .hidden = c.hidden, .ffn = 32, .experts = c.experts, .topk = c.topk, .ranks = kW};
 }
 
 struct RankOut {
@@ -231,6 +232,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,
                                            Case{.name = "one_expert", .routing = "one-expert"},
                                            Case{.name = "balanced_zipf2", .routing = "zipf:2", .balance = true},
                                            Case{.name = "H40", .routing = "zipf:1", .hidden = 40},
+                                           // Rows longer than the copies' first 256 vectors (the scatter's and
+                                           // the return's early loads, then the rest).
+                                           Case{.name = "H2056", .routing = "zipf:1", .hidden = 2056},
+                                           // More than 32 of a token's rows on one owner (the reduce's grouped
+                                           // indices past a warp's lanes): its 36 experts, 0-35, on owner 0.
+                                           Case{.name = "K36_one_owner", .routing = "one-expert", .experts = 160, .topk = 36},
                                            Case{.name = "cutlass_zipf1", .routing = "zipf:1", .cutlass = true}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
