@@ -34,11 +34,6 @@
 #   windows    per-source windows (LayerConfig::source_windows, the default) against the three phases
 #              (--no-source-windows) at W = WIN_W (default 4) on WIN_W GPUs: rdep check, then bench dispatch at the
 #              Moonlight shape (uniform and Zipf 1) and DeepSeek-V3's, alternated a/b, and the layer beside the baseline
-#   early      the transport kernels' early loads (RDEP_EARLY_LOADS=on, the default) against the plain order (off),
-#              alternated a/b at W = EARLY_W (default 2) on EARLY_W GPUs: rdep check --owner-reduce with off, then
-#              bench dispatch at the Moonlight shape on every SM and under --transport-sms 16, with --owner-reduce
-#              under 16 SMs, DeepSeek-V3's shape (rows past the early loads' first 4 KiB), and the layer with two
-#              overlapped segments under 16 SMs
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
@@ -898,28 +893,6 @@ stage_windows() {
   layer windows_w$w "$w" 0
   run layer_windows_w${w}_3ph "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --no-source-windows \
     --json "$R/layer_windows_w${w}_3ph.json" --baseline-json "$R/torch_windows_w$w.json"
-}
-stage_early() {
-  local w=${EARLY_W:-2}
-  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
-  run check_early_off_w$w env RDEP_EARLY_LOADS=off "$RDEP" check --backend cuda --ranks "$w" --gpus "$w" --owner-reduce \
-    --json "$R/check_early_off_w$w.json"
-  for round in a b; do
-    for mode in on off; do
-      local e=(env RDEP_EARLY_LOADS=$mode "$RDEP")
-      run disp_w${w}_${mode}_$round "${e[@]}" bench dispatch --ranks "$w" "${moon[@]}" --json "$R/disp_w${w}_${mode}_$round.json"
-      run disp_w${w}_sms16_${mode}_$round "${e[@]}" bench dispatch --ranks "$w" "${moon[@]}" --transport-sms 16 \
-        --json "$R/disp_w${w}_sms16_${mode}_$round.json"
-      run disp_w${w}_or_sms16_${mode}_$round "${e[@]}" bench dispatch --ranks "$w" "${moon[@]}" --owner-reduce --transport-sms 16 \
-        --json "$R/disp_w${w}_or_sms16_${mode}_$round.json"
-    done
-  done
-  for mode in on off; do
-    run disp_dsv3_w${w}_$mode env RDEP_EARLY_LOADS=$mode "$RDEP" bench dispatch --ranks "$w" --tokens 4096 --hidden 7168 --experts 256 \
-      --topk 8 --warmup 20 --iters 100 --json "$R/disp_dsv3_w${w}_$mode.json"
-    run layer_ov16_w${w}_$mode env RDEP_EARLY_LOADS=$mode "$RDEP" bench layer --ranks "$w" --expert-compute cutlass \
-      --segment $((w * 4096 / 2)) --overlap --transport-sms 16 --json "$R/layer_ov16_w${w}_$mode.json"
-  done
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

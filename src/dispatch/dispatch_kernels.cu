@@ -82,12 +82,11 @@ __global__ void RenormalizeAcceptedKernel(const float* gates, const uint8_t* acc
 // One (token t, owner q) pair of phase 3 by a warp: t's sideband entry in q's segment buffer (its rows on
 // q in slot order: row_id, physical local index, effective gate) and, when it has rows there, its payload
 // row. Nothing when t sends nothing to q or its stream position falls outside this segment's window.
-// kEarly (the default; RDEP_EARLY_LOADS=off for A/B timing): every load that waits on no other is issued
-// first (the head of t's payload row, t's stream position at q, q's send offset, t's first 32 slots), so
-// a pair waits on one chain (a slot's expert, then its owner) under its row's loads, where the plain order
-// waits on four in a row (position, slots, owner, row). That chain is what a pair costs when few warps take
-// many pairs each: the scatter under an SM budget (docs/perf-notes.md).
-template <bool kEarly>
+// Every load that waits on no other is issued first (the head of t's payload row, t's stream position
+// at q, q's send offset, t's first 32 slots), so a pair waits on one chain (a slot's expert, then its
+// owner) under its row's loads, where loading each value where it is used waits on four in a row
+// (position, slots, owner, row). That chain is what a pair costs when few warps take many pairs each:
+// under an SM budget of 16 at W = 2 it took the scatter from 86 to 74 us (docs/perf-notes.md).
 __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const bf16_bits* payload, const int32_t* experts,
                                                     const uint8_t* accepted, const float* effective, const int32_t* tok_index,
                                                     int64_t n, const RegionLayout& l, const RouteTargets& targets, int32_t rank,
@@ -99,10 +98,8 @@ __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const 
   int32_t e = 0;  // slot k's expert, acceptance and gate in lane k % 32
   bool acc = false;
   float gate = 0.f;
-  if constexpr (kEarly) {
-    head.Load(row, l.H);
-    if (lane < l.K) e = experts[t * l.K + lane], acc = accepted[t * l.K + lane] != 0, gate = effective[t * l.K + lane];
-  }
+  head.Load(row, l.H);
+  if (lane < l.K) e = experts[t * l.K + lane], acc = accepted[t * l.K + lane] != 0, gate = effective[t * l.K + lane];
   const int32_t idx = tok_index[q * n + t];
   const int64_t offset = my_control[l.send_offsets(q)];
   if (idx < 0) return;
@@ -115,7 +112,7 @@ __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const 
   int num_rows = 0;
   for (int64_t k0 = 0; k0 < l.K; k0 += 32) {
     const int64_t k = k0 + lane;
-    if ((!kEarly || k0 > 0) && k < l.K) e = experts[t * l.K + k], acc = accepted[t * l.K + k] != 0, gate = effective[t * l.K + k];
+    if (k0 > 0 && k < l.K) e = experts[t * l.K + k], acc = accepted[t * l.K + k] != 0, gate = effective[t * l.K + k];
     const bool take = k < l.K && acc && targets.rank(t * l.K + k, e) == q;
     const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
     if (take) {
@@ -126,7 +123,6 @@ __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const 
   }
   if (lane == 0) *reinterpret_cast<int64_t*>(sb) = num_rows;
   if (num_rows == 0) return;
-  if constexpr (!kEarly) head.Load(row, l.H);
   head.Store(row, static_cast<bf16_bits*>(payload_of[q]) + (static_cast<int64_t>(buf) * l.S + slot) * l.H, l.H);
 }
 
@@ -149,7 +145,6 @@ __device__ __forceinline__ void ClearWindowTails(const int64_t* window_tokens, c
 
 // A warp per token, its owners in order (RDEP_SCATTER=token, kept for A/B timing: on 4x H100 the pair
 // kernel below took dispatch from 266 to 202 us at the Moonlight shape, 805 to 551 us at DeepSeek-V3's).
-// Always with the early loads (RDEP_EARLY_LOADS is for the pair kernel).
 __global__ void __launch_bounds__(kTransportThreads)
 ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
               const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
@@ -158,14 +153,13 @@ ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* a
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps)
     for (int64_t q = 0; q < l.W; ++q)
-      ScatterTokenToOwner<true>(t, q, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
+      ScatterTokenToOwner(t, q, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
                           payload_of, sideband_of);
   ClearWindowTails(window_tokens, l, my_control, lo, buf, sideband_of);
 }
 
 // A warp per (token, owner) pair (the default): a token's stores to its owners proceed in parallel, from
 // neighbouring warps that read its row from L2, so more peer stores are in flight per SM.
-template <bool kEarly>
 __global__ void __launch_bounds__(kTransportThreads)
 ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* accepted,
                   const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
@@ -173,7 +167,7 @@ ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_
                   void* const* payload_of, void* const* sideband_of, const int64_t* window_tokens) {
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
-    ScatterTokenToOwner<kEarly>(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
+    ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
                         payload_of, sideband_of);
   ClearWindowTails(window_tokens, l, my_control, lo, buf, sideband_of);
 }
@@ -220,9 +214,8 @@ __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped
 // A prime (Knuth's multiplicative hash constant) above any segment's row count: ReturnRowsKernel's order.
 constexpr int64_t kReturnSpread = 2654435761LL;
 
-// kEarly (the default; RDEP_EARLY_LOADS=off for A/B timing): a row's loads are issued before its row id,
-// which names where it goes, comes back (as the scatter's).
-template <bool kEarly>
+// A row's loads are issued before its row id, which names where it goes, comes back (as the scatter's:
+// under 16 SMs at W = 2 the per-slot return's own stores took 174 us against 202 loading the row after).
 __global__ void __launch_bounds__(kTransportThreads)
 ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
                  void* const* return_of, const int64_t* device_rows, bool spread_order) {
@@ -241,9 +234,8 @@ ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bou
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; w < M; w += warps) {
     const int64_t g = spread ? (w * kReturnSpread) % M : w;
     detail::WarpRowHead head;
-    if constexpr (kEarly) head.Load(rows + g * l.H, l.H);
+    head.Load(rows + g * l.H, l.H);
     const RowKey key = codec.decode(grouped[g].row_id);
-    if constexpr (!kEarly) head.Load(rows + g * l.H, l.H);
     head.Store(rows + g * l.H, static_cast<bf16_bits*>(return_of[key.rank]) + (key.token * l.K + key.slot) * l.H, l.H);
   }
 }
@@ -342,8 +334,6 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
                      const int32_t* tok_index, int64_t n, const RegionLayout& l, RouteTargets targets, int32_t rank,
                      const int64_t* my_control, int64_t lo, int32_t buf, void* const* payload_of, void* const* sideband_of,
                      cudaStream_t s, const int64_t* window_tokens) {
-  bool early = true;
-  RDEP_RETURN_IF_ERROR(detail::EarlyLoads(&early));
   if (n == 0 && window_tokens == nullptr) return Status::Ok();  // with windows, the tails are cleared still
   static const std::string k = [] {  // the kernel's shape, for A/B timing: pair (default) | token; read once
     const char* v = std::getenv("RDEP_SCATTER");
@@ -351,9 +341,8 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
   }();
   if (k == "pair") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n * l.W, 1), l);
-    (early ? ScatterPairKernel<true> : ScatterPairKernel<false>)<<<g.blocks, g.threads, 0, s>>>(
-        payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank, my_control, lo, buf, payload_of, sideband_of,
-        window_tokens);
+    ScatterPairKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
+                                                     my_control, lo, buf, payload_of, sideband_of, window_tokens);
   } else if (k == "token") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n, 1), l);
     ScatterKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
@@ -396,13 +385,10 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
   }();
   if (order != "spread" && order != "grouped")
     return InvalidArgument("RDEP_RETURN_ORDER='" + order + "': expected spread (rows in a prime-stride order, the default) or grouped");
-  bool early = true;
-  RDEP_RETURN_IF_ERROR(detail::EarlyLoads(&early));
-  if (M == 0) return Status::Ok();  // after the checks: a rank without rows refuses a bad value as its peers do
+  if (M == 0) return Status::Ok();  // after the check: a rank without rows refuses a bad value as its peers do
   const bool spread = order == "spread";
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  (early ? ReturnRowsKernel<true> : ReturnRowsKernel<false>)<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of,
-                                                                                            device_rows, spread);
+  ReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of, device_rows, spread);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

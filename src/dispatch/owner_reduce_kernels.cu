@@ -29,28 +29,17 @@ __device__ __forceinline__ bf16_bits* LeadRow(const char* sideband_base, size_t 
 // rows at a time (the loads are independent of the sums, so 8 per lane are in flight, as in
 // WarpCopyVec16; 4 chunks keep the registers under __launch_bounds__(kTransportThreads) without
 // spilling), fp32, rows in sideband order, one bf16 rounding, and the pass's chunks stored into the
-// front-end's return row together. kEarly: the grouped index and weight of row r < 32 are in lane r
-// (lane_g, lane_w: loaded by the caller beside the token's row count), so a row's loads wait on no other
-// load; else each row reads its index, then its weight and row.
+// front-end's return row together.
 constexpr int kReduceUnroll = 4;
-template <bool kEarly>
 __device__ __forceinline__ void WarpReduceRows(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* my_inv,
-                                               int64_t num_rows, bool scale_by_gate, int64_t H8, uint4* dst, int32_t lane_g,
-                                               float lane_w) {
+                                               int64_t num_rows, bool scale_by_gate, int64_t H8, uint4* dst) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   for (int64_t base = 0; base < H8; base += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][8] = {};
 #pragma unroll 2
     for (int64_t r = 0; r < num_rows; ++r) {
-      int64_t g;
-      float w;
-      if (kEarly && r < 32) {
-        g = __shfl_sync(0xFFFFFFFFu, lane_g, static_cast<int>(r));
-        w = __shfl_sync(0xFFFFFFFFu, lane_w, static_cast<int>(r));
-      } else {
-        g = my_inv[r];
-        w = scale_by_gate ? grouped[g].gate : 1.f;
-      }
+      const int64_t g = my_inv[r];
+      const float w = scale_by_gate ? grouped[g].gate : 1.f;
       const uint4* src = reinterpret_cast<const uint4*>(rows) + g * H8;
       uint4 v[kReduceUnroll];
 #pragma unroll
@@ -70,14 +59,10 @@ __device__ __forceinline__ void WarpReduceRows(const bf16_bits* rows, const Grou
   }
 }
 
-// kEarly (the default; RDEP_EARLY_LOADS=off for A/B timing): a token's grouped indices are loaded with its
-// row count, and their weights as soon as the count is known, instead of one row after another.
-template <bool kEarly>
 __global__ void __launch_bounds__(kTransportThreads)
 ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
                        int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
                        void* const* return_of) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const int64_t n_seg = SegmentTokens(l, my_control, lo);
   const size_t tsb = l.token_sideband_bytes();
@@ -92,15 +77,10 @@ ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const i
     if (j >= my_control[l.recv_tokens(src)]) continue;
     const int64_t p = my_control[l.recv_offsets(src)] + j - lo;
     if (p < 0 || p >= n_seg) continue;
-    const int32_t* my_inv = inv + p * l.slots_per_token;
-    int32_t lane_g = 0;
-    float lane_w = 1.f;
-    if (kEarly && lane < l.slots_per_token) lane_g = my_inv[lane];
     const int64_t num_rows = *reinterpret_cast<const int64_t*>(base + static_cast<size_t>(p) * tsb);
     if (num_rows <= 0) continue;
-    if (kEarly && scale_by_gate && lane < num_rows) lane_w = grouped[lane_g].gate;
-    WarpReduceRows<kEarly>(rows, grouped, my_inv, num_rows, scale_by_gate, l.H / 8,
-                           reinterpret_cast<uint4*>(LeadRow(base, tsb, p, l, return_of)), lane_g, lane_w);
+    WarpReduceRows(rows, grouped, inv + p * l.slots_per_token, num_rows, scale_by_gate, l.H / 8,
+                   reinterpret_cast<uint4*>(LeadRow(base, tsb, p, l, return_of)));
   }
 }
 
@@ -154,11 +134,9 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   if (l.H % 8 != 0 || !aligned16(rows) || !aligned16(my_return))  // the SwiGLU layer's rows always are (ExpertMlpDesc)
     return InvalidArgument("reduce return rows: needs H % 8 == 0 (H=" + std::to_string(l.H) + ") and 16-byte aligned rows and return region");
-  bool early = true;
-  RDEP_RETURN_IF_ERROR(detail::EarlyLoads(&early));
   const detail::TransportGrid g = detail::TransportGridFor(l.S, l);
-  (early ? ReduceReturnRowsKernel<true> : ReduceReturnRowsKernel<false>)<<<g.blocks, g.threads, 0, s>>>(
-      rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate, return_of);
+  ReduceReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate,
+                                                        return_of);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -8,11 +8,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "rdep/dispatch/region_layout.h"
-#include "rdep/status.h"
 
 namespace rdep::dispatch::detail {
 
@@ -49,21 +46,6 @@ __device__ __forceinline__ void WarpCopyRow(const uint16_t* src, uint16_t* dst, 
   } else {
     for (int64_t i = lane; i < H; i += 32) dst[i] = src[i];
   }
-}
-
-// RDEP_EARLY_LOADS: on (the default) or off, the load order of the kernels that store rows into peer memory
-// (the scatter, the return, the owner's reduce: their kEarly), for A/B timing; read once per process.
-// InvalidArgument naming the variable for any other value.
-inline Status EarlyLoads(bool* early) {
-  static const std::string v = [] {
-    const char* e = std::getenv("RDEP_EARLY_LOADS");
-    return std::string(e ? e : "on");
-  }();
-  if (v != "on" && v != "off")
-    return InvalidArgument("RDEP_EARLY_LOADS='" + v +
-                           "': expected on (a row's loads issued before its destination is known, the default) or off");
-  *early = v == "on";
-  return Status::Ok();
 }
 
 // A warp's row copy in two steps, for a row whose destination comes out of a chain of dependent loads (a

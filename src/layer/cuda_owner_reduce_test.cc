@@ -235,8 +235,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaOwnerReduce,
                                            // Rows longer than the copies' first 256 vectors (the scatter's and
                                            // the return's early loads, then the rest).
                                            Case{.name = "H2056", .routing = "zipf:1", .hidden = 2056},
-                                           // More than 32 of a token's rows on one owner (the reduce's grouped
-                                           // indices past a warp's lanes): its 36 experts, 0-35, on owner 0.
+                                           // More than 32 of a token's rows on one owner (sums and sideband
+                                           // entries past a warp's lanes): its 36 experts, 0-35, on owner 0.
                                            Case{.name = "K36_one_owner", .routing = "one-expert", .experts = 160, .topk = 36},
                                            Case{.name = "cutlass_zipf1", .routing = "zipf:1", .cutlass = true}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
