@@ -264,21 +264,36 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
 
 // The same with 16-byte accesses (8 bf16 per thread and load) for H % 8 == 0 and 16-byte aligned rows:
 // the combine reads K rows and writes K saved rows and one output row per token, so it is bound by
-// bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md).
+// bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md). A thread reads
+// kCombineChunk slots' acceptances and weights, then issues all their accepted rows' loads before it sums
+// any, so a token's rows are in flight together rather than one slot's after another's (a dropped slot's
+// row is not read: with the owner's reduce most slots are, and their rows hold nothing).
+constexpr int kCombineChunk = 8;
 __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
                                   uint4* y, uint4* save) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H8; c += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t i = t * K + k;
-      if (!accepted[i]) {
-        if (save) save[i * H8 + c] = make_uint4(0u, 0u, 0u, 0u);
-        continue;
+    for (int64_t k0 = 0; k0 < K; k0 += kCombineChunk) {
+      uint4 v[kCombineChunk];
+      bool on[kCombineChunk];
+      float w[kCombineChunk];
+#pragma unroll
+      for (int j = 0; j < kCombineChunk; ++j) {
+        const int64_t i = t * K + k0 + j;
+        on[j] = k0 + j < K && accepted[i] != 0;
+        w[j] = k0 + j < K && weights ? weights[i] : 1.f;
       }
-      const uint4 v = ret[i * H8 + c];
-      if (save) save[i * H8 + c] = v;
-      detail::FmaBf16x8(acc, weights ? weights[i] : 1.f, v);
+#pragma unroll
+      for (int j = 0; j < kCombineChunk; ++j)
+        if (on[j]) v[j] = ret[(t * K + k0 + j) * H8 + c];
+#pragma unroll
+      for (int j = 0; j < kCombineChunk; ++j) {
+        const int64_t i = t * K + k0 + j;
+        if (k0 + j >= K) break;
+        if (save) save[i * H8 + c] = on[j] ? v[j] : make_uint4(0u, 0u, 0u, 0u);
+        if (on[j]) detail::FmaBf16x8(acc, w[j], v[j]);
+      }
     }
     y[t * H8 + c] = detail::PackBf16x8(acc);
   }
