@@ -268,7 +268,7 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
 // kCombineChunk slots' acceptances and weights, then issues all their accepted rows' loads before it sums
 // any, so a token's rows are in flight together rather than one slot's after another's (a dropped slot's
 // row is not read: with the owner's reduce most slots are, and their rows hold nothing).
-constexpr int kCombineChunk = 8;
+template <int kCombineChunk>
 __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
                                   uint4* y, uint4* save) {
   const int64_t t = blockIdx.x;
@@ -415,8 +415,13 @@ Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float*
   if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
     const int64_t H8 = H / 8;
     const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
-    CombineKernelVec8<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
-                                                                    reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
+    static const int chunk = [] {  // TEMPORARY A/B: RDEP_COMBINE_CHUNK = 1 | 4 | 8
+      const char* v = std::getenv("RDEP_COMBINE_CHUNK");
+      return v ? std::atoi(v) : 8;
+    }();
+    auto* kernel = chunk == 1 ? CombineKernelVec8<1> : chunk == 2 ? CombineKernelVec8<2> : chunk == 4 ? CombineKernelVec8<4> : CombineKernelVec8<8>;
+    kernel<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
+                                                        reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
     RDEP_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }
