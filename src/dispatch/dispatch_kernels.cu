@@ -264,36 +264,21 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
 
 // The same with 16-byte accesses (8 bf16 per thread and load) for H % 8 == 0 and 16-byte aligned rows:
 // the combine reads K rows and writes K saved rows and one output row per token, so it is bound by
-// bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md). A thread reads
-// kCombineChunk slots' acceptances and weights, then issues all their accepted rows' loads before it sums
-// any, so a token's rows are in flight together rather than one slot's after another's (a dropped slot's
-// row is not read: with the owner's reduce most slots are, and their rows hold nothing).
-template <int kCombineChunk>
+// bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md).
 __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
                                   uint4* y, uint4* save) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H8; c += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k0 = 0; k0 < K; k0 += kCombineChunk) {
-      uint4 v[kCombineChunk];
-      bool on[kCombineChunk];
-      float w[kCombineChunk];
-#pragma unroll
-      for (int j = 0; j < kCombineChunk; ++j) {
-        const int64_t i = t * K + k0 + j;
-        on[j] = k0 + j < K && accepted[i] != 0;
-        w[j] = k0 + j < K && weights ? weights[i] : 1.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = t * K + k;
+      if (!accepted[i]) {
+        if (save) save[i * H8 + c] = make_uint4(0u, 0u, 0u, 0u);
+        continue;
       }
-#pragma unroll
-      for (int j = 0; j < kCombineChunk; ++j)
-        if (on[j]) v[j] = ret[(t * K + k0 + j) * H8 + c];
-#pragma unroll
-      for (int j = 0; j < kCombineChunk; ++j) {
-        const int64_t i = t * K + k0 + j;
-        if (k0 + j >= K) break;
-        if (save) save[i * H8 + c] = on[j] ? v[j] : make_uint4(0u, 0u, 0u, 0u);
-        if (on[j]) detail::FmaBf16x8(acc, w[j], v[j]);
-      }
+      const uint4 v = ret[i * H8 + c];
+      if (save) save[i * H8 + c] = v;
+      detail::FmaBf16x8(acc, weights ? weights[i] : 1.f, v);
     }
     y[t * H8 + c] = detail::PackBf16x8(acc);
   }
@@ -415,13 +400,8 @@ Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float*
   if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
     const int64_t H8 = H / 8;
     const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
-    static const int chunk = [] {  // TEMPORARY A/B: RDEP_COMBINE_CHUNK = 1 | 4 | 8
-      const char* v = std::getenv("RDEP_COMBINE_CHUNK");
-      return v ? std::atoi(v) : 8;
-    }();
-    auto* kernel = chunk == 1 ? CombineKernelVec8<1> : chunk == 2 ? CombineKernelVec8<2> : chunk == 4 ? CombineKernelVec8<4> : CombineKernelVec8<8>;
-    kernel<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
-                                                        reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
+    CombineKernelVec8<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
+                                                                    reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
     RDEP_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }
