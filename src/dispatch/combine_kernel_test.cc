@@ -101,7 +101,7 @@ INSTANTIATE_TEST_SUITE_P(
                       CombineCase{"vec8_H64_K2_unweighted", 33, 2, 64, false, false, 0},
                       CombineCase{"vec8_H8_K1", 5, 1, 8, true, true, 0},
                       CombineCase{"vec8_H4096_K8_more_columns_than_threads", 7, 8, 4096, true, true, 0},
-                      CombineCase{"vec8_H1024_K13_two_chunks_of_slots", 19, 13, 1024, true, true, 0},
+                      CombineCase{"vec8_H1024_K13", 19, 13, 1024, true, true, 0},
                       CombineCase{"scalar_H36_not_multiple_of_8", 29, 3, 36, true, true, 0},
                       CombineCase{"scalar_H2050_K4", 11, 4, 2050, true, true, 0},
                       CombineCase{"scalar_misaligned_y_H64", 21, 4, 64, true, true, 1}),
