@@ -1,6 +1,6 @@
 // Lab (issue 19: the transport's floor): how fast the SMs of one GPU write rows into a peer GPU's memory over
-// NVLink, by the copy the scatter and the return use (rdep's detail::WarpCopyRow from src/dispatch/warp_rows.cuh: a
-// warp per 4 KiB row, 16-byte vectors, 8 loads in flight per lane) and by the bulk copy engine (cp.async.bulk: a row into shared memory, then from there into
+// NVLink, by the copy the scatter and the return use (rdep's detail::WarpCopyRow from src/dispatch/warp_rows.cuh, which
+// their WarpRowHead finishes with: a warp per 4 KiB row, 16-byte vectors, 8 loads in flight per lane) and by the bulk copy engine (cp.async.bulk: a row into shared memory, then from there into
 // the peer's memory, kStages rows in flight per block), against cudaMemcpyPeerAsync (the copy engines, one
 // contiguous copy). The kernels' rows land at a permuted position (as the scatter's slots do). One direction
 // (GPU 0 writes to GPU 1) and both at once (each writes to the other, as every rank of a dispatch does).

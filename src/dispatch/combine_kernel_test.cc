@@ -1,7 +1,8 @@
 // The front-end combine (LaunchCombine) on the GPU against a host reference with the same arithmetic
 // (one fused multiply-add per slot in slot order, fp32, rounded once to bf16): y bitwise, the saved
 // rows bitwise (zeros for dropped slots), bytes past the outputs untouched. Fresh random rows, gates
-// and drops per case; outputs poisoned first. Covers the 16-byte kernel (H % 8 == 0, aligned) and the
+// and drops per case, a dropped slot's row NaN (it must reach neither y nor the saved rows); outputs
+// poisoned first. Covers the 16-byte kernel (H % 8 == 0, aligned) and the
 // 2-byte kernel (H % 8 != 0, or an output 2 bytes off alignment). Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -84,9 +84,10 @@ __global__ void RenormalizeAcceptedKernel(const float* gates, const uint8_t* acc
 // row. Nothing when t sends nothing to q or its stream position falls outside this segment's window.
 // Every load that waits on no other is issued first (the head of t's payload row, t's stream position
 // at q, q's send offset, t's first 32 slots), so a pair waits on one chain (a slot's expert, then its
-// owner) under its row's loads, where loading each value where it is used waits on four in a row
-// (position, slots, owner, row). That chain is what a pair costs when few warps take many pairs each:
-// under an SM budget of 16 at W = 2 it took the scatter from 86 to 74 us (docs/perf-notes.md).
+// owner) under its row's loads, where loading each value where it is used waited on them in turn
+// (position, send offset, slots, owner, gate, row). That chain is what a pair costs when few warps take
+// many pairs each: under an SM budget of 16 at W = 2 the scatter took 86 us loading the row once its
+// destination was known and 74 loading it first (docs/perf-notes.md).
 __device__ __forceinline__ void ScatterTokenToOwner(int64_t t, int64_t q, const bf16_bits* payload, const int32_t* experts,
                                                     const uint8_t* accepted, const float* effective, const int32_t* tok_index,
                                                     int64_t n, const RegionLayout& l, const RouteTargets& targets, int32_t rank,

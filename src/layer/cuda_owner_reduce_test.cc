@@ -7,7 +7,8 @@
 // bitwise (the same bf16 expert outputs, the same dot-product order, the same GEMMs). The reduced layer
 // must refuse CopyExpertOutputs (the mode is on: the front-end keeps no rows). Cases: uniform, Zipf 2,
 // capacity drops, several segments, one expert for every token, balancing with replicas, H = 40 (not a
-// multiple of 16) and the CUTLASS (sync-free) compute. Outputs are poisoned with NaN first, so a value
+// multiple of 16), H = 2056 (rows past the scatter's and the return's first 4 KiB of loads), K = 36 with
+// every token's 36 rows on owner 0 (slots past a warp's lanes) and the CUTLASS (sync-free) compute. Outputs are poisoned with NaN first, so a value
 // nobody wrote fails. Every test skips without a GPU; the CUTLASS case also where that compute cannot be
 // made (a failure under RDEP_REQUIRE_CUTLASS=1). The same cases also check LayerConfig::transport_sms: an
 // SM budget (3 blocks of kTransportThreads for the peer-storing kernels) gives bitwise the outputs of the

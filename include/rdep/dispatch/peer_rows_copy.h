@@ -1,5 +1,5 @@
 // The transport's floor: rows copied into other GPUs' memory by the protocol's row copy (a warp per row,
-// 16-byte vectors, the scatter's and the return's WarpCopyRow) on every SM, with nothing else to do: no
+// 16-byte vectors: WarpCopyRow, the copy the scatter's and the return's WarpRowHead finish with) on every SM, with nothing else to do: no
 // routing, no sideband, no placement, no barrier. `rdep bench dispatch` times it on the rows its dispatch
 // and combine move between each pair of ranks, in the same run, as the floor they are measured against.
 #pragma once
