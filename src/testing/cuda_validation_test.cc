@@ -81,6 +81,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"W2_K_equals_E", S(2, 32, 64, 64, 4, 4), "uniform", 0, 0, -1},
         Case{"W4_zero_tokens_on_rank1", S(4, 64, 64, 64, 16, 2), "uniform", 0, 0, 1},
         Case{"W4_all_to_one_expert", S(4, 64, 64, 64, 16, 2), "one-expert", 0, 0, -1},
+        // K = 36: every token's experts 0-35 on owner 0, so a token's slots run past a warp's 32 lanes in the
+        // scatter's sideband (host agreement catches a wrong expert in any slot).
+        Case{"W2_K36_slots_past_a_warp", S(2, 32, 64, 64, 80, 36), "one-expert", 0, 0, -1},
         Case{"W4_empty_experts", S(4, 64, 64, 64, 16, 3), "sparse", 0, 0, -1},
         Case{"W4_capacity_drops_zipf", S(4, 128, 64, 64, 16, 4), "zipf:1.5", 0.8, 0, -1},
         Case{"W4_small_segments", S(4, 64, 64, 64, 16, 2), "zipf:1.2", 0, 37, -1},
