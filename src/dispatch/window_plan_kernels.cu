@@ -8,6 +8,11 @@
 //   2. per (block, owner) the tokens' positions (the earlier blocks' tokens + a block scan); each owner's
 //      tokens; every slot accepted with its effective gates; the control copy; the fault record (the
 //      first fault's values read from the caller's arrays, which nothing rewrites) and the words reset.
+// With K <= kRegSlots and W <= kMaskOwners (every shape rdep benchmarks) a thread holds its token's slots in
+// registers, so its loads are issued together, not one after each store as through memory, and the first
+// kernel also accepts the slots and leaves a word of the token's owners for the second: ncu put the general
+// path's kernels at 5.7 and 6.7 us at the Moonlight shape on one H200 for a few hundred KB of traffic, each
+// thread waiting on ~2K dependent round trips (docs/perf-notes.md, thirtieth session).
 // Positions come from scans in token order, as the three-phase plan's (routing_kernels.cu), so the
 // windows hold the same rows in the same order as the packed stream. One kernel instead of two (blocks
 // numbered by tickets in start order, each waiting on the earlier ones' published counts) measured slower:
@@ -27,9 +32,14 @@ namespace rdep::dispatch {
 namespace {
 
 constexpr int kThreads = 256;
+// Slots a thread holds in registers on the fast path (with W <= kMaskOwners: a token's owners as one word);
+// more slots or owners take the general path, which reads the routing back from memory.
+constexpr int kRegSlots = 16;
+constexpr int kMaskOwners = 32;
 using Scan = cub::BlockScan<int, kThreads>;
 
 int64_t Blocks(int64_t n) { return std::max<int64_t>((n + kThreads - 1) / kThreads, 1); }
+bool FastPath(const RegionLayout& l) { return l.K <= kRegSlots && l.W <= kMaskOwners; }
 
 __device__ __forceinline__ bool SendsTo(const int32_t* ids, int64_t K, const OwnerMapView& own, int q) {
   for (int64_t k = 0; k < K; ++k)
@@ -37,42 +47,17 @@ __device__ __forceinline__ bool SendsTo(const int32_t* ids, int64_t K, const Own
   return false;
 }
 
-// Kernel 1, block b: tokens [b*kThreads, ...). part[q * B + b] = its tokens that send to owner q.
-__global__ void __launch_bounds__(kThreads) WindowCheckCountKernel(const int32_t* from_experts, const float* from_gates,
-                                                                  int32_t* experts, float* gates, int64_t n, int64_t K,
-                                                                  int32_t num_experts, int32_t W, OwnerMapView own,
-                                                                  unsigned long long* worst, int32_t* part) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  const bool mine = t < n;
-  if (mine) {
-    int32_t* e = experts + t * K;
-    float* g = gates + t * K;
-    for (int64_t k = 0; k < K; ++k) e[k] = from_experts[t * K + k], g[k] = from_gates[t * K + k];
-    for (int64_t k = 0; k < K; ++k) {
-      const RouteSlotFault f = CheckRouteSlot(e, g, k, num_experts);
-      if (f == RouteSlotFault::kNone) continue;
-      atomicMax(worst, ~((static_cast<unsigned long long>(t * K + k) << 2) | static_cast<unsigned long long>(f)));
-      for (int64_t j = 0; j < K; ++j) e[j] = static_cast<int32_t>(j), g[j] = 0.f;  // distinct in-range experts, zero weight
-      break;
-    }
-  }
-  for (int q = 0; q < W; ++q) {
-    const int count = __syncthreads_count(mine && SendsTo(experts + t * K, K, own, q));
-    if (threadIdx.x == 0) part[static_cast<int64_t>(q) * gridDim.x + blockIdx.x] = count;
-  }
+__device__ __forceinline__ void NoteFault(unsigned long long* worst, int64_t slot, RouteSlotFault f) {
+  atomicMax(worst, ~((static_cast<unsigned long long>(slot) << 2) | static_cast<unsigned long long>(f)));
 }
 
-// Kernel 2, block (b, q).
-__global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* experts, const float* gates, int64_t n, RegionLayout l,
-                                                             OwnerMapView own, int32_t rank, const int32_t* part, int32_t* tok_index,
-                                                             int64_t* window_tokens, uint8_t* accepted, float* effective,
-                                                             int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
-                                                             int64_t* zero, const int32_t* from_experts, const float* from_gates) {
-  __shared__ typename Scan::TempStorage scan;
-  const int q = static_cast<int>(blockIdx.y);
-  const int64_t B = gridDim.x, b = blockIdx.x, K = l.K;
+// Block (b, q) of the second kernel, either path: `flag` says whether this thread's token sends to owner q.
+// tok_index[q*n + t] = its position among this rank's tokens for q (the earlier blocks' tokens + a block scan),
+// -1 for none; block 0 also writes window_tokens[q].
+__device__ __forceinline__ void PlacePositions(bool flag, int64_t n, int q, const int32_t* part, int32_t* tok_index,
+                                              int64_t* window_tokens, typename Scan::TempStorage& scan) {
+  const int64_t B = gridDim.x, b = blockIdx.x;
   const int32_t* of_q = part + q * B;
-  // The earlier blocks' tokens for q (and in block 0 every block's: q's window length).
   int before = 0, all = 0;
   for (int64_t bb = threadIdx.x; bb < B; bb += kThreads) {
     all += of_q[bb];
@@ -84,17 +69,16 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* exp
   Scan(scan).ExclusiveSum(all, unused, total);
   __syncthreads();
   const int64_t t = b * kThreads + threadIdx.x;
-  const bool flag = t < n && SendsTo(experts + t * K, K, own, q);
   int pos;
   Scan(scan).ExclusiveSum(flag ? 1 : 0, pos);
   if (t < n) tok_index[static_cast<int64_t>(q) * n + t] = flag ? base + pos : -1;
   if (b == 0 && threadIdx.x == 0) window_tokens[q] = total;
-  if (q != 0) return;
-  if (t < n) {  // dropless: every slot accepted
-    for (int64_t k = 0; k < K; ++k) accepted[t * K + k] = 1;
-    RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
-  }
-  if (b != 0) return;
+}
+
+// Block (0, 0) of the second kernel, either path: the control copy, the fault record (the first fault's values
+// read from the caller's arrays, which nothing rewrites) and the words reset.
+__device__ __forceinline__ void FinishPlan(const RegionLayout& l, int32_t rank, int64_t* control_copy, unsigned long long* worst,
+                                          RoutingFault* fault, int64_t* zero, const int32_t* from_experts, const float* from_gates) {
   const auto words = static_cast<int64_t>(l.control_bytes() / sizeof(int64_t));
   for (int64_t w = threadIdx.x; w < words; w += kThreads) control_copy[w] = l.window_word(rank, w);
   if (threadIdx.x == 0) {
@@ -108,9 +92,131 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* exp
   }
 }
 
+// Fast path, kernel 1, block b: tokens [b*kThreads, ...), a thread per token holding its K <= kRegSlots slots in
+// registers: every load issued before any store, the check (rdep::CheckRouteSlot on the registers, slot order) and
+// a faulty token's stand-in, the copy, every slot accepted with its effective gates, the token's owners as a bit
+// mask (mask_of[t]), and part[q * B + b] = the block's tokens that send to owner q.
+__global__ void __launch_bounds__(kThreads) WindowCheckCountFastKernel(const int32_t* from_experts, const float* from_gates,
+                                                                      int32_t* experts, float* gates, uint8_t* accepted,
+                                                                      float* effective, int64_t n, int32_t K, int32_t num_experts,
+                                                                      int32_t W, OwnerMapView own, unsigned long long* worst,
+                                                                      int32_t* part, uint32_t* mask_of) {
+  __shared__ int count[kMaskOwners];
+  if (threadIdx.x < kMaskOwners) count[threadIdx.x] = 0;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  uint32_t mask = 0;
+  if (t < n) {
+    const int64_t at = t * K;
+    int32_t e[kRegSlots];
+    float g[kRegSlots];
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k)
+      if (k < K) e[k] = from_experts[at + k], g[k] = from_gates[at + k];
+    int bad = -1;
+    RouteSlotFault fault = RouteSlotFault::kNone;
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k) {
+      if (k >= K || bad >= 0) continue;
+      const RouteSlotFault f = CheckRouteSlot(e, g, k, num_experts);
+      if (f != RouteSlotFault::kNone) bad = k, fault = f;
+    }
+    if (bad >= 0) {
+      NoteFault(worst, at + bad, fault);
+#pragma unroll
+      for (int k = 0; k < kRegSlots; ++k) e[k] = k, g[k] = 0.f;  // distinct in-range experts, zero weight
+    }
+    // Dropless: every slot accepted, so RenormalizeTokenGates's S and A are the same sum (double, slot order)
+    // and each effective gate is the gate itself, or 0 when that sum is 0.
+    double sum = 0;
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k)
+      if (k < K) sum += g[k];
+    uint32_t owners_of[kRegSlots];
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k)
+      if (k < K) owners_of[k] = static_cast<uint32_t>(own.owner[e[k]]);
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k)
+      if (k < K) {
+        experts[at + k] = e[k], gates[at + k] = g[k], accepted[at + k] = 1, effective[at + k] = sum == 0 ? 0.f : g[k];
+        mask |= 1u << owners_of[k];
+      }
+    mask_of[t] = mask;
+  }
+  __syncthreads();
+  for (int q = 0; q < W; ++q) {
+    const unsigned sends = __ballot_sync(0xffffffffu, (mask >> q) & 1u);
+    if ((threadIdx.x & 31) == 0 && sends != 0) atomicAdd(&count[q], __popc(sends));
+  }
+  __syncthreads();
+  if (threadIdx.x < W) part[static_cast<int64_t>(threadIdx.x) * gridDim.x + blockIdx.x] = count[threadIdx.x];
+}
+
+// Fast path, kernel 2, block (b, q): positions from the first kernel's masks; block (0, 0) finishes the plan.
+__global__ void __launch_bounds__(kThreads) WindowPlaceFastKernel(const uint32_t* mask_of, int64_t n, RegionLayout l, int32_t rank,
+                                                                 const int32_t* part, int32_t* tok_index, int64_t* window_tokens,
+                                                                 int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
+                                                                 int64_t* zero, const int32_t* from_experts, const float* from_gates) {
+  __shared__ typename Scan::TempStorage scan;
+  const int q = static_cast<int>(blockIdx.y);
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const uint32_t mask = t < n ? mask_of[t] : 0u;
+  PlacePositions((mask >> q) & 1u, n, q, part, tok_index, window_tokens, scan);
+  if (q == 0 && blockIdx.x == 0) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
+}
+
+// General path (K > kRegSlots or W > kMaskOwners), kernel 1, block b: as the fast path's, reading a token's slots
+// from memory (the copy) each time.
+__global__ void __launch_bounds__(kThreads) WindowCheckCountKernel(const int32_t* from_experts, const float* from_gates,
+                                                                  int32_t* experts, float* gates, int64_t n, int64_t K,
+                                                                  int32_t num_experts, int32_t W, OwnerMapView own,
+                                                                  unsigned long long* worst, int32_t* part) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const bool mine = t < n;
+  if (mine) {
+    int32_t* e = experts + t * K;
+    float* g = gates + t * K;
+    for (int64_t k = 0; k < K; ++k) e[k] = from_experts[t * K + k], g[k] = from_gates[t * K + k];
+    for (int64_t k = 0; k < K; ++k) {
+      const RouteSlotFault f = CheckRouteSlot(e, g, k, num_experts);
+      if (f == RouteSlotFault::kNone) continue;
+      NoteFault(worst, t * K + k, f);
+      for (int64_t j = 0; j < K; ++j) e[j] = static_cast<int32_t>(j), g[j] = 0.f;  // distinct in-range experts, zero weight
+      break;
+    }
+  }
+  for (int q = 0; q < W; ++q) {
+    const int count = __syncthreads_count(mine && SendsTo(experts + t * K, K, own, q));
+    if (threadIdx.x == 0) part[static_cast<int64_t>(q) * gridDim.x + blockIdx.x] = count;
+  }
+}
+
+// General path, kernel 2, block (b, q): positions; the q = 0 blocks accept every slot with its effective gates;
+// block (0, 0) finishes the plan.
+__global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* experts, const float* gates, int64_t n, RegionLayout l,
+                                                             OwnerMapView own, int32_t rank, const int32_t* part, int32_t* tok_index,
+                                                             int64_t* window_tokens, uint8_t* accepted, float* effective,
+                                                             int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
+                                                             int64_t* zero, const int32_t* from_experts, const float* from_gates) {
+  __shared__ typename Scan::TempStorage scan;
+  const int q = static_cast<int>(blockIdx.y);
+  const int64_t K = l.K;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  PlacePositions(t < n && SendsTo(experts + t * K, K, own, q), n, q, part, tok_index, window_tokens, scan);
+  if (q != 0) return;
+  if (t < n) {  // dropless: every slot accepted
+    for (int64_t k = 0; k < K; ++k) accepted[t * K + k] = 1;
+    RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
+  }
+  if (blockIdx.x == 0) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
+}
+
 }  // namespace
 
-int64_t WindowPlanScratchInts(const RegionLayout& l, int64_t max_tokens) { return l.W * Blocks(max_tokens); }
+// Per (owner, block) its token count, then (fast path) a word per token: the owners it sends to.
+int64_t WindowPlanScratchInts(const RegionLayout& l, int64_t max_tokens) {
+  return l.W * Blocks(max_tokens) + (FastPath(l) ? std::max<int64_t>(max_tokens, 0) : 0);
+}
 
 Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, int64_t n, const RegionLayout& l, OwnerMapView own,
                         int32_t num_experts, int32_t rank, int32_t* experts, float* gates, int32_t* tok_index, int64_t* window_tokens,
@@ -127,12 +233,23 @@ Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, in
     return InvalidArgument("window plan: " + std::to_string(scratch_ints) + " scratch ints for n=" + std::to_string(n) +
                            " tokens, which need " + std::to_string(WindowPlanScratchInts(l, n)));
   const auto B = static_cast<unsigned>(Blocks(n));
+  const dim3 grid2(B, static_cast<unsigned>(l.W));
+  if (FastPath(l)) {
+    auto* mask_of = reinterpret_cast<uint32_t*>(scratch + l.W * B);
+    WindowCheckCountFastKernel<<<B, kThreads, 0, s>>>(from_experts, from_gates, experts, gates, accepted, effective, n,
+                                                      static_cast<int32_t>(l.K), num_experts, static_cast<int32_t>(l.W), own, worst,
+                                                      scratch, mask_of);
+    RDEP_CUDA_CHECK_LAUNCH();
+    WindowPlaceFastKernel<<<grid2, kThreads, 0, s>>>(mask_of, n, l, rank, scratch, tok_index, window_tokens, control_copy, worst, fault,
+                                                     zero, from_experts, from_gates);
+    RDEP_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
   WindowCheckCountKernel<<<B, kThreads, 0, s>>>(from_experts, from_gates, experts, gates, n, l.K, num_experts, static_cast<int32_t>(l.W),
                                                 own, worst, scratch);
   RDEP_CUDA_CHECK_LAUNCH();
-  WindowPlaceKernel<<<dim3(B, static_cast<unsigned>(l.W)), kThreads, 0, s>>>(experts, gates, n, l, own, rank, scratch, tok_index,
-                                                                             window_tokens, accepted, effective, control_copy, worst,
-                                                                             fault, zero, from_experts, from_gates);
+  WindowPlaceKernel<<<grid2, kThreads, 0, s>>>(experts, gates, n, l, own, rank, scratch, tok_index, window_tokens, accepted, effective,
+                                               control_copy, worst, fault, zero, from_experts, from_gates);
   RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

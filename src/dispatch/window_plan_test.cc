@@ -4,9 +4,11 @@
 // token's position among this rank's tokens for each owner (token order), each owner's tokens, every slot
 // accepted with rdep::RenormalizeTokenGates's gates, the control copy (RegionLayout::window_word), and the
 // check's word and the drop counter left 0, so that a second plan from the same routing finds the same.
-// Fresh random routings, every output poisoned first; token counts over several blocks, K from 1 to 13,
-// W from 1 to 8 (owners with no tokens among them), faults in several blocks. The refusals run without a
-// GPU; the rest skips.
+// Fresh random routings, every output poisoned first; token counts over several blocks, K from 1 to 36 and
+// W from 1 to 40 (owners with no tokens among them), faults in several blocks, tokens whose gates are all
+// +0, all -0 or partly -0 (the effective gates' zero-sum rule). Both paths of the kernels: K <= 16 with
+// W <= 32 (a token's slots in registers) and the general one (K 17 and 36, W 40). The refusals run without
+// a GPU; the rest skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -35,12 +37,18 @@ struct PlanCase {
   int64_t n, K, E, W;
   std::vector<int64_t> bad_tokens;  // each gets a fault of kind (index % 4): expert E, expert -1, NaN gate, a repeat
   int32_t rank = 0;
+  std::vector<int64_t> zero_gate_tokens = {};  // gates of the i-th: all +0 (i % 3 == 0), all -0 (1), -0 in the even slots (2)
 };
 void PrintTo(const PlanCase& c, std::ostream* os) { *os << c.name; }
 
 // n tokens of K distinct experts among the first `used` (all E when used is 0), gates in [0, 1), the case's faults.
 void Routing(const PlanCase& c, int64_t used, std::vector<int32_t>& experts, std::vector<float>& gates) {
   test_util::RandomRouting(c.n, c.K, used > 0 ? used : c.E, 31 + static_cast<uint64_t>(c.n * c.K), experts, gates);
+  for (size_t i = 0; i < c.zero_gate_tokens.size(); ++i)
+    for (int64_t k = 0; k < c.K; ++k) {
+      float& g = gates[static_cast<size_t>(c.zero_gate_tokens[i] * c.K + k)];
+      g = i % 3 == 0 ? 0.f : (i % 3 == 1 || k % 2 == 0) ? -0.f : g;
+    }
   test_util::InjectRoutingFaults(c.bad_tokens, c.K, c.E, experts, gates);
 }
 
@@ -148,7 +156,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, WindowPlan,
                                            PlanCase{"moonlight_W2_faults", 4096, 6, 64, 2, {4000, 17, 2500, 1023, 4095}, 1},
                                            PlanCase{"dsv3_W8", 5000, 8, 256, 8, {}, 7},
                                            PlanCase{"K13_W3_faults", 700, 13, 40, 3, {650, 300, 301}, 0},
-                                           PlanCase{"K1_W1_fault", 3000, 1, 8, 1, {2999}}),
+                                           PlanCase{"K1_W1_fault", 3000, 1, 8, 1, {2999}},
+                                           PlanCase{"zero_gates_W2", 600, 6, 64, 2, {300}, 1, {0, 1, 2, 257, 258, 599}},
+                                           PlanCase{"K16_W32_faults", 1000, 16, 64, 32, {999, 500, 3}, 31, {10, 11, 12}},
+                                           PlanCase{"K17_W2_general", 500, 17, 40, 2, {499, 256}, 0, {7, 8, 9}},
+                                           PlanCase{"K36_W4_general", 300, 36, 80, 4, {}, 3},
+                                           PlanCase{"K20_W40_general_faults", 600, 20, 80, 40, {1, 598}, 39, {300, 301, 302}}),
                          [](const ::testing::TestParamInfo<PlanCase>& i) { return i.param.name; });
 
 // Refused before any CUDA call (so in CI too), each naming what is wrong.
@@ -163,7 +176,7 @@ TEST(WindowPlanRefusals, NameTheArgument) {
                             nullptr, nullptr, scratch, nullptr);
   };
   const int64_t enough = WindowPlanScratchInts(l, 64);
-  EXPECT_EQ(enough, 4 * 1);  // one block of 256 tokens per owner
+  EXPECT_EQ(enough, 4 * 1 + 64);  // one block of 256 tokens per owner, then (K <= 16, W <= 32) a word per token
   Status st = plan(&e, nullptr, 10, 64, 0, enough);
   EXPECT_NE(st.message().find("without the caller's from_experts and from_gates"), std::string::npos) << st.message();
   st = plan(&e, &g, 10, 64, 4, enough);

@@ -302,7 +302,7 @@ struct CudaMoELayer::RankState {
   cuda_layer::DeviceBuffer<int32_t> rank_in_expert;
   cuda_layer::DeviceBuffer<float> scratch;
   cuda_layer::DeviceBuffer<int64_t> seg_counts;
-  cuda_layer::DeviceBuffer<int32_t> count_scratch;   // LaunchCountAndPublish's (dispatch::CountScratchInts for T tokens)
+  cuda_layer::DeviceBuffer<int32_t> count_scratch;   // LaunchCountAndPublish's and LaunchWindowPlan's (the larger need for T tokens)
   cuda_layer::DeviceBuffer<int32_t> expand_scratch;  // LaunchExpand's (dispatch::ExpandScratchInts for the physical experts)
   cuda_layer::DeviceBuffer<float> row_dgates;        // gate_in_expert: a segment's per-row dgates (MaxSegmentRows), backward
   int64_t* host_counts = nullptr;  // pinned [max(num_local, physical experts) + W + 1]

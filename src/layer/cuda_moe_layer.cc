@@ -340,7 +340,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     RDEP_RETURN_IF_ERROR(st->rank_in_expert.Reserve(nk));
     const int32_t phys = layer->physical_experts(*st);  // L, or with balancing the layout's L (slots last)
     RDEP_RETURN_IF_ERROR(st->seg_counts.Reserve(static_cast<size_t>(std::max(phys, 1))));
-    RDEP_RETURN_IF_ERROR(st->count_scratch.Reserve(static_cast<size_t>(dispatch::CountScratchInts(l, T))));
+    RDEP_RETURN_IF_ERROR(st->count_scratch.Reserve(
+        static_cast<size_t>(std::max(dispatch::CountScratchInts(l, T), dispatch::WindowPlanScratchInts(l, T)))));
     RDEP_RETURN_IF_ERROR(st->expand_scratch.Reserve(static_cast<size_t>(dispatch::ExpandScratchInts(l, std::max(phys, 1)))));
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t) * static_cast<size_t>(std::max(L, phys) + W + 1), cudaHostAllocPortable));
