@@ -8,11 +8,11 @@
 //   2. per (block, owner) the tokens' positions (the earlier blocks' tokens + a block scan); each owner's
 //      tokens; every slot accepted with its effective gates; the control copy; the fault record (the
 //      first fault's values read from the caller's arrays, which nothing rewrites) and the words reset.
-// With K <= kRegSlots and W <= kMaskOwners (every shape rdep benchmarks) a thread holds its token's slots in
-// registers, so its loads are issued together, not one after each store as through memory, and the first
-// kernel also accepts the slots and leaves a word of the token's owners for the second: ncu put the general
-// path's kernels at 5.7 and 6.7 us at the Moonlight shape on one H200 for a few hundred KB of traffic, each
-// thread waiting on ~2K dependent round trips (docs/perf-notes.md, thirtieth session).
+// With K <= kRegSlots and W <= kMaskOwners (Moonlight's and DeepSeek-V3's shapes) the first kernel takes its block's
+// slots through shared memory (coalesced) and each token's into registers, so no load waits on a store as through
+// memory; it also accepts the slots and leaves a word of each token's owners for the second kernel, whose block
+// (0, 0) writes the fault record before its scans. ncu put the general path's kernels at 5.7 and 6.7 us at the
+// Moonlight shape on one H200, for a few hundred KB of traffic (docs/perf-notes.md, thirtieth session).
 // Positions come from scans in token order, as the three-phase plan's (routing_kernels.cu), so the
 // windows hold the same rows in the same order as the packed stream. One kernel instead of two (blocks
 // numbered by tickets in start order, each waiting on the earlier ones' published counts) measured slower:
@@ -33,8 +33,9 @@ namespace {
 
 constexpr int kThreads = 256;
 // Slots a thread holds in registers on the fast path (with W <= kMaskOwners: a token's owners as one word);
-// more slots or owners take the general path, which reads the routing back from memory.
-constexpr int kRegSlots = 16;
+// more slots or owners take the general path, which reads the routing back from memory. 8 measured faster
+// than 16 at K = 6 (the unrolled code and registers; thirtieth session).
+constexpr int kRegSlots = 8;
 constexpr int kMaskOwners = 32;
 using Scan = cub::BlockScan<int, kThreads>;
 
@@ -78,7 +79,8 @@ __device__ __forceinline__ void PlacePositions(bool flag, int64_t n, int q, cons
 // Block (0, 0) of the second kernel, either path: the control copy, the fault record (the first fault's values
 // read from the caller's arrays, which nothing rewrites) and the words reset.
 __device__ __forceinline__ void FinishPlan(const RegionLayout& l, int32_t rank, int64_t* control_copy, unsigned long long* worst,
-                                          RoutingFault* fault, int64_t* zero, const int32_t* from_experts, const float* from_gates) {
+                                          RoutingFault* fault, int64_t* zero, const int32_t* from_experts, const float* from_gates,
+                                          bool fence = true) {
   const auto words = static_cast<int64_t>(l.control_bytes() / sizeof(int64_t));
   for (int64_t w = threadIdx.x; w < words; w += kThreads) control_copy[w] = l.window_word(rank, w);
   if (threadIdx.x == 0) {
@@ -88,30 +90,41 @@ __device__ __forceinline__ void FinishPlan(const RegionLayout& l, int32_t rank, 
     RoutingFault r{first, 0, 0.f};
     if (first != ~0ull) r.expert = from_experts[first >> 2], r.gate = from_gates[first >> 2];  // as the caller gave them
     *fault = r;
-    __threadfence_system();  // the record may be host memory
+    if (fence) __threadfence_system();  // the record may be host memory
   }
 }
 
-// Fast path, kernel 1, block b: tokens [b*kThreads, ...), a thread per token holding its K <= kRegSlots slots in
-// registers: every load issued before any store, the check (rdep::CheckRouteSlot on the registers, slot order) and
-// a faulty token's stand-in, the copy, every slot accepted with its effective gates, the token's owners as a bit
-// mask (mask_of[t]), and part[q * B + b] = the block's tokens that send to owner q.
+// Fast path, kernel 1, block b: tokens [b*kThreads, ...). The block's slots (a contiguous range of the caller's
+// arrays) go through shared memory by consecutive threads, coalesced both ways; a thread takes its token's K <=
+// kRegSlots slots into registers: the check (rdep::CheckRouteSlot on the registers, slot order) and a faulty token's
+// stand-in, every slot accepted with its effective gates, the token's owners as a bit mask (mask_of[t]); then the
+// copy, the acceptance and the effective gates stored, and part[q * B + b] = the block's tokens that send to owner q.
 __global__ void __launch_bounds__(kThreads) WindowCheckCountFastKernel(const int32_t* from_experts, const float* from_gates,
                                                                       int32_t* experts, float* gates, uint8_t* accepted,
                                                                       float* effective, int64_t n, int32_t K, int32_t num_experts,
                                                                       int32_t W, OwnerMapView own, unsigned long long* worst,
                                                                       int32_t* part, uint32_t* mask_of) {
+  __shared__ int32_t s_e[kThreads * kRegSlots];
+  __shared__ float s_g[kThreads * kRegSlots];
+  __shared__ float s_f[kThreads * kRegSlots];
   __shared__ int count[kMaskOwners];
   if (threadIdx.x < kMaskOwners) count[threadIdx.x] = 0;
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kThreads);
+  const int64_t t = first + threadIdx.x;
+  const int span = static_cast<int>(std::min<int64_t>(kThreads, n - first)) * K;  // the block's slots (0 when n == 0)
+  const int64_t base = first * K;
+  for (int i = threadIdx.x; i < span; i += kThreads) s_e[i] = from_experts[base + i], s_g[i] = from_gates[base + i];
+  __syncthreads();
   uint32_t mask = 0;
   if (t < n) {
-    const int64_t at = t * K;
+    int32_t* my_e = s_e + threadIdx.x * K;
+    float* my_g = s_g + threadIdx.x * K;
+    float* my_f = s_f + threadIdx.x * K;
     int32_t e[kRegSlots];
     float g[kRegSlots];
 #pragma unroll
     for (int k = 0; k < kRegSlots; ++k)
-      if (k < K) e[k] = from_experts[at + k], g[k] = from_gates[at + k];
+      if (k < K) e[k] = my_e[k], g[k] = my_g[k];
     int bad = -1;
     RouteSlotFault fault = RouteSlotFault::kNone;
 #pragma unroll
@@ -121,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) WindowCheckCountFastKernel(const int
       if (f != RouteSlotFault::kNone) bad = k, fault = f;
     }
     if (bad >= 0) {
-      NoteFault(worst, at + bad, fault);
+      NoteFault(worst, t * K + bad, fault);
 #pragma unroll
       for (int k = 0; k < kRegSlots; ++k) e[k] = k, g[k] = 0.f;  // distinct in-range experts, zero weight
     }
@@ -138,12 +151,14 @@ __global__ void __launch_bounds__(kThreads) WindowCheckCountFastKernel(const int
 #pragma unroll
     for (int k = 0; k < kRegSlots; ++k)
       if (k < K) {
-        experts[at + k] = e[k], gates[at + k] = g[k], accepted[at + k] = 1, effective[at + k] = sum == 0 ? 0.f : g[k];
+        my_e[k] = e[k], my_g[k] = g[k], my_f[k] = sum == 0 ? 0.f : g[k];
         mask |= 1u << owners_of[k];
       }
     mask_of[t] = mask;
   }
   __syncthreads();
+  for (int i = threadIdx.x; i < span; i += kThreads)
+    experts[base + i] = s_e[i], gates[base + i] = s_g[i], accepted[base + i] = 1, effective[base + i] = s_f[i];
   for (int q = 0; q < W; ++q) {
     const unsigned sends = __ballot_sync(0xffffffffu, (mask >> q) & 1u);
     if ((threadIdx.x & 31) == 0 && sends != 0) atomicAdd(&count[q], __popc(sends));
@@ -161,8 +176,10 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceFastKernel(const uint32_t
   const int q = static_cast<int>(blockIdx.y);
   const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   const uint32_t mask = t < n ? mask_of[t] : 0u;
+  const bool finisher = q == 0 && blockIdx.x == 0;
+  if (finisher) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates, /*fence=*/false);
   PlacePositions((mask >> q) & 1u, n, q, part, tok_index, window_tokens, scan);
-  if (q == 0 && blockIdx.x == 0) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
+  if (finisher && threadIdx.x == 0) __threadfence_system();  // the record (written before the scans) may be host memory
 }
 
 // General path (K > kRegSlots or W > kMaskOwners), kernel 1, block b: as the fast path's, reading a token's slots

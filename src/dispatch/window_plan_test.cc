@@ -6,8 +6,8 @@
 // check's word and the drop counter left 0, so that a second plan from the same routing finds the same.
 // Fresh random routings, every output poisoned first; token counts over several blocks, K from 1 to 36 and
 // W from 1 to 40 (owners with no tokens among them), faults in several blocks, tokens whose gates are all
-// +0, all -0 or partly -0 (the effective gates' zero-sum rule). Both paths of the kernels: K <= 16 with
-// W <= 32 (a token's slots in registers) and the general one (K 17 and 36, W 40). The refusals run without
+// +0, all -0 or partly -0 (the effective gates' zero-sum rule). Both paths of the kernels: K <= 8 with
+// W <= 32 (a token's slots in registers) and the general one (K 9, 13 and 36, W 40). The refusals run without
 // a GPU; the rest skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -158,8 +158,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, WindowPlan,
                                            PlanCase{"K13_W3_faults", 700, 13, 40, 3, {650, 300, 301}, 0},
                                            PlanCase{"K1_W1_fault", 3000, 1, 8, 1, {2999}},
                                            PlanCase{"zero_gates_W2", 600, 6, 64, 2, {300}, 1, {0, 1, 2, 257, 258, 599}},
-                                           PlanCase{"K16_W32_faults", 1000, 16, 64, 32, {999, 500, 3}, 31, {10, 11, 12}},
-                                           PlanCase{"K17_W2_general", 500, 17, 40, 2, {499, 256}, 0, {7, 8, 9}},
+                                           PlanCase{"K8_W32_faults", 1000, 8, 64, 32, {999, 500, 3}, 31, {10, 11, 12}},
+                                           PlanCase{"K9_W2_general", 500, 9, 40, 2, {499, 256}, 0, {7, 8, 9}},
                                            PlanCase{"K36_W4_general", 300, 36, 80, 4, {}, 3},
                                            PlanCase{"K20_W40_general_faults", 600, 20, 80, 40, {1, 598}, 39, {300, 301, 302}}),
                          [](const ::testing::TestParamInfo<PlanCase>& i) { return i.param.name; });
@@ -176,7 +176,7 @@ TEST(WindowPlanRefusals, NameTheArgument) {
                             nullptr, nullptr, scratch, nullptr);
   };
   const int64_t enough = WindowPlanScratchInts(l, 64);
-  EXPECT_EQ(enough, 4 * 1 + 64);  // one block of 256 tokens per owner, then (K <= 16, W <= 32) a word per token
+  EXPECT_EQ(enough, 4 * 1 + 64);  // one block of 256 tokens per owner, then (K <= 8, W <= 32) a word per token
   Status st = plan(&e, nullptr, 10, 64, 0, enough);
   EXPECT_NE(st.message().find("without the caller's from_experts and from_gates"), std::string::npos) << st.message();
   st = plan(&e, &g, 10, 64, 4, enough);
