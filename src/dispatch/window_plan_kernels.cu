@@ -6,8 +6,9 @@
 //      faulty token in place by its own thread (the stand-in of the check's finish), fold the first
 //      fault into *worst; per block of kThreads tokens, the tokens it sends to each owner;
 //   2. per (block, owner) the tokens' positions (the earlier blocks' tokens + a block scan); each owner's
-//      tokens; every slot accepted with its effective gates; the control copy; the fault record (the
-//      first fault's values read from the caller's arrays, which nothing rewrites) and the words reset.
+//      tokens; (general path) every slot accepted with its effective gates; the control copy; the fault
+//      record (the first fault's values read from the caller's arrays, which nothing rewrites) and the
+//      words reset.
 // With K <= kRegSlots and W <= kMaskOwners (Moonlight's and DeepSeek-V3's shapes) the first kernel takes its block's
 // slots through shared memory (coalesced) and each token's into registers, so no load waits on a store as through
 // memory; it also accepts the slots and leaves a word of each token's owners for the second kernel, whose block
@@ -182,8 +183,9 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceFastKernel(const uint32_t
   if (finisher && threadIdx.x == 0) __threadfence_system();  // the record (written before the scans) may be host memory
 }
 
-// General path (K > kRegSlots or W > kMaskOwners), kernel 1, block b: as the fast path's, reading a token's slots
-// from memory (the copy) each time.
+// General path (K > kRegSlots or W > kMaskOwners), kernel 1, block b: the copy, the check and the stand-in, and
+// part[q * B + b], reading a token's slots from memory (the copy) each time; no acceptance and no owner word (kernel 2
+// does the acceptance and asks each token's owners again).
 __global__ void __launch_bounds__(kThreads) WindowCheckCountKernel(const int32_t* from_experts, const float* from_gates,
                                                                   int32_t* experts, float* gates, int64_t n, int64_t K,
                                                                   int32_t num_experts, int32_t W, OwnerMapView own,

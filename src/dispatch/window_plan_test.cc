@@ -7,7 +7,8 @@
 // Fresh random routings, every output poisoned first; token counts over several blocks, K from 1 to 36 and
 // W from 1 to 40 (owners with no tokens among them), faults in several blocks, tokens whose gates are all
 // +0, all -0 or partly -0 (the effective gates' zero-sum rule). Both paths of the kernels: K <= 8 with
-// W <= 32 (a token's slots in registers) and the general one (K 9, 13 and 36, W 40). The refusals run without
+// W <= 32 (a token's slots in registers) and the general one (K 9, 13, 20 and 36; W 40 at K 6 and 20), each case's
+// path asserted by its scratch size; faults in a token's last slot, and two in one token (the first slot's named). The refusals run without
 // a GPU; the rest skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -38,6 +39,8 @@ struct PlanCase {
   std::vector<int64_t> bad_tokens;  // each gets a fault of kind (index % 4): expert E, expert -1, NaN gate, a repeat
   int32_t rank = 0;
   std::vector<int64_t> zero_gate_tokens = {};  // gates of the i-th: all +0 (i % 3 == 0), all -0 (1), -0 in the even slots (2)
+  // the i-th: an infinite gate in the last slot only (i even); a bad gate in slot 0 and expert -1 in the last (odd)
+  std::vector<int64_t> edge_fault_tokens = {};
 };
 void PrintTo(const PlanCase& c, std::ostream* os) { *os << c.name; }
 
@@ -50,6 +53,15 @@ void Routing(const PlanCase& c, int64_t used, std::vector<int32_t>& experts, std
       g = i % 3 == 0 ? 0.f : (i % 3 == 1 || k % 2 == 0) ? -0.f : g;
     }
   test_util::InjectRoutingFaults(c.bad_tokens, c.K, c.E, experts, gates);
+  for (size_t i = 0; i < c.edge_fault_tokens.size(); ++i) {
+    const auto at = static_cast<size_t>(c.edge_fault_tokens[i] * c.K);
+    if (i % 2 == 0) {
+      gates[at + static_cast<size_t>(c.K - 1)] = std::numeric_limits<float>::infinity();
+    } else {
+      gates[at] = -2.f;
+      experts[at + static_cast<size_t>(c.K - 1)] = -1;
+    }
+  }
 }
 
 class WindowPlan : public ::testing::TestWithParam<PlanCase> {};
@@ -79,7 +91,11 @@ TEST_P(WindowPlan, MatchesTheHostExactly) {
       for (int64_t j = 0; j < c.K; ++j) want_e[at + static_cast<size_t>(j)] = static_cast<int32_t>(j), want_g[at + static_cast<size_t>(j)] = 0.f;
       break;
     }
-  ASSERT_EQ(want_key == ~0ull, c.bad_tokens.empty());
+  ASSERT_EQ(want_key == ~0ull, c.bad_tokens.empty() && c.edge_fault_tokens.empty());
+  // The fast path (K <= 8, W <= 32) keeps a word per token after the block counts; the case's name says which it takes.
+  const bool fast = c.K <= 8 && c.W <= 32;
+  ASSERT_EQ(c.name.find("general") != std::string::npos, !fast) << "the case's name and its path";
+  ASSERT_EQ(WindowPlanScratchInts(l, c.n), c.W * std::max<int64_t>((c.n + 255) / 256, 1) + (fast ? c.n : 0));
   std::vector<int32_t> want_tok(static_cast<size_t>(c.W * c.n), -1);
   std::vector<int64_t> want_tokens(static_cast<size_t>(c.W), 0);
   for (int64_t t = 0; t < c.n; ++t)
@@ -153,15 +169,16 @@ TEST_P(WindowPlan, MatchesTheHostExactly) {
 INSTANTIATE_TEST_SUITE_P(Cases, WindowPlan,
                          ::testing::Values(PlanCase{"empty", 0, 6, 64, 4, {}, 1}, PlanCase{"one_token_W1", 1, 1, 4, 1, {}},
                                            PlanCase{"moonlight_W4", 4096, 6, 64, 4, {}, 2},
-                                           PlanCase{"moonlight_W2_faults", 4096, 6, 64, 2, {4000, 17, 2500, 1023, 4095}, 1},
+                                           PlanCase{"moonlight_W2_faults", 4096, 6, 64, 2, {4000, 17, 2500, 1023, 4095}, 1, {}, {5, 4094}},
                                            PlanCase{"dsv3_W8", 5000, 8, 256, 8, {}, 7},
-                                           PlanCase{"K13_W3_faults", 700, 13, 40, 3, {650, 300, 301}, 0},
+                                           PlanCase{"K13_W3_general_faults", 700, 13, 40, 3, {650, 300, 301}, 0},
                                            PlanCase{"K1_W1_fault", 3000, 1, 8, 1, {2999}},
                                            PlanCase{"zero_gates_W2", 600, 6, 64, 2, {300}, 1, {0, 1, 2, 257, 258, 599}},
-                                           PlanCase{"K8_W32_faults", 1000, 8, 64, 32, {999, 500, 3}, 31, {10, 11, 12}},
+                                           PlanCase{"K8_W32_faults", 1000, 8, 64, 32, {999, 500, 3}, 31, {10, 11, 12}, {700, 1}},
                                            PlanCase{"K9_W2_general", 500, 9, 40, 2, {499, 256}, 0, {7, 8, 9}},
                                            PlanCase{"K36_W4_general", 300, 36, 80, 4, {}, 3},
-                                           PlanCase{"K20_W40_general_faults", 600, 20, 80, 40, {1, 598}, 39, {300, 301, 302}}),
+                                           PlanCase{"K20_W40_general_faults", 600, 20, 80, 40, {1, 598}, 39, {300, 301, 302}},
+                                           PlanCase{"K6_W40_general", 600, 6, 80, 40, {5}, 20, {}, {0, 9}}),
                          [](const ::testing::TestParamInfo<PlanCase>& i) { return i.param.name; });
 
 // Refused before any CUDA call (so in CI too), each naming what is wrong.
@@ -177,6 +194,16 @@ TEST(WindowPlanRefusals, NameTheArgument) {
   };
   const int64_t enough = WindowPlanScratchInts(l, 64);
   EXPECT_EQ(enough, 4 * 1 + 64);  // one block of 256 tokens per owner, then (K <= 8, W <= 32) a word per token
+  // The fast path's condition, K <= 8 and W <= 32, pinned where CI runs it: only there a word per token follows.
+  auto need = [&](int64_t K, int64_t W, int64_t n) {
+    RegionLayout m = l;
+    m.K = K, m.slots_per_token = K, m.W = W;
+    return WindowPlanScratchInts(m, n);
+  };
+  EXPECT_EQ(need(8, 32, 300), 32 * 2 + 300);
+  EXPECT_EQ(need(9, 32, 300), 32 * 2);
+  EXPECT_EQ(need(8, 33, 300), 33 * 2);
+  EXPECT_EQ(need(1, 1, 0), 1);
   Status st = plan(&e, nullptr, 10, 64, 0, enough);
   EXPECT_NE(st.message().find("without the caller's from_experts and from_gates"), std::string::npos) << st.message();
   st = plan(&e, &g, 10, 64, 4, enough);

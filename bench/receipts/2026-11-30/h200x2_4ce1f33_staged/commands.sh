@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Call 4 of the thirtieth session (2x H200, nvidia-h200-x2), tree 4ce1f33 plus the staged plan kernels (as committed in
-# 09be426) and two temporary switches that existed only in the tested tree: RDEP_PLAN_V1 (call 3's fast path: a
+# Call 4 of the thirtieth session (2x H200, nvidia-h200-x2), tree 4ce1f33 plus the staged plan kernels (committed in
+# 09be426 after this run, renamed and with the switches removed) and two temporary switches that existed only in the tested tree: RDEP_PLAN_V1 (call 3's fast path: a
 # token's slots loaded straight into registers, the fault record after the scans) and RDEP_PLAN_GENERAL (the general
 # path, i.e. the kernels before this session). Device call:
 #   CTEST_TIMEOUT=120 bash scripts/device.sh --budget 540 --no-pytest --bench 'bash .ab.sh' \
