@@ -78,10 +78,10 @@ __device__ __forceinline__ void PlacePositions(bool flag, int64_t n, int q, cons
 }
 
 // Block (0, 0) of the second kernel, either path: the control copy, the fault record (the first fault's values
-// read from the caller's arrays, which nothing rewrites) and the words reset.
+// read from the caller's arrays, which nothing rewrites) and the words reset. The record may be host memory:
+// the caller's thread 0 fences (__threadfence_system) once the block's scans are done.
 __device__ __forceinline__ void FinishPlan(const RegionLayout& l, int32_t rank, int64_t* control_copy, unsigned long long* worst,
-                                          RoutingFault* fault, int64_t* zero, const int32_t* from_experts, const float* from_gates,
-                                          bool fence = true) {
+                                          RoutingFault* fault, int64_t* zero, const int32_t* from_experts, const float* from_gates) {
   const auto words = static_cast<int64_t>(l.control_bytes() / sizeof(int64_t));
   for (int64_t w = threadIdx.x; w < words; w += kThreads) control_copy[w] = l.window_word(rank, w);
   if (threadIdx.x == 0) {
@@ -91,7 +91,6 @@ __device__ __forceinline__ void FinishPlan(const RegionLayout& l, int32_t rank, 
     RoutingFault r{first, 0, 0.f};
     if (first != ~0ull) r.expert = from_experts[first >> 2], r.gate = from_gates[first >> 2];  // as the caller gave them
     *fault = r;
-    if (fence) __threadfence_system();  // the record may be host memory
   }
 }
 
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceFastKernel(const uint32_t
   const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   const uint32_t mask = t < n ? mask_of[t] : 0u;
   const bool finisher = q == 0 && blockIdx.x == 0;
-  if (finisher) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates, /*fence=*/false);
+  if (finisher) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
   PlacePositions((mask >> q) & 1u, n, q, part, tok_index, window_tokens, scan);
   if (finisher && threadIdx.x == 0) __threadfence_system();  // the record (written before the scans) may be host memory
 }
@@ -227,7 +226,9 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* exp
     for (int64_t k = 0; k < K; ++k) accepted[t * K + k] = 1;
     RenormalizeTokenGates(gates + t * K, accepted + t * K, K, effective + t * K);  // as rdep::RenormalizeGates
   }
-  if (blockIdx.x == 0) FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
+  if (blockIdx.x != 0) return;
+  FinishPlan(l, rank, control_copy, worst, fault, zero, from_experts, from_gates);
+  if (threadIdx.x == 0) __threadfence_system();  // the record may be host memory
 }
 
 }  // namespace
