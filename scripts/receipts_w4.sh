@@ -34,6 +34,8 @@
 #   windows    per-source windows (LayerConfig::source_windows, the default) against the three phases
 #              (--no-source-windows) at W = WIN_W (default 4) on WIN_W GPUs: rdep check, then bench dispatch at the
 #              Moonlight shape (uniform and Zipf 1) and DeepSeek-V3's, alternated a/b, and the layer beside the baseline
+#   pdl        programmatic dependent launch (RDEP_PDL=on, the default) against plain launches (off), alternated:
+#              bench dispatch at W = PDL_W (default 2) and 1, the W = 1 layer, DeepSeek-V3's dispatch; RDEP_PDL=yes refused
 #   pair       what a 2-GPU machine (nvidia-h200-x2) can show: bench dispatch at W = 2 (Moonlight uniform and Zipf 1,
 #              DeepSeek-V3), the layer at W = 2 beside the baseline, with and without --owner-reduce
 #   pairskew   the layer at W = 2 under Zipf alpha 1 and 2, balancing off and ultraep (2-GPU machine)
@@ -893,6 +895,28 @@ stage_windows() {
   layer windows_w$w "$w" 0
   run layer_windows_w${w}_3ph "$RDEP" bench layer --ranks "$w" --expert-compute cutlass --no-source-windows \
     --json "$R/layer_windows_w${w}_3ph.json" --baseline-json "$R/torch_windows_w$w.json"
+}
+stage_pdl() {  # programmatic dependent launch (RDEP_PDL on, the default, against off), alternated a/b: dispatch at W = 2
+  # (a 2-GPU machine; PDL_W) and W = 1, the W = 1 layer (CUTLASS), DeepSeek-V3's dispatch at W = PDL_W
+  local w=${PDL_W:-2}
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  for round in a b; do
+    for mode in on off; do
+      run dispatch_w${w}_pdl${mode}_$round env RDEP_PDL=$mode "$RDEP" bench dispatch --ranks "$w" "${moon[@]}" --no-nccl \
+        --json "$R/dispatch_w${w}_pdl${mode}_$round.json"
+      run dispatch_w1_pdl${mode}_$round env RDEP_PDL=$mode "$RDEP" bench dispatch --ranks 1 "${moon[@]}" --no-nccl --no-floor \
+        --json "$R/dispatch_w1_pdl${mode}_$round.json"
+      run layer_w1_pdl${mode}_$round env RDEP_PDL=$mode "$RDEP" bench layer --ranks 1 --expert-compute cutlass \
+        --json "$R/layer_w1_pdl${mode}_$round.json"
+    done
+  done
+  for mode in on off; do
+    run dispatch_dsv3_w${w}_pdl$mode env RDEP_PDL=$mode "$RDEP" bench dispatch --ranks "$w" --tokens 4096 --hidden 7168 \
+      --experts 256 --topk 8 --warmup 20 --iters 100 --no-nccl --json "$R/dispatch_dsv3_w${w}_pdl$mode.json"
+  done
+  # RDEP_PDL=yes refused: passes when rdep check fails and names the variable
+  run pdl_bad_value bash -c 'out=$(env RDEP_PDL=yes "$0" check --backend cuda --ranks 1 2>&1); rc=$?; echo "$out"; echo "rc=$rc"
+    [ $rc -ne 0 ] && grep -q "RDEP_PDL=" <<<"$out"' "$RDEP"
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

@@ -18,6 +18,7 @@
 # again, made memcheck count 324 errors in the validation matrix on two GPUs (thirtieth session).
 # SANITIZE_TIMEOUT (default 150) bounds each run in seconds; a run cut short is reported as TIMEOUT.
 # SANITIZE_ONLY (an extended regex) keeps the runs whose "tool binary|filter" matches it.
+# SANITIZE_PRINT_LIMIT (default 2000): errors the tool prints a run; a failed run's report counts their sites.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -26,6 +27,7 @@ B=build-dev/src
 REPORT=$OUT/sanitize.txt
 : >"$REPORT"
 LIMIT=${SANITIZE_TIMEOUT:-150}
+PRINT_LIMIT=${SANITIZE_PRINT_LIMIT:-2000}  # errors printed a run: the report's error sites are counted over these
 TOOLS=("$@")
 [ ${#TOOLS[@]} -eq 0 ] && TOOLS=(memcheck racecheck synccheck initcheck)
 for tool in "${TOOLS[@]}"; do
@@ -41,7 +43,7 @@ run() {
   [ -n "$exe" ] || { printf '%-9s %-28s %-52s missing (not built)\n' "$tool" "$bin" "$filter" >>"$REPORT"; failed=1; return; }
   log=$(mktemp)
   t0=$(date +%s)
-  timeout -k 15 "$LIMIT" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 --report-api-errors no \
+  timeout -k 15 "$LIMIT" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit "$PRINT_LIMIT" --report-api-errors no \
     "$exe" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1
   rc=$?
   case $rc in
@@ -57,7 +59,13 @@ run() {
     "${summary:-no summary}" "${ran:-}" >>"$REPORT"
   if [ "$verdict" != pass ]; then
     failed=1
-    { echo "---- $tool $bin $filter: first lines of the tool's report"; grep -E "^=========" "$log" | grep -vE "ERROR SUMMARY|COMPUTE-SANITIZER" | head -60
+    { echo "---- $tool $bin $filter: error sites among the first $PRINT_LIMIT errors printed (count | kind | where | test)"
+      awk 'function flush() { if (kind != "") print kind " | " site " | " test; kind = "" }
+           /^=========  *[A-Z][a-z].*(read|write|access|hazard|barrier|error)/ {flush(); kind=$0; sub(/^=========  */, "", kind); site=""; test="?"}
+           /^=========     at / && kind != "" && site == "" {site=$0; sub(/^=========     at /, "", site); sub(/\(.*\)\+/, "+", site)}
+           /Host Frame:.*_Test::TestBody/ && kind != "" {test=$0; sub(/.*Host Frame: */, "", test); sub(/::TestBody.*/, "", test); sub(/.*::/, "", test)}
+           END {flush()}' "$log" | sort | uniq -c | sort -rn | head -20
+      echo "---- $tool $bin $filter: first lines of the tool's report"; grep -E "^=========" "$log" | grep -vE "ERROR SUMMARY|COMPUTE-SANITIZER" | head -40
       grep -E "^\[  FAILED  \]|Failure|Expected|error:" "$log" | head -10; tail -5 "$log"; } >>"$REPORT"
   fi
   rm -f "$log"

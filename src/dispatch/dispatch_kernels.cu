@@ -12,6 +12,7 @@
 #include "rdep/core/capacity_rules.h"
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "dispatch/warp_rows.cuh"
 
@@ -27,6 +28,7 @@ using detail::WarpScaleRow;
 
 __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local, int64_t capacity,
                                 int64_t* const* control_of, int64_t* rows_per_expert) {
+  cuda::WaitForPrimaryGrid();
   const int64_t* mine = control_of[rank];
   for (int j = static_cast<int>(threadIdx.x); j < num_local; j += blockDim.x) {
     SourceOrderAdmission admission{capacity};
@@ -52,6 +54,7 @@ __global__ void OwnerScanKernel(RegionLayout l, int32_t rank, int32_t num_local,
 __global__ void AcceptKernel(const int32_t* experts, const float* gates, const int32_t* rank_in_expert, int64_t n,
                              RegionLayout l, OwnerMapView own, const int64_t* my_control, int64_t* control_copy,
                              uint8_t* accepted, float* effective, int64_t* dropped) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (control_copy && t < static_cast<int64_t>(l.control_bytes() / sizeof(int64_t))) control_copy[t] = my_control[t];
   if (t >= n) return;
@@ -71,6 +74,7 @@ __global__ void AcceptKernel(const int32_t* experts, const float* gates, const i
 
 __global__ void RenormalizeAcceptedKernel(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective,
                                           int64_t* dropped) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   int64_t drops = 0;
@@ -151,6 +155,7 @@ ScatterKernel(const bf16_bits* payload, const int32_t* experts, const uint8_t* a
               const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
               RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
               void* const* payload_of, void* const* sideband_of, const int64_t* window_tokens) {
+  cuda::WaitForPrimaryGrid();
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps)
     for (int64_t q = 0; q < l.W; ++q)
@@ -166,6 +171,7 @@ ScatterPairKernel(const bf16_bits* payload, const int32_t* experts, const uint8_
                   const float* effective, const int32_t* tok_index, int64_t n, RegionLayout l,
                   RouteTargets targets, int32_t rank, const int64_t* my_control, int64_t lo, int32_t buf,
                   void* const* payload_of, void* const* sideband_of, const int64_t* window_tokens) {
+  cuda::WaitForPrimaryGrid();
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; i < n * l.W; i += warps)
     ScatterTokenToOwner(i / l.W, i % l.W, payload, experts, accepted, effective, tok_index, n, l, targets, rank, my_control, lo, buf,
@@ -180,6 +186,7 @@ __device__ __forceinline__ int64_t RowsNow(const int64_t* device_rows, int64_t M
 
 __global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped, int64_t M_bound, int64_t H, bool scale,
                                  bf16_bits* out, const int64_t* device_rows) {
+  cuda::WaitForPrimaryGrid();
   const int64_t M = RowsNow(device_rows, M_bound);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
@@ -192,6 +199,7 @@ __global__ void GatherRowsKernel(const bf16_bits* src, const GroupedRow* grouped
 }
 
 __global__ void SumCountsKernel(const int64_t* counts, int32_t n, int64_t* total) {
+  cuda::WaitForPrimaryGrid();
   using Reduce = cub::BlockReduce<int64_t, 256>;
   __shared__ typename Reduce::TempStorage tmp;
   int64_t mine = 0;
@@ -202,6 +210,7 @@ __global__ void SumCountsKernel(const int64_t* counts, int32_t n, int64_t* total
 
 __global__ void SentinelEchoKernel(const bf16_bits* x, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                                    const int32_t* local_to_global, bf16_bits* out) {
+  cuda::WaitForPrimaryGrid();
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; g < M; g += warps) {
@@ -220,6 +229,7 @@ constexpr int64_t kReturnSpread = 2654435761LL;
 __global__ void __launch_bounds__(kTransportThreads)
 ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bound, RegionLayout l,
                  void* const* return_of, const int64_t* device_rows, bool spread_order) {
+  cuda::WaitForPrimaryGrid();
   const int64_t M = RowsNow(device_rows, M_bound);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};
@@ -246,6 +256,7 @@ ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bou
 // returned row (zeros for a dropped slot), the rows dgate reads in backward.
 __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H,
                               bf16_bits* y, bf16_bits* save) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
@@ -268,6 +279,7 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
 // bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md).
 __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
                                   uint4* y, uint4* save) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H8; c += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -287,6 +299,7 @@ __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, con
 
 __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float* gates, const uint8_t* accepted, int64_t n,
                             int64_t K, int64_t H, float* scratch, float* dgates, const float* dots) {
+  cuda::WaitForPrimaryGrid();
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   for (int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; t < n; t += warps) {
@@ -306,8 +319,7 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
 
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity, int64_t* const* control_of,
                        int64_t* rows_per_expert, cudaStream_t s) {
-  OwnerScanKernel<<<1, 256, 0, s>>>(l, rank, num_local, capacity, control_of, rows_per_expert);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(OwnerScanKernel, 1, 256, 0, s, l, rank, num_local, capacity, control_of, rows_per_expert));
   return Status::Ok();
 }
 
@@ -317,17 +329,16 @@ Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* r
   const int64_t words = control_copy ? static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)) : 0;
   const int64_t threads = std::max(n, words);
   if (threads == 0) return Status::Ok();
-  AcceptKernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(experts, gates, rank_in_expert, n, l, own, my_control,
-                                                                             control_copy, accepted, effective_gates, dropped);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(AcceptKernel, static_cast<unsigned>((threads + 255) / 256), 256, 0, s, experts, gates,
+                                       rank_in_expert, n, l, own, my_control, control_copy, accepted, effective_gates, dropped));
   return Status::Ok();
 }
 
 Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,
                                  int64_t* dropped, cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  RenormalizeAcceptedKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(gates, accepted, n, K, effective_gates, dropped);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(RenormalizeAcceptedKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, gates, accepted,
+                                       n, K, effective_gates, dropped));
   return Status::Ok();
 }
 
@@ -342,39 +353,37 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
   }();
   if (k == "pair") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n * l.W, 1), l);
-    ScatterPairKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
-                                                     my_control, lo, buf, payload_of, sideband_of, window_tokens);
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ScatterPairKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates,
+                                         tok_index, n, l, targets, rank, my_control, lo, buf, payload_of, sideband_of, window_tokens));
   } else if (k == "token") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n, 1), l);
-    ScatterKernel<<<g.blocks, g.threads, 0, s>>>(payload, experts, accepted, effective_gates, tok_index, n, l, targets, rank,
-                                                 my_control, lo, buf, payload_of, sideband_of, window_tokens);
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ScatterKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates,
+                                         tok_index, n, l, targets, rank, my_control, lo, buf, payload_of, sideband_of, window_tokens));
   } else {
     return InvalidArgument("RDEP_SCATTER='" + k + "': expected pair (a warp per (token, owner), the default) or token (a warp per token)");
   }
-  RDEP_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
                         bool scale_by_gate, bf16_bits* out, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
-  GatherRowsKernel<<<WarpBlocks(M), 256, 0, s>>>(segment_payload, grouped, M, H, scale_by_gate, out, device_rows);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(GatherRowsKernel, WarpBlocks(M), 256, 0, s, segment_payload, grouped, M, H, scale_by_gate, out, device_rows));
   return Status::Ok();
 }
 
 Status LaunchSumCounts(const int64_t* counts, int32_t n, int64_t* total, cudaStream_t s) {
   if (n < 0 || n > (1 << 20)) return InvalidArgument("sum counts: n=" + std::to_string(n) + " outside [0, 2^20]");
-  SumCountsKernel<<<1, 256, 0, s>>>(counts, n, total);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(SumCountsKernel, 1, 256, 0, s, counts, n, total));
   return Status::Ok();
 }
 
 Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                           const int32_t* local_to_global, bf16_bits* out, cudaStream_t s) {
   if (M == 0) return Status::Ok();
-  SentinelEchoKernel<<<WarpBlocks(M), 256, 0, s>>>(x_rows, grouped, M, H, rank, local_to_global, out);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(SentinelEchoKernel, WarpBlocks(M), 256, 0, s, x_rows, grouped, M, H, rank, local_to_global, out));
   return Status::Ok();
 }
 
@@ -389,8 +398,8 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
   if (M == 0) return Status::Ok();  // after the check: a rank without rows refuses a bad value as its peers do
   const bool spread = order == "spread";
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  ReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, M, l, return_of, device_rows, spread);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(ReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, M, l, return_of, device_rows, spread));
   return Status::Ok();
 }
 
@@ -401,22 +410,21 @@ Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float*
   if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
     const int64_t H8 = H / 8;
     const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
-    CombineKernelVec8<<<static_cast<unsigned>(n), threads, 0, s>>>(reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8,
-                                                                    reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
-    RDEP_CUDA_CHECK_LAUNCH();
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CombineKernelVec8, static_cast<unsigned>(n), threads, 0, s,
+                                         reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8, reinterpret_cast<uint4*>(y),
+                                         reinterpret_cast<uint4*>(save)));
     return Status::Ok();
   }
   const int threads = H >= 256 ? 256 : static_cast<int>(((H + 31) / 32) * 32);
-  CombineKernel<<<static_cast<unsigned>(n), threads, 0, s>>>(ret, accepted, weights, K, H, y, save);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CombineKernel, static_cast<unsigned>(n), threads, 0, s, ret, accepted, weights, K, H, y, save));
   return Status::Ok();
 }
 
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted, int64_t n,
                    int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s, const float* dots) {
   if (n == 0) return Status::Ok();
-  DgateKernel<<<WarpBlocks(n), 256, 0, s>>>(dy, saved_f, gates, accepted, n, K, H, scratch, dgates, dots);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(DgateKernel, WarpBlocks(n), 256, 0, s, dy, saved_f, gates, accepted, n, K, H, scratch, dgates, dots));
   return Status::Ok();
 }
 

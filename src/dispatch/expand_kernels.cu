@@ -20,6 +20,7 @@
 #include <string>
 
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "dispatch/warp_rows.cuh"
 
@@ -69,6 +70,7 @@ __device__ __forceinline__ const char* SegmentSideband(const void* my_sideband, 
 // Kernel 1: chunk_rows[j * C + c] = rows of chunk c on local expert j.
 __global__ void __launch_bounds__(kChunkThreads) ExpandChunkCountKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l,
                                                                         const int64_t* my_control, int32_t num_local, int32_t* chunk_rows) {
+  cuda::WaitForPrimaryGrid();
   const int64_t C = (l.S + kChunk - 1) / kChunk;
   const int64_t c = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kChunk;
   if (c >= C) return;  // a whole warp
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandChunkCountKernel(const vo
 // Kernel 2, block j: chunk_rows[j * C + c] becomes the chunk's first index within expert j; counts[j]
 // the expert's rows.
 __global__ void __launch_bounds__(kScanThreads) ExpandScanKernel(int64_t C, int32_t* chunk_rows, int64_t* counts) {
+  cuda::WaitForPrimaryGrid();
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage scan;
   int32_t* mine = chunk_rows + blockIdx.x * C;
@@ -116,6 +119,7 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* m
                                                                    const int64_t* my_control, int32_t num_local,
                                                                    const int32_t* chunk_base, const int64_t* counts,
                                                                    GroupedRow* grouped, int64_t max_rows, int32_t* inv) {
+  cuda::WaitForPrimaryGrid();
   using Scan = cub::BlockScan<int64_t, kChunkThreads>;
   __shared__ typename Scan::TempStorage scan;
   extern __shared__ int64_t offset[];  // [num_local]: expert j's first grouped index
@@ -175,13 +179,11 @@ Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const Regi
   const size_t offset_bytes = static_cast<size_t>(num_local) * sizeof(int64_t);
   const int64_t C = Chunks(l);
   const auto blocks = static_cast<unsigned>((C * kChunk + kChunkThreads - 1) / kChunkThreads);
-  ExpandChunkCountKernel<<<blocks, kChunkThreads, 0, s>>>(my_sideband, buf, lo, l, my_control, num_local, scratch);
-  RDEP_CUDA_CHECK_LAUNCH();
-  ExpandScanKernel<<<static_cast<unsigned>(num_local), kScanThreads, 0, s>>>(C, scratch, counts);
-  RDEP_CUDA_CHECK_LAUNCH();
-  ExpandPlaceKernel<<<blocks, kChunkThreads, offset_bytes, s>>>(my_sideband, buf, lo, l, my_control, num_local, scratch, counts,
-                                                                grouped, max_rows, inv);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(ExpandChunkCountKernel, blocks, kChunkThreads, 0, s, my_sideband, buf, lo, l, my_control, num_local, scratch));
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpandScanKernel, static_cast<unsigned>(num_local), kScanThreads, 0, s, C, scratch, counts));
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpandPlaceKernel, blocks, kChunkThreads, offset_bytes, s, my_sideband, buf, lo, l, my_control,
+                                       num_local, scratch, counts, grouped, max_rows, inv));
   return Status::Ok();
 }
 

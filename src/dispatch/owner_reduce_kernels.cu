@@ -9,6 +9,7 @@
 
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "dispatch/warp_rows.cuh"
 
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(kTransportThreads)
 ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const int32_t* inv, const void* my_sideband,
                        int32_t buf, int64_t lo, RegionLayout l, const int64_t* my_control, bool scale_by_gate,
                        void* const* return_of) {
+  cuda::WaitForPrimaryGrid();
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const int64_t n_seg = SegmentTokens(l, my_control, lo);
   const size_t tsb = l.token_sideband_bytes();
@@ -87,6 +89,7 @@ ReduceReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, const i
 __global__ void __launch_bounds__(kTransportThreads)
 OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const GroupedRow* grouped, int64_t M_bound,
                 RegionLayout l, void* const* dots_of, const int64_t* device_rows) {
+  cuda::WaitForPrimaryGrid();
   const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
   const RowIdCodec codec{l.T, l.K};
@@ -102,6 +105,7 @@ OwnerDotsKernel(const bf16_bits* segment_dy, const bf16_bits* f_rows, const Grou
 
 __global__ void StoreRowDotsKernel(const float* row_dots, const GroupedRow* grouped, int64_t M_bound, RegionLayout l, void* const* dots_of,
                                    const int64_t* device_rows) {
+  cuda::WaitForPrimaryGrid();
   const int64_t M = device_rows ? min(*device_rows, M_bound) : M_bound;
   const RowIdCodec codec{l.T, l.K};
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < M; g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -112,6 +116,7 @@ __global__ void StoreRowDotsKernel(const float* row_dots, const GroupedRow* grou
 
 __global__ void LeadSlotsKernel(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets,
                                 uint8_t* lead) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   for (int64_t k = 0; k < K; ++k) {
@@ -135,9 +140,8 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
   if (l.H % 8 != 0 || !aligned16(rows) || !aligned16(my_return))  // the SwiGLU layer's rows always are (ExpertMlpDesc)
     return InvalidArgument("reduce return rows: needs H % 8 == 0 (H=" + std::to_string(l.H) + ") and 16-byte aligned rows and return region");
   const detail::TransportGrid g = detail::TransportGridFor(l.S, l);
-  ReduceReturnRowsKernel<<<g.blocks, g.threads, 0, s>>>(rows, grouped, inv, my_sideband, buf, lo, l, my_control, scale_by_gate,
-                                                        return_of);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ReduceReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, inv, my_sideband, buf, lo, l,
+                                       my_control, scale_by_gate, return_of));
   return Status::Ok();
 }
 
@@ -145,8 +149,8 @@ Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, con
                        const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  OwnerDotsKernel<<<g.blocks, g.threads, 0, s>>>(segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(OwnerDotsKernel, g.blocks, g.threads, 0, s, segment_dy, f_rows, grouped, M, l, dots_of, device_rows));
   return Status::Ok();
 }
 
@@ -154,16 +158,16 @@ Status LaunchStoreRowDots(const float* row_dots, const GroupedRow* grouped, int6
                           cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
   const int64_t blocks = std::min<int64_t>((M + 255) / 256, 132 * 4);
-  StoreRowDotsKernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(row_dots, grouped, M, l, dots_of, device_rows);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(StoreRowDotsKernel, static_cast<unsigned>(blocks), 256, 0, s, row_dots, grouped, M, l, dots_of, device_rows));
   return Status::Ok();
 }
 
 Status LaunchLeadSlots(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets, uint8_t* lead,
                        cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  LeadSlotsKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, accepted, n, K, targets, lead);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(LeadSlotsKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, accepted, n, K, targets, lead));
   return Status::Ok();
 }
 

@@ -16,6 +16,7 @@
 
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 
 namespace rdep::dispatch {
@@ -60,6 +61,7 @@ __device__ __forceinline__ void StageInts(const int32_t* __restrict__ src, int64
 // slot's key folded into *worst as the complement (atomicMax of ~key is the minimum key; 0 = no fault yet).
 __global__ void CheckRoutingKernel(int32_t* experts, float* gates, int64_t n, int64_t K, int32_t num_experts,
                                    unsigned long long* worst, const int32_t* from_experts, const float* from_gates) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   if (from_experts) {
@@ -82,6 +84,7 @@ constexpr int kFinishThreads = 1024;
 __global__ void __launch_bounds__(kFinishThreads) FinishRoutingCheckKernel(int32_t* experts, float* gates, int64_t n, int64_t K,
                                                                            int32_t num_experts, unsigned long long* worst,
                                                                            RoutingFault* fault, int64_t* zero) {
+  cuda::WaitForPrimaryGrid();
   const unsigned long long first = ~*worst;  // every thread reads it before thread 0 resets it
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -113,6 +116,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishRoutingCheckKernel(int32
 __global__ void __launch_bounds__(kTileThreads) PublishLoadRowKernel(const int32_t* experts, int64_t n, RegionLayout l,
                                                                      int32_t rank, int64_t tile_items,
                                                                      int64_t* const* control_of) {
+  cuda::WaitForPrimaryGrid();
   extern __shared__ __align__(16) int smem[];
   int* load_shared = smem;                                     // [E]
   int* tile = smem + ((l.E_load + 3) & ~int64_t{3});           // [tile_items]
@@ -157,6 +161,7 @@ __device__ __forceinline__ bool SendsTo(const int32_t* experts, int64_t t, int64
 // tokens sending to q.
 __global__ void __launch_bounds__(kCountThreads) CountBlockKernel(const int32_t* experts, int64_t n, RegionLayout l,
                                                                   RouteTargets targets, int32_t* part) {
+  cuda::WaitForPrimaryGrid();
   extern __shared__ int rows_shared[];  // [L]
   const int q = static_cast<int>(blockIdx.y);
   const int64_t B = gridDim.x, b = blockIdx.x;
@@ -175,6 +180,7 @@ __global__ void __launch_bounds__(kCountThreads) CountBlockKernel(const int32_t*
 __global__ void __launch_bounds__(kCountThreads) PlaceTokensKernel(const int32_t* experts, int64_t n, RegionLayout l,
                                                                    RouteTargets targets, int32_t rank, const int32_t* part,
                                                                    int32_t* tok_index, int64_t* const* control_of) {
+  cuda::WaitForPrimaryGrid();
   extern __shared__ int sums_shared[];  // [L + 1], block 0 only
   __shared__ typename CountScan::TempStorage scan;
   const int q = static_cast<int>(blockIdx.y);
@@ -212,6 +218,7 @@ __device__ __forceinline__ int64_t SlotOn(const int32_t* ids, int64_t K, int e) 
 
 __global__ void __launch_bounds__(kTileThreads) ExpertRankKernel(const int32_t* experts, int64_t n, int64_t K, int64_t tile_tokens,
                                                                  int32_t* rank_in_expert) {
+  cuda::WaitForPrimaryGrid();
   extern __shared__ __align__(16) int tile[];  // [tile_tokens * K]
   __shared__ typename TileScan::TempStorage scan;
   const int e = static_cast<int>(blockIdx.x);
@@ -255,12 +262,11 @@ Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t 
   if (n > 0 && (from_experts == nullptr) != (from_gates == nullptr))
     return InvalidArgument("LaunchValidateRouting: from_experts and from_gates are given together or not at all");
   if (n > 0) {
-    CheckRoutingKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(experts, gates, n, K, num_experts, worst,
-                                                                               from_experts, from_gates);
-    RDEP_CUDA_CHECK_LAUNCH();
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CheckRoutingKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, gates, n, K,
+                                         num_experts, worst, from_experts, from_gates));
   }
-  FinishRoutingCheckKernel<<<1, kFinishThreads, 0, s>>>(experts, gates, n, K, num_experts, worst, fault, zero);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(
+      cuda::LaunchPdl(FinishRoutingCheckKernel, 1, kFinishThreads, 0, s, experts, gates, n, K, num_experts, worst, fault, zero));
   return Status::Ok();
 }
 
@@ -270,9 +276,8 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
   const int64_t tile = TileItems(l.E_load, 1);
   if (tile <= 0)
     return InvalidArgument("load matrix row: E=" + std::to_string(l.E_load) + " counters do not fit the kernel's shared memory");
-  PublishLoadRowKernel<<<static_cast<unsigned>(l.W), kTileThreads, StagedShared(l.E_load, tile), s>>>(experts, n, l, rank, tile,
-                                                                                                     control_of);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PublishLoadRowKernel, static_cast<unsigned>(l.W), kTileThreads, StagedShared(l.E_load, tile), s,
+                                       experts, n, l, rank, tile, control_of));
   return Status::Ok();
 }
 
@@ -303,10 +308,9 @@ Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayo
                            " tokens, which need " + std::to_string(CountScratchInts(l, n)));
   const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
   const dim3 grid(static_cast<unsigned>(CountBlocks(n)), static_cast<unsigned>(l.W));
-  CountBlockKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, scratch);
-  RDEP_CUDA_CHECK_LAUNCH();
-  PlaceTokensKernel<<<grid, kCountThreads, shared, s>>>(experts, n, l, targets, rank, scratch, tok_index, control_of);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CountBlockKernel, grid, kCountThreads, shared, s, experts, n, l, targets, scratch));
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PlaceTokensKernel, grid, kCountThreads, shared, s, experts, n, l, targets, rank, scratch,
+                                       tok_index, control_of));
   return Status::Ok();
 }
 
@@ -315,9 +319,8 @@ Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t nu
   if (n == 0) return Status::Ok();
   const int64_t tile = TileItems(0, K);
   if (tile <= 0) return InvalidArgument("expert ranks: K=" + std::to_string(K) + " slots per token do not fit the kernel's shared memory");
-  ExpertRankKernel<<<static_cast<unsigned>(num_experts), kTileThreads, StagedShared(0, tile * K), s>>>(experts, n, K, tile,
-                                                                                                    rank_in_expert);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpertRankKernel, static_cast<unsigned>(num_experts), kTileThreads, StagedShared(0, tile * K),
+                                       s, experts, n, K, tile, rank_in_expert));
   return Status::Ok();
 }
 

@@ -27,6 +27,7 @@
 #include "rdep/core/capacity_rules.h"
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 
 namespace rdep::dispatch {
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(kThreads) WindowCheckCountFastKernel(const int
                                                                       float* effective, int64_t n, int32_t K, int32_t num_experts,
                                                                       int32_t W, OwnerMapView own, unsigned long long* worst,
                                                                       int32_t* part, uint32_t* mask_of) {
+  cuda::WaitForPrimaryGrid();
   __shared__ int32_t s_e[kThreads * kRegSlots];
   __shared__ float s_g[kThreads * kRegSlots];
   __shared__ float s_f[kThreads * kRegSlots];
@@ -172,6 +174,7 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceFastKernel(const uint32_t
                                                                  const int32_t* part, int32_t* tok_index, int64_t* window_tokens,
                                                                  int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
                                                                  int64_t* zero, const int32_t* from_experts, const float* from_gates) {
+  cuda::WaitForPrimaryGrid();
   __shared__ typename Scan::TempStorage scan;
   const int q = static_cast<int>(blockIdx.y);
   const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
@@ -189,6 +192,7 @@ __global__ void __launch_bounds__(kThreads) WindowCheckCountKernel(const int32_t
                                                                   int32_t* experts, float* gates, int64_t n, int64_t K,
                                                                   int32_t num_experts, int32_t W, OwnerMapView own,
                                                                   unsigned long long* worst, int32_t* part) {
+  cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   const bool mine = t < n;
   if (mine) {
@@ -216,6 +220,7 @@ __global__ void __launch_bounds__(kThreads) WindowPlaceKernel(const int32_t* exp
                                                              int64_t* window_tokens, uint8_t* accepted, float* effective,
                                                              int64_t* control_copy, unsigned long long* worst, RoutingFault* fault,
                                                              int64_t* zero, const int32_t* from_experts, const float* from_gates) {
+  cuda::WaitForPrimaryGrid();
   __shared__ typename Scan::TempStorage scan;
   const int q = static_cast<int>(blockIdx.y);
   const int64_t K = l.K;
@@ -256,21 +261,18 @@ Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, in
   const dim3 grid2(B, static_cast<unsigned>(l.W));
   if (FastPath(l)) {
     auto* mask_of = reinterpret_cast<uint32_t*>(scratch + l.W * B);
-    WindowCheckCountFastKernel<<<B, kThreads, 0, s>>>(from_experts, from_gates, experts, gates, accepted, effective, n,
-                                                      static_cast<int32_t>(l.K), num_experts, static_cast<int32_t>(l.W), own, worst,
-                                                      scratch, mask_of);
-    RDEP_CUDA_CHECK_LAUNCH();
-    WindowPlaceFastKernel<<<grid2, kThreads, 0, s>>>(mask_of, n, l, rank, scratch, tok_index, window_tokens, control_copy, worst, fault,
-                                                     zero, from_experts, from_gates);
-    RDEP_CUDA_CHECK_LAUNCH();
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowCheckCountFastKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates,
+                                         accepted, effective, n, static_cast<int32_t>(l.K), num_experts, static_cast<int32_t>(l.W),
+                                         own, worst, scratch, mask_of));
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowPlaceFastKernel, grid2, kThreads, 0, s, mask_of, n, l, rank, scratch, tok_index,
+                                         window_tokens, control_copy, worst, fault, zero, from_experts, from_gates));
     return Status::Ok();
   }
-  WindowCheckCountKernel<<<B, kThreads, 0, s>>>(from_experts, from_gates, experts, gates, n, l.K, num_experts, static_cast<int32_t>(l.W),
-                                                own, worst, scratch);
-  RDEP_CUDA_CHECK_LAUNCH();
-  WindowPlaceKernel<<<grid2, kThreads, 0, s>>>(experts, gates, n, l, own, rank, scratch, tok_index, window_tokens, accepted, effective,
-                                               control_copy, worst, fault, zero, from_experts, from_gates);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowCheckCountKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates, n, l.K,
+                                       num_experts, static_cast<int32_t>(l.W), own, worst, scratch));
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowPlaceKernel, grid2, kThreads, 0, s, experts, gates, n, l, own, rank, scratch, tok_index,
+                                       window_tokens, accepted, effective, control_copy, worst, fault, zero, from_experts,
+                                       from_gates));
   return Status::Ok();
 }
 

@@ -37,6 +37,7 @@
 #include "experts/expert_mlp_kernels.cuh"
 #include "experts/grouped_gemm_sm90.h"
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/experts/expert_compute.h"
 
 namespace rdep::kernels {
@@ -157,6 +158,7 @@ __device__ void SetGroup(const GemmTables& t, int e, int32_t m, int32_t n, int32
 }
 
 __global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p) {
+  cuda::WaitForPrimaryGrid();
   int64_t sum = 0;
   const int64_t off = ExpertOffset(p.counts, p.experts, p.max_rows, &sum);
   const int e = static_cast<int>(threadIdx.x);
@@ -174,6 +176,7 @@ __global__ void __launch_bounds__(kMaxExperts) ForwardSetupKernel(ForwardSetup p
 }
 
 __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup p) {
+  cuda::WaitForPrimaryGrid();
   int64_t sum = 0;
   const int64_t off = ExpertOffset(p.counts, p.experts, p.max_rows, &sum);
   const int e = static_cast<int>(threadIdx.x);
@@ -195,6 +198,7 @@ __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup
 // An overflowed call (total -1) computed nothing and leaves every gradient untouched.
 __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t* total, char* dw1, char* dw2, int64_t bytes1,
                                            int64_t bytes2) {
+  cuda::WaitForPrimaryGrid();
   const int e = static_cast<int>(blockIdx.y);
   if (counts[e] > 0 || *total < 0) return;
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 16; i < bytes1 + bytes2;
@@ -290,8 +294,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     const ForwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, w.w1,
                          w.w2, h, z_, y, Tables(*g.g1), Tables(*g.g2), g.g1->ptr_z(), g.g1->ptr_gate(), g.g1->gate_stride(),
                          rows.gate, rows.gate_stride, total_, fault_dev_};
-    ForwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ForwardSetupKernel, 1, kMaxExperts, 0, stream, p));
     RDEP_RETURN_IF_ERROR(g.g1->Run(0.0f, stream));
     if (!fused_swiglu_)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_, rows.gate,
@@ -319,8 +322,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     const BackwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, dout,
                           w.w1, w.w2, z_, h, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
                           Tables(gdw1), total_, fault_dev_};
-    BackwardSetupKernel<<<1, kMaxExperts, 0, stream>>>(p);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(BackwardSetupKernel, 1, kMaxExperts, 0, stream, p));
     RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
     if (rows.gate)  // in place; dgate per row from dz' = dout.W2^T and the recomputed swiglu(h)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackwardGated(h, z_, rows.gate, rows.gate_stride, z_, h, rows.dgate, rows.max_rows,
@@ -334,9 +336,8 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (accumulate) return Status::Ok();
     const int64_t H = desc_.hidden, F = desc_.ffn;
     const dim3 grid(64, static_cast<unsigned>(desc_.num_experts));
-    ZeroEmptyExpertGradsKernel<<<grid, 256, 0, stream>>>(rows.counts, total_, static_cast<char*>(dw1), static_cast<char*>(dw2),
-                                                         H * 2 * F * elem, F * H * elem);
-    return cuda::CudaStatus(cudaGetLastError(), "zero empty experts' gradients", __FILE__, __LINE__);
+    return cuda::LaunchPdl(ZeroEmptyExpertGradsKernel, grid, 256, 0, stream, rows.counts, total_, static_cast<char*>(dw1),
+                           static_cast<char*>(dw2), H * 2 * F * elem, F * H * elem);
   }
 
  private:

@@ -9,6 +9,7 @@
 
 #include "experts/expert_mlp_kernels.cuh"
 #include "experts/swiglu_math.cuh"
+#include "rdep/cuda/launch.h"
 
 namespace rdep::kernels::internal {
 namespace {
@@ -33,6 +34,7 @@ __device__ __forceinline__ int64_t NumVec(const int64_t* device_rows, int64_t ro
 __global__ void SwigluForwardKernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ z,
                                     const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F,
                                     const float* __restrict__ gate, int64_t gate_stride, bool interleaved) {
+  cuda::WaitForPrimaryGrid();
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -86,6 +88,7 @@ __device__ __forceinline__ void SwigluBackwardVec(const __nv_bfloat16* h, const 
 __global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ dz,
                                      __nv_bfloat16* __restrict__ z, __nv_bfloat16* __restrict__ dh, const int64_t* device_rows,
                                      int64_t rows, int64_t vec_per_row, int64_t F, bool interleaved) {
+  cuda::WaitForPrimaryGrid();
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F, interleaved);
@@ -95,6 +98,7 @@ __global__ void SwigluBackwardKernel(const __nv_bfloat16* __restrict__ h, const 
 __global__ void SwigluBackwardInPlaceKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
                                             const int64_t* device_rows, int64_t rows, int64_t vec_per_row, int64_t F,
                                             bool interleaved) {
+  cuda::WaitForPrimaryGrid();
   const int64_t num_vec = NumVec(device_rows, rows, vec_per_row);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_vec; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     SwigluBackwardVec(h, dz, z, dh, i, vec_per_row, F, interleaved);
@@ -105,6 +109,7 @@ __global__ void SwigluBackwardInPlaceKernel(const __nv_bfloat16* h, const __nv_b
 __global__ void SwigluBackwardGatedKernel(const __nv_bfloat16* h, const __nv_bfloat16* dz, const float* gate, int64_t gate_stride,
                                           __nv_bfloat16* z, __nv_bfloat16* dh, float* dgate, const int64_t* device_rows,
                                           int64_t rows_bound, int64_t vec_per_row, int64_t F, bool interleaved) {
+  cuda::WaitForPrimaryGrid();
   const int64_t rows = device_rows ? max(int64_t{0}, min(*device_rows, rows_bound)) : rows_bound;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / 32;
@@ -147,6 +152,7 @@ __global__ void SwigluBackwardGatedKernel(const __nv_bfloat16* h, const __nv_bfl
 }
 
 __global__ void FillGroupPointersKernel(const GroupPointerParams p, void** table) {
+  cuda::WaitForPrimaryGrid();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 3 * p.num_groups) return;
   const int o = i / p.num_groups, g = i - o * p.num_groups;
@@ -166,9 +172,8 @@ cudaError_t LaunchSwigluForward(const __nv_bfloat16* h, __nv_bfloat16* z, int64_
   if (rows <= 0) return cudaSuccess;
   if (F % kVec != 0) return cudaErrorInvalidValue;
   const int64_t vec_per_row = F / kVec;
-  SwigluForwardKernel<<<GridFor(rows * vec_per_row), kThreads, 0, stream>>>(h, z, device_rows, rows, vec_per_row, F, gate, gate_stride,
-                                                                             interleaved);
-  return cudaGetLastError();
+  return cuda::LaunchPdlError(SwigluForwardKernel, GridFor(rows * vec_per_row), kThreads, 0, stream, h, z, device_rows, rows,
+                              vec_per_row, F, gate, gate_stride, interleaved);
 }
 
 cudaError_t LaunchSwigluBackwardGated(const __nv_bfloat16* h, const __nv_bfloat16* dz, const float* gate, int64_t gate_stride,
@@ -178,9 +183,8 @@ cudaError_t LaunchSwigluBackwardGated(const __nv_bfloat16* h, const __nv_bfloat1
   if (F % kVec != 0 || !gate || !dgate) return cudaErrorInvalidValue;
   const int64_t warps_per_block = kThreads / 32;
   const int64_t blocks = std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block, 132 * 16);
-  SwigluBackwardGatedKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(h, dz, gate, gate_stride, z, dh, dgate, device_rows,
-                                                                                   rows, F / kVec, F, interleaved);
-  return cudaGetLastError();
+  return cuda::LaunchPdlError(SwigluBackwardGatedKernel, static_cast<unsigned>(blocks), kThreads, 0, stream, h, dz, gate, gate_stride,
+                              z, dh, dgate, device_rows, rows, F / kVec, F, interleaved);
 }
 
 cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz, __nv_bfloat16* z, __nv_bfloat16* dh,
@@ -190,17 +194,16 @@ cudaError_t LaunchSwigluBackward(const __nv_bfloat16* h, const __nv_bfloat16* dz
   const int64_t vec_per_row = F / kVec;
   const int grid = GridFor(rows * vec_per_row);
   if (static_cast<const void*>(z) == dz || static_cast<const void*>(dh) == h)
-    SwigluBackwardInPlaceKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F, interleaved);
-  else
-    SwigluBackwardKernel<<<grid, kThreads, 0, stream>>>(h, dz, z, dh, device_rows, rows, vec_per_row, F, interleaved);
-  return cudaGetLastError();
+    return cuda::LaunchPdlError(SwigluBackwardInPlaceKernel, grid, kThreads, 0, stream, h, dz, z, dh, device_rows, rows, vec_per_row,
+                                F, interleaved);
+  return cuda::LaunchPdlError(SwigluBackwardKernel, grid, kThreads, 0, stream, h, dz, z, dh, device_rows, rows, vec_per_row, F,
+                              interleaved);
 }
 
 cudaError_t LaunchFillGroupPointers(const GroupPointerParams& p, void** table, cudaStream_t stream) {
   if (p.num_groups <= 0) return cudaSuccess;
   const int n = 3 * p.num_groups;
-  FillGroupPointersKernel<<<(n + 127) / 128, 128, 0, stream>>>(p, table);
-  return cudaGetLastError();
+  return cuda::LaunchPdlError(FillGroupPointersKernel, (n + 127) / 128, 128, 0, stream, p, table);
 }
 
 }  // namespace rdep::kernels::internal

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 
 namespace rdep::kernels {
 namespace {
@@ -145,6 +146,7 @@ __device__ __forceinline__ void TopTwo(Acc v, Acc& a, Acc& b) {
 //   hist  int32[E]                 only with tokens_per_expert: the block's histogram
 template <int kVpt, typename Acc, bool kLimited>
 __global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) {
+  cuda::WaitForPrimaryGrid();
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -298,8 +300,7 @@ Status Launch(const Params& p, cudaStream_t stream) {
   const int64_t wanted = (p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
   const auto blocks = static_cast<unsigned>(std::min(wanted, resident));
-  kernel<<<blocks, kThreads, smem, stream>>>(p);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(kernel, blocks, kThreads, smem, stream, p));
   return Status::Ok();
 }
 

@@ -16,6 +16,7 @@
 #include <cuda/atomic>
 
 #include "rdep/cuda/check.h"
+#include "rdep/cuda/launch.h"
 #include "rdep/transport/cuda_domain.h"
 
 namespace rdep {
@@ -42,6 +43,7 @@ __device__ void Fail(DeviceErrorRecord* error, int32_t code, uint32_t phase, int
 
 __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_t num_ranks, uint32_t phase,
                                    uint64_t timeout_ns, DeviceErrorRecord* error, bool trap) {
+  cuda::WaitForPrimaryGrid();
   __shared__ uint64_t next_epoch;
   const int p = static_cast<int>(threadIdx.x);
   if (p == 0) {
@@ -79,6 +81,7 @@ __global__ void PhaseBarrierKernel(void* const* slot_table, int32_t rank, int32_
 }
 
 __global__ void TakeForwardKernel(int32_t* armed, DeviceErrorRecord* error, bool trap) {
+  cuda::WaitForPrimaryGrid();
   if (*armed == 0) {
     Fail(error, 4, 0, -1, 0, 0, trap);  // code 4 uses no other field
     return;
@@ -89,17 +92,15 @@ __global__ void TakeForwardKernel(int32_t* armed, DeviceErrorRecord* error, bool
 }  // namespace
 
 Status LaunchTakeForward(int32_t* armed, DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
-  TakeForwardKernel<<<1, 1, 0, stream>>>(armed, error, trap);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(TakeForwardKernel, 1, 1, 0, stream, armed, error, trap));
   return Status::Ok();
 }
 
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
                           DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
   const int threads = ((num_ranks + 31) / 32) * 32;
-  PhaseBarrierKernel<<<1, threads, 0, stream>>>(slot_table, rank, num_ranks, static_cast<uint32_t>(phase),
-                                                static_cast<uint64_t>(timeout_s * 1e9), error, trap);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PhaseBarrierKernel, 1, threads, 0, stream, slot_table, rank, num_ranks,
+                                       static_cast<uint32_t>(phase), static_cast<uint64_t>(timeout_s * 1e9), error, trap));
   return Status::Ok();
 }
 
@@ -108,14 +109,14 @@ Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ran
 namespace rdep {
 namespace {
 __global__ void SmokeStoreKernel(void* const* table, int32_t rank, int32_t num_ranks) {
+  cuda::WaitForPrimaryGrid();
   const int q = static_cast<int>(threadIdx.x);
   if (q < num_ranks) static_cast<int64_t*>(table[q])[rank] = 1000 * static_cast<int64_t>(rank) + q;
 }
 }  // namespace
 
 Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream) {
-  SmokeStoreKernel<<<1, ((num_ranks + 31) / 32) * 32, 0, stream>>>(table, rank, num_ranks);
-  RDEP_CUDA_CHECK_LAUNCH();
+  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(SmokeStoreKernel, 1, ((num_ranks + 31) / 32) * 32, 0, stream, table, rank, num_ranks));
   return Status::Ok();
 }
 }  // namespace rdep
