@@ -75,8 +75,11 @@ run() {
 # W = 1, 2, 4 with ranks sharing the GPU (the validation matrix's small cases), the owner's reduce, the
 # per-source windows, the overlapped segments and the CUTLASS expert kernels at their smallest cases.
 # A set is "tools|binary|filter": the tools it runs under. racecheck skips the router's largest cases and the
-# validation matrix (its shared-memory tracking took each over 80 s on an H200; the router's reduced set has not
-# run yet).
+# validation matrix (its shared-memory tracking took each over 80 s on an H200). initcheck leaves out the cuBLASLt
+# expert tests with rows (ExpertMlp E4_*): initcheck does not see TMA bulk stores, which cuBLASLt's Hopper kernels
+# write their outputs with, so every later read of a cuBLASLt output is reported as uninitialized
+# (bench/lab/initcheck_probe.cu, thirty-first session: a TMA bulk store's buffer and cuBLASLt's outputs at two shapes
+# reported whole, a kernel's plain stores not; every value checked on the host).
 SETS=(
   "memcheck|racecheck|synccheck|initcheck|dispatch_test|*"
   "memcheck|synccheck|initcheck|router_kernel_test|*"
@@ -84,7 +87,8 @@ SETS=(
   "memcheck|synccheck|initcheck|testing_test|*CudaValidation.*:*CudaBalanceValidation.*"
   "memcheck|initcheck|layer_test|*CudaOwnerReduce*:*CudaSourceWindows*:*CudaRows*"
   "memcheck|initcheck|layer_test|*CudaOverlap*:*CudaGateInExpert*:*CudaMoELayerInput*"
-  "memcheck|initcheck|experts_test|*ExpertMlp_Cuda_bf16.E3_*:*ExpertMlp_Cuda_bf16.E4_*:*CutlassExpertCompute_Faults*:*CutlassGateBeforeW2*"
+  "memcheck|experts_test|*ExpertMlp_Cuda_bf16.E3_*:*ExpertMlp_Cuda_bf16.E4_*:*CutlassExpertCompute_Faults*:*CutlassGateBeforeW2*"
+  "initcheck|experts_test|*ExpertMlp_Cuda_bf16.E3_*:*CutlassExpertCompute_Faults*:*CutlassGateBeforeW2*"
 )
 for tool in "${TOOLS[@]}"; do
   for set in "${SETS[@]}"; do

@@ -110,7 +110,9 @@ dropless, so every (token, slot) row is accepted):
   (1 GB = 1e9 bytes). Speedup = NCCL p50 / rdep p50.
 
 flags [defaults: the Moonlight shape]:
-  --ranks W            GPUs [all, at most 8]     --tokens T   tokens per rank [4096]
+  --ranks W            ranks [GPUs, at most 8]   --tokens T   tokens per rank [4096]
+  --gpus G             ranks round-robin over G local GPUs [min(W, GPUs)]; G < W: ranks share GPUs (a
+                       check on one GPU: times do not measure NVLink, and the NCCL baseline is skipped)
   --hidden H [2048]    --experts E [64]          --topk K [6]
   --routing R          uniform | zipf:ALPHA [uniform]
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -300,6 +302,7 @@ struct DispatchBenchOptions {
   bool no_nccl = false;
   bool no_floor = false;
   bool owner_reduce = false;  // LayerConfig::owner_reduce and the identity expert (else the sentinel)
+  int64_t gpus = 0;           // ranks round-robin over this many GPUs; fewer than the ranks: ranks share GPUs
   std::string json;
   rdep::cli::Limits limits;
 };
@@ -316,6 +319,7 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   const int gpus = rdep::cuda::DeviceCount();
   auto& s = o.cfg.shape;
   s.ranks = f.get_int("ranks", std::min(gpus, 8));
+  o.gpus = f.get_int("gpus", std::min<int64_t>(s.ranks, gpus));
   s.tokens = f.get_int("tokens", 4096);
   s.hidden = f.get_int("hidden", 2048);
   s.ffn = kLayerFfn;
@@ -339,14 +343,16 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.cfg.transport_sms = *transport_sms;
   if (o.warmup < 0 || o.iters < 1 || o.launch_ahead_us < 0)
     return Refuse("--warmup and --launch-ahead-us must be >= 0, --iters >= 1");
-  if (s.ranks < 1 || s.ranks > gpus) return Refuse("--ranks must be in [1, " + std::to_string(gpus) + "] on this machine");
+  if (o.gpus < 1 || o.gpus > gpus)
+    return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.gpus));
+  if (s.ranks < 1) return Refuse("--ranks must be >= 1, got " + std::to_string(s.ranks));
   auto spec = rdep::RoutingSpec::Parse(routing_name);
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = o.seed;
   o.spec = *spec;
   o.limits = *limits;
   // Estimate before allocating; open the receipt before the work.
-  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(s.ranks), o.limits, o.json);
+  if (Status st = rdep::bench::CheckLayerBenchPlan(o.cfg, o.warmup + o.iters, static_cast<int>(o.gpus), o.limits, o.json);
       !st.ok())
     return Refuse(st.message());
   return 0;
@@ -759,11 +765,12 @@ void PrintDispatchTable(const DispatchBenchOptions& o, const DispatchBenchResult
   const auto& s = o.cfg.shape;
   const auto& rows = res.rows;
   const bool have_nccl = res.have_nccl;
-  std::printf("rdep bench dispatch: %s, routing %s, dropless%s%s, %lld GPUs, warmup %lld, iters %lld, launch-ahead %lld us\n",
+  std::printf("rdep bench dispatch: %s, routing %s, dropless%s%s, %lld GPUs%s, warmup %lld, iters %lld, launch-ahead %lld us\n",
               [&] { std::ostringstream os; os << "W=" << s.ranks << " T=" << s.tokens << " H=" << s.hidden << " E=" << s.experts
                                               << " K=" << s.topk; return os.str(); }().c_str(),
               o.spec.name().c_str(), o.owner_reduce ? ", owner reduce (identity expert)" : "",
-              o.cfg.source_windows ? ", source windows" : ", three phases (no source windows)", static_cast<long long>(s.ranks),
+              o.cfg.source_windows ? ", source windows" : ", three phases (no source windows)", static_cast<long long>(o.gpus),
+              o.gpus < s.ranks ? " (ranks share GPUs: times do not measure NVLink)" : "",
               static_cast<long long>(o.warmup),
               static_cast<long long>(o.iters), static_cast<long long>(o.launch_ahead_us));
   std::printf("  rows: slot rows R=%lld (remote R_x=%lld), token-owner pairs %lld (remote P_x=%lld): rdep sends %.3fx the "
@@ -822,8 +829,9 @@ void WriteDispatchWorkload(rdep::JsonWriter& j, const DispatchBenchOptions& o, i
                            const TransportBytes& bytes) {
   const auto& s = o.cfg.shape;
   j.begin_object().field("tool", "rdep bench dispatch");
-  rdep::bench::WriteEnvironment(j, static_cast<int>(s.ranks));
-  j.key("workload").begin_object().field("ranks", s.ranks).field("tokens", s.tokens).field("hidden", s.hidden);
+  rdep::bench::WriteEnvironment(j, static_cast<int>(o.gpus));
+  j.key("workload").begin_object().field("ranks", s.ranks).field("gpus", o.gpus).field("ranks_share_gpus", o.gpus < s.ranks);
+  j.field("tokens", s.tokens).field("hidden", s.hidden);
   j.field("experts", s.experts).field("topk", s.topk).field("routing", o.spec.name()).field("capacity", "dropless");
   j.field("layer_ffn", kLayerFfn).field("expert", o.owner_reduce ? "identity" : "sentinel echo").field("segment", segment);
   j.field("owner_reduce", o.owner_reduce).field("source_windows", o.cfg.source_windows);
@@ -901,7 +909,7 @@ int RunDispatchBench(const rdep::cli::Args& args) {
   if (rdep::cli::Flags(args).has("nodes")) return rdep::bench::RunDispatchNodesBench(args);
   DispatchBenchOptions o;
   if (int rc = ParseDispatchBenchOptions(args, o); rc != 0) return rc;
-  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.cfg.shape.ranks));  // one GPU per rank (NCCL baseline)
+  auto setup = rdep::bench::SetupLayerBench(o.cfg, o.spec, o.seed, static_cast<int>(o.gpus));
   if (!setup.ok()) return Fail(setup.status());
   setup->layer->set_expert_kind(o.owner_reduce ? rdep::ExpertKind::kIdentity : rdep::ExpertKind::kSentinel);
   DispatchBenchResults res;
@@ -913,9 +921,12 @@ int RunDispatchBench(const rdep::cli::Args& args) {
                                             : "none (W > " + std::to_string(rdep::dispatch::kMaxPeerCopyDestinations + 1) + ")";
   if (!o.no_floor && o.cfg.shape.ranks >= 2 && o.cfg.shape.ranks <= rdep::dispatch::kMaxPeerCopyDestinations + 1)
     if (Status st = RunFloor(o, *setup, res); !st.ok()) return Fail(st);
-  res.nccl_state = o.no_nccl ? "skipped (--no-nccl)" : "unavailable (this build has no NCCL)";
+  const bool shared = o.gpus < o.cfg.shape.ranks;
+  res.nccl_state = o.no_nccl ? "skipped (--no-nccl)"
+                   : shared  ? "skipped (ranks share GPUs: NCCL takes one rank a GPU)"
+                             : "unavailable (this build has no NCCL)";
 #if defined(RDEP_HAVE_NCCL)
-  if (!o.no_nccl)
+  if (!o.no_nccl && !shared)
     if (Status st = RunNcclTimings(o, *setup, res); !st.ok()) return Fail(st);
 #endif
   res.have_nccl = !res.nccl_dispatch.empty();

@@ -122,6 +122,20 @@ if ! grep -Eq '"traffic_equals_model": ?true' "$TMP/nodes2.json" || ! grep -q '"
   failures=$((failures + 1))
   echo "FAIL: the bench dispatch --nodes receipt lacks traffic_equals_model true and the model's bytes"
 fi
+# bench dispatch (one domain) with ranks sharing GPUs (--gpus G < W): on a GPU machine it runs, says its times are not
+# NVLink's and skips the NCCL baseline (NCCL takes one rank a GPU); without a GPU it is refused.
+if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  expect 0 'nccl baseline: skipped \(ranks share GPUs' bench dispatch --ranks 2 --gpus 1 --tokens 256 --hidden 256 --experts 8 \
+    --topk 2 --warmup 2 --iters 5 --json "$TMP/shared.json"
+  cases=$((cases + 1))
+  if ! grep -Eq '"ranks_share_gpus": ?true' "$TMP/shared.json"; then
+    failures=$((failures + 1))
+    echo "FAIL: the bench dispatch --gpus 1 receipt lacks ranks_share_gpus true"
+  fi
+  expect 2 '--gpus must be in \[1, [0-9]+\] on this machine, got 99' bench dispatch --ranks 2 --gpus 99
+else
+  expect 2 'no CUDA device is present|no CUDA backend' bench dispatch --ranks 2 --gpus 1
+fi
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1
 expect 2 '--alpha must be a finite number >= 0' plan show --alpha nan
