@@ -18,7 +18,8 @@
 # again, made memcheck count 324 errors in the validation matrix on two GPUs (thirtieth session).
 # SANITIZE_TIMEOUT (default 150) bounds each run in seconds; a run cut short is reported as TIMEOUT.
 # SANITIZE_ONLY (an extended regex) keeps the runs whose "tool binary|filter" matches it.
-# SANITIZE_PRINT_LIMIT (default 2000): errors the tool prints a run; a failed run's report counts their sites.
+# SANITIZE_PRINT_LIMIT (default 2000): errors the tool prints a run; a failed run's report counts their sites (the
+# test is "?" for a kernel launched from a rank's thread, whose backtrace has no TestBody frame).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -61,7 +62,7 @@ run() {
     failed=1
     { echo "---- $tool $bin $filter: error sites among the first $PRINT_LIMIT errors printed (count | kind | where | test)"
       awk 'function flush() { if (kind != "") print kind " | " site " | " test; kind = "" }
-           /^=========  *[A-Z][a-z].*(read|write|access|hazard|barrier|error)/ {flush(); kind=$0; sub(/^=========  */, "", kind); site=""; test="?"}
+           /^========= [A-Z][a-z].*(read|write|access|hazard|barrier|error)/ {flush(); kind=$0; sub(/^========= /, "", kind); site=""; test="?"}
            /^=========     at / && kind != "" && site == "" {site=$0; sub(/^=========     at /, "", site); sub(/\(.*\)\+/, "+", site)}
            /Host Frame:.*_Test::TestBody/ && kind != "" {test=$0; sub(/.*Host Frame: */, "", test); sub(/::TestBody.*/, "", test); sub(/.*::/, "", test)}
            END {flush()}' "$log" | sort | uniq -c | sort -rn | head -20

@@ -319,7 +319,7 @@ __global__ void DgateKernel(const bf16_bits* dy, const bf16_bits* f, const float
 
 Status LaunchOwnerScan(const RegionLayout& l, int32_t rank, int32_t num_local, int64_t capacity, int64_t* const* control_of,
                        int64_t* rows_per_expert, cudaStream_t s) {
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(OwnerScanKernel, 1, 256, 0, s, l, rank, num_local, capacity, control_of, rows_per_expert));
+  RDEP_LAUNCH_PDL(OwnerScanKernel, 1, 256, 0, s, l, rank, num_local, capacity, control_of, rows_per_expert);
   return Status::Ok();
 }
 
@@ -329,16 +329,16 @@ Status LaunchAccept(const int32_t* experts, const float* gates, const int32_t* r
   const int64_t words = control_copy ? static_cast<int64_t>(l.control_bytes() / sizeof(int64_t)) : 0;
   const int64_t threads = std::max(n, words);
   if (threads == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(AcceptKernel, static_cast<unsigned>((threads + 255) / 256), 256, 0, s, experts, gates,
-                                       rank_in_expert, n, l, own, my_control, control_copy, accepted, effective_gates, dropped));
+  RDEP_LAUNCH_PDL(AcceptKernel, static_cast<unsigned>((threads + 255) / 256), 256, 0, s, experts, gates, rank_in_expert, n, l, own,
+                  my_control, control_copy, accepted, effective_gates, dropped);
   return Status::Ok();
 }
 
 Status LaunchRenormalizeAccepted(const float* gates, const uint8_t* accepted, int64_t n, int64_t K, float* effective_gates,
                                  int64_t* dropped, cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(RenormalizeAcceptedKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, gates, accepted,
-                                       n, K, effective_gates, dropped));
+  RDEP_LAUNCH_PDL(RenormalizeAcceptedKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, gates, accepted, n, K, effective_gates,
+                  dropped);
   return Status::Ok();
 }
 
@@ -353,12 +353,12 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
   }();
   if (k == "pair") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n * l.W, 1), l);
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ScatterPairKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates,
-                                         tok_index, n, l, targets, rank, my_control, lo, buf, payload_of, sideband_of, window_tokens));
+    RDEP_LAUNCH_PDL(ScatterPairKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates, tok_index, n, l,
+                    targets, rank, my_control, lo, buf, payload_of, sideband_of, window_tokens);
   } else if (k == "token") {
     const detail::TransportGrid g = detail::TransportGridFor(std::max<int64_t>(n, 1), l);
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ScatterKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates,
-                                         tok_index, n, l, targets, rank, my_control, lo, buf, payload_of, sideband_of, window_tokens));
+    RDEP_LAUNCH_PDL(ScatterKernel, g.blocks, g.threads, 0, s, payload, experts, accepted, effective_gates, tok_index, n, l, targets,
+                    rank, my_control, lo, buf, payload_of, sideband_of, window_tokens);
   } else {
     return InvalidArgument("RDEP_SCATTER='" + k + "': expected pair (a warp per (token, owner), the default) or token (a warp per token)");
   }
@@ -368,22 +368,20 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
                         bool scale_by_gate, bf16_bits* out, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(GatherRowsKernel, WarpBlocks(M), 256, 0, s, segment_payload, grouped, M, H, scale_by_gate, out, device_rows));
+  RDEP_LAUNCH_PDL(GatherRowsKernel, WarpBlocks(M), 256, 0, s, segment_payload, grouped, M, H, scale_by_gate, out, device_rows);
   return Status::Ok();
 }
 
 Status LaunchSumCounts(const int64_t* counts, int32_t n, int64_t* total, cudaStream_t s) {
   if (n < 0 || n > (1 << 20)) return InvalidArgument("sum counts: n=" + std::to_string(n) + " outside [0, 2^20]");
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(SumCountsKernel, 1, 256, 0, s, counts, n, total));
+  RDEP_LAUNCH_PDL(SumCountsKernel, 1, 256, 0, s, counts, n, total);
   return Status::Ok();
 }
 
 Status LaunchSentinelEcho(const bf16_bits* x_rows, const GroupedRow* grouped, int64_t M, int64_t H, int32_t rank,
                           const int32_t* local_to_global, bf16_bits* out, cudaStream_t s) {
   if (M == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(SentinelEchoKernel, WarpBlocks(M), 256, 0, s, x_rows, grouped, M, H, rank, local_to_global, out));
+  RDEP_LAUNCH_PDL(SentinelEchoKernel, WarpBlocks(M), 256, 0, s, x_rows, grouped, M, H, rank, local_to_global, out);
   return Status::Ok();
 }
 
@@ -398,8 +396,7 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
   if (M == 0) return Status::Ok();  // after the check: a rank without rows refuses a bad value as its peers do
   const bool spread = order == "spread";
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(ReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, M, l, return_of, device_rows, spread));
+  RDEP_LAUNCH_PDL(ReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, M, l, return_of, device_rows, spread);
   return Status::Ok();
 }
 
@@ -410,21 +407,19 @@ Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float*
   if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
     const int64_t H8 = H / 8;
     const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CombineKernelVec8, static_cast<unsigned>(n), threads, 0, s,
-                                         reinterpret_cast<const uint4*>(ret), accepted, weights, K, H8, reinterpret_cast<uint4*>(y),
-                                         reinterpret_cast<uint4*>(save)));
+    RDEP_LAUNCH_PDL(CombineKernelVec8, static_cast<unsigned>(n), threads, 0, s, reinterpret_cast<const uint4*>(ret), accepted, weights,
+                    K, H8, reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
     return Status::Ok();
   }
   const int threads = H >= 256 ? 256 : static_cast<int>(((H + 31) / 32) * 32);
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CombineKernel, static_cast<unsigned>(n), threads, 0, s, ret, accepted, weights, K, H, y, save));
+  RDEP_LAUNCH_PDL(CombineKernel, static_cast<unsigned>(n), threads, 0, s, ret, accepted, weights, K, H, y, save);
   return Status::Ok();
 }
 
 Status LaunchDgate(const bf16_bits* dy, const bf16_bits* saved_f, const float* gates, const uint8_t* accepted, int64_t n,
                    int64_t K, int64_t H, float* scratch, float* dgates, cudaStream_t s, const float* dots) {
   if (n == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(DgateKernel, WarpBlocks(n), 256, 0, s, dy, saved_f, gates, accepted, n, K, H, scratch, dgates, dots));
+  RDEP_LAUNCH_PDL(DgateKernel, WarpBlocks(n), 256, 0, s, dy, saved_f, gates, accepted, n, K, H, scratch, dgates, dots);
   return Status::Ok();
 }
 

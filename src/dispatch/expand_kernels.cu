@@ -179,11 +179,10 @@ Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const Regi
   const size_t offset_bytes = static_cast<size_t>(num_local) * sizeof(int64_t);
   const int64_t C = Chunks(l);
   const auto blocks = static_cast<unsigned>((C * kChunk + kChunkThreads - 1) / kChunkThreads);
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(ExpandChunkCountKernel, blocks, kChunkThreads, 0, s, my_sideband, buf, lo, l, my_control, num_local, scratch));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpandScanKernel, static_cast<unsigned>(num_local), kScanThreads, 0, s, C, scratch, counts));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpandPlaceKernel, blocks, kChunkThreads, offset_bytes, s, my_sideband, buf, lo, l, my_control,
-                                       num_local, scratch, counts, grouped, max_rows, inv));
+  RDEP_LAUNCH_PDL(ExpandChunkCountKernel, blocks, kChunkThreads, 0, s, my_sideband, buf, lo, l, my_control, num_local, scratch);
+  RDEP_LAUNCH_PDL(ExpandScanKernel, static_cast<unsigned>(num_local), kScanThreads, 0, s, C, scratch, counts);
+  RDEP_LAUNCH_PDL(ExpandPlaceKernel, blocks, kChunkThreads, offset_bytes, s, my_sideband, buf, lo, l, my_control, num_local, scratch,
+                  counts, grouped, max_rows, inv);
   return Status::Ok();
 }
 

@@ -140,8 +140,8 @@ Status LaunchReduceReturnRows(const bf16_bits* rows, const GroupedRow* grouped, 
   if (l.H % 8 != 0 || !aligned16(rows) || !aligned16(my_return))  // the SwiGLU layer's rows always are (ExpertMlpDesc)
     return InvalidArgument("reduce return rows: needs H % 8 == 0 (H=" + std::to_string(l.H) + ") and 16-byte aligned rows and return region");
   const detail::TransportGrid g = detail::TransportGridFor(l.S, l);
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ReduceReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, inv, my_sideband, buf, lo, l,
-                                       my_control, scale_by_gate, return_of));
+  RDEP_LAUNCH_PDL(ReduceReturnRowsKernel, g.blocks, g.threads, 0, s, rows, grouped, inv, my_sideband, buf, lo, l, my_control,
+                  scale_by_gate, return_of);
   return Status::Ok();
 }
 
@@ -149,8 +149,7 @@ Status LaunchOwnerDots(const bf16_bits* segment_dy, const bf16_bits* f_rows, con
                        const RegionLayout& l, void* const* dots_of, cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
   const detail::TransportGrid g = detail::TransportGridFor(M, l);
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(OwnerDotsKernel, g.blocks, g.threads, 0, s, segment_dy, f_rows, grouped, M, l, dots_of, device_rows));
+  RDEP_LAUNCH_PDL(OwnerDotsKernel, g.blocks, g.threads, 0, s, segment_dy, f_rows, grouped, M, l, dots_of, device_rows);
   return Status::Ok();
 }
 
@@ -158,16 +157,14 @@ Status LaunchStoreRowDots(const float* row_dots, const GroupedRow* grouped, int6
                           cudaStream_t s, const int64_t* device_rows) {
   if (M == 0) return Status::Ok();
   const int64_t blocks = std::min<int64_t>((M + 255) / 256, 132 * 4);
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(StoreRowDotsKernel, static_cast<unsigned>(blocks), 256, 0, s, row_dots, grouped, M, l, dots_of, device_rows));
+  RDEP_LAUNCH_PDL(StoreRowDotsKernel, static_cast<unsigned>(blocks), 256, 0, s, row_dots, grouped, M, l, dots_of, device_rows);
   return Status::Ok();
 }
 
 Status LaunchLeadSlots(const int32_t* experts, const uint8_t* accepted, int64_t n, int64_t K, RouteTargets targets, uint8_t* lead,
                        cudaStream_t s) {
   if (n == 0) return Status::Ok();
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(LeadSlotsKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, accepted, n, K, targets, lead));
+  RDEP_LAUNCH_PDL(LeadSlotsKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, accepted, n, K, targets, lead);
   return Status::Ok();
 }
 

@@ -262,11 +262,10 @@ Status LaunchValidateRouting(int32_t* experts, float* gates, int64_t n, int64_t 
   if (n > 0 && (from_experts == nullptr) != (from_gates == nullptr))
     return InvalidArgument("LaunchValidateRouting: from_experts and from_gates are given together or not at all");
   if (n > 0) {
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CheckRoutingKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, gates, n, K,
-                                         num_experts, worst, from_experts, from_gates));
+    RDEP_LAUNCH_PDL(CheckRoutingKernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, experts, gates, n, K, num_experts, worst,
+                    from_experts, from_gates);
   }
-  RDEP_RETURN_IF_ERROR(
-      cuda::LaunchPdl(FinishRoutingCheckKernel, 1, kFinishThreads, 0, s, experts, gates, n, K, num_experts, worst, fault, zero));
+  RDEP_LAUNCH_PDL(FinishRoutingCheckKernel, 1, kFinishThreads, 0, s, experts, gates, n, K, num_experts, worst, fault, zero);
   return Status::Ok();
 }
 
@@ -276,8 +275,8 @@ Status LaunchPublishLoadRow(const int32_t* experts, int64_t n, const RegionLayou
   const int64_t tile = TileItems(l.E_load, 1);
   if (tile <= 0)
     return InvalidArgument("load matrix row: E=" + std::to_string(l.E_load) + " counters do not fit the kernel's shared memory");
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PublishLoadRowKernel, static_cast<unsigned>(l.W), kTileThreads, StagedShared(l.E_load, tile), s,
-                                       experts, n, l, rank, tile, control_of));
+  RDEP_LAUNCH_PDL(PublishLoadRowKernel, static_cast<unsigned>(l.W), kTileThreads, StagedShared(l.E_load, tile), s, experts, n, l, rank,
+                  tile, control_of);
   return Status::Ok();
 }
 
@@ -308,9 +307,8 @@ Status LaunchCountAndPublish(const int32_t* experts, int64_t n, const RegionLayo
                            " tokens, which need " + std::to_string(CountScratchInts(l, n)));
   const size_t shared = static_cast<size_t>(l.L + 1) * sizeof(int);
   const dim3 grid(static_cast<unsigned>(CountBlocks(n)), static_cast<unsigned>(l.W));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(CountBlockKernel, grid, kCountThreads, shared, s, experts, n, l, targets, scratch));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PlaceTokensKernel, grid, kCountThreads, shared, s, experts, n, l, targets, rank, scratch,
-                                       tok_index, control_of));
+  RDEP_LAUNCH_PDL(CountBlockKernel, grid, kCountThreads, shared, s, experts, n, l, targets, scratch);
+  RDEP_LAUNCH_PDL(PlaceTokensKernel, grid, kCountThreads, shared, s, experts, n, l, targets, rank, scratch, tok_index, control_of);
   return Status::Ok();
 }
 
@@ -319,8 +317,8 @@ Status LaunchExpertRank(const int32_t* experts, int64_t n, int64_t K, int32_t nu
   if (n == 0) return Status::Ok();
   const int64_t tile = TileItems(0, K);
   if (tile <= 0) return InvalidArgument("expert ranks: K=" + std::to_string(K) + " slots per token do not fit the kernel's shared memory");
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ExpertRankKernel, static_cast<unsigned>(num_experts), kTileThreads, StagedShared(0, tile * K),
-                                       s, experts, n, K, tile, rank_in_expert));
+  RDEP_LAUNCH_PDL(ExpertRankKernel, static_cast<unsigned>(num_experts), kTileThreads, StagedShared(0, tile * K), s, experts, n, K,
+                  tile, rank_in_expert);
   return Status::Ok();
 }
 

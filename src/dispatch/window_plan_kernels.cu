@@ -261,18 +261,16 @@ Status LaunchWindowPlan(const int32_t* from_experts, const float* from_gates, in
   const dim3 grid2(B, static_cast<unsigned>(l.W));
   if (FastPath(l)) {
     auto* mask_of = reinterpret_cast<uint32_t*>(scratch + l.W * B);
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowCheckCountFastKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates,
-                                         accepted, effective, n, static_cast<int32_t>(l.K), num_experts, static_cast<int32_t>(l.W),
-                                         own, worst, scratch, mask_of));
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowPlaceFastKernel, grid2, kThreads, 0, s, mask_of, n, l, rank, scratch, tok_index,
-                                         window_tokens, control_copy, worst, fault, zero, from_experts, from_gates));
+    RDEP_LAUNCH_PDL(WindowCheckCountFastKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates, accepted, effective, n,
+                    static_cast<int32_t>(l.K), num_experts, static_cast<int32_t>(l.W), own, worst, scratch, mask_of);
+    RDEP_LAUNCH_PDL(WindowPlaceFastKernel, grid2, kThreads, 0, s, mask_of, n, l, rank, scratch, tok_index, window_tokens, control_copy,
+                    worst, fault, zero, from_experts, from_gates);
     return Status::Ok();
   }
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowCheckCountKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates, n, l.K,
-                                       num_experts, static_cast<int32_t>(l.W), own, worst, scratch));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(WindowPlaceKernel, grid2, kThreads, 0, s, experts, gates, n, l, own, rank, scratch, tok_index,
-                                       window_tokens, accepted, effective, control_copy, worst, fault, zero, from_experts,
-                                       from_gates));
+  RDEP_LAUNCH_PDL(WindowCheckCountKernel, B, kThreads, 0, s, from_experts, from_gates, experts, gates, n, l.K, num_experts,
+                  static_cast<int32_t>(l.W), own, worst, scratch);
+  RDEP_LAUNCH_PDL(WindowPlaceKernel, grid2, kThreads, 0, s, experts, gates, n, l, own, rank, scratch, tok_index, window_tokens,
+                  accepted, effective, control_copy, worst, fault, zero, from_experts, from_gates);
   return Status::Ok();
 }
 

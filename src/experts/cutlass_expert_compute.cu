@@ -294,7 +294,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     const ForwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, w.w1,
                          w.w2, h, z_, y, Tables(*g.g1), Tables(*g.g2), g.g1->ptr_z(), g.g1->ptr_gate(), g.g1->gate_stride(),
                          rows.gate, rows.gate_stride, total_, fault_dev_};
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(ForwardSetupKernel, 1, kMaxExperts, 0, stream, p));
+    RDEP_LAUNCH_PDL(ForwardSetupKernel, 1, kMaxExperts, 0, stream, p);
     RDEP_RETURN_IF_ERROR(g.g1->Run(0.0f, stream));
     if (!fused_swiglu_)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluForward(h, z_, rows.max_rows, desc_.ffn, stream, total_, rows.gate,
@@ -322,7 +322,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     const BackwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, dout,
                           w.w1, w.w2, z_, h, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
                           Tables(gdw1), total_, fault_dev_};
-    RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(BackwardSetupKernel, 1, kMaxExperts, 0, stream, p));
+    RDEP_LAUNCH_PDL(BackwardSetupKernel, 1, kMaxExperts, 0, stream, p);
     RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
     if (rows.gate)  // in place; dgate per row from dz' = dout.W2^T and the recomputed swiglu(h)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackwardGated(h, z_, rows.gate, rows.gate_stride, z_, h, rows.dgate, rows.max_rows,
@@ -336,8 +336,9 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (accumulate) return Status::Ok();
     const int64_t H = desc_.hidden, F = desc_.ffn;
     const dim3 grid(64, static_cast<unsigned>(desc_.num_experts));
-    return cuda::LaunchPdl(ZeroEmptyExpertGradsKernel, grid, 256, 0, stream, rows.counts, total_, static_cast<char*>(dw1),
-                           static_cast<char*>(dw2), H * 2 * F * elem, F * H * elem);
+    RDEP_LAUNCH_PDL(ZeroEmptyExpertGradsKernel, grid, 256, 0, stream, rows.counts, total_, static_cast<char*>(dw1),
+                    static_cast<char*>(dw2), H * 2 * F * elem, F * H * elem);
+    return Status::Ok();
   }
 
  private:

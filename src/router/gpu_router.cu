@@ -300,7 +300,7 @@ Status Launch(const Params& p, cudaStream_t stream) {
   const int64_t wanted = (p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
   const auto blocks = static_cast<unsigned>(std::min(wanted, resident));
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(kernel, blocks, kThreads, smem, stream, p));
+  RDEP_LAUNCH_PDL(kernel, blocks, kThreads, smem, stream, p);
   return Status::Ok();
 }
 

@@ -7,7 +7,9 @@
 // tag of e+1 to pass e+1); a tag further ahead means the counts diverged, reported as error code 3. Rank r announces
 // `epoch` by a system-scope release store of (epoch << 16 | phase) into slot r of every peer, then thread p
 // waits (acquire) until its own slot p reaches the epoch, bounded by %globaltimer. Prior kernels on the
-// stream have completed, so their peer stores are visible first.
+// stream have completed, so their peer stores are visible first: the kernel begins with cuda::WaitForPrimaryGrid
+// (launched with PDL it starts as the previous kernel's blocks exit, and waits there for that kernel's completion
+// and memory, which is what a plain launch's stream order gave), and its release store follows.
 // A failed barrier writes the rank's error record (mapped host memory), which the next call on the domain reads
 // (CudaDomain::CheckErrors). A barrier recorded in a CUDA graph (`trap`) has no next call to read it: its replays
 // run no host code, and a replay that went on would run on a peer's missing data. So a captured barrier also traps
@@ -92,15 +94,15 @@ __global__ void TakeForwardKernel(int32_t* armed, DeviceErrorRecord* error, bool
 }  // namespace
 
 Status LaunchTakeForward(int32_t* armed, DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(TakeForwardKernel, 1, 1, 0, stream, armed, error, trap));
+  RDEP_LAUNCH_PDL(TakeForwardKernel, 1, 1, 0, stream, armed, error, trap);
   return Status::Ok();
 }
 
 Status LaunchPhaseBarrier(void* const* slot_table, int32_t rank, int32_t num_ranks, Phase phase, double timeout_s,
                           DeviceErrorRecord* error, cudaStream_t stream, bool trap) {
   const int threads = ((num_ranks + 31) / 32) * 32;
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(PhaseBarrierKernel, 1, threads, 0, stream, slot_table, rank, num_ranks,
-                                       static_cast<uint32_t>(phase), static_cast<uint64_t>(timeout_s * 1e9), error, trap));
+  RDEP_LAUNCH_PDL(PhaseBarrierKernel, 1, threads, 0, stream, slot_table, rank, num_ranks, static_cast<uint32_t>(phase),
+                  static_cast<uint64_t>(timeout_s * 1e9), error, trap);
   return Status::Ok();
 }
 
@@ -116,7 +118,7 @@ __global__ void SmokeStoreKernel(void* const* table, int32_t rank, int32_t num_r
 }  // namespace
 
 Status LaunchSmokeStore(void* const* table, int32_t rank, int32_t num_ranks, cudaStream_t stream) {
-  RDEP_RETURN_IF_ERROR(cuda::LaunchPdl(SmokeStoreKernel, 1, ((num_ranks + 31) / 32) * 32, 0, stream, table, rank, num_ranks));
+  RDEP_LAUNCH_PDL(SmokeStoreKernel, 1, ((num_ranks + 31) / 32) * 32, 0, stream, table, rank, num_ranks);
   return Status::Ok();
 }
 }  // namespace rdep

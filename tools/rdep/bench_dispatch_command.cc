@@ -111,8 +111,8 @@ dropless, so every (token, slot) row is accepted):
 
 flags [defaults: the Moonlight shape]:
   --ranks W            ranks [GPUs, at most 8]   --tokens T   tokens per rank [4096]
-  --gpus G             ranks round-robin over G local GPUs [min(W, GPUs)]; G < W: ranks share GPUs (a
-                       check on one GPU: times do not measure NVLink, and the NCCL baseline is skipped)
+  --gpus G             ranks round-robin over G local GPUs, 1 <= G <= min(W, GPUs) [min(W, GPUs)]; G < W:
+                       ranks share GPUs (times do not measure NVLink; the NCCL baseline is skipped)
   --hidden H [2048]    --experts E [64]          --topk K [6]
   --routing R          uniform | zipf:ALPHA [uniform]
   --warmup N [20]      --iters N [200]           --seed N [1]
@@ -343,9 +343,11 @@ int ParseDispatchBenchOptions(const rdep::cli::Args& args, DispatchBenchOptions&
   o.cfg.transport_sms = *transport_sms;
   if (o.warmup < 0 || o.iters < 1 || o.launch_ahead_us < 0)
     return Refuse("--warmup and --launch-ahead-us must be >= 0, --iters >= 1");
-  if (o.gpus < 1 || o.gpus > gpus)
-    return Refuse("--gpus must be in [1, " + std::to_string(gpus) + "] on this machine, got " + std::to_string(o.gpus));
-  if (s.ranks < 1) return Refuse("--ranks must be >= 1, got " + std::to_string(s.ranks));
+  if (s.ranks < 1 || s.ranks > rdep::kMaxCudaRanks)
+    return Refuse("--ranks must be in [1, " + std::to_string(rdep::kMaxCudaRanks) + "], got " + std::to_string(s.ranks));
+  if (o.gpus < 1 || o.gpus > std::min<int64_t>(gpus, s.ranks))
+    return Refuse("--gpus must be in [1, min(--ranks, GPUs)] = [1, " + std::to_string(std::min<int64_t>(gpus, s.ranks)) +
+                  "] on this machine, got " + std::to_string(o.gpus));
   auto spec = rdep::RoutingSpec::Parse(routing_name);
   if (!spec.ok()) return Fail(spec.status());
   spec->seed = o.seed;

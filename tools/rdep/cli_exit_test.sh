@@ -2,9 +2,10 @@
 # The rdep command as a user meets it: every case below runs the built binary and checks its exit code
 # and a part of its output (stdout and stderr together). Sizes that would exhaust the machine must be
 # refused by the estimate (exit 2, naming the flag) in well under a second; CTest runs this file as
-# rdep_cli.exit_codes_and_messages:   bash tools/rdep/cli_exit_test.sh build/bin/rdep
+# rdep_cli.exit_codes_and_messages:   bash tools/rdep/cli_exit_test.sh build/bin/rdep ON|OFF (RDEP_HAVE_CUDA)
 set -uo pipefail
-RDEP=${1:?usage: cli_exit_test.sh path/to/rdep}
+RDEP=${1:?usage: cli_exit_test.sh path/to/rdep [ON|OFF: the build has the CUDA backend]}
+HAVE_CUDA=${2:-OFF}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 failures=0
@@ -124,7 +125,7 @@ if ! grep -Eq '"traffic_equals_model": ?true' "$TMP/nodes2.json" || ! grep -q '"
 fi
 # bench dispatch (one domain) with ranks sharing GPUs (--gpus G < W): on a GPU machine it runs, says its times are not
 # NVLink's and skips the NCCL baseline (NCCL takes one rank a GPU); without a GPU it is refused.
-if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+if [ "$HAVE_CUDA" = ON ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   expect 0 'nccl baseline: skipped \(ranks share GPUs' bench dispatch --ranks 2 --gpus 1 --tokens 256 --hidden 256 --experts 8 \
     --topk 2 --warmup 2 --iters 5 --json "$TMP/shared.json"
   cases=$((cases + 1))
@@ -132,9 +133,12 @@ if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
     failures=$((failures + 1))
     echo "FAIL: the bench dispatch --gpus 1 receipt lacks ranks_share_gpus true"
   fi
-  expect 2 '--gpus must be in \[1, [0-9]+\] on this machine, got 99' bench dispatch --ranks 2 --gpus 99
+  expect 2 '--gpus must be in \[1, min\(--ranks, GPUs\)\] = \[1, [0-9]+\] on this machine, got 99' bench dispatch --ranks 2 --gpus 99
+  expect 2 '--ranks must be in \[1, 1024\], got 0' bench dispatch --ranks 0
+elif [ "$HAVE_CUDA" = ON ]; then
+  expect 2 'no CUDA device is present' bench dispatch --ranks 2 --gpus 1
 else
-  expect 2 'no CUDA device is present|no CUDA backend' bench dispatch --ranks 2 --gpus 1
+  expect 2 'no CUDA backend' bench dispatch --ranks 2 --gpus 1
 fi
 expect 2 '--skew must be a finite number, got nan' route --routing router --skew nan
 expect 2 '--alpha: each power-law exponent must be a finite number >= 0, got -1' plan sim --alpha -1

@@ -35,10 +35,19 @@ inline int ParsePdlMode(const char* value, bool devices_have_pdl) {
   return devices_have_pdl ? 1 : 0;
 }
 
-// This process's mode (ParsePdlMode), read once.
-inline int PdlMode() {
-  static const int mode = [] {
+// This process's RDEP_PDL (empty when unset) and mode (ParsePdlMode), read once. PDL also needs every kernel built
+// with its wait: RDEP_PDL_ARCHS (CMake: every architecture in RDEP_CUDA_ARCHITECTURES is 90 or above). A build for an
+// older architecture would run on a Hopper GPU from JIT-compiled PTX whose kernels do not wait.
+struct PdlSetting {
+  std::string value;
+  int mode = 0;
+};
+inline const PdlSetting& Pdl() {
+  static const PdlSetting setting = [] {
     bool all = true;
+#if !defined(RDEP_PDL_ARCHS)
+    all = false;
+#endif
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
       cudaGetLastError();
@@ -52,18 +61,17 @@ inline int PdlMode() {
       }
       all = major >= 9;
     }
-    return ParsePdlMode(std::getenv("RDEP_PDL"), all);
+    const char* v = std::getenv("RDEP_PDL");
+    return PdlSetting{v ? v : "", ParsePdlMode(v, all)};
   }();
-  return mode;
+  return setting;
 }
+inline int PdlMode() { return Pdl().mode; }
 
-// kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic stream serialization when PdlMode() is 1;
-// the launch's error (cudaErrorInvalidValue for a bad RDEP_PDL: LaunchPdl names it).
+namespace detail {
 template <typename... Params, typename... Args>
-cudaError_t LaunchPdlError(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
-                           Args&&... args) {
-  const int mode = PdlMode();
-  if (mode < 0) return cudaErrorInvalidValue;
+cudaError_t LaunchKernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                         Args&&... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
@@ -73,21 +81,40 @@ cudaError_t LaunchPdlError(void (*kernel)(Params...), dim3 grid, dim3 block, siz
   cfg.dynamicSmemBytes = shared_bytes;
   cfg.stream = stream;
   cfg.attrs = &attr;
-  cfg.numAttrs = mode == 1 ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+}  // namespace detail
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic stream serialization when PdlMode() is 1;
+// the launch's error (cudaErrorInvalidValue for a bad RDEP_PDL, which LaunchPdl names). RDEP_DEBUG_SYNC: then
+// synchronizes and returns the kernel's error.
+template <typename... Params, typename... Args>
+cudaError_t LaunchPdlError(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                           Args&&... args) {
+  const int mode = PdlMode();
+  if (mode < 0) return cudaErrorInvalidValue;
+  const cudaError_t err = detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
 #if defined(RDEP_DEBUG_SYNC)
   if (err == cudaSuccess) return cudaDeviceSynchronize();
 #endif
   return err;
 }
 
-// The same as a Status that names the kernel launch (and RDEP_PDL when it holds neither on nor off).
+// The same as a Status naming the kernel and the launch site (RDEP_LAUNCH_PDL passes them), and RDEP_PDL when it
+// holds neither on nor off.
 template <typename... Params, typename... Args>
-Status LaunchPdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, Args&&... args) {
-  if (PdlMode() < 0)
-    return InvalidArgument(std::string("RDEP_PDL='") + std::getenv("RDEP_PDL") + "': expected on (the default) or off");
-  return CudaStatus(LaunchPdlError(kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...), "kernel launch", __FILE__,
-                    __LINE__);
+Status LaunchPdl(const char* name, const char* file, int line, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                 cudaStream_t stream, Args&&... args) {
+  const int mode = PdlMode();
+  if (mode < 0) return InvalidArgument("RDEP_PDL='" + Pdl().value + "': expected on (the default) or off");
+  RDEP_RETURN_IF_ERROR(
+      CudaStatus(detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...),
+                 (std::string("launch of ") + name).c_str(), file, line));
+#if defined(RDEP_DEBUG_SYNC)
+  RDEP_RETURN_IF_ERROR(CudaStatus(cudaDeviceSynchronize(), (std::string(name) + " (debug sync)").c_str(), file, line));
+#endif
+  return Status::Ok();
 }
 
 #if defined(__CUDACC__)
@@ -101,3 +128,8 @@ __device__ __forceinline__ void WaitForPrimaryGrid() {
 #endif
 
 }  // namespace rdep::cuda
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) with PDL, returning from the calling function (a Status) on
+// failure with the kernel's name and this call's file and line.
+#define RDEP_LAUNCH_PDL(kernel, grid, block, shared_bytes, stream, ...) \
+  RDEP_RETURN_IF_ERROR(::rdep::cuda::LaunchPdl(#kernel, __FILE__, __LINE__, kernel, grid, block, shared_bytes, stream, __VA_ARGS__))
