@@ -17,14 +17,7 @@
 
 #include "dispatch/warp_rows.cuh"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    const cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "lab_check.h"
 
 // Row r of src lands at row perm(r) of dst: r * P mod rows, P a prime above rows (a bijection on [0, rows), the
 // spread order of ReturnRowsKernel).
