@@ -108,11 +108,11 @@ Status LaunchPdl(const char* name, const char* file, int line, void (*kernel)(Pa
                  cudaStream_t stream, Args&&... args) {
   const int mode = PdlMode();
   if (mode < 0) return InvalidArgument("RDEP_PDL='" + Pdl().value + "': expected on (the default) or off");
-  RDEP_RETURN_IF_ERROR(
-      CudaStatus(detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...),
-                 (std::string("launch of ") + name).c_str(), file, line));
+  const cudaError_t err = detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
+  if (err != cudaSuccess) return CudaStatus(err, (std::string("launch of ") + name).c_str(), file, line);  // the text only on failure
 #if defined(RDEP_DEBUG_SYNC)
-  RDEP_RETURN_IF_ERROR(CudaStatus(cudaDeviceSynchronize(), (std::string(name) + " (debug sync)").c_str(), file, line));
+  if (const cudaError_t sync = cudaDeviceSynchronize(); sync != cudaSuccess)
+    return CudaStatus(sync, (std::string(name) + " (debug sync)").c_str(), file, line);
 #endif
   return Status::Ok();
 }
