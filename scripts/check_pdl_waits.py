@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The programmatic-dependent-launch contract (include/rdep/cuda/launch.h), checked in the sources: in every CUDA
+"""The programmatic-dependent-launch contract (src/launch/pdl.h), checked in the sources: in every CUDA
 file (.cu, .cuh) under the given directory that launches with RDEP_LAUNCH_PDL, cuda::LaunchPdl or LaunchPdlError, every
 __global__ kernel's body begins with cuda::WaitForPrimaryGrid(); (a kernel launched with PDL that touches memory before
 it waits could read the previous kernel's rows before they land, or overwrite what that kernel still reads).

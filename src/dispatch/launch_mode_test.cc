@@ -1,8 +1,8 @@
-// The launch mode of rdep's kernels (rdep/cuda/launch.h): programmatic dependent launch unless RDEP_PDL=off or a
+// The launch mode of rdep's kernels (src/launch/pdl.h): programmatic dependent launch unless RDEP_PDL=off or a
 // device predates compute capability 9.0; any other RDEP_PDL value is refused. Runs on the host.
 #include <gtest/gtest.h>
 
-#include "rdep/cuda/launch.h"
+#include "launch/pdl.h"
 
 namespace rdep::cuda {
 namespace {

@@ -9,9 +9,9 @@
 
 #include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
-#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "dispatch/warp_rows.cuh"
+#include "launch/pdl.h"
 
 namespace rdep::dispatch {
 namespace {

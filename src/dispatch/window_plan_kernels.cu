@@ -27,8 +27,8 @@
 #include "rdep/core/capacity_rules.h"
 #include "rdep/core/route_rules.h"
 #include "rdep/cuda/check.h"
-#include "rdep/cuda/launch.h"
 #include "rdep/dispatch/dispatch_kernels.h"
+#include "launch/pdl.h"
 
 namespace rdep::dispatch {
 namespace {

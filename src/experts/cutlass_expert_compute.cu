@@ -37,8 +37,8 @@
 #include "experts/expert_mlp_kernels.cuh"
 #include "experts/grouped_gemm_sm90.h"
 #include "rdep/cuda/check.h"
-#include "rdep/cuda/launch.h"
 #include "rdep/experts/expert_compute.h"
+#include "launch/pdl.h"
 
 namespace rdep::kernels {
 namespace {

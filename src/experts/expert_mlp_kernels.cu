@@ -9,7 +9,7 @@
 
 #include "experts/expert_mlp_kernels.cuh"
 #include "experts/swiglu_math.cuh"
-#include "rdep/cuda/launch.h"
+#include "launch/pdl.h"
 
 namespace rdep::kernels::internal {
 namespace {

@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "rdep/cuda/check.h"
-#include "rdep/cuda/launch.h"
+#include "launch/pdl.h"
 
 namespace rdep::kernels {
 namespace {
@@ -289,18 +289,18 @@ __global__ void __launch_bounds__(kThreads, 1) RouterTopKKernel(const Params p) 
 
 template <int kVpt, typename Acc, bool kLimited>
 Status Launch(const Params& p, cudaStream_t stream) {
-  const auto kernel = RouterTopKKernel<kVpt, Acc, kLimited>;
+  const auto router_top_k_kernel = RouterTopKKernel<kVpt, Acc, kLimited>;
   const size_t e = static_cast<size_t>(p.num_experts);
   const size_t smem = (kLimited ? sizeof(Acc) * kWarpsPerBlock * e : 0) +
                       (p.tokens_per_expert != nullptr ? sizeof(int32_t) * e : 0);
   int device = 0, sms = 0, per_sm = 0;
   RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, router_top_k_kernel, kThreads, smem));
   const int64_t wanted = (p.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
   const auto blocks = static_cast<unsigned>(std::min(wanted, resident));
-  RDEP_LAUNCH_PDL(kernel, blocks, kThreads, smem, stream, p);
+  RDEP_LAUNCH_PDL(router_top_k_kernel, blocks, kThreads, smem, stream, p);
   return Status::Ok();
 }
 

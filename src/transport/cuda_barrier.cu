@@ -18,8 +18,8 @@
 #include <cuda/atomic>
 
 #include "rdep/cuda/check.h"
-#include "rdep/cuda/launch.h"
 #include "rdep/transport/cuda_domain.h"
+#include "launch/pdl.h"
 
 namespace rdep {
 namespace {

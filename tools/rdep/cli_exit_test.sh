@@ -5,7 +5,7 @@
 # rdep_cli.exit_codes_and_messages:   bash tools/rdep/cli_exit_test.sh build/bin/rdep ON|OFF (RDEP_HAVE_CUDA)
 set -uo pipefail
 RDEP=${1:?usage: cli_exit_test.sh path/to/rdep [ON|OFF: the build has the CUDA backend]}
-HAVE_CUDA=${2:-OFF}
+HAVE_CUDA=${2:?usage: cli_exit_test.sh path/to/rdep ON|OFF (the build has the CUDA backend)}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 failures=0
@@ -125,7 +125,7 @@ if ! grep -Eq '"traffic_equals_model": ?true' "$TMP/nodes2.json" || ! grep -q '"
 fi
 # bench dispatch (one domain) with ranks sharing GPUs (--gpus G < W): on a GPU machine it runs, says its times are not
 # NVLink's and skips the NCCL baseline (NCCL takes one rank a GPU); without a GPU it is refused.
-if [ "$HAVE_CUDA" = ON ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+if [ "$HAVE_CUDA" = ON ] && [ "${CUDA_VISIBLE_DEVICES-unset}" != "" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   expect 0 'nccl baseline: skipped \(ranks share GPUs' bench dispatch --ranks 2 --gpus 1 --tokens 256 --hidden 256 --experts 8 \
     --topk 2 --warmup 2 --iters 5 --json "$TMP/shared.json"
   cases=$((cases + 1))

@@ -12,7 +12,8 @@
 // no faster). Kernels launched any other way (CUTLASS, cuBLAS, torch) are ordered as before.
 //
 // RDEP_PDL=off launches every kernel the plain way (A/B timing; the results are the same bits).
-// Only for translation units built with the CUDA toolkit (RDEP_HAVE_CUDA).
+// Only for translation units built with the CUDA toolkit (RDEP_HAVE_CUDA), inside rdep's build (an internal header:
+// RDEP_PDL_ARCHS comes from rdep_set_options, the same for every target that includes it).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -129,7 +130,7 @@ __device__ __forceinline__ void WaitForPrimaryGrid() {
 
 }  // namespace rdep::cuda
 
-// kernel<<<grid, block, shared_bytes, stream>>>(args...) with PDL, returning from the calling function (a Status) on
-// failure with the kernel's name and this call's file and line.
-#define RDEP_LAUNCH_PDL(kernel, grid, block, shared_bytes, stream, ...) \
-  RDEP_RETURN_IF_ERROR(::rdep::cuda::LaunchPdl(#kernel, __FILE__, __LINE__, kernel, grid, block, shared_bytes, stream, __VA_ARGS__))
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) with PDL: RDEP_LAUNCH_PDL(kernel, grid, block, shared_bytes,
+// stream, args...) returns from the calling function (a Status) on failure, naming the kernel and this call's file and
+// line. A template kernel whose arguments hold a comma goes in parentheses.
+#define RDEP_LAUNCH_PDL(kernel, ...) RDEP_RETURN_IF_ERROR(::rdep::cuda::LaunchPdl(#kernel, __FILE__, __LINE__, kernel, __VA_ARGS__))
