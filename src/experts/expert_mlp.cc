@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "experts/expert_mlp_kernels.cuh"
+#include "launch/pdl.h"
 #include "rdep/cuda/check.h"
 
 namespace rdep::kernels {
@@ -35,11 +36,13 @@ Status CublasStatus(cublasStatus_t s, const char* expr, const char* file, int li
 }
 #define RDEP_CUBLAS_RETURN_IF_ERROR(expr) RDEP_RETURN_IF_ERROR(CublasStatus((expr), #expr, __FILE__, __LINE__))
 
-// A launcher of expert_mlp_kernels.cu; with RDEP_DEBUG_SYNC also synchronizes (RDEP_CUDA_CHECK_LAUNCH).
-#define RDEP_LAUNCH(expr)              \
-  do {                                 \
-    RDEP_CUDA_RETURN_IF_ERROR(expr);   \
-    RDEP_CUDA_CHECK_LAUNCH();          \
+// A launcher of expert_mlp_kernels.cu; with RDEP_DEBUG_SYNC also synchronizes (RDEP_CUDA_CHECK_LAUNCH). A bad
+// RDEP_PDL is named first (the launchers return a bare cudaErrorInvalidValue for it).
+#define RDEP_LAUNCH(expr)                                      \
+  do {                                                         \
+    RDEP_RETURN_IF_ERROR(::rdep::cuda::CheckPdlSetting());     \
+    RDEP_CUDA_RETURN_IF_ERROR(expr);                           \
+    RDEP_CUDA_CHECK_LAUNCH();                                  \
   } while (0)
 
 // kDw2b, kDw1b: the weight gradients written as bf16 (fp32 accumulation inside the GEMM, one rounding).

@@ -69,6 +69,13 @@ inline const PdlSetting& Pdl() {
 }
 inline int PdlMode() { return Pdl().mode; }
 
+// Ok, or InvalidArgument naming RDEP_PDL when it holds neither on nor off (LaunchPdl's check, for launchers that
+// return a cudaError_t to check first).
+inline Status CheckPdlSetting() {
+  if (PdlMode() >= 0) return Status::Ok();
+  return InvalidArgument("RDEP_PDL='" + Pdl().value + "': expected on (the default) or off");
+}
+
 namespace detail {
 template <typename... Params, typename... Args>
 cudaError_t LaunchKernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
@@ -107,8 +114,8 @@ cudaError_t LaunchPdlError(void (*kernel)(Params...), dim3 grid, dim3 block, siz
 template <typename... Params, typename... Args>
 Status LaunchPdl(const char* name, const char* file, int line, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                  cudaStream_t stream, Args&&... args) {
+  RDEP_RETURN_IF_ERROR(CheckPdlSetting());
   const int mode = PdlMode();
-  if (mode < 0) return InvalidArgument("RDEP_PDL='" + Pdl().value + "': expected on (the default) or off");
   const cudaError_t err = detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
   if (err != cudaSuccess) return CudaStatus(err, (std::string("launch of ") + name).c_str(), file, line);  // the text only on failure
 #if defined(RDEP_DEBUG_SYNC)
