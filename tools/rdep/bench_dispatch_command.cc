@@ -1,6 +1,7 @@
 // `rdep bench dispatch`: the transport alone — dispatch (token rows to their experts' owners) and
 // combine (rows back, gate-weighted sum) — on W GPUs of this machine (one process), beside an NCCL
-// all-to-allv baseline of the same rows measured in the same run.
+// all-to-allv baseline of the same rows measured in the same run. With --gpus G < W, W ranks share G GPUs
+// round-robin (a check of the protocol on fewer GPUs: not NVLink's times, and no NCCL baseline).
 //
 // rdep side: CudaMoELayer with the sentinel expert (a cheap echo replaces the MLP, so only the
 // transport is left; with --owner-reduce the identity expert and LayerConfig::owner_reduce, every output
@@ -56,9 +57,10 @@ namespace {
 
 constexpr const char* kHelp = R"(usage: rdep bench dispatch [flags]
 
-Dispatch and combine alone, on W GPUs of this machine (one process), and in the same run an NCCL
-all-to-allv exchange of the same rows. Every time is the max over ranks per iteration (ranks start
-together after a device barrier), summarized as p50/p99 over --iters after --warmup.
+Dispatch and combine alone, on W GPUs of this machine (one process; --gpus G < W: W ranks sharing G GPUs,
+without the NCCL baseline), and in the same run an NCCL all-to-allv exchange of the same rows. Every time
+is the max over ranks per iteration (ranks start together after a device barrier), summarized as p50/p99
+over --iters after --warmup.
 
 rdep (CudaMoELayer, sentinel expert: the MLP is replaced by an echo, so only the transport is left;
 dropless; with --owner-reduce the identity expert, below):
