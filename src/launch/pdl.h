@@ -95,18 +95,14 @@ cudaError_t LaunchKernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 bl
 }  // namespace detail
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic stream serialization when PdlMode() is 1;
-// the launch's error (cudaErrorInvalidValue for a bad RDEP_PDL, which LaunchPdl names). RDEP_DEBUG_SYNC: then
-// synchronizes and returns the kernel's error.
+// the launch's error (cudaErrorInvalidValue for a bad RDEP_PDL: check CheckPdlSetting first to name it). The caller
+// synchronizes under RDEP_DEBUG_SYNC (RDEP_CUDA_CHECK_LAUNCH), as after a <<<>>> launch.
 template <typename... Params, typename... Args>
 cudaError_t LaunchPdlError(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                            Args&&... args) {
   const int mode = PdlMode();
   if (mode < 0) return cudaErrorInvalidValue;
-  const cudaError_t err = detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
-#if defined(RDEP_DEBUG_SYNC)
-  if (err == cudaSuccess) return cudaDeviceSynchronize();
-#endif
-  return err;
+  return detail::LaunchKernel(mode == 1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
 }
 
 // The same as a Status naming the kernel and the launch site (RDEP_LAUNCH_PDL passes them), and RDEP_PDL when it
