@@ -12,6 +12,7 @@
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
 # CTEST_TIMEOUT (default 240) bounds each ctest test in seconds (a hung GPU test costs no more).
+# PYTEST_ARGS adds arguments to pytest's command line (for example --durations 20).
 # The device tool brings back at most 8 files from $OUT: this script writes 6 (env.txt, build.log, eager_ext.log,
 # tests.log, pytest.log, bench.log); when the benches leave more than 2 others, those others go into one
 # archive, $OUT/bench_files.tgz, so that the logs above always come back.
@@ -81,7 +82,7 @@ fi
 pytest_rc=-1
 if [ $build_rc -eq 0 ] && [ $PYTEST -eq 1 ] && python3 -c 'import torch, pytest' >/dev/null 2>&1; then
   RDEP_REQUIRE_LIBRARY=1 RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
-    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEsP -p no:cacheprovider -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} \
+    timeout "$(left 30)" python3 -m pytest python/tests -q -rfEsP -p no:cacheprovider -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1
   pytest_rc=$?
 fi
