@@ -134,6 +134,9 @@ Status PrepareBuffers(const OwnershipMap& owners, const QuotaConfig& config, Pre
   RDEP_RETURN_IF_ERROR(Alloc(&b.demand, p->cfg.staged_load ? 0 : R * E));
   RDEP_CUDA_RETURN(cudaMemcpy(b.owner, owners.owners().data(), E * sizeof(int32_t), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN(cudaMemset(b.misc, 0, 4 * sizeof(int64_t)));
+  // Both on the legacy stream (the copy from pageable memory may return before its DMA lands), which the callers'
+  // non-blocking streams do not wait for.
+  RDEP_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy));
   RDEP_CUDA_RETURN(cudaFuncSetAttribute(QuotaPlanKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(p->cfg.shared_bytes)));
   KernelArgs& a = p->args;
@@ -186,6 +189,7 @@ Status Prepare(const std::vector<int64_t>& load, const OwnershipMap& owners, con
                              std::to_string(load[i]) + " rows exceeds 2^31 - 1 (the device plan counts rows in int32)");
   RDEP_RETURN_IF_ERROR(PrepareBuffers(owners, config, p));
   RDEP_CUDA_RETURN(cudaMemcpy(p->buf.load, load.data(), load.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy));  // landed before a launch on a non-blocking stream
   return Status::Ok();
 }
 

@@ -117,6 +117,9 @@ StatusOr<StreamPlan> StreamPlan::Create(const std::vector<StreamJob>& jobs, int6
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(p.jobs_, dj.data(), dj.size() * sizeof(StreamDeviceJob), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(p.dst_, dst.data(), dst.size() * sizeof(void*), cudaMemcpyHostToDevice));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(p.tile_prefix_, prefix.data(), prefix.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  // A copy from pageable memory may return before its DMA lands, on the legacy stream, which a launch on a non-blocking
+  // stream does not wait for.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   return StatusOr<StreamPlan>(std::move(p));
 }
 

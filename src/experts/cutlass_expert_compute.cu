@@ -267,6 +267,7 @@ class CutlassExpertCompute final : public ExpertCompute {
     }
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&total_, sizeof(int64_t)));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(total_, 0, sizeof(int64_t)));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));  // the memset's legacy stream: before any call's stream writes it
     void* pinned = nullptr;
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&pinned, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
     fault_host_ = static_cast<int64_t*>(pinned);

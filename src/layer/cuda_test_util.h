@@ -123,7 +123,10 @@ inline Status Upload(const RankRouting& rr, const std::vector<float>& x, const s
   RDEP_RETURN_IF_ERROR(UploadBf16(x, &b.x));
   RDEP_RETURN_IF_ERROR(UploadBf16(dy, &b.dy));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.y, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2));
-  return cuda::CudaStatus(cudaMalloc(&b.dx, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2), "dx", __FILE__, __LINE__);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.dx, static_cast<size_t>(std::max<int64_t>(b.n * H, 1)) * 2));
+  // The copies ran on the legacy stream (a pageable copy may return before its DMA lands), which the layer's
+  // non-blocking streams do not wait for.
+  return cuda::CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "upload", __FILE__, __LINE__);
 }
 
 template <typename T>

@@ -108,7 +108,10 @@ Status Upload(RankInputs& in, const RankRouting& rr, const std::vector<float>& x
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(in.gates, rr.gates.data(), nk * 4, cudaMemcpyHostToDevice));
   }
   RDEP_RETURN_IF_ERROR(UploadBf16(x, &in.x));
-  return PoisonedBf16(static_cast<size_t>(rr.num_tokens * H), &in.y);
+  RDEP_RETURN_IF_ERROR(PoisonedBf16(static_cast<size_t>(rr.num_tokens * H), &in.y));
+  // The copies and the memset ran on the legacy stream (a pageable copy may return before its DMA lands), which the
+  // layer's non-blocking streams do not wait for.
+  return cuda::CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "inputs", __FILE__, __LINE__);
 }
 
 class CudaBackend final : public ValidationBackend {
@@ -245,6 +248,7 @@ class CudaBackend final : public ValidationBackend {
       RDEP_RETURN_IF_ERROR(PoisonedBf16(n * static_cast<size_t>(H), &in.dx));
       RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&in.dgates, std::max<size_t>(n * static_cast<size_t>(K), 1) * 4));
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(in.dgates, 0xFF, std::max<size_t>(n * static_cast<size_t>(K), 1) * 4));
+      RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));  // dy, dx and dgates landed (Upload's comment)
       RDEP_RETURN_IF_ERROR(layer->Forward(r, in.experts, in.gates, routing[i].num_tokens, in.x, in.y));
       RDEP_RETURN_IF_ERROR(layer->Backward(r, in.dy, in.dx, in.dgates));
       RDEP_RETURN_IF_ERROR(domain_->Synchronize(r));

@@ -70,6 +70,9 @@ Status DeviceInterNodeBase::InitScratch() {
     RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(domain_.device(r)));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&counts_dev_[q], bytes));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(counts_dev_[q], 0, bytes));
+    // cudaMemset runs on the legacy stream, which the ranks' non-blocking streams do not wait for: done before the first
+    // exchange's copies on them (else it may zero counts already copied in: a flaky ExchangeCounts on one GPU).
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
     RDEP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&counts_host_[q], bytes, cudaHostAllocPortable));
   }
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(caller));

@@ -384,6 +384,9 @@ Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std:
   std::vector<uint16_t> bits(nh);
   for (size_t i = 0; i < bits.size() && i < xr.size(); ++i) bits[i] = rdep::FloatToBf16Bits(xr[i]);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
+  // The copies ran on the legacy stream (a pageable copy may return before its DMA lands), which the ranks'
+  // non-blocking streams do not wait for.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   b.ev.resize(static_cast<size_t>(2 * total));
   for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   return Status::Ok();
@@ -617,6 +620,8 @@ Status SetupNcclRank(NcclRank& n, int32_t r, const rdep::RankRouting& rr, const 
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(n.back, 0xFF, static_cast<size_t>(n.send_rows) * row_bytes));
   // The send counts, on the device as an EP layer's histogram would leave them.
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(n.counts, mine.data(), sizeof(int64_t) * W, cudaMemcpyHostToDevice));
+  // The copies and the memset ran on the legacy stream, which the rank's non-blocking stream does not wait for.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   n.ev.resize(static_cast<size_t>(5 * total));
   for (auto& e : n.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   return Status::Ok();

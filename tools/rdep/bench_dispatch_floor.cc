@@ -118,6 +118,7 @@ Status SetUpRank(FloorRank& f, size_t r, int64_t src_rows, int64_t recv_rows, in
   for (int64_t i = 0; i < src_rows; ++i)
     for (int64_t j = 0; j < H; ++j) pattern[static_cast<size_t>(i * H + j)] = Pattern(static_cast<int64_t>(r), i, j);
   if (!pattern.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(f.src, pattern.data(), pattern.size() * 2, cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));  // a pageable copy's DMA, before non-blocking streams read
   f.ev.resize(static_cast<size_t>(events));
   for (auto& e : f.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   return Status::Ok();

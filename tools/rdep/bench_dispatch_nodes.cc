@@ -226,7 +226,7 @@ Status UploadNodesInputs(NodesRankInputs& in, const RankRouting& rr, const std::
   std::vector<uint16_t> bits(xr.size());
   for (size_t i = 0; i < bits.size(); ++i) bits[i] = FloatToBf16Bits(xr[i]);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(in.x, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  return Status::Ok();
+  return cuda::CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "inputs", __FILE__, __LINE__);  // the DMA, before the ranks' streams read
 }
 
 // Per iteration: a device barrier (ranks start together), the sentinel forward, then the layer's

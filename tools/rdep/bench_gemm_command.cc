@@ -91,6 +91,7 @@ rdep::Status FillBf16(void* dst, size_t n, double scale, uint64_t seed) {
     const size_t k = std::min(host.size(), n - done);
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(static_cast<uint16_t*>(dst) + done, host.data(), k * 2, cudaMemcpyHostToDevice));
   }
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));  // a pageable copy's DMA, before a non-blocking stream reads
   return rdep::Status::Ok();
 }
 
@@ -473,6 +474,7 @@ rdep::StatusOr<Row> MeasureGemmRow(const GemmBenchOptions& o, int64_t mu, const 
   r.counts = counts;
   r.rho = rdep::PaddingRatio(counts);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.counts.p, counts.data(), counts.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));  // a pageable copy's DMA, before a non-blocking stream reads
   RDEP_ASSIGN_OR_RETURN(PathUnderTest t, MakePath(o, M, counts, b.counts.as<int64_t>(), path, b, stream));
   RDEP_ASSIGN_OR_RETURN(r.fwd_us, TimeIters(o.warmup, o.iters, stream, t.fwd));
   if (!o.no_backward) {

@@ -260,6 +260,9 @@ Status UploadRankBuffers(RankBuffers& b, const rdep::RankRouting& rr, const std:
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.x, bits.data(), nh * 2, cudaMemcpyHostToDevice));
   for (auto& v : bits) v = rdep::FloatToBf16Bits(0.01f);
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.dy, bits.data(), nh * 2, cudaMemcpyHostToDevice));
+  // The copies ran on the legacy stream (a pageable copy may return before its DMA lands), which the ranks'
+  // non-blocking streams do not wait for.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   b.ev.resize(static_cast<size_t>(4 * total));
   for (auto& e : b.ev) RDEP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   return Status::Ok();
@@ -287,6 +290,9 @@ Status BindBf16Grads(rdep::CudaMoELayer& layer, int32_t r, RankBuffers& b, const
     b.weight_bytes += 2 * bytes;
     if (!bits.empty()) RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(*dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
   }
+  // The copies ran on the legacy stream (a pageable copy may return before its DMA lands), which the ranks'
+  // non-blocking streams do not wait for.
+  RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   return layer.BindExpertWeights(r, rdep::ExternalWeights<__nv_bfloat16, __nv_bfloat16>{b.w1, b.w2, b.dw1, b.dw2});
 }
 
