@@ -76,6 +76,9 @@
 #   rows1      stage one, then the layer's memory per rank at W = 4 ranks sharing GPU 0 (one segment, --grads bf16,
 #              the pipeline with 2 and 4 segments)
 #   stack1     per-rank memory of a stack of 4 Moonlight layers at W = 1 (CUTLASS compute, --layers 4)
+#   inplace1   the W = 1 combine reading the owner's rows in place (RDEP_W1_RETURN=in-place, the default) against
+#              their copy into the return region (copy), alternated a/b: the Moonlight layer (CUTLASS with fp32 and
+#              bf16 weight gradients, cuBLASLt), bench dispatch at W = 1; rdep check at W = 1 both ways
 #   peak1      the training example (compiled, both variants, 40 steps): torch's allocations live at step 30's peak
 #              (scripts/snapshot_peak.py on each variant's snapshot)
 #   swiglu1    ncu's speed-of-light and memory sections for the SwiGLU kernels of the W = 1 layer, with and without the gate
@@ -134,6 +137,7 @@
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
+#   trainip    trainpair, then rdep once more with RDEP_W1_RETURN=copy (the W = 1 return's copy, for the in-place combine's A/B)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), GA_STEPS steps (default 100), each model in its own
 #              process (examples/torch_training/compare_receipts.py compares the two receipts)
@@ -516,7 +520,10 @@ stage_mem1() {  # the layer's memory per rank with one payload buffer (S >= W*T)
   run mem_w4g1_gate_reduce "$RDEP" bench layer --ranks 4 --gpus 1 --expert-compute cutlass --gate-in-expert --owner-reduce \
     --warmup 3 --iters 10 --json "$R/mem_w4g1_gate_reduce.json"
 }
-train_env() { echo env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1; }
+train_env() {  # RDEP_W1_RETURN, when set, written into the command line (its log shows it)
+  echo env PYTHONPATH="/tmp/site:$PWD/python" RDEP_LIBRARY="$PWD/build-dev/lib/librdep_capi.so" PYTHONUNBUFFERED=1 \
+    ${RDEP_W1_RETURN:+RDEP_W1_RETURN=$RDEP_W1_RETURN}
+}
 WHEELS_IN=0
 pip_wheels() {  # the wheels into /tmp/site, once per run of this script
   [ "$WHEELS_IN" = 1 ] && return 0
@@ -589,6 +596,12 @@ train_prof() {  # train_prof TAG MOE [train.py flags...]: 104 steps under reduce
   mkdir -p /tmp/rdep_traces
   train_ro "train_w1_prof_$tag" "$moe" "$@" --steps 104 --profile-steps 3 --profile-at 100 --profile-trace "$trace"
   run "kernels_$tag" python3 bench/trace_kernels.py "$trace.$moe.r0.json" --steps 3 --top 80 --sequence --gaps 30 --waits 100
+}
+stage_trainip() {  # trainpair, then rdep again with RDEP_W1_RETURN=copy (the return's copy at W = 1, before the in-place combine)
+  pip_wheels
+  train_ro train_w1_ip_tt torchtitan
+  train_ro train_w1_ip_rdep rdep
+  RDEP_W1_RETURN=copy train_ro train_w1_ip_rdep_copy rdep
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels
@@ -917,6 +930,26 @@ stage_pdl() {  # programmatic dependent launch (RDEP_PDL on, the default, agains
   # RDEP_PDL=yes refused: passes when rdep check fails and names the variable
   run pdl_bad_value bash -c 'out=$(env RDEP_PDL=yes "$0" check --backend cuda --ranks 1 2>&1); rc=$?; echo "$out"; echo "rc=$rc"
     [ $rc -ne 0 ] && grep -q "RDEP_PDL=" <<<"$out"' "$RDEP"
+}
+stage_inplace1() {  # the W = 1 combine in place (RDEP_W1_RETURN=in-place, the default) against the copy, alternated a/b
+  local moon=(--tokens 4096 --hidden 2048 --experts 64 --topk 6 --warmup 20 --iters 200)
+  for mode in in-place copy; do
+    run inplace_check_$mode env RDEP_W1_RETURN=$mode "$RDEP" check --backend cuda --ranks 1
+  done
+  for round in a b; do
+    for mode in in-place copy; do
+      run layer_w1_${mode}_$round env RDEP_W1_RETURN=$mode "$RDEP" bench layer --ranks 1 --expert-compute cutlass \
+        --json "$R/layer_w1_${mode}_$round.json"
+      run layer_w1_bf16_${mode}_$round env RDEP_W1_RETURN=$mode "$RDEP" bench layer --ranks 1 --expert-compute cutlass --grads bf16 \
+        --json "$R/layer_w1_bf16_${mode}_$round.json"
+      run dispatch_w1_${mode}_$round env RDEP_W1_RETURN=$mode "$RDEP" bench dispatch --ranks 1 "${moon[@]}" --no-nccl --no-floor \
+        --json "$R/dispatch_w1_${mode}_$round.json"
+    done
+  done
+  for mode in in-place copy; do
+    run layer_w1_cublaslt_$mode env RDEP_W1_RETURN=$mode "$RDEP" bench layer --ranks 1 --expert-compute cublaslt \
+      --json "$R/layer_w1_cublaslt_$mode.json"
+  done
 }
 stage_clocks1() {
   nvidia-smi dmon -s pc -o T >"$R/clocks1_dmon.log" 2>&1 &

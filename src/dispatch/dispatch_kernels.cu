@@ -251,22 +251,32 @@ ReturnRowsKernel(const bf16_bits* rows, const GroupedRow* grouped, int64_t M_bou
   }
 }
 
+// Slot i's row in the combine's input: row i of the return region, or (row_of: the owner's rows in place at
+// W = 1) row row_of[i]; -1 for an index outside [0, row_bound) (a broken capacity bound: the slot adds nothing).
+__device__ __forceinline__ int64_t CombineRow(int64_t i, const int32_t* row_of, int64_t row_bound) {
+  if (!row_of) return i;
+  const int64_t r = row_of[i];
+  return r >= 0 && r < row_bound ? r : -1;
+}
+
 // y[t] = sum over k of (weights[t*K+k] or 1) * ret[t*K+k], fp32 in slot order k = 0..K-1 (one fused
 // multiply-add per slot, so the vector kernel below gives the same bits); save (when given) keeps each
-// returned row (zeros for a dropped slot), the rows dgate reads in backward.
+// returned row (zeros for a dropped slot), the rows dgate reads in backward. With row_of, slot i's row is
+// ret[row_of[i]] (CombineRow).
 __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H,
-                              bf16_bits* y, bf16_bits* save) {
+                              bf16_bits* y, bf16_bits* save, const int32_t* row_of, int64_t row_bound) {
   cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = t * K + k;
-      if (!accepted[i]) {
+      const int64_t r = accepted[i] ? CombineRow(i, row_of, row_bound) : -1;
+      if (r < 0) {
         if (save) save[i * H + c] = 0;
         continue;
       }
-      const bf16_bits v = ret[i * H + c];
+      const bf16_bits v = ret[r * H + c];
       if (save) save[i * H + c] = v;
       acc = __fmaf_rn(weights ? weights[i] : 1.f, Bf(v), acc);
     }
@@ -278,18 +288,19 @@ __global__ void CombineKernel(const bf16_bits* ret, const uint8_t* accepted, con
 // the combine reads K rows and writes K saved rows and one output row per token, so it is bound by
 // bytes; 2-byte accesses left it at about a third of the copy rate (docs/perf-notes.md).
 __global__ void CombineKernelVec8(const uint4* ret, const uint8_t* accepted, const float* weights, int64_t K, int64_t H8,
-                                  uint4* y, uint4* save) {
+                                  uint4* y, uint4* save, const int32_t* row_of, int64_t row_bound) {
   cuda::WaitForPrimaryGrid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < H8; c += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = t * K + k;
-      if (!accepted[i]) {
+      const int64_t r = accepted[i] ? CombineRow(i, row_of, row_bound) : -1;
+      if (r < 0) {
         if (save) save[i * H8 + c] = make_uint4(0u, 0u, 0u, 0u);
         continue;
       }
-      const uint4 v = ret[i * H8 + c];
+      const uint4 v = ret[r * H8 + c];
       if (save) save[i * H8 + c] = v;
       detail::FmaBf16x8(acc, weights ? weights[i] : 1.f, v);
     }
@@ -401,18 +412,18 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
 }
 
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K, int64_t H,
-                     bf16_bits* y, bf16_bits* save, cudaStream_t s) {
+                     bf16_bits* y, bf16_bits* save, cudaStream_t s, const int32_t* row_of, int64_t row_bound) {
   if (n == 0) return Status::Ok();
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   if (H % 8 == 0 && aligned16(ret) && aligned16(y) && (save == nullptr || aligned16(save))) {
     const int64_t H8 = H / 8;
     const int threads = H8 >= 256 ? 256 : static_cast<int>(((H8 + 31) / 32) * 32);
     RDEP_LAUNCH_PDL(CombineKernelVec8, static_cast<unsigned>(n), threads, 0, s, reinterpret_cast<const uint4*>(ret), accepted, weights,
-                    K, H8, reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save));
+                    K, H8, reinterpret_cast<uint4*>(y), reinterpret_cast<uint4*>(save), row_of, row_bound);
     return Status::Ok();
   }
   const int threads = H >= 256 ? 256 : static_cast<int>(((H + 31) / 32) * 32);
-  RDEP_LAUNCH_PDL(CombineKernel, static_cast<unsigned>(n), threads, 0, s, ret, accepted, weights, K, H, y, save);
+  RDEP_LAUNCH_PDL(CombineKernel, static_cast<unsigned>(n), threads, 0, s, ret, accepted, weights, K, H, y, save, row_of, row_bound);
   return Status::Ok();
 }
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "rdep/core/row_id.h"
 #include "rdep/cuda/check.h"
 #include "rdep/dispatch/dispatch_kernels.h"
 #include "dispatch/warp_rows.cuh"
@@ -118,7 +119,8 @@ __global__ void __launch_bounds__(kScanThreads) ExpandScanKernel(int64_t C, int3
 __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* my_sideband, int32_t buf, int64_t lo, RegionLayout l,
                                                                    const int64_t* my_control, int32_t num_local,
                                                                    const int32_t* chunk_base, const int64_t* counts,
-                                                                   GroupedRow* grouped, int64_t max_rows, int32_t* inv) {
+                                                                   GroupedRow* grouped, int64_t max_rows, int32_t* inv,
+                                                                   int32_t* slot_rows) {
   cuda::WaitForPrimaryGrid();
   using Scan = cub::BlockScan<int64_t, kChunkThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -159,6 +161,10 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* m
       const RowSideband rs = pr.rows[hit];
       grouped[g] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
       if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(g);
+      if (slot_rows) {  // W = 1: every row is rank 0's own (a row of another rank is not this map's)
+        const RowKey key = RowIdCodec{l.T, l.K}.decode(rs.row_id);
+        if (key.rank == 0) slot_rows[key.token * l.K + key.slot] = static_cast<int32_t>(g);
+      }
     }
   }
 }
@@ -171,7 +177,7 @@ int64_t ExpandScratchInts(const RegionLayout& l, int32_t num_local) {
 
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
                     int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* scratch, cudaStream_t s,
-                    int32_t* inv) {
+                    int32_t* inv, int32_t* slot_rows) {
   if (num_local == 0) return Status::Ok();
   if (num_local < 0 || num_local > kMaxExpandLocalExperts)
     return InvalidArgument("expand: " + std::to_string(num_local) + " local experts, outside [0, " +
@@ -182,7 +188,7 @@ Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const Regi
   RDEP_LAUNCH_PDL(ExpandChunkCountKernel, blocks, kChunkThreads, 0, s, my_sideband, buf, lo, l, my_control, num_local, scratch);
   RDEP_LAUNCH_PDL(ExpandScanKernel, static_cast<unsigned>(num_local), kScanThreads, 0, s, C, scratch, counts);
   RDEP_LAUNCH_PDL(ExpandPlaceKernel, blocks, kChunkThreads, offset_bytes, s, my_sideband, buf, lo, l, my_control, num_local, scratch,
-                  counts, grouped, max_rows, inv);
+                  counts, grouped, max_rows, inv, slot_rows);
   return Status::Ok();
 }
 

@@ -182,6 +182,10 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
                                                        // the context is made; the check leaves it 0)
   cuda_layer::DeviceBuffer<__nv_bfloat16> saved_f;  // [T*K][H] returned rows, kept for dgate (not with owner_reduce)
   cuda_layer::DeviceBuffer<uint8_t> lead;           // owner_reduce: [T*K] slots whose return rows carry an owner's sum
+  // CombinesInPlace (W = 1): each accepted slot's grouped row ([T*K], the forward's expand), and where this call's
+  // rows are (the forward's outputs, the backward's dx rows: set by the owner's segment, read by the combine).
+  cuda_layer::DeviceBuffer<int32_t> slot_rows;
+  const __nv_bfloat16* combine_rows = nullptr;
   // Owner: every segment's grouped rows, inputs and pre-activations.
   int64_t num_segments = 0;
   std::vector<std::vector<int64_t>> seg_rows;  // host: per segment, rows per local expert
@@ -256,11 +260,13 @@ struct CudaMoELayer::Saved final : ForwardContext::State {
     accepted.Free();
     lead.Free();
     inv.Free();
+    slot_rows.Free();
     grouped.Free();
     cudaSetDevice(current);
   }
   size_t bytes() const override {
-    return (experts.count + tok_index.count + gates.count + effective.count + inv.count + armed.count) * 4 + accepted.count + lead.count +
+    return (experts.count + tok_index.count + gates.count + effective.count + inv.count + slot_rows.count + armed.count) * 4 +
+           accepted.count + lead.count +
            (dropped.count + control.count + rows_per_expert.count + dev_counts.count + stash_state.count + window_tokens.count) * 8 +
            stash_pages.count * 4 +
            (saved_f.count + x_rows.count + h_rows.count + f_rows.count) * 2 +

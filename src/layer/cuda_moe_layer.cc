@@ -112,6 +112,7 @@ StatusOr<std::unique_ptr<CudaMoELayer::Saved>> CudaMoELayer::NewSaved(int32_t ra
   RDEP_RETURN_IF_ERROR(saved->accepted.Reserve(nk));
   RDEP_RETURN_IF_ERROR(saved->tok_index.Reserve(static_cast<size_t>(std::max<int64_t>(s.ranks * s.tokens, 1))));
   if (config_.owner_reduce) RDEP_RETURN_IF_ERROR(saved->lead.Reserve(nk));
+  if (w1_in_place_) RDEP_RETURN_IF_ERROR(saved->slot_rows.Reserve(nk));
   if (!OwnersTakeDgateDots(config_)) RDEP_RETURN_IF_ERROR(ReserveSavedF(*ranks_[static_cast<size_t>(rank)], *saved));  // else no f_k here
   RDEP_RETURN_IF_ERROR(saved->armed.Reserve(1));
   RDEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(saved->armed.ptr, 0, sizeof(int32_t), domain_.stream(rank)));  // no forward yet
@@ -219,6 +220,15 @@ StatusOr<bool> ExpertScratchOfItsOwnRequested() {
   if (std::string(v) == "own") return true;
   return InvalidArgument(std::string("RDEP_EXPERT_SCRATCH='") + v + "': expected own (a scratch of its own) or unset");
 }
+
+// RDEP_W1_RETURN: in-place (the default; CombinesInPlace) or copy (the owner's rows copied into the return region
+// at W = 1 as at W > 1, for A/B runs). Read when a layer is created.
+StatusOr<bool> W1ReturnInPlace() {
+  const char* v = std::getenv("RDEP_W1_RETURN");
+  if (v == nullptr || *v == '\0' || std::string(v) == "in-place") return true;
+  if (std::string(v) == "copy") return false;
+  return InvalidArgument(std::string("RDEP_W1_RETURN='") + v + "': expected in-place (the default) or copy");
+}
 }  // namespace
 
 StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& domain, const LayerConfig& config_in,
@@ -270,6 +280,8 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     }));
   }
   std::unique_ptr<CudaMoELayer> layer(new CudaMoELayer(domain, config, ownership));
+  RDEP_ASSIGN_OR_RETURN(const bool in_place, W1ReturnInPlace());
+  layer->w1_in_place_ = in_place && s.ranks == 1 && config.nodes.nodes <= 1 && !config.owner_reduce;
   if (config.nodes.nodes > 1) {  // phase A and the return hop: NCCL, or device copies for ranks sharing GPUs
     RDEP_ASSIGN_OR_RETURN(layer->inter_, MakeDeviceInterNodeExchange(domain, config.nodes));
   }
@@ -458,6 +470,10 @@ bool CudaMoELayer::source_windows(const ForwardContext& ctx, int32_t r) const {
   const Saved* saved = ContextAccess::Peek<Saved>(ctx, id_, r);
   return saved && saved->windowed;
 }
+bool CudaMoELayer::combined_in_place(int32_t r) const {
+  const Saved* saved = last(r);
+  return saved && saved->combine_rows != nullptr;
+}
 int64_t CudaMoELayer::segments(int32_t r) const {
   const Saved* saved = last(r);
   return saved ? saved->num_segments : 0;
@@ -607,7 +623,6 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
                               ": gate_in_expert needs the SwiGLU expert (its compute applies the gates); use the test experts without it");
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginRun<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
-  const LayerShape& s = config_.shape;
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   st.plan_copy_pending = false;
   if (config_.nodes.nodes > 1) return RunTwoPhase(rank, ctx, st, sv, x, y);  // cuda_two_phase.cc
@@ -616,17 +631,27 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
   if (config_.owner_reduce)
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/false, y));
   else if (config_.gate_in_expert)  // the rows came back weighted: weights 1, nothing kept for dgate
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                                 nullptr, sv.num_tokens, s.topk, s.hidden, Bits(y), nullptr, domain_.stream(rank)));
+    RDEP_RETURN_IF_ERROR(FrontCombine(rank, sv, nullptr, y, nullptr));
   else
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                                 sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
-                                                 domain_.stream(rank)));
+    RDEP_RETURN_IF_ERROR(FrontCombine(rank, sv, sv.effective.ptr, y, sv.saved_f.ptr));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkCombine));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/!sv.counts_on_device));
   RDEP_RETURN_IF_ERROR(ArmForward(rank, sv));
   ContextAccess::FinishForward(ctx);
   return Status::Ok();
+}
+
+bool CudaMoELayer::CombinesInPlace(const Saved& sv) const { return w1_in_place_ && sv.num_segments == 1; }
+
+// The owner's rows in place (W = 1: the rows this call's segment left, read through the forward's slot map), or the
+// return region every owner wrote into by row identity.
+Status CudaMoELayer::FrontCombine(int32_t rank, const Saved& sv, const float* weights, __nv_bfloat16* out, __nv_bfloat16* save) {
+  const LayerShape& s = config_.shape;
+  if (sv.combine_rows)
+    return dispatch::LaunchCombine(Bits(sv.combine_rows), sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out),
+                                   save ? Bits(save) : nullptr, domain_.stream(rank), sv.slot_rows.ptr, MaxSegmentRows(config_, layout_));
+  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, weights, sv.num_tokens,
+                                 s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr, domain_.stream(rank));
 }
 
 // The plan's device check of the routing (LaunchValidateRouting) as a Status naming rank, token,
@@ -710,8 +735,7 @@ Status CudaMoELayer::Backward(int32_t rank, ForwardContext& ctx, const __nv_bflo
     RDEP_RETURN_IF_ERROR(CombineReduced(rank, sv, /*backward=*/true, dx));
   } else {
     if (config_.gate_in_expert) RDEP_RETURN_IF_ERROR(DgatesFromDots(rank, st, sv, dgates));
-    RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                                 nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, stream));
+    RDEP_RETURN_IF_ERROR(FrontCombine(rank, sv, nullptr, dx, nullptr));
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, true, kMarkCombine));
   // A sync-free forward whose routing check had not completed reports it here (after the collective).
@@ -735,6 +759,7 @@ dispatch::RouteTargets CudaMoELayer::Targets(const RankState& st, const Saved& s
 // returned row has landed. Forward records the owner's grouped rows per segment into the context.
 Status CudaMoELayer::Exchange(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload) {
   if (!backward) sv.overlapped = Overlapped(st, sv, backward);
+  sv.combine_rows = nullptr;  // set by the owner's segment when the combine reads its rows in place
   if (Overlapped(st, sv, backward)) return ExchangeOverlapped(rank, st, sv, backward, payload);  // cuda_overlap.cc
   const int64_t S = layout_.S;
   cudaStream_t stream = domain_.stream(rank);
@@ -790,7 +815,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), buf, seg * S, layout_, sv.control.ptr,
                                               phys, st.seg_counts.ptr, sv.grouped.ptr + base, MaxSegmentRows(config_, layout_),
                                               st.expand_scratch.ptr, stream,
-                                              reduce ? SegmentInv(sv, seg) : nullptr));
+                                              reduce ? SegmentInv(sv, seg) : nullptr, CombinesInPlace(sv) ? sv.slot_rows.ptr : nullptr));
   if (phys > 0)
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_counts, st.seg_counts.ptr, sizeof(int64_t) * static_cast<size_t>(phys),
                                               cudaMemcpyDeviceToHost, stream));
@@ -825,6 +850,7 @@ Status CudaMoELayer::OwnerForwardSegment(int32_t rank, RankState& st, Saved& sv,
   }
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, kMarkExpert));
   if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
+  else if (CombinesInPlace(sv)) sv.combine_rows = out;
   else RDEP_RETURN_IF_ERROR(ReturnRows(rank, out, sv, base, m, stream));
   return Mark(rank, st, false, kMarkReturn);
 }
@@ -899,6 +925,8 @@ Status CudaMoELayer::OwnerBackwardSegment(int32_t rank, RankState& st, Saved& sv
     if (OwnerKeepsOutputs(config_))  // with gate_in_expert only a rank without experts (no rows, no f) comes here
       RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, m, nullptr));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, OutRows(rank) + dx_at * H, sv, seg, base, /*backward=*/true));
+  } else if (CombinesInPlace(sv)) {
+    sv.combine_rows = OutRows(rank) + dx_at * H;
   } else {
     RDEP_RETURN_IF_ERROR(ReturnRows(rank, OutRows(rank) + dx_at * H, sv, base, m, stream));
   }

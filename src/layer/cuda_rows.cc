@@ -57,16 +57,25 @@ Status CudaMoELayer::CheckCallerRows(const char* call, int32_t rank, const Forwa
   return CheckRows(call, rank, per_token, token_rows, peek->num_tokens, "num_tokens");
 }
 
-// Combine (backward false) and DispatchBackward: the caller's rows go back to their sources by row_id.
-// return.start first (a peer may still read its return rows after its last barrier), then
-// return.done or backward.done, after which every row sent to this rank has landed.
-Status CudaMoELayer::ReturnCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward) {
+// Combine (backward false) and DispatchBackward: the caller's rows go back to their sources by row_id
+// (return.start first: a peer may still read its return rows after its last barrier; then return.done or
+// backward.done, after which every row sent to this rank has landed), and the combine of this rank's into out.
+// At W = 1 (w1_in_place_) the combine reads the caller's rows in place through Dispatch's slot map.
+Status CudaMoELayer::CombineCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward, const float* weights,
+                                       __nv_bfloat16* out, __nv_bfloat16* save) {
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
+  const LayerShape& s = config_.shape;
+  cudaStream_t stream = domain_.stream(rank);
+  if (w1_in_place_)
+    return dispatch::LaunchCombine(Bits(rows), sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out),
+                                   save ? Bits(save) : nullptr, stream, sv.slot_rows.ptr, sv.total_rows);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(rows), sv.grouped.ptr, sv.total_rows, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), domain_.stream(rank)));
-  return domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone);
+                                                  domain_.peer_table(rank, regions_.ret), stream));
+  RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
+  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, weights,
+                                 sv.num_tokens, s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr, stream);
 }
 
 // The plan's admitted rows per local expert, on the host: one synchronization of the rank's stream
@@ -138,7 +147,7 @@ Status CudaMoELayer::Dispatch(int32_t rank, ForwardContext& ctx, const __nv_bflo
   RDEP_RETURN_IF_ERROR(sv.grouped.Grow(static_cast<size_t>(MaxSegmentRows(config_, layout_)), 0, stream));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), 0, 0, layout_, sv.control.ptr, st.num_local,
                                               st.seg_counts.ptr, sv.grouped.ptr, MaxSegmentRows(config_, layout_), st.expand_scratch.ptr,
-                                              stream));
+                                              stream, nullptr, w1_in_place_ ? sv.slot_rows.ptr : nullptr));
   const auto* payload = static_cast<const bf16_bits*>(domain_.region(rank, regions_.payload));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchGatherRows(payload, sv.grouped.ptr, M, s.hidden, false, Bits(recv), stream));
   sv.num_segments = 1;
@@ -156,12 +165,7 @@ Status CudaMoELayer::Combine(int32_t rank, ForwardContext& ctx, const __nv_bfloa
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginCombine<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  const LayerShape& s = config_.shape;
-  cudaStream_t stream = domain_.stream(rank);
-  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, sv, out, /*backward=*/false));
-  RDEP_RETURN_IF_ERROR(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                               sv.effective.ptr, sv.num_tokens, s.topk, s.hidden, Bits(y), Bits(sv.saved_f.ptr),
-                                               stream));
+  RDEP_RETURN_IF_ERROR(CombineCallerRows(rank, sv, out, /*backward=*/false, sv.effective.ptr, y, sv.saved_f.ptr));
   RDEP_RETURN_IF_ERROR(CheckRoutingInput(rank, sv, /*wait=*/true));
   ContextAccess::FinishCombine(ctx);
   return guard.Done(Status::Ok());
@@ -202,10 +206,7 @@ Status CudaMoELayer::DispatchBackward(int32_t rank, ForwardContext& ctx, const _
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginDispatchBackward<Saved>(ctx, id_, rank));
   Saved& sv = *saved;
   ContextAccess::StepGuard guard(ctx);  // a failure below leaves ctx unusable (named by the next step)
-  const LayerShape& s = config_.shape;
-  RDEP_RETURN_IF_ERROR(ReturnCallerRows(rank, sv, d_recv, /*backward=*/true));
-  return guard.Done(dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr,
-                                            nullptr, sv.num_tokens, s.topk, s.hidden, Bits(dx), nullptr, domain_.stream(rank)));
+  return guard.Done(CombineCallerRows(rank, sv, d_recv, /*backward=*/true, nullptr, dx, nullptr));
 }
 
 }  // namespace rdep

@@ -3,7 +3,8 @@
 // same description, same bf16 weights) on the received rows gets the layer's Forward and Backward
 // bit for bit (y, dx, dgates, dW1, dW2), at W = 1 and with W = 4 ranks sharing the GPUs present,
 // with capacity drops; the received row ids equal the host layer's; more than one segment is refused
-// naming segment_tokens. Skips without a GPU.
+// naming segment_tokens. At W = 1 both combines read the rows in place (the default) or, with
+// RDEP_W1_RETURN=copy when the layers are made, copy them into the return region first. Skips without a GPU.
 #if defined(RDEP_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -25,6 +26,7 @@ struct Case {
   int32_t W;
   double capacity;
   const char* routing;
+  const char* w1_return = nullptr;  // RDEP_W1_RETURN when the layers are made (null: unset)
 };
 
 struct Problem {
@@ -34,6 +36,7 @@ struct Problem {
   LayerConfig config;
   Routing routing;
   std::vector<std::vector<float>> x, dy;
+  const char* w1_return;
   explicit Problem(const Case& c)
       : shape{.tokens = 48, .hidden = 64, .ffn = 32, .experts = 12, .topk = 3, .ranks = c.W},
         own(*OwnershipMap::Contiguous(12, c.W)),
@@ -41,7 +44,8 @@ struct Problem {
         config(MakeLayerConfig(shape, {.capacity_factor = c.capacity})),
         routing(*GenerateRouting(shape, *RoutingSpec::Parse(c.routing))),
         x(RandomActivations(shape, routing, 2)),
-        dy(RandomActivations(shape, routing, 3)) {}
+        dy(RandomActivations(shape, routing, 3)),
+        w1_return(c.w1_return) {}
 };
 
 // Per rank: y, dx (bf16 bits), dgates, dW1, dW2 (fp32), the received row ids.
@@ -75,7 +79,10 @@ Result RunLayer(Problem& p) {
   Result out(static_cast<size_t>(p.shape.ranks));
   auto domain = MakeSharedDomain(p.shape.ranks);
   EXPECT_TRUE(domain.ok()) << domain.status();
-  auto layer = CudaMoELayer::Create(**domain, p.config, p.own, p.w);
+  auto layer = [&] {
+    const ScopedEnv env("RDEP_W1_RETURN", p.w1_return);
+    return CudaMoELayer::Create(**domain, p.config, p.own, p.w);
+  }();
   EXPECT_TRUE(layer.ok()) << layer.status();
   Status s = (*domain)->Run([&](int32_t r) -> Status {
     const auto i = static_cast<size_t>(r);
@@ -141,7 +148,10 @@ Result RunRows(Problem& p) {
   Result out(static_cast<size_t>(p.shape.ranks));
   auto domain = MakeSharedDomain(p.shape.ranks);
   EXPECT_TRUE(domain.ok()) << domain.status();
-  auto layer = CudaMoELayer::Create(**domain, p.config, p.own);  // no weights: the caller computes
+  auto layer = [&] {
+    const ScopedEnv env("RDEP_W1_RETURN", p.w1_return);
+    return CudaMoELayer::Create(**domain, p.config, p.own);  // no weights: the caller computes
+  }();
   EXPECT_TRUE(layer.ok()) << layer.status();
   CudaMoELayer& l = **layer;
   Status s = (*domain)->Run([&](int32_t r) -> Status {
@@ -214,6 +224,8 @@ TEST_P(CudaRows, CallerExpertsEqualTheLayerBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Cuda_bf16, CudaRows,
                          ::testing::Values(Case{"W1_E12_K3_uniform", 1, 0.0, "uniform"},
+                                           Case{"W1_zipf_capacity_drops", 1, 0.9, "zipf:1.2"},
+                                           Case{"W1_zipf_capacity_drops_rows_copied", 1, 0.9, "zipf:1.2", "copy"},
                                            Case{"W4_shared_E12_K3_zipf_capacity_drops", 4, 0.9, "zipf:1.2"}),
                          [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 

@@ -46,24 +46,6 @@ struct Outputs {
   }
 };
 
-// RDEP_EXPERT_SCRATCH set to `value` (null: unset) for one scope, the caller's value restored after.
-class ScopedScratchEnv {
- public:
-  explicit ScopedScratchEnv(const char* value) {
-    if (const char* v = std::getenv("RDEP_EXPERT_SCRATCH")) saved_ = v, had_ = true;
-    if (value) setenv("RDEP_EXPERT_SCRATCH", value, 1);
-    else unsetenv("RDEP_EXPERT_SCRATCH");
-  }
-  ~ScopedScratchEnv() {
-    if (had_) setenv("RDEP_EXPERT_SCRATCH", saved_.c_str(), 1);
-    else unsetenv("RDEP_EXPERT_SCRATCH");
-  }
-
- private:
-  std::string saved_;
-  bool had_ = false;
-};
-
 // Two calls (routing seeds 1 and 2) on one W = 1 layer; `own`: a scratch of its own.
 StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
   const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
@@ -76,7 +58,7 @@ StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
   RDEP_ASSIGN_OR_RETURN(auto domain, CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 20, .devices = {0}}));
   StatusOr<std::unique_ptr<CudaMoELayer>> made = InvalidArgument("not made");
   {
-    const ScopedScratchEnv env(own ? "own" : nullptr);
+    const ScopedEnv env("RDEP_EXPERT_SCRATCH", own ? "own" : nullptr);
     made = CudaMoELayer::Create(*domain, cfg, ownership, RandomWeights(s, 5));
   }
   RDEP_ASSIGN_OR_RETURN(auto layer, std::move(made));
@@ -182,7 +164,7 @@ TEST(CudaScratchInReturn_Errors, AnUnknownValueOfTheVariableIsRefusedNamingIt) {
   cfg.expert_compute = ExpertComputeKind::kCutlass;
   auto domain = CudaDomain::CreateSingleProcess(1, {.barrier_timeout_s = 5, .devices = {0}});
   ASSERT_TRUE(domain.ok()) << domain.status();
-  const ScopedScratchEnv env("mine");
+  const ScopedEnv env("RDEP_EXPERT_SCRATCH", "mine");
   auto layer = CudaMoELayer::Create(**domain, cfg, *OwnershipMap::Contiguous(s.experts, 1), RandomWeights(s, 1));
   ASSERT_FALSE(layer.ok());
   EXPECT_EQ(layer.status().code(), StatusCode::kInvalidArgument) << layer.status();
@@ -217,7 +199,7 @@ TEST(CudaScratchInReturn_Sharing, W1_LayersOfOneShapeInterleavedEqualEachAlone) 
   };
   // Runs the layers on one domain (order: every forward, then every backward) or each on its own.
   auto run = [&](bool shared) -> StatusOr<std::vector<Got>> {
-    const ScopedScratchEnv env(nullptr);
+    const ScopedEnv env("RDEP_EXPERT_SCRATCH", nullptr);
     std::vector<std::unique_ptr<CudaDomain>> domains;
     std::vector<std::unique_ptr<CudaMoELayer>> layers;
     for (int i = 0; i < 3; ++i) {

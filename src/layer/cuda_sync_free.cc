@@ -67,6 +67,7 @@ Status CudaMoELayer::OwnerForwardSyncFree(int32_t rank, RankState& st, Saved& sv
   RDEP_RETURN_IF_ERROR(ComputeForwardSyncFree(rank, st, sv, seg, seg_payload, out, stream, nullptr));
   RDEP_RETURN_IF_ERROR(Mark(rank, st, false, cuda_layer::kMarkExpert));
   if (reduce) RDEP_RETURN_IF_ERROR(ReturnReduced(rank, out, sv, seg, base, /*backward=*/false));
+  else if (CombinesInPlace(sv)) sv.combine_rows = out;
   else RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, out, stream));
   return Mark(rank, st, false, cuda_layer::kMarkReturn);
 }
@@ -82,7 +83,8 @@ Status CudaMoELayer::ComputeForwardSyncFree(int32_t rank, RankState& st, Saved& 
   const int64_t* total = counts + phys;
   RDEP_RETURN_IF_ERROR(dispatch::LaunchExpand(domain_.region(rank, regions_.sideband), static_cast<int32_t>(seg % 2), seg * layout_.S,
                                               layout_, sv.control.ptr, phys, counts, sv.grouped.ptr + base, cap, st.expand_scratch.ptr,
-                                              stream, config_.owner_reduce ? SegmentInv(sv, seg) : nullptr));
+                                              stream, config_.owner_reduce ? SegmentInv(sv, seg) : nullptr,
+                                              CombinesInPlace(sv) ? sv.slot_rows.ptr : nullptr));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchSumCounts(counts, phys, counts + phys, stream));
   sv.counts_on_device = true;  // the host does not know the segment's rows (seg_rows stays empty)
   sv.seg_base[static_cast<size_t>(seg)] = base;
@@ -131,6 +133,8 @@ Status CudaMoELayer::OwnerBackwardSyncFree(int32_t rank, RankState& st, Saved& s
     if (!config_.gate_in_expert)  // else the compute's dgates went to the dots already
       RDEP_RETURN_IF_ERROR(OwnerDots(rank, seg_payload, sv, base, cap, total));
     RDEP_RETURN_IF_ERROR(ReturnReduced(rank, rows, sv, seg, base, /*backward=*/true));
+  } else if (CombinesInPlace(sv)) {
+    sv.combine_rows = rows;
   } else {
     RDEP_RETURN_IF_ERROR(ReturnSyncFree(rank, st, sv, seg, rows, stream));
   }

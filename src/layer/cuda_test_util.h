@@ -50,6 +50,27 @@ struct StreamHold {
   }
 };
 
+// An environment variable set to `value` (null: unset) for one scope, the caller's value restored after (for the
+// settings a layer reads when it is made: RDEP_EXPERT_SCRATCH, RDEP_W1_RETURN).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) saved_ = v, had_ = true;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), saved_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, saved_;
+  bool had_ = false;
+};
+
 // Whether the CUTLASS expert compute runs here (a GPU, a build with CUTLASS, sm_90); why not in *why.
 // With RDEP_REQUIRE_CUTLASS=1 (scripts/device.sh) its absence on a GPU is a test failure, not a skip.
 inline bool CutlassLayerAvailable(std::string* why) {

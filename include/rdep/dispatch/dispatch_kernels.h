@@ -135,14 +135,16 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 // Owner: rows per local expert in its segment buffer `buf` (tokens [lo, min(lo+S, stream total))),
 // then the grouped rows (written at grouped + 0). counts is [num_local] int64. inv (nullable,
 // [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's
-// grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it). Rows at
+// grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it). slot_rows
+// (nullable, [T*K] int32; W = 1, where every row is rank 0's own) receives each row's grouped index at its
+// slot t*K+k, decoded from row_id: the combine reads the owner's rows through it (LaunchCombine's row_of). Rows at
 // grouped indices >= max_rows (grouped's size) are not written (the counts still count them: the caller
 // checks the total against its bound, on the host or in the expert compute). scratch: device int32s,
 // ExpandScratchInts(l, num_local) of them (a counting sort over chunks of 32 positions, expand_kernels.cu).
 int64_t ExpandScratchInts(const RegionLayout& l, int32_t num_local);
 Status LaunchExpand(const void* my_sideband, int32_t buf, int64_t lo, const RegionLayout& l, const int64_t* my_control,
                     int32_t num_local, int64_t* counts, GroupedRow* grouped, int64_t max_rows, int32_t* scratch, cudaStream_t s,
-                    int32_t* inv = nullptr);
+                    int32_t* inv = nullptr, int32_t* slot_rows = nullptr);
 // out[g] = src[grouped[g].token] (times the row's gate when scale_by_gate), g < M. With device_rows (a
 // device int64), g < min(*device_rows, M): M is then the host's bound (it sizes the grid only).
 Status LaunchGatherRows(const bf16_bits* segment_payload, const GroupedRow* grouped, int64_t M, int64_t H,
@@ -158,9 +160,13 @@ Status LaunchReturnRows(const bf16_bits* rows, const GroupedRow* grouped, int64_
 // Front-end combine in slot order with fp32 accumulation: y[t] = sum_k w_k * ret[t*K+k] over accepted
 // slots (w = effective gate, or 1 when weights is null; one fused multiply-add per slot, rounded to bf16
 // once). save (nullable) receives every slot's row, zeros for a dropped slot. 16-byte accesses when H % 8
-// == 0 and ret, y and save are 16-byte aligned, 2-byte ones otherwise (the same bits).
+// == 0 and ret, y and save are 16-byte aligned, 2-byte ones otherwise (the same bits). With row_of
+// (device [n*K] int32, read at accepted slots only) slot t*K+k reads row ret[row_of[t*K+k]] instead of
+// ret[t*K+k]: the owner's rows in place at W = 1 (LaunchExpand's slot_rows), ret holding row_bound rows;
+// a slot whose index falls outside [0, row_bound) adds nothing and saves zeros.
 Status LaunchCombine(const bf16_bits* ret, const uint8_t* accepted, const float* weights, int64_t n, int64_t K,
-                     int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s);
+                     int64_t H, bf16_bits* y, bf16_bits* save, cudaStream_t s, const int32_t* row_of = nullptr,
+                     int64_t row_bound = 0);
 // dgate: dL/dg'_k = <dy_t, f_k> (fp32), then the chain rule through the capacity renormalization
 // (rdep::RenormalizeTokenGatesBackward: math in double, float in and out). With dots (owner_reduce:
 // [n*K] floats the owners wrote, LaunchOwnerDots) the dot products are read from there and dy and

@@ -226,6 +226,9 @@ class CudaMoELayer {
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
   bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
+  // Whether rank's last call (forward or backward, in the layer's own context) combined the owner's rows in place:
+  // W = 1, one segment, no owner_reduce, RDEP_W1_RETURN not `copy` when the layer was made (no return copy).
+  bool combined_in_place(int32_t rank) const;
   // Whether the forward held in ctx placed rank's rows in per-source windows (LayerConfig::source_windows,
   // region_layout.h): no phase 2 and no routing barriers.
   bool source_windows(const ForwardContext& ctx, int32_t rank) const;
@@ -362,6 +365,12 @@ class CudaMoELayer {
   Status RunPipeline(int32_t rank, RankState& st, Saved& sv, bool backward, const __nv_bfloat16* payload);
   Status FinishExchange(int32_t rank, RankState& st, Saved& sv, bool backward);
   Status ReserveSavedF(const RankState& st, Saved& sv) const;  // the front-end's returned rows kept for dgate
+  // W = 1 in one segment without owner_reduce: every row returns to this rank, so the combine reads the owner's
+  // rows where the expert compute left them, through the slot map the forward's expand wrote (Saved::slot_rows),
+  // instead of their copy into the return region (RDEP_W1_RETURN=copy keeps the copy, for A/B runs).
+  bool CombinesInPlace(const Saved& sv) const;
+  // The front-end's combine of this call's rows into out (the return region, or the rows in place).
+  Status FrontCombine(int32_t rank, const Saved& sv, const float* weights, __nv_bfloat16* out, __nv_bfloat16* save);
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.
   struct OwnerRows {
@@ -391,7 +400,8 @@ class CudaMoELayer {
   Status CheckRows(const char* call, int32_t rank, const char* what, int64_t got, int64_t want, const char* formula) const;
   Status CheckCallerRows(const char* call, int32_t rank, const ForwardContext& ctx, const char* received, int64_t received_rows,
                          const char* per_token, int64_t token_rows) const;
-  Status ReturnCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward);
+  Status CombineCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward, const float* weights,
+                           __nv_bfloat16* out, __nv_bfloat16* save);
   // Balancing (cuda_balance.cc).
   struct ExpertCall;
   Status CreateBalancing(RankState& st);
@@ -443,6 +453,7 @@ class CudaMoELayer {
   RegionId expert_scratch_ = -1;              // the CUTLASS compute's z, then dz (shared: shared_row_bytes)
   size_t expert_scratch_bytes_ = 0;           // 0 when it lives in the return region (scratch_in_return_)
   bool scratch_in_return_ = false;            // ScratchInReturnRegion: W = 1, one segment (layer_config.h)
+  bool w1_in_place_ = false;                  // CombinesInPlace's layer half: W = 1, no owner_reduce, RDEP_W1_RETURN
   __nv_bfloat16* OutRows(int32_t rank) const { return static_cast<__nv_bfloat16*>(domain_.region(rank, out_rows_)); }
   RegionId stash_rows_ = -1, stash_pool_ = -1, stash_ring_ = -1, stash_flags_ = -1;  // the paged stash (shared: stash_bytes)
   size_t stash_rows_bytes_ = 0, stash_pool_bytes_ = 0, stash_ring_bytes_ = 0, stash_flags_bytes_ = 0;

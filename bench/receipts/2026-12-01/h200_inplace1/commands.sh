@@ -1,0 +1,1 @@
+CTEST_TIMEOUT=120 RDEP_COMMIT=2c8cbee-inplace bash scripts/device.sh --budget 575 --bench "bash scripts/receipts_w4.sh inplace1"   # nvidia-h200; the tree of the commit after 2c8cbee (the in-place combine) before its docs
