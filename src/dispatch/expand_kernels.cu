@@ -157,14 +157,14 @@ __global__ void __launch_bounds__(kChunkThreads) ExpandPlaceKernel(const void* m
       const int32_t chunk_first = __shfl_sync(0xFFFFFFFFu, my_base, jj);
       if (hit < 0) continue;
       const int64_t g = offset[j] + chunk_first + __popc(m & below);
-      if (g >= max_rows) continue;  // beyond grouped's size (a broken capacity bound): the caller reports it
       const RowSideband rs = pr.rows[hit];
+      if (slot_rows) {  // W = 1: every row is rank 0's own (a row of another rank is not this map's); -1 for a cut row
+        const RowKey key = RowIdCodec{l.T, l.K}.decode(rs.row_id);
+        if (key.rank == 0) slot_rows[key.token * l.K + key.slot] = g < max_rows ? static_cast<int32_t>(g) : -1;
+      }
+      if (g >= max_rows) continue;  // beyond grouped's size (a broken capacity bound): the caller reports it
       grouped[g] = GroupedRow{rs.row_id, static_cast<int32_t>(p), rs.local_expert, rs.gate, 0};
       if (inv) inv[p * l.slots_per_token + hit] = static_cast<int32_t>(g);
-      if (slot_rows) {  // W = 1: every row is rank 0's own (a row of another rank is not this map's)
-        const RowKey key = RowIdCodec{l.T, l.K}.decode(rs.row_id);
-        if (key.rank == 0) slot_rows[key.token * l.K + key.slot] = static_cast<int32_t>(g);
-      }
     }
   }
 }

@@ -7,7 +7,7 @@
 // registers, more local experts than a block has threads, and a max_rows that cuts the last experts.
 // The slot-map cases give rows real identities (token = the position across both buffers, distinct slots
 // per token; every seventh token rank 1's) and check slot_rows: each placed rank-0 row's grouped index at
-// its slot, nothing else written. Skips without a GPU.
+// its slot, -1 at the slot of a row cut by max_rows, nothing else written. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -97,16 +97,18 @@ TEST_P(Expand, MatchesAHostStableSortExactly) {
   const int64_t max_rows = c.max_rows < 0 ? total : c.max_rows;
   std::vector<GroupedRow> want_grouped(static_cast<size_t>(total), GroupedRow{~0ull, -1, -1, -1.f, -1});
   std::vector<int32_t> want_inv(static_cast<size_t>(c.S * c.spt), -1);
-  std::vector<int32_t> want_slot_rows(c.with_slot_rows ? static_cast<size_t>(l.T * l.K) : 1, -1);
+  constexpr int32_t kUnwritten = 0x7F7F7F7F;  // slot_rows' fill: distinct from the -1 a cut row's slot gets
+  std::vector<int32_t> want_slot_rows(c.with_slot_rows ? static_cast<size_t>(l.T * l.K) : 1, kUnwritten);
   for (int64_t p = 0; p < n_seg; ++p)
     for (int64_t r = 0; r < rows_at(p); ++r) {
       const RowSideband x = row_at(p, r);
       const int64_t g = next[static_cast<size_t>(x.local_expert)]++;
+      const RowKey key = codec.decode(x.row_id);
+      if (c.with_slot_rows && key.rank == 0)
+        want_slot_rows[static_cast<size_t>(key.token * l.K + key.slot)] = g < max_rows ? static_cast<int32_t>(g) : -1;
       if (g >= max_rows) continue;
       want_grouped[static_cast<size_t>(g)] = GroupedRow{x.row_id, static_cast<int32_t>(p), x.local_expert, x.gate, 0};
       want_inv[static_cast<size_t>(p * c.spt + r)] = static_cast<int32_t>(g);
-      const RowKey key = codec.decode(x.row_id);
-      if (c.with_slot_rows && key.rank == 0) want_slot_rows[static_cast<size_t>(key.token * l.K + key.slot)] = static_cast<int32_t>(g);
     }
   // Device: the control words give the stream's length (split over the sources).
   std::vector<int64_t> control(l.control_bytes() / sizeof(int64_t), 0);
@@ -123,7 +125,7 @@ TEST_P(Expand, MatchesAHostStableSortExactly) {
   grouped.Poison();
   inv.Poison();
   scratch.Poison();
-  slot_rows.Poison();
+  slot_rows.Upload(std::vector<int32_t>(want_slot_rows.size(), kUnwritten));
   for (int pass = 0; pass < 2; ++pass) {  // the scratch holds the last launch's values: a second launch must not care
     ASSERT_TRUE(LaunchExpand(sb_dev.p, buf, c.lo, l, control_dev.p, c.num_local, counts.p, grouped.p, max_rows, scratch.p, nullptr,
                              c.with_inv ? inv.p : nullptr, c.with_slot_rows ? slot_rows.p : nullptr)

@@ -395,6 +395,10 @@ StatusOr<std::unique_ptr<CudaMoELayer>> CudaMoELayer::CreateLayer(CudaDomain& do
     }
     if (config.balance.enabled()) RDEP_RETURN_IF_ERROR(layer->CreateBalancing(*st));
     if (config.overlap_segments) RDEP_RETURN_IF_ERROR(layer->CreateOverlap(*st));
+    // The copies and memsets above (the ownership maps, the weights, their zeroed gradients) ran on the legacy stream, which
+    // the rank's non-blocking stream does not wait for.
+    RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(st->device));
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
     layer->ranks_.push_back(std::move(st));
     // The own context's buffers now (a warm cache for calls without a context) when the layer holds its
     // weights. A layer without weights is the C API's (rdep.torch's), whose calls bring pooled contexts:
@@ -522,6 +526,7 @@ Status CudaMoELayer::PlanFor(int32_t rank, ForwardContext& ctx, const int32_t* e
   if (Stashing(st)) RDEP_RETURN_IF_ERROR(RefuseStashInCapture(rank, "forward"));  // before the collective
   RDEP_ASSIGN_OR_RETURN(Saved * saved, ContextAccess::BeginForward<Saved>(ctx, id_, rank, [&] { return NewSaved(rank); }));
   Saved& sv = *saved;
+  sv.combine_rows = nullptr;  // a new plan: no call's rows yet (set again by its exchange)
   const LayerShape& s = config_.shape;
   const int64_t K = s.topk, W = s.ranks;
   // A bad token count still takes part in the collective with no tokens (the other ranks finish), then fails.
@@ -647,9 +652,11 @@ bool CudaMoELayer::CombinesInPlace(const Saved& sv) const { return w1_in_place_ 
 // return region every owner wrote into by row identity.
 Status CudaMoELayer::FrontCombine(int32_t rank, const Saved& sv, const float* weights, __nv_bfloat16* out, __nv_bfloat16* save) {
   const LayerShape& s = config_.shape;
-  if (sv.combine_rows)
+  if (sv.combine_rows) {  // the rows the segment computed: its device total's bound (sync-free), or its host count
+    const int64_t rows = sv.counts_on_device ? MaxSegmentRows(config_, layout_) : sv.total_rows;
     return dispatch::LaunchCombine(Bits(sv.combine_rows), sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out),
-                                   save ? Bits(save) : nullptr, domain_.stream(rank), sv.slot_rows.ptr, MaxSegmentRows(config_, layout_));
+                                   save ? Bits(save) : nullptr, domain_.stream(rank), sv.slot_rows.ptr, rows);
+  }
   return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, weights, sv.num_tokens,
                                  s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr, domain_.stream(rank));
 }

@@ -64,7 +64,7 @@ Status CudaMoELayer::CheckCallerRows(const char* call, int32_t rank, const Forwa
 Status CudaMoELayer::CombineCallerRows(int32_t rank, const Saved& sv, const __nv_bfloat16* rows, bool backward, const float* weights,
                                        __nv_bfloat16* out, __nv_bfloat16* save) {
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
-  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // this step passes a barrier first
+  ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // a barrier first, or (in place, W = 1) no peer to wait for
   const LayerShape& s = config_.shape;
   cudaStream_t stream = domain_.stream(rank);
   if (w1_in_place_)

@@ -10,9 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -35,15 +33,8 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct Outputs {
-  std::vector<uint16_t> y, dx;
-  std::vector<float> dg, dw1, dw2;
+  W1Outputs rows;
   size_t shared_row_bytes = 0;
-  bool operator==(const Outputs& o) const {
-    auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
-    };
-    return same(y, o.y) && same(dx, o.dx) && same(dg, o.dg) && same(dw1, o.dw1) && same(dw2, o.dw2);
-  }
 };
 
 // Two calls (routing seeds 1 and 2) on one W = 1 layer; `own`: a scratch of its own.
@@ -64,40 +55,10 @@ StatusOr<std::vector<Outputs>> RunCalls(const Case& c, bool own) {
   RDEP_ASSIGN_OR_RETURN(auto layer, std::move(made));
   std::vector<Outputs> out(2);
   for (uint64_t call = 1; call <= 2; ++call) {
-    RoutingSpec spec = *RoutingSpec::Parse(c.routing);
-    spec.seed = call;
-    RDEP_ASSIGN_OR_RETURN(Routing rt, GenerateRouting(s, spec));
-    const auto x = RandomActivations(s, rt, 7 + call), dy = RandomActivations(s, rt, 17 + call);
-    Batch b;
-    RDEP_RETURN_IF_ERROR(Upload(rt[0], x[0], dy[0], s.hidden, b));
-    const auto nh = static_cast<size_t>(b.n * s.hidden), nk = static_cast<size_t>(b.n * s.topk);
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.y, 0xFF, std::max<size_t>(nh, 1) * 2));  // NaN
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dx, 0xFF, std::max<size_t>(nh, 1) * 2));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dg, 0xFF, std::max<size_t>(nk, 1) * 4));
-    RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-    RDEP_RETURN_IF_ERROR(layer->Forward(0, b.e, b.g, b.n, b.x, b.y));
-    RDEP_RETURN_IF_ERROR(layer->Backward(0, b.dy, b.dx, b.dg));
-    RDEP_RETURN_IF_ERROR(domain->Synchronize(0));
-    Outputs& o = out[call - 1];
-    RDEP_ASSIGN_OR_RETURN(o.y, Download(reinterpret_cast<const uint16_t*>(b.y), nh));
-    RDEP_ASSIGN_OR_RETURN(o.dx, Download(reinterpret_cast<const uint16_t*>(b.dx), nh));
-    RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, nk));
-    RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer->dw1(0), static_cast<size_t>(s.experts * 2 * s.hidden * s.ffn)));
-    RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer->dw2(0), static_cast<size_t>(s.experts * s.ffn * s.hidden)));
-    o.shared_row_bytes = layer->shared_row_bytes();
+    RDEP_ASSIGN_OR_RETURN(out[call - 1].rows, RunW1Call(*layer, *domain, s, c.routing, call));
+    out[call - 1].shared_row_bytes = layer->shared_row_bytes();
   }
   return out;
-}
-
-bool AllFinite(const Outputs& o) {
-  for (const uint16_t v : o.y)
-    if ((v & 0x7f80) == 0x7f80) return false;
-  for (const uint16_t v : o.dx)
-    if ((v & 0x7f80) == 0x7f80) return false;
-  for (const auto* v : {&o.dg, &o.dw1, &o.dw2})
-    for (const float f : *v)
-      if (!std::isfinite(f)) return false;
-  return true;
 }
 
 class CudaScratchInReturn : public ::testing::TestWithParam<Case> {};
@@ -113,8 +74,8 @@ TEST_P(CudaScratchInReturn, BitwiseTheLayerWithAScratchOfItsOwn) {
   ASSERT_TRUE(own.ok()) << own.status();
   for (size_t call = 0; call < 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call + 1));
-    EXPECT_TRUE(AllFinite((*own)[call])) << "a poisoned output was not written";
-    EXPECT_TRUE((*in_return)[call] == (*own)[call]) << "not the bits of the layer with a scratch of its own";
+    EXPECT_TRUE((*own)[call].rows.AllFinite()) << "a poisoned output was not written";
+    EXPECT_TRUE((*in_return)[call].rows == (*own)[call].rows) << "not the bits of the layer with a scratch of its own";
   }
   // The scratch is max_rows rows of F bf16 values: the W = 1 layer holds that much less.
   const LayerShape s{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};

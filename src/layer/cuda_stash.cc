@@ -87,6 +87,8 @@ Status CudaMoELayer::ReserveStash(Saved& sv) const {
   if (!sv.stash_state.ptr) {  // state[0] = 0: no pages held (a give before any take returns nothing)
     RDEP_RETURN_IF_ERROR(sv.stash_state.Reserve(2));
     RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(sv.stash_state.ptr, 0, 2 * sizeof(int64_t)));
+    // On the legacy stream, which the rank's non-blocking stream does not wait for: landed before this call's take.
+    RDEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   }
   if (!sv.stash_outcomes_host) {
     void* pinned = nullptr;

@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -163,6 +165,56 @@ inline StatusOr<std::vector<float>> DownloadBf16(const __nv_bfloat16* p, size_t 
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = Bf16BitsToFloat(bits[i]);
   return out;
+}
+
+// One forward and backward of rank 0 on a one-rank layer: y, dx (bf16 bits), dgates, dW1 and dW2, compared bit for bit.
+struct W1Outputs {
+  std::vector<uint16_t> y, dx;
+  std::vector<float> dg, dw1, dw2;
+  bool operator==(const W1Outputs& o) const {
+    auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
+    };
+    return same(y, o.y) && same(dx, o.dx) && same(dg, o.dg) && same(dw1, o.dw1) && same(dw2, o.dw2);
+  }
+  // No NaN or infinity left: every poisoned output was written.
+  bool AllFinite() const {
+    for (const auto* v : {&y, &dx})
+      for (const uint16_t b : *v)
+        if ((b & 0x7f80) == 0x7f80) return false;
+    for (const auto* v : {&dg, &dw1, &dw2})
+      for (const float f : *v)
+        if (!std::isfinite(f)) return false;
+    return true;
+  }
+};
+
+// Call `call` (routing `routing` seeded by it; x from seed 7 + call, dy from 17 + call) on rank 0 of a one-rank layer of
+// shape s: y, dx and dgates poisoned with NaN first; after_forward (if any) runs between the forward and the backward.
+inline StatusOr<W1Outputs> RunW1Call(CudaMoELayer& layer, CudaDomain& domain, const LayerShape& s, const std::string& routing,
+                                     uint64_t call, const std::function<void()>& after_forward = {}) {
+  RoutingSpec spec = *RoutingSpec::Parse(routing);
+  spec.seed = call;
+  RDEP_ASSIGN_OR_RETURN(Routing rt, GenerateRouting(s, spec));
+  const auto x = RandomActivations(s, rt, 7 + call), dy = RandomActivations(s, rt, 17 + call);
+  Batch b;
+  RDEP_RETURN_IF_ERROR(Upload(rt[0], x[0], dy[0], s.hidden, b));
+  const auto nh = static_cast<size_t>(b.n * s.hidden), nk = static_cast<size_t>(b.n * s.topk);
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.y, 0xFF, std::max<size_t>(nh, 1) * 2));  // NaN
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dx, 0xFF, std::max<size_t>(nh, 1) * 2));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dg, 0xFF, std::max<size_t>(nk, 1) * 4));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  RDEP_RETURN_IF_ERROR(layer.Forward(0, b.e, b.g, b.n, b.x, b.y));
+  if (after_forward) after_forward();
+  RDEP_RETURN_IF_ERROR(layer.Backward(0, b.dy, b.dx, b.dg));
+  RDEP_RETURN_IF_ERROR(domain.Synchronize(0));
+  W1Outputs o;
+  RDEP_ASSIGN_OR_RETURN(o.y, Download(reinterpret_cast<const uint16_t*>(b.y), nh));
+  RDEP_ASSIGN_OR_RETURN(o.dx, Download(reinterpret_cast<const uint16_t*>(b.dx), nh));
+  RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, nk));
+  RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer.dw1(0), static_cast<size_t>(s.experts * 2 * s.hidden * s.ffn)));
+  RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer.dw2(0), static_cast<size_t>(s.experts * s.ffn * s.hidden)));
+  return o;
 }
 
 // The same size and the same bits (NaNs compare by their bits).

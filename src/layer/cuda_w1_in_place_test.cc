@@ -12,8 +12,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -40,55 +38,9 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 const LayerShape kShape{.tokens = 96, .hidden = 128, .ffn = 64, .experts = 8, .topk = 3, .ranks = 1};
 
 struct Outputs {
-  std::vector<uint16_t> y, dx;
-  std::vector<float> dg, dw1, dw2;
-  bool in_place = false;
-  bool operator==(const Outputs& o) const {
-    auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
-    };
-    return same(y, o.y) && same(dx, o.dx) && same(dg, o.dg) && same(dw1, o.dw1) && same(dw2, o.dw2);
-  }
+  W1Outputs rows;
+  bool in_place = false;  // the call combined the owner's rows in place
 };
-
-bool AllFinite(const Outputs& o) {
-  for (const auto* v : {&o.y, &o.dx})
-    for (const uint16_t b : *v)
-      if ((b & 0x7f80) == 0x7f80) return false;
-  for (const auto* v : {&o.dg, &o.dw1, &o.dw2})
-    for (const float f : *v)
-      if (!std::isfinite(f)) return false;
-  return true;
-}
-
-StatusOr<Outputs> OneCall(CudaMoELayer& layer, CudaDomain& domain, uint64_t call, const std::string& routing) {
-  const LayerShape& s = kShape;
-  RoutingSpec spec = *RoutingSpec::Parse(routing);
-  spec.seed = call;
-  RDEP_ASSIGN_OR_RETURN(Routing rt, GenerateRouting(s, spec));
-  const auto x = RandomActivations(s, rt, 7 + call), dy = RandomActivations(s, rt, 17 + call);
-  Batch b;
-  RDEP_RETURN_IF_ERROR(Upload(rt[0], x[0], dy[0], s.hidden, b));
-  const auto nh = static_cast<size_t>(b.n * s.hidden), nk = static_cast<size_t>(b.n * s.topk);
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.y, 0xFF, std::max<size_t>(nh, 1) * 2));  // NaN
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dx, 0xFF, std::max<size_t>(nh, 1) * 2));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(b.dg, 0xFF, std::max<size_t>(nk, 1) * 4));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  Outputs o;
-  RDEP_RETURN_IF_ERROR(layer.Forward(0, b.e, b.g, b.n, b.x, b.y));
-  const bool forward_in_place = layer.combined_in_place(0);
-  RDEP_RETURN_IF_ERROR(layer.Backward(0, b.dy, b.dx, b.dg));
-  RDEP_RETURN_IF_ERROR(domain.Synchronize(0));
-  if (layer.combined_in_place(0) != forward_in_place)
-    return InternalError("the backward's combine took the other path than its forward's");
-  o.in_place = forward_in_place;
-  RDEP_ASSIGN_OR_RETURN(o.y, Download(reinterpret_cast<const uint16_t*>(b.y), nh));
-  RDEP_ASSIGN_OR_RETURN(o.dx, Download(reinterpret_cast<const uint16_t*>(b.dx), nh));
-  RDEP_ASSIGN_OR_RETURN(o.dg, Download(b.dg, nk));
-  RDEP_ASSIGN_OR_RETURN(o.dw1, Download(layer.dw1(0), static_cast<size_t>(s.experts * 2 * s.hidden * s.ffn)));
-  RDEP_ASSIGN_OR_RETURN(o.dw2, Download(layer.dw2(0), static_cast<size_t>(s.experts * s.ffn * s.hidden)));
-  return o;
-}
 
 LayerConfig ConfigOf(const Case& c) {
   LayerConfig cfg = MakeLayerConfig(kShape, CapacityPolicy{.capacity_factor = c.capacity_factor}, c.segment_tokens);
@@ -111,7 +63,13 @@ StatusOr<std::vector<Outputs>> RunCalls(const Case& c, const char* setting) {
   RDEP_ASSIGN_OR_RETURN(auto layer, std::move(made));
   std::vector<Outputs> out;
   for (uint64_t call = 1; call <= 2; ++call) {
-    RDEP_ASSIGN_OR_RETURN(Outputs o, OneCall(*layer, *domain, call, c.routing));
+    Outputs o;
+    bool forward_in_place = false;
+    RDEP_ASSIGN_OR_RETURN(o.rows, RunW1Call(*layer, *domain, kShape, c.routing, call,
+                                            [&] { forward_in_place = layer->combined_in_place(0); }));
+    if (layer->combined_in_place(0) != forward_in_place)
+      return InternalError("the backward's combine took the other path than its forward's");
+    o.in_place = forward_in_place;
     out.push_back(std::move(o));
   }
   return out;
@@ -133,8 +91,8 @@ TEST_P(CudaW1InPlace, BitwiseTheLayerThatCopiesItsRows) {
     const Outputs &a = (*in_place)[call], &b = (*copy)[call];
     EXPECT_EQ(a.in_place, c.in_place) << "the default layer's path";
     EXPECT_FALSE(b.in_place) << "RDEP_W1_RETURN=copy combined in place";
-    EXPECT_TRUE(AllFinite(b)) << "a poisoned output was not written";
-    EXPECT_TRUE(a == b) << "not the bits of the layer that copies its rows into the return region";
+    EXPECT_TRUE(b.rows.AllFinite()) << "a poisoned output was not written";
+    EXPECT_TRUE(a.rows == b.rows) << "not the bits of the layer that copies its rows into the return region";
   }
 }
 

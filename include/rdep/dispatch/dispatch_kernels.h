@@ -137,7 +137,8 @@ Status LaunchScatter(const bf16_bits* payload, const int32_t* experts, const uin
 // [S][slots_per_token] int32) receives, for segment position p and its sideband row r, that row's
 // grouped index: inv[p * slots_per_token + r] (owner_reduce sums a token's rows through it). slot_rows
 // (nullable, [T*K] int32; W = 1, where every row is rank 0's own) receives each row's grouped index at its
-// slot t*K+k, decoded from row_id: the combine reads the owner's rows through it (LaunchCombine's row_of). Rows at
+// slot t*K+k, decoded from row_id (-1 for a row at or past max_rows): the combine reads the owner's rows through it
+// (LaunchCombine's row_of). Rows at
 // grouped indices >= max_rows (grouped's size) are not written (the counts still count them: the caller
 // checks the total against its bound, on the host or in the expert compute). scratch: device int32s,
 // ExpandScratchInts(l, num_local) of them (a counting sort over chunks of 32 positions, expand_kernels.cu).

@@ -226,8 +226,9 @@ class CudaMoELayer {
   // than one segment, the sync-free layer); its backward does too.
   bool overlapped(int32_t rank) const;
   bool overlapped(const ForwardContext& ctx, int32_t rank) const;  // the forward held in ctx
-  // Whether rank's last call (forward or backward, in the layer's own context) combined the owner's rows in place:
-  // W = 1, one segment, no owner_reduce, RDEP_W1_RETURN not `copy` when the layer was made (no return copy).
+  // Whether rank's last Forward or Backward in the layer's own context combined the owner's rows in place: W = 1, one
+  // segment, no owner_reduce, RDEP_W1_RETURN not `copy` when the layer was made (no return copy). The caller's-rows
+  // steps (Dispatch, Combine, DispatchBackward) combine in place under the same layer settings but are not reported here.
   bool combined_in_place(int32_t rank) const;
   // Whether the forward held in ctx placed rank's rows in per-source windows (LayerConfig::source_windows,
   // region_layout.h): no phase 2 and no routing barriers.
