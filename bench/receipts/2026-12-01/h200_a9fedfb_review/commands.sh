@@ -1,0 +1,1 @@
+CTEST_TIMEOUT=60 RDEP_COMMIT=a9fedfb bash scripts/device.sh --budget 225 --no-pytest --tests 'Expand|CombineKernel|CudaW1InPlace|CudaScratchInReturn|CudaRows|CudaStash|CudaValidation|CudaSyncFree|DeviceCopyInterNode'   # nvidia-h200
