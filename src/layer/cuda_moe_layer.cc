@@ -648,17 +648,21 @@ Status CudaMoELayer::Run(int32_t rank, ForwardContext& ctx, const __nv_bfloat16*
 
 bool CudaMoELayer::CombinesInPlace(const Saved& sv) const { return w1_in_place_ && sv.num_segments == 1; }
 
-// The owner's rows in place (W = 1: the rows this call's segment left, read through the forward's slot map), or the
-// return region every owner wrote into by row identity.
+// The owner's rows in place (W = 1: the rows this call's segment left, read through the forward's slot map; bounded by
+// the segment's device total's bound when sync-free, else its host count), or the return region.
 Status CudaMoELayer::FrontCombine(int32_t rank, const Saved& sv, const float* weights, __nv_bfloat16* out, __nv_bfloat16* save) {
+  const int64_t rows = sv.counts_on_device ? MaxSegmentRows(config_, layout_) : sv.total_rows;
+  return CombineFrom(rank, sv, sv.combine_rows, rows, weights, out, save);
+}
+
+// The front-end's combine into out of `rows` rows in place, read through sv.slot_rows, or (in_place null) of the return
+// region every owner wrote into by row identity.
+Status CudaMoELayer::CombineFrom(int32_t rank, const Saved& sv, const __nv_bfloat16* in_place, int64_t rows, const float* weights,
+                                 __nv_bfloat16* out, __nv_bfloat16* save) {
   const LayerShape& s = config_.shape;
-  if (sv.combine_rows) {  // the rows the segment computed: its device total's bound (sync-free), or its host count
-    const int64_t rows = sv.counts_on_device ? MaxSegmentRows(config_, layout_) : sv.total_rows;
-    return dispatch::LaunchCombine(Bits(sv.combine_rows), sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out),
-                                   save ? Bits(save) : nullptr, domain_.stream(rank), sv.slot_rows.ptr, rows);
-  }
-  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, weights, sv.num_tokens,
-                                 s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr, domain_.stream(rank));
+  const bf16_bits* from = in_place ? Bits(in_place) : static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret));
+  return dispatch::LaunchCombine(from, sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr,
+                                 domain_.stream(rank), in_place ? sv.slot_rows.ptr : nullptr, rows);
 }
 
 // The plan's device check of the routing (LaunchValidateRouting) as a Status naming rank, token,

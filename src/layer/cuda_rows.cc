@@ -65,17 +65,12 @@ Status CudaMoELayer::CombineCallerRows(int32_t rank, const Saved& sv, const __nv
                                        __nv_bfloat16* out, __nv_bfloat16* save) {
   RDEP_RETURN_IF_ERROR(domain_.CheckErrors(rank));
   ranks_[static_cast<size_t>(rank)]->plan_copy_pending = false;  // a barrier first, or (in place, W = 1) no peer to wait for
-  const LayerShape& s = config_.shape;
-  cudaStream_t stream = domain_.stream(rank);
-  if (w1_in_place_)
-    return dispatch::LaunchCombine(Bits(rows), sv.accepted.ptr, weights, sv.num_tokens, s.topk, s.hidden, Bits(out),
-                                   save ? Bits(save) : nullptr, stream, sv.slot_rows.ptr, sv.total_rows);
+  if (w1_in_place_) return CombineFrom(rank, sv, rows, sv.total_rows, weights, out, save);
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, Phase::kReturnStart));
   RDEP_RETURN_IF_ERROR(dispatch::LaunchReturnRows(Bits(rows), sv.grouped.ptr, sv.total_rows, layout_,
-                                                  domain_.peer_table(rank, regions_.ret), stream));
+                                                  domain_.peer_table(rank, regions_.ret), domain_.stream(rank)));
   RDEP_RETURN_IF_ERROR(domain_.Barrier(rank, backward ? Phase::kBackwardDone : Phase::kReturnDone));
-  return dispatch::LaunchCombine(static_cast<const bf16_bits*>(domain_.region(rank, regions_.ret)), sv.accepted.ptr, weights,
-                                 sv.num_tokens, s.topk, s.hidden, Bits(out), save ? Bits(save) : nullptr, stream);
+  return CombineFrom(rank, sv, nullptr, 0, weights, out, save);
 }
 
 // The plan's admitted rows per local expert, on the host: one synchronization of the rank's stream

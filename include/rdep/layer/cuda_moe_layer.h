@@ -372,6 +372,10 @@ class CudaMoELayer {
   bool CombinesInPlace(const Saved& sv) const;
   // The front-end's combine of this call's rows into out (the return region, or the rows in place).
   Status FrontCombine(int32_t rank, const Saved& sv, const float* weights, __nv_bfloat16* out, __nv_bfloat16* save);
+  // The combine of `rows` rows in place through the slot map, or (in_place null) of the return region; FrontCombine's
+  // and the caller's rows' (CombineCallerRows).
+  Status CombineFrom(int32_t rank, const Saved& sv, const __nv_bfloat16* in_place, int64_t rows, const float* weights,
+                     __nv_bfloat16* out, __nv_bfloat16* save);
   // The paged stash (LayerConfig::stash_rows; cuda_stash.cc): the sync-free owner's saved rows (x, h, f)
   // live in the shared transient rows during a call and in pool pages between forward and backward.
   struct OwnerRows {
