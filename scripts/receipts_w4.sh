@@ -137,6 +137,10 @@
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
+#   trainmw    trainpair, then rdep with --expert-weights bf16-master (bf16 expert weights and gradients, fp32 master
+#              weights in rdep.torch.MasterAdamW)
+#   optimmw    bench/optim_step.py: MasterAdamW's step against torch's fused AdamW on the example's expert weights
+#   trainprofmw trainprof's rdep run with --expert-weights bf16-master
 #   trainip    trainpair, then rdep once more with RDEP_W1_RETURN=copy (the W = 1 return's copy, for the in-place combine's A/B)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), GA_STEPS steps (default 100), each model in its own
@@ -602,6 +606,21 @@ stage_trainip() {  # trainpair, then rdep again with RDEP_W1_RETURN=copy (the re
   train_ro train_w1_ip_tt torchtitan
   train_ro train_w1_ip_rdep rdep
   RDEP_W1_RETURN=copy train_ro train_w1_ip_rdep_copy rdep
+}
+stage_trainmw() {  # trainpair, then rdep with --expert-weights bf16-master (bf16 experts, fp32 masters in rdep.torch.MasterAdamW)
+  pip_wheels
+  train_ro train_w1_mw_tt torchtitan
+  train_ro train_w1_mw_rdep rdep
+  train_ro train_w1_mw_rdep_master rdep --expert-weights bf16-master
+}
+stage_optimmw() {  # the expert weights' optimizer step alone: MasterAdamW against torch's fused AdamW, the casts, the clip's pass
+  pip_wheels
+  # shellcheck disable=SC2046
+  run optim_step $(train_env) python3 bench/optim_step.py --json "$R/optim_step.json"
+}
+stage_trainprofmw() {  # trainprof's rdep run with --expert-weights bf16-master: its kernels per step
+  pip_wheels
+  train_prof rdep_mw rdep --expert-weights bf16-master
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels

@@ -210,6 +210,7 @@ def test_interleaved_runs_train_like_the_sequential_ones(both):
     (["--moe", "both", "--memory-step", "3"], "--memory-step: needs --device cuda"),
     (["--moe", "both", "--memory-snapshot", "/tmp/x"], "--memory-snapshot: needs --memory-step"),
     (["--moe", "both", "--profile-trace", "/tmp/t"], "--profile-trace: needs --profile-steps"),
+    (["--moe", "rdep", "--expert-weights", "bf16-master"], "--expert-weights bf16-master: needs --device cuda"),
 ])
 def test_option_combinations_that_would_measure_nothing_are_refused(args, why, capsys):
     with pytest.raises(SystemExit):
@@ -235,6 +236,49 @@ def test_owner_reduce_flag_reaches_each_moe_layer(flag, want):
     a = train.parse_args(TINY + ["--moe", "rdep", "--layers", "3"] + flag)
     model = train.build_model("rdep", train.model_config(a), a, train.Dist("cpu"))
     assert [m.moe.layer.owner_reduce for m in model.moe_layers()] == [want, want]
+
+
+def test_expert_master_weights_split_the_parameters_between_two_optimizers():
+    """--expert-weights bf16-master: rdep.torch.MasterAdamW takes the routed experts (made bf16, their fp32 values
+    its masters), torch's AdamW the rest; each parameter in exactly one, the clip's coefficient reaching the experts
+    through the step. Built on the CPU model (the optimizers only: the host backend itself computes in fp32)."""
+    import torch
+
+    from variant_run import MasterExpertOptimizer, expert_and_dense, make_optimizer
+
+    a = train.parse_args(TINY + ["--moe", "rdep", "--layers", "3"])
+    model = train.build_model("rdep", train.model_config(a), a, train.Dist("cpu"))
+    experts, dense = expert_and_dense(model)
+    before = [p.detach().clone() for p in experts]
+    a.expert_weights = "bf16-master"
+    opt = make_optimizer(model, a, torch.device("cpu"), "rdep")
+    assert isinstance(opt, MasterExpertOptimizer)
+    assert all(p.dtype == torch.bfloat16 for p in experts) and all(p.dtype == torch.float32 for p in dense)
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters()), "each parameter in exactly one group"
+    for p, b in zip(experts, before):
+        assert torch.equal(opt.experts.state[p]["master"], b)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step(grad_multiplier=torch.tensor(0.5))
+    for p, b in zip(experts, before):  # AdamW's first step moves each weight by ~lr (sign of the gradient)
+        assert torch.allclose(opt.experts.state[p]["master"], b * (1 - a.lr * a.weight_decay) - a.lr, rtol=0, atol=1e-6)
+    assert make_optimizer(model, a, torch.device("cpu"), "reference").__class__ is torch.optim.AdamW
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_expert_master_weights_train_like_fp32_experts_on_cuda():
+    """The same model from the same weights with fp32 experts (cast per call) and with bf16 experts under
+    MasterAdamW: the first step's loss is the same (the same bf16 weights reach the GEMMs), later ones agree to
+    the gradients' bf16 rounding, and both fall."""
+    cuda = [x if x != "cpu" else "cuda" for x in TINY]
+    fp32 = train.main(cuda + ["--moe", "rdep"])["variants"][0]
+    master = train.main(cuda + ["--moe", "rdep", "--expert-weights", "bf16-master"])["variants"][0]
+    assert "MasterAdamW" in master["label"] and "MasterAdamW" not in fp32["label"]
+    assert master["loss"][0] == pytest.approx(fp32["loss"][0], rel=1e-6)
+    for a, b in zip(master["loss"], fp32["loss"]):
+        assert math.isfinite(a) and a == pytest.approx(b, rel=2e-2)
+    assert master["loss"][-1] < master["loss"][0]
 
 
 def test_grad_accum_steps_once_per_micro_batches(monkeypatch):

@@ -145,6 +145,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(all; the flag alone), in every one but the first (after-first: the first MoE block's "
                         "backward runs last, where every layer's gradients are live and the step's memory peaks, so "
                         "it alone casts again, into its gradients' bytes; the default), or in none")
+    p.add_argument("--expert-weights", choices=("fp32", "bf16-master"), default="fp32",
+                   help="rdep: fp32 routed-expert weights as every variant's (cast to bf16 per call, fp32 gradients, "
+                        "torch's AdamW; the default), or bf16-master: bf16 expert weights and gradients with fp32 master "
+                        "weights in rdep.torch.MasterAdamW (one fused pass a tensor updates the master, the moments and "
+                        "the bf16 weight; no casts, half the gradient bytes, the clip's coefficient applied in that pass; "
+                        "the same bytes of memory per weight). The initial weights are the same fp32 values")
     p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
                    help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
                         "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "
@@ -186,7 +192,11 @@ def parse_args(argv=None) -> argparse.Namespace:
               (a.memory_step >= 0 and a.device != "cuda", "--memory-step: needs --device cuda (torch's CUDA allocator)"),
               (bool(a.memory_snapshot) and a.memory_step < 0, "--memory-snapshot: needs --memory-step S (the step recorded)"),
               (bool(a.profile_trace) and a.profile_steps <= 0, "--profile-trace: needs --profile-steps N"),
-              (a.grad_accum < 1, f"--grad-accum: expected an int >= 1, got {a.grad_accum}")]
+              (a.grad_accum < 1, f"--grad-accum: expected an int >= 1, got {a.grad_accum}"),
+              (a.expert_weights == "bf16-master" and a.device != "cuda", "--expert-weights bf16-master: needs --device "
+               "cuda (the host backend computes in fp32)"),
+              (a.expert_weights == "bf16-master" and a.grad_accum > 1, "--expert-weights bf16-master: bf16 gradients "
+               "would accumulate over --grad-accum micro-batches in bf16; use fp32 expert weights with --grad-accum")]
     for bad, why in refuse:
         if bad:
             p.error(why)

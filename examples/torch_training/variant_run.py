@@ -26,6 +26,7 @@ import gc
 import math
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,12 +43,49 @@ def expert_and_dense(model: MoonlightLM):
     return ex, de
 
 
-def make_optimizer(model: MoonlightLM, a, device) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+class MasterExpertOptimizer:
+    """rdep with --expert-weights bf16-master: rdep.torch.MasterAdamW over the routed experts (bf16 weights and
+    gradients, fp32 master weights and moments: no casts, and half the gradient bytes), torch's fused AdamW over
+    the rest, the same hyperparameters. The clip's coefficient reaches the experts through MasterAdamW's step
+    (grad_multiplier) instead of a pass over their gradients."""
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
+        self.dense, self.experts = dense, experts
+
+    @property
+    def param_groups(self) -> list:
+        return self.dense.param_groups + self.experts.param_groups
+
+    def step(self, grad_multiplier: Optional[torch.Tensor] = None) -> None:
+        self.dense.step()
+        self.experts.step(grad_multiplier=grad_multiplier)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        self.experts.zero_grad(set_to_none=set_to_none)
+
+
+def make_optimizer(model: MoonlightLM, a, device, kind: str = ""):
+    """torch's AdamW (fused on CUDA: one kernel for all parameters; the foreach AdamW took ~40% of the GPU time of
+    a step), or for rdep with --expert-weights bf16-master a MasterExpertOptimizer. Called before the first
+    forward: MasterAdamW makes the experts bf16 (their fp32 values become its master weights)."""
+    masters = kind == "rdep" and getattr(a, "expert_weights", "fp32") == "bf16-master"
+    experts = {id(p) for p in expert_and_dense(model)[0]} if masters else set()
+    rest = [p for p in model.parameters() if id(p) not in experts]
+    decay = [p for p in rest if p.dim() >= 2]
+    other = [p for p in rest if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    # fused on CUDA: one kernel for all parameters (the foreach AdamW took ~40% of the GPU time of a step)
-    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    dense = torch.optim.AdamW(groups, lr=a.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
+    if not masters:
+        return dense
+    import rdep.torch as rt
+
+    expert_params = [p for p in model.parameters() if id(p) in experts]  # all >= 2-dim: decayed
+    return MasterExpertOptimizer(dense, rt.MasterAdamW(expert_params, lr=a.lr, betas=BETAS, eps=EPS,
+                                                       weight_decay=a.weight_decay))
 
 
 def lr_at(step: int, a) -> float:
@@ -77,10 +115,11 @@ def sync_gradients(experts: list, dense: list, dd) -> None:
 
 
 @torch.no_grad()
-def clip_gradients(experts: list, dense: list, max_norm: float, dd) -> torch.Tensor:
+def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_experts: bool = True):
     """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
-    sharded experts' squares. Clips to max_norm when max_norm > 0; returns the norm as a 0-dim tensor
-    (no host wait: the caller reads it after the step). Multi-tensor kernels, as
+    sharded experts' squares. Clips to max_norm when max_norm > 0 (the experts' gradients only with
+    scale_experts; else the caller applies the returned coefficient to them); returns (the norm, the clip's
+    coefficient or None) as 0-dim tensors (no host wait: the caller reads them after the step). Multi-tensor kernels, as
     torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
     the norms, no temporary the size of a gradient, one pass to scale."""
     def sq(ps):
@@ -93,12 +132,13 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd) -> torch.Ten
     if dd.group is not None:
         dist.all_reduce(e2, group=dd.group)
     norm = (sq(dense) + e2).sqrt()
+    scale = None
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in experts + dense if p.grad is not None]
+        grads = [p.grad for p in (experts if scale_experts else []) + dense if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
-    return norm
+    return norm, scale
 
 
 class VariantRun:
@@ -114,7 +154,9 @@ class VariantRun:
         self.tokens_global = tokens_global
         self.label = model.moe_layers()[0].label if model.moe_layers() else kind
         self.experts, self.dense = expert_and_dense(model)
-        self.opt = make_optimizer(model, a, dd.device)
+        self.opt = make_optimizer(model, a, dd.device, kind)
+        if isinstance(self.opt, MasterExpertOptimizer):
+            self.label += " (bf16 experts, fp32 masters in rdep.torch.MasterAdamW)"
         self.n_dense = sum(p.numel() for p in self.dense)
         self.n_expert = sum(p.numel() for p in self.experts)
         self.rec = {"kind": kind, "label": self.label, "note": note, "loss": [], "tokens_per_s": [], "step_ms": [],
@@ -224,9 +266,13 @@ class VariantRun:
             losses.append(loss.detach() if len(micro) == 1 else loss.detach().clone())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         sync_gradients(self.experts, self.dense, self.dd)
-        gnorm = clip_gradients(self.experts, self.dense, self.a.clip, self.dd)
+        folded = isinstance(self.opt, MasterExpertOptimizer)  # the experts' clip is MasterAdamW's multiplier
+        gnorm, scale = clip_gradients(self.experts, self.dense, self.a.clip, self.dd, scale_experts=not folded)
         phases.mark("clip")
-        self.opt.step()
+        if folded:
+            self.opt.step(grad_multiplier=scale)
+        else:
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         phases.mark("optimizer")
         loads = [moe.step_load() for moe in self.model.moe_layers()]

@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 20
+#define RDEP_CAPI_VERSION 21
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -375,6 +375,37 @@ int rdep_layer_dispatch(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* ro
 int rdep_layer_combine(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
 int rdep_layer_combine_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
 int rdep_layer_dispatch_backward(rdep_layer* layer, int64_t ctx, const rdep_rank_rows* rows, int32_t count);
+
+/* Version 21. AdamW over bf16 parameters with fp32 master weights (rdep.torch.MasterAdamW; the update is
+ * torch.optim.AdamW's, written out in rdep/optim/master_adamw.h): for each tensor the fp32 master weight,
+ * exp_avg and exp_avg_sq are updated in place from the bf16 gradient (times *grad_scale when grad_scale is
+ * not null: e.g. a gradient-norm clip's coefficient, left on the device), and param receives the master
+ * weight rounded to bf16. step is this update's count (1 for the first), which the bias corrections use.
+ * device -1: every pointer (grad_scale too) is host memory and the update runs on the calling thread;
+ * else every pointer is memory of CUDA device `device`, the update is queued on `stream` (a cudaStream_t
+ * on that device, 0 for the legacy default stream) and the call returns without waiting. Everything is
+ * checked (hyperparameter ranges, numel, null or overlapping arrays, naming the tensor) before any tensor
+ * is touched. */
+typedef struct rdep_adamw_tensor {
+  float* master;      /* fp32 [numel] */
+  float* exp_avg;     /* fp32 [numel] */
+  float* exp_avg_sq;  /* fp32 [numel] */
+  const void* grad;   /* bf16 [numel] */
+  void* param;        /* bf16 [numel] */
+  int64_t numel;
+} rdep_adamw_tensor;
+typedef struct rdep_adamw_step {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  int32_t device; /* -1: host memory; else the CUDA device of every pointer */
+  int64_t step;
+  const float* grad_scale; /* null, or one fp32 value */
+  void* stream;
+} rdep_adamw_step;
+int rdep_master_adamw(const rdep_adamw_tensor* tensors, int32_t count, const rdep_adamw_step* step);
 
 #ifdef __cplusplus
 }

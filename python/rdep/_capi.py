@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 20  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 21  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -40,6 +40,7 @@ ROW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 _CTYPE = {
     "int32_t": ctypes.c_int32,
     "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
     "double": ctypes.c_double,
     "size_t": ctypes.c_size_t,
     "rdep_allgather_fn": ALLGATHER_FN,
@@ -122,6 +123,27 @@ RANK_ROWS_FIELDS = (
     ("reserved", "int64_t"),
 )
 
+ADAMW_TENSOR_FIELDS = (  # version 21
+    ("master", "float*"),
+    ("exp_avg", "float*"),
+    ("exp_avg_sq", "float*"),
+    ("grad", "const void*"),
+    ("param", "void*"),
+    ("numel", "int64_t"),
+)
+
+ADAMW_STEP_FIELDS = (  # version 21
+    ("lr", "float"),
+    ("beta1", "float"),
+    ("beta2", "float"),
+    ("eps", "float"),
+    ("weight_decay", "float"),
+    ("device", "int32_t"),
+    ("step", "int64_t"),
+    ("grad_scale", "const float*"),
+    ("stream", "void*"),
+)
+
 
 def _ctype(c_type: str):
     return ctypes.c_void_p if c_type.endswith("*") else _CTYPE[c_type]
@@ -149,6 +171,18 @@ class RankRows(ctypes.Structure):
     """Mirror of rdep_rank_rows (one local rank's rows of a dispatch/combine call)."""
 
     _fields_ = [(name, _ctype(t)) for name, t in RANK_ROWS_FIELDS]
+
+
+class AdamWTensor(ctypes.Structure):
+    """Mirror of rdep_adamw_tensor (one tensor of rdep_master_adamw)."""
+
+    _fields_ = [(name, _ctype(t)) for name, t in ADAMW_TENSOR_FIELDS]
+
+
+class AdamWStep(ctypes.Structure):
+    """Mirror of rdep_adamw_step (rdep_master_adamw's hyperparameters, device and stream)."""
+
+    _fields_ = [(name, _ctype(t)) for name, t in ADAMW_STEP_FIELDS]
 
 
 LayerPtr = ctypes.c_void_p  # rdep_layer* (opaque)
@@ -222,6 +256,7 @@ _PROTOTYPES = {
     "rdep_layer_combine": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
     "rdep_layer_combine_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
     "rdep_layer_dispatch_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
+    "rdep_master_adamw": (ctypes.c_int, [ctypes.POINTER(AdamWTensor), ctypes.c_int32, ctypes.POINTER(AdamWStep)]),
 }
 
 _lock = threading.Lock()

@@ -42,7 +42,9 @@ def _header_struct(name: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("struct, mirror", [("rdep_domain_spec", capi.DOMAIN_SPEC_FIELDS),
                                             ("rdep_layer_spec", capi.LAYER_SPEC_FIELDS),
                                             ("rdep_rank_io", capi.RANK_IO_FIELDS),
-                                            ("rdep_rank_rows", capi.RANK_ROWS_FIELDS)])
+                                            ("rdep_rank_rows", capi.RANK_ROWS_FIELDS),
+                                            ("rdep_adamw_tensor", capi.ADAMW_TENSOR_FIELDS),
+                                            ("rdep_adamw_step", capi.ADAMW_STEP_FIELDS)])
 def test_struct_fields_match_the_header(struct, mirror):
     assert _header_struct(struct) == list(mirror)
 
@@ -56,7 +58,8 @@ def test_struct_layout_matches_the_c_compiler(tmp_path):
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "rdep/capi.h"', "int main(void) {"]
     for struct, fields in (("rdep_domain_spec", capi.DOMAIN_SPEC_FIELDS), ("rdep_layer_spec", capi.LAYER_SPEC_FIELDS),
                            ("rdep_rank_io", capi.RANK_IO_FIELDS),
-                           ("rdep_rank_rows", capi.RANK_ROWS_FIELDS)):
+                           ("rdep_rank_rows", capi.RANK_ROWS_FIELDS), ("rdep_adamw_tensor", capi.ADAMW_TENSOR_FIELDS),
+                           ("rdep_adamw_step", capi.ADAMW_STEP_FIELDS)):
         lines.append(f'printf("{struct} sizeof %zu\\n", sizeof({struct}));')
         for name, _ in fields:
             lines.append(f'printf("{struct} {name} %zu\\n", offsetof({struct}, {name}));')
@@ -69,7 +72,8 @@ def test_struct_layout_matches_the_c_compiler(tmp_path):
         struct, field, value = line.split()
         got[(struct, field)] = int(value)
     for struct, cls in (("rdep_domain_spec", capi.DomainSpec), ("rdep_layer_spec", capi.LayerSpec), ("rdep_rank_io", capi.RankIO),
-                        ("rdep_rank_rows", capi.RankRows)):
+                        ("rdep_rank_rows", capi.RankRows), ("rdep_adamw_tensor", capi.AdamWTensor),
+                        ("rdep_adamw_step", capi.AdamWStep)):
         assert got[(struct, "sizeof")] == ctypes.sizeof(cls), struct
         for name, _ in cls._fields_:
             assert got[(struct, name)] == getattr(cls, name).offset, f"{struct}.{name}"
@@ -85,7 +89,7 @@ def test_every_header_function_is_bound():
 
 def test_library_loads_with_the_expected_version():
     info = rdep.library_info()
-    assert info["capi_version"] == capi.CAPI_VERSION == 20
+    assert info["capi_version"] == capi.CAPI_VERSION == 21
     assert Path(info["path"]).is_file()
     assert isinstance(info["built_with_cuda"], bool)
 

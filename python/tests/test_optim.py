@@ -1,0 +1,217 @@
+"""rdep.torch.MasterAdamW against torch.optim.AdamW on fp32 copies of the same parameters and gradients: fresh
+random inputs, several steps with a changing learning rate, parameter groups, a gradient multiplier, skipped
+parameters, state_dict round trips, and bad input named. On CUDA the kernel also matches the host reference
+bitwise (the same fp32 operations in the same order). A last test trains rdep.torch.MoE's bf16 experts with it
+against the same module with fp32 master weights under torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdep.torch as rt
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device")
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+# torch's AdamW orders the same fp32 operations differently (addcdiv, the denominator's division): a few ulps
+# of the operands: where a sum nearly cancels, of its terms (the update, lr <= 1e-2; the gradient, ~1e-3).
+RTOL, ATOL = 2e-6, 1e-8
+
+
+def _params(shapes, seed: int, device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device)) for s in shapes]
+
+
+def _grads(shapes, seed: int, device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g) * 1e-3).to(torch.bfloat16).to(device) for s in shapes]
+
+
+def _pair(shapes, device, seed=0, **hyper):
+    """(ours over bf16 copies adopting fp32 values, torch's AdamW over fp32 copies): the same starting values."""
+    ref = _params(shapes, seed, device)
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    return mine, rt.MasterAdamW(mine, **hyper), ref, torch.optim.AdamW(ref, **hyper)
+
+
+def _check_close(mine, opt, ref, ref_opt, what):
+    for i, (p, r) in enumerate(zip(mine, ref)):
+        st, rst = opt.state[p], ref_opt.state[r]
+        torch.testing.assert_close(st["master"], r.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} master {i}: {m}")
+        torch.testing.assert_close(st["exp_avg"], rst["exp_avg"], rtol=RTOL, atol=2e-10, msg=lambda m: f"{what} exp_avg {i}: {m}")
+        torch.testing.assert_close(st["exp_avg_sq"], rst["exp_avg_sq"], rtol=RTOL, atol=1e-15,
+                                   msg=lambda m: f"{what} exp_avg_sq {i}: {m}")
+        assert p.dtype == torch.bfloat16 and st["master"].dtype == torch.float32
+        assert torch.equal(p.detach(), st["master"].to(torch.bfloat16)), f"{what}: param {i} is not bf16(master)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_adamw_over_steps(device):
+    shapes = [(64, 33), (7,), (3, 5, 128), (1,)]  # odd sizes: the kernel's vector body and its tail
+    hyper = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    mine, opt, ref, ref_opt = _pair(shapes, device, **hyper)
+    for step in range(4):
+        lr = 6e-4 * (step + 1) / 4  # a warmup: the group's lr read at every step
+        for o in (opt, ref_opt):
+            for g in o.param_groups:
+                g["lr"] = lr
+        for p, r, g in zip(mine, ref, _grads(shapes, 100 + step, device)):
+            p.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        ref_opt.step()
+        _check_close(mine, opt, ref, ref_opt, f"step {step + 1}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_multiplier_and_skipped_parameters(device):
+    shapes = [(40, 40), (17,), (9, 9)]
+    ref = _params(shapes, 3, device)
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0, "lr": 1e-2}]  # noqa: E731
+    opt = rt.MasterAdamW(groups(mine), lr=1e-3, betas=(0.8, 0.99))
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.8, 0.99))
+    mult = torch.tensor(0.25, device=device)
+    for step in range(3):
+        grads = _grads(shapes, 7 + step, device)
+        for i, (p, r, g) in enumerate(zip(mine, ref, grads)):
+            skip = step == 1 and i == 1  # no gradient this step: neither moves, its step count waits
+            p.grad, r.grad = (None, None) if skip else (g.clone(), g.float() * mult)
+        opt.step(grad_multiplier=mult)
+        ref_opt.step()
+        _check_close(mine, opt, ref, ref_opt, f"step {step + 1}")
+    assert opt.state[mine[1]]["step"] == 2 and opt.state[mine[0]]["step"] == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adoption(device):
+    p32 = _params([(5, 8)], 1, device)[0]
+    values = p32.detach().clone()
+    opt = rt.MasterAdamW([p32])
+    assert p32.dtype == torch.bfloat16 and torch.equal(p32.detach(), values.to(torch.bfloat16))
+    assert torch.equal(opt.state[p32]["master"], values), "fp32 values are the master weights, not rounded"
+    p16 = torch.nn.Parameter(values.to(torch.bfloat16))
+    opt16 = rt.MasterAdamW([p16])
+    assert torch.equal(opt16.state[p16]["master"], p16.detach().float())
+    assert "exp_avg" not in opt16.state[p16], "moments are made at the first step"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_round_trip(device):
+    shapes = [(16, 12), (5,)]
+    mine, opt, _, _ = _pair(shapes, device, lr=1e-3, weight_decay=0.05)
+    for step in range(2):
+        for p, g in zip(mine, _grads(shapes, 50 + step, device)):
+            p.grad = g
+        opt.step()
+    sd = opt.state_dict()
+    fresh = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16, device=device)) for s in shapes]
+    opt2 = rt.MasterAdamW(fresh, lr=1e-3, weight_decay=0.05)
+    opt2.load_state_dict(sd)
+    for p, q in zip(mine, fresh):
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert opt2.state[q][k].dtype == torch.float32, k
+            assert torch.equal(opt2.state[q][k], opt.state[p][k]), k
+        assert opt2.state[q]["step"] == 2
+        assert torch.equal(q.detach(), p.detach()), "the parameter is written from its master weight"
+    grads = _grads(shapes, 60, device)
+    for p, q, g in zip(mine, fresh, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    opt2.step()
+    for p, q in zip(mine, fresh):
+        assert torch.equal(opt2.state[q]["master"], opt.state[p]["master"])
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match=r"params\[0\] of group 0: .*fp32 or bf16.*torch.int64"):
+        rt.MasterAdamW([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"params\[1\] of group 0: must be contiguous"):
+        rt.MasterAdamW([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4, 6).t())])
+    with pytest.raises(ValueError, match=r"^lr: must be finite and >= 0"):
+        rt.MasterAdamW([torch.nn.Parameter(torch.zeros(3))], lr=-1.0)
+    with pytest.raises(ValueError, match=r"^betas\[0\]: must be in \[0, 1\)"):
+        rt.MasterAdamW([torch.nn.Parameter(torch.zeros(3))], betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match=r"^weight_decay: must be finite"):
+        rt.MasterAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": float("nan")}])
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = rt.MasterAdamW([p])
+    p.grad = torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^grad_multiplier: expected a one-element fp32 tensor on cpu"):
+        opt.step(grad_multiplier=torch.tensor(0.5, dtype=torch.float64))
+    p.data = torch.zeros(3)  # the caller changed the adopted parameter's dtype
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match=r"params\[0\] of group 0: expected a bf16 parameter and gradient"):
+        opt.step()
+
+
+@needs_cuda
+def test_cuda_matches_the_host_reference_bitwise():
+    shapes = [(1000, 7), (4099,), (33, 129)]
+    cpu = _params(shapes, 5, "cpu")
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    oc, og = rt.MasterAdamW(cpu, lr=3e-4, weight_decay=0.1), rt.MasterAdamW(gpu, lr=3e-4, weight_decay=0.1)
+    mult = 0.7
+    for step in range(3):
+        for p, q, g in zip(cpu, gpu, _grads(shapes, 80 + step, "cpu")):
+            p.grad, q.grad = g.clone(), g.cuda()
+        oc.step(grad_multiplier=torch.tensor(mult))
+        og.step(grad_multiplier=torch.tensor(mult, device="cuda"))
+    for p, q in zip(cpu, gpu):
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(og.state[q][k].cpu(), oc.state[p][k]), k
+        assert torch.equal(q.detach().cpu(), p.detach())
+
+
+@needs_cuda
+def test_cuda_runs_on_the_current_stream():
+    p = _params([(1 << 20,)], 9, "cuda")[0]
+    opt = rt.MasterAdamW([p], lr=1e-3)
+    side = torch.cuda.Stream()
+    g = _grads([(1 << 20,)], 10, "cuda")[0]
+    ref = [torch.nn.Parameter(p.detach().float().clone())]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3)
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        p.grad = g.clone()  # written on the side stream, read by the step queued on it
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    ref[0].grad = g.float()
+    ref_opt.step()
+    torch.testing.assert_close(opt.state[p]["master"], ref[0].detach(), rtol=RTOL, atol=ATOL)
+
+
+def _moe(dtype, device):
+    return rt.MoE(64, 96, num_experts=8, topk=2, max_tokens=128, dtype=dtype, device=device, seed=3,
+                  score_function="softmax", aux_loss_coeff=0.0)
+
+
+@needs_cuda
+def test_trains_rdep_experts_like_fp32_master_weights():
+    """rdep.torch.MoE with bf16 experts (bf16 weight gradients from the layer) under MasterAdamW against the same
+    module with fp32 experts (cast per call, fp32 gradients) under torch's AdamW: the master weights agree to the
+    gradients' bf16 rounding over a few steps; the fp32 module's weights are its masters."""
+    torch.manual_seed(0)
+    a, b = _moe(torch.float32, "cuda"), _moe(torch.float32, "cuda")
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.AdamW(a.expert_parameters(), lr=1e-3, weight_decay=0.1)
+    opt_b = rt.MasterAdamW(b.expert_parameters(), lr=1e-3, weight_decay=0.1)  # adopts: b's experts become bf16
+    assert b.w1.dtype == torch.bfloat16
+    for step in range(3):
+        x = torch.randn(128, 64, device="cuda")
+        ya = a(x).y
+        yb = b(x).y
+        if step == 0:  # the same bf16 weights: a's casts of its fp32 values, b's adopted parameters
+            assert torch.equal(yb, ya)
+        for m, y, o in ((a, ya, opt_a), (b, yb, opt_b)):
+            m.zero_grad(set_to_none=True)
+            (y.float() ** 2).mean().backward()
+            o.step()
+        assert b.w1.grad.dtype == torch.bfloat16
+    for pa, pb in zip(a.expert_parameters(), b.expert_parameters()):
+        master = opt_b.state[pb]["master"]
+        err = (master - pa.detach()).abs().max().item() / pa.detach().abs().max().item()
+        assert err < 2e-3, f"master weights drifted from the fp32 run: {err:.3g}"
+        assert torch.equal(pb.detach(), master.to(torch.bfloat16))

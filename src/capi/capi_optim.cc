@@ -1,0 +1,88 @@
+// The C ABI's optimizer step: AdamW over bf16 parameters with fp32 master weights (rdep_master_adamw),
+// on the host (the reference) or queued on a CUDA stream.
+#include <string>
+#include <vector>
+
+#include "capi/capi_internal.h"
+#include "rdep/optim/master_adamw.h"
+#if defined(RDEP_HAVE_CUDA)
+#include "rdep/cuda/check.h"
+#endif
+
+namespace rdep::capi {
+namespace {
+
+optim::MasterTensor TensorOf(const rdep_adamw_tensor& t) {
+  return {t.master, t.exp_avg, t.exp_avg_sq, static_cast<const uint16_t*>(t.grad), static_cast<uint16_t*>(t.param), t.numel};
+}
+
+#if defined(RDEP_HAVE_CUDA)
+// Every array of tensor `index` (and grad_scale) must be memory of CUDA device `device`.
+Status CheckOnDevice(const void* p, int32_t device, const std::string& what) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return InvalidArgument(what + " is not CUDA memory");
+  }
+  if ((a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) || a.device != device)
+    return InvalidArgument(what + " is not memory of CUDA device " + std::to_string(device));
+  return Status::Ok();
+}
+
+Status CheckTensorOnDevice(const optim::MasterTensor& t, int32_t index, int32_t device) {
+  if (t.numel == 0) return Status::Ok();
+  const std::string what = "adamw tensor " + std::to_string(index) + ": ";
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.master, device, what + "master"));
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.exp_avg, device, what + "exp_avg"));
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.exp_avg_sq, device, what + "exp_avg_sq"));
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.grad, device, what + "grad"));
+  return CheckOnDevice(t.param, device, what + "param");
+}
+
+Status RunOnDevice(const std::vector<optim::MasterTensor>& ts, const optim::AdamWCoeffs& c, const rdep_adamw_step& step) {
+  int count = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+  if (step.device >= count)
+    return InvalidArgument("adamw: device " + std::to_string(step.device) + " does not exist (" + std::to_string(count) + " CUDA devices)");
+  for (size_t i = 0; i < ts.size(); ++i) RDEP_RETURN_IF_ERROR(CheckTensorOnDevice(ts[i], static_cast<int32_t>(i), step.device));
+  if (step.grad_scale) RDEP_RETURN_IF_ERROR(CheckOnDevice(step.grad_scale, step.device, "adamw: grad_scale"));
+  int previous = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(step.device));
+  Status s = Status::Ok();
+  for (const optim::MasterTensor& t : ts) {
+    s = optim::LaunchMasterAdamW(t, c, step.grad_scale, static_cast<cudaStream_t>(step.stream));
+    if (!s.ok()) break;
+  }
+  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
+  return s;
+}
+#else
+Status RunOnDevice(const std::vector<optim::MasterTensor>&, const optim::AdamWCoeffs&, const rdep_adamw_step& step) {
+  return Unavailable("adamw: device " + std::to_string(step.device) + ": this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+#endif
+
+}  // namespace
+}  // namespace rdep::capi
+
+int rdep_master_adamw(const rdep_adamw_tensor* tensors, int32_t count, const rdep_adamw_step* step) {
+  using namespace rdep;
+  if (!step) return capi::FailInvalid("adamw: step must not be null");
+  if (count < 0 || (count > 0 && !tensors))
+    return capi::FailInvalid("adamw: count must be >= 0 with tensors not null, got count " + std::to_string(count));
+  return capi::Guard([&]() -> Status {
+    const optim::AdamWHyper h{step->lr, step->beta1, step->beta2, step->eps, step->weight_decay, step->step};
+    RDEP_RETURN_IF_ERROR(optim::CheckHyper(h));
+    if (step->device < -1) return InvalidArgument("adamw: device must be -1 (host) or a CUDA device, got " + std::to_string(step->device));
+    std::vector<optim::MasterTensor> ts;
+    for (int32_t i = 0; i < count; ++i) {
+      ts.push_back(capi::TensorOf(tensors[i]));
+      RDEP_RETURN_IF_ERROR(optim::CheckTensor(ts.back(), i));
+    }
+    const optim::AdamWCoeffs c = optim::Coeffs(h);
+    if (step->device >= 0) return capi::RunOnDevice(ts, c, *step);
+    for (const optim::MasterTensor& t : ts) optim::MasterAdamWHost(t, c, step->grad_scale);
+    return Status::Ok();
+  });
+}

@@ -1,0 +1,85 @@
+// AdamW with fp32 master weights: argument checks, coefficients and the host reference (master_adamw.h).
+#include "rdep/optim/master_adamw.h"
+
+#include <cmath>
+
+#include "rdep/cuda/bf16.h"
+
+namespace rdep::optim {
+namespace {
+
+bool Finite(float v) { return std::isfinite(v); }
+
+bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
+}
+
+}  // namespace
+
+Status CheckHyper(const AdamWHyper& h) {
+  if (!Finite(h.lr) || h.lr < 0) return InvalidArgument("adamw: lr must be finite and >= 0, got " + std::to_string(h.lr));
+  if (!Finite(h.eps) || h.eps < 0) return InvalidArgument("adamw: eps must be finite and >= 0, got " + std::to_string(h.eps));
+  if (!Finite(h.weight_decay) || h.weight_decay < 0)
+    return InvalidArgument("adamw: weight_decay must be finite and >= 0, got " + std::to_string(h.weight_decay));
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) return InvalidArgument("adamw: beta1 must be in [0, 1), got " + std::to_string(h.beta1));
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) return InvalidArgument("adamw: beta2 must be in [0, 1), got " + std::to_string(h.beta2));
+  if (h.step < 1) return InvalidArgument("adamw: step must be >= 1 (the first update is step 1), got " + std::to_string(h.step));
+  return Status::Ok();
+}
+
+AdamWCoeffs Coeffs(const AdamWHyper& h) {
+  const double steps = static_cast<double>(h.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), steps);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), steps);
+  AdamWCoeffs c{};
+  c.decay = static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay);
+  c.beta1 = h.beta1;
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.beta2 = h.beta2;
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.step_size = static_cast<float>(h.lr / bc1);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = h.eps;
+  return c;
+}
+
+Status CheckTensor(const MasterTensor& t, int32_t index) {
+  const std::string what = "adamw tensor " + std::to_string(index);
+  if (t.numel < 0) return InvalidArgument(what + ": numel must be >= 0, got " + std::to_string(t.numel));
+  if (t.numel == 0) return Status::Ok();
+  if (!t.master || !t.exp_avg || !t.exp_avg_sq || !t.grad || !t.param)
+    return InvalidArgument(what + ": master, exp_avg, exp_avg_sq, grad and param must not be null");
+  const auto n = static_cast<size_t>(t.numel);
+  struct Array {
+    const char* name;
+    const void* ptr;
+    size_t bytes;
+  };
+  const Array arrays[] = {{"master", t.master, n * 4}, {"exp_avg", t.exp_avg, n * 4}, {"exp_avg_sq", t.exp_avg_sq, n * 4},
+                          {"grad", t.grad, n * 2}, {"param", t.param, n * 2}};
+  for (size_t i = 0; i < 5; ++i)
+    for (size_t j = i + 1; j < 5; ++j)
+      if (Overlap(arrays[i].ptr, arrays[i].bytes, arrays[j].ptr, arrays[j].bytes))
+        return InvalidArgument(what + ": " + arrays[i].name + " and " + arrays[j].name + " overlap");
+  return Status::Ok();
+}
+
+void MasterAdamWHost(const MasterTensor& t, const AdamWCoeffs& c, const float* grad_scale) {
+  const float scale = grad_scale ? *grad_scale : 1.0f;
+  for (int64_t i = 0; i < t.numel; ++i) {
+    const float g = Bf16BitsToFloat(t.grad[i]) * scale;  // exact when unscaled (scale 1)
+    float w = t.master[i] * c.decay;
+    const float m = t.exp_avg[i] + c.one_minus_beta1 * (g - t.exp_avg[i]);
+    const float gg = g * g;
+    const float v = c.beta2 * t.exp_avg_sq[i] + c.one_minus_beta2 * gg;
+    const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+    w = w - c.step_size * m / denom;
+    t.exp_avg[i] = m;
+    t.exp_avg_sq[i] = v;
+    t.master[i] = w;
+    t.param[i] = FloatToBf16Bits(w);
+  }
+}
+
+}  // namespace rdep::optim
