@@ -168,10 +168,10 @@ def test_cuda_matches_the_host_reference_bitwise():
 @needs_cuda
 def test_cuda_runs_on_the_current_stream():
     p = _params([(1 << 20,)], 9, "cuda")[0]
+    ref = [torch.nn.Parameter(p.detach().clone())]  # the fp32 values, before the adoption rounds the parameter
     opt = rt.MasterAdamW([p], lr=1e-3)
     side = torch.cuda.Stream()
     g = _grads([(1 << 20,)], 10, "cuda")[0]
-    ref = [torch.nn.Parameter(p.detach().float().clone())]
     ref_opt = torch.optim.AdamW(ref, lr=1e-3)
     with torch.cuda.stream(side):
         side.wait_stream(torch.cuda.current_stream())
