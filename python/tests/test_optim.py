@@ -173,9 +173,11 @@ def test_cuda_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     g = _grads([(1 << 20,)], 10, "cuda")[0]
     ref_opt = torch.optim.AdamW(ref, lr=1e-3)
+    p.grad = torch.zeros_like(g)
+    torch.cuda.synchronize()
     with torch.cuda.stream(side):
-        side.wait_stream(torch.cuda.current_stream())
-        p.grad = g.clone()  # written on the side stream, read by the step queued on it
+        torch.cuda._sleep(50_000_000)  # ~25 ms: a step queued anywhere but here would read the zero gradient
+        p.grad.copy_(g)
         opt.step()
     torch.cuda.current_stream().wait_stream(side)
     ref[0].grad = g.float()
