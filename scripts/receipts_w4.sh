@@ -607,11 +607,12 @@ stage_trainip() {  # trainpair, then rdep again with RDEP_W1_RETURN=copy (the re
   train_ro train_w1_ip_rdep rdep
   RDEP_W1_RETURN=copy train_ro train_w1_ip_rdep_copy rdep
 }
-stage_trainmw() {  # trainpair, then rdep with --expert-weights bf16-master (bf16 experts, fp32 masters in rdep.torch.MasterAdamW)
-  pip_wheels
-  train_ro train_w1_mw_tt torchtitan
-  train_ro train_w1_mw_rdep rdep
-  train_ro train_w1_mw_rdep_master rdep --expert-weights bf16-master
+stage_trainmw() {  # TorchTitan's MoE, rdep with fp32 experts, rdep with --expert-weights bf16-master (bf16 experts, fp32
+  pip_wheels      # masters in rdep.torch.MasterAdamW); TRAIN_SEED, when set, is every run's --seed (receipts named _sN)
+  local sfx=${TRAIN_SEED:+_s$TRAIN_SEED}
+  train_ro "train_w1_mw_tt$sfx" torchtitan ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
+  train_ro "train_w1_mw_rdep$sfx" rdep --expert-weights fp32 ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
+  train_ro "train_w1_mw_rdep_master$sfx" rdep --expert-weights bf16-master ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
 }
 stage_optimmw() {  # the expert weights' optimizer step alone: MasterAdamW against torch's fused AdamW, the casts, the clip's pass
   pip_wheels

@@ -145,12 +145,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(all; the flag alone), in every one but the first (after-first: the first MoE block's "
                         "backward runs last, where every layer's gradients are live and the step's memory peaks, so "
                         "it alone casts again, into its gradients' bytes; the default), or in none")
-    p.add_argument("--expert-weights", choices=("fp32", "bf16-master"), default="fp32",
-                   help="rdep: fp32 routed-expert weights as every variant's (cast to bf16 per call, fp32 gradients, "
-                        "torch's AdamW; the default), or bf16-master: bf16 expert weights and gradients with fp32 master "
-                        "weights in rdep.torch.MasterAdamW (one fused pass a tensor updates the master, the moments and "
-                        "the bf16 weight; no casts, half the gradient bytes, the clip's coefficient applied in that pass; "
-                        "the same bytes of memory per weight). The initial weights are the same fp32 values")
+    p.add_argument("--expert-weights", choices=("auto", "fp32", "bf16-master"), default="auto",
+                   help="rdep: fp32 routed-expert weights as the baselines' (cast to bf16 per call, fp32 gradients, "
+                        "torch's AdamW), or bf16-master: bf16 expert weights and gradients with fp32 master weights in "
+                        "rdep.torch.MasterAdamW (one fused pass a tensor updates the master, the moments and the bf16 "
+                        "weight; no casts, half the gradient bytes, the clip's coefficient applied in that pass; the same "
+                        "bytes of memory per weight). auto (default): bf16-master on CUDA with --grad-accum 1, else fp32. "
+                        "The initial weights are the same fp32 values; the receipt's label says which ran")
     p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
                    help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
                         "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "
@@ -200,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for bad, why in refuse:
         if bad:
             p.error(why)
+    if a.expert_weights == "auto":  # bf16 gradients would accumulate in bf16 over micro-batches
+        a.expert_weights = "bf16-master" if a.device == "cuda" and a.grad_accum == 1 else "fp32"
     return a
 
 
