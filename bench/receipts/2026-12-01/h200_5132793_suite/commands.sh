@@ -1,0 +1,1 @@
+CTEST_TIMEOUT=90 RDEP_COMMIT=5132793 PYTEST_ARGS="--durations 10" bash scripts/device.sh --budget 570 --bench "build-dev/bin/rdep check --backend cuda --ranks 4 --gpus 1 2>&1 | tail -12" --bench "build-dev/bin/rdep check --backend cuda --ranks 1 2>&1 | tail -3" --bench "bash scripts/receipts_w4.sh optimmw"   # nvidia-h200
