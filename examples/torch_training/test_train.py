@@ -277,11 +277,12 @@ def test_expert_weights_auto_is_bf16_master_where_it_runs(args, want):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
-def test_expert_master_weights_train_like_fp32_experts_on_cuda():
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_expert_master_weights_train_like_fp32_experts_on_cuda(ranks):
     """The same model from the same weights with fp32 experts (cast per call) and with bf16 experts under
     MasterAdamW: the first step's loss is the same (the same bf16 weights reach the GEMMs), later ones agree to
-    the gradients' bf16 rounding, and both fall."""
-    cuda = [x if x != "cpu" else "cuda" for x in TINY]
+    the gradients' bf16 rounding, and both fall; also with 2 ranks sharing the GPU (each holding half the experts)."""
+    cuda = [x if x != "cpu" else "cuda" for x in TINY] + ["--ranks-per-process", str(ranks)]
     fp32 = train.main(cuda + ["--moe", "rdep", "--expert-weights", "fp32"])["variants"][0]
     master = train.main(cuda + ["--moe", "rdep", "--expert-weights", "bf16-master"])["variants"][0]
     assert "MasterAdamW" in master["label"] and "MasterAdamW" not in fp32["label"]
