@@ -137,6 +137,8 @@
 #   trainprofor trainprof's rdep run with --owner-reduce
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
+#   (Since the thirty-third session the example's rdep runs bf16 expert weights with MasterAdamW by default on CUDA
+#   (--expert-weights auto): the train* stages below compare with earlier receipts only with --expert-weights fp32.)
 #   trainmw    trainpair, then rdep with --expert-weights bf16-master (bf16 expert weights and gradients, fp32 master
 #              weights in rdep.torch.MasterAdamW)
 #   optimmw    bench/optim_step.py: MasterAdamW's step against torch's fused AdamW on the example's expert weights

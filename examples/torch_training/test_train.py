@@ -266,6 +266,33 @@ def test_expert_master_weights_split_the_parameters_between_two_optimizers():
     assert make_optimizer(model, a, torch.device("cpu"), "reference").__class__ is torch.optim.AdamW
 
 
+def test_clip_folded_into_the_expert_optimizer():
+    """clip_gradients(scale_experts=False, expert_factor=f): the norm counts the experts' gradients times f (1/W not
+    yet applied), only the dense gradients are scaled, and the experts' multiplier is the clip's coefficient times f."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from variant_run import clip_gradients
+
+    e = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))]
+    d = [torch.nn.Parameter(torch.zeros(3))]
+    for p in e:
+        p.grad = torch.full_like(p, 2.0)
+    d[0].grad = torch.full((3,), 1.0)
+    dd = SimpleNamespace(group=None, device=torch.device("cpu"))
+    norm, mult = clip_gradients(e, d, 1.0, dd, scale_experts=False, expert_factor=0.5)
+    want = math.sqrt(3 * 1.0 + 8 * (2.0 * 0.5) ** 2)
+    assert norm.item() == pytest.approx(want, rel=1e-6)
+    clip = 1.0 / (want + 1e-6)
+    assert mult.item() == pytest.approx(clip * 0.5, rel=1e-6)
+    assert torch.equal(e[0].grad, torch.full((4,), 2.0)), "the experts' gradients are left to the optimizer"
+    assert d[0].grad[0].item() == pytest.approx(clip, rel=1e-6)
+    norm, mult = clip_gradients(e, d, 0.0, dd, scale_experts=False, expert_factor=0.5)  # no clip: the factor alone
+    assert mult.item() == 0.5
+    assert clip_gradients(e, d, 0.0, dd)[1] is None
+
+
 @pytest.mark.parametrize("args, want", [
     (["--device", "cpu"], "fp32"), (["--device", "cuda"], "bf16-master"),
     (["--device", "cuda", "--grad-accum", "2"], "fp32"), (["--device", "cuda", "--expert-weights", "fp32"], "fp32"),

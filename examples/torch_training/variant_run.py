@@ -96,8 +96,9 @@ def lr_at(step: int, a) -> float:
 
 
 @torch.no_grad()
-def sync_gradients(experts: list, dense: list, dd) -> None:
-    """Dense gradients averaged over ranks (one flat all-reduce); expert gradients scaled by 1/W."""
+def sync_gradients(experts: list, dense: list, dd, scale_experts: bool = True) -> None:
+    """Dense gradients averaged over ranks (one flat all-reduce); expert gradients scaled by 1/W (unless
+    scale_experts is False: the caller folds 1/W into the optimizer's multiplier)."""
     if dd.group is None:
         return
     grads = [p.grad for p in dense if p.grad is not None]
@@ -109,17 +110,20 @@ def sync_gradients(experts: list, dense: list, dd) -> None:
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
-    for p in experts:
+    for p in experts if scale_experts else []:
         if p.grad is not None:
             p.grad.div_(dd.world)
 
 
 @torch.no_grad()
-def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_experts: bool = True):
+def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_experts: bool = True,
+                   expert_factor: float = 1.0):
     """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
-    sharded experts' squares. Clips to max_norm when max_norm > 0 (the experts' gradients only with
-    scale_experts; else the caller applies the returned coefficient to them); returns (the norm, the clip's
-    coefficient or None) as 0-dim tensors (no host wait: the caller reads them after the step). Multi-tensor kernels, as
+    sharded experts' squares, each expert gradient taken times expert_factor (1/W where the caller has not divided
+    them yet). Clips to max_norm when max_norm > 0 (the experts' gradients only with scale_experts; else the caller
+    applies the returned coefficient to them, expert_factor included); returns (the norm, the experts' coefficient:
+    the clip's times expert_factor, None when that is 1) as 0-dim tensors (no host wait: the caller reads them
+    after the step). Multi-tensor kernels, as
     torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
     the norms, no temporary the size of a gradient, one pass to scale."""
     def sq(ps):
@@ -128,7 +132,7 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_expert
             return torch.zeros((), dtype=torch.float32, device=dd.device)
         return torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum()
 
-    e2 = sq(experts)
+    e2 = sq(experts) * (expert_factor * expert_factor) if expert_factor != 1.0 else sq(experts)
     if dd.group is not None:
         dist.all_reduce(e2, group=dd.group)
     norm = (sq(dense) + e2).sqrt()
@@ -138,7 +142,10 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_expert
         grads = [p.grad for p in (experts if scale_experts else []) + dense if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
-    return norm, scale
+    if scale_experts or expert_factor == 1.0:
+        return norm, scale
+    factor = torch.tensor(expert_factor, dtype=torch.float32, device=norm.device)
+    return norm, factor if scale is None else scale * factor
 
 
 class VariantRun:
@@ -265,9 +272,13 @@ class VariantRun:
             # A copy per micro-batch (a graph output's memory may be reused by the next replay); none with one.
             losses.append(loss.detach() if len(micro) == 1 else loss.detach().clone())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        sync_gradients(self.experts, self.dense, self.dd)
-        folded = isinstance(self.opt, MasterExpertOptimizer)  # the experts' clip is MasterAdamW's multiplier
-        gnorm, scale = clip_gradients(self.experts, self.dense, self.a.clip, self.dd, scale_experts=not folded)
+        # With MasterAdamW the experts' 1/W and clip coefficient are its step's multiplier, not passes over them
+        # (and not a bf16 rounding of the 1/W division).
+        folded = isinstance(self.opt, MasterExpertOptimizer)
+        sync_gradients(self.experts, self.dense, self.dd, scale_experts=not folded)
+        factor = 1.0 / self.dd.world if folded and self.dd.group is not None else 1.0
+        gnorm, scale = clip_gradients(self.experts, self.dense, self.a.clip, self.dd, scale_experts=not folded,
+                                      expert_factor=factor)
         phases.mark("clip")
         if folded:
             self.opt.step(grad_multiplier=scale)

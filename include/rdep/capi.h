@@ -395,11 +395,11 @@ typedef struct rdep_adamw_tensor {
   int64_t numel;
 } rdep_adamw_tensor;
 typedef struct rdep_adamw_step {
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+  double lr; /* the hyperparameters in double, as torch's (1 - beta2 and the bias corrections are taken in double) */
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
   int32_t device; /* -1: host memory; else the CUDA device of every pointer */
   int64_t step;
   const float* grad_scale; /* null, or one fp32 value */

@@ -40,7 +40,6 @@ ROW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 _CTYPE = {
     "int32_t": ctypes.c_int32,
     "int64_t": ctypes.c_int64,
-    "float": ctypes.c_float,
     "double": ctypes.c_double,
     "size_t": ctypes.c_size_t,
     "rdep_allgather_fn": ALLGATHER_FN,
@@ -133,11 +132,11 @@ ADAMW_TENSOR_FIELDS = (  # version 21
 )
 
 ADAMW_STEP_FIELDS = (  # version 21
-    ("lr", "float"),
-    ("beta1", "float"),
-    ("beta2", "float"),
-    ("eps", "float"),
-    ("weight_decay", "float"),
+    ("lr", "double"),
+    ("beta1", "double"),
+    ("beta2", "double"),
+    ("eps", "double"),
+    ("weight_decay", "double"),
     ("device", "int32_t"),
     ("step", "int64_t"),
     ("grad_scale", "const float*"),

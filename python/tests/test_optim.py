@@ -66,6 +66,21 @@ def test_matches_torch_adamw_over_steps(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.9999)])
+def test_matches_torch_adamw_with_other_betas(device, betas):
+    """torch's default beta2 (1 - beta2 taken in double: 0.001, not 1 - 0.999f) over 20 steps, and a beta1 below 0.5,
+    where torch's lerp evaluates the moment from its other end."""
+    shapes = [(300,), (17, 5)]
+    mine, opt, ref, ref_opt = _pair(shapes, device, seed=4, lr=1e-3, betas=betas, weight_decay=0.01)
+    for step in range(20):
+        for p, r, g in zip(mine, ref, _grads(shapes, 200 + step, device)):
+            p.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        ref_opt.step()
+    _check_close(mine, opt, ref, ref_opt, f"betas {betas}, 20 steps")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_groups_multiplier_and_skipped_parameters(device):
     shapes = [(40, 40), (17,), (9, 9)]
     ref = _params(shapes, 3, device)
@@ -123,6 +138,73 @@ def test_state_dict_round_trip(device):
     opt2.step()
     for p, q in zip(mine, fresh):
         assert torch.equal(opt2.state[q]["master"], opt.state[p]["master"])
+
+
+def test_zero_size_duplicates_and_later_groups():
+    """A zero-size parameter steps (nothing to move); a parameter listed twice is adopted and updated once; a group
+    added after construction is adopted and stepped with its own hyperparameters."""
+    ref = _params([(6, 4), (0, 3), (9,)], 21, "cpu")
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    values = mine[0].detach().clone()
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch's own warning
+        opt = rt.MasterAdamW([mine[0], mine[1], mine[0]], lr=1e-3)
+    assert torch.equal(opt.state[mine[0]]["master"], values), "adopted once: the master is the fp32 values"
+    opt.add_param_group({"params": [mine[2]], "lr": 1e-2, "weight_decay": 0.0})
+    assert mine[2].dtype == torch.bfloat16
+    ref_opt = torch.optim.AdamW([ref[0], ref[1]], lr=1e-3)
+    ref_opt.add_param_group({"params": [ref[2]], "lr": 1e-2, "weight_decay": 0.0})
+    for step in range(2):
+        for p, r, g in zip(mine, ref, _grads([(6, 4), (0, 3), (9,)], 300 + step, "cpu")):
+            p.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        ref_opt.step()
+    _check_close(mine, opt, ref, ref_opt, "zero-size, duplicate, later group")
+    assert opt.state[mine[0]]["step"] == 2
+
+
+def test_shared_storage_is_refused_before_anything_is_adopted():
+    base = torch.zeros(8)
+    ok, tied = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(base)
+    view = torch.nn.Parameter(base[2:5])
+    with pytest.raises(ValueError, match=r"params\[2\] of group 0: shares storage with another parameter"):
+        rt.MasterAdamW([ok, tied, view])
+    assert ok.dtype == torch.float32 and tied.dtype == torch.float32, "a refused group adopts nothing"
+
+
+def test_a_refused_step_changes_nothing():
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(7))
+    opt = rt.MasterAdamW([a, b], lr=1e-2)
+    a.grad = torch.ones(5, dtype=torch.bfloat16)
+    b.grad = torch.ones(7, dtype=torch.bfloat16)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[a].items() if isinstance(v, torch.Tensor)}
+    b.grad = torch.ones(7, dtype=torch.bfloat16).expand(2, 7)[0]  # fine; then a bad multiplier below
+    with pytest.raises(ValueError, match=r"^grad_multiplier"):
+        opt.step(grad_multiplier=torch.tensor([0.5, 0.5]))
+    b.grad = torch.ones(14, dtype=torch.bfloat16)[::2]  # non-contiguous gradient on the second parameter
+    with pytest.raises(ValueError, match=r"params\[1\] of group 0: the gradient must be contiguous"):
+        opt.step()
+    assert opt.state[a]["step"] == 1 and opt.state[b]["step"] == 1
+    for k, v in before.items():
+        assert torch.equal(opt.state[a][k], v), k
+
+
+def test_load_state_dict_checks_shapes_and_keeps_uncovered_masters():
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(6))
+    opt = rt.MasterAdamW([a, b], lr=1e-3)
+    a.grad = torch.ones(4, 3, dtype=torch.bfloat16)
+    opt.step()  # only a has a state beyond its master... and b its master
+    sd = opt.state_dict()
+    bad = {"state": {0: dict(sd["state"][0], master=torch.zeros(12))}, "param_groups": sd["param_groups"]}
+    with pytest.raises(ValueError, match=r"parameter 0's master has shape \[12\], the parameter \[4, 3\]"):
+        opt.load_state_dict(bad)
+    b_master = opt.state[b]["master"].clone()
+    only_a = {"state": {0: sd["state"][0]}, "param_groups": sd["param_groups"]}
+    opt.load_state_dict(only_a)
+    assert torch.equal(opt.state[b]["master"], b_master), "a parameter the saved state does not cover keeps its master"
+    b.grad = torch.ones(6, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.state[b]["step"] == 1
 
 
 def test_bad_input_is_named():

@@ -20,9 +20,9 @@ optim::MasterTensor TensorOf(const rdep_adamw_tensor& t) {
 // Every array of tensor `index` (and grad_scale) must be memory of CUDA device `device`.
 Status CheckOnDevice(const void* p, int32_t device, const std::string& what) {
   cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+  if (const cudaError_t e = cudaPointerGetAttributes(&a, p); e != cudaSuccess) {
     cudaGetLastError();
-    return InvalidArgument(what + " is not CUDA memory");
+    return InvalidArgument(what + ": cudaPointerGetAttributes failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
   }
   if ((a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) || a.device != device)
     return InvalidArgument(what + " is not memory of CUDA device " + std::to_string(device));
@@ -48,13 +48,14 @@ Status RunOnDevice(const std::vector<optim::MasterTensor>& ts, const optim::Adam
   if (step.grad_scale) RDEP_RETURN_IF_ERROR(CheckOnDevice(step.grad_scale, step.device, "adamw: grad_scale"));
   int previous = 0;
   RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
-  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(step.device));
+  const bool other = previous != step.device;  // switch (and back) only then: no context made on a device not used
+  if (other) RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(step.device));
   Status s = Status::Ok();
   for (const optim::MasterTensor& t : ts) {
     s = optim::LaunchMasterAdamW(t, c, step.grad_scale, static_cast<cudaStream_t>(step.stream));
     if (!s.ok()) break;
   }
-  RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
+  if (other) RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
   return s;
 }
 #else
@@ -79,6 +80,7 @@ int rdep_master_adamw(const rdep_adamw_tensor* tensors, int32_t count, const rde
     for (int32_t i = 0; i < count; ++i) {
       ts.push_back(capi::TensorOf(tensors[i]));
       RDEP_RETURN_IF_ERROR(optim::CheckTensor(ts.back(), i));
+      for (int32_t j = 0; j < i; ++j) RDEP_RETURN_IF_ERROR(optim::CheckDisjoint(ts[static_cast<size_t>(j)], j, ts.back(), i));
     }
     const optim::AdamWCoeffs c = optim::Coeffs(h);
     if (step->device >= 0) return capi::RunOnDevice(ts, c, *step);

@@ -87,6 +87,9 @@ TEST(CApiMasterAdamW, ErrorsNameTheFieldAndTouchNothing) {
   s = HostStep();
   s.device = -2;
   fails(s, 2, ts, "device must be -1 (host) or a CUDA device");
+  ts[1].grad = ts[0].grad;  // two tensors reading one gradient: refused before either is updated
+  fails(HostStep(), 2, ts, "adamw tensors 0 and 1 overlap (grad of 0, grad of 1)");
+  ts[1] = b.Abi();
   ts[1].exp_avg_sq = ts[1].exp_avg;  // tensor 1 is bad: tensor 0 must not have been updated either
   fails(HostStep(), 2, ts, "adamw tensor 1: exp_avg and exp_avg_sq overlap");
   EXPECT_EQ(a.master, before.master);

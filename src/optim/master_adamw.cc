@@ -1,6 +1,8 @@
 // AdamW with fp32 master weights: argument checks, coefficients and the host reference (master_adamw.h).
 #include "rdep/optim/master_adamw.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "rdep/cuda/bf16.h"
@@ -8,11 +10,29 @@
 namespace rdep::optim {
 namespace {
 
-bool Finite(float v) { return std::isfinite(v); }
+bool Finite(double v) { return std::isfinite(v); }
 
 bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
   return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
+}
+
+// exp_avg.lerp_(g, w) with w = 1 - beta1, as torch's lerp evaluates it: from the start below weight 0.5, from the
+// end at and above it.
+float LerpMoment(float m, float g, const AdamWCoeffs& c) {
+  return c.one_minus_beta1 < 0.5f ? m + c.one_minus_beta1 * (g - m) : g - (g - m) * (1.0f - c.one_minus_beta1);
+}
+
+struct Array {
+  const char* name;
+  const void* ptr;
+  size_t bytes;
+};
+
+std::array<Array, 5> ArraysOf(const MasterTensor& t) {
+  const auto n = static_cast<size_t>(std::max<int64_t>(t.numel, 0));
+  return {{{"master", t.master, n * 4}, {"exp_avg", t.exp_avg, n * 4}, {"exp_avg_sq", t.exp_avg_sq, n * 4},
+           {"grad", t.grad, n * 2}, {"param", t.param, n * 2}}};
 }
 
 }  // namespace
@@ -30,17 +50,17 @@ Status CheckHyper(const AdamWHyper& h) {
 
 AdamWCoeffs Coeffs(const AdamWHyper& h) {
   const double steps = static_cast<double>(h.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), steps);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), steps);
+  const double bc1 = 1.0 - std::pow(h.beta1, steps);
+  const double bc2 = 1.0 - std::pow(h.beta2, steps);
   AdamWCoeffs c{};
-  c.decay = static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay);
-  c.beta1 = h.beta1;
+  c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  c.beta1 = static_cast<float>(h.beta1);
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = h.beta2;
+  c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   c.step_size = static_cast<float>(h.lr / bc1);
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  c.eps = h.eps;
+  c.eps = static_cast<float>(h.eps);
   return c;
 }
 
@@ -50,18 +70,20 @@ Status CheckTensor(const MasterTensor& t, int32_t index) {
   if (t.numel == 0) return Status::Ok();
   if (!t.master || !t.exp_avg || !t.exp_avg_sq || !t.grad || !t.param)
     return InvalidArgument(what + ": master, exp_avg, exp_avg_sq, grad and param must not be null");
-  const auto n = static_cast<size_t>(t.numel);
-  struct Array {
-    const char* name;
-    const void* ptr;
-    size_t bytes;
-  };
-  const Array arrays[] = {{"master", t.master, n * 4}, {"exp_avg", t.exp_avg, n * 4}, {"exp_avg_sq", t.exp_avg_sq, n * 4},
-                          {"grad", t.grad, n * 2}, {"param", t.param, n * 2}};
-  for (size_t i = 0; i < 5; ++i)
-    for (size_t j = i + 1; j < 5; ++j)
+  const auto arrays = ArraysOf(t);
+  for (size_t i = 0; i < arrays.size(); ++i)
+    for (size_t j = i + 1; j < arrays.size(); ++j)
       if (Overlap(arrays[i].ptr, arrays[i].bytes, arrays[j].ptr, arrays[j].bytes))
         return InvalidArgument(what + ": " + arrays[i].name + " and " + arrays[j].name + " overlap");
+  return Status::Ok();
+}
+
+Status CheckDisjoint(const MasterTensor& a, int32_t ia, const MasterTensor& b, int32_t ib) {
+  for (const Array& x : ArraysOf(a))
+    for (const Array& y : ArraysOf(b))
+      if (Overlap(x.ptr, x.bytes, y.ptr, y.bytes))
+        return InvalidArgument("adamw tensors " + std::to_string(ia) + " and " + std::to_string(ib) + " overlap (" + x.name +
+                               " of " + std::to_string(ia) + ", " + y.name + " of " + std::to_string(ib) + ")");
   return Status::Ok();
 }
 
@@ -70,7 +92,7 @@ void MasterAdamWHost(const MasterTensor& t, const AdamWCoeffs& c, const float* g
   for (int64_t i = 0; i < t.numel; ++i) {
     const float g = Bf16BitsToFloat(t.grad[i]) * scale;  // exact when unscaled (scale 1)
     float w = t.master[i] * c.decay;
-    const float m = t.exp_avg[i] + c.one_minus_beta1 * (g - t.exp_avg[i]);
+    const float m = LerpMoment(t.exp_avg[i], g, c);
     const float gg = g * g;
     const float v = c.beta2 * t.exp_avg_sq[i] + c.one_minus_beta2 * gg;
     const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;

@@ -16,7 +16,8 @@ constexpr int kThreads = 256;
 // Rounded fp32 operations, never contracted into fused multiply-adds: the host reference's order.
 __device__ __forceinline__ void Update(float g, float& w, float& m, float& v, const AdamWCoeffs& c) {
   w = __fmul_rn(w, c.decay);
-  m = __fadd_rn(m, __fmul_rn(c.one_minus_beta1, __fsub_rn(g, m)));
+  m = c.one_minus_beta1 < 0.5f ? __fadd_rn(m, __fmul_rn(c.one_minus_beta1, __fsub_rn(g, m)))  // torch's lerp
+                                : __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), __fsub_rn(1.0f, c.one_minus_beta1)));
   v = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(c.one_minus_beta2, __fmul_rn(g, g)));
   const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
   w = __fsub_rn(w, __fdiv_rn(__fmul_rn(c.step_size, m), denom));

@@ -62,7 +62,7 @@ void ExpectMatchesDouble(const State& before, const State& after, const AdamWHyp
 
 TEST(MasterAdamWHost, MatchesTheUpdateInDoubleOverSteps) {
   State s = RandomState(4099, 1, /*fresh_moments=*/true);
-  AdamWHyper h{6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  AdamWHyper h{6e-4, 0.9, 0.95, 1e-8, 0.1, 1};
   for (int64_t step = 1; step <= 3; ++step) {
     h.step = step;
     const State before = s;
@@ -76,17 +76,33 @@ TEST(MasterAdamWHost, MatchesTheUpdateInDoubleOverSteps) {
 
 TEST(MasterAdamWHost, ScalesTheGradient) {
   State s = RandomState(1000, 2, /*fresh_moments=*/false);
-  const AdamWHyper h{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 7};
+  const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, 7};
   const State before = s;
   const float scale = 0.37f;
   MasterAdamWHost(View(s), Coeffs(h), &scale);
   ExpectMatchesDouble(before, s, h, double{scale});
 }
 
+TEST(MasterAdamWHost, SmallBeta1TakesLerpsOtherBranch) {  // 1 - beta1 >= 0.5: g - (g - m) * (1 - w), as torch
+  State s = RandomState(999, 5, /*fresh_moments=*/false);
+  const AdamWHyper h{1e-3, 0.3, 0.99, 1e-8, 0.0, 2};
+  const State before = s;
+  MasterAdamWHost(View(s), Coeffs(h), nullptr);
+  ExpectMatchesDouble(before, s, h, 1.0);
+}
+
+TEST(MasterAdamWHost, CoefficientsComeFromDoubles) {  // 1 - 0.999 is 0.001 rounded once, not 1 - 0.999f
+  const AdamWCoeffs c = Coeffs({1e-3, 0.9, 0.999, 1e-8, 0.1, 1});
+  EXPECT_EQ(c.one_minus_beta2, 0.001f);
+  EXPECT_EQ(c.one_minus_beta1, 0.1f);
+  EXPECT_EQ(c.decay, static_cast<float>(1.0 - 1e-4));
+  EXPECT_EQ(c.step_size, static_cast<float>(1e-3 / (1.0 - 0.9)));
+}
+
 TEST(MasterAdamWHost, NoDecayNoStepLeavesWeights) {  // lr 0: master unchanged, moments still advance
   State s = RandomState(64, 3, /*fresh_moments=*/false);
   const State before = s;
-  MasterAdamWHost(View(s), Coeffs({0.f, 0.9f, 0.999f, 1e-8f, 0.1f, 1}), nullptr);
+  MasterAdamWHost(View(s), Coeffs({0.0, 0.9, 0.999, 1e-8, 0.1, 1}), nullptr);
   for (size_t i = 0; i < s.master.size(); ++i) {
     EXPECT_EQ(s.master[i], before.master[i]) << i;
     EXPECT_NE(s.m[i], before.m[i]) << i;
@@ -102,22 +118,22 @@ TEST(MasterAdamWChecks, HyperparametersAreNamed) {
     EXPECT_NE(s.message().find(field), std::string::npos) << s.message();
   };
   AdamWHyper h = ok;
-  h.lr = -1.f;
+  h.lr = -1.0;
   named(h, "lr");
   h = ok;
   h.lr = NAN;
   named(h, "lr");
   h = ok;
-  h.eps = -1e-8f;
+  h.eps = -1e-8;
   named(h, "eps");
   h = ok;
   h.weight_decay = INFINITY;
   named(h, "weight_decay");
   h = ok;
-  h.beta1 = 1.f;
+  h.beta1 = 1.0;
   named(h, "beta1");
   h = ok;
-  h.beta2 = -0.1f;
+  h.beta2 = -0.1;
   named(h, "beta2");
   h = ok;
   h.step = 0;
@@ -141,6 +157,13 @@ TEST(MasterAdamWChecks, TensorsAreNamed) {
   EXPECT_NE(CheckTensor(t, 0).message().find("grad and param overlap"), std::string::npos);
   t = MasterTensor{};
   EXPECT_TRUE(CheckTensor(t, 0).ok()) << "an empty tensor needs no arrays";
+  State other = RandomState(16, 5, true);
+  EXPECT_TRUE(CheckDisjoint(View(s), 0, View(other), 1).ok());
+  MasterTensor shifted = View(other);
+  shifted.numel = 1;
+  shifted.param = s.param.data() + 15;  // its one param element is s's last
+  EXPECT_NE(CheckDisjoint(View(s), 0, shifted, 1).message().find("adamw tensors 0 and 1 overlap (param of 0, param of 1)"),
+            std::string::npos);
 }
 
 #if defined(RDEP_HAVE_CUDA)
@@ -183,7 +206,7 @@ void Download(const Guarded<T>& d, T poison, std::vector<T>* host, const char* n
   cudaFree(d.base);
 }
 
-void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed) {
+void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed, double beta1 = 0.9) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   SCOPED_TRACE("numel " + std::to_string(n) + " skew " + std::to_string(skew) + (scaled ? " grad_scale" : ""));
   State host = RandomState(n, seed, /*fresh_moments=*/false);
@@ -199,7 +222,7 @@ void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed) {
   ASSERT_TRUE(Upload(poisoned_param, skew, nanb, &p).ok());
   const float s = 0.61f;
   ASSERT_TRUE(Upload(std::vector<float>{s}, 0, nanf, &scale).ok());
-  const AdamWHyper h{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 11};
+  const AdamWHyper h{3e-4, beta1, 0.95, 1e-8, 0.1, 11};
   const MasterTensor dev{w.data(), m.data(), v.data(), g.data(), p.data(), n};
   ASSERT_TRUE(CheckTensor(dev, 0).ok());
   const Status launched = LaunchMasterAdamW(dev, Coeffs(h), scaled ? scale.data() : nullptr, nullptr);
@@ -235,6 +258,11 @@ TEST(MasterAdamWCuda, MatchesHostBitwiseUnaligned) {
 TEST(MasterAdamWCuda, MatchesHostBitwiseWithGradScale) {
   RunKernelCase(65536 + 2, 0, true, 9);
   RunKernelCase(999, 1, true, 10);
+}
+
+TEST(MasterAdamWCuda, MatchesHostBitwiseWithSmallBeta1) {  // the lerp's other branch
+  RunKernelCase(4099, 0, false, 11, 0.3);
+  RunKernelCase(1001, 1, true, 12, 0.3);
 }
 
 TEST(MasterAdamWCuda, EmptyTensorLaunchesNothing) {

@@ -5,7 +5,8 @@
 // The update is torch.optim.AdamW's (decoupled weight decay), in fp32 on the master weight w:
 //   g  = grad * grad_scale                      (grad_scale null: 1)
 //   w  = w * (1 - lr * weight_decay)
-//   m  = m + (1 - beta1) * (g - m)              (exp_avg.lerp_(g, 1 - beta1))
+//   m  = m + w * (g - m), w = 1 - beta1         (exp_avg.lerp_(g, w); for w >= 0.5, as torch's lerp,
+//                                                g - (g - m) * (1 - w))
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   w  = w - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 //   param = bf16(w)
@@ -34,19 +35,21 @@ struct MasterTensor {
   int64_t numel = 0;
 };
 
+// In double, as torch holds them (Python floats): 1 - beta2, the bias corrections and lr * weight_decay are
+// computed in double and rounded to fp32 once, so 1 - 0.999 is 0.001f and not 1 - 0.999f.
 struct AdamWHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 1e-2f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
   int64_t step = 1;  // this update's step count (1 for the first update): the bias corrections'
 };
 
 // The update's coefficients, computed once per step on the host (in double, rounded to fp32 once).
 struct AdamWCoeffs {
   float decay;          // 1 - lr * weight_decay
-  float beta1, one_minus_beta1;
+  float beta1, one_minus_beta1;  // the moment's lerp weight is one_minus_beta1 (torch's two-branch lerp)
   float beta2, one_minus_beta2;
   float step_size;      // lr / (1 - beta1^step)
   float bc2_sqrt;       // sqrt(1 - beta2^step)
@@ -60,6 +63,8 @@ AdamWCoeffs Coeffs(const AdamWHyper& h);
 // InvalidArgument naming tensor `index` and the array: null arrays (numel > 0), numel < 0, or arrays that
 // overlap one another.
 Status CheckTensor(const MasterTensor& t, int32_t index);
+// InvalidArgument naming both tensors when any array of a overlaps any array of b.
+Status CheckDisjoint(const MasterTensor& a, int32_t ia, const MasterTensor& b, int32_t ib);
 
 // The host reference (and the host path of the C ABI): updates t in place. grad_scale: host pointer or null.
 void MasterAdamWHost(const MasterTensor& t, const AdamWCoeffs& c, const float* grad_scale);

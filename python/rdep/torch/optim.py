@@ -14,8 +14,10 @@ too (bf16 parameter and gradient, fp32 master and moments: 16 bytes), with no bf
     opt = rdep.torch.MasterAdamW(moe.expert_parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 fp32 parameters are adopted: their fp32 values become the master weights (no copy) and the parameters
-become bf16 in place (param.data), so build the optimizer before torch.compile and before any forward
-that should see bf16 weights. bf16 parameters get an fp32 master copy of their values.
+become bf16 in place (param.data), so build the optimizer before wrapping the model (DistributedDataParallel,
+FSDP), before torch.compile traces it and before any forward that should see bf16 weights. bf16 parameters get
+an fp32 master copy of their values. Parameters must not share storage (tied weights would be updated twice
+and untied); a parameter listed twice is adopted once.
 
 step(grad_multiplier=t) multiplies every gradient by the 0-dim fp32 tensor t on the parameters' device (a
 gradient-norm clip's coefficient, read on the device: no host wait, no separate pass over the gradients).
@@ -62,18 +64,43 @@ class MasterAdamW(torch.optim.Optimizer):
                 full = {**self.defaults, **param_group}
                 _check_hyper(full["lr"], full["betas"], full["eps"], full["weight_decay"])
                 break
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        g = len(self.param_groups)
+        new = self._check_group(params, g)  # every parameter checked before any is adopted
         super().add_param_group(param_group)
-        for i, p in enumerate(self.param_groups[-1]["params"]):
-            self._adopt(p, f"params[{i}] of group {len(self.param_groups) - 1}")
+        for p in new:
+            self._adopt(p)
+
+    def _check_group(self, params: list, g: int) -> list:
+        """The group's parameters not adopted yet, each checked (dtype, device, layout, no storage shared with
+        another parameter of this optimizer); raises naming the first bad one."""
+        new, seen = [], {id(p) for p in _params_of(self)}
+        spans = [(q.data_ptr(), q.data_ptr() + q.numel() * q.element_size(), j, q) for j, q in enumerate(_params_of(self))]
+        for i, p in enumerate(params):
+            what = f"params[{i}] of group {g}"
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{what}: expected a tensor, got {type(p).__name__}")
+            if id(p) in seen:
+                continue
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"{what}: MasterAdamW takes fp32 or bf16 parameters, got {p.dtype}")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{what}: on {p.device}; MasterAdamW runs on CPU and CUDA tensors")
+            if not p.is_contiguous():
+                raise ValueError(f"{what}: must be contiguous (shape {list(p.shape)}, strides {list(p.stride())})")
+            lo, hi = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
+            for qlo, qhi, _, q in spans:
+                if p.numel() and q.numel() and q.device == p.device and lo < qhi and qlo < hi:
+                    raise ValueError(f"{what}: shares storage with another parameter of this optimizer (shape "
+                                     f"{list(q.shape)}); tied or overlapping parameters cannot have separate masters")
+            spans.append((lo, hi, i, p))
+            seen.add(id(p))
+            new.append(p)
+        return new
 
     @torch.no_grad()
-    def _adopt(self, p: Tensor, what: str) -> None:
-        if p.dtype not in _DTYPES:
-            raise TypeError(f"{what}: MasterAdamW takes fp32 or bf16 parameters, got {p.dtype}")
-        if p.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what}: on {p.device}; MasterAdamW runs on CPU and CUDA tensors")
-        if not p.is_contiguous():
-            raise ValueError(f"{what}: must be contiguous (shape {list(p.shape)}, strides {list(p.stride())})")
+    def _adopt(self, p: Tensor) -> None:
         if p.dtype == torch.float32:  # adopted: the fp32 storage is the master, the parameter becomes bf16
             master = p.data
             p.data = master.to(torch.bfloat16)
@@ -87,20 +114,32 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Everything is checked before anything moves: a refused step leaves every state as it was.
         calls: dict = {}  # (device, step, hyperparameters) -> tensors: one C call each
+        seen: set = set()  # a parameter listed twice in a group is updated once
         for gi, group in enumerate(self.param_groups):
             hyper = (float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
                      float(group["weight_decay"]))
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
+                if p.grad is None or id(p) in seen:
                     continue
-                st = self._state_for_step(p, f"params[{i}] of group {gi}")
-                calls.setdefault((p.device, st["step"], hyper), []).append((p, st))
+                seen.add(id(p))
+                st = self._checked_state(p, f"params[{i}] of group {gi}")
+                calls.setdefault((p.device, st.get("step", 0) + 1, hyper), []).append((p, st))
+        for device in {k[0] for k in calls}:
+            _check_multiplier(grad_multiplier, device)
         for (device, step, hyper), tensors in calls.items():
+            for _, st in tensors:
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(st["master"])
+                    st["exp_avg_sq"] = torch.zeros_like(st["master"])
+                    st["step"] = 0
             self._run(device, step, hyper, tensors, grad_multiplier)
+            for _, st in tensors:  # counted once its update is queued
+                st["step"] = step
         return loss
 
-    def _state_for_step(self, p: Tensor, what: str) -> dict:
+    def _checked_state(self, p: Tensor, what: str) -> dict:
         g = p.grad
         if g.is_sparse:
             raise ValueError(f"{what}: sparse gradients are not supported")
@@ -110,12 +149,18 @@ class MasterAdamW(torch.optim.Optimizer):
         if g.shape != p.shape or not g.is_contiguous() or g.device != p.device:
             raise ValueError(f"{what}: the gradient must be contiguous, of the parameter's shape {list(p.shape)} and on "
                              f"{p.device}; got shape {list(g.shape)} on {g.device}")
+        if not p.is_contiguous():
+            raise ValueError(f"{what}: the parameter must be contiguous")
         st = self.state[p]
-        if "exp_avg" not in st:
-            st["exp_avg"] = torch.zeros_like(st["master"])
-            st["exp_avg_sq"] = torch.zeros_like(st["master"])
-            st["step"] = 0
-        st["step"] += 1
+        if "master" not in st:
+            raise KeyError(f"{what}: no master weight in the optimizer's state (a state_dict without it?)")
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            t = st.get(k)
+            if t is None and k != "master":
+                continue
+            if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
+                raise ValueError(f"{what}: its state's {k} must be a contiguous fp32 tensor of the parameter's shape "
+                                 f"{list(p.shape)} on {p.device}; got {t.dtype} {list(t.shape)} on {t.device}")
         return st
 
     @staticmethod
@@ -130,30 +175,46 @@ class MasterAdamW(torch.optim.Optimizer):
         s.lr, s.beta1, s.beta2, s.eps, s.weight_decay = hyper
         s.step = step
         s.device = device.index if device.type == "cuda" else -1
-        if device.type == "cuda" and s.device is None:
-            s.device = torch.cuda.current_device()
         if grad_multiplier is not None:
-            if (not isinstance(grad_multiplier, Tensor) or grad_multiplier.dtype != torch.float32
-                    or grad_multiplier.numel() != 1 or grad_multiplier.device != device):
-                raise ValueError(f"grad_multiplier: expected a one-element fp32 tensor on {device}, got "
-                                 f"{grad_multiplier!r}"[:300])
             s.grad_scale = grad_multiplier.data_ptr()
         s.stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         capi.check(capi.lib().rdep_master_adamw(arr, len(tensors), ctypes.byref(s)), "rdep_master_adamw")
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts a loaded state's floating tensors to its parameter's dtype (bf16 here); the masters and
-        # moments stay fp32, and each parameter is written from its master weight.
+        # moments stay fp32, and each parameter is written from its master weight. A parameter the saved state
+        # does not cover keeps its master weight (and starts its moments afresh).
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        for n, (i, p) in enumerate(zip(ids, params)):
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                t = saved.get(i, {}).get(k)
+                if t is not None and (not isinstance(t, Tensor) or t.shape != p.shape):
+                    raise ValueError(f"state_dict: parameter {n}'s {k} has shape "
+                                     f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}, the parameter "
+                                     f"{list(p.shape)}")
+        masters = {id(p): self.state[p]["master"] for p in params if "master" in self.state.get(p, {})}
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for i, p in zip(ids, params):
-                if i not in saved:
-                    continue
+                st = self.state[p]
                 for k in ("master", "exp_avg", "exp_avg_sq"):
-                    if k in saved[i]:
-                        self.state[p][k] = saved[i][k].to(device=p.device, dtype=torch.float32).clone()
-                if "master" in self.state[p]:
-                    p.copy_(self.state[p]["master"])
+                    if k in saved.get(i, {}):
+                        st[k] = saved[i][k].to(device=p.device, dtype=torch.float32).contiguous().clone()
+                if "master" not in st and id(p) in masters:
+                    st["master"] = masters[id(p)]
+                if "master" in st:
+                    p.copy_(st["master"])
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list:
+    """The parameters already in opt's groups."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _check_multiplier(m: Optional[Tensor], device: torch.device) -> None:
+    if m is None:
+        return
+    if not isinstance(m, Tensor) or m.dtype != torch.float32 or m.numel() != 1 or m.device != device:
+        raise ValueError(f"grad_multiplier: expected a one-element fp32 tensor on {device}, got {m!r}"[:300])
