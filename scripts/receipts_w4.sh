@@ -141,6 +141,8 @@
 #   (--expert-weights auto): the train* stages below compare with earlier receipts only with --expert-weights fp32.)
 #   trainmw    trainpair, then rdep with --expert-weights bf16-master (bf16 expert weights and gradients, fp32 master
 #              weights in rdep.torch.MasterAdamW)
+#   trainmwtt  TorchTitan's MoE with --baseline-expert-weights bf16-master, then rdep with bf16-master: the same optimizer
+#              and precision on both sides
 #   optimmw    bench/optim_step.py: MasterAdamW's step against torch's fused AdamW on the example's expert weights
 #   trainprofmw trainprof's rdep run with --expert-weights bf16-master
 #   trainip    trainpair, then rdep once more with RDEP_W1_RETURN=copy (the W = 1 return's copy, for the in-place combine's A/B)
@@ -615,6 +617,11 @@ stage_trainmw() {  # TorchTitan's MoE, rdep with fp32 experts, rdep with --exper
   train_ro "train_w1_mw_tt$sfx" torchtitan ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
   train_ro "train_w1_mw_rdep$sfx" rdep --expert-weights fp32 ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
   train_ro "train_w1_mw_rdep_master$sfx" rdep --expert-weights bf16-master ${TRAIN_SEED:+--seed "$TRAIN_SEED"}
+}
+stage_trainmwtt() {  # TorchTitan's MoE and rdep, both with bf16 experts and fp32 masters in MasterAdamW (only the MoE differs)
+  pip_wheels
+  train_ro train_w1_mwtt_tt torchtitan --baseline-expert-weights bf16-master
+  train_ro train_w1_mwtt_rdep rdep --expert-weights bf16-master
 }
 stage_optimmw() {  # the expert weights' optimizer step alone: MasterAdamW against torch's fused AdamW, the casts, the clip's pass
   pip_wheels

@@ -211,6 +211,7 @@ def test_interleaved_runs_train_like_the_sequential_ones(both):
     (["--moe", "both", "--memory-snapshot", "/tmp/x"], "--memory-snapshot: needs --memory-step"),
     (["--moe", "both", "--profile-trace", "/tmp/t"], "--profile-trace: needs --profile-steps"),
     (["--moe", "rdep", "--expert-weights", "bf16-master"], "--expert-weights bf16-master: needs --device cuda"),
+    (["--moe", "both", "--baseline-expert-weights", "bf16-master"], "--baseline-expert-weights bf16-master: needs"),
 ])
 def test_option_combinations_that_would_measure_nothing_are_refused(args, why, capsys):
     with pytest.raises(SystemExit):
@@ -264,6 +265,10 @@ def test_expert_master_weights_split_the_parameters_between_two_optimizers():
     for p, b in zip(experts, before):  # AdamW's first step moves each weight by ~lr (sign of the gradient)
         assert torch.allclose(opt.experts.state[p]["master"], b * (1 - a.lr * a.weight_decay) - a.lr, rtol=0, atol=1e-6)
     assert make_optimizer(model, a, torch.device("cpu"), "reference").__class__ is torch.optim.AdamW
+    a.baseline_expert_weights = "bf16-master"  # the baseline's experts given the same treatment (its own model)
+    ref = train.build_model("reference", train.model_config(a), a, train.Dist("cpu"))
+    assert isinstance(make_optimizer(ref, a, torch.device("cpu"), "reference"), MasterExpertOptimizer)
+    assert all(p.dtype == torch.bfloat16 for p in expert_and_dense(ref)[0])
 
 
 def test_clip_folded_into_the_expert_optimizer():

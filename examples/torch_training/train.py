@@ -152,6 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "weight; no casts, half the gradient bytes, the clip's coefficient applied in that pass; the same "
                         "bytes of memory per weight). auto (default): bf16-master on CUDA with --grad-accum 1, else fp32. "
                         "The initial weights are the same fp32 values; the receipt's label says which ran")
+    p.add_argument("--baseline-expert-weights", choices=("fp32", "bf16-master"), default="fp32",
+                   help="the baseline's routed experts (TorchTitan's or the reference MoE): fp32 (default, as TorchTitan "
+                        "trains them) or bf16-master, the same treatment as rdep's --expert-weights bf16-master "
+                        "(bf16 weights and gradients, fp32 masters in rdep.torch.MasterAdamW): the A/B that leaves the "
+                        "MoE implementations as the only difference")
     p.add_argument("--capturable-ops", choices=["on", "off"], default="on",
                    help="rdep: on (the binding's default) calls the ops a CUDA graph may record where the layer allows "
                         "(rdep.torch.MoE(capturable_ops=True)); off keeps the plain ops, which reduce-overhead runs "
@@ -197,7 +202,11 @@ def parse_args(argv=None) -> argparse.Namespace:
               (a.expert_weights == "bf16-master" and a.device != "cuda", "--expert-weights bf16-master: needs --device "
                "cuda (the host backend computes in fp32)"),
               (a.expert_weights == "bf16-master" and a.grad_accum > 1, "--expert-weights bf16-master: bf16 gradients "
-               "would accumulate over --grad-accum micro-batches in bf16; use fp32 expert weights with --grad-accum")]
+               "would accumulate over --grad-accum micro-batches in bf16; use fp32 expert weights with --grad-accum"),
+              (a.baseline_expert_weights == "bf16-master" and a.device != "cuda", "--baseline-expert-weights "
+               "bf16-master: needs --device cuda"),
+              (a.baseline_expert_weights == "bf16-master" and a.grad_accum > 1, "--baseline-expert-weights bf16-master: "
+               "bf16 gradients would accumulate over --grad-accum micro-batches in bf16")]
     for bad, why in refuse:
         if bad:
             p.error(why)

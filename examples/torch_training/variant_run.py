@@ -47,7 +47,8 @@ BETAS, EPS = (0.9, 0.95), 1e-8
 
 
 class MasterExpertOptimizer:
-    """rdep with --expert-weights bf16-master: rdep.torch.MasterAdamW over the routed experts (bf16 weights and
+    """--expert-weights bf16-master (rdep), --baseline-expert-weights bf16-master (the baseline): rdep.torch.MasterAdamW
+    over the routed experts (bf16 weights and
     gradients, fp32 master weights and moments: no casts, and half the gradient bytes), torch's fused AdamW over
     the rest, the same hyperparameters. The clip's coefficient reaches the experts through MasterAdamW's step
     (grad_multiplier) instead of a pass over their gradients."""
@@ -70,9 +71,11 @@ class MasterExpertOptimizer:
 
 def make_optimizer(model: MoonlightLM, a, device, kind: str = ""):
     """torch's AdamW (fused on CUDA: one kernel for all parameters; the foreach AdamW took ~40% of the GPU time of
-    a step), or for rdep with --expert-weights bf16-master a MasterExpertOptimizer. Called before the first
-    forward: MasterAdamW makes the experts bf16 (their fp32 values become its master weights)."""
-    masters = kind == "rdep" and getattr(a, "expert_weights", "fp32") == "bf16-master"
+    a step), or a MasterExpertOptimizer for rdep with --expert-weights bf16-master and for a baseline with
+    --baseline-expert-weights bf16-master. Called before the first forward: MasterAdamW makes the experts bf16
+    (their fp32 values become its master weights)."""
+    setting = getattr(a, "expert_weights", "fp32") if kind == "rdep" else getattr(a, "baseline_expert_weights", "fp32")
+    masters = setting == "bf16-master"
     experts = {id(p) for p in expert_and_dense(model)[0]} if masters else set()
     rest = [p for p in model.parameters() if id(p) not in experts]
     decay = [p for p in rest if p.dim() >= 2]
