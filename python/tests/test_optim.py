@@ -37,6 +37,14 @@ def _pair(shapes, device, seed=0, **hyper):
     return mine, rt.MasterAdamW(mine, **hyper), ref, torch.optim.AdamW(ref, **hyper)
 
 
+def _step_both(mine, opt, ref, ref_opt, shapes, seed: int, device) -> None:
+    """One step of each optimizer on the same fresh bf16 gradients (fp32 copies of them for torch's)."""
+    for p, r, g in zip(mine, ref, _grads(shapes, seed, device)):
+        p.grad, r.grad = g.clone(), g.float()
+    opt.step()
+    ref_opt.step()
+
+
 def _check_close(mine, opt, ref, ref_opt, what):
     for i, (p, r) in enumerate(zip(mine, ref)):
         st, rst = opt.state[p], ref_opt.state[r]
@@ -58,10 +66,7 @@ def test_matches_torch_adamw_over_steps(device):
         for o in (opt, ref_opt):
             for g in o.param_groups:
                 g["lr"] = lr
-        for p, r, g in zip(mine, ref, _grads(shapes, 100 + step, device)):
-            p.grad, r.grad = g.clone(), g.float()
-        opt.step()
-        ref_opt.step()
+        _step_both(mine, opt, ref, ref_opt, shapes, 100 + step, device)
         _check_close(mine, opt, ref, ref_opt, f"step {step + 1}")
 
 
@@ -73,10 +78,7 @@ def test_matches_torch_adamw_with_other_betas(device, betas):
     shapes = [(300,), (17, 5)]
     mine, opt, ref, ref_opt = _pair(shapes, device, seed=4, lr=1e-3, betas=betas, weight_decay=0.01)
     for step in range(20):
-        for p, r, g in zip(mine, ref, _grads(shapes, 200 + step, device)):
-            p.grad, r.grad = g.clone(), g.float()
-        opt.step()
-        ref_opt.step()
+        _step_both(mine, opt, ref, ref_opt, shapes, 200 + step, device)
     _check_close(mine, opt, ref, ref_opt, f"betas {betas}, 20 steps")
 
 
@@ -154,10 +156,7 @@ def test_zero_size_duplicates_and_later_groups():
     ref_opt = torch.optim.AdamW([ref[0], ref[1]], lr=1e-3)
     ref_opt.add_param_group({"params": [ref[2]], "lr": 1e-2, "weight_decay": 0.0})
     for step in range(2):
-        for p, r, g in zip(mine, ref, _grads([(6, 4), (0, 3), (9,)], 300 + step, "cpu")):
-            p.grad, r.grad = g.clone(), g.float()
-        opt.step()
-        ref_opt.step()
+        _step_both(mine, opt, ref, ref_opt, [(6, 4), (0, 3), (9,)], 300 + step, "cpu")
     _check_close(mine, opt, ref, ref_opt, "zero-size, duplicate, later group")
     assert opt.state[mine[0]]["step"] == 2
 
