@@ -31,12 +31,9 @@ Status CheckOnDevice(const void* p, int32_t device, const std::string& what) {
 
 Status CheckTensorOnDevice(const optim::MasterTensor& t, int32_t index, int32_t device) {
   if (t.numel == 0) return Status::Ok();
-  const std::string what = "adamw tensor " + std::to_string(index) + ": ";
-  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.master, device, what + "master"));
-  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.exp_avg, device, what + "exp_avg"));
-  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.exp_avg_sq, device, what + "exp_avg_sq"));
-  RDEP_RETURN_IF_ERROR(CheckOnDevice(t.grad, device, what + "grad"));
-  return CheckOnDevice(t.param, device, what + "param");
+  for (const ByteRange& a : optim::ArraysOf(t))
+    RDEP_RETURN_IF_ERROR(CheckOnDevice(a.ptr, device, "adamw tensor " + std::to_string(index) + ": " + a.name));
+  return Status::Ok();
 }
 
 Status RunOnDevice(const std::vector<optim::MasterTensor>& ts, const optim::AdamWCoeffs& c, const rdep_adamw_step& step) {

@@ -2,23 +2,9 @@
 
 #include <string>
 
+#include "rdep/core/byte_range.h"
+
 namespace rdep {
-namespace {
-
-struct Range {
-  const char* name;
-  uintptr_t begin;
-  size_t bytes;
-};
-
-bool Overlap(const Range& a, const Range& b) {
-  if (a.begin == 0 || b.begin == 0 || a.bytes == 0 || b.bytes == 0) return false;
-  return a.begin < b.begin + b.bytes && b.begin < a.begin + a.bytes;
-}
-
-Range R(const char* name, const void* p, size_t bytes) { return {name, reinterpret_cast<uintptr_t>(p), bytes}; }
-
-}  // namespace
 
 bool BackwardReadsWeightsBeforeGrads(const LayerConfig& config, bool cuda) {
   const int64_t S = config.segment_tokens, WT = config.shape.ranks * config.shape.tokens;
@@ -31,10 +17,10 @@ Status CheckWeightsInGrads(const LayerConfig& config, bool cuda, std::span<const
   const bool ordered = BackwardReadsWeightsBeforeGrads(config, cuda);
   for (size_t i = 0; i < ranks.size(); ++i) {
     const ExpertByteRanges& w = ranks[i];
-    const Range weights[] = {R("w1", w.w1, w.w1_bytes), R("w2", w.w2, w.w2_bytes)};
+    const ByteRange weights[] = {{"w1", w.w1, w.w1_bytes}, {"w2", w.w2, w.w2_bytes}};
     for (size_t j = 0; j < ranks.size(); ++j) {
       const ExpertByteRanges& g = ranks[j];
-      const Range grads[] = {R("dw1", g.dw1, g.dw1_bytes), R("dw2", g.dw2, g.dw2_bytes)};
+      const ByteRange grads[] = {{"dw1", g.dw1, g.dw1_bytes}, {"dw2", g.dw2, g.dw2_bytes}};
       for (int a = 0; a < 2; ++a) {
         for (int b = 0; b < 2; ++b) {
           if (!Overlap(weights[a], grads[b])) continue;

@@ -12,30 +12,19 @@ namespace {
 
 bool Finite(double v) { return std::isfinite(v); }
 
-bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
-}
-
 // exp_avg.lerp_(g, w) with w = 1 - beta1, as torch's lerp evaluates it: from the start below weight 0.5, from the
 // end at and above it.
 float LerpMoment(float m, float g, const AdamWCoeffs& c) {
   return c.one_minus_beta1 < 0.5f ? m + c.one_minus_beta1 * (g - m) : g - (g - m) * (1.0f - c.one_minus_beta1);
 }
 
-struct Array {
-  const char* name;
-  const void* ptr;
-  size_t bytes;
-};
+}  // namespace
 
-std::array<Array, 5> ArraysOf(const MasterTensor& t) {
+std::array<ByteRange, 5> ArraysOf(const MasterTensor& t) {
   const auto n = static_cast<size_t>(std::max<int64_t>(t.numel, 0));
   return {{{"master", t.master, n * 4}, {"exp_avg", t.exp_avg, n * 4}, {"exp_avg_sq", t.exp_avg_sq, n * 4},
            {"grad", t.grad, n * 2}, {"param", t.param, n * 2}}};
 }
-
-}  // namespace
 
 Status CheckHyper(const AdamWHyper& h) {
   if (!Finite(h.lr) || h.lr < 0) return InvalidArgument("adamw: lr must be finite and >= 0, got " + std::to_string(h.lr));
@@ -54,7 +43,6 @@ AdamWCoeffs Coeffs(const AdamWHyper& h) {
   const double bc2 = 1.0 - std::pow(h.beta2, steps);
   AdamWCoeffs c{};
   c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.beta1 = static_cast<float>(h.beta1);
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
@@ -73,15 +61,15 @@ Status CheckTensor(const MasterTensor& t, int32_t index) {
   const auto arrays = ArraysOf(t);
   for (size_t i = 0; i < arrays.size(); ++i)
     for (size_t j = i + 1; j < arrays.size(); ++j)
-      if (Overlap(arrays[i].ptr, arrays[i].bytes, arrays[j].ptr, arrays[j].bytes))
+      if (Overlap(arrays[i], arrays[j]))
         return InvalidArgument(what + ": " + arrays[i].name + " and " + arrays[j].name + " overlap");
   return Status::Ok();
 }
 
 Status CheckDisjoint(const MasterTensor& a, int32_t ia, const MasterTensor& b, int32_t ib) {
-  for (const Array& x : ArraysOf(a))
-    for (const Array& y : ArraysOf(b))
-      if (Overlap(x.ptr, x.bytes, y.ptr, y.bytes))
+  for (const ByteRange& x : ArraysOf(a))
+    for (const ByteRange& y : ArraysOf(b))
+      if (Overlap(x, y))
         return InvalidArgument("adamw tensors " + std::to_string(ia) + " and " + std::to_string(ib) + " overlap (" + x.name +
                                " of " + std::to_string(ia) + ", " + y.name + " of " + std::to_string(ib) + ")");
   return Status::Ok();

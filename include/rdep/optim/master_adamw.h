@@ -14,9 +14,11 @@
 // (no fused multiply-adds on the device), so they agree to the bit where the compiler honors that.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 
+#include "rdep/core/byte_range.h"
 #include "rdep/status.h"
 
 #if defined(RDEP_HAVE_CUDA)
@@ -49,7 +51,7 @@ struct AdamWHyper {
 // The update's coefficients, computed once per step on the host (in double, rounded to fp32 once).
 struct AdamWCoeffs {
   float decay;          // 1 - lr * weight_decay
-  float beta1, one_minus_beta1;  // the moment's lerp weight is one_minus_beta1 (torch's two-branch lerp)
+  float one_minus_beta1;  // the moment's lerp weight (torch's two-branch lerp)
   float beta2, one_minus_beta2;
   float step_size;      // lr / (1 - beta1^step)
   float bc2_sqrt;       // sqrt(1 - beta2^step)
@@ -59,6 +61,9 @@ struct AdamWCoeffs {
 // InvalidArgument naming the field: lr, eps, weight_decay >= 0 and finite; beta1, beta2 in [0, 1); step >= 1.
 Status CheckHyper(const AdamWHyper& h);
 AdamWCoeffs Coeffs(const AdamWHyper& h);
+
+// t's five arrays as named byte ranges (master, exp_avg, exp_avg_sq, grad, param; empty when numel <= 0).
+std::array<ByteRange, 5> ArraysOf(const MasterTensor& t);
 
 // InvalidArgument naming tensor `index` and the array: null arrays (numel > 0), numel < 0, or arrays that
 // overlap one another.

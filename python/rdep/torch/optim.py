@@ -76,7 +76,7 @@ class MasterAdamW(torch.optim.Optimizer):
         """The group's parameters not adopted yet, each checked (dtype, device, layout, no storage shared with
         another parameter of this optimizer); raises naming the first bad one."""
         new, seen = [], {id(p) for p in _params_of(self)}
-        spans = [(q.data_ptr(), q.data_ptr() + q.numel() * q.element_size(), j, q) for j, q in enumerate(_params_of(self))]
+        spans = [(q.data_ptr(), q.data_ptr() + q.numel() * q.element_size(), q) for q in _params_of(self)]
         for i, p in enumerate(params):
             what = f"params[{i}] of group {g}"
             if not isinstance(p, Tensor):
@@ -90,11 +90,11 @@ class MasterAdamW(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"{what}: must be contiguous (shape {list(p.shape)}, strides {list(p.stride())})")
             lo, hi = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
-            for qlo, qhi, _, q in spans:
+            for qlo, qhi, q in spans:
                 if p.numel() and q.numel() and q.device == p.device and lo < qhi and qlo < hi:
                     raise ValueError(f"{what}: shares storage with another parameter of this optimizer (shape "
                                      f"{list(q.shape)}); tied or overlapping parameters cannot have separate masters")
-            spans.append((lo, hi, i, p))
+            spans.append((lo, hi, p))
             seen.add(id(p))
             new.append(p)
         return new
