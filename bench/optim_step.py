@@ -5,7 +5,9 @@ tensor shapes, in the same process. Both move 28 bytes an element (read 14 + wri
 + write 12 for torch's), so the floor is 28 * N bytes over the memory's bandwidth. Also times what the fp32
 setting does around its step and bf16 weights do not need: the bf16 casts of the weights a forward makes (one
 per weight; a backward that does not keep them makes a second), and the clip's pass over the gradients, which
-MasterAdamW folds into its step (grad_multiplier).
+MasterAdamW folds into its step (grad_multiplier). With fp32_grads=True (gradient accumulation in fp32) the step
+reads an fp32 gradient (30 bytes an element: 16 read, 14 written) and each micro-batch's backward adds its bf16 gradient into the fp32
+buffer (the hook: 10 bytes an element, 6 for the first micro-batch, a copy): both are timed too.
 
 Default shapes: the training example's three MoE blocks (64 experts, hidden 1024, ffn 704: w1 [64, 1024, 1408],
 w2 [64, 704, 1024] each). CUDA events, p50/p99 over --iters after --warmup.
@@ -72,8 +74,24 @@ def main():
     res["casts_fp32_to_bf16"] = timed(lambda: [p.detach().to(torch.bfloat16) for p in f32], a.warmup, a.iters)
     res["clip_mul_fp32_grads"] = timed(lambda: torch._foreach_mul_([p.grad for p in f32], scale), a.warmup, a.iters)
     res["clip_mul_bf16_grads"] = timed(lambda: torch._foreach_mul_([p.grad for p in b16], scale), a.warmup, a.iters)
+    b32 = [torch.nn.Parameter(p.detach().clone()) for p in f32]
+    mine32 = rt.MasterAdamW(b32, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fp32_grads=True)
+    grads16 = [q.grad.to(torch.bfloat16) for q in f32]
+    for p, g16 in zip(b32, grads16):
+        p.grad = g16.clone()
+    mine32.step()  # moves the assigned gradients into main_grad (as the hook would), then steps
+
+    def accumulate():  # what the hook does with each micro-batch's gradient after the first
+        for p, g16 in zip(b32, grads16):
+            p.grad = g16
+            mine32._accumulate(p)
+
+    res["master_adamw_fp32_grads"] = timed(mine32.step, a.warmup, a.iters)
+    res["fp32_grads_accumulate_micro_batch"] = timed(accumulate, a.warmup, a.iters)
     for k in ("torch_fused_adamw_fp32", "master_adamw_bf16", "master_adamw_bf16_with_multiplier"):
         res[k]["GB_per_s"] = 28 * n / (res[k]["p50_ms"] * 1e-3) / 1e9
+    res["master_adamw_fp32_grads"]["GB_per_s"] = 30 * n / (res["master_adamw_fp32_grads"]["p50_ms"] * 1e-3) / 1e9
+    res["fp32_grads_accumulate_micro_batch"]["GB_per_s"] = 10 * n / (res["fp32_grads_accumulate_micro_batch"]["p50_ms"] * 1e-3) / 1e9
     res["casts_fp32_to_bf16"]["GB_per_s"] = 6 * n / (res["casts_fp32_to_bf16"]["p50_ms"] * 1e-3) / 1e9
     for k, b in (("clip_mul_fp32_grads", 8), ("clip_mul_bf16_grads", 4)):
         res[k]["GB_per_s"] = b * n / (res[k]["p50_ms"] * 1e-3) / 1e9

@@ -145,6 +145,8 @@
 #              and precision on both sides
 #   optimmw    bench/optim_step.py: MasterAdamW's step against torch's fused AdamW on the example's expert weights
 #   trainprofmw trainprof's rdep run with --expert-weights bf16-master
+#   trainmwga  rdep with --grad-accum 4, GA_STEPS steps (default 100): --expert-weights fp32, then bf16-master (the
+#              micro-batches' expert gradients summed in fp32 by MasterAdamW(fp32_grads=True))
 #   trainip    trainpair, then rdep once more with RDEP_W1_RETURN=copy (the W = 1 return's copy, for the in-place combine's A/B)
 #   trainpairga trainpair with --grad-accum 4 (four micro-batches of 4,096 tokens a step, the optimizer once a step, as
 #              training with a large global batch runs it), GA_STEPS steps (default 100), each model in its own
@@ -635,6 +637,11 @@ stage_optimmw() {  # the expert weights' optimizer step alone: MasterAdamW again
 stage_trainprofmw() {  # trainprof's rdep run with --expert-weights bf16-master: its kernels per step
   pip_wheels
   train_prof rdep_mw rdep --expert-weights bf16-master
+}
+stage_trainmwga() {  # rdep with --grad-accum 4 (GA_STEPS steps): fp32 experts, then bf16-master (MasterAdamW(fp32_grads=True):
+  pip_wheels       # the micro-batches' expert gradients summed in fp32)
+  train_ga train_w1_mwga_rdep rdep --expert-weights fp32
+  train_ga train_w1_mwga_rdep_master rdep --expert-weights bf16-master
 }
 stage_trainpairga() {  # trainpair with gradient accumulation: the optimizer and the clip once per 4 micro-batches
   pip_wheels

@@ -300,21 +300,22 @@ def test_clip_folded_into_the_expert_optimizer():
 
 @pytest.mark.parametrize("args, want", [
     (["--device", "cpu"], "fp32"), (["--device", "cuda"], "bf16-master"),
-    (["--device", "cuda", "--grad-accum", "2"], "fp32"), (["--device", "cuda", "--expert-weights", "fp32"], "fp32"),
+    (["--device", "cuda", "--grad-accum", "2"], "bf16-master"), (["--device", "cuda", "--expert-weights", "fp32"], "fp32"),
 ])
 def test_expert_weights_auto_is_bf16_master_where_it_runs(args, want):
-    """--expert-weights auto (the default): bf16-master on CUDA with one micro-batch a step, fp32 on the host backend
-    (which computes in fp32) and with --grad-accum (bf16 gradients would accumulate in bf16)."""
+    """--expert-weights auto (the default): bf16-master on CUDA (with --grad-accum too: MasterAdamW then sums the
+    micro-batches' gradients in fp32), fp32 on the host backend (which computes in fp32)."""
     assert train.parse_args(TINY + ["--moe", "rdep"] + args).expert_weights == want
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_expert_master_weights_train_like_fp32_experts_on_cuda(ranks):
+@pytest.mark.parametrize("ranks, accum", [(1, 1), (2, 1), (1, 2)])
+def test_expert_master_weights_train_like_fp32_experts_on_cuda(ranks, accum):
     """The same model from the same weights with fp32 experts (cast per call) and with bf16 experts under
     MasterAdamW: the first step's loss is the same (the same bf16 weights reach the GEMMs), later ones agree to
-    the gradients' bf16 rounding, and both fall; also with 2 ranks sharing the GPU (each holding half the experts)."""
-    cuda = [x if x != "cpu" else "cuda" for x in TINY] + ["--ranks-per-process", str(ranks)]
+    the gradients' bf16 rounding, and both fall; also with 2 ranks sharing the GPU (each holding half the experts),
+    and with two micro-batches a step (MasterAdamW summing the experts' gradients in fp32)."""
+    cuda = [x if x != "cpu" else "cuda" for x in TINY] + ["--ranks-per-process", str(ranks), "--grad-accum", str(accum)]
     fp32 = train.main(cuda + ["--moe", "rdep", "--expert-weights", "fp32"])["variants"][0]
     master = train.main(cuda + ["--moe", "rdep", "--expert-weights", "bf16-master"])["variants"][0]
     assert "MasterAdamW" in master["label"] and "MasterAdamW" not in fp32["label"]

@@ -150,7 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "torch's AdamW), or bf16-master: bf16 expert weights and gradients with fp32 master weights in "
                         "rdep.torch.MasterAdamW (one fused pass a tensor updates the master, the moments and the bf16 "
                         "weight; no casts, half the gradient bytes, the clip's coefficient applied in that pass; the same "
-                        "bytes of memory per weight). auto (default): bf16-master on CUDA with --grad-accum 1, else fp32. "
+                        "bytes of memory per weight; with --grad-accum the micro-batches' gradients are summed in fp32, "
+                        "MasterAdamW(fp32_grads=True): 4 bytes more a weight). auto (default): bf16-master on CUDA, "
+                        "fp32 on the host backend. "
                         "The initial weights are the same fp32 values; the receipt's label says which ran")
     p.add_argument("--baseline-expert-weights", choices=("fp32", "bf16-master"), default="fp32",
                    help="the baseline's routed experts (TorchTitan's or the reference MoE): fp32 (default, as TorchTitan "
@@ -201,17 +203,14 @@ def parse_args(argv=None) -> argparse.Namespace:
               (a.grad_accum < 1, f"--grad-accum: expected an int >= 1, got {a.grad_accum}"),
               (a.expert_weights == "bf16-master" and a.device != "cuda", "--expert-weights bf16-master: needs --device "
                "cuda (the host backend computes in fp32)"),
-              (a.expert_weights == "bf16-master" and a.grad_accum > 1, "--expert-weights bf16-master: bf16 gradients "
-               "would accumulate over --grad-accum micro-batches in bf16; use fp32 expert weights with --grad-accum"),
               (a.baseline_expert_weights == "bf16-master" and a.device != "cuda", "--baseline-expert-weights "
                "bf16-master: needs --device cuda"),
-              (a.baseline_expert_weights == "bf16-master" and a.grad_accum > 1, "--baseline-expert-weights bf16-master: "
-               "bf16 gradients would accumulate over --grad-accum micro-batches in bf16")]
+]
     for bad, why in refuse:
         if bad:
             p.error(why)
-    if a.expert_weights == "auto":  # bf16 gradients would accumulate in bf16 over micro-batches
-        a.expert_weights = "bf16-master" if a.device == "cuda" and a.grad_accum == 1 else "fp32"
+    if a.expert_weights == "auto":
+        a.expert_weights = "bf16-master" if a.device == "cuda" else "fp32"
     return a
 
 

@@ -51,7 +51,8 @@ class MasterExpertOptimizer:
     over the routed experts (bf16 weights and
     gradients, fp32 master weights and moments: no casts, and half the gradient bytes), torch's fused AdamW over
     the rest, the same hyperparameters. The clip's coefficient reaches the experts through MasterAdamW's step
-    (grad_multiplier) instead of a pass over their gradients."""
+    (grad_multiplier) instead of a pass over their gradients. With --grad-accum the experts' micro-batch gradients
+    are summed in fp32 (MasterAdamW(fp32_grads=True): each expert weight's `main_grad`)."""
 
     def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
         self.dense, self.experts = dense, experts
@@ -88,7 +89,7 @@ def make_optimizer(model: MoonlightLM, a, device, kind: str = ""):
 
     expert_params = [p for p in model.parameters() if id(p) in experts]  # all >= 2-dim: decayed
     return MasterExpertOptimizer(dense, rt.MasterAdamW(expert_params, lr=a.lr, betas=BETAS, eps=EPS,
-                                                       weight_decay=a.weight_decay))
+                                                       weight_decay=a.weight_decay, fp32_grads=a.grad_accum > 1))
 
 
 def lr_at(step: int, a) -> float:
@@ -129,8 +130,8 @@ def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_expert
     after the step). Multi-tensor kernels, as
     torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
     the norms, no temporary the size of a gradient, one pass to scale."""
-    def sq(ps):
-        gs = [p.grad for p in ps if p.grad is not None]
+    def sq(ps):  # a parameter's gradient: its main_grad where MasterAdamW(fp32_grads=True) sums them in fp32
+        gs = [g for g in (getattr(p, "main_grad", None) if p.grad is None else p.grad for p in ps) if g is not None]
         if not gs:
             return torch.zeros((), dtype=torch.float32, device=dd.device)
         return torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum()

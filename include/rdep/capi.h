@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 21
+#define RDEP_CAPI_VERSION 22
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -378,7 +378,8 @@ int rdep_layer_dispatch_backward(rdep_layer* layer, int64_t ctx, const rdep_rank
 
 /* Version 21. AdamW over bf16 parameters with fp32 master weights (rdep.torch.MasterAdamW; the update is
  * torch.optim.AdamW's, written out in rdep/optim/master_adamw.h): for each tensor the fp32 master weight,
- * exp_avg and exp_avg_sq are updated in place from the bf16 gradient (times *grad_scale when grad_scale is
+ * exp_avg and exp_avg_sq are updated in place from the gradient (bf16, or from version 22 fp32 as grad_dtype
+ * says: a gradient accumulated in fp32 over micro-batches; times *grad_scale when grad_scale is
  * not null: e.g. a gradient-norm clip's coefficient, left on the device), and param receives the master
  * weight rounded to bf16. step is this update's count (1 for the first), which the bias corrections use.
  * device -1: every pointer (grad_scale too) is host memory and the update runs on the calling thread;
@@ -386,13 +387,16 @@ int rdep_layer_dispatch_backward(rdep_layer* layer, int64_t ctx, const rdep_rank
  * on that device, 0 for the legacy default stream) and the call returns without waiting. Everything is
  * checked (hyperparameter ranges, numel, null or overlapping arrays, naming the tensor) before any tensor
  * is touched. */
+#define RDEP_ADAMW_GRAD_BF16 0
+#define RDEP_ADAMW_GRAD_FP32 1
 typedef struct rdep_adamw_tensor {
   float* master;      /* fp32 [numel] */
   float* exp_avg;     /* fp32 [numel] */
   float* exp_avg_sq;  /* fp32 [numel] */
-  const void* grad;   /* bf16 [numel] */
+  const void* grad;   /* bf16 or fp32 [numel], as grad_dtype says */
   void* param;        /* bf16 [numel] */
   int64_t numel;
+  int32_t grad_dtype; /* version 22: RDEP_ADAMW_GRAD_BF16 or RDEP_ADAMW_GRAD_FP32 */
 } rdep_adamw_tensor;
 typedef struct rdep_adamw_step {
   double lr; /* the hyperparameters in double, as torch's (1 - beta2 and the bias corrections are taken in double) */

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 21  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 22  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -122,14 +122,16 @@ RANK_ROWS_FIELDS = (
     ("reserved", "int64_t"),
 )
 
-ADAMW_TENSOR_FIELDS = (  # version 21
+ADAMW_TENSOR_FIELDS = (  # version 22
     ("master", "float*"),
     ("exp_avg", "float*"),
     ("exp_avg_sq", "float*"),
     ("grad", "const void*"),
     ("param", "void*"),
     ("numel", "int64_t"),
+    ("grad_dtype", "int32_t"),
 )
+ADAMW_GRAD_BF16, ADAMW_GRAD_FP32 = 0, 1  # rdep_adamw_tensor.grad_dtype
 
 ADAMW_STEP_FIELDS = (  # version 21
     ("lr", "double"),

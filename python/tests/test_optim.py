@@ -272,29 +272,156 @@ def _moe(dtype, device):
 
 
 @needs_cuda
-def test_trains_rdep_experts_like_fp32_master_weights():
+@pytest.mark.parametrize("micro", [1, 2])
+def test_trains_rdep_experts_like_fp32_master_weights(micro):
     """rdep.torch.MoE with bf16 experts (bf16 weight gradients from the layer) under MasterAdamW against the same
     module with fp32 experts (cast per call, fp32 gradients) under torch's AdamW: the master weights agree to the
-    gradients' bf16 rounding over a few steps; the fp32 module's weights are its masters."""
+    gradients' bf16 rounding over a few steps; the fp32 module's weights are its masters. With two micro-batches a
+    step, MasterAdamW(fp32_grads=True) sums the layer's bf16 gradients in fp32, as the fp32 module's autograd does."""
     torch.manual_seed(0)
     a, b = _moe(torch.float32, "cuda"), _moe(torch.float32, "cuda")
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.AdamW(a.expert_parameters(), lr=1e-3, weight_decay=0.1)
-    opt_b = rt.MasterAdamW(b.expert_parameters(), lr=1e-3, weight_decay=0.1)  # adopts: b's experts become bf16
+    opt_b = rt.MasterAdamW(b.expert_parameters(), lr=1e-3, weight_decay=0.1, fp32_grads=micro > 1)  # adopts: bf16
     assert b.w1.dtype == torch.bfloat16
     for step in range(3):
-        x = torch.randn(128, 64, device="cuda")
-        ya = a(x).y
-        yb = b(x).y
-        if step == 0:  # the same bf16 weights: a's casts of its fp32 values, b's adopted parameters
-            assert torch.equal(yb, ya)
-        for m, y, o in ((a, ya, opt_a), (b, yb, opt_b)):
-            m.zero_grad(set_to_none=True)
-            (y.float() ** 2).mean().backward()
+        xs = [torch.randn(128, 64, device="cuda") for _ in range(micro)]
+        for m, o in ((a, opt_a), (b, opt_b)):
+            for k, x in enumerate(xs):
+                y = m(x).y
+                if step == 0 and k == 0:  # the same bf16 weights: a's casts of its fp32 values, b's adopted parameters
+                    if m is a:
+                        ya = y.detach()
+                    else:
+                        assert torch.equal(y, ya)
+                (y.float() ** 2).mean().backward()
             o.step()
-        assert b.w1.grad.dtype == torch.bfloat16
+            o.zero_grad()
+        if micro > 1:
+            assert b.w1.grad is None and b.w1.main_grad.dtype == torch.float32
     for pa, pb in zip(a.expert_parameters(), b.expert_parameters()):
         master = opt_b.state[pb]["master"]
         err = (master - pa.detach()).abs().max().item() / pa.detach().abs().max().item()
         assert err < 2e-3, f"master weights drifted from the fp32 run: {err:.3g}"
         assert torch.equal(pb.detach(), master.to(torch.bfloat16))
+
+
+def _backward_through(params, grads) -> None:
+    """One backward pass whose gradient for each bf16 parameter is exactly the given bf16 tensor."""
+    sum((p * g).float().sum() for p, g in zip(params, grads)).backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_grads_accumulate_micro_batches_in_fp32(device):
+    """fp32_grads: each backward's bf16 gradient lands in main_grad (copied, then added in fp32), param.grad is None
+    after it, and the step matches torch's AdamW given the fp32 sums. Summed in bf16 instead, the gradients differ."""
+    shapes = [(64, 33), (7,), (1,)]
+    hyper = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    ref = _params(shapes, 11, device)
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt, ref_opt = rt.MasterAdamW(mine, fp32_grads=True, **hyper), torch.optim.AdamW(ref, **hyper)
+    for step in range(3):
+        micro = [_grads(shapes, 500 + 10 * step + j, device) for j in range(4)]
+        for gs in micro:
+            _backward_through(mine, gs)
+            assert all(p.grad is None for p in mine), "the hook moves each gradient into main_grad"
+        sums = [sum(gs[i].float() for gs in micro) for i in range(len(shapes))]  # fp32, in the hook's order
+        for i, (p, s) in enumerate(zip(mine, sums)):
+            assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, s), f"main_grad {i}"
+        in_bf16 = micro[0][0]
+        for gs in micro[1:]:
+            in_bf16 = in_bf16 + gs[0]
+        assert not torch.equal(in_bf16.float(), sums[0]), "bf16 sums round: the test would see them"
+        for r, s in zip(ref, sums):
+            r.grad = s
+        opt.step()
+        ref_opt.step()
+        _check_close(mine, opt, ref, ref_opt, f"step {step + 1}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_grads_zero_grad_and_direct_gradients(device):
+    shapes = [(10, 3), (5,)]
+    mine = _params(shapes, 12, device)
+    opt = rt.MasterAdamW(mine, lr=1e-3, fp32_grads=True)
+    first, second = _grads(shapes, 600, device), _grads(shapes, 601, device)
+    _backward_through(mine, first)
+    opt.step()
+    assert all(torch.equal(p.main_grad, g.float()) for p, g in zip(mine, first)), "a step leaves the gradients"
+    opt.zero_grad()  # set_to_none: the buffers are not rewritten, the next backward overwrites them
+    _backward_through(mine, second)
+    assert all(torch.equal(p.main_grad, g.float()) for p, g in zip(mine, second)), "overwritten, not added"
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.main_grad) == 0 for p in mine)
+    mine[0].grad = first[0].clone()  # assigned directly: accumulated as a backward's would be
+    opt.step()
+    assert torch.equal(mine[0].main_grad, first[0].float()) and mine[0].grad is None
+    assert opt.state[mine[1]]["step"] == 2, "zeroed (not emptied) gradients still step, as torch's"
+    opt.zero_grad()
+    opt.step()  # no gradients at all: nothing moves
+    assert opt.state[mine[0]]["step"] == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_clip_grad_norm_matches_torch(device, fp32_grads):
+    """opt.clip_grad_norm_ returns the norm torch's clip_grad_norm_ finds on fp32 copies of the gradients the step
+    reads, and the step applies the coefficient (times any grad_multiplier) as torch's clipped gradients would."""
+    shapes = [(40, 40), (17,), (9, 9)]
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.05)
+    ref = _params(shapes, 13, device)
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt, ref_opt = rt.MasterAdamW(mine, fp32_grads=fp32_grads, **hyper), torch.optim.AdamW(ref, **hyper)
+    mult = torch.tensor(0.5, device=device)
+    for step in range(2):
+        micro = [_grads(shapes, 700 + 10 * step + j, device) for j in range(2 if fp32_grads else 1)]
+        for gs in micro:
+            if fp32_grads:
+                _backward_through(mine, gs)
+            else:
+                for p, g in zip(mine, gs):
+                    p.grad = g.clone()
+        for i, r in enumerate(ref):
+            r.grad = sum(gs[i].float() for gs in micro)
+        total = opt.clip_grad_norm_(0.01)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref, 0.01)
+        torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=0)
+        assert ref_total.item() > 0.01, "the clip must bite for this test to mean anything"
+        with_mult = step == 1
+        if with_mult:
+            for r in ref:
+                r.grad.mul_(mult)
+        opt.step(grad_multiplier=mult if with_mult else None)
+        ref_opt.step()
+        _check_close(mine, opt, ref, ref_opt, f"step {step + 1}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    with pytest.raises(ValueError, match=r"^max_norm: expected a number >= 0"):
+        opt.clip_grad_norm_(-1.0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_cuda_matches_the_host_reference_bitwise_fp32_grads(fp32_grads):
+    """The CUDA kernel over fp32 main_grads (and bf16 grads) against the host path, bit for bit, over micro-batches."""
+    shapes = [(1000, 7), (4099,), (33, 129)]
+    cpu = _params(shapes, 15, "cpu")
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    oc = rt.MasterAdamW(cpu, lr=3e-4, weight_decay=0.1, fp32_grads=fp32_grads)
+    og = rt.MasterAdamW(gpu, lr=3e-4, weight_decay=0.1, fp32_grads=fp32_grads)
+    for step in range(3):
+        for j in range(3 if fp32_grads else 1):
+            gs = _grads(shapes, 90 + 10 * step + j, "cpu")
+            _backward_through(cpu, gs)
+            _backward_through(gpu, [g.cuda() for g in gs])
+        # A fixed multiplier: a clip's norm is reduced in another order on each device, its last bit may differ.
+        oc.step(grad_multiplier=torch.tensor(0.7))
+        og.step(grad_multiplier=torch.tensor(0.7, device="cuda"))
+        oc.zero_grad()
+        og.zero_grad()
+    for p, q in zip(cpu, gpu):
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(og.state[q][k].cpu(), oc.state[p][k]), k
+        assert torch.equal(q.detach().cpu(), p.detach())

@@ -13,7 +13,8 @@ namespace rdep::capi {
 namespace {
 
 optim::MasterTensor TensorOf(const rdep_adamw_tensor& t) {
-  return {t.master, t.exp_avg, t.exp_avg_sq, static_cast<const uint16_t*>(t.grad), static_cast<uint16_t*>(t.param), t.numel};
+  return {t.master, t.exp_avg, t.exp_avg_sq, t.grad, static_cast<uint16_t*>(t.param), t.numel,
+          static_cast<optim::GradDtype>(t.grad_dtype)};
 }
 
 #if defined(RDEP_HAVE_CUDA)

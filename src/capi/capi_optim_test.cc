@@ -29,7 +29,7 @@ struct Arrays {
     }
   }
   rdep_adamw_tensor Abi() {
-    return {master.data(), m.data(), v.data(), grad.data(), param.data(), static_cast<int64_t>(master.size())};
+    return {master.data(), m.data(), v.data(), grad.data(), param.data(), static_cast<int64_t>(master.size()), RDEP_ADAMW_GRAD_BF16};
   }
   optim::MasterTensor Ref() {
     return {master.data(), m.data(), v.data(), grad.data(), param.data(), static_cast<int64_t>(master.size())};
@@ -64,6 +64,31 @@ TEST(CApiMasterAdamW, HostPathIsTheReference) {
   EXPECT_EQ(a.param, ra.param);
   EXPECT_EQ(b.master, rb.master);
   EXPECT_EQ(b.param, rb.param);
+}
+
+TEST(CApiMasterAdamW, Fp32GradientsOnTheHostPathAreTheReference) {
+  Arrays a(1001, 7), ra(1001, 7);
+  std::vector<float> g32(a.master.size());
+  std::mt19937 rng(8);
+  std::normal_distribution<float> d(0.f, 0.01f);
+  for (float& x : g32) x = d(rng);  // not bf16 values
+  rdep_adamw_tensor t = a.Abi();
+  t.grad = g32.data();
+  t.grad_dtype = RDEP_ADAMW_GRAD_FP32;
+  rdep_adamw_step s = HostStep();
+  ASSERT_EQ(rdep_master_adamw(&t, 1, &s), 0) << rdep_last_error();
+  optim::MasterTensor r = ra.Ref();
+  r.grad = g32.data();
+  r.grad_dtype = optim::GradDtype::kFp32;
+  optim::MasterAdamWHost(r, optim::Coeffs({s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step}), nullptr);
+  EXPECT_EQ(a.master, ra.master);
+  EXPECT_EQ(a.m, ra.m);
+  EXPECT_EQ(a.v, ra.v);
+  EXPECT_EQ(a.param, ra.param);
+  t.grad_dtype = 7;
+  EXPECT_NE(rdep_master_adamw(&t, 1, &s), 0);
+  EXPECT_NE(std::string(rdep_last_error()).find("adamw tensor 0: grad_dtype must be 0 (bf16) or 1 (fp32), got 7"), std::string::npos)
+      << rdep_last_error();
 }
 
 TEST(CApiMasterAdamW, ErrorsNameTheFieldAndTouchNothing) {

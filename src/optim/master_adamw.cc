@@ -23,7 +23,7 @@ float LerpMoment(float m, float g, const AdamWCoeffs& c) {
 std::array<ByteRange, 5> ArraysOf(const MasterTensor& t) {
   const auto n = static_cast<size_t>(std::max<int64_t>(t.numel, 0));
   return {{{"master", t.master, n * 4}, {"exp_avg", t.exp_avg, n * 4}, {"exp_avg_sq", t.exp_avg_sq, n * 4},
-           {"grad", t.grad, n * 2}, {"param", t.param, n * 2}}};
+           {"grad", t.grad, n * GradBytes(t.grad_dtype)}, {"param", t.param, n * 2}}};
 }
 
 Status CheckHyper(const AdamWHyper& h) {
@@ -55,6 +55,8 @@ AdamWCoeffs Coeffs(const AdamWHyper& h) {
 Status CheckTensor(const MasterTensor& t, int32_t index) {
   const std::string what = "adamw tensor " + std::to_string(index);
   if (t.numel < 0) return InvalidArgument(what + ": numel must be >= 0, got " + std::to_string(t.numel));
+  if (t.grad_dtype != GradDtype::kBf16 && t.grad_dtype != GradDtype::kFp32)
+    return InvalidArgument(what + ": grad_dtype must be 0 (bf16) or 1 (fp32), got " + std::to_string(static_cast<int32_t>(t.grad_dtype)));
   if (t.numel == 0) return Status::Ok();
   if (!t.master || !t.exp_avg || !t.exp_avg_sq || !t.grad || !t.param)
     return InvalidArgument(what + ": master, exp_avg, exp_avg_sq, grad and param must not be null");
@@ -77,8 +79,11 @@ Status CheckDisjoint(const MasterTensor& a, int32_t ia, const MasterTensor& b, i
 
 void MasterAdamWHost(const MasterTensor& t, const AdamWCoeffs& c, const float* grad_scale) {
   const float scale = grad_scale ? *grad_scale : 1.0f;
+  const auto* g16 = static_cast<const uint16_t*>(t.grad);
+  const auto* g32 = static_cast<const float*>(t.grad);
+  const bool fp32 = t.grad_dtype == GradDtype::kFp32;
   for (int64_t i = 0; i < t.numel; ++i) {
-    const float g = Bf16BitsToFloat(t.grad[i]) * scale;  // exact when unscaled (scale 1)
+    const float g = (fp32 ? g32[i] : Bf16BitsToFloat(g16[i])) * scale;  // exact when unscaled (scale 1)
     float w = t.master[i] * c.decay;
     const float m = LerpMoment(t.exp_avg[i], g, c);
     const float gg = g * g;

@@ -19,35 +19,45 @@
 namespace rdep::optim {
 namespace {
 
+// A tensor's arrays; the gradient in bf16 (grad) or, with fp32_grad, in fp32 (grad32: values bf16 cannot hold,
+// so a gradient rounded to bf16 anywhere would show).
 struct State {
   std::vector<float> master, m, v;
   std::vector<uint16_t> grad, param;
+  std::vector<float> grad32;
+  bool fp32_grad = false;
+  double GradAt(size_t i) const { return fp32_grad ? double{grad32[i]} : double{Bf16BitsToFloat(grad[i])}; }
 };
 
-State RandomState(int64_t n, uint32_t seed, bool fresh_moments) {
+State RandomState(int64_t n, uint32_t seed, bool fresh_moments, bool fp32_grad = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> w(0.f, 0.02f), g(0.f, 1e-3f);
   std::uniform_real_distribution<float> mom(-1e-3f, 1e-3f), sq(0.f, 1e-6f);
   State s;
+  s.fp32_grad = fp32_grad;
   for (int64_t i = 0; i < n; ++i) {
     s.master.push_back(w(rng));
     s.m.push_back(fresh_moments ? 0.f : mom(rng));
     s.v.push_back(fresh_moments ? 0.f : sq(rng));
-    s.grad.push_back(FloatToBf16Bits(g(rng)));
+    const float gi = g(rng);
+    s.grad.push_back(FloatToBf16Bits(gi));
+    s.grad32.push_back(gi);
     s.param.push_back(FloatToBf16Bits(s.master.back()));
   }
   return s;
 }
 
 MasterTensor View(State& s) {
-  return {s.master.data(), s.m.data(), s.v.data(), s.grad.data(), s.param.data(), static_cast<int64_t>(s.master.size())};
+  const void* grad = s.fp32_grad ? static_cast<const void*>(s.grad32.data()) : static_cast<const void*>(s.grad.data());
+  return {s.master.data(), s.m.data(), s.v.data(), grad, s.param.data(), static_cast<int64_t>(s.master.size()),
+          s.fp32_grad ? GradDtype::kFp32 : GradDtype::kBf16};
 }
 
 // The update in double from the same inputs (master_adamw.h's formula).
 void ExpectMatchesDouble(const State& before, const State& after, const AdamWHyper& h, double scale) {
   const double bc1 = 1.0 - std::pow(double{h.beta1}, double(h.step)), bc2 = 1.0 - std::pow(double{h.beta2}, double(h.step));
   for (size_t i = 0; i < before.master.size(); ++i) {
-    const double g = double{Bf16BitsToFloat(before.grad[i])} * scale;
+    const double g = before.GradAt(i) * scale;
     const double m = before.m[i] + (1.0 - h.beta1) * (g - before.m[i]);
     const double v = h.beta2 * double{before.v[i]} + (1.0 - h.beta2) * g * g;
     const double update = h.lr / bc1 * m / (std::sqrt(v) / std::sqrt(bc2) + h.eps);
@@ -72,6 +82,22 @@ TEST(MasterAdamWHost, MatchesTheUpdateInDoubleOverSteps) {
     std::normal_distribution<float> g(0.f, 1e-3f);
     for (auto& x : s.grad) x = FloatToBf16Bits(g(rng));
   }
+}
+
+TEST(MasterAdamWHost, Fp32GradientsAreReadUnrounded) {
+  State s = RandomState(4099, 21, /*fresh_moments=*/false, /*fp32_grad=*/true);
+  const AdamWHyper h{6e-4, 0.9, 0.95, 1e-8, 0.1, 4};
+  const State before = s;
+  const float scale = 0.83f;
+  MasterAdamWHost(View(s), Coeffs(h), &scale);
+  ExpectMatchesDouble(before, s, h, double{scale});
+  // The same update from the gradients rounded to bf16 differs: the fp32 values were used as they are.
+  State rounded = before;
+  rounded.fp32_grad = false;
+  MasterAdamWHost(View(rounded), Coeffs(h), &scale);
+  size_t differ = 0;
+  for (size_t i = 0; i < s.m.size(); ++i) differ += s.m[i] != rounded.m[i];
+  EXPECT_GT(differ, s.m.size() / 2);
 }
 
 TEST(MasterAdamWHost, ScalesTheGradient) {
@@ -155,6 +181,16 @@ TEST(MasterAdamWChecks, TensorsAreNamed) {
   t = View(s);
   t.param = const_cast<uint16_t*>(s.grad.data());
   EXPECT_NE(CheckTensor(t, 0).message().find("grad and param overlap"), std::string::npos);
+  t = View(s);
+  t.grad_dtype = static_cast<GradDtype>(2);
+  EXPECT_NE(CheckTensor(t, 5).message().find("adamw tensor 5: grad_dtype must be 0 (bf16) or 1 (fp32), got 2"), std::string::npos);
+  // An fp32 gradient spans 4 bytes an element: a param starting halfway through it overlaps it.
+  State wide = RandomState(16, 6, true, /*fp32_grad=*/true);
+  t = View(wide);
+  t.param = reinterpret_cast<uint16_t*>(wide.grad32.data() + 8);
+  EXPECT_NE(CheckTensor(t, 0).message().find("grad and param overlap"), std::string::npos);
+  t.grad_dtype = GradDtype::kBf16;  // as bf16 the same gradient ends where that param starts
+  EXPECT_TRUE(CheckTensor(t, 0).ok());
   t = MasterTensor{};
   EXPECT_TRUE(CheckTensor(t, 0).ok()) << "an empty tensor needs no arrays";
   State other = RandomState(16, 5, true);
@@ -206,24 +242,27 @@ void Download(const Guarded<T>& d, T poison, std::vector<T>* host, const char* n
   cudaFree(d.base);
 }
 
-void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed, double beta1 = 0.9) {
+void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed, double beta1 = 0.9, bool fp32_grad = false) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  SCOPED_TRACE("numel " + std::to_string(n) + " skew " + std::to_string(skew) + (scaled ? " grad_scale" : ""));
-  State host = RandomState(n, seed, /*fresh_moments=*/false);
+  SCOPED_TRACE("numel " + std::to_string(n) + " skew " + std::to_string(skew) + (scaled ? " grad_scale" : "") +
+               (fp32_grad ? " fp32 grad" : ""));
+  State host = RandomState(n, seed, /*fresh_moments=*/false, fp32_grad);
   const float nanf = std::nanf("");
   const uint16_t nanb = 0x7FC1;
-  Guarded<float> w, m, v, scale;
+  Guarded<float> w, m, v, scale, g32;
   Guarded<uint16_t> g, p;
   ASSERT_TRUE(Upload(host.master, skew, nanf, &w).ok());
   ASSERT_TRUE(Upload(host.m, skew, nanf, &m).ok());
   ASSERT_TRUE(Upload(host.v, skew, nanf, &v).ok());
   ASSERT_TRUE(Upload(host.grad, skew, nanb, &g).ok());
+  ASSERT_TRUE(Upload(host.grad32, skew, nanf, &g32).ok());
   std::vector<uint16_t> poisoned_param(static_cast<size_t>(n), nanb);  // the kernel writes every element
   ASSERT_TRUE(Upload(poisoned_param, skew, nanb, &p).ok());
   const float s = 0.61f;
   ASSERT_TRUE(Upload(std::vector<float>{s}, 0, nanf, &scale).ok());
   const AdamWHyper h{3e-4, beta1, 0.95, 1e-8, 0.1, 11};
-  const MasterTensor dev{w.data(), m.data(), v.data(), g.data(), p.data(), n};
+  const MasterTensor dev{w.data(), m.data(), v.data(), fp32_grad ? static_cast<const void*>(g32.data()) : g.data(), p.data(), n,
+                         fp32_grad ? GradDtype::kFp32 : GradDtype::kBf16};
   ASSERT_TRUE(CheckTensor(dev, 0).ok());
   const Status launched = LaunchMasterAdamW(dev, Coeffs(h), scaled ? scale.data() : nullptr, nullptr);
   ASSERT_TRUE(launched.ok()) << launched.message();
@@ -234,6 +273,7 @@ void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed, double b
   Download(m, nanf, &got.m, "exp_avg");
   Download(v, nanf, &got.v, "exp_avg_sq");
   Download(g, nanb, &got.grad, "grad");
+  Download(g32, nanf, &got.grad32, "grad (fp32)");
   Download(p, nanb, &got.param, "param");
   std::vector<float> unused;
   Download(scale, nanf, &unused, "grad_scale");
@@ -244,6 +284,7 @@ void RunKernelCase(int64_t n, int64_t skew, bool scaled, uint32_t seed, double b
     ASSERT_EQ(std::memcmp(&got.v[k], &host.v[k], 4), 0) << "exp_avg_sq " << i;
     ASSERT_EQ(got.param[k], host.param[k]) << "param " << i;
     ASSERT_EQ(got.grad[k], host.grad[k]) << "grad " << i << " was written";
+    ASSERT_EQ(std::memcmp(&got.grad32[k], &host.grad32[k], 4), 0) << "fp32 grad " << i << " was written";
   }
 }
 
@@ -263,6 +304,12 @@ TEST(MasterAdamWCuda, MatchesHostBitwiseWithGradScale) {
 TEST(MasterAdamWCuda, MatchesHostBitwiseWithSmallBeta1) {  // the lerp's other branch
   RunKernelCase(4099, 0, false, 11, 0.3);
   RunKernelCase(1001, 1, true, 12, 0.3);
+}
+
+TEST(MasterAdamWCuda, Fp32GradsMatchHostBitwise) {  // 16-byte gradient vectors, the unaligned kernel, the multiplier
+  for (int64_t n : {1, 5, 4099, (1 << 20) + 3}) RunKernelCase(n, 0, false, static_cast<uint32_t>(n + 40), 0.9, true);
+  for (int64_t n : {7, 4099}) RunKernelCase(n, 1, true, static_cast<uint32_t>(n + 41), 0.9, true);
+  RunKernelCase(1001, 0, true, 42, 0.3, true);
 }
 
 TEST(MasterAdamWCuda, EmptyTensorLaunchesNothing) {

@@ -3,7 +3,7 @@
 // parameter (its round-to-nearest-even copy), so the model's bf16 weights need no cast before a forward.
 //
 // The update is torch.optim.AdamW's (decoupled weight decay), in fp32 on the master weight w:
-//   g  = grad * grad_scale                      (grad_scale null: 1)
+//   g  = grad * grad_scale                      (grad bf16 or fp32, read as fp32; grad_scale null: 1)
 //   w  = w * (1 - lr * weight_decay)
 //   m  = m + w * (g - m), w = 1 - beta1         (exp_avg.lerp_(g, w); for w >= 0.5, as torch's lerp,
 //                                                g - (g - m) * (1 - w))
@@ -27,14 +27,21 @@
 
 namespace rdep::optim {
 
-// One tensor's arrays, numel elements each: master, exp_avg, exp_avg_sq fp32; grad, param bf16 bits.
+// The gradient's element type: bf16 (the parameter's own gradient) or fp32 (gradients accumulated in fp32 over
+// micro-batches: rdep.torch.MasterAdamW(fp32_grads=True)).
+enum class GradDtype : int32_t { kBf16 = 0, kFp32 = 1 };
+constexpr size_t GradBytes(GradDtype d) { return d == GradDtype::kFp32 ? 4 : 2; }
+
+// One tensor's arrays, numel elements each: master, exp_avg, exp_avg_sq fp32; param bf16 bits; grad bf16 bits or
+// fp32 as grad_dtype says.
 struct MasterTensor {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
-  const uint16_t* grad = nullptr;
+  const void* grad = nullptr;
   uint16_t* param = nullptr;
   int64_t numel = 0;
+  GradDtype grad_dtype = GradDtype::kBf16;
 };
 
 // In double, as torch holds them (Python floats): 1 - beta2, the bias corrections and lr * weight_decay are
@@ -65,8 +72,8 @@ AdamWCoeffs Coeffs(const AdamWHyper& h);
 // t's five arrays as named byte ranges (master, exp_avg, exp_avg_sq, grad, param; empty when numel <= 0).
 std::array<ByteRange, 5> ArraysOf(const MasterTensor& t);
 
-// InvalidArgument naming tensor `index` and the array: null arrays (numel > 0), numel < 0, or arrays that
-// overlap one another.
+// InvalidArgument naming tensor `index` and the array: null arrays (numel > 0), numel < 0, an unknown grad_dtype,
+// or arrays that overlap one another.
 Status CheckTensor(const MasterTensor& t, int32_t index);
 // InvalidArgument naming both tensors when any array of a overlaps any array of b.
 Status CheckDisjoint(const MasterTensor& a, int32_t ia, const MasterTensor& b, int32_t ib);

@@ -21,9 +21,23 @@ and untied); a parameter listed twice is adopted once.
 
 step(grad_multiplier=t) multiplies every gradient by the 0-dim fp32 tensor t on the parameters' device (a
 gradient-norm clip's coefficient, read on the device: no host wait, no separate pass over the gradients).
-Gradients are read in bf16; the step count, hence the bias corrections, is per parameter as in torch and
-lives on the host, so the step is not for recording in a CUDA graph. state_dict() holds the fp32 masters
-and moments; load_state_dict() keeps them fp32 and writes each parameter from its master weight.
+The step count, hence the bias corrections, is per parameter as in torch and lives on the host, so the step
+is not for recording in a CUDA graph. state_dict() holds the fp32 masters and moments; load_state_dict()
+keeps them fp32 and writes each parameter from its master weight.
+
+Gradient accumulation: a bf16 parameter's gradient is bf16, so autograd sums several backward passes (micro-
+batches) in bf16, rounding at every sum. With fp32_grads=True each parameter gets `param.main_grad`, an fp32
+buffer: a hook after each backward's accumulation moves the bf16 gradient into it (copied into a fresh buffer,
+added otherwise: the sum is fp32) and sets param.grad to None, and step() reads main_grad (4 bytes an element
+more state; the update reads 16 bytes an element instead of 14). param.grad is then None after backward, so
+torch.nn.utils.clip_grad_norm_ sees nothing: clip with opt.clip_grad_norm_(max_norm), which takes the norm of
+the gradients the next step reads and folds its coefficient into that step (no pass over the gradients).
+zero_grad() empties the buffers (set_to_none=True, the default: the next backward overwrites them) or zeroes
+them (set_to_none=False).
+
+    opt = rdep.torch.MasterAdamW(params, lr=3e-4, fp32_grads=True)
+    for micro_batch in batches: loss_fn(model(micro_batch)).backward()
+    opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 """
 
 from __future__ import annotations
@@ -54,8 +68,14 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW over bf16 parameters with fp32 master weights (see the module docstring)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, fp32_grads: bool = False):
         _check_hyper(lr, betas, eps, weight_decay)
+        if not isinstance(fp32_grads, bool):
+            raise TypeError(f"fp32_grads: expected a bool, got {type(fp32_grads).__name__}")
+        self._fp32_grads = fp32_grads
+        self._filled: set = set()  # ids of parameters whose main_grad holds gradients (fp32_grads)
+        self._hooks: list = []
+        self._clip_coef: dict = {}  # device -> the coefficient clip_grad_norm_ left for the next step
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -107,6 +127,75 @@ class MasterAdamW(torch.optim.Optimizer):
         else:
             master = p.detach().float()
         self.state[p]["master"] = master
+        if self._fp32_grads:
+            p.main_grad = torch.zeros_like(master)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+
+    @torch.no_grad()
+    def _accumulate(self, p: Tensor) -> None:
+        """fp32_grads: moves p.grad (bf16) into p.main_grad (fp32), summing with what the buffer holds."""
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse or g.dtype != torch.bfloat16 or g.shape != p.shape or g.device != p.device:
+            raise ValueError(f"MasterAdamW(fp32_grads=True): a parameter of shape {list(p.shape)} got a {g.dtype} "
+                             f"gradient of shape {list(g.shape)} on {g.device}; expected a dense bf16 one of its shape "
+                             f"on {p.device}")
+        main = p.main_grad
+        if id(p) in self._filled:
+            main.add_(g)
+        else:
+            main.copy_(g)
+            self._filled.add(id(p))
+        p.grad = None
+
+    def _grad_of(self, p: Tensor) -> Optional[Tensor]:
+        """The gradient the next step reads for p (None: p is skipped): main_grad with fp32_grads, else p.grad."""
+        if not self._fp32_grads:
+            return p.grad
+        if p.grad is not None:  # a gradient assigned directly, not through backward: accumulate it as a hook would
+            self._accumulate(p)
+        return p.main_grad if id(p) in self._filled else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._clip_coef.clear()
+        if not self._fp32_grads:
+            return
+        if set_to_none:
+            self._filled.clear()  # the next backward overwrites each buffer: no pass to zero them
+            return
+        with torch.no_grad():
+            for p in _params_of(self):
+                p.main_grad.zero_()
+                self._filled.add(id(p))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the gradients the next step reads (main_grad with fp32_grads):
+        returns their total norm as a 0-dim fp32 tensor, and the next step multiplies every gradient by
+        min(1, max_norm / (norm + 1e-6)) in its own pass (the gradients are not rewritten). The norm is that of
+        the gradients as they are now, before any grad_multiplier the step is given (which then also applies)."""
+        if not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+        grads: dict = {}
+        seen: set = set()
+        for p in _params_of(self):
+            g = None if id(p) in seen else self._grad_of(p)
+            seen.add(id(p))
+            if g is not None:
+                grads.setdefault(g.device, []).append(g)
+        if not grads:
+            return torch.tensor(0.0)
+        first = next(iter(grads))
+        norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)), norm_type).to(first)
+                 for gs in grads.values()]  # in fp32 also over bf16 gradients
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()}")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
+        self._clip_coef = {d: coef.to(d) for d in grads}
+        return total
 
     @torch.no_grad()
     def step(self, closure=None, grad_multiplier: Optional[Tensor] = None):
@@ -121,30 +210,39 @@ class MasterAdamW(torch.optim.Optimizer):
             hyper = (float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
                      float(group["weight_decay"]))
             for i, p in enumerate(group["params"]):
-                if p.grad is None or id(p) in seen:
+                if id(p) in seen:
+                    continue
+                g = self._grad_of(p)
+                if g is None:
                     continue
                 seen.add(id(p))
-                st = self._checked_state(p, f"params[{i}] of group {gi}")
-                calls.setdefault((p.device, st.get("step", 0) + 1, hyper), []).append((p, st))
+                st = self._checked_state(p, g, f"params[{i}] of group {gi}")
+                calls.setdefault((p.device, st.get("step", 0) + 1, hyper), []).append((p, g, st))
         for device in {k[0] for k in calls}:
             _check_multiplier(grad_multiplier, device)
+        multipliers = {}  # device -> the clip's coefficient times grad_multiplier, either, or None
+        for device in {k[0] for k in calls}:
+            coef = self._clip_coef.get(device)
+            multipliers[device] = grad_multiplier if coef is None else coef if grad_multiplier is None else coef * grad_multiplier
         for (device, step, hyper), tensors in calls.items():
-            for _, st in tensors:
+            for _, _, st in tensors:
                 if "exp_avg" not in st:
                     st["exp_avg"] = torch.zeros_like(st["master"])
                     st["exp_avg_sq"] = torch.zeros_like(st["master"])
                     st["step"] = 0
-            self._run(device, step, hyper, tensors, grad_multiplier)
-            for _, st in tensors:  # counted once its update is queued
+            self._run(device, step, hyper, tensors, multipliers[device])
+            for _, _, st in tensors:  # counted once its update is queued
                 st["step"] = step
+        self._clip_coef.clear()
         return loss
 
-    def _checked_state(self, p: Tensor, what: str) -> dict:
-        g = p.grad
+    def _checked_state(self, p: Tensor, g: Tensor, what: str) -> dict:
         if g.is_sparse:
             raise ValueError(f"{what}: sparse gradients are not supported")
-        if g.dtype != torch.bfloat16 or p.dtype != torch.bfloat16:
-            raise TypeError(f"{what}: expected a bf16 parameter and gradient, got {p.dtype} and {g.dtype} "
+        want = torch.float32 if self._fp32_grads else torch.bfloat16
+        if g.dtype != want or p.dtype != torch.bfloat16:
+            kind = "a bf16 parameter and an fp32 main_grad" if self._fp32_grads else "a bf16 parameter and gradient"
+            raise TypeError(f"{what}: expected {kind}, got {p.dtype} and {g.dtype} "
                             "(was the parameter's dtype changed after the optimizer adopted it?)")
         if g.shape != p.shape or not g.is_contiguous() or g.device != p.device:
             raise ValueError(f"{what}: the gradient must be contiguous, of the parameter's shape {list(p.shape)} and on "
@@ -168,9 +266,10 @@ class MasterAdamW(torch.optim.Optimizer):
         from .. import _capi as capi
 
         arr = (capi.AdamWTensor * len(tensors))()
-        for k, (p, st) in enumerate(tensors):
+        for k, (p, g, st) in enumerate(tensors):
+            dtype = capi.ADAMW_GRAD_FP32 if g.dtype == torch.float32 else capi.ADAMW_GRAD_BF16
             arr[k] = capi.AdamWTensor(st["master"].data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                                      p.grad.data_ptr(), p.data_ptr(), p.numel())
+                                      g.data_ptr(), p.data_ptr(), p.numel(), dtype)
         s = capi.AdamWStep()
         s.lr, s.beta1, s.beta2, s.eps, s.weight_decay = hyper
         s.step = step
