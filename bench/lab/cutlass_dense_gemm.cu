@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -26,6 +25,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "gemm_lab.h"
 
 #ifndef LAB_TILE_M
 #define LAB_TILE_M 128
@@ -37,14 +37,6 @@
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                            \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 #define CHECK_LT(x)                                                                          \
   do {                                                                                       \
     cublasStatus_t s_ = (x);                                                                 \
@@ -104,33 +96,11 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-Bf16* Random(size_t n, uint32_t seed) {
-  std::vector<__nv_bfloat16> h(n);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (auto& v : h) v = __float2bfloat16(u(rng));
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, n * 2));
-  CHECK_CUDA(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return static_cast<Bf16*>(p);
-}
+Bf16* Random(size_t n, uint32_t seed) { return static_cast<Bf16*>(gemm_lab::Random(n, 2, seed)); }
 
 template <class Fn>
 double P50Us(const Options& o, cudaStream_t s, Fn&& run) {
-  for (int i = 0; i < o.warmup; ++i) run();
-  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(o.iters));
-  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
-  for (size_t i = 0; i < static_cast<size_t>(o.iters); ++i) {
-    CHECK_CUDA(cudaEventRecord(ev[2 * i], s));
-    run();
-    CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CHECK_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms(static_cast<size_t>(o.iters));
-  for (size_t i = 0; i < ms.size(); ++i) CHECK_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * ms[ms.size() / 2];
+  return gemm_lab::P50Us(o.warmup, o.iters, s, run);
 }
 
 // D[m][n] = A[m][k] . B[k][n], all row-major bf16, through CUTLASS (this configuration) and cuBLASLt.
@@ -142,8 +112,8 @@ struct Problem {
 double RelDiff(const Problem& p) {
   const size_t n = static_cast<size_t>(p.m) * static_cast<size_t>(p.n);
   std::vector<__nv_bfloat16> x(n), y(n);
-  CHECK_CUDA(cudaMemcpy(x.data(), p.d_cut, n * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(y.data(), p.d_lt, n * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(x.data(), p.d_cut, n * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(y.data(), p.d_lt, n * 2, cudaMemcpyDeviceToHost));
   double mx = 0, d = 0;
   for (size_t i = 0; i < n; ++i) {
     const double a = __bfloat162float(x[i]), b = __bfloat162float(y[i]);
@@ -171,7 +141,7 @@ void RunProblem(const char* name, const Problem& p, const Options& o, cublasLtHa
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) Usage("CUTLASS cannot implement the problem");
   void* cws = nullptr;
-  CHECK_CUDA(cudaMalloc(&cws, std::max<size_t>(Gemm::get_workspace_size(args), 16)));
+  CK(cudaMalloc(&cws, std::max<size_t>(Gemm::get_workspace_size(args), 16)));
   if (gemm.initialize(args, cws, s) != cutlass::Status::kSuccess) Usage("CUTLASS initialize failed");
   // cuBLASLt, column-major: D^T (n x m) = B^T (n x k) . A^T (k x m).
   cublasLtMatmulDesc_t op;
@@ -193,10 +163,10 @@ void RunProblem(const char* name, const Problem& p, const Options& o, cublasLtHa
   };
   auto run_lt = [&] { CHECK_LT(cublasLtMatmul(lt, op, &one, p.b, la, p.a, lb, &zero, p.d_lt, ld, p.d_lt, ld, &h.algo, ws, ws_bytes, s)); };
   const double flops = 2.0 * p.m * static_cast<double>(p.n) * p.k;
-  CHECK_CUDA(cudaMemsetAsync(p.d_cut, 0xff, static_cast<size_t>(p.m) * p.n * 2, s));
+  CK(cudaMemsetAsync(p.d_cut, 0xff, static_cast<size_t>(p.m) * p.n * 2, s));
   run_cut();
   run_lt();
-  CHECK_CUDA(cudaStreamSynchronize(s));
+  CK(cudaStreamSynchronize(s));
   const double rel = RelDiff(p);
   for (int r = 0; r < o.rounds; ++r) {
     const double tc = P50Us(o, s, run_cut), tl = P50Us(o, s, run_lt);
@@ -221,7 +191,7 @@ int main(int argc, char** argv) {
     std::printf("cutlass_dense_gemm: skipped: no CUDA device\n");
     return 0;
   }
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   if (major != 9) {
     std::printf("cutlass_dense_gemm: skipped: needs sm_90 (compute capability %d.x)\n", major);
     return 0;
@@ -232,15 +202,15 @@ int main(int argc, char** argv) {
   Bf16* z = Random(R * F, 3);
   Bf16* w2 = Random(F * H, 4);
   Bf16 *d_cut = nullptr, *d_lt = nullptr;
-  CHECK_CUDA(cudaMalloc(&d_cut, R * 2 * F * 2));
-  CHECK_CUDA(cudaMalloc(&d_lt, R * 2 * F * 2));
+  CK(cudaMalloc(&d_cut, R * 2 * F * 2));
+  CK(cudaMalloc(&d_lt, R * 2 * F * 2));
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreate(&s));
+  CK(cudaStreamCreate(&s));
   cublasLtHandle_t lt;
   CHECK_LT(cublasLtCreate(&lt));
   const size_t ws_bytes = 32u << 20;
   void* ws = nullptr;
-  CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  CK(cudaMalloc(&ws, ws_bytes));
   std::printf("cutlass_dense_gemm: %s %dx%d cluster %dx%d, raster %s, swizzle %d; p50 of %d iters\n", LAB_PINGPONG ? "pingpong" : "cooperative",
               LAB_TILE_M, LAB_TILE_N, LAB_CLUSTER_M, LAB_CLUSTER_N, o.raster.c_str(), o.swizzle, o.iters);
   RunProblem("g1", {static_cast<int>(o.rows), static_cast<int>(2 * o.F), static_cast<int>(o.H), x, w1, d_cut, d_lt}, o, lt, ws, ws_bytes, s);

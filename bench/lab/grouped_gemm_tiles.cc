@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "experts/grouped_gemm_sm90.h"
+#include "gemm_lab.h"
 
 namespace {
 
@@ -30,15 +31,6 @@ using rdep::kernels::internal::GemmProblem;
 using rdep::kernels::internal::GroupedGemmKind;
 using rdep::kernels::internal::GroupedGemmSm90;
 using rdep::kernels::internal::GroupedGemmTile;
-
-#define CHECK_CUDA(x)                                                                            \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 struct Options {
   int64_t E = 16, H = 2048, F = 1408;
@@ -48,17 +40,8 @@ struct Options {
   float wgrad_beta = 1.f;
 };
 
-std::vector<std::string> SplitList(const std::string& v) {
-  std::vector<std::string> out;
-  std::stringstream ss(v);
-  for (std::string p; std::getline(ss, p, ',');)
-    if (!p.empty() && p != "all") out.push_back(p);
-  return out;
-}
-
-bool Chosen(const std::vector<std::string>& list, const std::string& name) {
-  return list.empty() || std::find(list.begin(), list.end(), name) != list.end();
-}
+using gemm_lab::Chosen;
+using gemm_lab::SplitList;
 
 Options Parse(int argc, char** argv) {
   Options o;
@@ -102,18 +85,6 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-void* Random(size_t elems, size_t elem_bytes, uint32_t seed) {
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(elems * elem_bytes, 256)));
-  std::vector<__nv_bfloat16> host(elems);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (auto& v : host) v = __float2bfloat16(u(rng));
-  if (elem_bytes == 2) CHECK_CUDA(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice));
-  else CHECK_CUDA(cudaMemset(p, 0, elems * elem_bytes));
-  return p;
-}
-
 // One GEMM of the expert MLP: its kind, leading dimensions and per-expert (m, n, k) and operands.
 struct Role {
   const char* name;
@@ -122,26 +93,8 @@ struct Role {
   float beta;
 };
 
-struct Buffers {
-  char *x, *h, *z, *y, *dout, *dz, *dh, *dx, *w1, *w2, *dw1, *dw2;
-};
-
-// The (m, n, k) and pointers of expert e with rows [off, off + m) for role r (grouped_gemm_sm90.h's layouts).
-void Group(const Role& r, const Options& o, const Buffers& b, int64_t e, int64_t off, int64_t m, GemmProblem& p, const void*& a,
-           const void*& bb, void*& d) {
-  const int64_t H = o.H, F = o.F;
-  auto at = [](char* base, int64_t elems, int64_t bytes) { return static_cast<void*>(base + elems * bytes); };
-  const std::string n = r.name;
-  if (n == "g1") { p = {int(m), int(2 * F), int(H)}; a = at(b.x, off * H, 2); bb = at(b.w1, e * H * 2 * F, 2); d = at(b.h, off * 2 * F, 2); }
-  if (n == "g2") { p = {int(m), int(H), int(F)}; a = at(b.z, off * F, 2); bb = at(b.w2, e * F * H, 2); d = at(b.y, off * H, 2); }
-  if (n == "dz") { p = {int(m), int(F), int(H)}; a = at(b.dout, off * H, 2); bb = at(b.w2, e * F * H, 2); d = at(b.dz, off * F, 2); }
-  if (n == "dx") { p = {int(m), int(H), int(2 * F)}; a = at(b.dh, off * 2 * F, 2); bb = at(b.w1, e * H * 2 * F, 2); d = at(b.dx, off * H, 2); }
-  if (n == "dw2") { p = {int(F), int(H), int(m)}; a = at(b.z, off * F, 2); bb = at(b.dout, off * H, 2); d = at(b.dw2, e * F * H, 4); }
-  if (n == "dw1") { p = {int(H), int(2 * F), int(m)}; a = at(b.x, off * H, 2); bb = at(b.dh, off * 2 * F, 2); d = at(b.dw1, e * H * 2 * F, 4); }
-  if (m == 0) p.m = 0;  // an empty group gets m = 0 (grouped_gemm_sm90.h)
-}
-
-double TimeRole(const Role& r, GroupedGemmTile tile, const Options& o, const Buffers& b, int64_t mu, cudaStream_t s, double* flops) {
+double TimeRole(const Role& r, GroupedGemmTile tile, const Options& o, const gemm_lab::MlpBuffers& b, int64_t mu, cudaStream_t s,
+                double* flops) {
   auto made = GroupedGemmSm90::Create(r.kind, static_cast<int32_t>(o.E), r.lda, r.ldb, r.ldd, 0, tile);
   if (!made.ok()) {
     std::fprintf(stderr, "%s %s: %s\n", r.name, rdep::kernels::internal::GroupedGemmTileName(tile), made.status().message().c_str());
@@ -154,28 +107,19 @@ double TimeRole(const Role& r, GroupedGemmTile tile, const Options& o, const Buf
   *flops = 0;
   for (int64_t e = 0; e < o.E; ++e) {
     const auto i = static_cast<size_t>(e);
-    Group(r, o, b, e, e * mu, mu, probs[i], pa[i], pb[i], pd[i]);
+    const gemm_lab::MlpProblem q = gemm_lab::MlpGroup(r.name, b, nullptr, e, e * mu, mu);
+    probs[i] = {q.m, q.n, q.k};
+    pa[i] = q.a, pb[i] = q.b, pd[i] = q.d;
+    if (mu == 0) probs[i].m = 0;  // an empty group gets m = 0 (grouped_gemm_sm90.h)
     *flops += 2.0 * probs[i].m * static_cast<double>(probs[i].n) * probs[i].k;
   }
-  CHECK_CUDA(cudaMemcpy(g.problems(), probs.data(), probs.size() * sizeof(GemmProblem), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(g.ptr_a(), pa.data(), pa.size() * sizeof(void*), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(g.ptr_b(), pb.data(), pb.size() * sizeof(void*), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(g.ptr_d(), pd.data(), pd.size() * sizeof(void*), cudaMemcpyHostToDevice));
-  for (int i = 0; i < o.warmup; ++i)
-    if (!g.Run(r.beta, s).ok()) return -1;
-  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(o.iters));
-  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
-  for (int i = 0; i < o.iters; ++i) {
-    CHECK_CUDA(cudaEventRecord(ev[2 * static_cast<size_t>(i)], s));
-    if (!g.Run(r.beta, s).ok()) return -1;
-    CHECK_CUDA(cudaEventRecord(ev[2 * static_cast<size_t>(i) + 1], s));
-  }
-  CHECK_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms(static_cast<size_t>(o.iters));
-  for (int i = 0; i < o.iters; ++i) CHECK_CUDA(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], ev[2 * static_cast<size_t>(i)], ev[2 * static_cast<size_t>(i) + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * ms[ms.size() / 2];  // p50, microseconds
+  CK(cudaMemcpy(g.problems(), probs.data(), probs.size() * sizeof(GemmProblem), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.ptr_a(), pa.data(), pa.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.ptr_b(), pb.data(), pb.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.ptr_d(), pd.data(), pd.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  bool ok = true;
+  const double us = gemm_lab::P50Us(o.warmup, o.iters, s, [&] { ok = g.Run(r.beta, s).ok() && ok; });
+  return ok ? us : -1;  // p50, microseconds
 }
 
 }  // namespace
@@ -188,26 +132,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int64_t E = o.E, H = o.H, F = o.F, rows = *std::max_element(o.mus.begin(), o.mus.end()) * E;
-  const auto R = static_cast<size_t>(rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F), Es = static_cast<size_t>(E);
-  Buffers b{};
-  b.x = static_cast<char*>(Random(R * Hs, 2, 1));
-  b.h = static_cast<char*>(Random(R * 2 * Fs, 2, 2));
-  b.z = static_cast<char*>(Random(R * Fs, 2, 3));
-  b.y = static_cast<char*>(Random(R * Hs, 2, 4));
-  b.dout = static_cast<char*>(Random(R * Hs, 2, 5));
-  b.dz = static_cast<char*>(Random(R * Fs, 2, 6));
-  b.dh = static_cast<char*>(Random(R * 2 * Fs, 2, 7));
-  b.dx = static_cast<char*>(Random(R * Hs, 2, 8));
-  b.w1 = static_cast<char*>(Random(Es * Hs * 2 * Fs, 2, 9));
-  b.w2 = static_cast<char*>(Random(Es * Fs * Hs, 2, 10));
-  b.dw1 = static_cast<char*>(Random(Es * Hs * 2 * Fs, 4, 11));
-  b.dw2 = static_cast<char*>(Random(Es * Fs * Hs, 4, 12));
+  const gemm_lab::MlpBuffers b = gemm_lab::AllocMlp(E, H, F, rows);
   const Role roles[] = {{"g1", GroupedGemmKind::kNN, H, 2 * F, 2 * F, 0.f},   {"g2", GroupedGemmKind::kNN, F, H, H, 0.f},
                         {"dz", GroupedGemmKind::kNT, H, H, F, 0.f},           {"dx", GroupedGemmKind::kNT, 2 * F, 2 * F, H, 0.f},
                         {"dw2", GroupedGemmKind::kTN_F32, F, H, H, o.wgrad_beta},
                         {"dw1", GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, o.wgrad_beta}};
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreate(&s));
+  CK(cudaStreamCreate(&s));
   std::printf("grouped_gemm_tiles: E=%lld H=%lld F=%lld, wgrad beta %g, p50 of %d iters; TFLOP/s = 2*m*n*k over real rows / p50\n",
               static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(F), o.wgrad_beta, o.iters);
   std::vector<GroupedGemmTile> tiles;
@@ -232,6 +163,6 @@ int main(int argc, char** argv) {
       std::printf("   %s\n", best_name);
     }
   }
-  CHECK_CUDA(cudaStreamDestroy(s));
+  CK(cudaStreamDestroy(s));
   return 0;
 }

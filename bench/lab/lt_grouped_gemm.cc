@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "experts/grouped_gemm_sm90.h"
+#include "gemm_lab.h"
 
 namespace {
 
@@ -34,15 +35,6 @@ using rdep::kernels::internal::GemmProblem;
 using rdep::kernels::internal::GroupedGemmKind;
 using rdep::kernels::internal::GroupedGemmSm90;
 using rdep::kernels::internal::GroupedGemmTile;
-
-#define CHECK_CUDA(x)                                                                            \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 // cuBLAS 13.2+'s grouped-layout enumerators, by value, so that the lab builds against an older header and
 // asks the library loaded at run time (which refuses them if it predates them).
@@ -65,17 +57,8 @@ struct Options {
   bool equal = false;
 };
 
-std::vector<std::string> SplitList(const std::string& v) {
-  std::vector<std::string> out;
-  std::stringstream ss(v);
-  for (std::string p; std::getline(ss, p, ',');)
-    if (!p.empty()) out.push_back(p);
-  return out;
-}
-
-bool Chosen(const std::vector<std::string>& list, const std::string& name) {
-  return list.empty() || std::find(list.begin(), list.end(), name) != list.end();
-}
+using gemm_lab::Chosen;
+using gemm_lab::SplitList;
 
 [[noreturn]] void Usage(const char* what) {
   std::fprintf(stderr, "lt_grouped_gemm: %s\n", what);
@@ -115,18 +98,6 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-void* Random(size_t elems, size_t elem_bytes, uint32_t seed) {
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(elems * elem_bytes, 256)));
-  std::vector<__nv_bfloat16> host(elems);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (auto& v : host) v = __float2bfloat16(u(rng));
-  if (elem_bytes == 2) CHECK_CUDA(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice));
-  else CHECK_CUDA(cudaMemset(p, 0, elems * elem_bytes));
-  return p;
-}
-
 // Per-expert row counts summing to mu * E: equal, or a uniform multinomial draw (seeded per mu).
 std::vector<int64_t> Counts(const Options& o, int64_t mu) {
   std::vector<int64_t> c(static_cast<size_t>(o.E), o.equal ? mu : 0);
@@ -137,9 +108,10 @@ std::vector<int64_t> Counts(const Options& o, int64_t mu) {
   return c;
 }
 
+// The MLP's operands, and the role's output from CUTLASS and from cuBLASLt, for the comparison.
 struct Buffers {
-  char *x, *h, *z, *y, *dout, *dz, *dh, *dx, *w1, *w2, *dw1, *dw2;
-  char *d_ref, *d_lt;  // the role's output from CUTLASS and from cuBLASLt, for the comparison
+  gemm_lab::MlpBuffers mlp;
+  char *d_ref, *d_lt;
 };
 
 // One GEMM of the expert MLP in rdep's row-major terms (grouped_gemm_sm90.h): kind, leading dimensions, and
@@ -153,39 +125,16 @@ struct Role {
 };
 
 // The (m, n, k) and pointers of expert e with rows [off, off + m) for role r; d is the role's output buffer.
-void Group(const Role& r, const Options& o, const Buffers& b, char* out, int64_t e, int64_t off, int64_t m, GemmProblem& p,
-           const void*& a, const void*& bb, void*& d) {
-  const int64_t H = o.H, F = o.F;
-  auto at = [](char* base, int64_t elems, int64_t bytes) { return static_cast<void*>(base + elems * bytes); };
-  const std::string n = r.name;
-  if (n == "g1") { p = {int(m), int(2 * F), int(H)}; a = at(b.x, off * H, 2); bb = at(b.w1, e * H * 2 * F, 2); d = at(out, off * 2 * F, 2); }
-  if (n == "g2") { p = {int(m), int(H), int(F)}; a = at(b.z, off * F, 2); bb = at(b.w2, e * F * H, 2); d = at(out, off * H, 2); }
-  if (n == "dz") { p = {int(m), int(F), int(H)}; a = at(b.dout, off * H, 2); bb = at(b.w2, e * F * H, 2); d = at(out, off * F, 2); }
-  if (n == "dx") { p = {int(m), int(H), int(2 * F)}; a = at(b.dh, off * 2 * F, 2); bb = at(b.w1, e * H * 2 * F, 2); d = at(out, off * H, 2); }
-  if (n == "dw2") { p = {int(F), int(H), int(m)}; a = at(b.z, off * F, 2); bb = at(b.dout, off * H, 2); d = at(out, e * F * H, 4); }
-  if (n == "dw1") { p = {int(H), int(2 * F), int(m)}; a = at(b.x, off * H, 2); bb = at(b.dh, off * 2 * F, 2); d = at(out, e * H * 2 * F, 4); }
-}
-
-double P50(std::vector<float>& ms) {
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * ms[ms.size() / 2];
+void Group(const Role& r, const Buffers& b, char* out, int64_t e, int64_t off, int64_t m, GemmProblem& p, const void*& a,
+           const void*& bb, void*& d) {
+  const gemm_lab::MlpProblem q = gemm_lab::MlpGroup(r.name, b.mlp, out, e, off, m);
+  p = {q.m, q.n, q.k};
+  a = q.a, bb = q.b, d = q.d;
 }
 
 template <class Fn>
 double TimeIt(const Options& o, cudaStream_t s, Fn&& run) {
-  for (int i = 0; i < o.warmup; ++i) run();
-  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(o.iters));
-  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
-  for (size_t i = 0; i < static_cast<size_t>(o.iters); ++i) {
-    CHECK_CUDA(cudaEventRecord(ev[2 * i], s));
-    run();
-    CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CHECK_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms(static_cast<size_t>(o.iters));
-  for (size_t i = 0; i < ms.size(); ++i) CHECK_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  return P50(ms);
+  return gemm_lab::P50Us(o.warmup, o.iters, s, run);
 }
 
 #define CHECK_LT(x)                                                                    \
@@ -300,7 +249,7 @@ double FillGrouped(const Role& r, const Options& o, const Buffers& b, char* out,
   int64_t off = 0;
   for (size_t e = 0; e < E; ++e) {
     const int64_t m = counts[e];
-    Group(r, o, b, out, static_cast<int64_t>(e), off, m, probs[e], pa[e], pb[e], pd[e]);
+    Group(r, b, out, static_cast<int64_t>(e), off, m, probs[e], pa[e], pb[e], pd[e]);
     off += m;
     const int64_t mm = probs[e].m, nn = probs[e].n, kk = probs[e].k;
     flops += 2.0 * static_cast<double>(mm) * static_cast<double>(nn) * static_cast<double>(kk);
@@ -311,14 +260,14 @@ double FillGrouped(const Role& r, const Options& o, const Buffers& b, char* out,
     ptrs[E + e] = const_cast<void*>(pa[e]);
     ptrs[2 * E + e] = pd[e];
   }
-  CHECK_CUDA(cudaMemcpy(g.dims, dims.data(), dims.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(g.ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.dims, dims.data(), dims.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
   if (cut) {
     for (size_t e = 0; e < E; ++e) pd[e] = static_cast<char*>(pd[e]) - out + b.d_ref;  // CUTLASS writes d_ref
-    CHECK_CUDA(cudaMemcpy(cut->problems(), probs.data(), E * sizeof(GemmProblem), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(cut->ptr_a(), pa.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(cut->ptr_b(), pb.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(cut->ptr_d(), pd.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cut->problems(), probs.data(), E * sizeof(GemmProblem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cut->ptr_a(), pa.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cut->ptr_b(), pb.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cut->ptr_d(), pd.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   }
   return flops;
 }
@@ -327,12 +276,12 @@ double FillGrouped(const Role& r, const Options& o, const Buffers& b, char* out,
 double RelDiff(const char* ref, const char* lt, size_t n, int bytes) {
   std::vector<float> a(n), c(n);
   if (bytes == 4) {
-    CHECK_CUDA(cudaMemcpy(a.data(), ref, n * 4, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(c.data(), lt, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(a.data(), ref, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(c.data(), lt, n * 4, cudaMemcpyDeviceToHost));
   } else {
     std::vector<__nv_bfloat16> ha(n), hc(n);
-    CHECK_CUDA(cudaMemcpy(ha.data(), ref, n * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(hc.data(), lt, n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(ha.data(), ref, n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hc.data(), lt, n * 2, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n; ++i) a[i] = __bfloat162float(ha[i]), c[i] = __bfloat162float(hc[i]);
   }
   double mx = 0, d = 0;
@@ -372,16 +321,10 @@ int main(int argc, char** argv) {
   const int64_t E = o.E, H = o.H, F = o.F, rows = *std::max_element(o.mus.begin(), o.mus.end()) * E;
   const auto R = static_cast<size_t>(rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F), Es = static_cast<size_t>(E);
   Buffers b{};
-  b.x = static_cast<char*>(Random(R * Hs, 2, 1));
-  b.h = static_cast<char*>(Random(R * 2 * Fs, 2, 2));
-  b.z = static_cast<char*>(Random(R * Fs, 2, 3));
-  b.dout = static_cast<char*>(Random(R * Hs, 2, 5));
-  b.dh = static_cast<char*>(Random(R * 2 * Fs, 2, 7));
-  b.w1 = static_cast<char*>(Random(Es * Hs * 2 * Fs, 2, 9));
-  b.w2 = static_cast<char*>(Random(Es * Fs * Hs, 2, 10));
+  b.mlp = gemm_lab::AllocMlp(E, H, F, rows);
   const size_t out_bytes = std::max(R * 2 * Fs * 2, Es * Hs * 2 * Fs * 4);
-  CHECK_CUDA(cudaMalloc(&b.d_ref, out_bytes));
-  CHECK_CUDA(cudaMalloc(&b.d_lt, out_bytes));
+  CK(cudaMalloc(&b.d_ref, out_bytes));
+  CK(cudaMalloc(&b.d_lt, out_bytes));
   // Default tiles as in cutlass_expert_compute.cu; the weight gradients fp32 and overwritten (beta 0).
   const Role roles[] = {{"g1", GroupedGemmKind::kNN, GroupedGemmTile::kCoop128x256, H, 2 * F, 2 * F, 2},
                         {"g2", GroupedGemmKind::kNN, GroupedGemmTile::kCoop128x256, F, H, H, 2},
@@ -390,16 +333,16 @@ int main(int argc, char** argv) {
                         {"dw2", GroupedGemmKind::kTN_F32, GroupedGemmTile::kCoop128x256, F, H, H, 4},
                         {"dw1", GroupedGemmKind::kTN_F32, GroupedGemmTile::kPing128x128C2x1, H, 2 * F, 2 * F, 4}};
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreate(&s));
+  CK(cudaStreamCreate(&s));
   cublasLtHandle_t lt;
   if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) Usage("cublasLtCreate failed");
   const size_t ws_bytes = 32u << 20;
   void* ws = nullptr;
-  CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  CK(cudaMalloc(&ws, ws_bytes));
   GroupedArrays g;
   g.E = E;
-  CHECK_CUDA(cudaMalloc(&g.dims, 9 * Es * sizeof(int64_t)));
-  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&g.ptrs), 3 * Es * sizeof(void*)));
+  CK(cudaMalloc(&g.dims, 9 * Es * sizeof(int64_t)));
+  CK(cudaMalloc(reinterpret_cast<void**>(&g.ptrs), 3 * Es * sizeof(void*)));
   std::printf("lt_grouped_gemm: cuBLASLt %zu (headers %d), E=%lld H=%lld F=%lld, routing %s, p50 of %d iters, %d rounds;"
               " TFLOP/s = 2*m*n*k over real rows / p50\n",
               cublasLtGetVersion(), CUBLAS_VERSION, static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(F),
@@ -423,7 +366,7 @@ int main(int argc, char** argv) {
       GemmProblem avg{};
       const void *pa0, *pb0;
       void* pd0;
-      Group(r, o, b, b.d_lt, 0, 0, mu, avg, pa0, pb0, pd0);
+      Group(r, b, b.d_lt, 0, 0, mu, avg, pa0, pb0, pd0);
       LtCall grouped, dense;
       const bool have_grouped = BuildLt(lt, r, avg.m, avg.n, avg.k, &g, o.algos, ws_bytes, &grouped);
       if (!have_grouped && mu == o.mus.front()) std::printf("%-4s lt grouped: %s\n", r.name, err);
@@ -456,11 +399,11 @@ int main(int argc, char** argv) {
         auto tf = [&](double us) { return us > 0 ? flops / (us * 1e-6) / 1e12 : 0.0; };
         double rel = NAN;
         if (have_grouped && round == 0) {  // both grouped outputs of this mu, compared
-          CHECK_CUDA(cudaMemsetAsync(b.d_ref, 0xff, out_bytes, s));
-          CHECK_CUDA(cudaMemsetAsync(b.d_lt, 0xff, out_bytes, s));
+          CK(cudaMemsetAsync(b.d_ref, 0xff, out_bytes, s));
+          CK(cudaMemsetAsync(b.d_lt, 0xff, out_bytes, s));
           (void)cut.Run(0.f, s);
           run_lt(best);
-          CHECK_CUDA(cudaStreamSynchronize(s));
+          CK(cudaStreamSynchronize(s));
           const size_t n = r.out_bytes == 4 ? Es * static_cast<size_t>(avg.m) * static_cast<size_t>(avg.n)
                                             : static_cast<size_t>(total) * static_cast<size_t>(avg.n);
           rel = RelDiff(b.d_ref, b.d_lt, n, r.out_bytes);
@@ -474,6 +417,6 @@ int main(int argc, char** argv) {
     }
   }
   cublasLtDestroy(lt);
-  CHECK_CUDA(cudaStreamDestroy(s));
+  CK(cudaStreamDestroy(s));
   return 0;
 }
