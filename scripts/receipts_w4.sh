@@ -138,7 +138,8 @@
 #   trainpairgaor trainpairga's two runs with rdep --owner-reduce between them
 #   trainor    trainpair, then rdep with --owner-reduce (a token's rows summed by the owner before they return)
 #   (Since the thirty-third session the example's rdep runs bf16 expert weights with MasterAdamW by default on CUDA
-#   (--expert-weights auto): the train* stages below compare with earlier receipts only with --expert-weights fp32.)
+#   (--expert-weights auto), and since the thirty-fourth also with --grad-accum (trainpairga: the micro-batches' expert
+#   gradients summed in fp32): the train* stages below compare with earlier receipts only with --expert-weights fp32.)
 #   trainmw    trainpair, then rdep with --expert-weights bf16-master (bf16 expert weights and gradients, fp32 master
 #              weights in rdep.torch.MasterAdamW)
 #   trainmwtt  TorchTitan's MoE with --baseline-expert-weights bf16-master, then rdep with bf16-master: the same optimizer

@@ -316,8 +316,23 @@ def test_expert_master_weights_train_like_fp32_experts_on_cuda(ranks, accum):
     the gradients' bf16 rounding, and both fall; also with 2 ranks sharing the GPU (each holding half the experts),
     and with two micro-batches a step (MasterAdamW summing the experts' gradients in fp32)."""
     cuda = [x if x != "cpu" else "cuda" for x in TINY] + ["--ranks-per-process", str(ranks), "--grad-accum", str(accum)]
+    import torch
+    import variant_run
+
     fp32 = train.main(cuda + ["--moe", "rdep", "--expert-weights", "fp32"])["variants"][0]
-    master = train.main(cuda + ["--moe", "rdep", "--expert-weights", "bf16-master"])["variants"][0]
+    made = []
+    real = variant_run.make_optimizer
+
+    def spy(*args, **kw):
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(variant_run, "make_optimizer", spy)
+        master = train.main(cuda + ["--moe", "rdep", "--expert-weights", "bf16-master"])["variants"][0]
+    assert made and made[0].experts._fp32_grads == (accum > 1), "micro-batches summed in fp32 with --grad-accum"
+    if accum > 1:
+        assert all(p.main_grad.dtype == torch.float32 for p in made[0].experts.param_groups[0]["params"])
     assert "MasterAdamW" in master["label"] and "MasterAdamW" not in fp32["label"]
     assert master["loss"][0] == pytest.approx(fp32["loss"][0], rel=1e-6)
     for a, b in zip(master["loss"], fp32["loss"]):

@@ -121,22 +121,24 @@ def sync_gradients(experts: list, dense: list, dd, scale_experts: bool = True) -
 
 @torch.no_grad()
 def clip_gradients(experts: list, dense: list, max_norm: float, dd, scale_experts: bool = True,
-                   expert_factor: float = 1.0):
+                   expert_factor: float = 1.0, expert_grad_of=None):
     """Global gradient norm: dense (replicated, the same on every rank) plus the sum over ranks of the
     sharded experts' squares, each expert gradient taken times expert_factor (1/W where the caller has not divided
     them yet). Clips to max_norm when max_norm > 0 (the experts' gradients only with scale_experts; else the caller
     applies the returned coefficient to them, expert_factor included); returns (the norm, the experts' coefficient:
     the clip's times expert_factor, None when that is 1) as 0-dim tensors (no host wait: the caller reads them
-    after the step). Multi-tensor kernels, as
+    after the step). expert_grad_of(p): an expert's gradient (MasterAdamW.grad_of: its fp32 main_grad with
+    fp32_grads); default p.grad. Multi-tensor kernels, as
     torch.nn.utils.clip_grad_norm_(foreach=True) and TorchTitan's trainer use: one read of each gradient for
     the norms, no temporary the size of a gradient, one pass to scale."""
-    def sq(ps):  # a parameter's gradient: its main_grad where MasterAdamW(fp32_grads=True) sums them in fp32
-        gs = [g for g in (getattr(p, "main_grad", None) if p.grad is None else p.grad for p in ps) if g is not None]
+    def sq(ps, grad_of=lambda p: p.grad):
+        gs = [g for g in map(grad_of, ps) if g is not None]
         if not gs:
             return torch.zeros((), dtype=torch.float32, device=dd.device)
         return torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum()
 
-    e2 = sq(experts) * (expert_factor * expert_factor) if expert_factor != 1.0 else sq(experts)
+    e2 = sq(experts, expert_grad_of) if expert_grad_of is not None else sq(experts)
+    e2 = e2 * (expert_factor * expert_factor) if expert_factor != 1.0 else e2
     if dd.group is not None:
         dist.all_reduce(e2, group=dd.group)
     norm = (sq(dense) + e2).sqrt()
@@ -282,7 +284,7 @@ class VariantRun:
         sync_gradients(self.experts, self.dense, self.dd, scale_experts=not folded)
         factor = 1.0 / self.dd.world if folded and self.dd.group is not None else 1.0
         gnorm, scale = clip_gradients(self.experts, self.dense, self.a.clip, self.dd, scale_experts=not folded,
-                                      expert_factor=factor)
+                                      expert_factor=factor, expert_grad_of=self.opt.experts.grad_of if folded else None)
         phases.mark("clip")
         if folded:
             self.opt.step(grad_multiplier=scale)

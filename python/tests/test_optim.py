@@ -425,3 +425,65 @@ def test_cuda_matches_the_host_reference_bitwise_fp32_grads(fp32_grads):
         for k in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(og.state[q][k].cpu(), oc.state[p][k]), k
         assert torch.equal(q.detach().cpu(), p.detach())
+
+
+def test_fp32_grads_hooks_frozen_parameters_and_a_second_optimizer():
+    """A frozen parameter is adopted without a hook; a parameter stays with one live fp32_grads optimizer (a second is
+    refused naming it, before anything is adopted); once the first is gone a new one takes its gradients."""
+    a, frozen = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    opt = rt.MasterAdamW([a, frozen], lr=1e-2, fp32_grads=True)
+    b = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match=r"params\[1\] of group 0: already trained by another live MasterAdamW"):
+        rt.MasterAdamW([b, a], fp32_grads=True)
+    assert b.dtype == torch.float32, "a refused group adopts nothing"
+    g = torch.ones(4, dtype=torch.bfloat16)
+    _backward_through([a], [g])
+    assert torch.equal(a.main_grad, g.float()) and a.grad is None
+    del opt
+    import gc
+
+    gc.collect()
+    opt2 = rt.MasterAdamW([a], lr=1e-2, fp32_grads=True)  # the dead optimizer's hook does nothing now
+    _backward_through([a], [g * 2])
+    assert opt2.grad_of(a) is not None and torch.equal(a.main_grad, (g * 2).float())
+    opt2.step()
+    assert opt2.state[a]["step"] == 1
+
+
+def test_fp32_grads_zero_grad_keeps_absent_gradients_absent():
+    """zero_grad(set_to_none=False) zeroes the gradients there are, as torch's: a parameter that had none stays
+    without one and does not step."""
+    used, unused = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2))
+    opt = rt.MasterAdamW([used, unused], lr=1e-2, fp32_grads=True)
+    _backward_through([used], [torch.ones(6, dtype=torch.bfloat16)])
+    opt.zero_grad(set_to_none=False)
+    assert opt.grad_of(unused) is None and torch.count_nonzero(opt.grad_of(used)) == 0
+    opt.step()
+    assert opt.state[used]["step"] == 1 and "step" not in opt.state[unused]
+
+
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_clip_coefficient_applies_to_the_next_step_only(fp32_grads):
+    shapes = [(30,), (4, 4)]
+    ref = _params(shapes, 17, "cpu")
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt, ref_opt = rt.MasterAdamW(mine, lr=1e-3, fp32_grads=fp32_grads), torch.optim.AdamW(ref, lr=1e-3)
+    for step in range(2):
+        gs = _grads(shapes, 800 + step, "cpu")
+        if fp32_grads:
+            _backward_through(mine, gs)
+        else:
+            for p, g in zip(mine, gs):
+                p.grad = g.clone()
+        for r, g in zip(ref, gs):
+            r.grad = g.float()
+        if step == 0:
+            opt.clip_grad_norm_(1e-4)
+            torch.nn.utils.clip_grad_norm_(ref, 1e-4)
+        opt.step()
+        ref_opt.step()
+        _check_close(mine, opt, ref, ref_opt, f"step {step + 1} ({'clipped' if step == 0 else 'not clipped'})")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    opt.clip_grad_norm_(1e-4)  # a clip with no gradients at all leaves no coefficient behind
+    assert opt._clip_coef == {}

@@ -33,7 +33,13 @@ more state; the update reads 16 bytes an element instead of 14). param.grad is t
 torch.nn.utils.clip_grad_norm_ sees nothing: clip with opt.clip_grad_norm_(max_norm), which takes the norm of
 the gradients the next step reads and folds its coefficient into that step (no pass over the gradients).
 zero_grad() empties the buffers (set_to_none=True, the default: the next backward overwrites them) or zeroes
-them (set_to_none=False).
+those that hold gradients (set_to_none=False); only the optimizer's zero_grad does: model.zero_grad() or setting
+param.grad to None leaves main_grad as it is. opt.grad_of(param) is the gradient the next step reads (main_grad
+while it holds this step's gradients, else None). Parameters trained this way must stay out of
+DistributedDataParallel's reduction (its hooks would find param.grad emptied): rdep's experts are (their gradients
+are per rank; rdep.torch.ddp_ignore_experts), and replicated parameters' main_grad is the caller's to all-reduce.
+Frozen parameters (requires_grad False) get no hook; a parameter's main_grad appears with its first gradient. A
+parameter belongs to one live MasterAdamW(fp32_grads=True) at a time (the hook holds the optimizer weakly).
 
     opt = rdep.torch.MasterAdamW(params, lr=3e-4, fp32_grads=True)
     for micro_batch in batches: loss_fn(model(micro_batch)).backward()
@@ -43,6 +49,7 @@ them (set_to_none=False).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -74,7 +81,6 @@ class MasterAdamW(torch.optim.Optimizer):
             raise TypeError(f"fp32_grads: expected a bool, got {type(fp32_grads).__name__}")
         self._fp32_grads = fp32_grads
         self._filled: set = set()  # ids of parameters whose main_grad holds gradients (fp32_grads)
-        self._hooks: list = []
         self._clip_coef: dict = {}  # device -> the coefficient clip_grad_norm_ left for the next step
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
@@ -105,6 +111,10 @@ class MasterAdamW(torch.optim.Optimizer):
                 continue
             if p.dtype not in _DTYPES:
                 raise TypeError(f"{what}: MasterAdamW takes fp32 or bf16 parameters, got {p.dtype}")
+            owner = getattr(p, "_rdep_fp32_grads_owner", lambda: None)()
+            if owner is not None and owner is not self:
+                raise ValueError(f"{what}: already trained by another live MasterAdamW(fp32_grads=True), whose hook moves "
+                                 "its gradients into main_grad; delete that optimizer first")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{what}: on {p.device}; MasterAdamW runs on CPU and CUDA tensors")
             if not p.is_contiguous():
@@ -127,9 +137,16 @@ class MasterAdamW(torch.optim.Optimizer):
         else:
             master = p.detach().float()
         self.state[p]["master"] = master
-        if self._fp32_grads:
-            p.main_grad = torch.zeros_like(master)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+        if self._fp32_grads and p.requires_grad:
+            ref = weakref.ref(self)  # the hook keeps no optimizer alive; a dead one's hook does nothing
+            p._rdep_fp32_grads_owner = ref
+
+            def hook(param: Tensor, ref=ref) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._accumulate(param)
+
+            p.register_post_accumulate_grad_hook(hook)
 
     @torch.no_grad()
     def _accumulate(self, p: Tensor) -> None:
@@ -138,10 +155,13 @@ class MasterAdamW(torch.optim.Optimizer):
         if g is None:
             return
         if g.is_sparse or g.dtype != torch.bfloat16 or g.shape != p.shape or g.device != p.device:
-            raise ValueError(f"MasterAdamW(fp32_grads=True): a parameter of shape {list(p.shape)} got a {g.dtype} "
-                             f"gradient of shape {list(g.shape)} on {g.device}; expected a dense bf16 one of its shape "
-                             f"on {p.device}")
-        main = p.main_grad
+            raise TypeError(f"MasterAdamW(fp32_grads=True): a parameter of shape {list(p.shape)} got a {g.dtype} "
+                            f"gradient of shape {list(g.shape)} on {g.device}; expected a dense bf16 one of its shape "
+                            f"on {p.device} (was the parameter's dtype changed after the optimizer adopted it?)")
+        main = getattr(p, "main_grad", None)
+        if main is None or main.shape != p.shape or main.device != p.device:
+            main = p.main_grad = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            self._filled.discard(id(p))
         if id(p) in self._filled:
             main.add_(g)
         else:
@@ -149,8 +169,12 @@ class MasterAdamW(torch.optim.Optimizer):
             self._filled.add(id(p))
         p.grad = None
 
+    def grad_of(self, p: Tensor) -> Optional[Tensor]:
+        """The gradient the next step reads for p (None: p is skipped): with fp32_grads its main_grad while that holds
+        this step's gradients (a gradient assigned to p.grad directly is moved there first), else p.grad."""
+        return self._grad_of(p)
+
     def _grad_of(self, p: Tensor) -> Optional[Tensor]:
-        """The gradient the next step reads for p (None: p is skipped): main_grad with fp32_grads, else p.grad."""
         if not self._fp32_grads:
             return p.grad
         if p.grad is not None:  # a gradient assigned directly, not through backward: accumulate it as a hook would
@@ -165,10 +189,10 @@ class MasterAdamW(torch.optim.Optimizer):
         if set_to_none:
             self._filled.clear()  # the next backward overwrites each buffer: no pass to zero them
             return
-        with torch.no_grad():
+        with torch.no_grad():  # as torch zeroes existing gradients only: a parameter without one stays without
             for p in _params_of(self):
-                p.main_grad.zero_()
-                self._filled.add(id(p))
+                if id(p) in self._filled:
+                    p.main_grad.zero_()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
@@ -176,8 +200,9 @@ class MasterAdamW(torch.optim.Optimizer):
         returns their total norm as a 0-dim fp32 tensor, and the next step multiplies every gradient by
         min(1, max_norm / (norm + 1e-6)) in its own pass (the gradients are not rewritten). The norm is that of
         the gradients as they are now, before any grad_multiplier the step is given (which then also applies)."""
-        if not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+        self._clip_coef = {}
         grads: dict = {}
         seen: set = set()
         for p in _params_of(self):
@@ -203,7 +228,8 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Everything is checked before anything moves: a refused step leaves every state as it was.
+        # Everything is checked before any update: a refused step leaves every master and moment as it was (directly
+        # assigned gradients are moved into main_grad on the way, as the next backward's hook would).
         calls: dict = {}  # (device, step, hyperparameters) -> tensors: one C call each
         seen: set = set()  # a parameter listed twice in a group is updated once
         for gi, group in enumerate(self.param_groups):
@@ -283,6 +309,7 @@ class MasterAdamW(torch.optim.Optimizer):
         # torch casts a loaded state's floating tensors to its parameter's dtype (bf16 here); the masters and
         # moments stay fp32, and each parameter is written from its master weight. A parameter the saved state
         # does not cover keeps its master weight (and starts its moments afresh).
+        self._clip_coef = {}
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
