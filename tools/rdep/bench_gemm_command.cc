@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_dense_gemm.h"
 #include "build_commit.h"
 #include "cli.h"
 
@@ -48,7 +49,8 @@ constexpr const char* kHelp =
     "         [--warmup 20 --iters 200 --dense 8192 --seed 1 --json FILE]\n"
     "Expert compute alone (SwiGLU expert MLP over expert-grouped rows), useful TFLOP/s counting\n"
     "real rows only: forward 6*M*H*F FLOPs, forward+backward 3x; M = mu*experts rows drawn by a\n"
-    "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM. CUDA builds only.\n"
+    "multinomial over the experts. The dense ceiling is one n^3 bf16 cuBLASLt GEMM; rows% is the forward's two\n"
+    "GEMMs as dense cuBLASLt GEMMs on the same rows (one expert's weights) over the path's forward. CUDA builds only.\n"
     "--path cutlass:SPEC picks the CUTLASS kernels' tiles: all (one run per tile), TILE (every GEMM) or\n"
     "G1/G2/DZ/DX/DW2/DW1 (a tile per GEMM, empty = its default), e.g. cutlass:////coop_128x256/.\n"
     "--grads: the expert weight gradients backward writes (overwritten): fp32 [default], or bf16 as\n"
@@ -138,6 +140,8 @@ rdep::StatusOr<std::vector<double>> TimeIters(int warmup, int iters, cudaStream_
   return us;
 }
 
+constexpr size_t kDenseWorkspace = size_t{32} << 20;  // cuBLASLt's workspace for the dense GEMMs
+
 // The ceiling: one dense bf16 GEMM (fp32 accumulate, bf16 out) of n x n x n through cuBLASLt.
 struct DensePeak {
   int64_t n = 0;
@@ -148,50 +152,17 @@ rdep::StatusOr<DensePeak> MeasureDensePeak(int64_t n, int warmup, int iters, cud
   DensePeak out;
   out.n = n;
   DeviceMem a, b, c, ws;
-  const size_t elems = static_cast<size_t>(n * n), ws_bytes = size_t{32} << 20;
+  const size_t elems = static_cast<size_t>(n * n);
   RDEP_RETURN_IF_ERROR(a.Alloc(elems * 2));
   RDEP_RETURN_IF_ERROR(b.Alloc(elems * 2));
   RDEP_RETURN_IF_ERROR(c.Alloc(elems * 2));
-  RDEP_RETURN_IF_ERROR(ws.Alloc(ws_bytes));
+  RDEP_RETURN_IF_ERROR(ws.Alloc(kDenseWorkspace));
   RDEP_RETURN_IF_ERROR(FillBf16(a.p, elems, 1.0, 101));
   RDEP_RETURN_IF_ERROR(FillBf16(b.p, elems, 1.0, 102));
-  cublasLtHandle_t lt = nullptr;
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  cublasLtMatmulHeuristicResult_t heur{};
-  int found = 0;
-  const auto u = static_cast<uint64_t>(n);
-  bool ok = cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, u, u, n) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                 sizeof ws_bytes) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found) == CUBLAS_STATUS_SUCCESS &&
-            found > 0;
-  rdep::StatusOr<std::vector<double>> us = rdep::InternalError("cuBLASLt setup failed for the dense GEMM");
-  if (ok) {
-    const float alpha = 1.0f, beta = 0.0f;
-    us = TimeIters(warmup, iters, stream, [&]() -> rdep::Status {
-      if (cublasLtMatmul(lt, op, &alpha, a.p, la, b.p, lb, &beta, c.p, lc, c.p, lc, &heur.algo, ws.p, ws_bytes, stream) !=
-          CUBLAS_STATUS_SUCCESS)
-        return rdep::Status(rdep::StatusCode::kCudaError, "dense cublasLtMatmul failed");
-      return rdep::Status::Ok();
-    });
-  }
-  if (pref) cublasLtMatmulPreferenceDestroy(pref);
-  if (la) cublasLtMatrixLayoutDestroy(la);
-  if (lb) cublasLtMatrixLayoutDestroy(lb);
-  if (lc) cublasLtMatrixLayoutDestroy(lc);
-  if (op) cublasLtMatmulDescDestroy(op);
-  if (lt) cublasLtDestroy(lt);
-  if (!us.ok()) return us.status();
-  out.us = *us;
-  out.tflops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) /
-               (rdep::Summarize(out.us).p50 * 1e-6) / 1e12;
+  rdep::cli::DenseGemm gemm;
+  RDEP_RETURN_IF_ERROR(gemm.Init(n, n, n, kDenseWorkspace));
+  RDEP_ASSIGN_OR_RETURN(out.us, TimeIters(warmup, iters, stream, [&] { return gemm.Run(a.p, b.p, c.p, ws.p, stream); }));
+  out.tflops = gemm.flops() / (rdep::Summarize(out.us).p50 * 1e-6) / 1e12;
   return out;
 }
 
@@ -356,6 +327,7 @@ rdep::Status CheckGemmBenchFootprint(const GemmBenchOptions& o, const cudaDevice
   fp.device.push_back({"rows (mu*E rows of H and 2*D_ff bf16 values)",
                        {{"mu", static_cast<double>(top_mu)}, {"experts", Ed}, {"hidden", Hd}, {"ffn", Fd}}, Md * (10 * Hd + 4 * Fd)});
   fp.device.push_back({"dense ceiling GEMM (three n x n bf16 matrices)", {{"dense", N}}, 6 * N * N});
+  fp.device.push_back({"cuBLASLt workspace of the dense GEMMs", {}, static_cast<double>(kDenseWorkspace)});
   fp.host.push_back({"per-expert counts and per-iteration times", {{"experts", Ed}, {"iters", static_cast<double>(o.iters)}},
                      64 * Ed + 64.0 * static_cast<double>(o.iters + o.warmup) * static_cast<double>(o.mus.size() * o.paths.size())});
   rdep::cli::Limits limits = o.limits;
@@ -375,6 +347,7 @@ struct GemmBenchEnv {
 struct GemmBuffers {
   size_t w1n = 0, w2n = 0;  // elements of W1 [E][H][2F] and W2 [E][F][H]
   DeviceMem w1, w2, dw1, dw2, x, h, y, dout, dx, counts;
+  DeviceMem dense_ws;  // the dense GEMMs on the same rows (MeasureDenseRows)
 };
 
 rdep::Status AllocateGemmBuffers(const GemmBenchOptions& o, GemmBuffers& b) {
@@ -386,7 +359,7 @@ rdep::Status AllocateGemmBuffers(const GemmBenchOptions& o, GemmBuffers& b) {
   const size_t rows = static_cast<size_t>(max_rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F);
   for (auto [mem, bytes] : {std::pair{&b.w1, w1n * 2}, {&b.w2, w2n * 2}, {&b.dw1, w1n * 4}, {&b.dw2, w2n * 4},
                             {&b.x, rows * Hs * 2}, {&b.h, rows * 2 * Fs * 2}, {&b.y, rows * Hs * 2}, {&b.dout, rows * Hs * 2},
-                            {&b.dx, rows * Hs * 2}, {&b.counts, static_cast<size_t>(E) * 8}}) {
+                            {&b.dx, rows * Hs * 2}, {&b.counts, static_cast<size_t>(E) * 8}, {&b.dense_ws, kDenseWorkspace}}) {
     RDEP_RETURN_IF_ERROR(mem->Alloc(bytes));
   }
   for (auto [mem, n, scale, s] : {std::tuple{&b.w1, w1n, 1.0 / std::sqrt(static_cast<double>(H)), o.seed + 1},
@@ -409,7 +382,22 @@ struct Row {
   double fwd_p50 = 0, fb_p50 = 0;  // fb_p50 = 0 with --no-backward
   double tflops_fwd = 0, tflops_fb = 0;
   size_t workspace = 0, live = 0, device_used = 0;
+  std::vector<double> dense_rows_us;  // this mu's MeasureDenseRows (the same for every path); empty for M = 0
 };
+
+// The forward's two GEMMs as dense cuBLASLt GEMMs on the same M rows, every row through expert 0's weights
+// (h = x.W1: M x 2F x H, then y = z.W2: M x H x F, z read from h's first M*F values), back to back in one timed
+// call: the same FLOPs as the grouped forward's GEMMs, without its grouping, tile tails or SwiGLU.
+rdep::StatusOr<std::vector<double>> MeasureDenseRows(const GemmBenchOptions& o, int64_t M, const GemmBuffers& b,
+                                                     cudaStream_t stream) {
+  rdep::cli::DenseGemm g1, g2;
+  RDEP_RETURN_IF_ERROR(g1.Init(M, 2 * o.F, o.H, kDenseWorkspace));
+  RDEP_RETURN_IF_ERROR(g2.Init(M, o.H, o.F, kDenseWorkspace));
+  return TimeIters(o.warmup, o.iters, stream, [&]() -> rdep::Status {
+    RDEP_RETURN_IF_ERROR(g1.Run(b.x.p, b.w1.p, b.h.p, b.dense_ws.p, stream));
+    return g2.Run(b.h.p, b.w2.p, b.y.p, b.dense_ws.p, stream);
+  });
+}
 
 // Times one (mu, path): the forward, then (unless --no-backward) forward+backward, each with
 // TimeIters on `stream`; then the memory it holds and the useful TFLOP/s. Updates env.total.
@@ -505,11 +493,13 @@ void PrintGemmHeader(const GemmBenchOptions& o, const GemmBenchEnv& env, const D
             << o.warmup << " warmup + " << o.iters << " iters\n";
   std::cout << "dense ceiling: " << o.dense_n << "^3 bf16 cuBLASLt GEMM p50 " << std::fixed << std::setprecision(1)
             << rdep::Summarize(dense.us).p50 << " us = " << dense.tflops << " TFLOP/s\n";
+  std::cout << "rows%: the dense GEMMs on the same rows (cuBLASLt, h = x.W1 then y = z.W2, every row through one "
+               "expert's weights, no SwiGLU) as a share of the path's forward time\n";
   std::cout << "L2: " << (l2_exceeded ? "no input rotation: the weights alone (" : "WARNING: working set may fit L2 (")
             << weight_bytes / 1e6 << " MB) exceed 2x L2 (" << prop.l2CacheSize / 1e6 << " MB)\n";
   std::cout << std::setw(6) << "mu" << std::setw(16) << "path" << std::setw(8) << "M" << std::setw(7) << "rho"
             << std::setw(11) << "fwd p50" << std::setw(11) << "fwd p99" << std::setw(10) << "TFLOP/s" << std::setw(8)
-            << "%dense" << std::setw(12) << "f+b p50" << std::setw(10) << "TFLOP/s" << std::setw(11) << "peak MiB"
+            << "%dense" << std::setw(7) << "rows%" << std::setw(12) << "f+b p50" << std::setw(10) << "TFLOP/s" << std::setw(11) << "peak MiB"
             << "\n";
 }
 
@@ -518,7 +508,8 @@ void PrintGemmRow(const Row& r, const DensePeak& dense) {
   std::cout << std::setw(6) << r.mu << std::setw(16) << r.path << std::setw(8) << r.M << std::setw(7)
             << std::setprecision(2) << r.rho << std::setprecision(1) << std::setw(11) << r.fwd_p50 << std::setw(11)
             << rdep::Summarize(r.fwd_us).p99 << std::setw(10) << r.tflops_fwd << std::setw(8)
-            << 100.0 * r.tflops_fwd / dense.tflops << std::setw(12) << r.fb_p50 << std::setw(10) << r.tflops_fb
+            << 100.0 * r.tflops_fwd / dense.tflops << std::setw(7)
+            << (r.dense_rows_us.empty() ? 0.0 : 100.0 * rdep::Summarize(r.dense_rows_us).p50 / r.fwd_p50) << std::setw(12) << r.fb_p50 << std::setw(10) << r.tflops_fb
             << std::setw(11) << static_cast<double>(r.live) / (1 << 20) << "\n";
 }
 
@@ -568,6 +559,10 @@ rdep::Status WriteGemmReceipt(const GemmBenchOptions& o, const GemmBenchEnv& env
     if (!r.fb_us.empty()) WriteSummary(j, "forward_backward", r.fb_us);
     j.field("tflops_forward", r.tflops_fwd).field("tflops_forward_backward", r.tflops_fb);
     j.field("fraction_of_dense_forward", r.tflops_fwd / dense.tflops);
+    if (!r.dense_rows_us.empty()) {
+      WriteSummary(j, "dense_same_rows", r.dense_rows_us);
+      j.field("fraction_dense_same_rows_of_forward", rdep::Summarize(r.dense_rows_us).p50 / r.fwd_p50);
+    }
     j.field("workspace_bytes", static_cast<int64_t>(r.workspace)).field("live_bytes", static_cast<int64_t>(r.live));
     j.field("device_used_bytes", static_cast<int64_t>(r.device_used));
     j.end_object();
@@ -617,9 +612,16 @@ int RunGemmBench(const Args& args) {
   std::vector<Row> results;
   for (int64_t mu : o.mus) {
     const std::vector<int64_t> counts = DrawCounts(o.E, mu * o.E, o.alpha, o.seed + static_cast<uint64_t>(mu));
+    std::vector<double> dense_rows;
+    if (mu > 0) {
+      auto d = MeasureDenseRows(o, mu * o.E, bufs, stream);
+      if (!d.ok()) return Fail(d.status());
+      dense_rows = std::move(*d);
+    }
     for (auto path : o.paths) {
       auto row = MeasureGemmRow(o, mu, counts, path, bufs, stream, env);
       if (!row.ok()) return Fail(row.status());
+      row->dense_rows_us = dense_rows;
       PrintGemmRow(*row, *dense);
       results.push_back(std::move(*row));
     }
