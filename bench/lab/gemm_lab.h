@@ -52,6 +52,17 @@ double P50Us(int warmup, int iters, cudaStream_t s, Fn&& run) {
   return 1e3 * ms[ms.size() / 2];
 }
 
+// Rows per expert for E experts averaging mu: every one mu (equal), or a multinomial draw of mu * E rows over the
+// experts (uniform routing), seeded by mu so that every lab draws the same counts.
+inline std::vector<int64_t> MultinomialCounts(int64_t E, int64_t mu, bool equal) {
+  std::vector<int64_t> c(static_cast<size_t>(E), equal ? mu : 0);
+  if (equal) return c;
+  std::mt19937_64 rng(static_cast<uint64_t>(mu) * 7919u + 1);
+  std::uniform_int_distribution<int64_t> pick(0, E - 1);
+  for (int64_t r = 0; r < mu * E; ++r) ++c[static_cast<size_t>(pick(rng))];
+  return c;
+}
+
 // "a,b,c" as a list ("all" and empty entries dropped: an empty list means every one).
 inline std::vector<std::string> SplitList(const std::string& v) {
   std::vector<std::string> out;

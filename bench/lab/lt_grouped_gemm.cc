@@ -99,14 +99,7 @@ Options Parse(int argc, char** argv) {
 }
 
 // Per-expert row counts summing to mu * E: equal, or a uniform multinomial draw (seeded per mu).
-std::vector<int64_t> Counts(const Options& o, int64_t mu) {
-  std::vector<int64_t> c(static_cast<size_t>(o.E), o.equal ? mu : 0);
-  if (o.equal) return c;
-  std::mt19937_64 rng(static_cast<uint64_t>(mu) * 7919u + 1);
-  std::uniform_int_distribution<int64_t> pick(0, o.E - 1);
-  for (int64_t r = 0; r < mu * o.E; ++r) ++c[static_cast<size_t>(pick(rng))];
-  return c;
-}
+std::vector<int64_t> Counts(const Options& o, int64_t mu) { return gemm_lab::MultinomialCounts(o.E, mu, o.equal); }
 
 // The MLP's operands, and the role's output from CUTLASS and from cuBLASLt, for the comparison.
 struct Buffers {

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(RDEP_HAVE_CUTLASS)
@@ -341,6 +342,87 @@ TEST(GroupedGemmSm90, NNMatchesHostReference) {
   }
   EXPECT_LE(worst, 1e-2) << "max |d - ref| / (1 + |ref|)";  // bf16 output rounding: 2^-8 relative
 }
+
+// Every group's TMA descriptors built before the launch (GroupedGemmMaps::kPrebuilt) against CUTLASS's rewritten in
+// the kernel: the same bits, for the row GEMMs (NN, NT: groups of 0, 1 and uneven rows, past one tile) and the weight
+// gradient (TN into fp32, its K the group's rows; overwritten, then added to), cooperative and pingpong tiles, and
+// again after the tables change (the descriptors follow the new rows).
+class GroupedGemmSm90Maps : public ::testing::TestWithParam<std::tuple<internal::GroupedGemmKind, internal::GroupedGemmTile>> {};
+
+TEST_P(GroupedGemmSm90Maps, PrebuiltGivesTheSameBitsAsInKernel) {
+  std::string why;
+  if (!internal::GroupedGemmSm90Available(0, &why)) {
+    if (RequireCutlass() && cuda::DeviceCount() > 0) ADD_FAILURE() << "RDEP_REQUIRE_CUTLASS=1 but " << why;
+    GTEST_SKIP() << why;
+  }
+  const auto [kind, tile] = GetParam();
+  const bool wgrad = kind == internal::GroupedGemmKind::kTN_F32;
+  const int64_t P = 96, Q = 72;  // row GEMMs: K = P, N = Q; weight gradient: M = P, N = Q, K = the group's rows
+  const internal::GroupedGemmMaps modes[2] = {internal::GroupedGemmMaps::kInKernel, internal::GroupedGemmMaps::kPrebuilt};
+  for (const std::vector<int32_t>& rows : {std::vector<int32_t>{5, 0, 130, 1, 257}, std::vector<int32_t>{0, 300, 64, 0, 3}}) {
+    const int64_t G = static_cast<int64_t>(rows.size()), M = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+    Dev<uint16_t> a(static_cast<size_t>(M * P)), b(static_cast<size_t>(wgrad ? M * Q : G * P * Q));
+    a.Upload(RandomBf16(a.n, 11 + static_cast<uint64_t>(M), 1.f));
+    b.Upload(RandomBf16(b.n, 12 + static_cast<uint64_t>(M), 1.f));
+    const size_t d_n = static_cast<size_t>(wgrad ? G * P * Q : M * Q), d_bytes = d_n * (wgrad ? 4 : 2);
+    std::vector<unsigned char> got[2];
+    for (int k = 0; k < 2; ++k) {
+      // A [rows][P] (row GEMMs: M x K; TN: K x M); B [P][Q], NT's [Q][P], TN's [rows][Q]; D rows of Q.
+      const int64_t ldb = kind == internal::GroupedGemmKind::kNT ? P : Q;
+      auto gemm = internal::GroupedGemmSm90::Create(kind, static_cast<int32_t>(G), P, ldb, Q, 0, tile, &modes[k]);
+      ASSERT_TRUE(gemm.ok()) << gemm.status();
+      ASSERT_EQ((*gemm)->maps(), modes[k]);
+      Dev<unsigned char> d(d_bytes);
+      d.Poison();
+      std::vector<internal::GemmProblem> problems;
+      std::vector<const void*> pa, pb;
+      std::vector<void*> pd;
+      int64_t off = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const int32_t m = rows[static_cast<size_t>(g)];
+        if (wgrad) {
+          problems.push_back({m == 0 ? 0 : static_cast<int32_t>(P), static_cast<int32_t>(Q), m});
+          pa.push_back(a.p + off * P);
+          pb.push_back(b.p + off * Q);
+          pd.push_back(d.p + static_cast<size_t>(g * P * Q * 4));
+        } else {
+          problems.push_back({m, static_cast<int32_t>(Q), static_cast<int32_t>(P)});
+          pa.push_back(a.p + off * P);
+          pb.push_back(b.p + g * P * Q);
+          pd.push_back(d.p + static_cast<size_t>(off * Q * 2));
+        }
+        off += m;
+      }
+      ASSERT_EQ(cudaMemcpy((*gemm)->problems(), problems.data(), problems.size() * sizeof(problems[0]), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy((*gemm)->ptr_a(), pa.data(), pa.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy((*gemm)->ptr_b(), pb.data(), pb.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy((*gemm)->ptr_d(), pd.data(), pd.size() * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE((*gemm)->Run(0.f, nullptr).ok());
+      if (wgrad) {
+        ASSERT_TRUE((*gemm)->Run(1.f, nullptr).ok());  // adds the same product: D = 2 x the product
+      }
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      got[k] = d.Download();
+    }
+    EXPECT_EQ(got[0], got[1]) << internal::GroupedGemmKindName(kind) << " " << internal::GroupedGemmTileName(tile) << ", " << G
+                              << " groups of " << M << " rows";
+    size_t written = 0;  // and the product was written at all (the poison is 0xFF bytes)
+    for (unsigned char byte : got[1]) written += byte != 0xFF;
+    EXPECT_GT(written, d_bytes / 2) << "most of D written";
+  }
+}
+
+std::string MapsCaseName(const ::testing::TestParamInfo<GroupedGemmSm90Maps::ParamType>& info) {
+  const char* kind_names[] = {"NN", "NT", "TN_F32", "TN_BF16", "NN_SwiGLU"};
+  return std::string(kind_names[static_cast<int>(std::get<0>(info.param))]) + "_" +
+         internal::GroupedGemmTileName(std::get<1>(info.param));
+}
+INSTANTIATE_TEST_SUITE_P(Kinds, GroupedGemmSm90Maps,
+                         ::testing::Combine(::testing::Values(internal::GroupedGemmKind::kNN, internal::GroupedGemmKind::kNT,
+                                                              internal::GroupedGemmKind::kTN_F32),
+                                            ::testing::Values(internal::GroupedGemmTile::kCoop128x256,
+                                                              internal::GroupedGemmTile::kPing128x128C2x1)),
+                         MapsCaseName);
 #endif  // RDEP_HAVE_CUTLASS
 
 }  // namespace

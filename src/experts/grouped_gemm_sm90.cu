@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -67,9 +68,25 @@ StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name) {
   return InvalidArgument("grouped GEMM tile '" + name + "' is not one of: " + known);
 }
 
+const char* GroupedGemmMapsName(GroupedGemmMaps m) { return m == GroupedGemmMaps::kPrebuilt ? "prebuilt" : "kernel"; }
+
+StatusOr<GroupedGemmMaps> DefaultGroupedGemmMaps() {
+  const char* v = std::getenv("RDEP_GROUPED_GEMM_MAPS");
+  if (v == nullptr || *v == '\0' || std::string(v) == "prebuilt") return GroupedGemmMaps::kPrebuilt;
+  if (std::string(v) == "kernel") return GroupedGemmMaps::kInKernel;
+  return InvalidArgument(std::string("RDEP_GROUPED_GEMM_MAPS='") + v + "': kernel or prebuilt");
+}
+
 StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKind kind, int32_t num_groups, int64_t lda,
-                                                                   int64_t ldb, int64_t ldd, int device, GroupedGemmTile tile) {
+                                                                   int64_t ldb, int64_t ldd, int device, GroupedGemmTile tile,
+                                                                   const GroupedGemmMaps* maps_or_null) {
   const std::string what = std::string("grouped GEMM ") + GroupedGemmKindName(kind) + ": ";
+  GroupedGemmMaps maps = GroupedGemmMaps::kInKernel;
+  if (maps_or_null) {
+    maps = *maps_or_null;
+  } else {
+    RDEP_ASSIGN_OR_RETURN(maps, DefaultGroupedGemmMaps());
+  }
   if (num_groups < 1) return InvalidArgument(what + "num_groups must be >= 1, got " + std::to_string(num_groups));
   for (const auto& [ld, name] : {std::pair{lda, "lda"}, {ldb, "ldb"}, {ldd, "ldd"}})
     if (ld <= 0 || ld % 8 != 0 || ld > (int64_t{1} << 30))
@@ -78,19 +95,19 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> GroupedGemmSm90::Create(GroupedGemmKi
   if (!GroupedGemmSm90Available(device, &why)) return Unavailable(what + why);
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   switch (tile) {
-    case GroupedGemmTile::kCoop128x128: return MakeTiled<GroupedGemmTile::kCoop128x128>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmTile::kCoop128x256: return MakeTiled<GroupedGemmTile::kCoop128x256>(kind, num_groups, lda, ldb, ldd, device);
+    case GroupedGemmTile::kCoop128x128: return MakeTiled<GroupedGemmTile::kCoop128x128>(kind, num_groups, lda, ldb, ldd, device, maps);
+    case GroupedGemmTile::kCoop128x256: return MakeTiled<GroupedGemmTile::kCoop128x256>(kind, num_groups, lda, ldb, ldd, device, maps);
     case GroupedGemmTile::kCoop128x128C1x2:
-      return MakeTiled<GroupedGemmTile::kCoop128x128C1x2>(kind, num_groups, lda, ldb, ldd, device);
+      return MakeTiled<GroupedGemmTile::kCoop128x128C1x2>(kind, num_groups, lda, ldb, ldd, device, maps);
     case GroupedGemmTile::kCoop256x128C1x2:
-      return MakeTiled<GroupedGemmTile::kCoop256x128C1x2>(kind, num_groups, lda, ldb, ldd, device);
-    case GroupedGemmTile::kPing128x128: return MakeTiled<GroupedGemmTile::kPing128x128>(kind, num_groups, lda, ldb, ldd, device);
+      return MakeTiled<GroupedGemmTile::kCoop256x128C1x2>(kind, num_groups, lda, ldb, ldd, device, maps);
+    case GroupedGemmTile::kPing128x128: return MakeTiled<GroupedGemmTile::kPing128x128>(kind, num_groups, lda, ldb, ldd, device, maps);
     case GroupedGemmTile::kPing128x128C2x1:
-      return MakeTiled<GroupedGemmTile::kPing128x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
+      return MakeTiled<GroupedGemmTile::kPing128x128C2x1>(kind, num_groups, lda, ldb, ldd, device, maps);
     case GroupedGemmTile::kCoop256x128C2x1:
-      return MakeTiled<GroupedGemmTile::kCoop256x128C2x1>(kind, num_groups, lda, ldb, ldd, device);
+      return MakeTiled<GroupedGemmTile::kCoop256x128C2x1>(kind, num_groups, lda, ldb, ldd, device, maps);
     case GroupedGemmTile::kCoop128x256C2x1:
-      return MakeTiled<GroupedGemmTile::kCoop128x256C2x1>(kind, num_groups, lda, ldb, ldd, device);
+      return MakeTiled<GroupedGemmTile::kCoop128x256C2x1>(kind, num_groups, lda, ldb, ldd, device, maps);
   }
   return InvalidArgument(what + "unknown tile");
 }

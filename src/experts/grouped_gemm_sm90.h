@@ -59,6 +59,17 @@ constexpr bool GroupedGemmTileHasSwiglu(GroupedGemmTile t) {
 }
 StatusOr<GroupedGemmTile> ParseGroupedGemmTile(const std::string& name);
 
+// How a kernel gets each group's TMA descriptors (A, B, D and C). kInKernel: CUTLASS's ptr-array kernels keep one
+// per operand per CTA and rewrite it whenever the CTA's next tile is in another group. kPrebuilt: Run first
+// launches a small kernel that writes every group's descriptors into tables (4 x G x 128 bytes), and a change of
+// group in the GEMM is a change of pointer (grouped_gemm_sm90_group_maps.cuh). The results are the same bits. On an
+// H200 the expert MLP's forward+backward took 1.5-3% less with kPrebuilt at E_loc = 16 and mu 128..3072, the W = 1
+// Moonlight layer's 3-4% less (docs/perf-notes.md, thirty-fifth session); kInKernel stays for the A/B.
+enum class GroupedGemmMaps { kInKernel, kPrebuilt };
+const char* GroupedGemmMapsName(GroupedGemmMaps m);
+// RDEP_GROUPED_GEMM_MAPS=prebuilt|kernel in the environment, else kPrebuilt. An other value is InvalidArgument.
+StatusOr<GroupedGemmMaps> DefaultGroupedGemmMaps();
+
 // One group's problem size, as the kernel reads it (cute::Shape<int, int, int>: m, n, k).
 struct GemmProblem {
   int32_t m, n, k;
@@ -68,12 +79,15 @@ class GroupedGemmSm90 {
  public:
   // lda, ldb, ldd: the row lengths (elements) of A, B and D as stored (row-major), the same for every
   // group. device: the GPU the arrays and workspace live on.
+  // maps: null = DefaultGroupedGemmMaps().
   static StatusOr<std::unique_ptr<GroupedGemmSm90>> Create(GroupedGemmKind kind, int32_t num_groups, int64_t lda,
                                                            int64_t ldb, int64_t ldd, int device,
-                                                           GroupedGemmTile tile = GroupedGemmTile::kCoop128x128);
+                                                           GroupedGemmTile tile = GroupedGemmTile::kCoop128x128,
+                                                           const GroupedGemmMaps* maps = nullptr);
   virtual ~GroupedGemmSm90() = default;
   virtual GroupedGemmKind kind() const = 0;
   virtual GroupedGemmTile tile() const = 0;
+  virtual GroupedGemmMaps maps() const = 0;
   virtual int32_t num_groups() const = 0;
   virtual size_t device_bytes() const = 0;
 
@@ -93,8 +107,8 @@ class GroupedGemmSm90 {
   // computes change, not how any tile is computed: results are the same bits. Launches nothing.
   virtual Status LimitSms(int32_t sms) = 0;
 
-  // Enqueues the grouped GEMM on `stream`. beta (kTN_F32 only): 0 overwrites D, 1 adds to it.
-  // Never synchronizes the host; capturable in a CUDA graph.
+  // Enqueues the grouped GEMM on `stream` (with kPrebuilt, the descriptors' kernel first). beta (kTN_F32 only): 0
+  // overwrites D, 1 adds to it. Never synchronizes the host; capturable in a CUDA graph.
   virtual Status Run(float beta, cudaStream_t stream) = 0;
 };
 
@@ -105,6 +119,6 @@ bool GroupedGemmSm90Available(int device, std::string* why);
 // grouped_gemm_sm90_tile.cu.in by src/experts/CMakeLists.txt).
 template <GroupedGemmTile T>
 StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiled(GroupedGemmKind kind, int32_t groups, int64_t lda, int64_t ldb,
-                                                     int64_t ldd, int device);
+                                                     int64_t ldd, int device, GroupedGemmMaps maps);
 
 }  // namespace rdep::kernels::internal

@@ -25,7 +25,9 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "experts/grouped_gemm_sm90.h"
+#include "experts/grouped_gemm_sm90_group_maps.cuh"
 #include "experts/swiglu_epilogue_sm90.cuh"
+#include "launch/pdl.h"
 #include "rdep/cuda/check.h"
 
 namespace rdep::kernels::internal {
@@ -61,10 +63,13 @@ static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == sizeof(GemmProblem
 
 // One kernel configuration: bf16 A and B in the given layouts (CUTLASS's convention: A is M x K, B is
 // K x N), D row-major, C (void = no source) for beta. FusionTree: void = D = alpha*acc + beta*C, else the
-// epilogue visitor tree (kNN_SwiGLU's).
-template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_, class Tile, class FusionTree = void>
+// epilogue visitor tree (kNN_SwiGLU's). kGroupMaps: every group's TMA descriptors built before the launch
+// (grouped_gemm_sm90_group_maps.cuh) instead of rewritten in the kernel at each change of group.
+template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_, class Tile, class FusionTree = void,
+          bool kGroupMaps_ = false>
 struct Config {
   static constexpr bool kSwiglu = !cute::is_void_v<FusionTree>;
+  static constexpr bool kGroupMaps = kGroupMaps_;
   using Fusion = cute::conditional_t<kSwiglu, FusionTree, cutlass::epilogue::fusion::LinearCombination<ElementD_, float, ElementC_, float>>;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
@@ -77,27 +82,31 @@ struct Config {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileShape = typename Tile::TileShape;
   using ClusterShape = typename Tile::ClusterShape;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename Tile::EpilogueSchedule, Fusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Epilogue = cute::conditional_t<kGroupMaps, GroupMapsEpilogue<CutlassEpilogue>, CutlassEpilogue>;
+  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB, LayoutB*, kAlignB, float,
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tile::MainloopSchedule>::CollectiveOp;
+  using Mainloop = cute::conditional_t<kGroupMaps, GroupMapsMainloop<CutlassMainloop>, CutlassMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-template <class Tile> using ConfigNN = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile>;
-template <class Tile> using ConfigNT = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void, Tile>;  // B stored [n][k]
-template <class Tile> using ConfigTN_F32 = Config<float, ColumnMajor, RowMajor, float, Tile>;          // A stored [k][m]
-template <class Tile> using ConfigTN_BF16 = Config<cutlass::bfloat16_t, ColumnMajor, RowMajor, void, Tile>;
 using SwigluTree = cutlass::epilogue::fusion::Sm90EVT<Sm90SwigluZStore, cutlass::epilogue::fusion::Sm90AccFetch>;
-template <class Tile> using ConfigNN_SwiGLU = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, SwigluTree>;
+template <class Tile, bool kMaps> using ConfigNN = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, void, kMaps>;
+template <class Tile, bool kMaps>  // B stored [n][k]
+using ConfigNT = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void, Tile, void, kMaps>;
+template <class Tile, bool kMaps>  // A stored [k][m]
+using ConfigTN_F32 = Config<float, ColumnMajor, RowMajor, float, Tile, void, kMaps>;
+template <class Tile, bool kMaps> using ConfigTN_BF16 = Config<cutlass::bfloat16_t, ColumnMajor, RowMajor, void, Tile, void, kMaps>;
+template <class Tile, bool kMaps> using ConfigNN_SwiGLU = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, SwigluTree, kMaps>;
 
 // A device allocation freed with its owner.
 struct DeviceBytes {
@@ -143,6 +152,7 @@ class Runner final : public GroupedGemmSm90 {
   Status Init(int64_t lda, int64_t ldb, int64_t ldd) {
     const auto G = static_cast<size_t>(groups_);
     RDEP_RETURN_IF_ERROR(problems_.Allocate(G * sizeof(GemmProblem)));
+    if constexpr (Cfg::kGroupMaps) RDEP_RETURN_IF_ERROR(maps_.Allocate(4 * G * sizeof(cute::TmaDescriptor)));
     RDEP_RETURN_IF_ERROR(ptr_a_.Allocate(G * sizeof(void*)));
     RDEP_RETURN_IF_ERROR(ptr_b_.Allocate(G * sizeof(void*)));
     RDEP_RETURN_IF_ERROR(ptr_d_.Allocate(G * sizeof(void*)));
@@ -180,10 +190,11 @@ class Runner final : public GroupedGemmSm90 {
 
   GroupedGemmKind kind() const override { return kind_; }
   GroupedGemmTile tile() const override { return tile_; }
+  GroupedGemmMaps maps() const override { return Cfg::kGroupMaps ? GroupedGemmMaps::kPrebuilt : GroupedGemmMaps::kInKernel; }
   int32_t num_groups() const override { return groups_; }
   size_t device_bytes() const override {
     return problems_.bytes + ptr_a_.bytes + ptr_b_.bytes + ptr_d_.bytes + stride_a_.bytes + stride_b_.bytes + stride_d_.bytes +
-           workspace_.bytes + ptr_z_.bytes + ptr_gate_.bytes + gate_stride_.bytes;
+           workspace_.bytes + ptr_z_.bytes + ptr_gate_.bytes + gate_stride_.bytes + maps_.bytes;
   }
   GemmProblem* problems() override { return static_cast<GemmProblem*>(problems_.ptr); }
   const void** ptr_a() override { return static_cast<const void**>(ptr_a_.ptr); }
@@ -208,6 +219,10 @@ class Runner final : public GroupedGemmSm90 {
     if (beta != 0.0f && !kHasSource)
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");
     if (beta != prepared_beta_) RDEP_RETURN_IF_ERROR(Prepare(beta, stream));
+    if constexpr (Cfg::kGroupMaps) {  // every group's descriptors from the tables the caller just filled
+      RDEP_LAUNCH_PDL(BuildGroupMapsKernel<typename Gemm::GemmKernel>, dim3(static_cast<unsigned>(groups_)), dim3(32), 0, stream,
+                      gemm_.params());
+    }
     if (gemm_.run(stream) != cutlass::Status::kSuccess)
       return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS run failed");
     return cuda::CudaStatus(cudaGetLastError(), "grouped GEMM launch", __FILE__, __LINE__);
@@ -254,6 +269,13 @@ class Runner final : public GroupedGemmSm90 {
     }
     args.epilogue.ptr_D = static_cast<ElementD**>(ptr_d_.ptr);
     args.epilogue.dD = static_cast<StrideD*>(stride_d_.ptr);
+    if constexpr (Cfg::kGroupMaps) {  // tables of G descriptors each: A, B, D, C
+      const auto* maps = static_cast<const cute::TmaDescriptor*>(maps_.ptr);
+      args.mainloop.maps_a = maps;
+      args.mainloop.maps_b = maps + groups_;
+      args.epilogue.maps_d = maps + 2 * groups_;
+      args.epilogue.maps_c = maps + 3 * groups_;
+    }
     args.hw_info = hw_;
     return args;
   }
@@ -265,17 +287,26 @@ class Runner final : public GroupedGemmSm90 {
   cutlass::KernelHardwareInfo hw_;
   DeviceBytes problems_, ptr_a_, ptr_b_, ptr_d_, stride_a_, stride_b_, stride_d_, workspace_;
   DeviceBytes ptr_z_, ptr_gate_, gate_stride_;  // kNN_SwiGLU only
+  DeviceBytes maps_;                            // kGroupMaps only: 4 x G TMA descriptors
   int64_t ldz_ = 0;
   Gemm gemm_;
   float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
 };
 
 template <class Cfg>
-StatusOr<std::unique_ptr<GroupedGemmSm90>> Make(GroupedGemmKind kind, GroupedGemmTile tile, int32_t groups, int64_t lda,
-                                                int64_t ldb, int64_t ldd, int device) {
+StatusOr<std::unique_ptr<GroupedGemmSm90>> Make1(GroupedGemmKind kind, GroupedGemmTile tile, int32_t groups, int64_t lda,
+                                                 int64_t ldb, int64_t ldd, int device) {
   auto r = std::make_unique<Runner<Cfg>>(kind, tile, groups, device);
   RDEP_RETURN_IF_ERROR(r->Init(lda, ldb, ldd));
   return std::unique_ptr<GroupedGemmSm90>(std::move(r));
+}
+
+// The configuration of one kind (ConfigNN, ...) with the descriptors `maps` asks for.
+template <template <class, bool> class Cfg, class Tile>
+StatusOr<std::unique_ptr<GroupedGemmSm90>> Make(GroupedGemmKind kind, GroupedGemmTile tile, GroupedGemmMaps maps, int32_t groups,
+                                                int64_t lda, int64_t ldb, int64_t ldd, int device) {
+  if (maps == GroupedGemmMaps::kPrebuilt) return Make1<Cfg<Tile, true>>(kind, tile, groups, lda, ldb, ldd, device);
+  return Make1<Cfg<Tile, false>>(kind, tile, groups, lda, ldb, ldd, device);
 }
 
 }  // namespace tiled
@@ -283,16 +314,16 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> Make(GroupedGemmKind kind, GroupedGem
 // The body of each tile's MakeTiled.
 template <GroupedGemmTile T>
 StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiledImpl(GroupedGemmKind kind, int32_t groups, int64_t lda, int64_t ldb,
-                                                         int64_t ldd, int device) {
+                                                         int64_t ldd, int device, GroupedGemmMaps maps) {
   using Tile = TileOf<T>;
   switch (kind) {
-    case GroupedGemmKind::kNN: return tiled::Make<tiled::ConfigNN<Tile>>(kind, T, groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kNT: return tiled::Make<tiled::ConfigNT<Tile>>(kind, T, groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kTN_F32: return tiled::Make<tiled::ConfigTN_F32<Tile>>(kind, T, groups, lda, ldb, ldd, device);
-    case GroupedGemmKind::kTN_BF16: return tiled::Make<tiled::ConfigTN_BF16<Tile>>(kind, T, groups, lda, ldb, ldd, device);
+    case GroupedGemmKind::kNN: return tiled::Make<tiled::ConfigNN, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
+    case GroupedGemmKind::kNT: return tiled::Make<tiled::ConfigNT, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
+    case GroupedGemmKind::kTN_F32: return tiled::Make<tiled::ConfigTN_F32, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
+    case GroupedGemmKind::kTN_BF16: return tiled::Make<tiled::ConfigTN_BF16, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
     case GroupedGemmKind::kNN_SwiGLU:
       if constexpr (GroupedGemmTileHasSwiglu(T))
-        return tiled::Make<tiled::ConfigNN_SwiGLU<Tile>>(kind, T, groups, lda, ldb, ldd, device);
+        return tiled::Make<tiled::ConfigNN_SwiGLU, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
       else
         return Unavailable(std::string("grouped GEMM NN + SwiGLU: tile ") + GroupedGemmTileName(T) +
                              " is not built with the SwiGLU epilogue (GroupedGemmTileHasSwiglu)");
