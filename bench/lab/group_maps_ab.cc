@@ -86,7 +86,8 @@ struct Role {
   GroupedGemmKind kind;
   GroupedGemmTile tile;
   int64_t lda, ldb, ldd;
-  size_t out_bytes;  // per element of D
+  size_t out_bytes;       // per element of D
+  int64_t wgrad_rows = 0;  // the weight gradients: D's rows per expert (F for dW2, H for dW1)
 };
 
 // A grouped GEMM of `maps` with the role's tables filled for these counts, its outputs in `out` (null: the role's
@@ -105,7 +106,7 @@ std::unique_ptr<GroupedGemmSm90> Make(const Role& r, GroupedGemmMaps maps, const
   for (size_t e = 0; e < E; ++e) {
     const gemm_lab::MlpProblem q = gemm_lab::MlpGroup(r.name, b, out, static_cast<int64_t>(e), off, counts[e]);
     probs[e] = {q.m, q.n, q.k};
-    if (counts[e] == 0) probs[e].m = 0;  // an empty group gets m = 0 (grouped_gemm_sm90.h)
+    if (counts[e] == 0) probs[e].m = 0;  // an empty group gets m = 0 ("a group with m, n or k = 0", grouped_gemm_sm90.h)
     pa[e] = q.a, pb[e] = q.b, pd[e] = q.d;
     *flops += 2.0 * probs[e].m * static_cast<double>(probs[e].n) * probs[e].k;
     off += counts[e];
@@ -147,15 +148,15 @@ int main(int argc, char** argv) {
   }
   const gemm_lab::MlpBuffers b = gemm_lab::AllocMlp(E, H, F, rows);
   const auto R = static_cast<size_t>(rows), Hs = static_cast<size_t>(H), Fs = static_cast<size_t>(F), Es = static_cast<size_t>(E);
-  const size_t out_bytes = std::max(R * 2 * Fs * 2, Es * Hs * 2 * Fs * 4);
+  const size_t out_bytes = std::max({R * 2 * Fs * 2, R * Hs * 2, Es * Hs * 2 * Fs * 4});  // h or dz, y or dx, dW1 or dW2
   char* out_b = nullptr;  // the prebuilt side's outputs
   CK(cudaMalloc(&out_b, out_bytes));
   const Role roles[] = {{"g1", GroupedGemmKind::kNN, GroupedGemmTile::kCoop128x256, H, 2 * F, 2 * F, 2},
                         {"g2", GroupedGemmKind::kNN, GroupedGemmTile::kCoop128x256, F, H, H, 2},
                         {"dz", GroupedGemmKind::kNT, GroupedGemmTile::kCoop128x128, H, H, F, 2},
                         {"dx", GroupedGemmKind::kNT, GroupedGemmTile::kCoop128x256, 2 * F, 2 * F, H, 2},
-                        {"dw2", GroupedGemmKind::kTN_F32, GroupedGemmTile::kCoop128x256, F, H, H, 4},
-                        {"dw1", GroupedGemmKind::kTN_F32, GroupedGemmTile::kPing128x128C2x1, H, 2 * F, 2 * F, 4}};
+                        {"dw2", GroupedGemmKind::kTN_F32, GroupedGemmTile::kCoop128x256, F, H, H, 4, F},
+                        {"dw1", GroupedGemmKind::kTN_F32, GroupedGemmTile::kPing128x128C2x1, H, 2 * F, 2 * F, 4, H}};
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   std::printf("group_maps_ab: E=%lld H=%lld F=%lld, routing %s, wgrad beta %g, p50 of %d iters, %d rounds; "
@@ -176,7 +177,7 @@ int main(int argc, char** argv) {
       auto ka = Make(r, GroupedGemmMaps::kInKernel, o, b, nullptr, counts, &flops);
       auto kb = Make(r, GroupedGemmMaps::kPrebuilt, o, b, out_b, counts, &flops);
       char* out_a = static_cast<char*>(gemm_lab::MlpGroup(r.name, b, nullptr, 0, 0, 0).d);
-      const size_t n = wgrad ? Es * static_cast<size_t>(r.ldd) * static_cast<size_t>(r.ldd == H ? F : H) * r.out_bytes  // F x H, H x 2F
+      const size_t n = wgrad ? Es * static_cast<size_t>(r.wgrad_rows * r.ldd) * r.out_bytes
                              : static_cast<size_t>(total) * static_cast<size_t>(r.ldd) * r.out_bytes;
       // The same bits: into poison (beta 0), then, for the weight gradients with beta 1, added to equal gradients.
       CK(cudaMemset(out_a, 0xff, n));

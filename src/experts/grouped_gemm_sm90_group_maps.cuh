@@ -2,8 +2,8 @@
 //
 // CUTLASS's ptr-array kernels keep one descriptor per operand per CTA and rewrite it whenever a CTA's next tile
 // belongs to another group: the producer warp patches A's and B's in shared memory and copies them out with a
-// release fence, and each consumer warpgroup does the same for D (and C) after waiting for its TMA stores to
-// leave shared memory. With E_loc = 16 groups of about one wave of tiles each, a CTA changes group at nearly
+// release fence, each consumer warpgroup does the same for D after waiting for its TMA stores to leave shared
+// memory, and the epilogue's load warp for C (with a source operand). With E_loc = 16 groups of about one wave of tiles each, a CTA changes group at nearly
 // every tile, and that rewrite sits on the consumers' path (docs/perf-notes.md, thirty-fifth session).
 //
 // Here a small kernel (BuildGroupMapsKernel, one warp per group) writes each group's descriptors into tables in
@@ -116,9 +116,11 @@ __device__ void BuildGroupMap(Atom const& atom, Element const* ptr, Layout const
   __syncwarp();
 }
 
-// Block g (one warp) writes group g's descriptors: A (m x k), B (n x k), D (m x n) and, with a source operand, C.
-// A group without tiles (m, n or k = 0) gets none: its descriptors are never read. Launched with PDL (launch/pdl.h):
-// it waits for the stream's previous kernel (which may be this GEMM reading the tables) before anything else.
+// Block g (one warp) writes group g's descriptors: D (m x n) and, with a source operand, C whenever the group has
+// tiles (m, n > 0: CUTLASS's scheduler counts tiles from m and n), A (m x k) and B (n x k) when it also has a K
+// loop (k > 0; callers give such groups m = 0 anyway, grouped_gemm_sm90.h). A group without tiles gets none: its
+// descriptors are never read. Launched with PDL (launch/pdl.h): it waits for the stream's previous kernel (which may
+// be this GEMM reading the tables) before anything else.
 template <class Kernel>
 __global__ void __launch_bounds__(32) BuildGroupMapsKernel(typename Kernel::Params params) {
   rdep::cuda::WaitForPrimaryGrid();
@@ -126,12 +128,14 @@ __global__ void __launch_bounds__(32) BuildGroupMapsKernel(typename Kernel::Para
   const int g = static_cast<int>(blockIdx.x);
   const auto problem = params.problem_shape.get_problem_shape(g);
   const int m = cute::get<0>(problem), n = cute::get<1>(problem), k = cute::get<2>(problem);
-  if (m <= 0 || n <= 0 || k <= 0) return;
+  if (m <= 0 || n <= 0) return;
   auto const& ml = params.mainloop;
   auto const& ep = params.epilogue;
   using cute::_1;
-  BuildGroupMap(ml.tma_load_a, ml.ptr_A[g], cute::make_layout(cute::make_shape(m, k, _1{}), ml.dA[g]), staging, ml.maps_a + g);
-  BuildGroupMap(ml.tma_load_b, ml.ptr_B[g], cute::make_layout(cute::make_shape(n, k, _1{}), ml.dB[g]), staging, ml.maps_b + g);
+  if (k > 0) {
+    BuildGroupMap(ml.tma_load_a, ml.ptr_A[g], cute::make_layout(cute::make_shape(m, k, _1{}), ml.dA[g]), staging, ml.maps_a + g);
+    BuildGroupMap(ml.tma_load_b, ml.ptr_B[g], cute::make_layout(cute::make_shape(n, k, _1{}), ml.dB[g]), staging, ml.maps_b + g);
+  }
   BuildGroupMap(ep.tma_store_d, ep.ptr_D[g], cute::make_layout(cute::make_shape(m, n, _1{}), ep.dD[g]), staging, ep.maps_d + g);
   if constexpr (!cute::is_void_v<typename Kernel::CollectiveEpilogue::ElementC>) {
     if (ep.ptr_C != nullptr)

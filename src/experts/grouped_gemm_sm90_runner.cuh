@@ -4,7 +4,8 @@
 // configurations run in parallel. Include only from those files.
 //
 // The kernels: KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong} (TMA loads whose descriptors the
-// kernel rewrites per group, wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
+// kernel rewrites per group, or, with GroupedGemmMaps::kPrebuilt, reads from tables a small kernel writes before
+// each launch: grouped_gemm_sm90_group_maps.cuh; wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
 // tiles of every group (PersistentTileSchedulerSm90Group); with no host copy of the problem sizes the
 // grid is sized from the SM count. Epilogue: D = acc (+ beta*C for the fp32 weight gradients, C = D)
 // through TMA stores; kNN_SwiGLU also writes z = swiglu(D) from the registers (swiglu_epilogue_sm90.cuh).
