@@ -6,8 +6,9 @@ tensor shapes, in the same process. Both move 28 bytes an element (read 14 + wri
 setting does around its step and bf16 weights do not need: the bf16 casts of the weights a forward makes (one
 per weight; a backward that does not keep them makes a second), and the clip's pass over the gradients, which
 MasterAdamW folds into its step (grad_multiplier). With fp32_grads=True (gradient accumulation in fp32) the step
-reads an fp32 gradient (30 bytes an element: 16 read, 14 written) and each micro-batch's backward adds its bf16 gradient into the fp32
-buffer (the hook: 10 bytes an element, 6 for the first micro-batch, a copy): both are timed too.
+reads an fp32 gradient (30 bytes an element: 16 read, 14 written) and each micro-batch's backward adds its bf16
+gradient into the fp32 buffer (the hook: rdep_grad_accumulate, 10 bytes an element, 6 for the first micro-batch, a
+copy): both are timed too, and the same add through torch's main_grad.add_(grad) between two timings of the hook's.
 
 Default shapes: the training example's three MoE blocks (64 experts, hidden 1024, ffn 704: w1 [64, 1024, 1408],
 w2 [64, 704, 1024] each). CUDA events, p50/p99 over --iters after --warmup.
@@ -86,12 +87,19 @@ def main():
             p.grad = g16
             mine32._accumulate(p)
 
+    def torch_add():  # the same move as torch's mixed-dtype add_ (the hook's way until the thirty-fifth session)
+        for p, g16 in zip(b32, grads16):
+            p.main_grad.add_(g16)
+
     res["master_adamw_fp32_grads"] = timed(mine32.step, a.warmup, a.iters)
     res["fp32_grads_accumulate_micro_batch"] = timed(accumulate, a.warmup, a.iters)
+    res["torch_add_micro_batch"] = timed(torch_add, a.warmup, a.iters)
+    res["fp32_grads_accumulate_micro_batch_again"] = timed(accumulate, a.warmup, a.iters)  # A, B, A
     for k in ("torch_fused_adamw_fp32", "master_adamw_bf16", "master_adamw_bf16_with_multiplier"):
         res[k]["GB_per_s"] = 28 * n / (res[k]["p50_ms"] * 1e-3) / 1e9
     res["master_adamw_fp32_grads"]["GB_per_s"] = 30 * n / (res["master_adamw_fp32_grads"]["p50_ms"] * 1e-3) / 1e9
-    res["fp32_grads_accumulate_micro_batch"]["GB_per_s"] = 10 * n / (res["fp32_grads_accumulate_micro_batch"]["p50_ms"] * 1e-3) / 1e9
+    for k in ("fp32_grads_accumulate_micro_batch", "torch_add_micro_batch", "fp32_grads_accumulate_micro_batch_again"):
+        res[k]["GB_per_s"] = 10 * n / (res[k]["p50_ms"] * 1e-3) / 1e9
     res["casts_fp32_to_bf16"]["GB_per_s"] = 6 * n / (res["casts_fp32_to_bf16"]["p50_ms"] * 1e-3) / 1e9
     for k, b in (("clip_mul_fp32_grads", 8), ("clip_mul_bf16_grads", 4)):
         res[k]["GB_per_s"] = b * n / (res[k]["p50_ms"] * 1e-3) / 1e9

@@ -60,7 +60,7 @@
 extern "C" {
 #endif
 
-#define RDEP_CAPI_VERSION 22
+#define RDEP_CAPI_VERSION 23
 
 typedef struct rdep_layer rdep_layer;
 typedef struct rdep_domain rdep_domain;
@@ -410,6 +410,14 @@ typedef struct rdep_adamw_step {
   void* stream;
 } rdep_adamw_step;
 int rdep_master_adamw(const rdep_adamw_tensor* tensors, int32_t count, const rdep_adamw_step* step);
+
+/* Version 23. A bf16 gradient moved into an fp32 accumulator (rdep.torch.MasterAdamW(fp32_grads=True)'s hook, per
+ * micro-batch; rdep/optim/grad_accumulate.h): add 0: acc[i] = float(grad[i]); add 1: acc[i] = acc[i] + float(grad[i])
+ * in one fp32 rounding (torch's acc.add_(grad) bit for bit). device -1: host memory, done on the calling thread;
+ * else both arrays are memory of CUDA device `device` and the move is queued on `stream` (a cudaStream_t on that
+ * device, 0 for the legacy default stream) without waiting. numel < 0, null arrays (numel > 0), acc and grad
+ * overlapping, add other than 0 or 1, or memory of another device is an error naming it; nothing is touched then. */
+int rdep_grad_accumulate(float* acc, const void* grad, int64_t numel, int32_t add, int32_t device, void* stream);
 
 #ifdef __cplusplus
 }

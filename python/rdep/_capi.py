@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._errors import error_for_code
 
-CAPI_VERSION = 22  # RDEP_CAPI_VERSION this binding was written against
+CAPI_VERSION = 23  # RDEP_CAPI_VERSION this binding was written against
 LIBRARY_NAME = "librdep_capi.so"
 
 BACKEND_HOST = 0
@@ -258,6 +258,8 @@ _PROTOTYPES = {
     "rdep_layer_combine_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
     "rdep_layer_dispatch_backward": (ctypes.c_int, [LayerPtr, ctypes.c_int64, ctypes.POINTER(RankRows), ctypes.c_int32]),
     "rdep_master_adamw": (ctypes.c_int, [ctypes.POINTER(AdamWTensor), ctypes.c_int32, ctypes.POINTER(AdamWStep)]),
+    "rdep_grad_accumulate": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                            ctypes.c_void_p]),  # version 23
 }
 
 _lock = threading.Lock()

@@ -89,7 +89,7 @@ def test_every_header_function_is_bound():
 
 def test_library_loads_with_the_expected_version():
     info = rdep.library_info()
-    assert info["capi_version"] == capi.CAPI_VERSION == 22
+    assert info["capi_version"] == capi.CAPI_VERSION == 23
     assert Path(info["path"]).is_file()
     assert isinstance(info["built_with_cuda"], bool)
 

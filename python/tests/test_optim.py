@@ -402,6 +402,30 @@ def test_clip_grad_norm_matches_torch(device, fp32_grads):
         opt.clip_grad_norm_(-1.0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_grads_move_is_torchs_add_bit_for_bit(device):
+    """The hook's move (rdep_grad_accumulate): main = g, or main + g in fp32, bit for bit what torch's copy_ and
+    add_ give, on aligned and unaligned buffers (an fp32 view one element in), odd lengths (the kernel's eight-element
+    vectors and its tail), and a non-contiguous gradient."""
+    from rdep.torch.optim import _move_into
+
+    gen = torch.Generator().manual_seed(5)
+    for n, skew in ((8 * 1000 + 3, 0), (4099, 1), (5, 0), (257, 3)):
+        base = (torch.randn(n + skew, generator=gen) * 1e-3).to(device)
+        main = base[skew:]  # skew 1: 4-byte aligned, not 16: the one-at-a-time kernel
+        g = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16).to(device)
+        want = main.clone().add_(g)
+        _move_into(main, g, add=True)
+        assert torch.equal(main, want), f"add, {n} elements at offset {skew}"
+        _move_into(main, g, add=False)
+        assert torch.equal(main, g.float()), f"copy, {n} elements at offset {skew}"
+    main = torch.randn(33 * 129, generator=gen).to(device)
+    g = torch.randn(129, 33, generator=gen).to(torch.bfloat16).to(device).t()  # not contiguous
+    want = main.clone().add_(g.reshape(-1))
+    _move_into(main, g, add=True)
+    assert torch.equal(main, want), "a non-contiguous gradient"
+
+
 @needs_cuda
 @pytest.mark.parametrize("fp32_grads", [False, True])
 def test_cuda_matches_the_host_reference_bitwise_fp32_grads(fp32_grads):

@@ -1,9 +1,11 @@
-// The C ABI's optimizer step: AdamW over bf16 parameters with fp32 master weights (rdep_master_adamw),
-// on the host (the reference) or queued on a CUDA stream.
+// The C ABI's optimizer calls: AdamW over bf16 parameters with fp32 master weights (rdep_master_adamw), and a
+// bf16 gradient moved into an fp32 accumulator (rdep_grad_accumulate), on the host (the references) or queued on
+// a CUDA stream.
 #include <string>
 #include <vector>
 
 #include "capi/capi_internal.h"
+#include "rdep/optim/grad_accumulate.h"
 #include "rdep/optim/master_adamw.h"
 #if defined(RDEP_HAVE_CUDA)
 #include "rdep/cuda/check.h"
@@ -56,9 +58,31 @@ Status RunOnDevice(const std::vector<optim::MasterTensor>& ts, const optim::Adam
   if (other) RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
   return s;
 }
+
+// Device checks, the switch to `device` for the launch (and back), for rdep_grad_accumulate.
+Status AccumulateOnDevice(const optim::GradAccumulation& a, int32_t device, void* stream) {
+  int count = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+  if (device >= count)
+    return InvalidArgument("grad accumulate: device " + std::to_string(device) + " does not exist (" + std::to_string(count) + " CUDA devices)");
+  if (a.numel == 0) return Status::Ok();
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(a.acc, device, "grad accumulate: acc"));
+  RDEP_RETURN_IF_ERROR(CheckOnDevice(a.grad, device, "grad accumulate: grad"));
+  int previous = 0;
+  RDEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
+  const bool other = previous != device;
+  if (other) RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  const Status s = optim::LaunchGradAccumulate(a, static_cast<cudaStream_t>(stream));
+  if (other) RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
+  return s;
+}
 #else
 Status RunOnDevice(const std::vector<optim::MasterTensor>&, const optim::AdamWCoeffs&, const rdep_adamw_step& step) {
   return Unavailable("adamw: device " + std::to_string(step.device) + ": this build of rdep has no CUDA backend (configured without a CUDA compiler)");
+}
+Status AccumulateOnDevice(const optim::GradAccumulation&, int32_t device, void*) {
+  return Unavailable("grad accumulate: device " + std::to_string(device) +
+                     ": this build of rdep has no CUDA backend (configured without a CUDA compiler)");
 }
 #endif
 
@@ -83,6 +107,19 @@ int rdep_master_adamw(const rdep_adamw_tensor* tensors, int32_t count, const rde
     const optim::AdamWCoeffs c = optim::Coeffs(h);
     if (step->device >= 0) return capi::RunOnDevice(ts, c, *step);
     for (const optim::MasterTensor& t : ts) optim::MasterAdamWHost(t, c, step->grad_scale);
+    return Status::Ok();
+  });
+}
+
+int rdep_grad_accumulate(float* acc, const void* grad, int64_t numel, int32_t add, int32_t device, void* stream) {
+  using namespace rdep;
+  return capi::Guard([&]() -> Status {
+    if (add != 0 && add != 1) return InvalidArgument("grad accumulate: add must be 0 (copy) or 1 (add), got " + std::to_string(add));
+    if (device < -1) return InvalidArgument("grad accumulate: device must be -1 (host) or a CUDA device, got " + std::to_string(device));
+    const optim::GradAccumulation a{acc, static_cast<const uint16_t*>(grad), numel, add == 1};
+    RDEP_RETURN_IF_ERROR(optim::CheckGradAccumulation(a));
+    if (device >= 0) return capi::AccumulateOnDevice(a, device, stream);
+    optim::GradAccumulateHost(a);
     return Status::Ok();
   });
 }

@@ -1,5 +1,5 @@
-// rdep_master_adamw through the C ABI: the host path against the host reference (bitwise, several tensors in
-// one call), and errors that name the field or tensor before any tensor is touched.
+// rdep_master_adamw and rdep_grad_accumulate through the C ABI: the host paths against the host references
+// (bitwise; several tensors in one call), and errors that name the field or tensor before anything is touched.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +9,7 @@
 
 #include "rdep/capi.h"
 #include "rdep/cuda/bf16.h"
+#include "rdep/optim/grad_accumulate.h"
 #include "rdep/optim/master_adamw.h"
 
 namespace rdep {
@@ -133,6 +134,42 @@ TEST(CApiMasterAdamW, AMissingDeviceIsNamed) {
   EXPECT_TRUE(e.find("device 4096") != std::string::npos || e.find("cuda") != std::string::npos ||
               e.find("CUDA") != std::string::npos)
       << e;
+}
+
+TEST(CApiGradAccumulate, HostPathIsTheReference) {
+  for (const int32_t add : {1, 0}) {
+    Arrays a(1001, 6);
+    std::vector<float> ref = a.m;  // any fp32 values: the accumulator
+    std::vector<float> got = a.m;
+    optim::GradAccumulateHost({ref.data(), a.grad.data(), 1001, add == 1});
+    ASSERT_EQ(rdep_grad_accumulate(got.data(), a.grad.data(), 1001, add, -1, nullptr), 0) << rdep_last_error();
+    EXPECT_EQ(got, ref) << "add " << add;
+  }
+}
+
+TEST(CApiGradAccumulate, ErrorsNameTheFieldAndTouchNothing) {
+  Arrays a(8, 7);
+  std::vector<float> acc = a.m;
+  const std::vector<float> before = acc;
+  auto fails = [&](float* p, const void* g, int64_t n, int32_t add, int32_t device, const std::string& want) {
+    EXPECT_NE(rdep_grad_accumulate(p, g, n, add, device, nullptr), 0) << want;
+    const std::string e = rdep_last_error();
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+    EXPECT_EQ(acc, before) << want;
+  };
+  fails(acc.data(), a.grad.data(), 8, 2, -1, "add must be 0 (copy) or 1 (add), got 2");
+  fails(acc.data(), a.grad.data(), 8, 1, -2, "device must be -1 (host) or a CUDA device, got -2");
+  fails(acc.data(), a.grad.data(), -1, 1, -1, "numel must be >= 0, got -1");
+  fails(nullptr, a.grad.data(), 8, 1, -1, "acc (the fp32 accumulator) is null");
+  fails(acc.data(), nullptr, 8, 1, -1, "grad (the bf16 gradient) is null");
+  fails(acc.data(), acc.data() + 1, 8, 1, -1, "acc and grad overlap");
+  EXPECT_NE(rdep_grad_accumulate(acc.data(), a.grad.data(), 8, 1, 4096, nullptr), 0);
+  const std::string e = rdep_last_error();  // the missing device, or no CUDA (a host-only build, no GPU)
+  EXPECT_TRUE(e.find("device 4096") != std::string::npos || e.find("cuda") != std::string::npos ||
+              e.find("CUDA") != std::string::npos)
+      << e;
+  EXPECT_EQ(acc, before);
+  EXPECT_EQ(rdep_grad_accumulate(nullptr, nullptr, 0, 1, -1, nullptr), 0) << "nothing to move";
 }
 
 }  // namespace

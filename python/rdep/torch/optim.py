@@ -28,10 +28,11 @@ keeps them fp32 and writes each parameter from its master weight.
 Gradient accumulation: a bf16 parameter's gradient is bf16, so autograd sums several backward passes (micro-
 batches) in bf16, rounding at every sum. With fp32_grads=True each parameter gets `param.main_grad`, an fp32
 buffer: a hook after each backward's accumulation moves the bf16 gradient into it (copied into a fresh buffer,
-added otherwise: the sum is fp32) and sets param.grad to None, and step() reads main_grad (4 bytes an element
-more state; the update reads 16 bytes an element instead of 14). param.grad is then None after backward, so
-torch.nn.utils.clip_grad_norm_ sees nothing: clip with opt.clip_grad_norm_(max_norm), which takes the norm of
-the gradients the next step reads and folds its coefficient into that step (no pass over the gradients).
+added otherwise: the sum is fp32; one pass of rdep_grad_accumulate) and sets param.grad to None, and step()
+reads main_grad (4 bytes an element more state; the update reads 16 bytes an element instead of 14). param.grad
+is then None after backward, so torch.nn.utils.clip_grad_norm_ sees nothing: clip with
+opt.clip_grad_norm_(max_norm), which takes the norm of the gradients the next step reads and folds its
+coefficient into that step (no pass over the gradients).
 zero_grad() empties the buffers (set_to_none=True, the default: the next backward overwrites them) or zeroes
 those that hold gradients (set_to_none=False); only the optimizer's zero_grad does: model.zero_grad() or setting
 param.grad to None leaves main_grad as it is. opt.grad_of(param) is the gradient the next step reads (main_grad
@@ -162,11 +163,8 @@ class MasterAdamW(torch.optim.Optimizer):
         if main is None or main.shape != p.shape or main.device != p.device:
             main = p.main_grad = torch.empty(p.shape, dtype=torch.float32, device=p.device)
             self._filled.discard(id(p))
-        if id(p) in self._filled:
-            main.add_(g)
-        else:
-            main.copy_(g)
-            self._filled.add(id(p))
+        _move_into(main, g, add=id(p) in self._filled)
+        self._filled.add(id(p))
         p.grad = None
 
     def grad_of(self, p: Tensor) -> Optional[Tensor]:
@@ -332,6 +330,21 @@ class MasterAdamW(torch.optim.Optimizer):
                     st["master"] = masters[id(p)]
                 if "master" in st:
                     p.copy_(st["master"])
+
+
+def _move_into(main: Tensor, g: Tensor, add: bool) -> None:
+    """main (fp32) = g (bf16), or main + g in one fp32 rounding (torch's main.add_(g) bit for bit), in one pass of
+    rdep_grad_accumulate (C ABI version 23) on main's device and current stream: 6 or 10 bytes an element, at the
+    memory's rate where torch's mixed-dtype add_ runs slower (docs/perf-notes.md, thirty-fifth session)."""
+    from .. import _capi as capi
+
+    g = g.contiguous()
+    dev = main.device
+    cuda = dev.type == "cuda"
+    stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+    device = dev.index if cuda else -1
+    capi.check(capi.lib().rdep_grad_accumulate(main.data_ptr(), g.data_ptr(), main.numel(), int(add), device, stream),
+               "rdep_grad_accumulate")
 
 
 def _params_of(opt: torch.optim.Optimizer) -> list:
