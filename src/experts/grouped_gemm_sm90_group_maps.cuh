@@ -3,12 +3,13 @@
 // CUTLASS's ptr-array kernels keep one descriptor per operand per CTA and rewrite it whenever a CTA's next tile
 // belongs to another group: the producer warp patches A's and B's in shared memory and copies them out with a
 // release fence, each consumer warpgroup does the same for D after waiting for its TMA stores to leave shared
-// memory, and the epilogue's load warp for C (with a source operand). With E_loc = 16 groups of about one wave of tiles each, a CTA changes group at nearly
-// every tile, and that rewrite sits on the consumers' path (docs/perf-notes.md, thirty-fifth session).
+// memory, and the epilogue's load warp for C (with a source operand). With E_loc = 16 groups of about one wave of
+// tiles each, a CTA changes group at nearly every tile, and that rewrite sits on the consumers' path
+// (docs/perf-notes.md, thirty-fifth session).
 //
-// Here a small kernel (BuildGroupMapsKernel, one warp per group) writes each group's descriptors into tables in
-// device memory after the caller's tables are filled, and the collectives below, derived from CUTLASS's, make a
-// group change a pointer change: their tensormaps_perform_update points the CTA at the group's prebuilt
+// Here a small kernel (BuildGroupMapsKernel, one warp per group and operand) writes each group's descriptors into
+// tables in device memory after the caller's tables are filled, and the collectives below, derived from CUTLASS's,
+// make a group change a pointer change: their tensormaps_perform_update points the CTA at the group's prebuilt
 // descriptor and their tensormaps_cp_fence_release does nothing (nothing was written). CUTLASS's kernels call
 // these members by name, so only the descriptor handling changes; the loads, the MMAs and the epilogues are
 // CUTLASS's. The acquire fence before a descriptor's first use stays. Include only from
@@ -116,11 +117,14 @@ __device__ void BuildGroupMap(Atom const& atom, Element const* ptr, Layout const
   __syncwarp();
 }
 
-// Block g (one warp) writes group g's descriptors: D (m x n) and, with a source operand, C whenever the group has
-// tiles (m, n > 0: CUTLASS's scheduler counts tiles from m and n), A (m x k) and B (n x k) when it also has a K
-// loop (k > 0; callers give such groups m = 0 anyway, grouped_gemm_sm90.h). A group without tiles gets none: its
-// descriptors are never read. Launched with PDL (launch/pdl.h): it waits for the stream's previous kernel (which may
-// be this GEMM reading the tables) before anything else.
+// The grid is groups x 4 operands, a warp each (the releases of one group's descriptors in parallel): block (g, o)
+// writes group g's descriptor o. D (m x n) and, with a source operand, C whenever the group has tiles (m, n > 0:
+// CUTLASS's scheduler counts tiles from m and n); A (m x k) and B (n x k) when it also has a K loop (k > 0; callers
+// give such groups m = 0 anyway, grouped_gemm_sm90.h). A group without tiles gets none: its descriptors are never
+// read. Launched with PDL (launch/pdl.h): it waits for the stream's previous kernel (which may be this GEMM reading
+// the tables) before anything else.
+enum GroupMapOperand : unsigned { kMapA = 0, kMapB = 1, kMapD = 2, kMapC = 3, kGroupMapOperands = 4 };
+
 template <class Kernel>
 __global__ void __launch_bounds__(32) BuildGroupMapsKernel(typename Kernel::Params params) {
   rdep::cuda::WaitForPrimaryGrid();
@@ -132,14 +136,23 @@ __global__ void __launch_bounds__(32) BuildGroupMapsKernel(typename Kernel::Para
   auto const& ml = params.mainloop;
   auto const& ep = params.epilogue;
   using cute::_1;
-  if (k > 0) {
-    BuildGroupMap(ml.tma_load_a, ml.ptr_A[g], cute::make_layout(cute::make_shape(m, k, _1{}), ml.dA[g]), staging, ml.maps_a + g);
-    BuildGroupMap(ml.tma_load_b, ml.ptr_B[g], cute::make_layout(cute::make_shape(n, k, _1{}), ml.dB[g]), staging, ml.maps_b + g);
-  }
-  BuildGroupMap(ep.tma_store_d, ep.ptr_D[g], cute::make_layout(cute::make_shape(m, n, _1{}), ep.dD[g]), staging, ep.maps_d + g);
-  if constexpr (!cute::is_void_v<typename Kernel::CollectiveEpilogue::ElementC>) {
-    if (ep.ptr_C != nullptr)
-      BuildGroupMap(ep.tma_load_c, ep.ptr_C[g], cute::make_layout(cute::make_shape(m, n, _1{}), ep.dC[g]), staging, ep.maps_c + g);
+  switch (blockIdx.y) {
+    case kMapA:
+      if (k > 0)
+        BuildGroupMap(ml.tma_load_a, ml.ptr_A[g], cute::make_layout(cute::make_shape(m, k, _1{}), ml.dA[g]), staging, ml.maps_a + g);
+      break;
+    case kMapB:
+      if (k > 0)
+        BuildGroupMap(ml.tma_load_b, ml.ptr_B[g], cute::make_layout(cute::make_shape(n, k, _1{}), ml.dB[g]), staging, ml.maps_b + g);
+      break;
+    case kMapD:
+      BuildGroupMap(ep.tma_store_d, ep.ptr_D[g], cute::make_layout(cute::make_shape(m, n, _1{}), ep.dD[g]), staging, ep.maps_d + g);
+      break;
+    default:
+      if constexpr (!cute::is_void_v<typename Kernel::CollectiveEpilogue::ElementC>) {
+        if (ep.ptr_C != nullptr)
+          BuildGroupMap(ep.tma_load_c, ep.ptr_C[g], cute::make_layout(cute::make_shape(m, n, _1{}), ep.dC[g]), staging, ep.maps_c + g);
+      }
   }
 }
 

@@ -221,8 +221,8 @@ class Runner final : public GroupedGemmSm90 {
       return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": beta must be 0 (no source operand)");
     if (beta != prepared_beta_) RDEP_RETURN_IF_ERROR(Prepare(beta, stream));
     if constexpr (Cfg::kGroupMaps) {  // every group's descriptors from the tables the caller just filled
-      RDEP_LAUNCH_PDL(BuildGroupMapsKernel<typename Gemm::GemmKernel>, dim3(static_cast<unsigned>(groups_)), dim3(32), 0, stream,
-                      gemm_.params());
+      RDEP_LAUNCH_PDL(BuildGroupMapsKernel<typename Gemm::GemmKernel>, dim3(static_cast<unsigned>(groups_), kGroupMapOperands), dim3(32),
+                      0, stream, gemm_.params());
     }
     if (gemm_.run(stream) != cutlass::Status::kSuccess)
       return InternalError(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": CUTLASS run failed");
