@@ -8,8 +8,6 @@
 //             With W1 as GateUp::kInterleaved8 (and tiles.swiglu_epilogue), GEMM1's epilogue writes z beside h
 //             (kNN_SwiGLU): no SwiGLU pass.
 //   Backward  setup  ->  dz = dout.W2^T (NT)  ->  z, dh = swiglu'(h, dz)  ->  dW2 (+)= z^T.dout (TN)
-//             With tiles.swiglu_grad_epilogue and no per-row gates, dz's epilogue writes z (as its output) and dh
-//             (kNT_SwiGLUGrad): no SwiGLU' pass.
 //             With per-row gates (ExpertRows::gate): z = g * swiglu(h) in forward; in backward dout is dy,
 //             the SwiGLU' kernel (a warp per row) takes dgate = <dz, swiglu(h)>, z = g * swiglu(h) and dh
 //             from g * dz; the GEMMs are the same
@@ -112,7 +110,6 @@ struct BackwardSetup {
   void *dw1, *dw2;  // fp32 or bf16, [E][H][2F], [E][F][H]
   int64_t grad_elem_bytes;
   GemmTables gdz, gdx, gdw2, gdw1;
-  void** gdz_h;  // dz with the SwiGLU' epilogue (else null): its h table
   int64_t* total;
   int64_t* fault;
 };
@@ -191,7 +188,6 @@ __global__ void __launch_bounds__(kMaxExperts) BackwardSetupKernel(BackwardSetup
   auto* dw2 = static_cast<char*>(p.dw2) + e * F * H * p.grad_elem_bytes;
   const auto h32 = static_cast<int32_t>(H), f32 = static_cast<int32_t>(F);
   SetGroup(p.gdz, e, m, f32, h32, p.dout + off * H, p.w2 + e * F * H, p.z + off * F);
-  if (p.gdz_h) p.gdz_h[e] = p.dh + off * 2 * F;
   SetGroup(p.gdx, e, m, h32, 2 * f32, p.dh + off * 2 * F, p.w1 + e * H * 2 * F, p.dx + off * H);
   // Weight gradients: M x N = F x H and H x 2F, K = the expert's rows; an empty expert has no tiles.
   SetGroup(p.gdw2, e, m > 0 ? f32 : 0, h32, m, p.z + off * F, p.dout + off * H, dw2);
@@ -214,13 +210,11 @@ __global__ void ZeroEmptyExpertGradsKernel(const int64_t* counts, const int64_t*
 
 class CutlassExpertCompute final : public ExpertCompute {
  public:
-  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles, bool swiglu_epilogue, bool swiglu_grad_epilogue,
-                       void* scratch)
+  CutlassExpertCompute(const ExpertMlpDesc& d, int device, const RoleTiles& tiles, bool swiglu_epilogue, void* scratch)
       : desc_(d),
         device_(device),
         tiles_(tiles),
         fused_swiglu_(swiglu_epilogue),
-        fused_swiglu_grad_(swiglu_grad_epilogue),
         external_scratch_(scratch) {}
   ~CutlassExpertCompute() override {
     int current = 0;
@@ -236,7 +230,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   // Every GEMM's persistent grid at most `sms` CTAs (GroupedGemmSm90::LimitSms; 0 = every SM).
   Status LimitSms(int32_t sms) {
     Gemms& g = *gemms_;
-    for (GroupedGemmSm90* m : g.all()) RDEP_RETURN_IF_ERROR(m->LimitSms(sms));
+    for (auto* m : {&g.g1, &g.g2, &g.dz, &g.dx, &g.dw2, &g.dw1, &g.dw2_bf16, &g.dw1_bf16}) RDEP_RETURN_IF_ERROR((*m)->LimitSms(sms));
     return Status::Ok();
   }
 
@@ -259,14 +253,6 @@ class CutlassExpertCompute final : public ExpertCompute {
                               g.g1));  // h [m][2F] = x [m][H] . W1 [H][2F] (and z [m][F], fused)
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNN, F, H, H, t.g2, g.g2));               // y [m][H] = z [m][F] . W2 [F][H]
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, H, H, F, t.dz, g.dz));               // dz [m][F] = dout [m][H] . (W2 [F][H])^T
-    if (fused_swiglu_grad_) {  // the same, z [m][F] out and dh over h [m][2F] (calls without gates)
-      if (!internal::GroupedGemmTileHasSwiglu(t.dz))
-        return InvalidArgument(std::string("cutlass expert compute: tiles.dgrad_z = ") + internal::GroupedGemmTileName(t.dz) +
-                               " has no SwiGLU' epilogue (built: coop_128x128, coop_128x256, ping_128x128); name one of those or set "
-                               "tiles.swiglu_grad_epilogue = false");
-      RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT_SwiGLUGrad, H, H, F, t.dz, g.dz_grad));
-      RDEP_RETURN_IF_ERROR(g.dz_grad->SetGateUpInterleaved(Interleaved()));
-    }
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kNT, 2 * F, 2 * F, H, t.dx, g.dx));       // dx [m][H] = dh [m][2F] . (W1 [H][2F])^T
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, F, H, H, t.dw2, g.dw2));         // dW2 [F][H] = (z [m][F])^T . dout [m][H]
     RDEP_RETURN_IF_ERROR(make(GroupedGemmKind::kTN_F32, H, 2 * F, 2 * F, t.dw1, g.dw1)); // dW1 [H][2F] = (x [m][H])^T . dh [m][2F]
@@ -328,8 +314,6 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (grads.bf16() && accumulate)
       return InvalidArgument("cutlass expert compute: bf16 weight gradients are written once (accumulate must be false)");
     Gemms& g = *gemms_;
-    const bool fused = g.dz_grad && !rows.gate;  // dz's epilogue takes the SwiGLU' (no row gates: no dgate)
-    GroupedGemmSm90& gdz = fused ? *g.dz_grad : *g.dz;
     GroupedGemmSm90& gdw2 = grads.bf16() ? *g.dw2_bf16 : *g.dw2;
     GroupedGemmSm90& gdw1 = grads.bf16() ? *g.dw1_bf16 : *g.dw1;
     void* dw1 = grads.bf16() ? static_cast<void*>(grads.dw1_bf16) : static_cast<void*>(grads.dw1);
@@ -337,14 +321,14 @@ class CutlassExpertCompute final : public ExpertCompute {
     if (!dw1 || !dw2) return InvalidArgument("cutlass expert compute: weight gradients are null");
     const int64_t elem = grads.bf16() ? 2 : 4;
     const BackwardSetup p{rows.counts, static_cast<int32_t>(desc_.num_experts), desc_.hidden, desc_.ffn, rows.max_rows, x, dout,
-                          w.w1, w.w2, z_, h, dx, dw1, dw2, elem, Tables(gdz), Tables(*g.dx), Tables(gdw2),
-                          Tables(gdw1), fused ? gdz.ptr_h() : nullptr, total_, fault_dev_};
+                          w.w1, w.w2, z_, h, dx, dw1, dw2, elem, Tables(*g.dz), Tables(*g.dx), Tables(gdw2),
+                          Tables(gdw1), total_, fault_dev_};
     RDEP_LAUNCH_PDL(BackwardSetupKernel, 1, kMaxExperts, 0, stream, p);
-    RDEP_RETURN_IF_ERROR(gdz.Run(0.0f, stream));
+    RDEP_RETURN_IF_ERROR(g.dz->Run(0.0f, stream));
     if (rows.gate)  // in place; dgate per row from dz' = dout.W2^T and the recomputed swiglu(h)
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackwardGated(h, z_, rows.gate, rows.gate_stride, z_, h, rows.dgate, rows.max_rows,
                                                                     desc_.ffn, stream, total_, Interleaved()));
-    else if (!fused)  // in place (fused: dz's epilogue wrote z and dh)
+    else  // in place
       RDEP_CUDA_RETURN_IF_ERROR(internal::LaunchSwigluBackward(h, z_, z_, h, rows.max_rows, desc_.ffn, stream, total_, Interleaved()));
     const float beta = accumulate ? 1.0f : 0.0f;
     RDEP_RETURN_IF_ERROR(gdw2.Run(beta, stream));  // the last reader of dout: dx may go over it
@@ -361,11 +345,8 @@ class CutlassExpertCompute final : public ExpertCompute {
  private:
   struct Gemms {
     std::unique_ptr<GroupedGemmSm90> g1, g2, dz, dx, dw2, dw1, dw2_bf16, dw1_bf16;
-    std::unique_ptr<GroupedGemmSm90> dz_grad;  // dz with the SwiGLU' epilogue (tiles.swiglu_grad_epilogue), else null
-    std::vector<GroupedGemmSm90*> all() const {
-      std::vector<GroupedGemmSm90*> v{g1.get(), g2.get(), dz.get(), dx.get(), dw2.get(), dw1.get(), dw2_bf16.get(), dw1_bf16.get()};
-      if (dz_grad) v.push_back(dz_grad.get());
-      return v;
+    std::vector<const GroupedGemmSm90*> all() const {
+      return {g1.get(), g2.get(), dz.get(), dx.get(), dw2.get(), dw1.get(), dw2_bf16.get(), dw1_bf16.get()};
     }
   };
 
@@ -396,8 +377,7 @@ class CutlassExpertCompute final : public ExpertCompute {
   ExpertMlpDesc desc_;
   int device_;
   RoleTiles tiles_;
-  bool fused_swiglu_;       // GEMM1 writes z in its epilogue (W1 kInterleaved8 and tiles.swiglu_epilogue)
-  bool fused_swiglu_grad_;  // dz writes z and dh in its epilogue in calls without gates (tiles.swiglu_grad_epilogue)
+  bool fused_swiglu_;  // GEMM1 writes z in its epilogue (W1 kInterleaved8 and tiles.swiglu_epilogue)
   std::unique_ptr<Gemms> gemms_;
   void* external_scratch_ = nullptr;  // the caller's z (MakeCutlassExpertCompute's scratch), or null
   __nv_bfloat16* z_ = nullptr;        // [max_rows][F]: z forward; dz, then z over it, backward
@@ -431,7 +411,7 @@ StatusOr<std::unique_ptr<ExpertCompute>> MakeCutlassExpertCompute(const ExpertMl
   RDEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   if (reinterpret_cast<uintptr_t>(scratch) % 16 != 0)
     return InvalidArgument("cutlass expert compute: scratch must be 16-byte aligned");
-  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, tiles.swiglu_epilogue, tiles.swiglu_grad_epilogue, scratch);
+  auto c = std::make_unique<CutlassExpertCompute>(desc, device, roles, tiles.swiglu_epilogue, scratch);
   RDEP_RETURN_IF_ERROR(c->Init());
   if (tiles.gemm_sms != 0) RDEP_RETURN_IF_ERROR(c->LimitSms(tiles.gemm_sms));
   return std::unique_ptr<ExpertCompute>(std::move(c));

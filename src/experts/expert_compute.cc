@@ -89,14 +89,6 @@ StatusOr<CutlassTiles> ParseCutlassTileSpec(const std::string& spec, const std::
     return InvalidArgument(what + " = '" + spec + "': give one tile (every GEMM) or six, G1/G2/DZ/DX/DW2/DW1 (" +
                            std::to_string(f.size()) + " fields given)");
   CutlassTiles t;
-  const std::string epi = "+epi";
-  for (size_t i = 0; i < f.size(); ++i) {
-    if (f[i].size() < epi.size() || f[i].compare(f[i].size() - epi.size(), epi.size(), epi) != 0) continue;
-    if (i != 2)
-      return InvalidArgument(what + " = '" + spec + "': only the DZ field (the third of six) takes '+epi' (dz's SwiGLU' epilogue)");
-    f[i].resize(f[i].size() - epi.size());
-    t.swiglu_grad_epilogue = true;
-  }
   t.gemm1 = f[0], t.gemm2 = f[1], t.dgrad_z = f[2], t.dgrad_x = f[3], t.wgrad_w2 = f[4], t.wgrad_w1 = f[5];
   return t;
 }

@@ -106,28 +106,5 @@ TEST(ExpertCompute_TileSpec, OneTileOrSixFieldsInCutlassTilesOrder) {
   EXPECT_NE(bad.status().message().find("3 fields"), std::string::npos) << bad.status();
 }
 
-// "+epi" on the DZ field turns dz's SwiGLU' epilogue on, with that field's tile or the default; anywhere else (the
-// one-tile form puts it in every field) it is refused, naming the field.
-TEST(ExpertCompute_TileSpec, EpiOnTheDzFieldOnly) {
-  auto with = ParseCutlassTileSpec("//ping_128x128+epi///", "RDEP_CUTLASS_TILES");
-  ASSERT_TRUE(with.ok()) << with.status();
-  EXPECT_EQ(with->dgrad_z, "ping_128x128");
-  EXPECT_TRUE(with->swiglu_grad_epilogue);
-  EXPECT_FALSE(with->swiglu_epilogue);
-  auto dflt = ParseCutlassTileSpec("//+epi///", "RDEP_CUTLASS_TILES");
-  ASSERT_TRUE(dflt.ok()) << dflt.status();
-  EXPECT_EQ(dflt->dgrad_z, "");
-  EXPECT_TRUE(dflt->swiglu_grad_epilogue);
-  auto without = ParseCutlassTileSpec("//ping_128x128///", "RDEP_CUTLASS_TILES");
-  ASSERT_TRUE(without.ok()) << without.status();
-  EXPECT_FALSE(without->swiglu_grad_epilogue);
-  for (const char* spec : {"coop_128x128+epi", "coop_128x128+epi/////", "///+epi//"}) {
-    auto bad = ParseCutlassTileSpec(spec, "--path cutlass:SPEC");
-    ASSERT_FALSE(bad.ok()) << spec;
-    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << spec;
-    EXPECT_NE(bad.status().message().find("only the DZ field"), std::string::npos) << bad.status();
-  }
-}
-
 }  // namespace
 }  // namespace rdep::kernels

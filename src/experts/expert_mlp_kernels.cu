@@ -71,12 +71,12 @@ __device__ __forceinline__ void SwigluBackwardVec(const __nv_bfloat16* h, const 
     const float2 a = __bfloat1622float2(g.pair[j]);
     const float2 b = __bfloat1622float2(u.pair[j]);
     const float2 dd = __bfloat1622float2(d.pair[j]);
-    float z0, z1, dg0, dg1, du0, du1;
-    SwigluGradOf(a.x, b.x, dd.x, z0, dg0, du0);
-    SwigluGradOf(a.y, b.y, dd.y, z1, dg1, du1);
-    zo.pair[j] = __floats2bfloat162_rn(z0, z1);
-    dg.pair[j] = __floats2bfloat162_rn(dg0, dg1);
-    du.pair[j] = __floats2bfloat162_rn(du0, du1);
+    const float sx = Sigmoid(a.x), sy = Sigmoid(a.y);
+    const float silu_x = a.x * sx, silu_y = a.y * sy;
+    const float dsilu_x = sx * (1.0f + a.x * (1.0f - sx)), dsilu_y = sy * (1.0f + a.y * (1.0f - sy));
+    zo.pair[j] = __floats2bfloat162_rn(silu_x * b.x, silu_y * b.y);
+    dg.pair[j] = __floats2bfloat162_rn(dd.x * b.x * dsilu_x, dd.y * b.y * dsilu_y);
+    du.pair[j] = __floats2bfloat162_rn(dd.x * silu_x, dd.y * silu_y);
   }
   *reinterpret_cast<uint4*>(z + row * F + col) = zo.raw;
   __nv_bfloat16* dhr = dh + row * 2 * F;

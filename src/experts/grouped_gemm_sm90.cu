@@ -20,7 +20,6 @@ const char* GroupedGemmKindName(GroupedGemmKind k) {
     case GroupedGemmKind::kTN_F32: return "TN (fp32 out)";
     case GroupedGemmKind::kTN_BF16: return "TN (bf16 out)";
     case GroupedGemmKind::kNN_SwiGLU: return "NN (bf16) + SwiGLU";
-    case GroupedGemmKind::kNT_SwiGLUGrad: return "NT (bf16) + SwiGLU'";
   }
   return "?";
 }

@@ -11,10 +11,6 @@
 //   kNN_SwiGLU  kNN, and z[m][j] = silu(D[m][gate j]) * D[m][up j] (times the row's gate if given) with
 //            D's columns as rdep::mlp::GateUp::kInterleaved8 (forward: h = x.W1 and z in one pass);
 //            z's row length is ldd / 2; tables ptr_z(), ptr_gate() per group, *gate_stride() (device)
-//   kNT_SwiGLUGrad  dz = A[m][k] . B[n][k]^T as kNT (backward: dout.W2^T), and in its epilogue, with a and b the
-//            gate and up pre-activations of feature j in the group's h rows (table ptr_h(), rows of 2 * ldd;
-//            layout by SetGateUpInterleaved): D[m][j] = z = silu(a) * b, and h's a, b overwritten by their
-//            gradients (the SwiGLU' pass's bits: swiglu_grad_epilogue_sm90.cuh). No row gates
 // Every operand is dense row-major with its row length fixed per kind and object (lda, ldb, ldd given
 // at Create), so only the group's (m, n, k) and its three pointers change from call to call: the
 // caller writes them into problems(), ptr_a(), ptr_b(), ptr_d() (device arrays of G entries) on the
@@ -36,7 +32,7 @@
 
 namespace rdep::kernels::internal {
 
-enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16, kNN_SwiGLU, kNT_SwiGLUGrad };
+enum class GroupedGemmKind { kNN, kNT, kTN_F32, kTN_BF16, kNN_SwiGLU };
 const char* GroupedGemmKindName(GroupedGemmKind k);
 
 // The kernel configurations built (grouped_gemm_sm90_runner.cuh): CTA tile M x N (x 64 of K), cluster
@@ -57,8 +53,7 @@ inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::kCoop12
                                                        GroupedGemmTile::kPing128x128,     GroupedGemmTile::kPing128x128C2x1,
                                                        GroupedGemmTile::kCoop256x128C2x1, GroupedGemmTile::kCoop128x256C2x1};
 const char* GroupedGemmTileName(GroupedGemmTile t);
-// The tiles built with kNN_SwiGLU and kNT_SwiGLUGrad (each kind a tile has costs compile time; these are GEMM1's
-// and dz's candidates).
+// The tiles built with kNN_SwiGLU (each kind a tile has costs compile time; these are GEMM1's candidates).
 constexpr bool GroupedGemmTileHasSwiglu(GroupedGemmTile t) {
   return t == GroupedGemmTile::kCoop128x128 || t == GroupedGemmTile::kCoop128x256 || t == GroupedGemmTile::kPing128x128;
 }
@@ -106,11 +101,6 @@ class GroupedGemmSm90 {
   virtual void** ptr_z() { return nullptr; }
   virtual const float** ptr_gate() { return nullptr; }
   virtual int64_t* gate_stride() { return nullptr; }
-  // kNT_SwiGLUGrad only (null otherwise): per group, its first h row (dh is written over it).
-  virtual void** ptr_h() { return nullptr; }
-  // kNT_SwiGLUGrad: h's columns as rdep::mlp::GateUp::kInterleaved8 (true) or kSplit (false, the default). Other
-  // kinds: InvalidArgument. Launches nothing.
-  virtual Status SetGateUpInterleaved(bool interleaved) = 0;
 
   // The persistent grid's size: at most `sms` CTAs (one per SM), leaving the others free for kernels on
   // other streams (the overlapped layer's transport); 0 = every SM of the device. The tiles each CTA

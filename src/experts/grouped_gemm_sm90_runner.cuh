@@ -8,13 +8,11 @@
 // each launch: grouped_gemm_sm90_group_maps.cuh; wgmma, fp32 accumulation), a persistent grid of one CTA per SM walking the
 // tiles of every group (PersistentTileSchedulerSm90Group); with no host copy of the problem sizes the
 // grid is sized from the SM count. Epilogue: D = acc (+ beta*C for the fp32 weight gradients, C = D)
-// through TMA stores; kNN_SwiGLU also writes z = swiglu(D) from the registers (swiglu_epilogue_sm90.cuh);
-// kNT_SwiGLUGrad stores z as D and writes dh over h (swiglu_grad_epilogue_sm90.cuh).
+// through TMA stores; kNN_SwiGLU also writes z = swiglu(D) from the registers (swiglu_epilogue_sm90.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,7 +28,6 @@
 #include "experts/grouped_gemm_sm90.h"
 #include "experts/grouped_gemm_sm90_group_maps.cuh"
 #include "experts/swiglu_epilogue_sm90.cuh"
-#include "experts/swiglu_grad_epilogue_sm90.cuh"
 #include "launch/pdl.h"
 #include "rdep/cuda/check.h"
 
@@ -65,23 +62,16 @@ namespace tiled {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == sizeof(GemmProblem), "GemmProblem mirrors cute::Shape<int,int,int>");
 
-using SwigluTree = cutlass::epilogue::fusion::Sm90EVT<Sm90SwigluZStore, cutlass::epilogue::fusion::Sm90AccFetch>;
-using SwigluGradTree = cutlass::epilogue::fusion::Sm90EVT<Sm90SwigluGradStore, cutlass::epilogue::fusion::Sm90AccFetch>;
-
 // One kernel configuration: bf16 A and B in the given layouts (CUTLASS's convention: A is M x K, B is
 // K x N), D row-major, C (void = no source) for beta. FusionTree: void = D = alpha*acc + beta*C, else the
-// epilogue visitor tree (SwigluTree: kNN_SwiGLU's; SwigluGradTree: kNT_SwiGLUGrad's). kGroupMaps: every group's TMA
-// descriptors built before the launch (grouped_gemm_sm90_group_maps.cuh) instead of rewritten in the kernel at each
-// change of group.
+// epilogue visitor tree (kNN_SwiGLU's). kGroupMaps: every group's TMA descriptors built before the launch
+// (grouped_gemm_sm90_group_maps.cuh) instead of rewritten in the kernel at each change of group.
 template <class ElementD_, class LayoutA_, class LayoutB_, class ElementC_, class Tile, class FusionTree = void,
           bool kGroupMaps_ = false>
 struct Config {
-  static constexpr bool kSwiglu = cute::is_same_v<FusionTree, SwigluTree>;
-  static constexpr bool kSwigluGrad = cute::is_same_v<FusionTree, SwigluGradTree>;
-  static_assert(cute::is_void_v<FusionTree> || kSwiglu || kSwigluGrad, "an epilogue tree the runner knows");
+  static constexpr bool kSwiglu = !cute::is_void_v<FusionTree>;
   static constexpr bool kGroupMaps = kGroupMaps_;
-  using Fusion = cute::conditional_t<cute::is_void_v<FusionTree>, cutlass::epilogue::fusion::LinearCombination<ElementD_, float, ElementC_, float>,
-                                     FusionTree>;
+  using Fusion = cute::conditional_t<kSwiglu, FusionTree, cutlass::epilogue::fusion::LinearCombination<ElementD_, float, ElementC_, float>>;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementC = ElementC_;
@@ -110,6 +100,7 @@ struct Config {
 
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
+using SwigluTree = cutlass::epilogue::fusion::Sm90EVT<Sm90SwigluZStore, cutlass::epilogue::fusion::Sm90AccFetch>;
 template <class Tile, bool kMaps> using ConfigNN = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, void, kMaps>;
 template <class Tile, bool kMaps>  // B stored [n][k]
 using ConfigNT = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void, Tile, void, kMaps>;
@@ -117,8 +108,6 @@ template <class Tile, bool kMaps>  // A stored [k][m]
 using ConfigTN_F32 = Config<float, ColumnMajor, RowMajor, float, Tile, void, kMaps>;
 template <class Tile, bool kMaps> using ConfigTN_BF16 = Config<cutlass::bfloat16_t, ColumnMajor, RowMajor, void, Tile, void, kMaps>;
 template <class Tile, bool kMaps> using ConfigNN_SwiGLU = Config<cutlass::bfloat16_t, RowMajor, RowMajor, void, Tile, SwigluTree, kMaps>;
-template <class Tile, bool kMaps>  // D is z; dh over h
-using ConfigNT_SwiGLUGrad = Config<cutlass::bfloat16_t, RowMajor, ColumnMajor, void, Tile, SwigluGradTree, kMaps>;
 
 // A device allocation freed with its owner.
 struct DeviceBytes {
@@ -183,17 +172,6 @@ class Runner final : public GroupedGemmSm90 {
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_gate_.ptr, 0, G * sizeof(void*)));
       RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(gate_stride_.ptr, 0, sizeof(int64_t)));
     }
-    if constexpr (Cfg::kSwigluGrad) {  // D is z, F a row; h rows are 2F
-      if (ldd % 8 != 0)
-        return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": ldd = F = " + std::to_string(ldd) +
-                               " must be a multiple of 8");
-      ldz_ = ldd;
-      // The L2 prefetch of h (swiglu_grad_epilogue_sm90.cuh) is on unless RDEP_SWIGLU_GRAD_PREFETCH=0 (the A/B).
-      const char* env = std::getenv("RDEP_SWIGLU_GRAD_PREFETCH");
-      prefetch_h_ = env == nullptr || std::string(env) != "0";
-      RDEP_RETURN_IF_ERROR(ptr_z_.Allocate(G * sizeof(void*)));  // the h table
-      RDEP_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_z_.ptr, 0, G * sizeof(void*)));
-    }
     const std::vector<StrideA> sa(G, LeadingDimStride<StrideA>(lda));
     const std::vector<StrideB> sb(G, LeadingDimStride<StrideB>(ldb));
     const std::vector<StrideD> sd(G, LeadingDimStride<StrideD>(ldd));
@@ -223,16 +201,7 @@ class Runner final : public GroupedGemmSm90 {
   const void** ptr_a() override { return static_cast<const void**>(ptr_a_.ptr); }
   const void** ptr_b() override { return static_cast<const void**>(ptr_b_.ptr); }
   void** ptr_d() override { return static_cast<void**>(ptr_d_.ptr); }
-  void** ptr_z() override { return Cfg::kSwiglu ? static_cast<void**>(ptr_z_.ptr) : nullptr; }
-  void** ptr_h() override { return Cfg::kSwigluGrad ? static_cast<void**>(ptr_z_.ptr) : nullptr; }
-  Status SetGateUpInterleaved(bool interleaved) override {
-    if constexpr (!Cfg::kSwigluGrad) {
-      return InvalidArgument(std::string("grouped GEMM ") + GroupedGemmKindName(kind_) + ": no SwiGLU' epilogue (h's layout unused)");
-    } else {
-      interleaved_ = interleaved;
-      return Prepare(prepared_beta_ < 0.0f ? 0.0f : prepared_beta_, nullptr);
-    }
-  }
+  void** ptr_z() override { return static_cast<void**>(ptr_z_.ptr); }
   const float** ptr_gate() override { return static_cast<const float**>(ptr_gate_.ptr); }
   int64_t* gate_stride() override { return static_cast<int64_t*>(gate_stride_.ptr); }
 
@@ -285,12 +254,6 @@ class Runner final : public GroupedGemmSm90 {
       z.ptr_gate = static_cast<const float* const*>(ptr_gate_.ptr);
       z.gate_stride = static_cast<const int64_t*>(gate_stride_.ptr);
       z.ldz = ldz_;
-    } else if constexpr (Cfg::kSwigluGrad) {
-      auto& g = args.epilogue.thread.op_1;
-      g.ptr_h = static_cast<__nv_bfloat16**>(ptr_z_.ptr);
-      g.ffn = ldz_;
-      g.interleaved = interleaved_;
-      g.prefetch = prefetch_h_;
     } else {
       auto& fusion = args.epilogue.thread;
       fusion.alpha = 1.0f;
@@ -324,11 +287,9 @@ class Runner final : public GroupedGemmSm90 {
   int device_;
   cutlass::KernelHardwareInfo hw_;
   DeviceBytes problems_, ptr_a_, ptr_b_, ptr_d_, stride_a_, stride_b_, stride_d_, workspace_;
-  DeviceBytes ptr_z_, ptr_gate_, gate_stride_;  // kNN_SwiGLU only (ptr_z_ is kNT_SwiGLUGrad's h table)
+  DeviceBytes ptr_z_, ptr_gate_, gate_stride_;  // kNN_SwiGLU only
   DeviceBytes maps_;                            // kGroupMaps only: 4 x G TMA descriptors
-  int64_t ldz_ = 0;           // z's row length, F (the SwiGLU kinds)
-  bool interleaved_ = false;  // kNT_SwiGLUGrad: h's columns as GateUp::kInterleaved8
-  bool prefetch_h_ = true;    // kNT_SwiGLUGrad: the epilogue's load warp prefetches h into L2
+  int64_t ldz_ = 0;
   Gemm gemm_;
   float prepared_beta_ = -1.0f;  // the beta gemm_'s parameters were built for (0 or 1 after Init)
 };
@@ -367,12 +328,6 @@ StatusOr<std::unique_ptr<GroupedGemmSm90>> MakeTiledImpl(GroupedGemmKind kind, i
       else
         return Unavailable(std::string("grouped GEMM NN + SwiGLU: tile ") + GroupedGemmTileName(T) +
                              " is not built with the SwiGLU epilogue (GroupedGemmTileHasSwiglu)");
-    case GroupedGemmKind::kNT_SwiGLUGrad:
-      if constexpr (GroupedGemmTileHasSwiglu(T))
-        return tiled::Make<tiled::ConfigNT_SwiGLUGrad, Tile>(kind, T, maps, groups, lda, ldb, ldd, device);
-      else
-        return Unavailable(std::string("grouped GEMM NT + SwiGLU': tile ") + GroupedGemmTileName(T) +
-                             " is not built with the SwiGLU' epilogue (GroupedGemmTileHasSwiglu)");
   }
   return InvalidArgument("grouped GEMM: unknown kind");
 }

@@ -22,51 +22,6 @@
 
 namespace rdep::kernels::internal {
 
-// For a thread's fragment of one epilogue subtile (coordinates by the static layout L, relative to its
-// first element): row[k], col[k]; partner[k], the element 8 columns on in k's row (the up column of a gate
-// column); next[k], the element 1 column on; -1 where there is none. kind[k] for the fast path, where the
-// thread's first column n0 has n0 % 16 in {0, 2, 4, 6} (a wgmma fragment's), so that k is a gate column
-// iff col[k] % 16 < 8: 2 = stores z of k and next[k] (bf16x2), 1 = stores z of k alone, 0 = stored by its
-// left neighbour or no gate column. Built at compile time, so the unrolled visits index registers by
-// constants.
-template <class L, int N>
-struct FragmentPairs {
-  int row[N], col[N], partner[N], next[N], kind[N];
-  int max_row = 0, max_col = 0;
-  bool fast = true;  // the fast path's assumptions hold: every col % 8 < 2, every col % 16 < 8 has its partner
-};
-template <class L, int N>
-constexpr FragmentPairs<L, N> MakeFragmentPairs() {
-  FragmentPairs<L, N> t{};
-  constexpr L layout{};
-  for (int k = 0; k < N; ++k) {
-    const auto ck = layout(k);
-    t.row[k] = static_cast<int>(cute::get<0>(ck));
-    t.col[k] = static_cast<int>(cute::get<1>(ck));
-    t.max_row = t.row[k] > t.max_row ? t.row[k] : t.max_row;
-    t.max_col = t.col[k] > t.max_col ? t.col[k] : t.max_col;
-  }
-  for (int k = 0; k < N; ++k) {
-    t.partner[k] = -1;
-    t.next[k] = -1;
-    for (int j = 0; j < N; ++j) {
-      if (t.row[j] != t.row[k]) continue;
-      if (t.col[j] == t.col[k] + 8) t.partner[k] = j;
-      if (t.col[j] == t.col[k] + 1) t.next[k] = j;
-    }
-  }
-  for (int k = 0; k < N; ++k) {
-    const bool gate = t.partner[k] >= 0 && t.col[k] % 16 < 8;
-    const int nx = t.next[k];
-    t.kind[k] = !gate ? 0 : (t.col[k] % 2 == 0 && nx >= 0 && t.partner[nx] >= 0 && t.col[nx] % 16 < 8) ? 2 : 1;
-  }
-  for (int k = 0; k < N; ++k)  // the right element of a pair is its left neighbour's
-    if (t.kind[k] == 2) t.kind[t.next[k]] = 0;
-  for (int k = 0; k < N; ++k)
-    if (t.col[k] % 8 >= 2 || (t.col[k] % 16 < 8 && t.partner[k] < 0)) t.fast = false;
-  return t;
-}
-
 struct Sm90SwigluZStore {
   struct SharedStorage {};
   // Device tables of one entry per group, filled by the caller before each launch (as the GEMM's own
@@ -110,6 +65,51 @@ struct Sm90SwigluZStore {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
+  // For a thread's fragment of one epilogue subtile (coordinates by the static layout L, relative to its
+  // first element): row[k], col[k]; partner[k], the element 8 columns on in k's row (the up column of a gate
+  // column); next[k], the element 1 column on; -1 where there is none. kind[k] for the fast path, where the
+  // thread's first column n0 has n0 % 16 in {0, 2, 4, 6} (a wgmma fragment's), so that k is a gate column
+  // iff col[k] % 16 < 8: 2 = stores z of k and next[k] (bf16x2), 1 = stores z of k alone, 0 = stored by its
+  // left neighbour or no gate column. Built at compile time, so the unrolled visits index registers by
+  // constants.
+  template <class L, int N>
+  struct Pairs {
+    int row[N], col[N], partner[N], next[N], kind[N];
+    int max_row = 0, max_col = 0;
+    bool fast = true;  // the fast path's assumptions hold: every col % 8 < 2, every col % 16 < 8 has its partner
+  };
+  template <class L, int N>
+  static constexpr Pairs<L, N> MakePairs() {
+    Pairs<L, N> t{};
+    constexpr L layout{};
+    for (int k = 0; k < N; ++k) {
+      const auto ck = layout(k);
+      t.row[k] = static_cast<int>(cute::get<0>(ck));
+      t.col[k] = static_cast<int>(cute::get<1>(ck));
+      t.max_row = t.row[k] > t.max_row ? t.row[k] : t.max_row;
+      t.max_col = t.col[k] > t.max_col ? t.col[k] : t.max_col;
+    }
+    for (int k = 0; k < N; ++k) {
+      t.partner[k] = -1;
+      t.next[k] = -1;
+      for (int j = 0; j < N; ++j) {
+        if (t.row[j] != t.row[k]) continue;
+        if (t.col[j] == t.col[k] + 8) t.partner[k] = j;
+        if (t.col[j] == t.col[k] + 1) t.next[k] = j;
+      }
+    }
+    for (int k = 0; k < N; ++k) {
+      const bool gate = t.partner[k] >= 0 && t.col[k] % 16 < 8;
+      const int nx = t.next[k];
+      t.kind[k] = !gate ? 0 : (t.col[k] % 2 == 0 && nx >= 0 && t.partner[nx] >= 0 && t.col[nx] % 16 < 8) ? 2 : 1;
+    }
+    for (int k = 0; k < N; ++k)  // the right element of a pair is its left neighbour's
+      if (t.kind[k] == 2) t.kind[t.next[k]] = 0;
+    for (int k = 0; k < N; ++k)
+      if (t.col[k] % 8 >= 2 || (t.col[k] % 16 < 8 && t.partner[k] < 0)) t.fast = false;
+    return t;
+  }
+
   // CTensor: the thread's coordinates relative to its first element, (CPY, CPY_M, CPY_N, EPI_M, EPI_N);
   // Residue: the group's (M, N) less that first element's coordinate.
   template <class CTensor, class Residue>
@@ -135,7 +135,7 @@ struct Sm90SwigluZStore {
       return gate ? gate[m * gate_stride] * s : s;
     }
 
-    static constexpr FragmentPairs<SubtileLayout, kSubtile> kPairs = MakeFragmentPairs<SubtileLayout, kSubtile>();
+    static constexpr Pairs<SubtileLayout, kSubtile> kPairs = MakePairs<SubtileLayout, kSubtile>();
 
     // frg_input: the accumulators (Sm90AccFetch), passed on unchanged as D. A visit sees a whole subtile
     // (FragmentSize == kSubtile, asserted), so every index below is a compile-time constant: the values stay

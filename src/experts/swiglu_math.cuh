@@ -1,6 +1,6 @@
-// The SwiGLU arithmetic shared by the element-wise kernels (expert_mlp_kernels.cu), GEMM1's SwiGLU epilogue
-// (swiglu_epilogue_sm90.cuh) and dz's SwiGLU' epilogue (swiglu_grad_epilogue_sm90.cuh), so that a kernel and the
-// epilogue that replaces it round alike: the same bf16 inputs give the same bf16 outputs, bit for bit. Device code only.
+// The SwiGLU arithmetic shared by the element-wise kernels (expert_mlp_kernels.cu) and GEMM1's SwiGLU
+// epilogue (swiglu_epilogue_sm90.cuh), so that the two forwards round alike: the same bf16 inputs give the
+// same bf16 z, bit for bit. Device code only.
 #pragma once
 
 #include <cstdint>
@@ -14,19 +14,6 @@ __device__ __forceinline__ float SwigluSigmoid(float a) { return __fdividef(1.0f
 
 // silu(a) * b, fp32, in the order every rdep kernel evaluates it.
 __device__ __forceinline__ float SwigluOf(float a, float b) { return a * SwigluSigmoid(a) * b; }
-
-// The SwiGLU backward of one feature without a row gate, fp32, in the order every rdep kernel evaluates it: a and b
-// the gate and up pre-activations (bf16 values), dd the incoming gradient dz (a bf16 value). z = silu(a) * b (what dW2
-// reads), dg and du the gradients of a and b. The element-wise kernel and dz's SwiGLU' epilogue both call this, so
-// that the same bf16 inputs give the same bf16 outputs.
-__device__ __forceinline__ void SwigluGradOf(float a, float b, float dd, float& z, float& dg, float& du) {
-  const float s = SwigluSigmoid(a);
-  const float silu = a * s;
-  const float dsilu = s * (1.0f + a * (1.0f - s));
-  z = silu * b;
-  dg = dd * b * dsilu;
-  du = dd * silu;
-}
 
 // The first column of the 8-feature vector starting at feature `col` (a multiple of 8) in an h row of 2F
 // columns: the gate's, and the up projection's (rdep::mlp::GateUp; interleaved = kInterleaved8).

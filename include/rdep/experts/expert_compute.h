@@ -113,10 +113,6 @@ struct CutlassTiles {
   // pass; gemm1 must then be coop_128x128, coop_128x256 or ping_128x128). Off by default: on an H200 it measured
   // slower than GEMM1 plus the separate SwiGLU kernel (docs/perf-notes.md, "GEMM1's SwiGLU in its epilogue").
   bool swiglu_epilogue = false;
-  // True makes dz's epilogue take the backward's SwiGLU' (dh written over h, z stored as dz's output; either
-  // desc.gate_up) instead of a separate pass, in calls without per-row gates (ExpertRows::gate; with them the pass
-  // stays, for dgate). dgrad_z must then be coop_128x128, coop_128x256 or ping_128x128. The same bits as the pass.
-  bool swiglu_grad_epilogue = false;
   int32_t gemm_sms = 0;  // the GEMMs' persistent grids use at most this many SMs, leaving the rest to kernels on
                          // other streams (CudaMoELayer's overlapped segments); 0 = every SM. Same results
 };
@@ -132,9 +128,8 @@ size_t CutlassExpertScratchBytes(const ExpertMlpDesc& desc);
 // The tile names this build has (empty without CUTLASS).
 std::vector<std::string> CutlassTileNames();
 // A tile spec as `rdep bench gemm --path cutlass:SPEC` and RDEP_CUTLASS_TILES take it: TILE (every GEMM) or
-// G1/G2/DZ/DX/DW2/DW1 (CutlassTiles' order, an empty field keeps that GEMM's default). DZ may end in "+epi" (its
-// tile, or its default when nothing precedes it, with the SwiGLU' epilogue: swiglu_grad_epilogue). Only the shape
-// is checked here (InvalidArgument naming `what`); MakeCutlassExpertCompute checks the names.
+// G1/G2/DZ/DX/DW2/DW1 (CutlassTiles' order, an empty field keeps that GEMM's default). Only the shape is checked
+// here (InvalidArgument naming `what`); MakeCutlassExpertCompute checks the names.
 StatusOr<CutlassTiles> ParseCutlassTileSpec(const std::string& spec, const std::string& what);
 
 // What MakeCublasLtExpertCompute(desc, ..., config) will allocate on the device.
