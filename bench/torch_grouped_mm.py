@@ -7,7 +7,9 @@ zipf:A) or, with --counts-from, exactly the per-expert counts an `rdep bench gem
 each mu; forward timed with CUDA events (p50/p99 over --iters after --warmup); with --backward also
 forward+backward (autograd.grad of the output against a fixed dout, for x, w1 and w2: bf16 weight
 gradients, where rdep writes fp32 ones); useful TFLOP/s count 6*M*H*F FLOPs forward, 3x that forward+
-backward (real rows only).
+backward (real rows only). With --counts-from it also prints, and writes into its receipt, each rdep path's p50
+over torch's (forward and forward+backward, from the rdep receipt's own p50s) and torch's p50 over rdep's: the
+ratios issue 14's targets are stated in.
   python3 bench/torch_grouped_mm.py --experts 16 --hidden 2048 --ffn 1408 --mu 128,384,768,1536,3072
   python3 bench/torch_grouped_mm.py --counts-from gemm.json --backward --json torch.json
 """
@@ -34,6 +36,28 @@ def pct(xs, q):
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def fmt(v, width, digits):
+    return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
+
+
+def speedups(rdep_rows, torch_rows):
+    """torch's p50 over each rdep path's p50 at the same mu (forward; forward+backward where both timed it)."""
+    by_mu = {r["mu"]: r for r in torch_rows}
+    out = []
+    for r in rdep_rows:
+        t = by_mu.get(int(r["mu"]))
+        fwd = (r.get("forward") or {}).get("p50_us")
+        if t is None or not fwd:
+            continue
+        fb = (r.get("forward_backward") or {}).get("p50_us")
+        tfb = t.get("forward_backward_p50_us")
+        out.append({"mu": int(r["mu"]), "path": r.get("path", "?"), "rdep_forward_p50_us": fwd,
+                    "forward_speedup": t["p50_us"] / fwd,
+                    "rdep_forward_backward_p50_us": fb,
+                    "forward_backward_speedup": tfb / fb if fb and tfb else None})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=16)
@@ -51,6 +75,7 @@ def main():
                     "wall-clock times, no memory figures)")
     a = ap.parse_args()
     given = {}  # mu -> counts, from an rdep receipt
+    rdep_rows = []  # that receipt's results (mu, path, p50s), for the ratios
     if a.counts_from:
         with open(a.counts_from) as f:
             rec = json.load(f)
@@ -58,6 +83,7 @@ def main():
         a.experts, a.hidden, a.ffn, a.routing = wl["experts_local"], wl["hidden"], wl["ffn"], wl["routing"]
         for r in rec["results"]:
             given.setdefault(int(r["mu"]), r["counts"])
+            rdep_rows.append(r)
         a.mu = ",".join(str(m) for m in sorted(given))
     alpha = 0.0 if a.routing == "uniform" else float(a.routing.split(":", 1)[1])
     E, H, F = a.experts, a.hidden, a.ffn
@@ -128,6 +154,13 @@ def main():
         print(f"{mu:>6}{M:>8}{rho:>7.2f}{p50:>11.1f}{p99:>11.1f}{tf:>10.1f}{fb50:>11.1f}{tf_fb:>10.1f}{peak:>10.1f}")
         rows_out.append(row)
         del x, dout
+    ratios = speedups(rdep_rows, rows_out)
+    if ratios:
+        print("torch p50 over rdep p50 (rdep from the --counts-from receipt; > 1: rdep faster)")
+        print(f"{'mu':>6}  {'path':<34}{'rdep fwd':>10}{'fwd x':>8}{'rdep f+b':>10}{'f+b x':>8}")
+        for q in ratios:
+            print(f"{q['mu']:>6}  {q['path']:<34}{q['rdep_forward_p50_us']:>10.1f}{q['forward_speedup']:>8.2f}"
+                  f"{fmt(q['rdep_forward_backward_p50_us'], 10, 1)}{fmt(q['forward_backward_speedup'], 8, 2)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"benchmark": "torch._grouped_mm expert MLP forward" + (" and forward+backward" if a.backward else ""),
@@ -137,7 +170,7 @@ def main():
                                     "warmup": a.warmup, "iters": a.iters, "seed": a.seed},
                        "normalization": "useful TFLOP/s = 6*M*H*F over the p50 forward time (18*M*H*F forward+backward), "
                                         "M = real rows",
-                       "results": rows_out}, f, indent=1)
+                       "results": rows_out, "speedups_over_rdep": ratios}, f, indent=1)
         print("wrote", a.json)
 
 
