@@ -27,16 +27,19 @@ def test_speedups_are_torch_over_rdep_per_mu_and_path():
         {"mu": 8, "path": "cutlass://ping_128x128///", "forward": {"p50_us": 20.0}},  # no backward timed
         {"mu": 16, "path": "cutlass", "forward": {"p50_us": 25.0}, "forward_backward": {"p50_us": 50.0}},
         {"mu": 32, "path": "cutlass", "forward": {"p50_us": 1.0}},  # torch did not time this mu
+        {"mu": 8, "path": "fb-only", "forward_backward": {"p50_us": 30.0}},  # no forward p50: the other ratio stays
     ]
     torch_rows = [{"mu": 8, "p50_us": 15.0, "forward_backward_p50_us": 60.0}, {"mu": 16, "p50_us": 30.0}]
     got = tgm.speedups(rdep, torch_rows)
-    assert [(q["mu"], q["path"]) for q in got] == [(8, "cutlass"), (8, "cutlass://ping_128x128///"), (16, "cutlass")]
+    assert [(q["mu"], q["path"]) for q in got] == [(8, "cutlass"), (8, "cutlass://ping_128x128///"), (16, "cutlass"), (8, "fb-only")]
     assert got[0]["forward_speedup"] == pytest.approx(1.5)
     assert got[0]["forward_backward_speedup"] == pytest.approx(1.5)
     assert got[1]["forward_speedup"] == pytest.approx(0.75)
     assert got[1]["forward_backward_speedup"] is None
     assert got[2]["forward_speedup"] == pytest.approx(1.2)
     assert got[2]["forward_backward_speedup"] is None  # torch ran without --backward at this mu
+    assert got[3]["forward_speedup"] is None
+    assert got[3]["forward_backward_speedup"] == pytest.approx(2.0)
 
 
 def test_counts_from_a_receipt_prints_and_writes_the_ratios(tmp_path):
@@ -62,7 +65,7 @@ def test_counts_from_a_receipt_prints_and_writes_the_ratios(tmp_path):
     assert "torch p50 over rdep p50" in r.stdout
     rec = json.loads(out.read_text())
     assert [row["counts"] for row in rec["results"]] == [[3, 5], [16, 0]]
-    ratios = rec["speedups_over_rdep"]
+    ratios = rec["torch_p50_over_rdep_p50"]
     assert [(q["mu"], q["path"]) for q in ratios] == [(4, "cutlass"), (8, "cutlass")]
     for q, row, rd in zip(ratios, rec["results"], receipt["results"]):
         assert q["forward_speedup"] == pytest.approx(row["p50_us"] / rd["forward"]["p50_us"])
