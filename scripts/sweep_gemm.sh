@@ -8,7 +8,8 @@
 # forward+backward; rho and the dense ceiling from the rdep receipt. For each (E_loc, routing): rdep bench
 # gemm --path PATHS (default cutlass), then bench/torch_grouped_mm.py --counts-from that receipt --backward.
 # Receipts and logs in one archive, $OUT/sweep_gemm.tgz; the table (bench/summarize_gemm_sweep.py) in
-# $OUT/sweep_gemm.md. Environment: ELOC, ROUTINGS, MU, PATHS, ITERS override the defaults.
+# $OUT/sweep_gemm.md. Environment: ELOC, ROUTINGS, MU, PATHS, ITERS, GRADS override the defaults. GRADS (default
+# bf16): the weight gradients rdep's backward writes; bf16 is what torch._grouped_mm's autograd writes for bf16 weights.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -19,6 +20,7 @@ ROUTINGS=${ROUTINGS:-"uniform zipf:0.5 zipf:1 zipf:1.5 zipf:2"}
 MU=${MU:-128,384,768,1536,3072,6144}
 PATHS=${PATHS:-cutlass}
 ITERS=${ITERS:-30}
+GRADS=${GRADS:-bf16}
 RDEP=build-dev/bin/rdep
 [ -x "$RDEP" ] || { echo "sweep_gemm: $RDEP missing (run through scripts/device.sh)"; exit 2; }
 fails=0
@@ -26,7 +28,7 @@ for e in $ELOC; do
   for rt in $ROUTINGS; do
     tag="E${e}_${rt/:/}"
     "$RDEP" bench gemm --experts "$e" --hidden 2048 --ffn 1408 --mu "$MU" --routing "$rt" --path "$PATHS" \
-      --warmup 5 --iters "$ITERS" --json "$R/gemm_$tag.json" >"$R/gemm_$tag.log" 2>&1 || { fails=$((fails + 1)); tail -3 "$R/gemm_$tag.log"; }
+      --grads "$GRADS" --warmup 5 --iters "$ITERS" --json "$R/gemm_$tag.json" >"$R/gemm_$tag.log" 2>&1 || { fails=$((fails + 1)); tail -3 "$R/gemm_$tag.log"; }
     python3 bench/torch_grouped_mm.py --counts-from "$R/gemm_$tag.json" --backward --warmup 5 --iters "$ITERS" \
       --json "$R/torch_$tag.json" >"$R/torch_$tag.log" 2>&1 || { fails=$((fails + 1)); tail -3 "$R/torch_$tag.log"; }
     echo "[$tag done, $SECONDS s]"
