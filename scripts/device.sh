@@ -8,6 +8,7 @@
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
+#   --no-eager-ext    skip building rdep.torch's eager C++ extension (~45 s; benches of the C++ CLI alone need none)
 #   --pytest-k EXPR   run only the Python tests pytest -k EXPR selects
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
@@ -29,13 +30,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export RDEP_REQUIRE_CUTLASS=${RDEP_REQUIRE_CUTLASS:-1}
 ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || [ -n "${RDEP_CUTLASS_DIR:-}" ] ||
   echo "device.sh: no .whl/nvidia_cutlass-*.whl (not carried?) and no RDEP_CUTLASS_DIR: the build will lack CUTLASS" >&2
-TESTS="" TARGETS="" BENCH=() PYTEST=1 PYTEST_K="" BUDGET=570
+TESTS="" TARGETS="" BENCH=() PYTEST=1 EAGER_EXT=1 PYTEST_K="" BUDGET=570
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=$2; shift 2 ;;
     --targets) TARGETS=$2; shift 2 ;;
     --bench|--mpi) BENCH+=("$2"); shift 2 ;;
     --no-pytest) PYTEST=0; shift ;;
+    --no-eager-ext) EAGER_EXT=0; shift ;;
     --pytest-k) PYTEST_K=$2; shift 2 ;;
     --budget) BUDGET=$2; shift 2 ;;
     *) echo "device.sh: unknown option $1" >&2; exit 2 ;;
@@ -71,7 +73,7 @@ fi
 # rdep.torch's eager C++ path (python/rdep/torch/eager_ext.py), compiled once into the build folder (kept while the
 # machine stays warm) and required: a failed build fails the tests instead of leaving the Python path.
 export TORCH_EXTENSIONS_DIR="$PWD/$BUILD/torch_extensions" RDEP_TORCH_EAGER_EXT=${RDEP_TORCH_EAGER_EXT:-1}
-if [ $build_rc -eq 0 ] && python3 -c 'import torch' >/dev/null 2>&1; then
+if [ $build_rc -eq 0 ] && [ $EAGER_EXT -eq 1 ] && python3 -c 'import torch' >/dev/null 2>&1; then
   te0=$(date +%s)
   RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" timeout "$(left 60)" \
     python3 -m rdep.torch build-eager-ext >"$OUT/eager_ext.log" 2>&1
