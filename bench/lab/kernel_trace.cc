@@ -7,9 +7,11 @@
 // them at exit, one line a kernel, tab-separated: start_ns end_ns stream grid block name_id; then one line a
 // name, "#name<TAB>id<TAB>name" (demangled where the ABI's demangler can, template arguments kept; CUTLASS's
 // kernels stay mangled). bench/lab/kernel_trace_summary.py reads the file.
+//   cmake --build build --target kernel_trace        (a CUDA build: build/bench/lab/kernel_trace.so), or alone:
 //   g++ -O2 -std=c++17 -shared -fPIC -o /tmp/kernel_trace.so bench/lab/kernel_trace.cc -I/usr/local/cuda/include
 //       -L/usr/local/cuda/lib64 -L/usr/local/cuda/lib -lcupti   (one line)
-//   RDEP_KERNEL_TRACE=/tmp/trace.tsv LD_PRELOAD=/tmp/kernel_trace.so build/bin/rdep bench gemm --mu 1536 ...
+//   RDEP_KERNEL_TRACE=/tmp/trace.tsv LD_PRELOAD=build/bench/lab/kernel_trace.so build/bin/rdep bench gemm --mu 1536 ...
+//   python3 bench/lab/kernel_trace_summary.py /tmp/trace.tsv
 #include <cupti.h>
 #include <cxxabi.h>
 
