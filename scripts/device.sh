@@ -8,7 +8,8 @@
 #   --bench "CMD"     a shell command to run after the tests
 #   --mpi "CMD"       like --bench, run after the benches (for mpirun commands)
 #   --no-pytest       skip the Python package's tests (run by default after ctest when torch imports)
-#   --no-eager-ext    skip building rdep.torch's eager C++ extension (~45 s; benches of the C++ CLI alone need none)
+#   --no-eager-ext    skip building rdep.torch's eager C++ extension (~45 s; benches of the C++ CLI alone need none);
+#                     rdep.torch then runs its Python path (RDEP_TORCH_EAGER_EXT=0 unless set)
 #   --pytest-k EXPR   run only the Python tests pytest -k EXPR selects
 #   --budget SECONDS  the whole script's wall-clock budget (default 570, under the device call's 600 s
 #                     limit): each stage runs under `timeout` with what is left, so logs always come back
@@ -72,7 +73,8 @@ if [ $build_rc -eq 0 ]; then
 fi
 # rdep.torch's eager C++ path (python/rdep/torch/eager_ext.py), compiled once into the build folder (kept while the
 # machine stays warm) and required: a failed build fails the tests instead of leaving the Python path.
-export TORCH_EXTENSIONS_DIR="$PWD/$BUILD/torch_extensions" RDEP_TORCH_EAGER_EXT=${RDEP_TORCH_EAGER_EXT:-1}
+# With --no-eager-ext the extension is neither built nor asked for (RDEP_TORCH_EAGER_EXT=0: rdep.torch's Python path).
+export TORCH_EXTENSIONS_DIR="$PWD/$BUILD/torch_extensions" RDEP_TORCH_EAGER_EXT=${RDEP_TORCH_EAGER_EXT:-$EAGER_EXT}
 if [ $build_rc -eq 0 ] && [ $EAGER_EXT -eq 1 ] && python3 -c 'import torch' >/dev/null 2>&1; then
   te0=$(date +%s)
   RDEP_LIBRARY="$PWD/$BUILD/lib/librdep_capi.so" PYTHONPATH="$PWD/python" timeout "$(left 60)" \

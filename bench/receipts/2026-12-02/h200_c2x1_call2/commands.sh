@@ -20,3 +20,9 @@ RDEP_KERNEL_TRACE=$OUT/t/torch_long.tsv LD_PRELOAD=/tmp/kernel_trace.so python3 
 kill $SMI
 grep -A3 "^[0-9]* kernels an iteration" $OUT/t/long_sum.txt | head -40
 cd $OUT && tar czf t.tgz t && rm -r t
+# ab_sum.txt and long_sum.txt were written on the device by the first version of kernel_trace_summary.py (gaps against
+# the previous kernel's end, "gaps" a sum of medians); their traces (ab.tsv 6.3 MB, long.tsv 4.6 MB) are not committed.
+# trace_torch_long.tsv.gz is committed; its summary was regenerated here with the current script:
+#   python3 bench/lab/kernel_trace_summary.py <(gzip -dc trace_torch_long.tsv.gz) --anchor silu_kernel --skip 200 > trace_torch_long_summary.txt
+# The clocks per window in docs/perf-notes.md: smi.csv's samples between each run's first start and last end in the traces
+# (both wall-clock; "loaded" = power.draw.instant above 300 W).

@@ -20,3 +20,8 @@ for mu in 384 1536; do
 done
 kill $SMI
 cd $OUT && tar czf t.tgz t && rm -r t
+# Here, after the call: the traces (first tracer form, a name on every line) converted to the interned form
+# (a name_id column and "#name" lines; a few lines of Python, names numbered in order of first appearance) and gzipped
+# as trace_*.tsv.gz; the summaries regenerated with the current bench/lab/kernel_trace_summary.py:
+#   python3 bench/lab/kernel_trace_summary.py <(gzip -dc trace_rdep_MU.tsv.gz) --skip 5 > trace_rdep_MU_summary.txt
+#   python3 bench/lab/kernel_trace_summary.py <(gzip -dc trace_torch_MU.tsv.gz) --anchor silu_kernel --skip 5 > trace_torch_MU_summary.txt

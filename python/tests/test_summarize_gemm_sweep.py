@@ -1,0 +1,39 @@
+"""bench/summarize_gemm_sweep.py on a directory of synthetic receipt pairs (no GPU needed): one row per (E_loc, routing,
+mu), E_loc descending, the ratios as rdep's TFLOP/s over torch's cut to three decimals (a ratio of 1.1996 must not print
+as 1.20 or 1.200), a missing torch receipt or mu as nan, and the weight gradients and iterations said above the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.no_library  # a script test: no librdep_capi.so needed
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "summarize_gemm_sweep.py"
+
+
+def receipt(E, routing, rows, grads="bf16"):
+    return {"workload": {"experts_local": E, "routing": routing, "weight_gradients": grads, "warmup": 5, "iters": 30},
+            "dense_peak": {"tflops": 800.0},
+            "results": [{"mu": mu, "path": "cutlass", "rho": 1.05, "tflops_forward": f, "tflops_forward_backward": fb}
+                        for mu, f, fb in rows]}
+
+
+def test_rows_ratios_and_header(tmp_path):
+    (tmp_path / "gemm_E16_uniform.json").write_text(json.dumps(receipt(16, "uniform", [(128, 599.8, 500.0), (384, 600.0, 480.0)])))
+    (tmp_path / "torch_E16_uniform.json").write_text(json.dumps(
+        {"results": [{"mu": 128, "tflops_forward": 500.0, "tflops_forward_backward": 400.0}]}))  # no mu = 384
+    (tmp_path / "gemm_E64_zipf1.json").write_text(json.dumps(receipt(64, "zipf:1", [(128, 300.0, 250.0)])))  # no torch receipt
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("rdep weight gradients: bf16; warmup 5, iterations 30")
+    rows = [l for l in lines if l.startswith("| ") and not l.startswith("| E_loc") and not l.startswith("| ---")]
+    assert [r.split("|")[1].strip() for r in rows] == ["64 (1)", "16 (4)", "16 (4)"]  # E_loc descending
+    cells = [c.strip() for c in rows[1].strip().strip("|").split("|")]
+    assert cells[3] == "128" and cells[7] == "1.199" and cells[10] == "1.250"  # 599.8 / 500 = 1.1996: cut, not rounded
+    assert [c.strip() for c in rows[2].strip().strip("|").split("|")][7] == "nan"  # torch did not time mu = 384
+    assert [c.strip() for c in rows[0].strip().strip("|").split("|")][7] == "nan"  # no torch receipt at all
