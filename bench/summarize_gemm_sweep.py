@@ -14,7 +14,8 @@ import sys
 
 def truncated(x: float) -> str:
     """x to three decimals, cut rather than rounded (1.1996 -> 1.199: a ratio under a target never prints at it)."""
-    return f"{math.floor(x * 1000) / 1000:.3f}" if math.isfinite(x) else "nan"
+    # + 1e-9: a quotient that is a thousandth exactly (102.1 / 100) can land a hair below it in floating point
+    return f"{math.floor(x * 1000 + 1e-9) / 1000:.3f}" if math.isfinite(x) else "nan"
 
 
 def main():

@@ -25,7 +25,7 @@ RDEP=build-dev/bin/rdep
 [ -x "$RDEP" ] || { echo "sweep_gemm: $RDEP missing (run through scripts/device.sh)"; exit 2; }
 fails=0
 # The GPU's clock, power and throttle reasons every 200 ms beside the runs (the power cap bounds long runs:
-# docs/perf-notes.md, thirty-seventh session); each run's start and end time are in the log.
+# docs/perf-notes.md, thirty-seventh session); each run's start and end, in nvidia-smi's format and local time, in times.log.
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw.instant,temperature.gpu,clocks_event_reasons.active --format=csv \
     -lms 200 >"$R/smi.csv" 2>&1 &
@@ -35,15 +35,15 @@ fi
 for e in $ELOC; do
   for rt in $ROUTINGS; do
     tag="E${e}_${rt/:/}"
-    echo "[$tag rdep start $(date -u +%FT%T.%3NZ)]" >>"$R/times.log"
+    echo "[$tag rdep start $(date "+%Y/%m/%d %H:%M:%S.%3N")]" >>"$R/times.log"
     "$RDEP" bench gemm --experts "$e" --hidden 2048 --ffn 1408 --mu "$MU" --routing "$rt" --path "$PATHS" \
       --grads "$GRADS" --warmup 5 --iters "$ITERS" --json "$R/gemm_$tag.json" >"$R/gemm_$tag.log" 2>&1 || { fails=$((fails + 1)); tail -3 "$R/gemm_$tag.log"; }
-    echo "[$tag torch start $(date -u +%FT%T.%3NZ)]" >>"$R/times.log"
+    echo "[$tag torch start $(date "+%Y/%m/%d %H:%M:%S.%3N")]" >>"$R/times.log"
     python3 bench/torch_grouped_mm.py --counts-from "$R/gemm_$tag.json" --backward --warmup 5 --iters "$ITERS" \
       --json "$R/torch_$tag.json" >"$R/torch_$tag.log" 2>&1 || { fails=$((fails + 1)); tail -3 "$R/torch_$tag.log"; }
-    echo "[$tag done $(date -u +%FT%T.%3NZ)]" >>"$R/times.log"
+    echo "[$tag done $(date "+%Y/%m/%d %H:%M:%S.%3N")]" >>"$R/times.log"
     echo "[$tag done, $SECONDS s]"
-    tar czf "$OUT/sweep_gemm.tgz" -C "$R" .  # after every pair: a timeout still returns what ran
+    tar czf "$OUT/sweep_gemm.tgz" --warning=no-file-changed -C "$R" .  # after every pair: a timeout still returns what ran
   done
 done
 python3 bench/summarize_gemm_sweep.py "$R" | tee "$OUT/sweep_gemm.md"

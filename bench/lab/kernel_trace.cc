@@ -12,7 +12,8 @@
 //   does not overwrite its worker's file).
 // - Records CUPTI could not time (start or end 0, as when it runs out of device memory for them) are left out and
 //   counted; those and the records CUPTI dropped are reported on stderr at exit.
-// - Written at exit (atexit): a process killed by a signal or ended by _exit writes nothing.
+// - Written at exit (atexit): a process killed by a signal or ended by _exit writes nothing, nor does a child forked
+//   without an exec (it would hold a copy of its parent's records and path).
 //   cmake --build build --target kernel_trace        (a CUDA build: build/bench/lab/kernel_trace.so), or alone:
 //   g++ -O2 -std=c++17 -shared -fPIC -o /tmp/kernel_trace.so bench/lab/kernel_trace.cc -I/usr/local/cuda/include
 //       -L/usr/local/cuda/lib64 -L/usr/local/cuda/lib -lcupti -Wl,-rpath,/usr/local/cuda/lib64:/usr/local/cuda/lib
@@ -20,6 +21,7 @@
 //   python3 bench/lab/kernel_trace_summary.py /tmp/trace.<pid>.tsv
 #include <cupti.h>
 #include <cxxabi.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -46,10 +48,12 @@ struct State {
   std::map<std::string, size_t> ids;  // mangled name -> id: each name demangled and stored once
   std::vector<std::string> names;     // id -> demangled name
   uint64_t untimed = 0;               // records with start or end 0
+  uint64_t incomplete_buffers = 0;    // buffers that ended in a record CUPTI had not finished (kernels still running)
   bool read_error = false;
   std::string path;
 };
 State* g = nullptr;
+bool g_forked = false;  // set in a child of fork(): its records are its parent's
 
 constexpr size_t kBufferBytes = size_t{8} << 20;
 
@@ -98,6 +102,10 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buffer, size_t, size
   for (;;) {
     const CUptiResult r = cuptiActivityGetNextRecord(buffer, valid, &record);
     if (r == CUPTI_ERROR_MAX_LIMIT_REACHED) break;  // the buffer's end
+    if (r == CUPTI_ERROR_INVALID_KIND) {           // an unfinished record (a forced flush while kernels run): the end
+      ++g->incomplete_buffers;
+      break;
+    }
     if (r != CUPTI_SUCCESS) {
       g->read_error = true;
       Ok(r, "cuptiActivityGetNextRecord (the rest of this buffer is lost)");
@@ -123,10 +131,14 @@ void ReportLosses() {
   if (g->untimed > 0)
     std::fprintf(stderr, "kernel_trace: %llu kernel records without a start or end time left out\n",
                  static_cast<unsigned long long>(g->untimed));
+  if (g->incomplete_buffers > 0)
+    std::fprintf(stderr, "kernel_trace: %llu buffers ended in unfinished records (kernels still running at exit), left out\n",
+                 static_cast<unsigned long long>(g->incomplete_buffers));
   if (g->read_error) std::fprintf(stderr, "kernel_trace: records were lost reading a buffer (above)\n");
 }
 
 void WriteAtExit() {
+  if (g_forked) return;
   Ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   std::lock_guard<std::mutex> lock(g->mu);
   ReportLosses();
@@ -153,6 +165,7 @@ __attribute__((constructor)) void Start() {
   g->path = ExpandPid(path);
   if (!Ok(cuptiActivityRegisterCallbacks(BufferRequested, BufferCompleted), "cuptiActivityRegisterCallbacks")) return;
   if (!Ok(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable")) return;
+  pthread_atfork(nullptr, nullptr, [] { g_forked = true; });
   std::atexit(WriteAtExit);
 }
 

@@ -27,15 +27,15 @@ HEADER = "start_ns\tend_ns\tstream\tgrid\tblock\tname_id"
 
 
 def write_trace(path: Path, kernels: list[tuple], shuffle: bool = False) -> None:
-    """kernels: (name, start_ns, end_ns) or (name, start_ns, end_ns, grid); written in reverse start order when
-    shuffle (the summary must sort them)."""
+    """kernels: (name, start_ns, end_ns[, grid[, block[, stream]]]); written in reverse start order when shuffle (the
+    summary must sort them)."""
     names: dict[str, int] = {}
     lines = []
     for k in kernels:
         name, start, end = k[:3]
-        grid = k[3] if len(k) > 3 else "132x1x1"
+        grid, block, stream = (list(k[3:]) + ["132x1x1", "384x1x1", 7][len(k) - 3:])[:3]
         i = names.setdefault(name, len(names))
-        lines.append(f"{start}\t{end}\t7\t{grid}\t384x1x1\t{i}")
+        lines.append(f"{start}\t{end}\t{stream}\t{grid}\t{block}\t{i}")
     if shuffle:
         lines.reverse()
     lines += [f"#name\t{i}\t{n}" for n, i in names.items()]
@@ -46,9 +46,11 @@ def test_runs_medians_gaps_idle_and_names(tmp_path, capsys):
     kernels = []
     t = 1000
     gemm_us = (100, 100, 100, 500)  # median 100, mean 200
-    for g in gemm_us:  # run 1: setup, a gap of 3 us, the GEMM, the pass overlapping the GEMM's last 1 us
-        ge = t + 5000 + g * 1000
-        kernels += [(SETUP, t, t + 2000), (GEMM, t + 5000, ge), (PASS, ge - 1000, ge + 49_000)]
+    setup_gap_us = (3, 3, 3, 11)  # median 3, mean 5
+    for g, sg in zip(gemm_us, setup_gap_us):  # run 1: setup, a gap, the GEMM, the pass overlapping the GEMM's last 1 us
+        gs = t + 2000 + sg * 1000
+        ge = gs + g * 1000
+        kernels += [(SETUP, t, t + 2000), (GEMM, gs, ge), (PASS, ge - 1000, ge + 49_000)]
         t += 1_000_000
     for _ in range(3):  # run 2: setup, then the pass 0.5 us later
         kernels += [(SETUP, t, t + 2000), (PASS, t + 2500, t + 12_500)]
@@ -65,28 +67,34 @@ def test_runs_medians_gaps_idle_and_names(tmp_path, capsys):
     assert [k["name"] for k in first] == ["ForwardSetupKernel", "cutlass coop 64x256", "SwigluForwardKernel"]
     assert first[0]["us"] == pytest.approx(2.0) and first[0]["gap_us"] is None
     assert first[1]["us"] == pytest.approx(100.0)  # the median, not the mean (200)
-    assert first[1]["gap_us"] == pytest.approx(3.0)
+    assert first[1]["gap_us"] == pytest.approx(3.0)  # the median, not the mean (5)
     assert first[2]["gap_us"] == pytest.approx(-1.0)  # started 1 us before the GEMM ended
-    assert runs[0]["span_us"] == pytest.approx(5.0 + 100.0 + 49.0)  # median over iterations: 154 (the slow one 554)
+    assert runs[0]["span_us"] == pytest.approx(2.0 + 3.0 + 100.0 + 49.0)  # median over iterations (the slow one 562)
     assert runs[0]["kernel_sum_us"] == pytest.approx(2.0 + 100.0 + 50.0)
-    assert runs[0]["idle_us"] == pytest.approx(3.0)  # the overlap is not idle time, and not negative idle either
+    assert runs[0]["idle_us"] == pytest.approx(3.0)  # the overlap is not idle time; the median, not the mean (5)
     second = runs[1]
     assert second["kernels"][1]["gap_us"] == pytest.approx(0.5)
     assert second["span_us"] == pytest.approx(12.5)
     assert second["kernel_sum_us"] == pytest.approx(12.0)
     assert second["idle_us"] == pytest.approx(0.5)
     assert "cutlass coop 64x256" in printed and got["names"]["SwigluForwardKernel"] == PASS
+    assert "warm-up kept" not in printed
 
 
 def test_overlap_on_another_stream_counts_against_the_latest_end(tmp_path):
-    # A long kernel, a short one inside it, then one starting 2 us after the long one ends: the gap is measured from the
-    # long kernel's end (the latest so far), not from the short kernel's.
+    # A long kernel, a short one inside it on another stream, then one starting 2 us after the long one ends: the gap is
+    # measured from the long kernel's end (the latest so far), not from the short kernel's.
     trace = tmp_path / "trace.tsv"
-    write_trace(trace, [(SETUP, 0, 100_000), (PASS, 10_000, 20_000), (GEMM, 102_000, 110_000)] * 1)
+    write_trace(trace, [(SETUP, 0, 100_000), (PASS, 10_000, 20_000, "8x1x1", "256x1x1", 9), (GEMM, 102_000, 110_000)])
     its = kts.split_iterations(kts.read_trace(str(trace)), "ForwardSetupKernel")
     durs, gaps, span, busy, idle = kts.iteration_times(its[0])
     assert gaps == pytest.approx([-90.0, 2.0])
     assert span == pytest.approx(110.0) and busy == pytest.approx(118.0) and idle == pytest.approx(2.0)
+    # the kernel that starts last ends first: the span runs to the latest end, not to the last kernel's
+    write_trace(trace, [(SETUP, 0, 100_000), (GEMM, 5_000, 50_000, "132x1x1", "384x1x1", 9)])
+    its = kts.split_iterations(kts.read_trace(str(trace)), "ForwardSetupKernel")
+    durs, gaps, span, busy, idle = kts.iteration_times(its[0])
+    assert gaps == pytest.approx([-95.0]) and span == pytest.approx(100.0) and idle == pytest.approx(0.0)
 
 
 def test_skip_and_its_boundary(tmp_path):
@@ -108,22 +116,30 @@ def test_skip_and_its_boundary(tmp_path):
     assert gemm_us(5) == (5, True, pytest.approx(300.0), pytest.approx(301.0))  # no more iterations than skip: all kept
 
 
-def test_a_different_grid_starts_another_run_and_shared_names_get_suffixes(tmp_path, capsys):
+def test_a_different_grid_or_block_starts_another_run_and_shared_names_get_suffixes(tmp_path, capsys):
     kernels, t = [], 0
-    for grid in ("132x1x1", "132x1x1", "64x1x1", "64x1x1"):  # the same kernels at another size: another run
-        kernels += [(SETUP, t, t + 1000), (GEMM, t + 1000, t + 9000, grid), (GEMM_MC, t + 9000, t + 19_000)]
+    for grid, block in (("132x1x1", "384x1x1"),) * 2 + (("64x1x1", "384x1x1"),) * 2 + (("64x1x1", "128x1x1"),) * 2:
+        kernels += [(SETUP, t, t + 1000), (GEMM, t + 1000, t + 9000, grid, block), (GEMM_MC, t + 9000, t + 19_000)]
         t += 100_000
     trace = tmp_path / "trace.tsv"
     write_trace(trace, kernels)
     out_json = tmp_path / "sum.json"
     assert kts.main([str(trace), "--skip", "0", "--min-iterations", "1", "--json", str(out_json)]) == 0
     runs = json.loads(out_json.read_text())["groups"]
-    assert [r["iterations"] for r in runs] == [2, 2]
-    assert [r["kernels"][1]["grid"] for r in runs] == ["132x1x1", "64x1x1"]
+    assert [r["iterations"] for r in runs] == [2, 2, 2]
+    assert [(r["kernels"][1]["grid"], r["kernels"][1]["block"]) for r in runs] == [
+        ("132x1x1", "384x1x1"), ("64x1x1", "384x1x1"), ("64x1x1", "128x1x1")]
     assert [k["name"] for k in runs[0]["kernels"]] == ["ForwardSetupKernel", "cutlass coop 64x256", "cutlass coop 64x256 mc"]
     # runs of fewer than --min-iterations are left out, and the count is said
     assert kts.main([str(trace), "--skip", "0", "--min-iterations", "3"]) == 0
-    assert "4 iterations in runs of fewer than 3 left out" in capsys.readouterr().err
+    assert "6 iterations in runs of fewer than 3 left out" in capsys.readouterr().err
+    # a run with no more iterations than --skip keeps them, and says so
+    assert kts.main([str(trace), "--skip", "2", "--min-iterations", "1"]) == 0
+    assert capsys.readouterr().out.count("warm-up kept") == 3
+    for bad in (["--skip", "-1"], ["--min-iterations", "0"]):
+        with pytest.raises(SystemExit):
+            kts.main([str(trace)] + bad)
+    assert "--skip must be >= 0" in capsys.readouterr().err
 
 
 def test_short_names():
