@@ -20,15 +20,14 @@ def truncated(x: float) -> str:
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "."
-    receipts = sorted(glob.glob(os.path.join(d, "gemm_E*.json")), key=lambda p: (-int(p.split("_E")[1].split("_")[0]), p))
-    loads = [json.load(open(p))["workload"] for p in receipts]
-    said = {k: sorted({str(w.get(k, "?")) for w in loads}) for k in ("weight_gradients", "warmup", "iters")}
+    paths = sorted(glob.glob(os.path.join(d, "gemm_E*.json")), key=lambda p: (-int(p.split("_E")[1].split("_")[0]), p))
+    receipts = [(p, json.load(open(p))) for p in paths]
+    said = {k: sorted({str(rd["workload"].get(k, "?")) for _, rd in receipts}) for k in ("weight_gradients", "warmup", "iters")}
     print(f"rdep weight gradients: {', '.join(said['weight_gradients'])}; warmup {', '.join(said['warmup'])}, "
           f"iterations {', '.join(said['iters'])}; ratio = rdep's useful TFLOP/s over torch's (torch's p50 over rdep's), cut to three decimals\n")
     print("| E_loc (W for E = 64) | routing | path | mu | rho | rdep fwd | torch fwd | ratio | rdep f+b | torch f+b | ratio | dense |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for path in receipts:
-        rd = json.load(open(path))
+    for path, rd in receipts:
         tpath = path.replace("gemm_E", "torch_E")
         tr = json.load(open(tpath)) if os.path.exists(tpath) else {"results": []}
         E = rd["workload"]["experts_local"]

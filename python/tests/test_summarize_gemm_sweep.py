@@ -4,6 +4,7 @@ as 1.20 or 1.200), a missing torch receipt or mu as nan, and the weight gradient
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import pytest
 pytestmark = pytest.mark.no_library  # a script test: no librdep_capi.so needed
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "summarize_gemm_sweep.py"
+spec = importlib.util.spec_from_file_location("summarize_gemm_sweep", SCRIPT)
+sgs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sgs)
 
 
 def receipt(E, routing, rows, grads="bf16"):
@@ -24,11 +28,7 @@ def receipt(E, routing, rows, grads="bf16"):
 
 
 def test_truncation_is_exact_at_a_thousandth():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("summarize_gemm_sweep", SCRIPT)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    assert m.truncated(102.1 / 100) == "1.021" and m.truncated(1.1996) == "1.199" and m.truncated(float("nan")) == "nan"
+    assert sgs.truncated(102.1 / 100) == "1.021" and sgs.truncated(1.1996) == "1.199" and sgs.truncated(float("nan")) == "nan"
 
 
 def test_rows_ratios_and_header(tmp_path):
